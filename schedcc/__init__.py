@@ -1,0 +1,70 @@
+"""schedcc: a pluggable, provable pipeline-parallel schedule compiler for PyTorch.
+
+Write a schedule as a generator of instructions, then compile, validate, simulate, draw and run
+it. Importing schedcc does not import torch; only `partition` and the backends do, lazily.
+"""
+
+from __future__ import annotations
+
+from schedcc.compiler import compile
+from schedcc.errors import (
+    DeadlockError,
+    DependencyError,
+    IncompleteScheduleError,
+    MemoryBoundError,
+    ScheduleConfigError,
+    ScheduleError,
+    UnknownScheduleError,
+    UnmatchedCommError,
+    WeightVersionError,
+)
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    GatherParams,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    SendActivation,
+    SendGrad,
+)
+from schedcc.program import Program
+from schedcc.registry import available_schedules, get_schedule
+from schedcc.schedule import Schedule
+from schedcc.validate import validate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backward",
+    "BackwardInput",
+    "BackwardWeight",
+    "DeadlockError",
+    "DependencyError",
+    "Forward",
+    "GatherParams",
+    "IncompleteScheduleError",
+    "Instruction",
+    "MemoryBoundError",
+    "OptimizerStep",
+    "Program",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceGrads",
+    "Schedule",
+    "ScheduleConfigError",
+    "ScheduleError",
+    "SendActivation",
+    "SendGrad",
+    "UnknownScheduleError",
+    "UnmatchedCommError",
+    "WeightVersionError",
+    "available_schedules",
+    "compile",
+    "get_schedule",
+    "validate",
+]

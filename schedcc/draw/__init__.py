@@ -1,0 +1,1 @@
+"""Drawing timelines: ASCII for the terminal, PNG/SVG paper figures, Chrome traces."""

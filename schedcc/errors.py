@@ -1,0 +1,66 @@
+"""Every error schedcc raises at a user.
+
+`ScheduleError` covers a schedule or program that is wrong; each validator rule raises its own
+subclass. `ScheduleConfigError` is a bad argument to a schedule (a `ValueError`), raised before
+anything is compiled. `UnknownScheduleError` is a name that resolves to no schedule.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeadlockError",
+    "DependencyError",
+    "IncompleteScheduleError",
+    "MemoryBoundError",
+    "ScheduleConfigError",
+    "ScheduleError",
+    "UnknownScheduleError",
+    "UnmatchedCommError",
+    "WeightVersionError",
+]
+
+
+class ScheduleError(Exception):
+    """A schedule or compiled program that cannot run correctly.
+
+    Attributes:
+        stage: the stage where the problem shows, or None.
+        position: the index in that stage's program, or None.
+    """
+
+    def __init__(self, message: str, *, stage: int | None = None, position: int | None = None):
+        super().__init__(message)
+        self.stage = stage
+        self.position = position
+
+
+class IncompleteScheduleError(ScheduleError):
+    """A (microbatch, segment) is not forwarded or backwarded exactly once, on its own stage."""
+
+
+class DependencyError(ScheduleError):
+    """A compute runs before what it needs on its own stage."""
+
+
+class UnmatchedCommError(ScheduleError):
+    """A send without its receive, a receive without its send, or FIFO order differs."""
+
+
+class DeadlockError(ScheduleError):
+    """The stages wait on each other in a cycle."""
+
+
+class WeightVersionError(ScheduleError):
+    """A compute needs a weight version that is not produced yet or is gone."""
+
+
+class MemoryBoundError(ScheduleError):
+    """A stage would hold more microbatch activations than allowed."""
+
+
+class ScheduleConfigError(ScheduleError, ValueError):
+    """A bad argument to a schedule or to the compiler, named with the rule it breaks."""
+
+
+class UnknownScheduleError(ScheduleError, LookupError):
+    """A schedule name that is not registered and is not `module:Class` or `file.py:Class`."""

@@ -1,0 +1,205 @@
+"""The instructions a pipeline program is made of.
+
+Each instruction is a small frozen value with a short printable form that `parse` inverts exactly:
+`F3.1` is the forward of microbatch 3 on chunk 1, `F3` the same on chunk 0. Stage `s` runs its
+instructions in order; the segment an instruction touches is `schedule.segment_of(s, chunk)`.
+
+    >>> from schedcc.ir import Forward, parse
+    >>> str(Forward(3, chunk=1))
+    'F3.1'
+    >>> parse("SG2") == SendGrad(2)
+    True
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import attrs
+
+__all__ = [
+    "COMM",
+    "COMPUTE",
+    "UPDATE",
+    "Backward",
+    "BackwardInput",
+    "BackwardWeight",
+    "Comm",
+    "Compute",
+    "Forward",
+    "GatherParams",
+    "Instruction",
+    "OptimizerStep",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceGrads",
+    "SendActivation",
+    "SendGrad",
+    "Update",
+    "parse",
+]
+
+
+@attrs.frozen(slots=True)
+class Instruction:
+    """Base of every instruction; `group` is "compute", "comm" or "update"."""
+
+    group: ClassVar[str] = ""
+    code: ClassVar[str] = ""
+
+
+@attrs.frozen(slots=True)
+class _OnMicrobatch(Instruction):
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        if self.chunk:
+            return f"{self.code}{self.microbatch}.{self.chunk}"
+        return f"{self.code}{self.microbatch}"
+
+
+@attrs.frozen(slots=True)
+class Compute(_OnMicrobatch):
+    """Base of the compute instructions."""
+
+    group: ClassVar[str] = "compute"
+
+
+@attrs.frozen(slots=True)
+class Comm(_OnMicrobatch):
+    """Base of the point-to-point instructions; `is_send` tells the direction."""
+
+    group: ClassVar[str] = "comm"
+    is_send: ClassVar[bool] = False
+    carries_grad: ClassVar[bool] = False
+
+
+@attrs.frozen(slots=True)
+class Update(Instruction):
+    """Base of the data-parallel and optimizer instructions."""
+
+    group: ClassVar[str] = "update"
+
+
+@attrs.frozen(slots=True)
+class Forward(Compute):
+    """Roughly: `outputs[i, c] = segment[c](inputs[i, c])`, with the loss on the last segment."""
+
+    code: ClassVar[str] = "F"
+
+
+@attrs.frozen(slots=True)
+class Backward(Compute):
+    """Roughly: `grads[i, c] = d outputs[i, c] / d inputs, weights`, accumulated into `.grad`."""
+
+    code: ClassVar[str] = "B"
+
+
+@attrs.frozen(slots=True)
+class BackwardInput(Compute):
+    """Roughly: `grads[i, c] = d outputs[i, c] / d inputs`; keeps what `BackwardWeight` needs."""
+
+    code: ClassVar[str] = "I"
+
+
+@attrs.frozen(slots=True)
+class BackwardWeight(Compute):
+    """Roughly: `weight.grad += d outputs[i, c] / d weights`, from what `BackwardInput` kept."""
+
+    code: ClassVar[str] = "W"
+
+
+@attrs.frozen(slots=True)
+class SendActivation(Comm):
+    """Roughly: `send(outputs[i, c], to=stage of segment k + 1)`."""
+
+    code: ClassVar[str] = "SA"
+    is_send: ClassVar[bool] = True
+
+
+@attrs.frozen(slots=True)
+class RecvActivation(Comm):
+    """Roughly: `inputs[i, c] = recv(from=stage of segment k - 1)`."""
+
+    code: ClassVar[str] = "RA"
+
+
+@attrs.frozen(slots=True)
+class SendGrad(Comm):
+    """Roughly: `send(d loss / d inputs[i, c], to=stage of segment k - 1)`."""
+
+    code: ClassVar[str] = "SG"
+    is_send: ClassVar[bool] = True
+    carries_grad: ClassVar[bool] = True
+
+
+@attrs.frozen(slots=True)
+class RecvGrad(Comm):
+    """Roughly: `output_grads[i, c] = recv(from=stage of segment k + 1)`."""
+
+    code: ClassVar[str] = "RG"
+    carries_grad: ClassVar[bool] = True
+
+
+@attrs.frozen(slots=True)
+class ReduceGrads(Update):
+    """Roughly: `grads[c] = mean over data-parallel ranks` (reduce-scatter under ZeRO)."""
+
+    code: ClassVar[str] = "Reduce"
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.code}.{self.chunk}" if self.chunk else self.code
+
+
+@attrs.frozen(slots=True)
+class OptimizerStep(Update):
+    """Roughly: `weights = optimizer.step(weights, grads); grads = 0; version += 1`."""
+
+    code: ClassVar[str] = "Step"
+
+    def __str__(self) -> str:
+        return self.code
+
+
+@attrs.frozen(slots=True)
+class GatherParams(Update):
+    """Roughly: `weights[c] = all_gather(this rank's updated shard of weights[c])` (ZeRO-1)."""
+
+    code: ClassVar[str] = "Gather"
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.code}.{self.chunk}" if self.chunk else self.code
+
+
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+UPDATE = (ReduceGrads, OptimizerStep, GatherParams)
+
+_BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
+_ON_MICROBATCH = re.compile(r"(F|B|I|W|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
+_ON_CHUNK = re.compile(r"(Reduce|Gather)(?:\.(\d+))?")
+
+
+def parse(text: str) -> Instruction:
+    """The instruction whose `str` is `text`; raises `ValueError` for anything else.
+
+    >>> parse("B7.2")
+    Backward(microbatch=7, chunk=2)
+    """
+    text = text.strip()
+    if match := _ON_MICROBATCH.fullmatch(text):
+        code, microbatch, chunk = match.groups()
+        return _BY_CODE[code](int(microbatch), int(chunk or 0))
+    if match := _ON_CHUNK.fullmatch(text):
+        code, chunk = match.groups()
+        return _BY_CODE[code](int(chunk or 0))
+    if text == OptimizerStep.code:
+        return OptimizerStep()
+    raise ValueError(
+        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, SA2, RA2, SG2, RG2, "
+        "Reduce, Reduce.1, Step, Gather.1"
+    )

@@ -1,0 +1,99 @@
+"""Finding schedules by name: registered entry points, `module:Class` or `path/file.py:Class`.
+
+Built-in schedules register through the entry-point group `schedcc.schedules`, exactly as a
+third-party package adds its own:
+
+    [project.entry-points."schedcc.schedules"]
+    my-schedule = "my_package.schedules:MySchedule"
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from schedcc.errors import UnknownScheduleError
+from schedcc.schedule import Schedule
+
+__all__ = ["available_schedules", "get_schedule", "registered_schedules"]
+
+GROUP = "schedcc.schedules"
+
+
+def registered_schedules() -> dict[str, str]:
+    """Every registered name (aliases included) mapped to its `module:Class` target."""
+    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
+
+
+def available_schedules() -> list[str]:
+    """The sorted registered schedule names, aliases included.
+
+    >>> "1f1b" in available_schedules()
+    True
+    """
+    return sorted(registered_schedules())
+
+
+def get_schedule(name: str) -> type[Schedule]:
+    """The schedule class for a registered name, `module:Class` or `path/to/file.py:Class`.
+
+    Raises:
+        UnknownScheduleError: nothing by that name, or it is not a `Schedule` subclass.
+
+    >>> get_schedule("gpipe").__name__
+    'GPipe'
+    """
+    registered = registered_schedules()
+    if name in registered:
+        return _load(registered[name], name)
+    if ":" in name:
+        return _load(name, name)
+    raise UnknownScheduleError(
+        f"unknown schedule {name!r}; registered: {', '.join(sorted(registered))} "
+        "(or give module:Class or path/to/file.py:Class)"
+    )
+
+
+def _load(target: str, name: str) -> type[Schedule]:
+    where, _, attr = target.rpartition(":")
+    if not where or not attr:
+        raise UnknownScheduleError(f"schedule {name!r}: expected module:Class or file.py:Class")
+    try:
+        module = _import_file(where) if where.endswith(".py") else importlib.import_module(where)
+    except UnknownScheduleError:
+        raise
+    except Exception as exc:  # a user's module may fail in any way; say which and why
+        raise UnknownScheduleError(
+            f"schedule {name!r}: cannot import {where}: {type(exc).__name__}: {exc}"
+        ) from exc
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise UnknownScheduleError(f"schedule {name!r}: {where} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Schedule)):
+        raise UnknownScheduleError(
+            f"schedule {name!r}: {where}:{attr} is not a subclass of schedcc.Schedule"
+        )
+    return cls
+
+
+def _import_file(path: str):
+    file = Path(path)
+    if not file.is_file():
+        raise UnknownScheduleError(f"schedule file {path!r} does not exist")
+    module_name = f"_schedcc_user_{abs(hash(str(file.resolve())))}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module

@@ -1,0 +1,1 @@
+"""Built-in schedules, one file each, registered through the `schedcc.schedules` entry points."""

@@ -1,0 +1,52 @@
+"""1F1B, also PipeDream-Flush (Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", Figure 4 top; DeepSpeed's TrainSchedule).
+
+Stage s runs `min(p - s - 1, m)` warm-up forwards, then alternates one forward and one backward,
+then drains the remaining backwards; a flush ends each batch. This is exactly the per-stage order
+of Megatron-LM's `forward_backward_pipelining_without_interleaving`. It works for m < p too.
+
+Properties (F = 1, B = 2, no comm cost): makespan 3(m + p - 1) and bubble (p - 1) / (m + p - 1),
+as GPipe, but stage s holds at most `min(p - s, m)` microbatch activations instead of m; one
+weight version.
+
+p = 4, m = 8, compute order per stage:
+
+    stage 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
+    stage 1: F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7
+    stage 2: F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7
+    stage 3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
+"""
+
+from __future__ import annotations
+
+from schedcc.errors import ScheduleConfigError
+from schedcc.ir import Backward, Forward
+from schedcc.schedule import Schedule
+
+__all__ = ["OneFOneB"]
+
+
+class OneFOneB(Schedule):
+    """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward, then drain."""
+
+    name = "1f1b"
+
+    def check(self):
+        if self.num_chunks != 1:
+            raise ScheduleConfigError(
+                f"1f1b runs one chunk per stage, got num_chunks={self.num_chunks}; "
+                "use interleaved-1f1b for virtual stages"
+            )
+
+    def steps(self, stage):
+        m = self.num_microbatches
+        warmup = min(self.num_stages - stage - 1, m)
+        for batch in range(self.num_batches):
+            first = batch * m
+            for i in range(warmup):
+                yield Forward(first + i)
+            for j in range(m - warmup):
+                yield Forward(first + warmup + j)
+                yield Backward(first + j)
+            for j in range(m - warmup, m):
+                yield Backward(first + j)
