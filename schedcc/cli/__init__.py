@@ -1,0 +1,78 @@
+"""The `schedcc` command line: one module per subcommand, dispatched from `main`.
+
+Each subcommand module defines `register(subparsers)`, which adds its parser and sets
+`func=run` on it; `run(args) -> int` is the exit status. A user's mistake (a `ScheduleError`,
+a `ValueError`, a missing file) is printed as one line and exits 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from schedcc.errors import ScheduleError
+
+__all__ = ["main"]
+
+#: Subcommand modules under schedcc.cli, in the order `--help` lists them.
+COMMANDS = ("list_", "show", "verify", "run", "tune")
+
+EPILOG = """examples:
+  schedcc list
+  schedcc show --schedule 1f1b -p 4 -m 8
+  schedcc verify --schedule my_schedules.py:MySchedule -p 4 -m 8
+  schedcc run --schedule 1f1b --steps 20
+"""
+
+
+class UsageError(Exception):
+    """A bad command-line value; printed as one line, exit 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="schedcc",
+        description="Compile, prove, simulate, draw and run pipeline-parallel schedules.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"schedcc.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"schedcc.cli.{name}":
+                raise
+            continue  # a subcommand not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 a failed check, 2 bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ScheduleError, UsageError, ValueError, OSError) as exc:
+        message = str(exc).strip()
+        print(f"schedcc {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"schedcc {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
