@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from schedcc.compiler import compile
 from schedcc.errors import (
+    CheckpointError,
     DeadlockError,
     DependencyError,
     IncompleteScheduleError,
@@ -43,6 +44,7 @@ __all__ = [
     "Backward",
     "BackwardInput",
     "BackwardWeight",
+    "CheckpointError",
     "DeadlockError",
     "DependencyError",
     "Forward",

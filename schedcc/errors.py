@@ -8,6 +8,7 @@ anything is compiled. `UnknownScheduleError` is a name that resolves to no sched
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "DeadlockError",
     "DependencyError",
     "IncompleteScheduleError",
@@ -64,3 +65,7 @@ class ScheduleConfigError(ScheduleError, ValueError):
 
 class UnknownScheduleError(ScheduleError, LookupError):
     """A schedule name that is not registered and is not `module:Class` or `file.py:Class`."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, altered, unsafe, or made for another program."""

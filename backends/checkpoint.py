@@ -1,0 +1,202 @@
+"""Checkpoint files: one per (stage, data-parallel rank), a manifest last, all writes atomic.
+
+Layout of a checkpoint directory `DIR/step-00000042/`:
+
+    manifest.json        schedule and shape, step count, every file with its size and sha256
+    stage0-dp0.pt        what stage 0 of data-parallel rank 0 holds (parameters, optimizer
+    stage1-dp0.pt        state or its ZeRO-1 shard, live weight versions, RNG states)
+
+[Note: crash safety] Every file is written to a temporary name in the same directory, flushed,
+fsync'ed and renamed into place; the manifest is written the same way and last, after every shard
+is on disk. A checkpoint without a manifest, or whose files do not match it, is incomplete and is
+never loaded: a crash during a save leaves the previous checkpoint the newest complete one.
+Loading reads with `torch.load(weights_only=True)`, so a checkpoint can never run code, and
+checks each file's size and sha256 against the manifest before that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from schedcc.errors import CheckpointError
+
+__all__ = [
+    "MANIFEST",
+    "check_meta",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "read_manifest",
+    "read_shard",
+    "shard_name",
+    "step_dir",
+    "verify_files",
+    "write_manifest",
+    "write_shard",
+]
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def shard_name(stage: int, dp_rank: int) -> str:
+    """The file name of one (stage, data-parallel rank) shard."""
+    return f"stage{stage}-dp{dp_rank}.pt"
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint taken after `step` optimizer steps lives under `root`."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def _atomic_write(path: Path, write) -> tuple[int, str]:
+    """Write via `write(file)` to a temporary file, fsync it and rename it to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path.stat().st_size, _sha256(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_shard(directory: str | os.PathLike, name: str, state: dict[str, Any]) -> dict:
+    """Save one shard atomically; returns its manifest entry `{"size", "sha256"}`."""
+    import torch
+
+    size, digest = _atomic_write(Path(directory) / name, lambda f: torch.save(state, f))
+    return {"size": size, "sha256": digest}
+
+
+def write_manifest(
+    directory: str | os.PathLike, meta: dict[str, Any], step: int, files: dict[str, dict]
+) -> Path:
+    """Write the manifest last, atomically: the checkpoint is complete once it exists."""
+    manifest = {"format": FORMAT_VERSION, "step": step, "meta": meta, "files": files}
+    text = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    path = Path(directory) / MANIFEST
+    _atomic_write(path, lambda f: f.write(text))
+    return path
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a checkpoint directory; `CheckpointError` if missing or malformed."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{directory} is not a complete checkpoint: it has no {MANIFEST}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable or not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} is not a schedcc checkpoint manifest of format {FORMAT_VERSION}"
+        )
+    for key in ("step", "meta", "files"):
+        if key not in manifest:
+            raise CheckpointError(f"{path} lacks the field {key!r}")
+    return manifest
+
+
+def verify_files(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """Check every file the manifest lists: present, of its size, with its sha256."""
+    for name, entry in manifest["files"].items():
+        path = Path(directory) / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {directory}: file {name} is missing")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"checkpoint {directory}: file {name} has {size} bytes, the manifest says "
+                f"{entry['size']} (truncated or replaced)"
+            )
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {directory}: file {name} does not match its sha256 in the manifest "
+                "(altered or corrupted)"
+            )
+
+
+def read_shard(directory: str | os.PathLike, name: str, manifest: dict[str, Any]) -> dict:
+    """Load one verified shard with `torch.load(weights_only=True)`."""
+    import pickle
+
+    import torch
+
+    if name not in manifest["files"]:
+        raise CheckpointError(f"checkpoint {directory} has no shard {name}")
+    try:
+        return torch.load(Path(directory) / name, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint {directory}: {name} cannot be loaded safely (weights_only): {first}"
+        ) from None
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The step directories under `root` that hold a manifest, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.fullmatch(child.name)
+        if match and (child / MANIFEST).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def check_meta(
+    saved: dict[str, Any], current: dict[str, Any], *, elastic=("data_parallel", "zero")
+) -> None:
+    """Refuse a checkpoint whose shape differs from the program's, naming every difference.
+
+    Keys in `elastic` may differ (the loader re-shards); every other key must be equal.
+    """
+    differences = [
+        f"{key}: checkpoint {saved.get(key)!r}, program {current.get(key)!r}"
+        for key in sorted(saved.keys() | current.keys())
+        if key not in elastic and saved.get(key) != current.get(key)
+    ]
+    if differences:
+        raise CheckpointError(
+            "checkpoint does not match this program (" + "; ".join(differences) + "); resume "
+            "with the same schedule and shape, or start a new checkpoint directory"
+        )
