@@ -36,6 +36,7 @@ from schedcc.ir import (
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule
+from schedcc.simulate import CostModel, Timeline, simulate
 from schedcc.validate import validate
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "BackwardInput",
     "BackwardWeight",
     "CheckpointError",
+    "CostModel",
     "DeadlockError",
     "DependencyError",
     "Forward",
@@ -62,11 +64,24 @@ __all__ = [
     "ScheduleError",
     "SendActivation",
     "SendGrad",
+    "Timeline",
     "UnknownScheduleError",
     "UnmatchedCommError",
     "WeightVersionError",
     "available_schedules",
     "compile",
     "get_schedule",
+    "simulate",
     "validate",
 ]
+
+
+def __getattr__(name: str):
+    """`schedcc.partition`, imported on first use (it needs torch)."""
+    if name == "partition":
+        from schedcc.partition import partition
+
+        # Importing the submodule bound `schedcc.partition` to it; the public name is the function.
+        globals()["partition"] = partition
+        return partition
+    raise AttributeError(f"module 'schedcc' has no attribute {name!r}")

@@ -1,0 +1,135 @@
+"""Non-pipelined reference training: what every pipelined run must equal.
+
+`train_reference` trains the segments as one `nn.Sequential` on whole global batches, one
+optimizer step per batch; with `weight_delay = d` it applies the PipeDream-2BW rule
+`W[b+1] = W[b] - lr * grad(loss_b at W[b-d])`. `assert_matches_reference` runs a program on the
+local backend and the reference side by side on copies of the same segments and checks that
+losses and weights agree.
+
+    >>> import torch, schedcc
+    >>> from schedcc.backends.reference import assert_matches_reference
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> segments = [torch.nn.Linear(2, 2, dtype=torch.float64) for _ in range(2)]
+    >>> data = [(torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))]
+    >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    >>> diff = assert_matches_reference(program, segments, torch.nn.functional.mse_loss,
+    ...                                 lambda ps: torch.optim.SGD(ps, lr=0.1), data)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from schedcc.program import Program
+
+__all__ = ["assert_matches_reference", "global_batch", "train_reference"]
+
+
+def global_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(inputs, targets)` of a batch, concatenating per-replica local batches in order."""
+    if len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        return batch[0], batch[1]
+    return torch.cat([x for x, _ in batch]), torch.cat([y for _, y in batch])
+
+
+def train_reference(
+    segments: Sequence[nn.Module],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
+    batches: Iterable[Any],
+    *,
+    weight_delay: int = 0,
+    batches_per_run: int | None = None,
+) -> list[float]:
+    """Train `segments` in place without a pipeline; returns the per-batch losses.
+
+    Args:
+        segments: the model's segments, in order (run as one `nn.Sequential`).
+        loss_fn: `loss_fn(output, target)`, a mean over the batch.
+        optimizer: a callable from parameters to a `torch.optim.Optimizer`.
+        batches: `(inputs, targets)` global batches, or sequences of per-replica local batches
+            (concatenated in order).
+        weight_delay: `d`; batch b's gradient is taken at the weights of `max(0, b - d)` steps.
+        batches_per_run: with a delay, the versions restart every this many batches (the local
+            backend's `train` drains the pipeline after each run of the program).
+    """
+    model = nn.Sequential(*segments)
+    opt = optimizer(model.parameters())
+    names = [name for name, _ in model.named_parameters()]
+    history: list[dict[str, torch.Tensor]] = []
+    losses = []
+    for b, batch in enumerate(batches):
+        inputs, targets = global_batch(batch)
+        local = b % batches_per_run if batches_per_run else b
+        if local == 0:
+            history = []
+        opt.zero_grad(set_to_none=True)
+        if not weight_delay:
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+        else:
+            history.append(
+                {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+            )
+            params = history[max(0, local - weight_delay)]
+            loss = loss_fn(torch.func.functional_call(model, params, (inputs,)), targets)
+            grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+            for p, g in zip(model.parameters(), grads):
+                p.grad = None if g is None else g
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_matches_reference(
+    program: Program,
+    segments: Sequence[nn.Module],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
+    batches: Sequence[Any],
+    *,
+    atol: float = 1e-10,
+    rtol: float = 1e-10,
+) -> float:
+    """Run `program` on the local backend and the reference on copies of `segments`; compare.
+
+    The caller's `segments` are not changed. Returns the largest absolute difference seen.
+
+    Raises:
+        AssertionError: a loss or a parameter differs beyond the tolerance (names which).
+        ScheduleError: the program does not validate or fails to run.
+    """
+    from schedcc.backends.local import Engine
+
+    schedule = program.schedule
+    piped, plain = copy.deepcopy(list(segments)), copy.deepcopy(list(segments))
+    losses = list(Engine(program, piped, loss_fn, optimizer).train(batches))
+    expected = train_reference(
+        plain,
+        loss_fn,
+        optimizer,
+        batches,
+        weight_delay=schedule.weight_delay,
+        batches_per_run=schedule.num_batches,
+    )
+    worst = 0.0
+    for b, (got, want) in enumerate(zip(losses, expected)):
+        if abs(got - want) > atol + rtol * abs(want):
+            raise AssertionError(f"{schedule!r}: loss of batch {b} is {got!r}, expected {want!r}")
+        worst = max(worst, abs(got - want))
+    for k, (mine, theirs) in enumerate(zip(piped, plain)):
+        for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
+            diff = (p.detach() - q.detach()).abs().max().item() if p.numel() else 0.0
+            if not torch.allclose(p, q, atol=atol, rtol=rtol):
+                raise AssertionError(
+                    f"{schedule!r} (data_parallel={program.data_parallel}, zero={program.zero}): "
+                    f"segment {k} parameter {name!r} differs from non-pipelined training by {diff}"
+                )
+            worst = max(worst, diff)
+    return worst

@@ -1,0 +1,161 @@
+"""`partition`: cut a model into contiguous segments for a pipeline (imports torch lazily).
+
+>>> import torch, schedcc
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> [len(segment) for segment in schedcc.partition(model, 2)]
+[1, 2]
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from schedcc.errors import ScheduleConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["PartitionError", "partition", "segment_bounds"]
+
+
+class PartitionError(ScheduleConfigError):
+    """A model that cannot be cut as asked (too few layers, bad boundaries, unknown method)."""
+
+
+def partition(
+    model: nn.Sequential | Sequence[nn.Module],
+    n: int,
+    method: str | Sequence[int] = "parameters",
+) -> list[nn.Sequential]:
+    """Cut `model` into `n` contiguous `nn.Sequential` segments, in model order.
+
+    The segments hold the model's own layers (no copies), so training the segments trains the
+    model.
+
+    Args:
+        model: an `nn.Sequential` or a list of layers.
+        n: the number of segments, `p * v` for a pipeline.
+        method: `"parameters"` balances parameter counts (ties broken toward equal layer counts),
+            `"uniform"` balances layer counts, or a list of the `n - 1` layer indices where
+            segments 1..n-1 start.
+
+    Raises:
+        PartitionError: `n` is not positive or exceeds the number of layers, the boundaries are
+            not `n - 1` increasing indices inside the model, or the method is unknown.
+
+    >>> import torch
+    >>> layers = [torch.nn.Linear(4, 4) for _ in range(5)]
+    >>> [len(s) for s in partition(layers, 3, "uniform")]
+    [2, 2, 1]
+    >>> [len(s) for s in partition(layers, 2, [1])]
+    [1, 4]
+    """
+    from torch import nn
+
+    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise PartitionError(
+                f"layer {index} is a {type(layer).__name__}, not a torch.nn.Module"
+            )
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    bounds = segment_bounds(sizes, n, method)
+    return [nn.Sequential(*layers[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+
+
+def segment_bounds(sizes: Sequence[int], n: int, method: str | Sequence[int] = "parameters"):
+    """The `n + 1` layer indices where the segments start (and the last ends), from layer sizes.
+
+    >>> segment_bounds([10, 0, 10, 0], 2)
+    [0, 2, 4]
+    """
+    num_layers = len(sizes)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PartitionError(f"the number of segments must be a positive integer, got {n!r}")
+    if n > num_layers:
+        raise PartitionError(
+            f"cannot cut {num_layers} layer(s) into {n} segments: every segment needs at least "
+            "one layer; use fewer stages or chunks, or split the model into more layers"
+        )
+    if isinstance(method, str):
+        if method == "uniform":
+            return _uniform(num_layers, n)
+        if method == "parameters":
+            return _balanced(sizes, n)
+        raise PartitionError(
+            f"unknown partition method {method!r}: use 'parameters', 'uniform' or a list of "
+            f"{n - 1} boundaries"
+        )
+    return _explicit(list(method), num_layers, n)
+
+
+def _uniform(num_layers: int, n: int) -> list[int]:
+    base, extra = divmod(num_layers, n)
+    bounds = [0]
+    for k in range(n):
+        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+    return bounds
+
+
+def _balanced(sizes: Sequence[int], n: int) -> list[int]:
+    """Minimise the largest (parameters, layers) of a segment over contiguous cuts (exact DP)."""
+    num_layers = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+
+    def cost(lo: int, hi: int) -> tuple[int, int]:
+        return prefix[hi] - prefix[lo], hi - lo
+
+    inf = (float("inf"), float("inf"))
+    # best[j][i]: the best worst-segment cost of cutting layers[:i] into j segments.
+    best: list[list[Any]] = [[inf] * (num_layers + 1) for _ in range(n + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(n + 1)]
+    best[0][0] = (0, 0)
+    for j in range(1, n + 1):
+        for i in range(j, num_layers - (n - j) + 1):
+            for lo in range(j - 1, i):
+                if best[j - 1][lo] == inf:
+                    continue
+                candidate = max(best[j - 1][lo], cost(lo, i))
+                if candidate < best[j][i]:
+                    best[j][i], cut[j][i] = candidate, lo
+    bounds = [num_layers]
+    for j in range(n, 0, -1):
+        bounds.append(cut[j][bounds[-1]])
+    return bounds[::-1]
+
+
+def _explicit(starts: list[Any], num_layers: int, n: int) -> list[int]:
+    if len(starts) != n - 1 or not all(
+        isinstance(b, int) and not isinstance(b, bool) for b in starts
+    ):
+        raise PartitionError(
+            f"boundaries {starts!r}: give {n - 1} integer layer indices where segments 1..{n - 1} "
+            "start"
+        )
+    bounds = [0, *starts, num_layers]
+    if any(lo >= hi for lo, hi in itertools.pairwise(bounds)):
+        raise PartitionError(
+            f"boundaries {starts!r} must increase strictly within 1..{num_layers - 1} so that "
+            "every segment gets at least one layer"
+        )
+    return bounds
+
+
+class _CallableModule(types.ModuleType):
+    """Lets `schedcc.partition(model, n)` work even after `import schedcc.partition`.
+
+    Importing this submodule binds the name `partition` on the package to the module, shadowing
+    the function that `schedcc.__getattr__` hands out; calling the module calls the function.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> list[nn.Sequential]:
+        return partition(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

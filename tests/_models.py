@@ -1,0 +1,45 @@
+"""Tiny float64 models, data and optimizers for the backend tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["WIDTH", "batches", "make_segments", "mse", "sgd"]
+
+WIDTH = 3
+
+
+def make_segments(num_segments: int, *, seed: int = 0, width: int = WIDTH) -> list[nn.Module]:
+    """`num_segments` small float64 segments (Linear + Tanh), deterministic for `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    segments = []
+    for _ in range(num_segments):
+        linear = nn.Linear(width, width, dtype=torch.float64)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(width, width, generator=gen, dtype=torch.float64))
+            linear.bias.copy_(torch.randn(width, generator=gen, dtype=torch.float64))
+        segments.append(nn.Sequential(linear, nn.Tanh()))
+    return segments
+
+
+def batches(num_batches: int, batch_size: int, *, seed: int = 1, width: int = WIDTH):
+    """`num_batches` (inputs, targets) pairs of float64 data."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(batch_size, width, generator=gen, dtype=torch.float64),
+            torch.randn(batch_size, width, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(num_batches)
+    ]
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error (a mean over the microbatch)."""
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def sgd(params):
+    """Plain SGD, lr 0.1."""
+    return torch.optim.SGD(params, lr=0.1)
