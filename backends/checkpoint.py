@@ -30,6 +30,8 @@ __all__ = [
     "MANIFEST",
     "check_meta",
     "complete_checkpoints",
+    "load_stage_states",
+    "program_meta",
     "latest_checkpoint",
     "read_manifest",
     "read_shard",
@@ -200,3 +202,41 @@ def check_meta(
             "checkpoint does not match this program (" + "; ".join(differences) + "); resume "
             "with the same schedule and shape, or start a new checkpoint directory"
         )
+
+
+def program_meta(program) -> dict[str, Any]:
+    """What a checkpoint records of the program it was saved from (compared on load)."""
+    schedule = program.schedule
+    cls = type(schedule)
+    return {
+        "schedule": cls.name or cls.__qualname__,
+        "num_stages": schedule.num_stages,
+        "num_microbatches": schedule.num_microbatches,
+        "num_chunks": schedule.num_chunks,
+        "num_batches": schedule.num_batches,
+        "weight_delay": schedule.weight_delay,
+        "data_parallel": program.data_parallel,
+        "zero": program.zero,
+    }
+
+
+def load_stage_states(
+    directory: str | os.PathLike, program, stages
+) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]]]:
+    """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
+
+    Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
+    rank of that stage, in rank order (the program's layout may differ: see `backends.state`).
+
+    Raises:
+        CheckpointError: incomplete, altered, unsafe, or saved from another program.
+    """
+    manifest = read_manifest(directory)
+    check_meta(manifest["meta"], program_meta(program))
+    verify_files(directory, manifest)
+    old_dp = manifest["meta"]["data_parallel"]
+    states = {
+        s: [read_shard(directory, shard_name(s, r), manifest) for r in range(old_dp)]
+        for s in stages
+    }
+    return manifest, states

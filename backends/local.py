@@ -23,15 +23,25 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from schedcc.analysis import Layout, comm_route
+from schedcc.backends.checkpoint import (
+    load_stage_states,
+    program_meta,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
 from schedcc.backends.runtime import StageRuntime
+from schedcc.backends.state import rng_state, set_rng_state
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.program import Program
 from schedcc.validate import validate
@@ -156,6 +166,8 @@ class Engine:
             for r, replica in enumerate(replicas)
         ]
         self._groups = groups
+        #: Optimizer steps taken so far (batches trained); saved in checkpoints.
+        self.steps = 0
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -185,7 +197,9 @@ class Engine:
                     f"the program covers {size} batches per run but only {len(group)} were left: "
                     f"pass a multiple of {size} batches, or compile with num_batches=1"
                 )
-            yield from self._run([self._split(b, j) for j, b in enumerate(group)])
+            for loss in self._run([self._split(b, j) for j, b in enumerate(group)]):
+                self.steps += 1
+                yield loss
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on one batch (flush schedules); returns its loss.
@@ -201,7 +215,43 @@ class Engine:
                 f"{schedule.weight_delay} and num_batches={schedule.num_batches}: use train()"
             )
         (loss,) = self._run([self._split((inputs, targets), 0)])
+        self.steps += 1
         return loss
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a checkpoint of every stage and replica to the directory `path`.
+
+        One file per (stage, data-parallel rank) and a manifest written last; see
+        `schedcc.backends.checkpoint`. Returns the path of the manifest.
+        """
+        files = {}
+        for r, runtimes in enumerate(self.runtimes):
+            for s, runtime in enumerate(runtimes):
+                state = runtime.state_dict()
+                state["rng"] = rng_state()
+                files[shard_name(s, r)] = write_shard(path, shard_name(s, r), state)
+        return write_manifest(path, program_meta(self.program), self.steps, files)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint written by `save` (or by the distributed backend).
+
+        Everything is read and checked before anything changes: a checkpoint of another
+        schedule or shape, or with a missing, truncated or altered file, raises
+        `CheckpointError` and leaves the engine as it was. A different data-parallel degree or
+        ZeRO setting is re-sharded.
+        """
+        stages = range(self.program.num_stages)
+        manifest, states = load_stage_states(path, self.program, stages)
+        for runtimes in self.runtimes:
+            for s, runtime in enumerate(runtimes):
+                runtime.check_state(states[s])
+        for runtimes in self.runtimes:
+            for s, runtime in enumerate(runtimes):
+                runtime.load_state_dict(states[s])
+        set_rng_state(states[0][0]["rng"])
+        self.steps = manifest["step"]
 
     # -- batches --------------------------------------------------------------------------------
 

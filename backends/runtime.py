@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.backends.state import canonical_optimizer_state, layout_optimizer_state
+from schedcc.errors import CheckpointError, ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Backward,
     BackwardInput,
@@ -252,6 +253,71 @@ class StageRuntime:
                 "RecvGrad receive a tensor",
                 stage=self.stage,
             )
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this stage between program runs (see `backends.state`)."""
+        return {
+            "modules": [mod.state_dict() for mod in self.modules],
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "zero": self._zero,
+            "rank": self.collectives.rank,
+            "data_parallel": self.collectives.size,
+            "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
+        }
+
+    def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
+        """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits."""
+        numels = [[p.numel() for p in mod.parameters()] for mod in self.modules]
+        ranks = [state.get("rank") for state in saved]
+        if ranks != list(range(len(saved))) or any(
+            state.get("data_parallel") != len(saved) for state in saved
+        ):
+            raise CheckpointError(
+                f"stage {self.stage}: the checkpoint's data-parallel shards are incomplete "
+                f"(ranks {ranks})"
+            )
+        if any(state.get("numels") != numels for state in saved):
+            raise CheckpointError(
+                f"stage {self.stage}: the checkpoint's parameters have sizes "
+                f"{saved[0].get('numels')}, this model's {numels}: it was saved from another model"
+            )
+
+    def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
+        """Restore from every old data-parallel rank's state of this stage (in rank order).
+
+        The old layout may differ in data-parallel degree or ZeRO: the optimizer state is
+        re-sharded (exact for elementwise optimizers such as SGD and Adam).
+        """
+        self.check_state(saved)
+        for mod, state in zip(self.modules, saved[0]["modules"]):
+            mod.load_state_dict(state)
+        if self._zero:
+            with torch.no_grad():
+                for c, shard in enumerate(self._shards):
+                    size, rank = shard.numel(), self.collectives.rank
+                    flat = self._flat_params(c, size * self.collectives.size)
+                    shard.copy_(flat[rank * size : (rank + 1) * size])
+        if self.optimizer is None:
+            return
+        same = saved[0]["zero"] == self._zero and len(saved) == self.collectives.size
+        if same:
+            self.optimizer.load_state_dict(saved[self.collectives.rank]["optimizer"])
+            return
+        numels = saved[0]["numels"]
+        target = self.optimizer.state_dict()
+        target["state"] = layout_optimizer_state(
+            canonical_optimizer_state(saved, numels),
+            numels,
+            [[p.shape for p in mod.parameters()] for mod in self.modules],
+            zero=self._zero,
+            rank=self.collectives.rank,
+            size=self.collectives.size,
+        )
+        for group, old in zip(target["param_groups"], saved[0]["optimizer"]["param_groups"]):
+            group.update({key: value for key, value in old.items() if key != "params"})
+        self.optimizer.load_state_dict(target)
 
     # -- compute --------------------------------------------------------------------------------
 

@@ -4,17 +4,23 @@ Parallelism"): every forward of the batch, then every backward in reverse order,
 Properties (F = 1, B = 2, no comm cost): makespan 3(m + p - 1), bubble (p - 1) / (m + p - 1);
 every stage holds all m microbatch activations at its peak; one weight version.
 
-p = 4, m = 4 (time runs right; F forwards, B backwards, one column per unit):
+p = 4, m = 4 (time runs right, one column per unit; a backward takes two):
 
-    stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B3 B3 B2 B2 B1 B1 B0 B0
-    stage 1: .  F0 F1 F2 F3 .  .  .  B3 B3 B2 B2 B1 B1 B0 B0 .  .
-    stage 2: .  .  F0 F1 F2 F3 B3 B3 B2 B2 B1 B1 B0 B0 .  .  .  .
-    stage 3: .  .  .  F0 F1 F2 F3 B3 B3 B2 B2 B1 B1 B0 B0 .  .  .   (roughly)
+    stage 0: F0 F1 F2 F3 .  .  .  .  .  .  .  .  .  B3 B3 B2 B2 B1 B1 B0 B0
+    stage 1: .  F0 F1 F2 F3 .  .  .  .  .  .  B3 B3 B2 B2 B1 B1 B0 B0 .  .
+    stage 2: .  .  F0 F1 F2 F3 .  .  .  B3 B3 B2 B2 B1 B1 B0 B0 .  .  .  .
+    stage 3: .  .  .  F0 F1 F2 F3 B3 B3 B2 B2 B1 B1 B0 B0 .  .  .  .  .  .
+
+With `v > 1` chunks (looped placement) it forwards every microbatch through chunk 0, then chunk 1,
+..., and backwards in the exact reverse order; every stage then holds all `m * v` chunk
+activations at its peak.
 """
 
 from __future__ import annotations
 
-from schedcc.ir import Backward, Forward
+from collections.abc import Iterator
+
+from schedcc.ir import Backward, Forward, Instruction
 from schedcc.schedule import Schedule
 
 __all__ = ["GPipe"]
@@ -25,7 +31,7 @@ class GPipe(Schedule):
 
     name = "gpipe"
 
-    def steps(self, stage):
+    def steps(self, stage: int) -> Iterator[Instruction]:
         for batch in range(self.num_batches):
             microbatches = self.microbatches(batch)
             for chunk in range(self.num_chunks):

@@ -19,11 +19,30 @@ p = 4, m = 8, compute order per stage:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import Backward, Forward
+from schedcc.ir import Backward, Forward, Instruction
 from schedcc.schedule import Schedule
 
-__all__ = ["OneFOneB"]
+__all__ = ["OneFOneB", "one_f_one_b"]
+
+
+def one_f_one_b(
+    forwards: Sequence[Instruction], backwards: Sequence[Instruction], warmup: int
+) -> Iterator[Instruction]:
+    """The 1F1B interleaving of two equally long sequences: `warmup` forwards, then one forward
+    one backward, then the remaining backwards. Shared by 1F1B, 2BW and interleaved 1F1B.
+
+    >>> [str(op) for op in one_f_one_b([Forward(0), Forward(1)], [Backward(0), Backward(1)], 1)]
+    ['F0', 'F1', 'B0', 'B1']
+    """
+    total = len(forwards)
+    yield from forwards[:warmup]
+    for k in range(total - warmup):
+        yield forwards[warmup + k]
+        yield backwards[k]
+    yield from backwards[total - warmup :]
 
 
 class OneFOneB(Schedule):
@@ -31,22 +50,17 @@ class OneFOneB(Schedule):
 
     name = "1f1b"
 
-    def check(self):
+    def check(self) -> None:
         if self.num_chunks != 1:
             raise ScheduleConfigError(
                 f"1f1b runs one chunk per stage, got num_chunks={self.num_chunks}; "
                 "use interleaved-1f1b for virtual stages"
             )
 
-    def steps(self, stage):
-        m = self.num_microbatches
-        warmup = min(self.num_stages - stage - 1, m)
+    def steps(self, stage: int) -> Iterator[Instruction]:
+        warmup = min(self.num_stages - stage - 1, self.num_microbatches)
         for batch in range(self.num_batches):
-            first = batch * m
-            for i in range(warmup):
-                yield Forward(first + i)
-            for j in range(m - warmup):
-                yield Forward(first + warmup + j)
-                yield Backward(first + j)
-            for j in range(m - warmup, m):
-                yield Backward(first + j)
+            microbatches = self.microbatches(batch)
+            forwards = [Forward(i) for i in microbatches]
+            backwards = [Backward(i) for i in microbatches]
+            yield from one_f_one_b(forwards, backwards, warmup)
