@@ -14,10 +14,9 @@ Use them in your own test suite (needs `hypothesis`, in the `test` extra; no tor
 constructor rejects (`ScheduleConfigError`) are skipped, so each schedule is tried only where it
 claims to work.
 
-[Note: numerics hook] `check_schedule(..., numerics=True)` is reserved for one more check per
-shape: train a tiny float64 model on the local backend with the compiled program and compare it
-with non-pipelined training. It goes in as `_check_numerics` in `_per_shape_checks`; until it is
-written, `numerics=True` raises `NotImplementedError`.
+With `numerics=True` it also trains a tiny float64 model with each compiled program on the local
+backend (two batches, SGD) and compares losses and weights with non-pipelined training (tolerance
+1e-10); that needs torch, imported only then.
 """
 
 from __future__ import annotations
@@ -154,15 +153,37 @@ def _check_simulates(schedule: Schedule, program: Program) -> None:
         )
 
 
-_NUMERICS_MISSING = (
-    "check_schedule(numerics=True) needs the local backend (schedcc.backends.local), which is "
-    "not available yet; use numerics=False"
-)
-
-
 def _check_numerics(schedule: Schedule, program: Program) -> None:
-    """Hook: train a tiny float64 model with `program`, compare with non-pipelined training."""
-    raise NotImplementedError(_NUMERICS_MISSING)
+    """Train a tiny float64 model with `program`; it must equal non-pipelined training."""
+    import torch
+
+    from schedcc.backends.reference import assert_matches_reference
+
+    width = 3
+    gen = torch.Generator().manual_seed(0)
+    segments = []
+    for _ in range(schedule.num_segments):
+        layer = torch.nn.Linear(width, width, dtype=torch.float64)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(width, width, generator=gen, dtype=torch.float64))
+            layer.bias.copy_(torch.randn(width, generator=gen, dtype=torch.float64))
+        segments.append(torch.nn.Sequential(layer, torch.nn.Tanh()))
+    rows = schedule.num_microbatches * program.data_parallel
+    batches = [
+        (
+            torch.randn(rows, width, generator=gen, dtype=torch.float64),
+            torch.randn(rows, width, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(schedule.num_batches)
+    ]
+    assert_matches_reference(
+        program,
+        segments,
+        torch.nn.functional.mse_loss,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        batches,
+        atol=1e-10,
+    )
 
 
 def _per_shape_checks(numerics: bool) -> list[Callable[[Schedule, Program], None]]:
@@ -192,19 +213,17 @@ def check_schedule(
         max_examples: shapes hypothesis tries (more find rarer failures).
         max_stages, max_microbatches, max_chunks, max_batches: bounds of the shapes tried.
         data_parallel, zero: passed to `schedcc.compile` (checks the update placement too).
-        numerics: reserved (see the module's note); raises `NotImplementedError` for now.
+        numerics: also train a tiny float64 model on the local backend per shape and compare
+            it with non-pipelined training (needs torch; slower, so use fewer examples).
 
     Raises:
         ScheduleCheckError: an `AssertionError` naming the smallest failing shape and the
             compiler's or validator's explanation.
         ScheduleConfigError: the constructor accepts no shape within the bounds.
-        NotImplementedError: `numerics=True` (not available yet).
 
     >>> from schedcc.schedules.gpipe import GPipe
     >>> check_schedule(GPipe, max_examples=5, max_stages=3, max_microbatches=4)
     """
-    if numerics:
-        raise NotImplementedError(_NUMERICS_MISSING)
     checks = _per_shape_checks(numerics)
     bounds = {
         "max_stages": max_stages,

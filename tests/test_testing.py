@@ -11,7 +11,7 @@ from hypothesis import given
 from strategies import BUILTIN_SCHEDULES
 
 import schedcc
-from schedcc import Backward, Forward, Schedule, ScheduleConfigError
+from schedcc import Backward, Forward, Schedule, ScheduleConfigError, get_schedule
 from schedcc.schedules.one_f_one_b import OneFOneB
 from schedcc.schedules.pipedream_2bw import PipeDream2BW
 from schedcc.testing import ScheduleCheckError, Shape, check_schedule, schedules, shapes
@@ -70,10 +70,32 @@ def test_check_schedule_with_no_accepted_shape_is_a_config_error():
         )
 
 
-def test_check_schedule_numerics_is_not_available_yet():
-    """numerics=True is a reserved hook and says so instead of silently passing."""
-    with pytest.raises(NotImplementedError, match="local backend"):
-        check_schedule(OneFOneB, numerics=True)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "2bw"])
+def test_check_schedule_numerics_passes_for_builtins(name):
+    """numerics=True trains each built-in on the local backend and matches the reference."""
+    check_schedule(
+        get_schedule(name),
+        numerics=True,
+        max_examples=4,
+        max_stages=3,
+        max_microbatches=4,
+        max_chunks=2,
+        max_batches=2,
+    )
+
+
+def test_check_schedule_numerics_catches_a_wrong_backward(monkeypatch):
+    """A runtime whose gradients are off by 0.1% fails the numerics check with the shape."""
+    from schedcc.backends.runtime import StageRuntime
+
+    accumulate = StageRuntime._accumulate
+
+    def skewed(self, chunk, grads):
+        accumulate(self, chunk, [None if g is None else g * 1.001 for g in grads])
+
+    monkeypatch.setattr(StageRuntime, "_accumulate", skewed)
+    with pytest.raises(ScheduleCheckError, match="differs from non-pipelined training"):
+        check_schedule(OneFOneB, numerics=True, max_examples=3, max_stages=2, max_microbatches=2)
 
 
 @given(shape=shapes(OneFOneB))
