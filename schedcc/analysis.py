@@ -14,7 +14,9 @@ finish its program is waiting at a group whose partner is never posted: a deadlo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -22,7 +24,25 @@ from schedcc.ir import Comm, Instruction, RecvActivation, RecvGrad, SendActivati
 from schedcc.program import Program
 from schedcc.schedule import Schedule
 
-__all__ = ["Layout", "Steps", "Walk", "comm_route", "match_comm", "walk"]
+__all__ = ["Layout", "Steps", "Walk", "comm_route", "match_comm", "paused_gc", "walk"]
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for a compile or a validation.
+
+    The passes allocate one small, acyclic object per instruction and hold them all; the cyclic
+    collector would rescan the growing heap again and again (measured: up to 2x of compile time
+    at 10^5 instructions). Reference counting still frees everything; the collector's state is
+    restored on exit.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @attrs.frozen(slots=True)
@@ -93,31 +113,35 @@ def match_comm(program: Program, layout: Layout):
     op (None for non-comm or unmatched ops), and a list of `CommProblem`.
     """
     partner: list[list[tuple[int, int] | None]] = [[None] * len(ops) for ops in program.stages]
-    sends: dict[tuple[int, int], list[tuple[tuple, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[tuple, int]]] = {}
+    # A channel (src, dst) holds its ops in program order as (payload, position); a payload is
+    # an int that names the tensor (see `_route_table`).
+    sends: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[int, int]]] = {}
     problems: list[CommProblem] = []
+    span = 2 * len(layout.stage_of)
     for s, ops in enumerate(program.stages):
+        routes = _route_table(layout, s)
         for pos, op in enumerate(ops):
             if op.group != "comm":
                 continue
-            route = comm_route(layout, s, op)  # type: ignore[arg-type]
+            route = routes.get((type(op), op.chunk))  # type: ignore[attr-defined]
             if route is None:
                 problems.append(CommProblem("nowhere", s, pos))
                 continue
-            src, dst, payload = route
+            channel, tensor = route
             side = sends if op.is_send else recvs  # type: ignore[attr-defined]
-            side.setdefault((src, dst), []).append((payload, pos))
-    seen: set[tuple] = set()
+            queue = side.get(channel)
+            if queue is None:
+                side[channel] = queue = []
+            queue.append((op.microbatch * span + tensor, pos))  # type: ignore[attr-defined]
+    seen: set[int] = set()
     for channel in sorted(sends.keys() | recvs.keys()):
         src, dst = channel
         out, into = sends.get(channel, []), recvs.get(channel, [])
         for (payload, pos), (want, recv_pos) in zip(out, into):
-            if payload != want:
-                problems.append(CommProblem("order", src, pos, dst, recv_pos))
+            if payload != want or payload in seen:
+                problems.append(_mismatch(channel, out, into, seen, payload, pos, want, recv_pos))
                 break
-            if payload in seen:
-                problems.append(CommProblem("duplicate", src, pos, dst, recv_pos))
-                continue
             seen.add(payload)
             partner[src][pos] = (dst, recv_pos)
             partner[dst][recv_pos] = (src, pos)
@@ -127,6 +151,41 @@ def match_comm(program: Program, layout: Layout):
             for _, pos in into[len(out) :]:
                 problems.append(CommProblem("unmatched", dst, pos, src))
     return partner, problems
+
+
+def _route_table(layout: Layout, stage: int) -> dict[tuple[type, int], tuple[tuple[int, int], int]]:
+    """`(op class, chunk) -> ((src, dst), tensor)` for every comm op that can run on `stage`.
+
+    `tensor` is `2 * k` for the activation out of segment k and `2 * k + 1` for the gradient out
+    of segment k; with microbatch i the payload is `i * 2 * num_segments + tensor` (what
+    `comm_route` says, as one int).
+    """
+    table = {}
+    for cls in (SendActivation, RecvActivation, SendGrad, RecvGrad):
+        for chunk in range(len(layout.segment[stage])):
+            route = comm_route(layout, stage, cls(0, chunk))
+            if route is not None:
+                src, dst, (kind, _, k) = route
+                table[cls, chunk] = ((src, dst), 2 * k + (kind == "G"))
+    return table
+
+
+def _mismatch(channel, out, into, seen, payload, pos: int, want, recv_pos: int) -> CommProblem:
+    """Why the FIFO pairing of a channel fails at a send and a receive: the most specific cause.
+
+    A repeated tensor is a duplicate; a tensor the other side never mentions is unmatched; else
+    both sides move the same tensors in different orders.
+    """
+    src, dst = channel
+    if payload in seen:
+        return CommProblem("duplicate", src, pos, dst, recv_pos)
+    if want in seen:
+        return CommProblem("duplicate", dst, recv_pos, src, pos)
+    if payload not in {p for p, _ in into}:
+        return CommProblem("unmatched", src, pos, dst)
+    if want not in {p for p, _ in out}:
+        return CommProblem("unmatched", dst, recv_pos, src)
+    return CommProblem("order", src, pos, dst, recv_pos)
 
 
 @attrs.frozen(slots=True)
@@ -145,23 +204,19 @@ class Steps:
     def of(cls, stages: Sequence[Sequence[Instruction]]) -> Steps:
         bounds, is_group, step_at = [], [], []
         for ops in stages:
-            b: list[tuple[int, int]] = []
-            g: list[bool] = []
-            at = [0] * len(ops)
-            pos, n = 0, len(ops)
-            while pos < n:
-                start = pos
-                if ops[pos].group == "comm":
-                    while pos < n and ops[pos].group == "comm":
-                        pos += 1
-                else:
-                    pos += 1
-                for q in range(start, pos):
-                    at[q] = len(b)
-                b.append((start, pos))
-                g.append(ops[start].group == "comm")
-            bounds.append(tuple(b))
-            is_group.append(tuple(g))
+            starts: list[int] = []
+            groups: list[bool] = []
+            at: list[int] = []
+            previous = False  # was the op before a comm op?
+            for pos, op in enumerate(ops):
+                comm = op.group == "comm"
+                if not (comm and previous):  # a new step starts here
+                    starts.append(pos)
+                    groups.append(comm)
+                at.append(len(starts) - 1)
+                previous = comm
+            bounds.append(tuple(zip(starts, [*starts[1:], len(ops)])))
+            is_group.append(tuple(groups))
             step_at.append(tuple(at))
         return cls(tuple(bounds), tuple(is_group), tuple(step_at))
 
@@ -216,43 +271,47 @@ def walk(
         s = pending.pop()
         queued[s] = False
         blocked.pop(s, None)
-        bounds, groups = steps.bounds[s], steps.is_group[s]
-        j = cursor[s]
-        while j < len(bounds):
+        bounds, groups, partner_s = steps.bounds[s], steps.is_group[s], partner[s]
+        start_s, end_s, posted_s = start[s], end[s], posted[s]
+        now, j, n = clock[s], cursor[s], len(bounds)
+        while j < n:
             if not groups[j]:
-                start[s][j] = clock[s]
-                clock[s] += duration(s, j) if duration else 0.0
-                end[s][j] = clock[s]
+                start_s[j] = now
+                if duration is not None:
+                    now += duration(s, j)
+                end_s[j] = now
                 j += 1
                 continue
-            if not posted[s][j]:
-                posted[s][j] = True
-                start[s][j] = clock[s]
+            if not posted_s[j]:
+                posted_s[j] = True
+                start_s[j] = now
                 for waiter in waiting.pop((s, j), ()):
                     if not queued[waiter]:
                         queued[waiter] = True
                         pending.append(waiter)
-            ready = start[s][j]
+            ready = start_s[j]
             missing = None
             lo, hi = bounds[j]
             for pos in range(lo, hi):
-                peer = partner[s][pos]
+                peer = partner_s[pos]
                 if peer is None:  # unmatched: the validator reports it; never completes
                     missing = (s, j)
                     break
-                ps, pstep = peer[0], step_at[peer[0]][peer[1]]
+                ps = peer[0]
+                pstep = step_at[ps][peer[1]]
                 if not posted[ps][pstep]:
                     missing = (ps, pstep)
                     break
-                ready = max(ready, start[ps][pstep])
+                if start[ps][pstep] > ready:
+                    ready = start[ps][pstep]
             if missing is not None:
                 waiting.setdefault(missing, []).append(s)
                 blocked[s] = (j, *missing)
                 break
-            clock[s] = ready + (duration(s, j) if duration else 0.0)
-            end[s][j] = clock[s]
+            now = ready + duration(s, j) if duration is not None else ready
+            end_s[j] = now
             j += 1
-        cursor[s] = j
+        clock[s], cursor[s] = now, j
     return Walk(
         tuple(map(tuple, start)),
         tuple(map(tuple, end)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from schedcc.analysis import paused_gc
 from schedcc.errors import ScheduleConfigError
 from schedcc.passes import PASSES, collect
 from schedcc.program import Program
@@ -36,7 +37,7 @@ def compile(
     >>> import schedcc
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 2))
     >>> print(program.to_text())
-    stage 0: F0 SA0 F1 SA1 RG1 B1 RG0 B0 SG0 Step
+    stage 0: F0 SA0 F1 SA1 RG1 B1 RG0 B0 Step
     stage 1: RA0 F0 RA1 F1 B1 SG1 B0 SG0 Step
     """
     if not isinstance(schedule, Schedule):
@@ -48,11 +49,12 @@ def compile(
         raise ScheduleConfigError(
             f"data_parallel must be a positive integer, got {data_parallel!r}"
         )
-    if zero not in (0, 1, 2) or isinstance(zero, bool):
+    if type(zero) is not int or zero not in (0, 1, 2):
         raise ScheduleConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
-    program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
-    for lower in PASSES:
-        program = lower(program)
-    if validate:
-        _validate(program, max_activations=max_activations)
+    with paused_gc():
+        program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
+        for lower in PASSES:
+            program = lower(program)
+        if validate:
+            _validate(program, max_activations=max_activations)
     return program

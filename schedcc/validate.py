@@ -18,7 +18,7 @@ from functools import cached_property
 
 import attrs
 
-from schedcc.analysis import Layout, Steps, match_comm, walk
+from schedcc.analysis import Layout, Steps, match_comm, paused_gc, walk
 from schedcc.errors import (
     DeadlockError,
     DependencyError,
@@ -65,35 +65,38 @@ Rule = Callable[[_Context], Iterator[Problem]]
 
 def check_complete(ctx: _Context) -> Iterator[Problem]:
     """Each (microbatch, segment) is forwarded once and backwarded once (B, or I then W)."""
-    counts: Counter = Counter()
+    # counts[4 * (i * num_segments + k) + n]: how often code "FBIW"[n] runs (i, k).
+    num_segments = len(ctx.layout.stage_of)
+    counts = [0] * (4 * num_segments * ctx.schedule.num_microbatches_total)
+    column = {"F": 0, "B": 1, "I": 2, "W": 3}
     for s, ops in enumerate(ctx.program.stages):
         seg = ctx.layout.segment[s]
         for op in ops:
             if op.group == "compute":
-                counts[op.code, op.microbatch, seg[op.chunk]] += 1
+                counts[4 * (op.microbatch * num_segments + seg[op.chunk]) + column[op.code]] += 1
     stage_of, chunk_of = ctx.layout.stage_of, ctx.layout.chunk_of
-    for i in range(ctx.schedule.num_microbatches_total):
-        for k in range(len(stage_of)):
-            f, b, inp, w = (counts[code, i, k] for code in "FBIW")
-            if f == 1 and ((b, inp, w) == (1, 0, 0) or (b, inp, w) == (0, 1, 1)):
-                continue
-            s, c = stage_of[k], chunk_of[k]
-            what = f"microbatch {i}, segment {k} (stage {s}, chunk {c})"
-            if f != 1:
-                yield Problem(
-                    IncompleteScheduleError,
-                    f"{what} is forwarded {f} times; stage {s} must yield Forward({i}, chunk={c}) "
-                    "exactly once",
-                    s,
-                )
-            if (b, inp, w) != (1, 0, 0) and (b, inp, w) != (0, 1, 1):
-                yield Problem(
-                    IncompleteScheduleError,
-                    f"{what} has {b} Backward, {inp} BackwardInput and {w} BackwardWeight; stage "
-                    f"{s} must yield either Backward({i}, chunk={c}) once, or "
-                    f"BackwardInput({i}, chunk={c}) and BackwardWeight({i}, chunk={c}) once each",
-                    s,
-                )
+    quads = zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])
+    for index, (f, b, inp, w) in enumerate(quads):
+        if f == 1 and ((b, inp, w) == (1, 0, 0) or (b, inp, w) == (0, 1, 1)):
+            continue
+        i, k = divmod(index, num_segments)
+        s, c = stage_of[k], chunk_of[k]
+        what = f"microbatch {i}, segment {k} (stage {s}, chunk {c})"
+        if f != 1:
+            yield Problem(
+                IncompleteScheduleError,
+                f"{what} is forwarded {f} times; stage {s} must yield Forward({i}, chunk={c}) "
+                "exactly once",
+                s,
+            )
+        if (b, inp, w) != (1, 0, 0) and (b, inp, w) != (0, 1, 1):
+            yield Problem(
+                IncompleteScheduleError,
+                f"{what} has {b} Backward, {inp} BackwardInput and {w} BackwardWeight; stage "
+                f"{s} must yield either Backward({i}, chunk={c}) once, or "
+                f"BackwardInput({i}, chunk={c}) and BackwardWeight({i}, chunk={c}) once each",
+                s,
+            )
     num_batches = ctx.schedule.num_batches
     for s, ops in enumerate(ctx.program.stages):
         steps = sum(1 for op in ops if op.code == "Step")
@@ -381,12 +384,13 @@ def validate(
     """
     ctx = _Context(program, max_activations)
     found: list[ScheduleError] = []
-    for rule in RULES:
-        for problem in rule(ctx):
-            error = _as_error(program, problem)
-            if not collect:
-                raise error
-            found.append(error)
+    with paused_gc():
+        for rule in RULES:
+            for problem in rule(ctx):
+                error = _as_error(program, problem)
+                if not collect:
+                    raise error
+                found.append(error)
     return found if collect else None
 
 

@@ -1,1 +1,9 @@
-"""Drawing timelines: ASCII for the terminal, PNG/SVG paper figures, Chrome traces."""
+"""Drawing timelines: ASCII for the terminal, PNG/SVG paper figures, Chrome traces.
+
+- `schedcc.draw.ascii.render` — a row per stage, one column per time unit (`Timeline.to_ascii`).
+- `schedcc.draw.figure.save` — the paper figure with matplotlib, imported lazily (`Timeline.save`).
+- `schedcc.draw.chrome.write_chrome_trace` — Trace Event Format for Perfetto, from any
+  `(stage, instruction, start, end)` events, simulated or measured (`Timeline.to_chrome_trace`).
+"""
+
+__all__: list[str] = []

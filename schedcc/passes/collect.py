@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from schedcc.errors import ScheduleError
-from schedcc.ir import Instruction
+from schedcc.ir import COMM, COMPUTE, UPDATE
 from schedcc.program import Program
 from schedcc.schedule import Schedule
 
@@ -23,41 +23,50 @@ def collect(schedule: Schedule, *, data_parallel: int = 1, zero: int = 0) -> Pro
     for stage in range(schedule.num_stages):
         ops = tuple(schedule.steps(stage))
         for pos, op in enumerate(ops):
-            where = f"{schedule!r}, stage {stage}, position {pos}"
-            if not isinstance(op, Instruction) or type(op) in _BASES:
-                raise ScheduleError(
-                    f"{where}: yielded {op!r}, which is not a schedcc instruction "
-                    "(Forward, Backward, BackwardInput, BackwardWeight, a comm or an update one)",
-                    stage=stage,
-                    position=pos,
-                )
+            if type(op) not in _CONCRETE:
+                _reject(schedule, stage, pos, op)
             microbatch = getattr(op, "microbatch", 0)
-            if not _is_index(microbatch, num_microbatches):
-                raise ScheduleError(
-                    f"{where}: {op!r} has microbatch {microbatch!r}; it must be an int in "
-                    f"[0, {num_microbatches}) (num_batches * num_microbatches)",
-                    stage=stage,
-                    position=pos,
-                )
             chunk = getattr(op, "chunk", 0)
-            if not _is_index(chunk, num_chunks):
-                raise ScheduleError(
-                    f"{where}: {op!r} has chunk {chunk!r}; it must be an int in [0, {num_chunks})",
-                    stage=stage,
-                    position=pos,
-                )
+            # _is_index, inlined: this loop sees every instruction of the program
+            if not (
+                type(microbatch) is int
+                and 0 <= microbatch < num_microbatches
+                and type(chunk) is int
+                and 0 <= chunk < num_chunks
+            ):
+                _reject(schedule, stage, pos, op)
         stages.append(ops)
     return Program(schedule, tuple(stages), data_parallel=data_parallel, zero=zero)
+
+
+def _reject(schedule: Schedule, stage: int, pos: int, op: object) -> None:
+    """Raise the ScheduleError that says what is wrong with `op` (kept off the hot path)."""
+    where = f"{schedule!r}, stage {stage}, position {pos}"
+    if type(op) not in _CONCRETE:  # a non-instruction, a base class or a subclass
+        raise ScheduleError(
+            f"{where}: yielded {op!r}, which is not a schedcc instruction "
+            "(Forward, Backward, BackwardInput, BackwardWeight, a comm or an update one)",
+            stage=stage,
+            position=pos,
+        )
+    microbatch = getattr(op, "microbatch", 0)
+    if not _is_index(microbatch, schedule.num_microbatches_total):
+        raise ScheduleError(
+            f"{where}: {op!r} has microbatch {microbatch!r}; it must be an int in "
+            f"[0, {schedule.num_microbatches_total}) (num_batches * num_microbatches)",
+            stage=stage,
+            position=pos,
+        )
+    chunk = getattr(op, "chunk", 0)
+    raise ScheduleError(
+        f"{where}: {op!r} has chunk {chunk!r}; it must be an int in [0, {schedule.num_chunks})",
+        stage=stage,
+        position=pos,
+    )
 
 
 def _is_index(value: object, bound: int) -> bool:
     return type(value) is int and 0 <= value < bound
 
 
-def _bases() -> tuple[type, ...]:
-    from schedcc import ir
-
-    return (ir.Instruction, ir.Compute, ir.Comm, ir.Update, ir._OnMicrobatch)
-
-
-_BASES = _bases()
+_CONCRETE = frozenset((*COMPUTE, *COMM, *UPDATE))

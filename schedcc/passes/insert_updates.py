@@ -59,9 +59,12 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
         if zero >= 1:
             after[step_at].extend(GatherParams(c) for c in sorted(ends))
     out: list[Instruction] = []
-    for pos, op in enumerate(ops):
-        out.append(op)
-        out.extend(after.get(pos, ()))
+    done = 0
+    for pos in sorted(after):  # copy the program in slices, the updates between them
+        out.extend(ops[done : pos + 1])
+        out.extend(after[pos])
+        done = pos + 1
+    out.extend(ops[done:])
     return tuple(out)
 
 

@@ -1,0 +1,191 @@
+"""Starting the ranks of a distributed run: local processes, or the ones `torchrun` started.
+
+`spawn(fn, world_size, args)` starts `world_size` local processes, each calling
+`fn(rank, world_size, *args)` with `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` and
+`LOCAL_RANK` set (a free port on 127.0.0.1), and watches them: when one fails, it prints which
+rank and how, gives the others `grace` seconds to stop on their own (their own timeouts name the
+instruction they were waiting on), then ends them. It never waits forever.
+
+`in_torchrun()` tells whether this process was started by `torchrun` (or any launcher that sets
+the same variables); then the ranks already exist and nothing is spawned.
+
+[Note: exit codes] A rank exits 0 on success, 1 when training failed or a check did not hold,
+2 for a user's mistake (printed as one line). `spawn` returns 0 when every rank did, else the code
+of the first rank that failed (1 for a rank killed by a signal).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+__all__ = ["RankFailure", "UserError", "free_port", "in_torchrun", "run_rank", "spawn"]
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: printed as one line by the rank, exit 2."""
+
+
+class RankFailure(RuntimeError):
+    """Training on this rank failed (a peer died, a wait timed out); printed as one line, exit 1."""
+
+
+def in_torchrun() -> bool:
+    """True when `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set (torchrun, or a similar launcher)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_rank(fn: Callable[..., object], rank: int, *args: object) -> int:
+    """Call `fn(rank, *args)` and turn its outcome into an exit code (see the note above).
+
+    A `UserError`, `ValueError` or schedcc `ScheduleError` prints one line (exit 2); a
+    `RankFailure` one line (exit 1); anything else its traceback (exit 1).
+    """
+    from schedcc.errors import ScheduleError
+
+    try:
+        code = fn(rank, *args)
+    except (UserError, ScheduleError, ValueError) as exc:
+        print(f"schedcc: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except RankFailure as exc:
+        print(f"schedcc: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:
+        print(f"schedcc: rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    return int(code or 0)
+
+
+def _child(fn, rank: int, world_size: int, port: int, args: tuple, threads: int | None) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    code = run_rank(fn, rank, world_size, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: no hang on a peer's dead socket
+
+
+def spawn(
+    fn: Callable[..., object],
+    world_size: int,
+    args: tuple = (),
+    *,
+    grace: float = 30.0,
+    threads: int | None = None,
+    method: str | None = None,
+    describe: Callable[[int], str] | None = None,
+) -> int:
+    """Run `fn(rank, world_size, *args)` in `world_size` local processes; returns the exit code.
+
+    Args:
+        fn: a module-level function (it must be importable by the children).
+        world_size: number of processes.
+        args: extra positional arguments for `fn` (picklable).
+        grace: seconds the others get to stop by themselves after one fails.
+        threads: `OMP_NUM_THREADS` for each child (None: leave as is).
+        method: multiprocessing start method; default "fork" on Linux without CUDA, else "spawn".
+        describe: `describe(rank)` names a rank in messages (e.g. "rank 1 (stage 1, dp 0)").
+
+    Example:
+        >>> spawn(my_worker, 2, ("cfg",))  # doctest: +SKIP
+        0
+    """
+    context = multiprocessing.get_context(method or _default_method())
+    port = free_port()
+    processes = [
+        context.Process(target=_child, args=(fn, rank, world_size, port, args, threads))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        return _watch(processes, grace, describe or (lambda rank: f"rank {rank}"))
+    finally:
+        _end(processes)
+
+
+def _default_method() -> str:
+    if sys.platform != "linux":
+        return "spawn"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return "spawn"
+    return "fork"
+
+
+def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
+    failed: tuple[int, int] | None = None
+    reported: set[int] = set()
+    deadline = None
+    while True:
+        running = 0
+        for rank, process in enumerate(processes):
+            code = process.exitcode
+            if code is None:
+                running += 1
+                continue
+            if code == 0 or rank in reported:
+                continue
+            reported.add(rank)
+            if failed is None or code < 0 <= failed[1]:
+                failed = (rank, code)  # a rank killed by a signal is the likeliest cause
+                deadline = time.monotonic() + grace
+            if code not in (1, 2):  # 1 and 2: the rank printed its own one-line reason
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                print(
+                    f"schedcc: {describe(rank)} {how}; stopping the other ranks",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if not running:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            print(
+                f"schedcc: the other ranks did not stop within {grace:g}s after "
+                f"{describe(failed[0])} failed; ending them",  # type: ignore[index]
+                file=sys.stderr,
+                flush=True,
+            )
+            break
+        time.sleep(0.05)
+    if failed is None:
+        return 0
+    return failed[1] if failed[1] > 0 else 1
+
+
+def _end(processes) -> None:
+    for process in processes:
+        if process.exitcode is None:
+            os.kill(process.pid, signal.SIGTERM)
+    limit = time.monotonic() + 3.0
+    for process in processes:
+        process.join(max(0.0, limit - time.monotonic()))
+        if process.exitcode is None:
+            process.kill()
+            process.join(1.0)

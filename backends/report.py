@@ -1,0 +1,155 @@
+"""What `schedcc run` shows: a progress bar while training and the summary table at the end.
+
+The summary reads the measured instruction times every rank gathered to rank 0: the median step
+time (the slowest rank's, barrier-aligned clocks), tokens per second, the measured bubble
+(`Timeline.bubble_fraction` of the measured events) against the simulated one (`schedcc.simulate`
+with `CostModel.from_trace` of the same run), and each stage's peak activation memory.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from schedcc.draw.chrome import comm_flows, write_chrome_trace
+from schedcc.program import Program
+from schedcc.simulate import CostModel, Event, Timeline, simulate
+
+__all__ = ["Progress", "check_line", "measured_runs", "summarize"]
+
+
+class Progress:
+    """A rich progress bar with the loss and the step time; a no-op when not `enabled`."""
+
+    def __init__(self, total: int, *, enabled: bool = True, completed: int = 0):
+        self.total, self.enabled, self.completed = total, enabled, completed
+        self._bar = None
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("step {task.fields[step]}"),
+                TimeElapsedColumn(),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(
+                "train", total=self.total, completed=self.completed, loss="-", step="-"
+            )
+        return self
+
+    def advance(self, loss: float, seconds: float) -> None:
+        if self._bar is not None:
+            self._bar.update(
+                self._task, advance=1, loss=f"{loss:.4f}", step=f"{seconds * 1e3:.1f} ms"
+            )
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[Event]]:
+    """Per run of the program, the measured events of data-parallel replica 0, from time 0."""
+    bounds = _bounds(program)
+    replica = [g for g in gathered if g["dp"] == 0]
+    runs = []
+    for r in range(len(replica[0]["times"])):
+        events = []
+        for payload in replica:
+            stage = payload["stage"]
+            ops = program.stages[stage]
+            for (lo, hi), (start, end) in zip(bounds[stage], payload["times"][r]):
+                events.extend(Event(stage, ops[pos], start, end) for pos in range(lo, hi))
+        origin = min(e.start for e in events)
+        runs.append([e._replace(start=e.start - origin, end=e.end - origin) for e in events])
+    return runs
+
+
+def _bounds(program: Program):
+    from schedcc.analysis import Steps
+
+    return Steps.of(program.stages).bounds
+
+
+def _run_seconds(gathered: Sequence[dict], run: int) -> float:
+    starts = [g["times"][run][0][0] for g in gathered if g["times"][run]]
+    ends = [g["times"][run][-1][1] for g in gathered if g["times"][run]]
+    return max(ends) - min(starts)
+
+
+def summarize(program: Program, config, built, losses: list[float], gathered) -> None:
+    """Print the summary table (and write the trace) on rank 0."""
+    from rich.console import Console
+    from rich.table import Table
+
+    runs = measured_runs(program, gathered)
+    steady = range(1, len(runs)) if len(runs) > 1 else range(len(runs))
+    per_run = config.num_batches
+    run_seconds = statistics.median(_run_seconds(gathered, r) for r in steady)
+    step_seconds = run_seconds / per_run
+    tokens = (
+        config.num_microbatches
+        * config.microbatch_size
+        * config.data_parallel
+        * built.tokens_per_sample
+    )
+    measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
+    simulated = _simulated_bubble(program, [e for r in steady for e in runs[r]])
+    peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
+    if config.trace:
+        events = runs[-1]
+        write_chrome_trace(
+            events,
+            config.trace,
+            flows=comm_flows(program, events),
+            metadata={"schedule": repr(program.schedule), "measured": True},
+            unit_us=1e6,
+        )
+    table = Table(
+        title=f"schedcc run: {program.schedule!r}, dp={config.data_parallel}, "
+        f"zero={config.zero}, {config.model}"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    floor_name = "entropy floor" if config.model == "tiny-gpt" else "noise floor"
+    table.add_row("steps", str(len(losses)))
+    table.add_row("loss: first -> final", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
+    table.add_row(f"loss {floor_name}", f"{built.data.entropy:.4f}")
+    table.add_row("median step time", f"{step_seconds * 1e3:.2f} ms")
+    table.add_row(
+        "tokens/s" if built.tokens_per_sample > 1 else "samples/s", f"{tokens / step_seconds:,.0f}"
+    )
+    table.add_row("bubble: measured / simulated", f"{measured:.1%} / {simulated:.1%}")
+    for stage in sorted(peaks):
+        table.add_row(f"peak activations, stage {stage}", f"{peaks[stage] / 2**20:.2f} MB")
+    if config.trace:
+        table.add_row("trace", config.trace)
+    Console().print(table)
+
+
+def _simulated_bubble(program: Program, events: list[Event]) -> float:
+    samples = [
+        {"name": str(e.instruction), "ph": "X", "tid": e.stage, "dur": (e.end - e.start) * 1e6}
+        for e in events
+        if e.instruction.group != "comm"
+    ]
+    if not samples:
+        return math.nan
+    return simulate(program, CostModel.from_trace(samples)).bubble_fraction
+
+
+def check_line(worst: float, tolerance: float) -> str:
+    """The `--check` verdict, one line."""
+    verdict = "ok" if worst <= tolerance else "FAILED"
+    return (
+        f"check: largest parameter difference from non-pipelined training {worst:.3g} "
+        f"(tolerance {tolerance:g}): {verdict}"
+    )

@@ -1,0 +1,206 @@
+"""Step time of schedcc's distributed backend against torch.distributed.pipelining (a benchmark).
+
+8 x [Linear(512, 512) + ReLU] split evenly over 2 stages (2 chunks each for interleaved), batch
+64, MSE, SGD, one thread per process, gloo on 127.0.0.1. A step is timed barrier to barrier on
+every rank and the slowest rank counts; each row alternates schedcc (A) and torch (B) in rounds,
+A B A B ... (one step per turn by default, so both see the same machine load), and reports the
+median over all timed steps. The *floor* is every rank running only its own segments' forward
+and backward for all microbatches plus its optimizer step, at the same time, with no pipeline
+communication; `floor / (1 - bubble)` (the analytic bubble of the schedule) is what a perfect
+executor would take. Overhead is the gap to that, per instruction of the busiest stage. The CPU
+column (each rank's own CPU time for the step, slowest rank) is robust to a loaded machine: it
+shows what each executor costs apart from waiting.
+
+    python benchmarks/step_time.py [--rounds 30] [--steps-per-round 1] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+
+import argparse
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch._dynamo  # torch.optim imports it (seconds): import once, before forking ranks
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import pipelining as tpp
+
+import schedcc
+from schedcc.backends.distributed import Engine
+from schedcc.backends.launch import spawn
+
+WIDTH, LAYERS, BATCH, NUM_STAGES = 512, 8, 64, 2
+
+#: (schedcc schedule, torch schedule class, chunks per stage)
+ROWS = [
+    ("gpipe", tpp.ScheduleGPipe, 1),
+    ("1f1b", tpp.Schedule1F1B, 1),
+    ("interleaved-1f1b", tpp.ScheduleInterleaved1F1B, 2),
+]
+MICROBATCHES = (4, 8)
+
+
+def _segments(num_segments: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)]
+    per = LAYERS // num_segments
+    return [nn.Sequential(*layers[k * per : (k + 1) * per]) for k in range(num_segments)]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def _timed(step) -> tuple[float, float]:
+    """Wall seconds barrier to barrier, and this process's CPU seconds for the step alone."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    step()
+    cpu = time.process_time() - cpu
+    dist.barrier()
+    return time.perf_counter() - start, cpu
+
+
+class _Schedcc:
+    def __init__(self, name: str, m: int, v: int, data):
+        program = schedcc.compile(schedcc.get_schedule(name)(NUM_STAGES, m, v))
+        self.engine = Engine(
+            program, _segments(NUM_STAGES * v), F.mse_loss, _sgd, reduce_loss=False
+        )
+        self.x, self.y = data
+        self.instructions = max(len(ops) for ops in program.stages)
+
+    def step(self) -> None:
+        self.engine.train_step(self.x, self.y)
+
+
+class _Torch:
+    def __init__(self, cls, m: int, v: int, data, rank: int):
+        segments = _segments(NUM_STAGES * v)
+        mine = [rank + NUM_STAGES * c for c in range(v)]  # looped placement, as schedcc's
+        self.stages = [
+            tpp.PipelineStage(segments[k], k, NUM_STAGES * v, torch.device("cpu")) for k in mine
+        ]
+        stage = self.stages if v > 1 else self.stages[0]
+        self.schedule = cls(stage, m, loss_fn=F.mse_loss)
+        self.optimizer = _sgd([p for k in mine for p in segments[k].parameters()])
+        self.x, self.y = data
+        self.rank = rank
+
+    def step(self) -> None:
+        if self.rank == 0:
+            self.schedule.step(self.x)
+        else:
+            self.schedule.step(target=self.y, losses=[])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class _Floor:
+    """Only this rank's own segments, forward + backward for every microbatch, then its step."""
+
+    def __init__(self, m: int, v: int, data, rank: int):
+        segments = _segments(NUM_STAGES * v)
+        self.mine = [segments[rank + NUM_STAGES * c] for c in range(v)]
+        self.optimizer = _sgd([p for s in self.mine for p in s.parameters()])
+        x, y = data
+        self.xs, self.ys = x.chunk(m), y.chunk(m)
+        self.last = rank == NUM_STAGES - 1
+
+    def step(self) -> None:
+        for x, y in zip(self.xs, self.ys):
+            for segment in self.mine:
+                x_in = x.detach().requires_grad_(True)
+                out = segment(x_in)
+                if self.last and segment is self.mine[-1]:
+                    (F.mse_loss(out, y) / len(self.xs)).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _slowest(times: list[float]) -> list[float]:
+    tensor = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
+    torch.manual_seed(1)
+    data = (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
+    ours, theirs = _Schedcc(name, m, v, data), _Torch(cls, m, v, data, rank)
+    floor = _Floor(m, v, data, rank)
+    for runner in (ours, theirs, floor):
+        for _ in range(opts.warmup):
+            _timed(runner.step)
+    times: dict[str, list[tuple[float, float]]] = {"schedcc": [], "torch": [], "floor": []}
+    for _ in range(opts.rounds):
+        for label, runner in (("schedcc", ours), ("torch", theirs), ("floor", floor)):
+            times[label] += [_timed(runner.step) for _ in range(opts.steps_per_round)]
+    medians = {
+        label: statistics.median(_slowest([wall for wall, _ in values]))
+        for label, values in times.items()
+    }
+    cpu = {
+        label: statistics.median(_slowest([seconds for _, seconds in values]))
+        for label, values in times.items()
+    }
+    bubble = (NUM_STAGES - 1) / (v * m + NUM_STAGES - 1)
+    ideal = medians["floor"] / (1 - bubble)
+    return {
+        "row": f"{name} m={m}" + (f" v={v}" if v > 1 else ""),
+        **medians,
+        "bubble": bubble,
+        "ideal": ideal,
+        "overhead_us": (medians["schedcc"] - ideal) / ours.instructions * 1e6,
+        "cpu": cpu,
+    }
+
+
+def _worker(rank: int, world_size: int, opts) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(60))
+    rows = [_row(rank, name, cls, v, m, opts) for name, cls, v in ROWS for m in MICROBATCHES]
+    if rank == 0:
+        _print(rows)
+    dist.barrier()
+    return 0
+
+
+def _print(rows: list[dict]) -> None:
+    header = (
+        "| schedule | schedcc ms | torch ms | torch/schedcc | floor ms | analytic bubble | "
+        "floor/(1-bubble) ms | schedcc/ideal | overhead us/instr | CPU ms schedcc/torch/floor |"
+    )
+    print(header)
+    print("|" + "---|" * header.count(" | ") + "---|")
+    for r in rows:
+        print(
+            f"| {r['row']} | {r['schedcc'] * 1e3:.2f} | {r['torch'] * 1e3:.2f} | "
+            f"{r['torch'] / r['schedcc']:.2f} | {r['floor'] * 1e3:.2f} | {r['bubble']:.1%} | "
+            f"{r['ideal'] * 1e3:.2f} | {r['schedcc'] / r['ideal']:.2f} | "
+            f"{r['overhead_us']:.0f} | {r['cpu']['schedcc'] * 1e3:.1f} / "
+            f"{r['cpu']['torch'] * 1e3:.1f} / {r['cpu']['floor'] * 1e3:.1f} |",
+            flush=True,
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30, help="A B alternations per row")
+    parser.add_argument("--steps-per-round", type=int, default=1, help="timed steps per turn")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per runner")
+    opts = parser.parse_args()
+    return spawn(_worker, NUM_STAGES, (opts,), grace=120, threads=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

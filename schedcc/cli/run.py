@@ -1,0 +1,202 @@
+"""`schedcc run`: train a model with a pipeline schedule on `torch.distributed`.
+
+With no flags it trains the built-in tiny GPT on generated bigram data with 1F1B over 2 local
+processes (gloo on CPU; NCCL and one process per GPU when CUDA is there), shows progress, and ends
+with a summary: final loss against the entropy floor, step time, tokens/s, measured against
+simulated bubble, and peak activation memory per stage. Under `torchrun` it uses the launcher's
+ranks instead of spawning. torch is imported only when a run starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from schedcc.cli import UsageError, positive_int
+from schedcc.compiler import compile
+from schedcc.registry import get_schedule
+
+__all__ = ["Config", "register", "run"]
+
+EPILOG = """examples:
+  schedcc run
+  schedcc run --schedule interleaved-1f1b -p 2 -v 2 -m 8 --steps 50 --trace run.json
+  schedcc run --dp 2 --zero 1 --check
+  schedcc run --schedule my_schedules.py:MySchedule --model mlp
+  schedcc run --steps 100 --checkpoint ckpt --every 10      (then add --resume after a crash)
+  torchrun --nproc-per-node 4 -m schedcc run -p 2          (dp = world / p)
+"""
+
+#: Batches one program covers for weight-delayed schedules (2BW), so the delay shows.
+DELAYED_BATCHES_PER_RUN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What every rank of `schedcc run` needs to know (picklable, torch-free)."""
+
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    num_chunks: int
+    num_batches: int
+    data_parallel: int
+    zero: int
+    steps: int
+    model: str
+    microbatch_size: int
+    lr: float
+    seed: int
+    trace: str | None
+    check: bool
+    timeout: float
+    progress: bool
+    checkpoint: str | None = None
+    every: int = 0
+    resume: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.data_parallel
+
+    def describe(self, rank: int) -> str:
+        """`rank 3 (stage 1, dp 1)`: global rank = dp_index * p + stage."""
+        dp_index, stage = divmod(rank, self.num_stages)
+        return f"rank {rank} (stage {stage}, dp {dp_index})"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="train a model with a schedule on torch.distributed",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--schedule", default="1f1b", help="name, module:Class or file.py:Class")
+    parser.add_argument("-p", "--stages", type=positive_int, default=2, help="pipeline stages")
+    parser.add_argument("-m", "--microbatches", type=positive_int, default=8)
+    parser.add_argument("-v", "--chunks", type=positive_int, default=1, help="chunks per stage")
+    parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel replicas")
+    parser.add_argument("--zero", type=int, choices=(0, 1), default=0, help="ZeRO stage")
+    parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
+    parser.add_argument("--model", choices=("tiny-gpt", "mlp"), default="tiny-gpt")
+    parser.add_argument(
+        "--microbatch-size", type=positive_int, default=2, help="samples per microbatch"
+    )
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", metavar="FILE", help="write the measured Chrome trace here")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="train in float64 and compare with non-pipelined training (exit 1 if they differ)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds any rank may wait on a peer"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--checkpoint", metavar="DIR", help="checkpoint directory (DIR/step-NNNNNNNN/ per save)"
+    )
+    parser.add_argument(
+        "--every", type=positive_int, metavar="N", help="save a checkpoint every N steps"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --checkpoint (if any)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """Validate the request, then train on spawned processes or on torchrun's ranks."""
+    from schedcc.backends import launch
+
+    config = _config(args, launch.in_torchrun())
+    from schedcc.backends import job  # imports torch
+
+    if launch.in_torchrun():
+        rank = int(os.environ["RANK"])
+        return launch.run_rank(job.main, rank, config.world_size, config)
+    try:
+        job.check_devices(config.world_size)
+    except launch.UserError as exc:
+        raise UsageError(str(exc)) from None
+    return launch.spawn(
+        job.main,
+        config.world_size,
+        (config,),
+        grace=config.timeout + 10.0,
+        threads=max(1, (os.cpu_count() or 1) // config.world_size),
+        describe=config.describe,
+    )
+
+
+def _config(args, under_torchrun: bool) -> Config:
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
+    cls = get_schedule(args.schedule)
+    p, dp = args.stages, args.dp
+    if under_torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        if dp is None:
+            if world % p:
+                raise UsageError(
+                    f"torchrun started {world} rank(s), not a multiple of -p {p}: start p * dp "
+                    "ranks, or change -p"
+                )
+            dp = world // p
+        elif p * dp != world:
+            raise UsageError(
+                f"-p {p} --dp {dp} needs {p * dp} ranks but torchrun started {world}: make "
+                "--nnodes * --nproc-per-node equal p * dp"
+            )
+    dp = dp or 1
+    batches_per_run = DELAYED_BATCHES_PER_RUN if cls.weight_delay else 1
+    batches_per_run = min(batches_per_run, args.steps)
+    schedule = cls(p, args.microbatches, args.chunks, batches_per_run)
+    compile(schedule, data_parallel=dp, zero=args.zero)  # a bad program fails here, exit 2
+    if args.trace:
+        directory = os.path.dirname(os.path.abspath(args.trace))
+        if not os.path.isdir(directory):
+            raise UsageError(f"--trace: directory {directory} does not exist")
+    steps = -(-args.steps // batches_per_run) * batches_per_run
+    _check_checkpoint_args(args, batches_per_run)
+    return Config(
+        schedule=args.schedule,
+        num_stages=p,
+        num_microbatches=args.microbatches,
+        num_chunks=args.chunks,
+        num_batches=batches_per_run,
+        data_parallel=dp,
+        zero=args.zero,
+        steps=steps,
+        model=args.model,
+        microbatch_size=args.microbatch_size,
+        lr=args.lr,
+        seed=args.seed,
+        trace=args.trace,
+        check=args.check,
+        timeout=args.timeout,
+        progress=not args.no_progress,
+        checkpoint=args.checkpoint,
+        every=args.every or 0,
+        resume=args.resume,
+    )
+
+
+def _check_checkpoint_args(args, batches_per_run: int) -> None:
+    if (args.every or args.resume) and not args.checkpoint:
+        raise UsageError("--every and --resume need --checkpoint DIR")
+    if args.every and args.every % batches_per_run:
+        raise UsageError(
+            f"--every {args.every}: checkpoints are taken between program runs, which cover "
+            f"{batches_per_run} steps each for this schedule; use a multiple of {batches_per_run}"
+        )
+    if args.resume and args.check:
+        raise UsageError("--check compares a whole run from step 0; it cannot follow --resume")
+    if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint} exists and is not a directory")

@@ -1,0 +1,122 @@
+"""The terminal drawing: a row per stage, time running right.
+
+Each compute is a block as wide as its duration (one column per time unit, or scaled to fit);
+the block shows its kind and microbatch (`F3`, `B3`), or just the microbatch or the kind letter
+when narrow. Idle time is `.`. On a terminal, blocks are coloured by kind (forward blue, backward
+green, input-grad cyan, weight-grad magenta, updates yellow), brighter on odd chunks.
+
+    >>> import schedcc
+    >>> timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule("gpipe")(2, 2)))
+    >>> print(timeline.to_ascii(color=False).splitlines()[1])
+    stage 0 |F0 F1 .........B1    B0    |
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+__all__ = ["render"]
+
+_BACKGROUND = {"F": 44, "B": 42, "I": 46, "W": 45, "Reduce": 43, "Step": 43, "Gather": 43}
+_SHOWN = frozenset(_BACKGROUND)
+_RESET = "\x1b[0m"
+
+
+def render(timeline, *, width: int | None = None, color: bool | None = None) -> str:
+    """The drawing as text.
+
+    Args:
+        timeline: a `schedcc.simulate.Timeline`.
+        width: the most columns for the time axis (default: the terminal's width).
+        color: ANSI colours; default when stdout is a terminal and `NO_COLOR` is unset.
+    """
+    if color is None:
+        color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    makespan = timeline.makespan
+    label = len(f"stage {timeline.num_stages - 1} |")
+    if width is None:
+        width = max(20, shutil.get_terminal_size((120, 24)).columns - label - 1)
+    unit = _smallest_unit(timeline)
+    scale = _scale(makespan, unit, width)
+    columns = max(1, round(makespan * scale))
+    rows = [[(".", None)] * columns for _ in range(timeline.num_stages)]
+    for stage, op, start, end in timeline.events:
+        if op.code not in _SHOWN:
+            continue
+        lo, hi = round(start * scale), round(end * scale)
+        if hi <= lo:
+            continue
+        text = _block_text(op, hi - lo, color)
+        style = _style(op)
+        for col in range(lo, min(hi, columns)):
+            rows[stage][col] = (text[col - lo], style)
+    lines = [_header(timeline, columns, scale)]
+    for stage, row in enumerate(rows):
+        lines.append(f"stage {stage}".ljust(label - 2) + " |" + _join(row, color) + "|")
+    return "\n".join(lines)
+
+
+def _smallest_unit(timeline) -> float:
+    """The shortest compute duration, so that it gets at least one column when it fits."""
+    shortest = min(
+        (
+            e.end - e.start
+            for e in timeline.events
+            if e.instruction.code in "FBIW" and e.end > e.start
+        ),
+        default=1.0,
+    )
+    return min(1.0, shortest)
+
+
+def _scale(makespan: float, unit: float, width: int) -> float:
+    """Columns per time unit: up to 3 per shortest compute, or whole time units per column."""
+    if not makespan:
+        return 1.0
+    per_unit = min(3, int(width * unit // makespan)) / unit
+    if per_unit >= 1 / unit:
+        return per_unit
+    return 1 / max(1.0, -(-makespan // width))
+
+
+def _block_text(op, width: int, color: bool) -> str:
+    """What a block shows: `F3.1`, `F3` or `3` (kind letter instead, when plain and narrow)."""
+    code, microbatch = op.code, getattr(op, "microbatch", None)
+    if microbatch is None:
+        return code[:width].ljust(width, code[0])
+    texts = [f"{code}{microbatch}"]
+    if getattr(op, "chunk", 0):
+        texts.insert(0, f"{code}{microbatch}.{op.chunk}")
+    texts.append(str(microbatch) if color else code)
+    for text in texts:
+        if len(text) <= width:
+            return text.ljust(width)
+    return code * width
+
+
+def _style(op) -> int:
+    background = _BACKGROUND[op.code]
+    return background + 60 if getattr(op, "chunk", 0) % 2 else background
+
+
+def _join(row, color: bool) -> str:
+    if not color:
+        return "".join(char for char, _ in row)
+    out, current = [], None
+    for char, style in row:
+        if style != current:
+            out.append(_RESET if style is None else f"\x1b[30;{style}m")
+            current = style
+        out.append(" " if style is None and char == "." else char)
+    out.append(_RESET)
+    return "".join(out)
+
+
+def _header(timeline, columns: int, scale: float) -> str:
+    schedule = timeline.program.schedule
+    name = schedule.name or type(schedule).__name__
+    shape = f"p={schedule.num_stages} m={schedule.num_microbatches} v={schedule.num_chunks}"
+    per = f"{1 / scale:g} time unit(s) per column" if scale else ""
+    return f"{name} {shape}, makespan {timeline.makespan:g}, {per}, {columns} columns"

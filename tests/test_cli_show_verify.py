@@ -1,0 +1,137 @@
+"""`schedcc show` and `schedcc verify` end to end, through a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from schedcc.cli import main
+
+BROKEN = '''
+from schedcc import Schedule, Forward, Backward
+
+class Backward0First(Schedule):
+    """Runs the backward of microbatch 0 before any forward on the last stage: invalid."""
+    name = "broken"
+    def steps(self, stage):
+        mbs = self.microbatches(0)
+        if stage == self.num_stages - 1:
+            yield Backward(0)
+        for i in mbs:
+            yield Forward(i)
+        for i in reversed(mbs):
+            if i or stage != self.num_stages - 1:
+                yield Backward(i)
+'''
+
+
+def schedcc_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "schedcc", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+    )
+
+
+def test_show_prints_the_drawing_and_the_summary():
+    """ASCII to stdout: a row per stage and the textbook 1F1B makespan in the summary."""
+    result = schedcc_cli("show", "--schedule", "1f1b", "-p", "4", "-m", "8")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("stage ") for line in lines) == 4
+    assert lines[-1].startswith("makespan 33, bubble 27.3%, peak activations per stage [4 3 2 1]")
+
+
+def test_show_writes_svg_and_chrome_files(tmp_path):
+    """--format svg and --format chrome write the files they are asked for."""
+    svg = schedcc_cli(
+        "show",
+        "--schedule",
+        "gpipe",
+        "-p",
+        "2",
+        "-m",
+        "4",
+        "--format",
+        "svg",
+        "-o",
+        str(tmp_path / "g.svg"),
+        "--costs",
+        "F=1,B=2,comm=0.1",
+    )
+    assert svg.returncode == 0, svg.stderr
+    assert (tmp_path / "g.svg").read_text().lstrip().startswith("<?xml")
+    chrome = schedcc_cli(
+        "show",
+        "--schedule",
+        "1f1b",
+        "-p",
+        "2",
+        "-m",
+        "2",
+        "--dp",
+        "2",
+        "-o",
+        str(tmp_path / "t.json"),
+    )
+    assert chrome.returncode == 0, chrome.stderr
+    names = {e["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    assert {"F0", "B1", "Reduce", "Step"} <= names
+
+
+def test_verify_passes_a_builtin_schedule_over_its_grid():
+    """verify exits 0 and reports every checked shape as passing."""
+    result = schedcc_cli("verify", "--schedule", "1f1b", "-p", "3")
+    assert result.returncode == 0, result.stderr
+    assert "FAIL" not in result.stdout
+    assert "shapes pass" in result.stdout
+
+
+def test_verify_fails_a_broken_schedule_and_explains(tmp_path):
+    """A schedule that runs a backward before its forward: exit 1, FAIL rows, the reason."""
+    (tmp_path / "broken.py").write_text(BROKEN)
+    result = schedcc_cli(
+        "verify", "--schedule", "broken.py:Backward0First", "-m", "2", cwd=tmp_path
+    )
+    assert result.returncode == 1
+    assert "FAIL DependencyError" in result.stdout
+    assert "move B0 after it" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["show", "--schedule", "no-such-schedule"], "unknown schedule"),
+        (["show", "--schedule", "1f1b", "-p", "0"], "positive integer"),
+        (["verify", "--schedule", "missing_file.py:X"], "does not exist"),
+        (["verify", "--schedule", "schedcc.ir:Forward"], "not a subclass of schedcc.Schedule"),
+        (["show", "--schedule", "1f1b", "--costs", "F=fast"], "not a number"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, says):
+    """Unknown schedule, p = 0, missing file, a non-Schedule class, bad costs: one line, exit 2."""
+    result = schedcc_cli(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert says in result.stderr
+
+
+@pytest.mark.parametrize("command", ["show", "verify"])
+def test_help_shows_examples(command, capsys):
+    """--help lists runnable examples in its epilog."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert f"schedcc {command} --schedule" in capsys.readouterr().out
+
+
+def test_a_shape_the_schedule_rejects_is_bad_input(capsys):
+    """verify of a shape the schedule refuses (1f1b with v = 2) is exit 2 with its rule."""
+    assert main(["verify", "--schedule", "1f1b", "-v", "2"]) == 2
+    assert "one chunk per stage" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""The torch.distributed backend: equal to the local backend, data parallel, failures end runs.
+
+Each test is one multi-process launch (gloo on 127.0.0.1, forked from this process, one thread
+each) that checks several programs in the same process group; a rank that sees a difference
+raises, which makes the launch exit non-zero.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import schedcc
+from schedcc.backends import models
+from schedcc.backends.distributed import Engine
+from schedcc.backends.launch import spawn
+from schedcc.backends.local import Engine as LocalEngine
+
+#: (schedule, p, v, num_batches, batches trained); schedules not built yet are skipped.
+SCHEDULES = [
+    ("gpipe", 2, 1, 1, 2),
+    ("1f1b", 2, 1, 1, 2),
+    ("interleaved-1f1b", 2, 2, 1, 2),
+    ("2bw", 2, 1, 2, 4),
+]
+
+
+def _available(name: str) -> bool:
+    try:
+        schedcc.get_schedule(name)
+    except schedcc.ScheduleError:
+        return False
+    return True
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _init(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+
+
+def _compare(rank, name, p, v, batches_per_run, steps, dp=1, zero=0, **groups):
+    """Train one program distributed and locally from the same weights; raise on a difference."""
+    schedule = schedcc.get_schedule(name)(p, 4, v, batches_per_run)
+    program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
+    segments = models.mlp_segments(p * v, width=8, seed=1)
+    oracle = copy.deepcopy(segments)
+    data = models.TeacherData(width=8, seed=2)
+    batches = [data.batch(8 * dp, step) for step in range(steps)]
+    dp_index = rank // p
+    local = [(x.chunk(dp)[dp_index], y.chunk(dp)[dp_index]) for x, y in batches]
+    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=30, **groups)
+    losses = list(engine.train(local))
+    replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in batches] if dp > 1 else batches
+    expected = list(LocalEngine(program, oracle, F.mse_loss, _optimizer).train(replicas))
+    where = f"{name} p={p} v={v} dp={dp} zero={zero} rank {rank}"
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
+    for c in range(v):
+        k = schedule.segment_of(engine.stage, c)
+        for got, want in zip(segments[k].parameters(), oracle[k].parameters()):
+            assert torch.allclose(got, want, rtol=0, atol=1e-12), (where, k)
+
+
+def _pipeline_worker(rank: int, world_size: int) -> int:
+    _init(rank, world_size)
+    for case in SCHEDULES:
+        if _available(case[0]):
+            _compare(rank, *case)
+    return 0
+
+
+def _data_parallel_worker(rank: int, world_size: int) -> int:
+    _init(rank, world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    _compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=0)  # the engine builds its own mesh
+    _compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=1, mesh=mesh)
+    groups = {"pp_group": mesh.get_group("pp"), "dp_group": mesh.get_group("dp")}
+    _compare(rank, "gpipe", 2, 1, 1, 2, dp=2, zero=1, **groups)  # Megatron-style groups
+    return 0
+
+
+def test_distributed_equals_local_for_every_schedule():
+    """On 2 ranks, every built-in schedule trains to the local backend's weights and losses."""
+    assert spawn(_pipeline_worker, 2, grace=30, threads=1) == 0
+
+
+def test_data_parallel_with_and_without_zero_equals_local():
+    """On 4 ranks (p=2, dp=2), all-reduce and ZeRO-1 match the local backend, any group source."""
+    assert spawn(_data_parallel_worker, 4, grace=30, threads=1) == 0
+
+
+_KILL_AFTER = 7  # instructions into the second step
+
+
+def _dying_worker(rank: int, world_size: int) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=5))
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), data_parallel=2)
+    segments = models.mlp_segments(2, width=8)
+    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=5)
+    data = models.TeacherData(width=8)
+    if rank == 3:
+        calls = []
+        run = engine.runtime.run
+
+        def run_then_die(op):
+            calls.append(op)
+            if len(calls) == len(program.stages[1]) + _KILL_AFTER:
+                os.kill(os.getpid(), signal.SIGKILL)
+            run(op)
+
+        engine.runtime.run = run_then_die
+    for step in range(3):
+        x, y = data.batch(8, step)
+        engine.train_step(x, y)
+    return 0
+
+
+def test_a_killed_rank_ends_every_other_rank_within_the_timeout(capfd):
+    """Rank 3 dies mid-step: the others fail fast, each naming what it waited on; none hangs."""
+    start = time.monotonic()
+    code = spawn(_dying_worker, 4, grace=25, threads=1)
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert code != 0
+    assert elapsed < 20, err
+    assert "rank 3 was killed by signal 9" in err
+    assert "did not stop" not in err, err
+    for rank in (0, 1, 2):
+        assert f"schedcc: rank {rank}: rank {rank} (stage {rank % 2}) failed" in err, err
+    assert "on rank 3 (stage 1)" in err or "data-parallel ranks [1, 3]" in err, err

@@ -1,0 +1,191 @@
+"""The simulator: textbook makespans and bubbles, memory, weight versions, costs and traces."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import schedcc
+from schedcc import CostModel, ScheduleConfigError, ScheduleError, simulate
+from schedcc.ir import RecvActivation
+
+shapes = st.tuples(st.integers(1, 8), st.integers(1, 32))
+
+
+def timeline_of(name, p, m, v=1, batches=1, costs=None):
+    program = schedcc.compile(schedcc.get_schedule(name)(p, m, v, batches))
+    return simulate(program, costs)
+
+
+def schedule_or_skip(name):
+    """The registered class, or skip while another helper has not written it yet."""
+    try:
+        return schedcc.get_schedule(name)
+    except schedcc.UnknownScheduleError:
+        pytest.skip(f"schedule {name!r} is not available yet")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@given(shape=shapes)
+def test_flush_schedules_have_the_textbook_makespan_and_bubble(name, shape):
+    """GPipe and 1F1B take 3(m + p - 1) with bubble (p - 1) / (m + p - 1) at F=1, B=2."""
+    p, m = shape
+    timeline = timeline_of(name, p, m)
+    assert timeline.makespan == 3 * (m + p - 1)
+    assert math.isclose(timeline.bubble_fraction, (p - 1) / (m + p - 1), abs_tol=1e-12)
+
+
+@given(shape=shapes)
+def test_one_f_one_b_bounds_activations_where_gpipe_holds_every_microbatch(shape):
+    """1F1B holds min(p - s, m) activations on stage s; GPipe holds m on every stage."""
+    p, m = shape
+    assert timeline_of("1f1b", p, m).peak_activations == tuple(min(p - s, m) for s in range(p))
+    assert timeline_of("gpipe", p, m).peak_activations == (m,) * p
+
+
+@given(shape=shapes, batches=st.integers(1, 3))
+def test_flush_schedules_hold_one_weight_version(shape, batches):
+    """With a flush per batch, the old weights die at the step: one version at a time."""
+    p, m = shape
+    assert timeline_of("1f1b", p, m, batches=batches).peak_versions == (1,) * p
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@given(shape=shapes)
+def test_critical_path_runs_from_zero_to_the_makespan_without_slack(name, shape):
+    """The computes on the critical path add up to the makespan when comm is free."""
+    p, m = shape
+    timeline = timeline_of(name, p, m)
+    path = timeline.critical_path
+    assert path[0].start == 0
+    assert path[-1].end == timeline.makespan
+    compute = sum(e.end - e.start for e in path if e.instruction.group == "compute")
+    assert compute == timeline.makespan
+
+
+def test_busy_and_idle_add_up_to_the_makespan_on_every_stage():
+    """Busy plus idle is the makespan, and busy is the stage's compute work (3m)."""
+    timeline = timeline_of("1f1b", 4, 8)
+    assert timeline.busy == (24.0,) * 4
+    assert all(b + i == timeline.makespan for b, i in zip(timeline.busy, timeline.idle))
+
+
+def test_events_cover_every_instruction_in_program_order():
+    """One event per instruction, in program order; steps on a stage never overlap.
+
+    The ops of one comm group share the group's interval (posted..done).
+    """
+    timeline = timeline_of("1f1b", 3, 5, costs=CostModel(comm=0.25))
+    program = timeline.program
+    assert [(e.stage, e.instruction) for e in timeline.events] == [
+        (s, op) for s, ops in enumerate(program.stages) for op in ops
+    ]
+    for s in range(program.num_stages):
+        row = [e for e in timeline.events if e.stage == s]
+        for a, b in itertools.pairwise(row):
+            assert a.end <= b.start + 1e-12 or (a.start, a.end) == (b.start, b.end)
+
+
+def test_a_timeline_built_from_measured_events_reads_the_same():
+    """Timeline(program, events) from plain tuples gives the simulated makespan and bubble."""
+    simulated = timeline_of("1f1b", 3, 4, costs=CostModel(comm=0.5))
+    measured = schedcc.Timeline(simulated.program, [tuple(e) for e in simulated.events])
+    assert measured.makespan == simulated.makespan
+    assert measured.busy == simulated.busy
+    assert measured.bubble_fraction == simulated.bubble_fraction
+    assert measured.critical_path == ()
+
+
+def test_interleaving_shrinks_the_bubble_as_chunks_grow():
+    """Interleaved 1F1B's bubble falls as v grows (p = 4, m = 8, v = 1, 2, 4)."""
+    schedule_or_skip("interleaved-1f1b")
+    bubbles = [timeline_of("interleaved-1f1b", 4, 8, v).bubble_fraction for v in (1, 2, 4)]
+    assert bubbles[0] > bubbles[1] > bubbles[2]
+
+
+@pytest.mark.parametrize("batches", [2, 3])
+def test_two_bw_has_no_flush_between_batches_and_two_versions(batches):
+    """PipeDream-2BW over B batches takes 3(Bm + p - 1) and holds two weight versions."""
+    schedule_or_skip("2bw")
+    p, m = 4, 8
+    timeline = timeline_of("2bw", p, m, batches=batches)
+    assert timeline.makespan == 3 * (batches * m + p - 1)
+    assert max(timeline.peak_versions) == 2
+    flush = timeline_of("1f1b", p, m, batches=batches)
+    assert flush.makespan == batches * 3 * (m + p - 1)
+
+
+def test_costs_scale_the_makespan_and_comm_adds_to_it():
+    """Doubling every cost doubles the makespan; a comm cost lengthens it."""
+    base = timeline_of("1f1b", 4, 8).makespan
+    double = CostModel(forward=2.0, backward=4.0)
+    assert timeline_of("1f1b", 4, 8, costs=double).makespan == 2 * base
+    assert timeline_of("1f1b", 4, 8, costs=CostModel(comm=0.5)).makespan > base
+
+
+def test_a_slow_stage_override_applies_to_that_stage_only():
+    """per_stage costs slow one stage; per_chunk costs apply to that chunk's computes."""
+    costs = CostModel(per_stage={3: CostModel(forward=2.0, backward=4.0)})
+    timeline = timeline_of("1f1b", 4, 8, costs=costs)
+    assert timeline.busy == (24.0, 24.0, 24.0, 48.0)
+    chunked = CostModel(per_chunk={1: CostModel(forward=3.0)})
+    assert chunked.at(0, 1).forward == 3.0
+    assert chunked.at(0, 0).forward == 1.0
+    nested = CostModel(per_stage={2: CostModel(per_chunk={1: CostModel(forward=5.0)})})
+    assert nested.at(2, 1).forward == 5.0
+    assert nested.at(2, 0).forward == 1.0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"forward": -1.0}, {"comm": "fast"}, {"per_stage": {-1: CostModel()}}, {"per_chunk": {0: 1}}],
+)
+def test_a_bad_cost_model_is_a_config_error(bad):
+    """A negative or non-numeric cost, or a malformed override, raises ScheduleConfigError."""
+    with pytest.raises(ScheduleConfigError):
+        CostModel(**bad)
+
+
+def test_costs_read_back_from_a_trace_equal_the_costs_simulated(tmp_path):
+    """from_trace of a simulated trace gives back each stage's compute costs (medians)."""
+    costs = CostModel(forward=1.5, backward=2.5, per_stage={1: CostModel(forward=3.0)})
+    path = timeline_of("1f1b", 3, 6, costs=costs).to_chrome_trace(tmp_path / "t.json")
+    measured = CostModel.from_trace(path)
+    assert measured.at(0).forward == 1.5
+    assert measured.at(0).backward == 2.5
+    assert measured.at(1).forward == 3.0
+    assert measured.at(2).forward == 1.5
+
+
+def test_from_trace_reads_a_process_per_stage_trace_in_seconds():
+    """Events whose pid is the stage and dur in microseconds give costs in the unit asked for."""
+    events = [
+        {"name": "F0", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 2e6},
+        {"name": "B0", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 4e6},
+        {"name": "F0", "ph": "X", "pid": 1, "tid": 0, "ts": 0, "dur": 3e6},
+        {"name": "step", "ph": "X", "pid": 1, "tid": 0, "ts": 0, "dur": 1},
+    ]
+    costs = CostModel.from_trace(events, unit_us=1e6, comm=0.5)
+    assert (costs.at(0).forward, costs.at(0).backward, costs.at(1).forward) == (2.0, 4.0, 3.0)
+    assert costs.at(1).comm == 0.5
+    with pytest.raises(ScheduleConfigError):
+        CostModel.from_trace([{"name": "nothing", "ph": "X", "dur": 1}])
+
+
+def test_simulating_an_invalid_program_raises_the_validators_error():
+    """A program with a receive removed raises a ScheduleError, not a wrong timeline."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
+    stage1 = tuple(op for op in program.stages[1] if op != RecvActivation(1))
+    broken = program.evolve(stages=(program.stages[0], stage1))
+    with pytest.raises(ScheduleError):
+        simulate(broken)
+
+
+def test_simulate_rejects_what_is_not_a_program():
+    """Passing a schedule instead of its compiled program is a config error that says so."""
+    with pytest.raises(ScheduleConfigError, match="compiled Program"):
+        simulate(schedcc.get_schedule("1f1b")(2, 2))
