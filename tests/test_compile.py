@@ -277,3 +277,29 @@ def test_compile_restores_the_garbage_collector(enabled):
     finally:
         if was:
             gc.enable()
+
+
+def test_comm_meets_where_both_stages_are_idle():
+    """Interleaved 1F1B at p=4 replays the compute-only makespan 3mv + 3(p - 1) exactly."""
+    from schedcc.simulate import simulate
+
+    p, m, v = 4, 8, 2
+    program = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(p, m, v))
+    assert simulate(program).makespan == 3 * m * v + 3 * (p - 1)
+
+
+def test_comm_placement_moves_pairs_back_to_a_common_idle_moment():
+    """At p=8 comm placement keeps interleaving near its ideal 213: 225, not 294 as before."""
+    from schedcc.simulate import simulate
+
+    program = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(8, 32, 2))
+    assert simulate(program).makespan <= 225
+
+
+def test_interleaving_beats_1f1b_under_blocking_exchanges():
+    """At p=8, m=32 interleaved 1F1B (v=2) has a smaller simulated bubble than 1F1B."""
+    from schedcc.simulate import simulate
+
+    one = simulate(schedcc.compile(schedcc.get_schedule("1f1b")(8, 32)))
+    two = simulate(schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(8, 32, 2)))
+    assert two.bubble_fraction < one.bubble_fraction
