@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from schedcc.errors import ScheduleError
@@ -46,7 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # a subcommand not built yet
         module.register(subparsers)
+    one_line_errors(parser, "")
+    for name, subparser in subparsers.choices.items():
+        one_line_errors(subparser, name)
     return parser
+
+
+def one_line_errors(parser: argparse.ArgumentParser, command: str) -> None:
+    """Make argparse report a bad value as one line (no usage block), exit 2."""
+    prefix = f"schedcc {command}".strip()
+
+    def error(message: str):
+        print(f"{prefix}: error: {message} (see {prefix} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+    parser.error = error  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `schedcc tune ... | head`: the reader left; nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ScheduleError, UsageError, ValueError, OSError) as exc:
         message = str(exc).strip()
         print(f"schedcc {args.command}: error: {message}", file=sys.stderr)

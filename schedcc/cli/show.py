@@ -7,7 +7,6 @@ bubble and peak activations per stage.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from schedcc.cli import positive_int
@@ -109,16 +108,6 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, required: bool) -> N
     )
 
 
-def one_line_errors(parser: argparse.ArgumentParser, command: str) -> None:
-    """Make argparse report a bad value as one line (no usage block), exit 2."""
-
-    def error(message: str):
-        print(f"schedcc {command}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    parser.error = error  # type: ignore[method-assign]
-
-
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "show",
@@ -157,7 +146,6 @@ def register(subparsers) -> None:
         metavar="FILE",
         help="write the drawing here (default: print ascii; files get a name from the schedule)",
     )
-    one_line_errors(parser, "show")
     parser.set_defaults(func=run)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 
 from schedcc.cli import positive_int
-from schedcc.cli.show import one_line_errors, parse_costs
+from schedcc.cli.show import parse_costs
 from schedcc.compiler import compile
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.registry import get_schedule, registered_schedules
@@ -99,7 +99,6 @@ def register(subparsers) -> None:
         help="also try this schedule (module:Class or path/to/file.py:Class); repeatable",
     )
     parser.add_argument("--format", choices=("table", "json"), default="table")
-    one_line_errors(parser, "tune")
     parser.set_defaults(func=run)
 
 

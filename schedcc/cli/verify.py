@@ -13,7 +13,7 @@ import itertools
 
 import attrs
 
-from schedcc.cli.show import add_shape_arguments, one_line_errors
+from schedcc.cli.show import add_shape_arguments
 from schedcc.compiler import compile
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.registry import get_schedule
@@ -71,7 +71,6 @@ def register(subparsers) -> None:
     for action in parser._actions:  # --schedule or --torch, checked in run()
         if action.dest == "schedule":
             action.required = False
-    one_line_errors(parser, "verify")
     parser.set_defaults(func=run)
 
 
