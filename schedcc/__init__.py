@@ -79,9 +79,8 @@ __all__ = [
 def __getattr__(name: str):
     """`schedcc.partition`, imported on first use (it needs torch)."""
     if name == "partition":
-        from schedcc.partition import partition
+        from schedcc.partitioning import partition
 
-        # Importing the submodule bound `schedcc.partition` to it; the public name is the function.
         globals()["partition"] = partition
         return partition
     raise AttributeError(f"module 'schedcc' has no attribute {name!r}")

@@ -29,6 +29,7 @@ import attrs
 from schedcc.analysis import Layout, Steps, Walk, match_comm, paused_gc, walk
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMM, COMPUTE, UPDATE, Instruction, parse
+from schedcc.passes.assign_versions import assign_versions
 from schedcc.program import Program
 
 __all__ = ["CostModel", "Event", "Timeline", "simulate"]
@@ -293,7 +294,7 @@ class Timeline:
         stays live while it is the newest or until its last use by a compute on the stage.
         """
         program = self.program
-        versions = program.versions or _versions_of(program)
+        versions = (program.versions or assign_versions(program).versions) or ()
         return tuple(_peak_live(ops, row) for ops, row in zip(program.stages, versions))
 
     @cached_property
@@ -335,23 +336,6 @@ class Timeline:
 
         flows = comm_flows(self.program, self.events)
         return write_chrome_trace(self.events, path, flows=flows, metadata=_meta(self))
-
-
-def _versions_of(program: Program) -> list[list[int | None]]:
-    m, delay = program.schedule.num_microbatches, program.schedule.weight_delay
-    rows = []
-    for ops in program.stages:
-        produced, row = 0, []
-        for op in ops:
-            if op.group == "compute":
-                row.append(max(0, op.microbatch // m - delay))  # type: ignore[attr-defined]
-            elif op.code == "Step":
-                produced += 1
-                row.append(produced)
-            else:
-                row.append(None)
-        rows.append(row)
-    return rows
 
 
 def _peak_live(ops, row) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 
 import schedcc
 from schedcc.errors import ScheduleConfigError
-from schedcc.partition import PartitionError, segment_bounds
+from schedcc.partitioning import PartitionError, segment_bounds
 
 
 def _model(widths=(8, 8, 8, 8)) -> nn.Sequential:

@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -145,17 +143,3 @@ def _explicit(starts: list[Any], num_layers: int, n: int) -> list[int]:
             "every segment gets at least one layer"
         )
     return bounds
-
-
-class _CallableModule(types.ModuleType):
-    """Lets `schedcc.partition(model, n)` work even after `import schedcc.partition`.
-
-    Importing this submodule binds the name `partition` on the package to the module, shadowing
-    the function that `schedcc.__getattr__` hands out; calling the module calls the function.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> list[nn.Sequential]:
-        return partition(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
