@@ -12,9 +12,18 @@ to send, and the output gradient received. Per chunk: the live parameters (the m
 latest version), the weight versions in-flight forwards still need (weight_delay >= 1, weight
 stashing), and under ZeRO a flat shard parameter that the optimizer steps.
 
-[Note: exactness] The last segment scales its loss by 1/(m * dp), gradients are accumulated with
-`torch.autograd.grad` into the live parameters' `.grad`, and the reductions sum in rank order, so a
-pipelined step equals a non-pipelined step on the concatenated global batch up to float rounding.
+[Note: exactness] The last segment scales its loss by 1/(m * dp), gradients are accumulated into
+the live parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed
+weights under weight stashing), and the reductions sum in rank order, so a pipelined step equals a
+non-pipelined step on the concatenated global batch up to float rounding.
+
+[Note: activation bytes are measured once] Saved-tensor hooks count the bytes a forward saves for
+its backward (views count their own bytes, a tensor saved twice counts once, parameters do not
+count). A Python hook on every saved tensor costs time, so the count is taken on the first forward
+of each signature (chunk, input shape/dtype/strides/requires_grad, the target's for the loss, the
+module's training flag, grad mode) and reused for later forwards with the same signature: exact
+for any module whose saved tensors depend on shapes, not on values (a data-dependent module, e.g.
+a router that drops tokens, gets the first microbatch's count).
 """
 
 from __future__ import annotations
@@ -189,6 +198,9 @@ class StageRuntime:
         self._version = 0
         self._versions: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in self.modules]
         self._uses_left = self._count_version_uses()
+        # the live parameters by chunk, looked up once per run instead of once per forward
+        self._live = [dict(mod.named_parameters()) for mod in self.modules]
+        self._saved_bytes: dict[tuple, int] = {}
         if self._delay:
             for c in range(len(self.modules)):
                 self._snapshot(c, 0)
@@ -339,6 +351,13 @@ class StageRuntime:
 
     def _run_segment(self, c, k, i, x, params) -> _Graph:
         module = self.modules[c]
+        signature = self._signature(c, k, i, x)
+        num_bytes = self._saved_bytes.get(signature)
+        if num_bytes is not None:  # see [Note: activation bytes are measured once]
+            out = self._call(module, params, x)
+            if k == self._last:
+                out = self._loss(i, out)
+            return _Graph(out, x, list(params.values()), num_bytes)
         skip = {t.untyped_storage().data_ptr() for t in params.values()}
         seen: dict[int, int] = {}
 
@@ -350,10 +369,25 @@ class StageRuntime:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = torch.func.functional_call(module, params, (x,)) if self._delay else module(x)
+            out = self._call(module, params, x)
             if k == self._last:
                 out = self._loss(i, out)
-        return _Graph(out, x, list(params.values()), sum(seen.values()))
+        num_bytes = self._saved_bytes[signature] = sum(seen.values())
+        return _Graph(out, x, list(params.values()), num_bytes)
+
+    def _call(self, module: nn.Module, params, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(module, params, (x,)) if self._delay else module(x)
+
+    def _signature(self, c: int, k: int, i: int, x: torch.Tensor) -> tuple:
+        """What the saved tensors of a forward depend on (see the note in `_run_segment`)."""
+        target = None
+        if k == self._last:
+            batch, local = divmod(i, self._m)
+            t = self._batch_targets[batch][local]
+            target = (t.shape, t.dtype, t.stride())
+        training = self.modules[c].training
+        grad_mode = torch.is_grad_enabled()
+        return (c, x.shape, x.dtype, x.stride(), x.requires_grad, target, training, grad_mode)
 
     def _loss(self, i: int, out: torch.Tensor) -> torch.Tensor:
         batch, local = divmod(i, self._m)
@@ -402,13 +436,18 @@ class StageRuntime:
     def _backward(self, op: Backward) -> None:
         graph = self._graph(op)
         grad_out = self._output_grad(op.microbatch, op.chunk)
-        wants_input = graph.input.requires_grad
-        wrt = ([graph.input] if wants_input else []) + graph.params
-        grads = torch.autograd.grad(graph.output, wrt, grad_out, allow_unused=True)
-        if wants_input:
-            self._emit_input_grad(op, graph.input, grads[0])
-            grads = grads[1:]
-        self._accumulate(op.chunk, grads)
+        x = graph.input
+        if self._delay:  # the graph ran on stashed weights: their gradients go to the live ones
+            wrt = ([x] if x.requires_grad else []) + graph.params
+            grads = torch.autograd.grad(graph.output, wrt, grad_out, allow_unused=True)
+            if x.requires_grad:
+                self._emit_input_grad(op, x, grads[0])
+                grads = grads[1:]
+            self._accumulate(op.chunk, grads)
+        else:
+            self._backward_into_grads(graph.output, grad_out, [x, *graph.params])
+            if x.requires_grad:
+                self._emit_input_grad(op, x, x.grad)
         self._free(op)
 
     def _backward_input(self, op: BackwardInput) -> None:
@@ -429,9 +468,26 @@ class StageRuntime:
                 stage=self.stage,
             )
         output, grad_out = graph.output
-        grads = torch.autograd.grad(output, graph.params, grad_out, allow_unused=True)
-        self._accumulate(op.chunk, grads)
+        if self._delay:
+            grads = torch.autograd.grad(output, graph.params, grad_out, allow_unused=True)
+            self._accumulate(op.chunk, grads)
+        else:
+            self._backward_into_grads(output, grad_out, graph.params)
         self._free(op)
+
+    @staticmethod
+    def _backward_into_grads(output, grad_out, leaves: list[torch.Tensor]) -> None:
+        """Accumulate d output / d leaf into each leaf's `.grad` (the leaves needing gradients).
+
+        [Note: autograd accumulates] `torch.autograd.backward(..., inputs=leaves)` does in the
+        engine what `_accumulate` does in Python: a leaf without `.grad` takes the gradient, one
+        with `.grad` adds it in place; so the result is bitwise the same, without the clone and
+        the per-parameter Python loop. A segment's input is a fresh leaf per microbatch, so its
+        `.grad` is exactly its input gradient.
+        """
+        wrt = [t for t in leaves if t.requires_grad]
+        if wrt:
+            torch.autograd.backward(output, grad_out, inputs=wrt)
 
     def _graph(self, op) -> _Graph:
         graph = self._graphs.get((op.microbatch, op.chunk))
@@ -479,7 +535,7 @@ class StageRuntime:
 
     def _params_for(self, c: int, version: int) -> dict[str, torch.Tensor]:
         if not self._delay:
-            return dict(self.modules[c].named_parameters())
+            return self._live[c]
         stash = self._versions[c]
         if version not in stash:
             raise RuntimeInstructionError(

@@ -70,19 +70,16 @@ def insert_comm(program: Program) -> Program:
     layout = Layout.of(program.schedule)
     plan = _Plan(program, layout)
     start = _simulate(program, plan)
-    ideal = max(
-        (t + c for row, costs in zip(start, plan.costs) for t, c in zip(row, costs)), default=0
-    )
-    lowered = program.evolve(stages=_lower(program, layout, plan, start))
-    best = _makespan(lowered, layout, plan)
-    if best > ideal:  # see [Note: two lowerings]
-        other = program.evolve(stages=_lower_online(program, layout, plan))
-        if _makespan(other, layout, plan) < best:
-            lowered = other
+    stages, exact = _lower(program, layout, plan, start)
+    lowered = program.evolve(stages=stages)
+    if not exact:  # see [Note: two lowerings]
+        online, makespan = _lower_online(program, layout, plan)
+        if makespan < _makespan(lowered, layout):
+            lowered = program.evolve(stages=online)
     return lowered
 
 
-def _makespan(program: Program, layout: Layout, plan: _Plan) -> float:
+def _makespan(program: Program, layout: Layout) -> float:
     """The program's makespan under rendezvous with the default costs and free comm."""
     steps = Steps.of(program.stages)
     partner, _ = match_comm(program, layout)
@@ -196,14 +193,19 @@ def _simulate(program: Program, plan: _Plan) -> list[list[int]]:
 
 def _lower(
     program: Program, layout: Layout, plan: _Plan, start: list[list[int]]
-) -> tuple[tuple[Instruction, ...], ...]:
-    """Walk the instructions by start time, putting each transfer at its meeting time."""
+) -> tuple[tuple[tuple[Instruction, ...], ...], bool]:
+    """Walk the instructions by start time, putting each transfer at its meeting time.
+
+    Also says whether every pair met where both stages were idle: then the program replays the
+    compute-only simulation exactly (see [Note: meeting time]).
+    """
     stages = program.stages
     horizon = 1 + max(map(max, filter(None, start)), default=0)
     ends = [[t + c for t, c in zip(row, costs)] for row, costs in zip(start, plan.costs)]
     slices: list[list[tuple[int, int]]] = [[] for _ in range(horizon)]
     pairs: list[list[tuple[int, int, Instruction, Instruction]]] = [[] for _ in range(horizon)]
     producer, producer_pos, make = plan.producer, plan.producer_pos, _Maker()
+    exact = True
     for s, row in enumerate(start):
         for pos, t in enumerate(row):
             slices[t].append((s, pos))
@@ -215,6 +217,8 @@ def _lower(
                     continue
                 send, recv = _pair(key, layout, plan, make)
                 when = _meeting(start, ends, src, producer_pos[key], s, start[s][pos])
+                if when < 0:  # no common idle moment: meet at the consumer's start
+                    when, exact = start[s][pos], False
                 pairs[when].append((src, s, send, recv))
     out: list[list[Instruction]] = [[] for _ in stages]
     for moment, meeting in zip(slices, pairs):
@@ -223,7 +227,7 @@ def _lower(
             out[dst].append(recv)
         for s, pos in moment:
             out[s].append(stages[s][pos])
-    return tuple(tuple(ops) for ops in out)
+    return tuple(tuple(ops) for ops in out), exact
 
 
 #: How many idle gaps `_meeting` looks through before settling for the consumer's start.
@@ -233,8 +237,8 @@ _MAX_GAPS = 64
 def _meeting(start, ends, src: int, pos: int, dst: int, deadline: int) -> int:
     """The latest time, from the producer's end to the consumer's start, when both are idle.
 
-    See [Note: meeting time]. Falls back to `deadline` (the consumer's start) when no common
-    idle moment is found within `_MAX_GAPS` gaps.
+    See [Note: meeting time]. Returns -1 when no common idle moment is found within
+    `_MAX_GAPS` gaps.
     """
     src_start, src_end, dst_start, dst_end = start[src], ends[src], start[dst], ends[dst]
     ready = src_end[pos]
@@ -257,7 +261,7 @@ def _meeting(start, ends, src: int, pos: int, dst: int, deadline: int) -> int:
             q -= 1
         else:
             j -= 1
-    return deadline
+    return -1
 
 
 class _Maker(dict):
@@ -321,12 +325,13 @@ def _explain_stuck(program: Program, plan: _Plan, cursor: list[int], blocked: di
 
 def _lower_online(
     program: Program, layout: Layout, plan: _Plan
-) -> tuple[tuple[Instruction, ...], ...]:
+) -> tuple[tuple[tuple[Instruction, ...], ...], int]:
     """Lower by running the rendezvous model itself, greedily, in whole time units.
 
     At each time: first every pair whose producer has its tensor and whose two stages are both
     between computes meets (appended to both stages); then every stage whose inputs are all here
     starts its next compute. Each pair is appended at one moment, so this is walk-ordered too.
+    Returns the stages and their makespan (this run is the rendezvous model with free comm).
     """
     stages, wants, outs, costs = program.stages, plan.wants, plan.outs, plan.costs
     num_stages = len(stages)
@@ -366,7 +371,7 @@ def _lower_online(
         later = [b for b in busy_until if b > t]
         if not later:
             assert all(cursor[s] == len(stages[s]) for s in range(num_stages)), "lowering stuck"
-            return tuple(tuple(ops) for ops in out)
+            return tuple(tuple(ops) for ops in out), t
         t = min(later)
 
 
