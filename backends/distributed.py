@@ -29,6 +29,16 @@ rendezvous model the validator proves deadlock-free (a send never holds its stag
 cannot introduce a hang; it keeps a stage from idling while its peer has not yet reached the
 matching receive. Under NCCL a batch is one coalesced handle, waited whole.
 
+[Note: receives are posted one group early] Gloo moves a message only once both sides have posted
+it: the receiver announces its buffer, then the sender writes the data. So under gloo each comm
+group is posted op by op, and once its own receives and sends are posted, the receives of the
+next group that has any are posted too (a buffer each); they are waited only at their own group.
+The data then travels while this stage computes instead of after it reaches the group. Per peer,
+receives are still posted in program order, so each still pairs with the same send; a receive
+posted early never holds a stage back, so, like lazy sends, this cannot introduce a hang. NCCL
+orders its operations on a stream, where an early receive could hold back a later send: there
+each group stays one `batch_isend_irecv`, posted at its place.
+
 [Note: failures] Every wait has the engine's `timeout`. A peer that dies closes its sockets (gloo)
 and the waiting rank raises `RankFailure` naming its stage, the instruction it waited on and the
 peer ranks of that group; a wait that times out says the same. The launcher (`backends.launch` or
@@ -123,13 +133,19 @@ class DataParallel:
 
 
 class _Group:
-    """One comm group of the program, ready to post: `(op, is_send, peer stage, shape key)`."""
+    """One comm group of the program, ready to post.
 
-    __slots__ = ("items", "peers")
+    `items` are `(op, is_send, peer stage, shape key)` in program order; `sends` and `recvs` the
+    same split by direction (a receive's shape key says what buffer it needs).
+    """
+
+    __slots__ = ("items", "peers", "recvs", "sends")
 
     def __init__(self, items: list[tuple[Instruction, bool, int, tuple[str, int]]]):
         self.items = items
         self.peers = sorted({peer for _, _, peer, _ in items})
+        self.sends = [(op, peer, key) for op, is_send, peer, key in items if is_send]
+        self.recvs = [(op, peer, key) for op, is_send, peer, key in items if not is_send]
 
 
 class Engine:
@@ -197,6 +213,10 @@ class Engine:
         self._shapes: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = {}
         self._learnt = False
         self._sending: list[tuple[object, torch.Tensor, _Group]] = []
+        # see [Note: receives are posted one group early]
+        self._early = dist.get_backend(self.pp_group) == "gloo"
+        self._next_recv = _next_receiving(self._steps)
+        self._posted: dict[int, list[tuple[Instruction, torch.Tensor, object]]] = {}
         self._at: int | None = None
         self._clock0 = 0.0
         #: Per run of the program: (start, end) seconds of each step, since the engine's clock 0.
@@ -265,11 +285,12 @@ class Engine:
             runtime.load_batch(batch, inputs, targets)
         times: list[tuple[float, float]] = []
         clock = time.perf_counter
+        self._posted.clear()
         for index, step in enumerate(self._steps):
             self._at = index
             start = clock()
             if type(step) is _Group:
-                self._exchange(step)
+                self._exchange(index, step)
             elif step.group == "update":
                 self._update(step)
             else:
@@ -323,14 +344,49 @@ class Engine:
         set_rng_state(saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"])
         self.steps = manifest["step"]
 
-    def _exchange(self, step: _Group) -> None:
+    def _exchange(self, index: int, step: _Group) -> None:
+        if not self._early:
+            self._exchange_batched(step)
+            return
+        tensors = [self._outgoing(op, key) for op, _, key in step.sends]
+        try:
+            received = self._posted.pop(index, None)
+            if received is None:
+                received = self._post_recvs(step)
+            for (_, peer, _), tensor in zip(step.sends, tensors):
+                work = dist.isend(tensor, group=self.pp_group, group_dst=peer)
+                self._sending.append((work, tensor, step))  # see [Note: sends complete lazily]
+            ahead = self._next_recv[index]
+            if ahead is not None and ahead not in self._posted:
+                self._posted[ahead] = self._post_recvs(self._steps[ahead])  # type: ignore[arg-type]
+            for _, _, work in received:
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise RankFailure(self._failure(step, exc)) from exc
+        for op, buffer, _ in received:
+            self.runtime.incoming(op, buffer)
+
+    def _post_recvs(self, step: _Group) -> list[tuple[Instruction, torch.Tensor, object]]:
+        posted = []
+        for op, peer, key in step.recvs:
+            shape, dtype = self._shapes[key]
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            posted.append((op, buffer, dist.irecv(buffer, group=self.pp_group, group_src=peer)))
+        return posted
+
+    def _outgoing(self, op: Instruction, key: tuple[str, int]) -> torch.Tensor:
+        tensor = self.runtime.outgoing(op)
+        if tuple(tensor.shape) != self._shapes[key][0]:
+            raise ValueError(_shape_changed(op, tensor, self._shapes[key][0]))
+        return tensor
+
+    def _exchange_batched(self, step: _Group) -> None:
+        """The group as one `batch_isend_irecv` (NCCL: a coalesced batch, waited whole)."""
         runtime, shapes, device = self.runtime, self._shapes, self.device
         ops, received = [], []
         for op, is_send, peer, key in step.items:
             if is_send:
-                tensor = runtime.outgoing(op)
-                if tuple(tensor.shape) != shapes[key][0]:
-                    raise ValueError(_shape_changed(op, tensor, shapes[key][0]))
+                tensor = self._outgoing(op, key)
                 ops.append(dist.P2POp(dist.isend, tensor, self._global_peer[peer], self.pp_group))
             else:
                 shape, dtype = shapes[key]
@@ -522,6 +578,18 @@ def _plan(program: Program, stage: int, layout: Layout) -> list[Instruction | _G
             items.append((op, op.is_send, dst if op.is_send else src, key))
         steps.append(_Group(items))
     return steps
+
+
+def _next_receiving(steps: Sequence[Instruction | _Group]) -> list[int | None]:
+    """Per step, the index of the first later step that receives (None: none is left)."""
+    ahead: list[int | None] = [None] * len(steps)
+    following = None
+    for index in range(len(steps) - 1, -1, -1):
+        ahead[index] = following
+        step = steps[index]
+        if type(step) is _Group and step.recvs:
+            following = index
+    return ahead
 
 
 def _split(tensor: torch.Tensor | None, m: int, device: torch.device):

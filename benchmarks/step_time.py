@@ -12,6 +12,7 @@ column (each rank's own CPU time for the step, slowest rank) is robust to a load
 shows what each executor costs apart from waiting.
 
     python benchmarks/step_time.py [--rounds 30] [--steps-per-round 1] [--warmup 5]
+        [--schedules gpipe 1f1b interleaved-1f1b] [--microbatches 4 8]
 """
 
 from __future__ import annotations
@@ -168,7 +169,12 @@ def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
 def _worker(rank: int, world_size: int, opts) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(60))
-    rows = [_row(rank, name, cls, v, m, opts) for name, cls, v in ROWS for m in MICROBATCHES]
+    rows = [
+        _row(rank, name, cls, v, m, opts)
+        for name, cls, v in ROWS
+        if name in opts.schedules
+        for m in opts.microbatches
+    ]
     if rank == 0:
         _print(rows)
     dist.barrier()
@@ -198,6 +204,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30, help="A B alternations per row")
     parser.add_argument("--steps-per-round", type=int, default=1, help="timed steps per turn")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per runner")
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=[name for name, _, _ in ROWS],
+        default=[name for name, _, _ in ROWS],
+        help="rows to run (default: all)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        nargs="+",
+        type=int,
+        default=list(MICROBATCHES),
+        help="microbatch counts per schedule (default: %(default)s)",
+    )
     opts = parser.parse_args()
     return spawn(_worker, NUM_STAGES, (opts,), grace=120, threads=1)
 
