@@ -1,8 +1,10 @@
 """The `torch.distributed` backend: one process per (data-parallel rank, stage).
 
 `Engine` runs one stage's program on its rank: compute and update instructions go to the shared
-`StageRuntime`; each comm group becomes ONE `torch.distributed.batch_isend_irecv`, waited before
-the next instruction (the execution semantics the validator proves deadlock-free). Gradients are
+`StageRuntime`; each comm group is posted whole (ONE `torch.distributed.batch_isend_irecv` under
+NCCL; op by op under gloo, see [Note: receives are posted one group early]) and its receives are
+waited before the next instruction (the execution semantics the validator proves deadlock-free,
+relaxed only in ways that cannot add a hang). Gradients are
 reduced over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
 
 Ranks: by default a `DeviceMesh` with dims `("dp", "pp")` over the whole world, so the global rank
@@ -439,7 +441,8 @@ class Engine:
 
     def _losses(self, count: int) -> list[float]:
         last = self._layout.stage_of[self._layout.last]
-        values = [self.runtime.losses.get(b, float("nan")) for b in range(count)]
+        losses = self.runtime.losses
+        values = [losses.get(b, float("nan")) for b in range(count)]
         if not self.reduce_loss:
             return values
         tensor = torch.tensor(

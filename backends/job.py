@@ -47,8 +47,13 @@ def main(rank: int, world_size: int, config) -> int:
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
+    # NCCL is told its device, so it never guesses one from the global rank.
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.timeout)
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=config.timeout),
+        device_id=device if device.type == "cuda" else None,
     )
     code = _train(rank, config, device)
     dist.destroy_process_group()

@@ -123,8 +123,6 @@ class StageRuntime:
             program's data_parallel.
 
     Attributes:
-        losses: `losses[batch]` is the batch's loss (mean over its microbatches) on the stage that
-            holds the last segment.
         activation_bytes: bytes of saved activations held now (saved-tensor hooks).
         peak_activation_bytes: the most `activation_bytes` ever was.
     """
@@ -186,7 +184,7 @@ class StageRuntime:
 
     def reset(self) -> None:
         """Start a new run of the program: clear per-run state; the live weights are version 0."""
-        self.losses: dict[int, float] = {}
+        self._loss_parts: dict[int, list[torch.Tensor]] = {}
         self.activation_bytes = 0
         self._batch_inputs: dict[int, Sequence[torch.Tensor]] = {}
         self._batch_targets: dict[int, Sequence[torch.Tensor]] = {}
@@ -204,6 +202,21 @@ class StageRuntime:
         if self._delay:
             for c in range(len(self.modules)):
                 self._snapshot(c, 0)
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """`losses[batch]`: the batch's loss, the mean over its microbatches (last stage only).
+
+        The microbatch losses stay tensors until read here, so a forward never waits for the
+        device to hand a number back (no sync per microbatch on CUDA).
+        """
+        means = {}
+        for batch, parts in self._loss_parts.items():
+            total = 0.0
+            for part in parts:  # in forward order, as a running float sum
+                total = total + part.item() / self._m
+            means[batch] = total
+        return means
 
     def load_batch(
         self,
@@ -405,7 +418,7 @@ class StageRuntime:
                 f"loss_fn must return a scalar tensor (a mean over the microbatch), got {shape}: "
                 "reduce it, e.g. with reduction='mean'"
             )
-        self.losses[batch] = self.losses.get(batch, 0.0) + loss.item() / self._m
+        self._loss_parts.setdefault(batch, []).append(loss.detach())  # read once, see `losses`
         return loss / (self._m * self.collectives.size)
 
     def _forward_input(self, i: int, c: int, k: int) -> torch.Tensor:

@@ -99,6 +99,18 @@ def test_distributed_equals_local_for_every_schedule():
     assert spawn(_pipeline_worker, 2, grace=30, threads=1) == 0
 
 
+def _three_stage_worker(rank: int, world_size: int) -> int:
+    _init(rank, world_size)
+    for name, v, per_run in (("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("zb-v", 2, 1)):
+        _compare(rank, name, 3, v, per_run, 2)
+    return 0
+
+
+def test_middle_stages_with_two_neighbours_equal_local():
+    """On 3 ranks the middle stage exchanges both ways; 1f1b, interleaved and zb-v match local."""
+    assert spawn(_three_stage_worker, 3, grace=30, threads=1) == 0
+
+
 def test_data_parallel_with_and_without_zero_equals_local():
     """On 4 ranks (p=2, dp=2), all-reduce and ZeRO-1 match the local backend, any group source."""
     assert spawn(_data_parallel_worker, 4, grace=30, threads=1) == 0

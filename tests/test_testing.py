@@ -88,12 +88,12 @@ def test_check_schedule_numerics_catches_a_wrong_backward(monkeypatch):
     """A runtime whose gradients are off by 0.1% fails the numerics check with the shape."""
     from schedcc.backends.runtime import StageRuntime
 
-    accumulate = StageRuntime._accumulate
+    backward = StageRuntime._backward_into_grads
 
-    def skewed(self, chunk, grads):
-        accumulate(self, chunk, [None if g is None else g * 1.001 for g in grads])
+    def skewed(output, grad_out, leaves):
+        backward(output * 1.001, grad_out, leaves)
 
-    monkeypatch.setattr(StageRuntime, "_accumulate", skewed)
+    monkeypatch.setattr(StageRuntime, "_backward_into_grads", staticmethod(skewed))
     with pytest.raises(ScheduleCheckError, match="differs from non-pipelined training"):
         check_schedule(OneFOneB, numerics=True, max_examples=3, max_stages=2, max_microbatches=2)
 
