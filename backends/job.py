@@ -47,15 +47,20 @@ def main(rank: int, world_size: int, config) -> int:
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
-    # NCCL is told its device, so it never guesses one from the global rank.
-    dist.init_process_group(
-        backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=config.timeout),
-        device_id=device if device.type == "cuda" else None,
-    )
-    code = _train(rank, config, device)
+    try:
+        # NCCL is told its device, so it never guesses one from the global rank.
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=config.timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
+        code = _train(rank, config, device)
+    except dist.DistError as exc:  # e.g. a peer exited while process groups were being made
+        from schedcc.backends.launch import RankFailure
+
+        raise RankFailure(f"lost contact with a peer rank: {exc}") from None
     dist.destroy_process_group()
     return code
 

@@ -88,6 +88,7 @@ class TeacherData:
         return self.noise**2
 
     def batch(self, batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x, y)`, each `(batch_size, width)` in the default dtype; a pure function of `step`."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         x = torch.randn(batch_size, self.width, generator=gen, dtype=torch.float64)
         noise = torch.randn(batch_size, self.width, generator=gen, dtype=torch.float64)

@@ -46,6 +46,7 @@ class Progress:
         return self
 
     def advance(self, loss: float, seconds: float) -> None:
+        """One step done: move the bar and show this step's loss and time."""
         if self._bar is not None:
             self._bar.update(
                 self._task, advance=1, loss=f"{loss:.4f}", step=f"{seconds * 1e3:.1f} ms"

@@ -41,11 +41,14 @@ def get_schedule(name: str) -> type[Schedule]:
     """The schedule class for a registered name, `module:Class` or `path/to/file.py:Class`.
 
     Raises:
-        UnknownScheduleError: nothing by that name, or it is not a `Schedule` subclass.
+        UnknownScheduleError: nothing by that name (or not a string), or it is not a `Schedule`
+            subclass.
 
     >>> get_schedule("gpipe").__name__
     'GPipe'
     """
+    if not isinstance(name, str):
+        raise UnknownScheduleError(f"a schedule is named by a string, got {name!r}")
     registered = registered_schedules()
     if name in registered:
         return _load(registered[name], name)

@@ -19,6 +19,7 @@ import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from functools import cached_property
+from math import inf
 from os import PathLike
 from pathlib import Path
 from types import MappingProxyType
@@ -54,9 +55,9 @@ def _kind_cost(model: CostModel, cls: type[Instruction]) -> float:
 
 
 def _non_negative(instance, attribute, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < inf:
         raise ScheduleConfigError(
-            f"CostModel.{attribute.name} must be a non-negative number, got {value!r}"
+            f"CostModel.{attribute.name} must be a finite non-negative number, got {value!r}"
         )
 
 
@@ -139,20 +140,22 @@ class CostModel:
             defaults: fields for kinds the trace does not show (e.g. `comm=0.1`).
 
         Raises:
-            ScheduleConfigError: no instruction events in the trace.
-            OSError, ValueError: the file cannot be read or is not JSON.
+            ScheduleConfigError: the file is not JSON or not a trace, an instruction event has
+                a non-numeric `dur` or stage, or no event names an instruction.
+            OSError: the file cannot be read.
         """
-        if isinstance(trace, (str, PathLike)):
-            data = json.loads(Path(trace).read_text())
-            events = data.get("traceEvents", []) if isinstance(data, dict) else data
-        else:
-            events = list(trace)
+        events = _trace_events(trace)
         found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
         by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
         samples: dict[int, dict[str, list[float]]] = {}
         for event, kind in found:
-            stage = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
-            duration = float(event["dur"]) / unit_us
+            try:
+                stage = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
+                duration = float(event["dur"]) / unit_us
+            except (TypeError, ValueError):
+                raise ScheduleConfigError(
+                    f"trace event {event.get('name')!r}: its dur, pid and tid must be numbers"
+                ) from None
             samples.setdefault(stage, {}).setdefault(kind, []).append(duration)
         if not samples:
             raise ScheduleConfigError(
@@ -168,8 +171,25 @@ class CostModel:
         return cls(**{**defaults, **_medians(overall)}, per_stage=per_stage)
 
 
-def _kind_of(event: Mapping) -> str | None:
-    if event.get("ph") != "X" or "dur" not in event:
+def _trace_events(trace: str | PathLike | Iterable[Mapping]) -> list:
+    """The event list of a Chrome trace file, or the given events."""
+    if not isinstance(trace, (str, PathLike)):
+        return list(trace)
+    try:
+        data = json.loads(Path(trace).read_text())
+    except json.JSONDecodeError as exc:
+        raise ScheduleConfigError(f"trace {str(trace)!r} is not JSON: {exc}") from None
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ScheduleConfigError(
+            f"trace {str(trace)!r}: expected a JSON list of events or an object with a "
+            '"traceEvents" list'
+        )
+    return events
+
+
+def _kind_of(event: object) -> str | None:
+    if not isinstance(event, Mapping) or event.get("ph") != "X" or "dur" not in event:
         return None
     try:
         op = parse(str(event.get("name", "")))

@@ -24,10 +24,12 @@ from schedcc.errors import (
     DependencyError,
     IncompleteScheduleError,
     MemoryBoundError,
+    ScheduleConfigError,
     ScheduleError,
     UnmatchedCommError,
     WeightVersionError,
 )
+from schedcc.ir import Instruction
 from schedcc.program import Program
 
 __all__ = ["RULES", "render_grid", "validate"]
@@ -116,118 +118,142 @@ def check_dependencies(ctx: _Context) -> Iterator[Problem]:
 
 
 def _stage_dependencies(ctx: _Context, s: int) -> Iterator[Problem]:
-    program, layout = ctx.program, ctx.layout
+    """Stage `s` in program order: data dependencies first; an instruction that passes them is
+    then checked against the optimizer steps, reductions and gathers (`_UpdateOrder`)."""
+    need_of, updates = _data_needs(ctx, s), _UpdateOrder(ctx)
+    for pos, op in enumerate(ctx.program.stages[s]):
+        need = need_of(op)
+        if need:
+            yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {need}", s, pos)
+            continue
+        if op.group != "comm":
+            for text in updates.problems(op):
+                yield Problem(DependencyError, f"{ctx.where(s, pos)} {text}", s, pos)
+
+
+def _data_needs(ctx: _Context, s: int) -> Callable[[Instruction], str | None]:
+    """A function that records each compute or comm of stage `s`, in order, and returns what it
+    needed that had not come before it on this stage (None: nothing)."""
+    layout = ctx.layout
     seg, stage_of, chunk_of, last = layout.segment[s], layout.stage_of, layout.chunk_of, layout.last
-    m, num_chunks = ctx.schedule.num_microbatches, ctx.schedule.num_chunks
-    must_reduce = program.data_parallel > 1 or program.zero > 0
     forwarded, input_grad, split, got_act, got_grad = set(), set(), set(), set(), set()
-    grads_of_batch: Counter = Counter()
-    unreduced, reduced, stale = [0] * num_chunks, [0] * num_chunks, [False] * num_chunks
-    steps = 0
-    for pos, op in enumerate(program.stages[s]):
-        code = op.code
-        need: str | None = None
-        if op.group in ("compute", "comm"):
-            i, c = op.microbatch, op.chunk
-            k = seg[c]
+
+    def need(op: Instruction) -> str | None:
+        if op.group not in ("compute", "comm"):
+            return None
+        code, i, c = op.code, op.microbatch, op.chunk
+        k = seg[c]
+        text = None
         if code == "F":
             if k > 0 and stage_of[k - 1] == s and (i, chunk_of[k - 1]) not in forwarded:
-                need = f"F{i}.{chunk_of[k - 1]} (the forward of segment {k - 1}) before it"
+                before = _short("F", i, chunk_of[k - 1])
+                text = f"{before} (the forward of segment {k - 1}) before it"
             elif k > 0 and stage_of[k - 1] != s and (i, c) not in got_act:
-                need = f"its input received first: a RecvActivation {_short('RA', i, c)} before it"
+                text = f"its input received first: a RecvActivation {_short('RA', i, c)} before it"
             forwarded.add((i, c))
         elif code in ("B", "I"):
             if (i, c) not in forwarded:
-                need = f"its forward {_short('F', i, c)} before it"
+                text = f"its forward {_short('F', i, c)} before it"
             elif k < last and stage_of[k + 1] == s and (i, chunk_of[k + 1]) not in input_grad:
-                need = f"the backward of segment {k + 1} ({_short('B', i, chunk_of[k + 1])})"
+                text = f"the backward of segment {k + 1} ({_short('B', i, chunk_of[k + 1])})"
             elif k < last and stage_of[k + 1] != s and (i, c) not in got_grad:
-                need = f"its output gradient received first: {_short('RG', i, c)} before it"
+                text = f"its output gradient received first: {_short('RG', i, c)} before it"
             input_grad.add((i, c))
             if code == "I":
                 split.add((i, c))
         elif code == "W" and (i, c) not in split:
-            need = f"its BackwardInput {_short('I', i, c)} before it"
+            text = f"its BackwardInput {_short('I', i, c)} before it"
         elif code == "SA" and (i, c) not in forwarded:
-            need = f"the forward that produces it, {_short('F', i, c)}, before it"
+            text = f"the forward that produces it, {_short('F', i, c)}, before it"
         elif code == "SG" and (i, c) not in input_grad:
-            need = f"the backward that produces it, {_short('B', i, c)} or {_short('I', i, c)}"
+            text = f"the backward that produces it, {_short('B', i, c)} or {_short('I', i, c)}"
         elif code == "RA":
             got_act.add((i, c))
         elif code == "RG":
             got_grad.add((i, c))
-        if need:
-            yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {need}", s, pos)
-            continue
-        # The optimizer steps: the n-th step applies exactly batch n's weight gradients.
-        if code in ("B", "W"):
-            batch = i // m
-            if batch != steps:
-                when = f"after only {steps}" if batch > steps else f"after {steps}"
-                yield Problem(
-                    DependencyError,
-                    f"{ctx.where(s, pos)} is a weight gradient of batch {batch}, but runs "
-                    f"{when} optimizer step(s) on this stage; the n-th "
-                    "OptimizerStep must come after every weight gradient of batch n and before "
-                    "any of batch n + 1",
-                    s,
-                    pos,
-                )
-            grads_of_batch[batch] += 1
-            unreduced[c] += 1
-            if must_reduce and program.zero < 2 and reduced[c]:
-                yield Problem(
-                    DependencyError,
-                    f"{ctx.where(s, pos)} adds a gradient after this batch's ReduceGrads of chunk "
-                    f"{c}; it would never be reduced: move ReduceGrads after it",
-                    s,
-                    pos,
-                )
-        if op.group == "compute" and stale[c]:
-            yield Problem(
-                DependencyError,
-                f"{ctx.where(s, pos)} runs on chunk {c} after the optimizer step but before its "
-                f"GatherParams({c}) (ZeRO-1): its weights are stale; gather them first",
-                s,
-                pos,
+        return text
+
+    return need
+
+
+class _UpdateOrder:
+    """One stage's optimizer steps, reductions and gathers against its weight gradients: the
+    n-th step applies exactly batch n's weight gradients, reduced (data parallel) and, under
+    ZeRO-1, gathered before the next compute of the chunk."""
+
+    def __init__(self, ctx: _Context):
+        program = ctx.program
+        self.m, self.num_chunks = ctx.schedule.num_microbatches, ctx.schedule.num_chunks
+        self.zero = program.zero
+        self.must_reduce = program.data_parallel > 1 or program.zero > 0
+        self.grads_of_batch: Counter = Counter()
+        self.unreduced = [0] * self.num_chunks
+        self.reduced = [0] * self.num_chunks
+        self.stale = [False] * self.num_chunks
+        self.steps = 0
+
+    def problems(self, op) -> list[str]:
+        """Record a compute or update `op`; return what is wrong with its place (after "where")."""
+        code = op.code
+        found = self._gradient(op.microbatch // self.m, op.chunk) if code in ("B", "W") else []
+        if op.group == "compute" and self.stale[op.chunk]:
+            found.append(
+                f"runs on chunk {op.chunk} after the optimizer step but before its "
+                f"GatherParams({op.chunk}) (ZeRO-1): its weights are stale; gather them first"
             )
         if code == "Reduce":
-            if not unreduced[op.chunk]:
-                yield Problem(
-                    DependencyError,
-                    f"{ctx.where(s, pos)} has no gradient to reduce since the last reduction; "
-                    "put it after the chunk's last backward of the batch",
-                    s,
-                    pos,
+            if not self.unreduced[op.chunk]:
+                found.append(
+                    "has no gradient to reduce since the last reduction; put it after the "
+                    "chunk's last backward of the batch"
                 )
-            unreduced[op.chunk] = 0
-            reduced[op.chunk] += 1
+            self.unreduced[op.chunk] = 0
+            self.reduced[op.chunk] += 1
         elif code == "Step":
-            expected = m * num_chunks
-            pending = [c for c in range(num_chunks) if unreduced[c]] if must_reduce else []
-            if grads_of_batch[steps] < expected:
-                yield Problem(
-                    DependencyError,
-                    f"{ctx.where(s, pos)} is the step of batch {steps}, but only "
-                    f"{grads_of_batch[steps]} of its {expected} weight gradients on this stage "
-                    "come before it; move it after the batch's last backward",
-                    s,
-                    pos,
-                )
-            elif pending:
-                yield Problem(
-                    DependencyError,
-                    f"{ctx.where(s, pos)} steps before the gradients of chunk(s) {pending} are "
-                    "reduced across data-parallel ranks; put ReduceGrads for them before it",
-                    s,
-                    pos,
-                )
-            steps += 1
-            unreduced, reduced = [0] * num_chunks, [0] * num_chunks
-            if program.zero >= 1:
-                stale = [True] * num_chunks
+            found = self._step()
         elif code == "Gather":
-            stale[op.chunk] = False
+            self.stale[op.chunk] = False
+        return found
+
+    def _gradient(self, batch: int, c: int) -> list[str]:
+        found = []
+        if batch != self.steps:
+            when = f"after only {self.steps}" if batch > self.steps else f"after {self.steps}"
+            found.append(
+                f"is a weight gradient of batch {batch}, but runs {when} optimizer step(s) on "
+                "this stage; the n-th OptimizerStep must come after every weight gradient of "
+                "batch n and before any of batch n + 1"
+            )
+        self.grads_of_batch[batch] += 1
+        self.unreduced[c] += 1
+        if self.must_reduce and self.zero < 2 and self.reduced[c]:
+            found.append(
+                f"adds a gradient after this batch's ReduceGrads of chunk {c}; it would never be "
+                "reduced: move ReduceGrads after it"
+            )
+        return found
+
+    def _step(self) -> list[str]:
+        num_chunks, steps = self.num_chunks, self.steps
+        expected = self.m * num_chunks
+        pending = [c for c in range(num_chunks) if self.unreduced[c]] if self.must_reduce else []
+        found = []
+        if self.grads_of_batch[steps] < expected:
+            found.append(
+                f"is the step of batch {steps}, but only {self.grads_of_batch[steps]} of its "
+                f"{expected} weight gradients on this stage come before it; move it after the "
+                "batch's last backward"
+            )
+        elif pending:
+            found.append(
+                f"steps before the gradients of chunk(s) {pending} are reduced across "
+                "data-parallel ranks; put ReduceGrads for them before it"
+            )
+        self.steps += 1
+        self.unreduced, self.reduced = [0] * num_chunks, [0] * num_chunks
+        if self.zero >= 1:
+            self.stale = [True] * num_chunks
+        return found
 
 
 def _short(code: str, i: int, c: int) -> str:
@@ -381,7 +407,10 @@ def validate(
 
     Raises:
         ScheduleError: the subclass of the first failing rule (unless `collect`).
+        ScheduleConfigError: `program` is not a compiled `Program`.
     """
+    if not isinstance(program, Program):
+        raise ScheduleConfigError(f"validate() needs a compiled Program, got {program!r}")
     ctx = _Context(program, max_activations)
     found: list[ScheduleError] = []
     with paused_gc():

@@ -83,10 +83,12 @@ def test_run_accepts_a_schedule_from_a_user_file(tmp_path):
         (("--schedule", "no-such-schedule"), {}, "unknown schedule 'no-such-schedule'"),
         (("-p", "2", "--dp", "2"), {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, "needs 4"),
         (("-p", "2"), {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, "not a multiple"),
+        (("--lr", "-1"), {}, "--lr must be a positive number"),
+        (("--timeout", "nan"), {}, "--timeout must be a positive number"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, env, message):
-    """An unknown schedule or a world that does not match p * dp: one line on stderr, exit 2."""
+    """A bad schedule, lr or timeout, or a world unlike p * dp: one line on stderr, exit 2."""
     result = _run(*args, env={**_env(), **env}, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr

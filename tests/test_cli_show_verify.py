@@ -135,3 +135,15 @@ def test_a_shape_the_schedule_rejects_is_bad_input(capsys):
     """verify of a shape the schedule refuses (1f1b with v = 2) is exit 2 with its rule."""
     assert main(["verify", "--schedule", "1f1b", "-v", "2"]) == 2
     assert "one chunk per stage" in capsys.readouterr().err
+
+
+def test_verify_refuses_both_a_schedule_and_a_torch_class(capsys):
+    """verify with --schedule and --torch together is bad input (exit 2), not one silently."""
+    assert main(["verify", "--schedule", "1f1b", "--torch", "Schedule1F1B"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_show_without_v_uses_the_schedules_own_chunks(capsys):
+    """show --schedule zb-v with no -v draws ZB-V's two chunks (5.9% bubble at p=4, m=8)."""
+    assert main(["show", "--schedule", "zb-v", "-p", "4", "-m", "8"]) == 0
+    assert "bubble 5.9%" in capsys.readouterr().out

@@ -106,3 +106,9 @@ def test_the_trace_writer_takes_plain_event_tuples(tmp_path):
         ("B2.1", 0, 2e6, 2e6),
     ]
     assert chrome_trace([])["traceEvents"][0]["ph"] == "M"
+
+
+def test_ascii_width_below_one_column_is_a_config_error(timeline):
+    """to_ascii(width=0) is refused with a ScheduleConfigError, not a division by zero."""
+    with pytest.raises(ScheduleConfigError, match="width"):
+        timeline.to_ascii(width=0)

@@ -18,10 +18,7 @@ from schedcc.errors import ScheduleConfigError, ScheduleError
 
 
 def _schedule(name: str, p: int, m: int, v: int = 1, num_batches: int = 2):
-    try:
-        cls = schedcc.get_schedule(name)
-    except schedcc.UnknownScheduleError:
-        pytest.skip(f"schedule {name!r} is not available")
+    cls = schedcc.get_schedule(name)
     try:
         return cls(p, m, num_chunks=v, num_batches=num_batches)
     except ScheduleConfigError as error:

@@ -97,3 +97,9 @@ def test_available_schedules_sorted():
     names = available_schedules()
     assert names == sorted(names)
     assert {"gpipe", "1f1b", "pipedream-flush"} <= set(names)
+
+
+def test_a_name_that_is_not_a_string_is_an_unknown_schedule():
+    """get_schedule(3) raises UnknownScheduleError saying a schedule is named by a string."""
+    with pytest.raises(UnknownScheduleError, match="named by a string"):
+        get_schedule(3)

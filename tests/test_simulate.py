@@ -21,14 +21,6 @@ def timeline_of(name, p, m, v=1, batches=1, costs=None):
     return simulate(program, costs)
 
 
-def schedule_or_skip(name):
-    """The registered class, or skip while another helper has not written it yet."""
-    try:
-        return schedcc.get_schedule(name)
-    except schedcc.UnknownScheduleError:
-        pytest.skip(f"schedule {name!r} is not available yet")
-
-
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @given(shape=shapes)
 def test_flush_schedules_have_the_textbook_makespan_and_bubble(name, shape):
@@ -102,7 +94,6 @@ def test_a_timeline_built_from_measured_events_reads_the_same():
 
 def test_interleaving_shrinks_the_bubble_as_chunks_grow():
     """Interleaved 1F1B's bubble falls as v grows (p = 4, m = 8, v = 1, 2, 4)."""
-    schedule_or_skip("interleaved-1f1b")
     bubbles = [timeline_of("interleaved-1f1b", 4, 8, v).bubble_fraction for v in (1, 2, 4)]
     assert bubbles[0] > bubbles[1] > bubbles[2]
 
@@ -110,7 +101,6 @@ def test_interleaving_shrinks_the_bubble_as_chunks_grow():
 @pytest.mark.parametrize("batches", [2, 3])
 def test_two_bw_has_no_flush_between_batches_and_two_versions(batches):
     """PipeDream-2BW over B batches takes 3(Bm + p - 1) and holds two weight versions."""
-    schedule_or_skip("2bw")
     p, m = 4, 8
     timeline = timeline_of("2bw", p, m, batches=batches)
     assert timeline.makespan == 3 * (batches * m + p - 1)
@@ -142,7 +132,13 @@ def test_a_slow_stage_override_applies_to_that_stage_only():
 
 @pytest.mark.parametrize(
     "bad",
-    [{"forward": -1.0}, {"comm": "fast"}, {"per_stage": {-1: CostModel()}}, {"per_chunk": {0: 1}}],
+    [
+        {"forward": -1.0},
+        {"backward": math.inf},
+        {"comm": "fast"},
+        {"per_stage": {-1: CostModel()}},
+        {"per_chunk": {0: 1}},
+    ],
 )
 def test_a_bad_cost_model_is_a_config_error(bad):
     """A negative or non-numeric cost, or a malformed override, raises ScheduleConfigError."""
@@ -174,6 +170,22 @@ def test_from_trace_reads_a_process_per_stage_trace_in_seconds():
     assert costs.at(1).comm == 0.5
     with pytest.raises(ScheduleConfigError):
         CostModel.from_trace([{"name": "nothing", "ph": "X", "dur": 1}])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{bad", "is not JSON"),
+        ('{"traceEvents": 5}', "list of events"),
+        ('[1, {"name": "F0", "ph": "X", "dur": "x"}]', "must be numbers"),
+    ],
+)
+def test_from_trace_rejects_a_malformed_trace_file_with_a_config_error(tmp_path, text, message):
+    """A file that is not JSON, not a trace, or has a non-numeric duration is a config error."""
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    with pytest.raises(ScheduleConfigError, match=message):
+        CostModel.from_trace(path)
 
 
 def test_simulating_an_invalid_program_raises_the_validators_error():

@@ -211,3 +211,44 @@ def test_render_grid_alone():
     grid = render_grid(program(GPIPE_2_2), 0, 0)
     assert grid.splitlines()[1].startswith("0    *F0*")
     assert grid.splitlines()[1].endswith("<-- here")
+
+
+DP_STAGE_0 = (
+    "F0 SA0 F1 RG0 SA1 B0 RG1 B1 Reduce Step Gather F2 SA2 F3 RG2 SA3 B2 RG3 B3 Reduce Step Gather"
+)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "says"),
+    [
+        ("RG1 B1 Reduce Step", "RG1 Step B1 Reduce", "is the step of batch 0, but only 1 of its 2"),
+        ("B1 Reduce Step Gather F2", "B1 Step Gather F2", "steps before the gradients of chunk(s)"),
+        ("F0 SA0 F1", "Reduce F0 SA0 F1", "has no gradient to reduce"),
+        ("B1 Reduce Step Gather F2", "B1 Reduce Step F2", "its weights are stale"),
+        ("RG1 B1 Reduce Step", "RG1 Reduce B1 Step", "adds a gradient after this batch's Reduce"),
+    ],
+)
+def test_misplaced_updates_are_dependency_errors(old, new, says):
+    """A step, reduction or ZeRO-1 gather out of place on a stage is a DependencyError saying so."""
+    good = schedcc.compile(
+        schedcc.get_schedule("1f1b")(2, 2, num_batches=2), data_parallel=2, zero=1
+    )
+    assert " ".join(map(str, good.stages[0])) == DP_STAGE_0
+    stage_0 = Program.parse_stages("stage 0: " + DP_STAGE_0.replace(old, new, 1))[0]
+    bad = good.evolve(stages=(stage_0, good.stages[1]))
+    problems = validate(bad, collect=True)
+    assert any(type(p) is DependencyError and says in str(p) for p in problems), problems
+
+
+def test_validate_rejects_what_is_not_a_program():
+    """Passing a schedule instead of its compiled program is a config error that says so."""
+    with pytest.raises(schedcc.ScheduleConfigError, match="compiled Program"):
+        validate(schedcc.get_schedule("1f1b")(2, 2))
+
+
+def test_a_forward_before_its_previous_segment_names_it_in_short_form():
+    """On one stage with two chunks, F0.1 before F0 needs "F0 (the forward of segment 0)"."""
+    schedule = schedcc.get_schedule("interleaved-1f1b")(1, 1, 2)
+    bad = program("stage 0: F0.1 F0 B0.1 B0 Step", schedule)
+    with pytest.raises(DependencyError, match=r"needs F0 \(the forward of segment 0\)"):
+        validate(bad)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from schedcc.registry import get_schedule, registered_schedules
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("list", help="list the registered schedules")

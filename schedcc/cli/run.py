@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from schedcc.cli import UsageError, positive_int
@@ -77,7 +78,9 @@ def register(subparsers) -> None:
     parser.add_argument("--schedule", default="1f1b", help="name, module:Class or file.py:Class")
     parser.add_argument("-p", "--stages", type=positive_int, default=2, help="pipeline stages")
     parser.add_argument("-m", "--microbatches", type=positive_int, default=8)
-    parser.add_argument("-v", "--chunks", type=positive_int, default=1, help="chunks per stage")
+    parser.add_argument(
+        "-v", "--chunks", type=positive_int, help="chunks per stage (default: the schedule's own)"
+    )
     parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel replicas")
     parser.add_argument("--zero", type=int, choices=(0, 1), default=0, help="ZeRO stage")
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
@@ -136,8 +139,10 @@ def run(args) -> int:
 
 
 def _config(args, under_torchrun: bool) -> Config:
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
+    if not 0 < args.timeout < math.inf:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if not 0 < args.lr < math.inf:
+        raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     cls = get_schedule(args.schedule)
     p, dp = args.stages, args.dp
     if under_torchrun:
@@ -157,7 +162,8 @@ def _config(args, under_torchrun: bool) -> Config:
     dp = dp or 1
     batches_per_run = DELAYED_BATCHES_PER_RUN if cls.weight_delay else 1
     batches_per_run = min(batches_per_run, args.steps)
-    schedule = cls(p, args.microbatches, args.chunks, batches_per_run)
+    chunks = {} if args.chunks is None else {"num_chunks": args.chunks}
+    schedule = cls(p, args.microbatches, num_batches=batches_per_run, **chunks)
     compile(schedule, data_parallel=dp, zero=args.zero)  # a bad program fails here, exit 2
     if args.trace:
         directory = os.path.dirname(os.path.abspath(args.trace))
@@ -169,7 +175,7 @@ def _config(args, under_torchrun: bool) -> Config:
         schedule=args.schedule,
         num_stages=p,
         num_microbatches=args.microbatches,
-        num_chunks=args.chunks,
+        num_chunks=schedule.num_chunks,
         num_batches=batches_per_run,
         data_parallel=dp,
         zero=args.zero,

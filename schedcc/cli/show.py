@@ -66,10 +66,15 @@ def parse_costs(text: str) -> CostModel:
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    """--schedule, -p, -m, -v, --batches (shared with `schedcc verify`)."""
+    """--schedule, -p, -m, -v, --batches (shared with `schedcc verify`).
+
+    `required=True` (show) requires --schedule and defaults the shape to p=4, m=8, one batch and
+    the schedule's own number of chunks (v=1, or 2 for zb-v); `required=False` (verify) leaves
+    them all None for the caller to fill.
+    """
     parser.add_argument(
         "--schedule",
-        required=True,
+        required=required,
         metavar="NAME",
         help="a registered name (see `schedcc list`), module:Class or path/to/file.py:Class",
     )
@@ -95,9 +100,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, required: bool) -> N
         "-v",
         "--num-chunks",
         type=positive_int,
-        default=None if not required else 1,
+        default=None,
         metavar="V",
-        help="chunks (virtual stages) per stage",
+        help="chunks (virtual stages) per stage (default: the schedule's own, 1 for most)",
     )
     parser.add_argument(
         "--batches",
@@ -152,11 +157,12 @@ def register(subparsers) -> None:
 def build(args):
     """The schedule instance the shape arguments describe."""
     cls = get_schedule(args.schedule)
+    chunks = {} if args.num_chunks is None else {"num_chunks": args.num_chunks}
     return cls(
         num_stages=args.num_stages,
         num_microbatches=args.num_microbatches,
-        num_chunks=args.num_chunks,
         num_batches=args.batches,
+        **chunks,
     )
 
 

@@ -15,7 +15,7 @@ import attrs
 
 from schedcc.cli.show import add_shape_arguments
 from schedcc.compiler import compile
-from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule
 from schedcc.simulate import simulate
 from schedcc.validate import validate
@@ -68,13 +68,12 @@ def register(subparsers) -> None:
         help="instead of --schedule: check torch.distributed.pipelining's own schedule CLASS "
         "(e.g. Schedule1F1B; -p and -m default to 4 and 8)",
     )
-    for action in parser._actions:  # --schedule or --torch, checked in run()
-        if action.dest == "schedule":
-            action.required = False
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.torch is not None and args.schedule is not None:
+        raise ScheduleConfigError("give --schedule or --torch, not both")
     if args.torch is not None:
         from schedcc.cli.verify_torch import run_torch
 
@@ -124,9 +123,7 @@ def _check(cls, shape) -> _Result:
         if problems:
             return _Result(shape, error=problems[0])
         timeline = simulate(program)
-    except ScheduleError as exc:
-        return _Result(shape, error=exc)
-    except Exception as exc:  # a user's steps() may fail in any way: report it as a failure
+    except Exception as exc:  # a ScheduleError, or a user's steps() failing in any other way
         return _Result(shape, error=exc)
     peaks = ",".join(str(n) for n in timeline.peak_activations)
     summary = f"{timeline.bubble_fraction:6.1%}  [{peaks}]"

@@ -17,6 +17,8 @@ import os
 import shutil
 import sys
 
+from schedcc.errors import ScheduleConfigError
+
 __all__ = ["render"]
 
 _BACKGROUND = {"F": 44, "B": 42, "I": 46, "W": 45, "Reduce": 43, "Step": 43, "Gather": 43}
@@ -31,7 +33,12 @@ def render(timeline, *, width: int | None = None, color: bool | None = None) -> 
         timeline: a `schedcc.simulate.Timeline`.
         width: the most columns for the time axis (default: the terminal's width).
         color: ANSI colours; default when stdout is a terminal and `NO_COLOR` is unset.
+
+    Raises:
+        ScheduleConfigError: `width` is less than 1.
     """
+    if width is not None and width < 1:
+        raise ScheduleConfigError(f"to_ascii: width must be at least 1 column, got {width}")
     if color is None:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     makespan = timeline.makespan
