@@ -407,10 +407,19 @@ def validate(
 
     Raises:
         ScheduleError: the subclass of the first failing rule (unless `collect`).
-        ScheduleConfigError: `program` is not a compiled `Program`.
+        ScheduleConfigError: `program` is not a compiled `Program`, or `max_activations` is not
+            a positive integer.
     """
     if not isinstance(program, Program):
         raise ScheduleConfigError(f"validate() needs a compiled Program, got {program!r}")
+    if max_activations is not None and (
+        isinstance(max_activations, bool)
+        or not isinstance(max_activations, int)
+        or max_activations < 1
+    ):
+        raise ScheduleConfigError(
+            f"max_activations must be a positive integer (or None), got {max_activations!r}"
+        )
     ctx = _Context(program, max_activations)
     found: list[ScheduleError] = []
     with paused_gc():

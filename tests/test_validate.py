@@ -252,3 +252,11 @@ def test_a_forward_before_its_previous_segment_names_it_in_short_form():
     bad = program("stage 0: F0.1 F0 B0.1 B0 Step", schedule)
     with pytest.raises(DependencyError, match=r"needs F0 \(the forward of segment 0\)"):
         validate(bad)
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2.5, True])
+def test_max_activations_must_be_a_positive_integer(limit):
+    """A memory bound that is not a positive integer is a config error, not a memory verdict."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
+    with pytest.raises(schedcc.ScheduleConfigError, match="max_activations must be a positive"):
+        schedcc.validate(program, max_activations=limit)
