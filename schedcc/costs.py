@@ -1,0 +1,191 @@
+"""`CostModel`: what each instruction costs in a simulation, by kind, stage and chunk.
+
+Given by hand (`CostModel(forward=1, backward=2, comm=0.1, per_stage={...})`) or measured
+(`CostModel.from_trace("run.json")`, the medians of a real run's Chrome trace).
+
+    >>> from schedcc.costs import CostModel
+    >>> CostModel(forward=1.5, per_stage={3: CostModel(forward=3.0)}).at(3).forward
+    3.0
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Mapping
+from math import inf
+from os import PathLike
+from pathlib import Path
+from types import MappingProxyType
+
+import attrs
+
+from schedcc.errors import ScheduleConfigError
+from schedcc.ir import COMM, COMPUTE, UPDATE, Instruction, parse
+
+__all__ = ["ALL_KINDS", "CostModel", "kind_cost"]
+
+#: The cost field each instruction code reads.
+_FIELD = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward_input",
+    "W": "backward_weight",
+    "Reduce": "reduce",
+    "Step": "step",
+    "Gather": "gather",
+}
+ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
+
+
+def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
+    """The field of `model` that instructions of class `cls` cost."""
+    return model.comm if cls.group == "comm" else getattr(model, _FIELD[cls.code])
+
+
+def _non_negative(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < inf:
+        raise ScheduleConfigError(
+            f"CostModel.{attribute.name} must be a finite non-negative number, got {value!r}"
+        )
+
+
+def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
+    table = dict(value or {})
+    for key, model in table.items():
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ScheduleConfigError(f"CostModel override keys must be indices >= 0, got {key!r}")
+        if not isinstance(model, CostModel):
+            raise ScheduleConfigError(
+                f"CostModel override for {key} must be a CostModel, got {model!r}"
+            )
+    return MappingProxyType(table)
+
+
+@attrs.frozen(slots=True, eq=True, hash=False)
+class CostModel:
+    """Durations of each instruction kind, in any consistent unit (default: a forward is 1).
+
+    Args:
+        forward, backward, backward_input, backward_weight: compute costs (F, B, I, W).
+        comm: the cost of one comm group (a batched exchange), on top of waiting for the peer.
+        reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO).
+        step: an `OptimizerStep`.
+        gather: a `GatherParams` (ZeRO-1's all-gather).
+        per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
+        per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
+
+    Resolution, most specific first: `per_stage[s].per_chunk[c]`, `per_stage[s]`,
+    `per_chunk[c]`, then this model's own fields. A comm group reads the model of its first op.
+
+    Raises:
+        ScheduleConfigError: a negative or non-numeric cost, or a malformed override.
+
+    >>> slow_last = CostModel(per_stage={3: CostModel(forward=2.0, backward=4.0)})
+    >>> slow_last.at(3).forward, slow_last.at(0).forward
+    (2.0, 1.0)
+    """
+
+    forward: float = attrs.field(default=1.0, validator=_non_negative)
+    backward: float = attrs.field(default=2.0, validator=_non_negative)
+    backward_input: float = attrs.field(default=1.0, validator=_non_negative)
+    backward_weight: float = attrs.field(default=1.0, validator=_non_negative)
+    comm: float = attrs.field(default=0.0, validator=_non_negative)
+    reduce: float = attrs.field(default=0.0, validator=_non_negative)
+    step: float = attrs.field(default=0.0, validator=_non_negative)
+    gather: float = attrs.field(default=0.0, validator=_non_negative)
+    per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
+    per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
+
+    def at(self, stage: int, chunk: int = 0) -> CostModel:
+        """The model that applies to `chunk` on `stage` (see the resolution order above)."""
+        model = self.per_stage.get(stage)
+        if model is not None:
+            return model.per_chunk.get(chunk, model)
+        return self.per_chunk.get(chunk, self)
+
+    def cost(self, stage: int, op: Instruction) -> float:
+        """The duration of `op` on `stage` (comm ops: the group cost)."""
+        return kind_cost(self.at(stage, getattr(op, "chunk", 0)), type(op))
+
+    @classmethod
+    def from_trace(
+        cls,
+        trace: str | PathLike | Iterable[Mapping],
+        *,
+        unit_us: float = 1000.0,
+        **defaults: float,
+    ) -> CostModel:
+        """Costs measured in a run: the median duration of each instruction kind, per stage.
+
+        Args:
+            trace: a Chrome trace file (a JSON list, or an object with "traceEvents"), or its
+                events. Complete events ("ph": "X") whose name parses as an instruction
+                (`F3.1`, `B0`, `Reduce`, ...) count; the stage is their `pid` when the events
+                span several pids (a process per stage), else their `tid`; `dur` is the
+                duration in microseconds. A comm op's duration includes any wait for its peer.
+            unit_us: microseconds per cost unit: 1000 reads back what `to_chrome_trace` wrote
+                (1 ms per unit); 1e6 gives seconds.
+            defaults: fields for kinds the trace does not show (e.g. `comm=0.1`).
+
+        Raises:
+            ScheduleConfigError: the file is not JSON or not a trace, an instruction event has
+                a non-numeric `dur` or stage, or no event names an instruction.
+            OSError: the file cannot be read.
+        """
+        events = _trace_events(trace)
+        found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
+        by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
+        samples: dict[int, dict[str, list[float]]] = {}
+        for event, kind in found:
+            try:
+                stage = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
+                duration = float(event["dur"]) / unit_us
+            except (TypeError, ValueError):
+                raise ScheduleConfigError(
+                    f"trace event {event.get('name')!r}: its dur, pid and tid must be numbers"
+                ) from None
+            samples.setdefault(stage, {}).setdefault(kind, []).append(duration)
+        if not samples:
+            raise ScheduleConfigError(
+                "the trace has no complete ('X') events named like instructions (F3, B3.1, ...)"
+            )
+        per_stage = {
+            stage: cls(**{**defaults, **_medians(kinds)}) for stage, kinds in samples.items()
+        }
+        overall: dict[str, list[float]] = {}
+        for kinds in samples.values():
+            for kind, values in kinds.items():
+                overall.setdefault(kind, []).extend(values)
+        return cls(**{**defaults, **_medians(overall)}, per_stage=per_stage)
+
+
+def _trace_events(trace: str | PathLike | Iterable[Mapping]) -> list:
+    """The event list of a Chrome trace file, or the given events."""
+    if not isinstance(trace, (str, PathLike)):
+        return list(trace)
+    try:
+        data = json.loads(Path(trace).read_text())
+    except json.JSONDecodeError as exc:
+        raise ScheduleConfigError(f"trace {str(trace)!r} is not JSON: {exc}") from None
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ScheduleConfigError(
+            f"trace {str(trace)!r}: expected a JSON list of events or an object with a "
+            '"traceEvents" list'
+        )
+    return events
+
+
+def _kind_of(event: object) -> str | None:
+    if not isinstance(event, Mapping) or event.get("ph") != "X" or "dur" not in event:
+        return None
+    try:
+        op = parse(str(event.get("name", "")))
+    except ValueError:
+        return None
+    return "comm" if op.group == "comm" else _FIELD[op.code]
+
+
+def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:
+    return {kind: float(statistics.median(values)) for kind, values in kinds.items()}
