@@ -17,12 +17,7 @@ Backend: NCCL for CUDA tensors, gloo for CPU (the caller initialises the default
     >>> engine = Engine(program, segments, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1))
     >>> for loss in engine.train(batches): ...
 
-[Note: shapes are learnt once] A receive needs a buffer of the right shape and dtype. On the first
-run, before any instruction, a *shape pass* pushes microbatch 0 forward through the segments in
-model order without autograd (and without touching the RNG), each stage sending the next a small
-metadata tensor and the activation itself; every stage then knows the shape of every activation
-it receives, and of every gradient (the gradient of an activation has its shape). Nothing but the
-tensors themselves is sent afterwards; a send whose shape differs from the learnt one raises.
+[Note: shapes are learnt once] is in `backends._p2p`, with the shape pass it explains.
 
 [Note: sends complete lazily] Where the backend returns a handle per op (gloo), a group's receives
 are waited before the next instruction and its sends only at the end of the run (their tensors
@@ -58,7 +53,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from schedcc.analysis import Layout, Steps, comm_route
+from schedcc.analysis import Layout, Steps
+from schedcc.backends._p2p import Shapes, learn_shapes
+from schedcc.backends._setup import (
+    CommGroup,
+    device_of,
+    groups,
+    next_receiving,
+    own_segments,
+    plan,
+)
 from schedcc.backends.checkpoint import (
     load_stage_states,
     program_meta,
@@ -75,20 +79,6 @@ from schedcc.program import Program
 from schedcc.validate import validate
 
 __all__ = ["DataParallel", "Engine", "RankFailure"]
-
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-_MAX_DIMS = 8
 
 
 class DataParallel:
@@ -132,22 +122,6 @@ class DataParallel:
         parts = [torch.empty_like(shard) for _ in range(self.size)]
         dist.all_gather(parts, shard.contiguous(), group=self.group)
         return torch.cat(parts)
-
-
-class _Group:
-    """One comm group of the program, ready to post.
-
-    `items` are `(op, is_send, peer stage, shape key)` in program order; `sends` and `recvs` the
-    same split by direction (a receive's shape key says what buffer it needs).
-    """
-
-    __slots__ = ("items", "peers", "recvs", "sends")
-
-    def __init__(self, items: list[tuple[Instruction, bool, int, tuple[str, int]]]):
-        self.items = items
-        self.peers = sorted({peer for _, _, peer, _ in items})
-        self.sends = [(op, peer, key) for op, is_send, peer, key in items if is_send]
-        self.recvs = [(op, peer, key) for op, is_send, peer, key in items if not is_send]
 
 
 class Engine:
@@ -194,30 +168,30 @@ class Engine:
             )
         validate(program)  # a program that does not validate could hang: refuse it here
         self.program = program
-        self.pp_group, self.dp_group = _groups(program, mesh, pp_group, dp_group)
+        self.pp_group, self.dp_group = groups(program, mesh, pp_group, dp_group)
         self.stage = dist.get_rank(self.pp_group)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.reduce_loss = reduce_loss
         schedule = program.schedule
-        modules = _own_segments(schedule, self.stage, segments)
-        self.device = _device_of(modules)
+        modules = own_segments(schedule, self.stage, segments)
+        self.device = device_of(modules)
         self.data_parallel = DataParallel(self.dp_group)
         self.runtime = StageRuntime(
             program, self.stage, modules, loss_fn, optimizer, collectives=self.data_parallel
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
-        self._steps = _plan(program, self.stage, self._layout)
+        self._steps = plan(program, self.stage, self._layout)
         self._global_peer = {
             s: dist.get_global_rank(self.pp_group, s) for s in range(program.num_stages)
         }
         self._bounds = Steps.of([program.stages[self.stage]]).bounds[0]
-        self._shapes: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._shapes: Shapes = {}
         self._learnt = False
-        self._sending: list[tuple[object, torch.Tensor, _Group]] = []
+        self._sending: list[tuple[object, torch.Tensor, CommGroup]] = []
         # see [Note: receives are posted one group early]
         self._early = dist.get_backend(self.pp_group) == "gloo"
-        self._next_recv = _next_receiving(self._steps)
+        self._next_recv = next_receiving(self._steps)
         self._posted: dict[int, list[tuple[Instruction, torch.Tensor, object]]] = {}
         self._at: int | None = None
         self._clock0 = 0.0
@@ -291,7 +265,7 @@ class Engine:
         for index, step in enumerate(self._steps):
             self._at = index
             start = clock()
-            if type(step) is _Group:
+            if type(step) is CommGroup:
                 self._exchange(index, step)
             elif step.group == "update":
                 self._update(step)
@@ -346,7 +320,7 @@ class Engine:
         set_rng_state(saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"])
         self.steps = manifest["step"]
 
-    def _exchange(self, index: int, step: _Group) -> None:
+    def _exchange(self, index: int, step: CommGroup) -> None:
         if not self._early:
             self._exchange_batched(step)
             return
@@ -368,7 +342,7 @@ class Engine:
         for op, buffer, _ in received:
             self.runtime.incoming(op, buffer)
 
-    def _post_recvs(self, step: _Group) -> list[tuple[Instruction, torch.Tensor, object]]:
+    def _post_recvs(self, step: CommGroup) -> list[tuple[Instruction, torch.Tensor, object]]:
         posted = []
         for op, peer, key in step.recvs:
             shape, dtype = self._shapes[key]
@@ -382,7 +356,7 @@ class Engine:
             raise ValueError(_shape_changed(op, tensor, self._shapes[key][0]))
         return tensor
 
-    def _exchange_batched(self, step: _Group) -> None:
+    def _exchange_batched(self, step: CommGroup) -> None:
         """The group as one `batch_isend_irecv` (NCCL: a coalesced batch, waited whole)."""
         runtime, shapes, device = self.runtime, self._shapes, self.device
         ops, received = [], []
@@ -431,7 +405,7 @@ class Engine:
                 f"data-parallel ranks {ranks}: {_first_line(exc)}"
             ) from exc
 
-    def _failure(self, step: _Group, exc: BaseException) -> str:
+    def _failure(self, step: CommGroup, exc: BaseException) -> str:
         ops = " ".join(str(op) for op, *_ in step.items)
         peers = ", ".join(f"rank {self._global_peer[s]} (stage {s})" for s in step.peers)
         return (
@@ -456,51 +430,20 @@ class Engine:
             tensor /= self.data_parallel.size
         return tensor.tolist()
 
-    # -- the shape pass (see the note at the top) -----------------------------------------------
-
     def _learn_shapes(self, first_inputs: Sequence[torch.Tensor] | None) -> None:
-        layout, me = self._layout, self.stage
-        dist.barrier(group=self.pp_group)
-        devices = [self.device] if self.device.type == "cuda" else []
-        held: torch.Tensor | None = None
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for k in range(layout.last):
-                producer, consumer = layout.stage_of[k], layout.stage_of[k + 1]
-                if producer == me:
-                    if k == 0:
-                        if not first_inputs:
-                            raise ValueError(f"stage {me} holds segment 0 but got no inputs")
-                        held = first_inputs[0]
-                    held = self.runtime.modules[layout.chunk_of[k]](held)
-                    if consumer != me:
-                        self._send_tensor(held, consumer)
-                elif consumer == me:
-                    held = self._recv_tensor(producer)
-                if me in (producer, consumer):
-                    self._shapes["A", k] = (tuple(held.shape), held.dtype)
-        dist.barrier(group=self.pp_group)
-        self._clock0 = time.perf_counter()
-
-    def _send_tensor(self, tensor: torch.Tensor, stage: int) -> None:
-        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-            raise ValueError(
-                f"stage {self.stage} sends a {tensor.dim()}-d {tensor.dtype} activation; the "
-                f"distributed backend moves tensors of up to {_MAX_DIMS} dims of {_DTYPES}"
+        """See [Note: shapes are learnt once] in `backends._p2p`."""
+        self._shapes.update(
+            learn_shapes(
+                self._layout,
+                self.stage,
+                self.runtime.modules,
+                first_inputs,
+                peer=self._global_peer,
+                group=self.pp_group,
+                device=self.device,
             )
-        meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-        meta += [0] * (2 + _MAX_DIMS - len(meta))
-        peer = self._global_peer[stage]
-        dist.send(torch.tensor(meta, dtype=torch.int64, device=self.device), peer, self.pp_group)
-        dist.send(tensor.contiguous(), peer, self.pp_group)
-
-    def _recv_tensor(self, stage: int) -> torch.Tensor:
-        peer = self._global_peer[stage]
-        meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        dist.recv(meta, peer, self.pp_group)
-        code, ndim, *dims = meta.tolist()
-        tensor = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
-        dist.recv(tensor, peer, self.pp_group)
-        return tensor
+        )
+        self._clock0 = time.perf_counter()
 
     @property
     def current_instruction(self) -> str | None:
@@ -511,88 +454,7 @@ class Engine:
         return " ".join(str(op) for op in self.program.stages[self.stage][lo:hi])
 
 
-# -- setup helpers ---------------------------------------------------------------------------------
-
-
-def _groups(program: Program, mesh, pp_group, dp_group):
-    p, dp = program.num_stages, program.data_parallel
-    if (pp_group is None) != (dp_group is None):
-        raise ScheduleConfigError("pass both pp_group and dp_group, or neither")
-    if pp_group is None:
-        if mesh is None:
-            world = dist.get_world_size()
-            if world != p * dp:
-                raise ScheduleConfigError(
-                    f"the world has {world} rank(s) but the program needs p * data_parallel = "
-                    f"{p} * {dp} = {p * dp}"
-                )
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(device_type, (dp, p), mesh_dim_names=("dp", "pp"))
-        if tuple(mesh.mesh_dim_names or ()) != ("dp", "pp"):
-            raise ScheduleConfigError(
-                f"the mesh must have dims ('dp', 'pp'), got {mesh.mesh_dim_names}"
-            )
-        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-    if dist.get_world_size(pp_group) != p or dist.get_world_size(dp_group) != dp:
-        raise ScheduleConfigError(
-            f"the pipeline group has {dist.get_world_size(pp_group)} rank(s) and the "
-            f"data-parallel group {dist.get_world_size(dp_group)}; the program needs p={p} and "
-            f"data_parallel={dp}"
-        )
-    return pp_group, dp_group
-
-
-def _own_segments(schedule, stage: int, segments: Sequence[nn.Module]) -> list[nn.Module]:
-    segments = list(segments)
-    v = schedule.num_chunks
-    if len(segments) == schedule.num_segments:
-        return [segments[schedule.segment_of(stage, c)] for c in range(v)]
-    if len(segments) == v:
-        return segments
-    raise ScheduleConfigError(
-        f"got {len(segments)} segment(s): pass all p*v = {schedule.num_segments} segments of the "
-        f"model, or this stage's {v} by chunk"
-    )
-
-
-def _device_of(modules: Sequence[nn.Module]) -> torch.device:
-    for module in modules:
-        for tensor in module.parameters():
-            return tensor.device
-    return torch.device("cpu")
-
-
-def _plan(program: Program, stage: int, layout: Layout) -> list[Instruction | _Group]:
-    """The stage's program as steps: single compute/update instructions and comm groups."""
-    ops = program.stages[stage]
-    steps: list[Instruction | _Group] = []
-    for lo, hi in Steps.of([ops]).bounds[0]:
-        if ops[lo].group != "comm":
-            steps.append(ops[lo])
-            continue
-        items = []
-        for op in ops[lo:hi]:
-            src, dst, (kind, _, k) = comm_route(layout, stage, op)  # type: ignore[misc]
-            # the tensor is an activation out of segment k, or the gradient of the activation
-            # out of segment k - 1: either way its shape is learnt under ("A", segment)
-            key = ("A", k if kind == "A" else k - 1)
-            items.append((op, op.is_send, dst if op.is_send else src, key))
-        steps.append(_Group(items))
-    return steps
-
-
-def _next_receiving(steps: Sequence[Instruction | _Group]) -> list[int | None]:
-    """Per step, the index of the first later step that receives (None: none is left)."""
-    ahead: list[int | None] = [None] * len(steps)
-    following = None
-    for index in range(len(steps) - 1, -1, -1):
-        ahead[index] = following
-        step = steps[index]
-        if type(step) is _Group and step.recvs:
-            following = index
-    return ahead
+# -- helpers -------------------------------------------------------------------------------------
 
 
 def _split(tensor: torch.Tensor | None, m: int, device: torch.device):

@@ -5,6 +5,9 @@ tensors to send from `outgoing`, and hands every compute and update instruction 
 parallelism reaches the runtime through a `Collectives` object (all-reduce, reduce-scatter,
 all-gather over this stage's data-parallel group).
 
+Helpers it delegates to: `backends._versions` (the stashed weight versions), `backends._zero` (the
+gradient reduction and the ZeRO shards), `backends._restore` (loading a checkpoint's state).
+
 [Note: what the runtime keeps] Per (microbatch, chunk): the input of the segment (received, handed
 over from a segment on this stage, or the microbatch itself on segment 0), the graph of its forward
 (output, input, the parameter tensors it ran with) until its backward is done, the input gradient
@@ -28,16 +31,16 @@ a router that drops tokens, gets the first microbatch's count).
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
-from schedcc.backends.state import canonical_optimizer_state, layout_optimizer_state
-from schedcc.errors import CheckpointError, ScheduleConfigError, ScheduleError
+from schedcc.backends._restore import check_saved, load_optimizer
+from schedcc.backends._versions import WeightVersions
+from schedcc.backends._zero import Reducer
+from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Backward,
     BackwardInput,
@@ -160,10 +163,9 @@ class StageRuntime:
         self._last = schedule.num_segments - 1
         self._stage_of = [schedule.placement(k)[0] for k in range(schedule.num_segments)]
         self._names = [[n for n, _ in mod.named_parameters()] for mod in self.modules]
-        self._shards: list[nn.Parameter] = []
+        self._reducer = Reducer(self.modules, self.collectives, zero=self._zero)
         if self._zero:
-            self._shards = [self._make_shard(c) for c in range(len(self.modules))]
-            self.optimizer: torch.optim.Optimizer | None = optimizer(self._shards)
+            self.optimizer: torch.optim.Optimizer | None = optimizer(self._reducer.shards)
         else:
             params = [p for mod in self.modules for p in mod.parameters()]
             # A stage without parameters (e.g. a lone activation) has nothing to step.
@@ -193,15 +195,10 @@ class StageRuntime:
         self._to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self._handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # keyed by segment
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._version = 0
-        self._versions: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in self.modules]
-        self._uses_left = self._count_version_uses()
-        # the live parameters by chunk, looked up once per run instead of once per forward
-        self._live = [dict(mod.named_parameters()) for mod in self.modules]
+        self._versions = WeightVersions(
+            self.program, self.stage, self.modules, RuntimeInstructionError
+        )
         self._saved_bytes: dict[tuple, int] = {}
-        if self._delay:
-            for c in range(len(self.modules)):
-                self._snapshot(c, 0)
 
     @property
     def losses(self) -> dict[int, float]:
@@ -294,20 +291,7 @@ class StageRuntime:
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
         """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits."""
-        numels = [[p.numel() for p in mod.parameters()] for mod in self.modules]
-        ranks = [state.get("rank") for state in saved]
-        if ranks != list(range(len(saved))) or any(
-            state.get("data_parallel") != len(saved) for state in saved
-        ):
-            raise CheckpointError(
-                f"stage {self.stage}: the checkpoint's data-parallel shards are incomplete "
-                f"(ranks {ranks})"
-            )
-        if any(state.get("numels") != numels for state in saved):
-            raise CheckpointError(
-                f"stage {self.stage}: the checkpoint's parameters have sizes "
-                f"{saved[0].get('numels')}, this model's {numels}: it was saved from another model"
-            )
+        check_saved(self.stage, self.modules, saved)
 
     def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
         """Restore from every old data-parallel rank's state of this stage (in rank order).
@@ -318,31 +302,13 @@ class StageRuntime:
         self.check_state(saved)
         for mod, state in zip(self.modules, saved[0]["modules"]):
             mod.load_state_dict(state)
-        if self._zero:
-            with torch.no_grad():
-                for c, shard in enumerate(self._shards):
-                    size, rank = shard.numel(), self.collectives.rank
-                    flat = self._flat_params(c, size * self.collectives.size)
-                    shard.copy_(flat[rank * size : (rank + 1) * size])
+        self._reducer.refresh_shards()
         if self.optimizer is None:
             return
-        same = saved[0]["zero"] == self._zero and len(saved) == self.collectives.size
-        if same:
-            self.optimizer.load_state_dict(saved[self.collectives.rank]["optimizer"])
-            return
-        numels = saved[0]["numels"]
-        target = self.optimizer.state_dict()
-        target["state"] = layout_optimizer_state(
-            canonical_optimizer_state(saved, numels),
-            numels,
-            [[p.shape for p in mod.parameters()] for mod in self.modules],
-            zero=self._zero,
-            rank=self.collectives.rank,
-            size=self.collectives.size,
+        coll = self.collectives
+        load_optimizer(
+            self.optimizer, saved, self.modules, zero=self._zero, rank=coll.rank, size=coll.size
         )
-        for group, old in zip(target["param_groups"], saved[0]["optimizer"]["param_groups"]):
-            group.update({key: value for key, value in old.items() if key != "params"})
-        self.optimizer.load_state_dict(target)
 
     # -- compute --------------------------------------------------------------------------------
 
@@ -350,7 +316,7 @@ class StageRuntime:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         x = self._forward_input(i, c, k)
-        params = self._params_for(c, self._version_of(i))
+        params = self._versions.params_for(c, self._versions.version_of(i))
         graph = self._run_segment(c, k, i, x, params)
         self._graphs[i, c] = graph
         self.activation_bytes += graph.num_bytes
@@ -534,96 +500,10 @@ class StageRuntime:
             else:
                 p.grad.add_(g)
 
-    # -- weight versions (weight_delay >= 1) ----------------------------------------------------
-
-    def _version_of(self, microbatch: int) -> int:
-        return max(0, microbatch // self._m - self._delay)
-
-    def _count_version_uses(self) -> list[dict[int, int]]:
-        uses: list[dict[int, int]] = [defaultdict(int) for _ in self.modules]
-        for op in self.program.stages[self.stage]:
-            if type(op) is Forward:
-                uses[op.chunk][self._version_of(op.microbatch)] += 1
-        return uses
-
-    def _params_for(self, c: int, version: int) -> dict[str, torch.Tensor]:
-        if not self._delay:
-            return self._live[c]
-        stash = self._versions[c]
-        if version not in stash:
-            raise RuntimeInstructionError(
-                f"stage {self.stage} chunk {c}: weight version {version} is not available "
-                f"(live version {self._version}, stashed {sorted(stash)})",
-                stage=self.stage,
-            )
-        params = stash[version]
-        uses = self._uses_left[c]
-        uses[version] -= 1
-        if uses[version] <= 0:
-            del stash[version]  # in-flight graphs keep the tensors until their backward
-        return params
-
-    def _snapshot(self, c: int, version: int) -> None:
-        """Stash the live parameters of chunk c as `version` if a later forward will use it."""
-        if self._uses_left[c].get(version, 0) > 0:
-            self._versions[c][version] = {
-                name: p.detach().clone().requires_grad_(p.requires_grad)
-                for name, p in self.modules[c].named_parameters()
-            }
-
     # -- updates --------------------------------------------------------------------------------
 
-    def _flat_grads(self, c: int, length: int) -> torch.Tensor:
-        params = list(self.modules[c].parameters())
-        parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
-        ]
-        flat = torch.cat(parts) if parts else torch.zeros(0)
-        if length > flat.numel():
-            flat = torch.cat([flat, flat.new_zeros(length - flat.numel())])
-        return flat
-
-    def _numel(self, c: int) -> int:
-        return sum(p.numel() for p in self.modules[c].parameters())
-
-    def _shard_size(self, c: int) -> int:
-        return max(1, math.ceil(self._numel(c) / self.collectives.size))
-
-    def _make_shard(self, c: int) -> nn.Parameter:
-        size = self._shard_size(c)
-        rank = self.collectives.rank
-        with torch.no_grad():
-            flat = self._flat_params(c, size * self.collectives.size)
-            return nn.Parameter(flat[rank * size : (rank + 1) * size].clone())
-
-    def _flat_params(self, c: int, length: int) -> torch.Tensor:
-        params = list(self.modules[c].parameters())
-        flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
-        return torch.cat([flat, flat.new_zeros(length - flat.numel())])
-
     def _reduce_grads(self, op: ReduceGrads) -> None:
-        c = op.chunk
-        coll = self.collectives
-        if not self._zero:
-            flat = self._flat_grads(c, 0)
-            coll.all_reduce(flat)
-            self._unflatten_into_grads(c, flat)
-            return
-        shard = coll.reduce_scatter(self._flat_grads(c, self._shard_size(c) * coll.size))
-        target = self._shards[c]
-        if target.grad is None:
-            target.grad = shard.detach().clone()
-        else:
-            target.grad.add_(shard)
-        for p in self.modules[c].parameters():
-            p.grad = None  # reduced: what accumulates next is new
-
-    def _unflatten_into_grads(self, c: int, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.modules[c].parameters():
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+        self._reducer.reduce(op.chunk)
 
     def _optimizer_step(self, op: OptimizerStep) -> None:
         if self.optimizer is not None:
@@ -631,10 +511,10 @@ class StageRuntime:
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self.modules:
             mod.zero_grad(set_to_none=True)
-        self._version += 1
+        self._versions.advance()
         if self._delay and not self._zero:
             for c in range(len(self.modules)):
-                self._snapshot(c, self._version)
+                self._versions.snapshot(c, self._versions.version)
 
     def _gather_params(self, op: GatherParams) -> None:
         c = op.chunk
@@ -643,12 +523,6 @@ class StageRuntime:
                 f"stage {self.stage}: {op} needs ZeRO (compile with zero=1 or 2)",
                 stage=self.stage,
             )
-        full = self.collectives.all_gather(self._shards[c].detach())
-        offset = 0
-        with torch.no_grad():
-            for p in self.modules[c].parameters():
-                n = p.numel()
-                p.copy_(full[offset : offset + n].view_as(p))
-                offset += n
+        self._reducer.gather(c)
         if self._delay:
-            self._snapshot(c, self._version)
+            self._versions.snapshot(c, self._versions.version)

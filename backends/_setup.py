@@ -1,0 +1,120 @@
+"""Setting up the distributed `Engine`: process groups, this stage's segments, its steps.
+
+The steps are the stage's program as the engine runs it: single compute and update
+instructions, and each comm group as one `CommGroup` (posted together, see `Engine._exchange`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from schedcc.analysis import Layout, Steps, comm_route
+from schedcc.errors import ScheduleConfigError
+from schedcc.ir import Instruction
+from schedcc.program import Program
+
+__all__ = ["CommGroup", "device_of", "groups", "next_receiving", "own_segments", "plan"]
+
+
+class CommGroup:
+    """One comm group of the program, ready to post.
+
+    `items` are `(op, is_send, peer stage, shape key)` in program order; `sends` and `recvs` the
+    same split by direction (a receive's shape key says what buffer it needs).
+    """
+
+    __slots__ = ("items", "peers", "recvs", "sends")
+
+    def __init__(self, items: list[tuple[Instruction, bool, int, tuple[str, int]]]):
+        self.items = items
+        self.peers = sorted({peer for _, _, peer, _ in items})
+        self.sends = [(op, peer, key) for op, is_send, peer, key in items if is_send]
+        self.recvs = [(op, peer, key) for op, is_send, peer, key in items if not is_send]
+
+
+def groups(program: Program, mesh, pp_group, dp_group):
+    """The (pipeline, data-parallel) process groups: the caller's, or a ("dp", "pp") mesh's."""
+    p, dp = program.num_stages, program.data_parallel
+    if (pp_group is None) != (dp_group is None):
+        raise ScheduleConfigError("pass both pp_group and dp_group, or neither")
+    if pp_group is None:
+        if mesh is None:
+            world = dist.get_world_size()
+            if world != p * dp:
+                raise ScheduleConfigError(
+                    f"the world has {world} rank(s) but the program needs p * data_parallel = "
+                    f"{p} * {dp} = {p * dp}"
+                )
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device_type, (dp, p), mesh_dim_names=("dp", "pp"))
+        if tuple(mesh.mesh_dim_names or ()) != ("dp", "pp"):
+            raise ScheduleConfigError(
+                f"the mesh must have dims ('dp', 'pp'), got {mesh.mesh_dim_names}"
+            )
+        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    if dist.get_world_size(pp_group) != p or dist.get_world_size(dp_group) != dp:
+        raise ScheduleConfigError(
+            f"the pipeline group has {dist.get_world_size(pp_group)} rank(s) and the "
+            f"data-parallel group {dist.get_world_size(dp_group)}; the program needs p={p} and "
+            f"data_parallel={dp}"
+        )
+    return pp_group, dp_group
+
+
+def own_segments(schedule, stage: int, segments: Sequence[nn.Module]) -> list[nn.Module]:
+    """The segments `stage` holds, by chunk, from all `p*v` segments or from its own `v`."""
+    segments = list(segments)
+    v = schedule.num_chunks
+    if len(segments) == schedule.num_segments:
+        return [segments[schedule.segment_of(stage, c)] for c in range(v)]
+    if len(segments) == v:
+        return segments
+    raise ScheduleConfigError(
+        f"got {len(segments)} segment(s): pass all p*v = {schedule.num_segments} segments of the "
+        f"model, or this stage's {v} by chunk"
+    )
+
+
+def device_of(modules: Sequence[nn.Module]) -> torch.device:
+    """The device of the first parameter (CPU for modules without parameters)."""
+    for module in modules:
+        for tensor in module.parameters():
+            return tensor.device
+    return torch.device("cpu")
+
+
+def plan(program: Program, stage: int, layout: Layout) -> list[Instruction | CommGroup]:
+    """The stage's program as steps: single compute/update instructions and comm groups."""
+    ops = program.stages[stage]
+    steps: list[Instruction | CommGroup] = []
+    for lo, hi in Steps.of([ops]).bounds[0]:
+        if ops[lo].group != "comm":
+            steps.append(ops[lo])
+            continue
+        items = []
+        for op in ops[lo:hi]:
+            src, dst, (kind, _, k) = comm_route(layout, stage, op)  # type: ignore[misc]
+            # the tensor is an activation out of segment k, or the gradient of the activation
+            # out of segment k - 1: either way its shape is learnt under ("A", segment)
+            key = ("A", k if kind == "A" else k - 1)
+            items.append((op, op.is_send, dst if op.is_send else src, key))
+        steps.append(CommGroup(items))
+    return steps
+
+
+def next_receiving(steps: Sequence[Instruction | CommGroup]) -> list[int | None]:
+    """Per step, the index of the first later step that receives (None: none is left)."""
+    ahead: list[int | None] = [None] * len(steps)
+    following = None
+    for index in range(len(steps) - 1, -1, -1):
+        ahead[index] = following
+        step = steps[index]
+        if type(step) is CommGroup and step.recvs:
+            following = index
+    return ahead
