@@ -17,10 +17,10 @@ send and its receive complete together, so the cheap moment is one where *both* 
 to the consumer's start, which keeps a send-activation and a receive-grad of one step in one comm
 group (as in Megatron-LM) and, where the producer is busy when the consumer starts, moves the
 pair back to when both were free. GPipe, 1F1B, 2BW and the zero-bubble schedules then replay the
-compute-only simulation exactly (their textbook makespans), and interleaved 1F1B does at p <= 4.
-At larger p interleaved 1F1B has moments where a producer and its consumer are never idle
-together between the producer's end and the consumer's start; a blocking exchange must then
-stall one of them, and the stalls made early in the compute-only plan cascade.
+compute-only simulation exactly (their textbook makespans), and interleaved 1F1B does for some
+shapes (p = 4, m = 8, v = 2). In others it has moments where a producer and its consumer are
+never idle together between the producer's end and the consumer's start; a blocking exchange
+must then stall one of them, and the stalls made early in the compute-only plan cascade.
 
 [Note: two lowerings] So when the first lowering does not replay the compute-only makespan, a
 second one runs the rendezvous model itself while it lowers (`_lower_online`: at each time unit,
