@@ -17,7 +17,7 @@ from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
 
-__all__ = ["CommGroup", "device_of", "groups", "next_receiving", "own_segments", "plan"]
+__all__ = ["CommGroup", "device_of", "groups", "own_segments", "plan"]
 
 
 class CommGroup:
@@ -106,15 +106,3 @@ def plan(program: Program, stage: int, layout: Layout) -> list[Instruction | Com
             items.append((op, op.is_send, dst if op.is_send else src, key))
         steps.append(CommGroup(items))
     return steps
-
-
-def next_receiving(steps: Sequence[Instruction | CommGroup]) -> list[int | None]:
-    """Per step, the index of the first later step that receives (None: none is left)."""
-    ahead: list[int | None] = [None] * len(steps)
-    following = None
-    for index in range(len(steps) - 1, -1, -1):
-        ahead[index] = following
-        step = steps[index]
-        if type(step) is CommGroup and step.recvs:
-            following = index
-    return ahead

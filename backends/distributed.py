@@ -1,11 +1,12 @@
 """The `torch.distributed` backend: one process per (data-parallel rank, stage).
 
 `Engine` runs one stage's program on its rank: compute and update instructions go to the shared
-`StageRuntime`; each comm group is posted whole (ONE `torch.distributed.batch_isend_irecv` under
-NCCL; op by op under gloo, see [Note: receives are posted one group early]) and its receives are
-waited before the next instruction (the execution semantics the validator proves deadlock-free,
-relaxed only in ways that cannot add a hang). Gradients are
-reduced over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
+`StageRuntime`. Under NCCL each comm group is posted whole, as ONE
+`torch.distributed.batch_isend_irecv`, and its receives are waited before the next instruction (the
+execution semantics the validator proves deadlock-free); under gloo each op is posted and waited
+where it helps most (see [Note: eager point-to-point] in `backends._eager`: relaxations that cannot
+add a hang). Gradients are reduced over the data-parallel group (all-reduce; reduce-scatter +
+all-gather under ZeRO-1).
 
 Ranks: by default a `DeviceMesh` with dims `("dp", "pp")` over the whole world, so the global rank
 is `dp_index * p + stage`; a caller may pass its own `mesh` (same dim names) or its own
@@ -19,22 +20,13 @@ Backend: NCCL for CUDA tensors, gloo for CPU (the caller initialises the default
 
 [Note: shapes are learnt once] is in `backends._p2p`, with the shape pass it explains.
 
-[Note: sends complete lazily] Where the backend returns a handle per op (gloo), a group's receives
-are waited before the next instruction and its sends only at the end of the run (their tensors
-are kept alive until then), as torch.distributed.pipelining does. This only relaxes the
-rendezvous model the validator proves deadlock-free (a send never holds its stage back), so it
-cannot introduce a hang; it keeps a stage from idling while its peer has not yet reached the
-matching receive. Under NCCL a batch is one coalesced handle, waited whole.
-
-[Note: receives are posted one group early] Gloo moves a message only once both sides have posted
-it: the receiver announces its buffer, then the sender writes the data. So under gloo each comm
-group is posted op by op, and once its own receives and sends are posted, the receives of the
-next group that has any are posted too (a buffer each); they are waited only at their own group.
-The data then travels while this stage computes instead of after it reaches the group. Per peer,
-receives are still posted in program order, so each still pairs with the same send; a receive
-posted early never holds a stage back, so, like lazy sends, this cannot introduce a hang. NCCL
-orders its operations on a stream, where an early receive could hold back a later send: there
-each group stays one `batch_isend_irecv`, posted at its place.
+[Note: sends complete lazily] Where the backend returns a handle per op (gloo), sends are waited
+only at the end of the run (their tensors are kept alive until then), as
+torch.distributed.pipelining does. This only relaxes the rendezvous model the validator proves
+deadlock-free (a send never holds its stage back), so it cannot introduce a hang; it keeps a stage
+from idling while its peer has not yet reached the matching receive. Under NCCL a batch is one
+coalesced handle, waited whole. NCCL orders its operations on a stream, where an early receive could
+hold back a later send, so there each group stays one `batch_isend_irecv`, posted at its place.
 
 [Note: failures] Every wait has the engine's `timeout`. A peer that dies closes its sockets (gloo)
 and the waiting rank raises `RankFailure` naming its stage, the instruction it waited on and the
@@ -54,15 +46,9 @@ import torch.distributed as dist
 from torch import nn
 
 from schedcc.analysis import Layout, Steps
+from schedcc.backends._eager import EagerPlan, Transfer
 from schedcc.backends._p2p import Shapes, learn_shapes
-from schedcc.backends._setup import (
-    CommGroup,
-    device_of,
-    groups,
-    next_receiving,
-    own_segments,
-    plan,
-)
+from schedcc.backends._setup import CommGroup, device_of, groups, own_segments, plan
 from schedcc.backends.checkpoint import (
     load_stage_states,
     program_meta,
@@ -189,10 +175,11 @@ class Engine:
         self._shapes: Shapes = {}
         self._learnt = False
         self._sending: list[tuple[object, torch.Tensor, CommGroup]] = []
-        # see [Note: receives are posted one group early]
-        self._early = dist.get_backend(self.pp_group) == "gloo"
-        self._next_recv = next_receiving(self._steps)
-        self._posted: dict[int, list[tuple[Instruction, torch.Tensor, object]]] = {}
+        # see [Note: eager point-to-point]
+        eager = dist.get_backend(self.pp_group) == "gloo"
+        self._eager = EagerPlan(self._steps) if eager else None
+        self._posted: dict[Instruction, tuple[torch.Tensor, object]] = {}
+        self._spans: dict[int, tuple[float, float]] = {}
         self._at: int | None = None
         self._clock0 = 0.0
         #: Per run of the program: (start, end) seconds of each step, since the engine's clock 0.
@@ -262,17 +249,27 @@ class Engine:
         times: list[tuple[float, float]] = []
         clock = time.perf_counter
         self._posted.clear()
+        self._spans.clear()
+        eager = self._eager
         for index, step in enumerate(self._steps):
             self._at = index
+            if eager is not None:
+                self._before(index, eager)
             start = clock()
             if type(step) is CommGroup:
-                self._exchange(index, step)
+                if eager is None:
+                    self._exchange_batched(step)
             elif step.group == "update":
                 self._update(step)
             else:
                 runtime.run(step)
             times.append((start - self._clock0, clock() - self._clock0))
+            if eager is not None:
+                for send in eager.sends_after[index]:
+                    self._send(send)
         self._at = None
+        for index, (start, end) in self._spans.items():  # comm under gloo: see `_span`
+            times[index] = (start - self._clock0, end - self._clock0)
         self._finish_sends()
         self.step_times.append(times)
         self.steps += len(group)
@@ -320,35 +317,49 @@ class Engine:
         set_rng_state(saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"])
         self.steps = manifest["step"]
 
-    def _exchange(self, index: int, step: CommGroup) -> None:
-        if not self._early:
-            self._exchange_batched(step)
-            return
-        tensors = [self._outgoing(op, key) for op, _, key in step.sends]
-        try:
-            received = self._posted.pop(index, None)
-            if received is None:
-                received = self._post_recvs(step)
-            for (_, peer, _), tensor in zip(step.sends, tensors):
-                work = dist.isend(tensor, group=self.pp_group, group_dst=peer)
-                self._sending.append((work, tensor, step))  # see [Note: sends complete lazily]
-            ahead = self._next_recv[index]
-            if ahead is not None and ahead not in self._posted:
-                self._posted[ahead] = self._post_recvs(self._steps[ahead])  # type: ignore[arg-type]
-            for _, _, work in received:
-                work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise RankFailure(self._failure(step, exc)) from exc
-        for op, buffer, _ in received:
-            self.runtime.incoming(op, buffer)
+    # -- point-to-point, gloo (see [Note: eager point-to-point]) ---------------------------------
 
-    def _post_recvs(self, step: CommGroup) -> list[tuple[Instruction, torch.Tensor, object]]:
-        posted = []
-        for op, peer, key in step.recvs:
+    def _before(self, index: int, eager: EagerPlan) -> None:
+        """Post the receives due before step `index`, then wait the ones it consumes."""
+        clock = time.perf_counter
+        for op, peer, key, group in eager.post_before[index]:
             shape, dtype = self._shapes[key]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            posted.append((op, buffer, dist.irecv(buffer, group=self.pp_group, group_src=peer)))
-        return posted
+            try:
+                work = self.pp_group.recv([buffer], peer, 0)
+            except RuntimeError as exc:
+                raise RankFailure(self._failure(self._steps[group], exc)) from exc
+            self._posted[op] = (buffer, work)
+        for op, _, _, group in eager.wait_before[index]:
+            start = clock()
+            buffer, work = self._posted.pop(op)
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                raise RankFailure(self._failure(self._steps[group], exc)) from exc
+            self.runtime.incoming(op, buffer)
+            self._span(group, start, clock())
+
+    def _send(self, send: Transfer) -> None:
+        op, peer, key, group = send
+        start = time.perf_counter()
+        tensor = self._outgoing(op, key)
+        try:
+            work = self.pp_group.send([tensor], peer, 0)
+        except RuntimeError as exc:
+            raise RankFailure(self._failure(self._steps[group], exc)) from exc
+        self._sending.append((work, tensor, self._steps[group]))  # [Note: sends complete lazily]
+        if not self._steps[group].recvs:  # a group with receives spans their waits
+            self._span(group, start, time.perf_counter())
+
+    def _span(self, group: int, start: float, end: float) -> None:
+        """A comm group's measured time: from its first wait (or send) to its last one's end."""
+        spans = self._spans
+        if group in spans:
+            first, last = spans[group]
+            spans[group] = (min(first, start), max(last, end))
+        else:
+            spans[group] = (start, end)
 
     def _outgoing(self, op: Instruction, key: tuple[str, int]) -> torch.Tensor:
         tensor = self.runtime.outgoing(op)

@@ -1,0 +1,131 @@
+"""When the gloo path of the distributed `Engine` posts and waits each point-to-point op.
+
+[Note: eager point-to-point] The program places each send/receive pair where the stages meet in
+the rendezvous model, which is what the validator proves deadlock-free. A real executor does
+better by relaxing that model in three ways, none of which can add a hang:
+
+- a send is posted as soon as the compute that produces its tensor has run, not at its group;
+- a receive is posted `RECV_LOOKAHEAD` computes before the one that consumes it, so gloo (which
+  moves a message only once both sides have posted it) moves the data while this stage computes;
+- a receive is waited only right before the compute that consumes it, not at its group.
+
+Per peer, sends are still posted in program order, and receives too (all receives are posted in
+program order), so each receive still pairs with the send the compiler matched it with. A send
+never blocks and a receive is waited no earlier than in the rendezvous model, so every stage
+gets at least as far as it would there: a program that validates cannot hang. The program's comm
+groups then only say in which order messages go; `EagerPlan` says where, per step.
+
+Computes are the steps that are not comm groups (update instructions included); a receive's
+consumer is the forward (activation) or the first backward (gradient) of its microbatch and
+chunk, a send's producer the same for what it sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schedcc.backends._setup import CommGroup
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    Forward,
+    Instruction,
+    RecvActivation,
+    SendActivation,
+)
+
+__all__ = ["RECV_LOOKAHEAD", "EagerPlan", "Transfer"]
+
+#: Computes ahead of its consumer that a receive is posted (its buffer exists that long).
+RECV_LOOKAHEAD = 2
+
+#: One point-to-point op: `(op, peer stage, shape key, index of its comm group in the steps)`.
+Transfer = tuple[Instruction, int, tuple[str, int], int]
+
+
+class EagerPlan:
+    """Per step index: receives to post and to wait before it, sends to post after it.
+
+    Only compute steps carry actions; comm groups carry none (see the note above).
+    """
+
+    __slots__ = ("post_before", "sends_after", "wait_before")
+
+    def __init__(self, steps: Sequence[Instruction | CommGroup], lookahead: int = RECV_LOOKAHEAD):
+        n = len(steps)
+        self.post_before: list[list[Transfer]] = [[] for _ in range(n)]
+        self.wait_before: list[list[Transfer]] = [[] for _ in range(n)]
+        self.sends_after: list[list[Transfer]] = [[] for _ in range(n)]
+        computes = [i for i, step in enumerate(steps) if type(step) is not CommGroup]
+        position = {}  # ("F" | "B", microbatch, chunk) -> step index of its first compute
+        for index in computes:
+            key = _compute_key(steps[index])  # type: ignore[arg-type]
+            if key is not None:
+                position.setdefault(key, index)
+        sends: list[tuple[int, Transfer]] = []  # (producer step, send), program order
+        recvs: list[tuple[int, Transfer]] = []  # (consumer step, receive), program order
+        before, after = _neighbours(steps, computes)
+        for g, step in enumerate(steps):
+            if type(step) is not CommGroup:
+                continue
+            # a validated program has every producer and consumer; the fallbacks are the
+            # group's own place (the rendezvous position)
+            for op, peer, key in step.sends:
+                sends.append((position.get(_data_key(op), before[g]), (op, peer, key, g)))
+            for op, peer, key in step.recvs:
+                recvs.append((position.get(_data_key(op), after[g]), (op, peer, key, g)))
+        self._place_sends(sends)
+        self._place_recvs(recvs, computes, lookahead)
+
+    def _place_sends(self, sends: list[tuple[int, Transfer]]) -> None:
+        """After its producer, and after the previous send to the same peer."""
+        last: dict[int, int] = {}
+        for producer, send in sends:
+            peer = send[1]
+            at = max(producer, last.get(peer, -1))
+            last[peer] = at
+            self.sends_after[at].append(send)
+
+    def _place_recvs(
+        self, recvs: list[tuple[int, Transfer]], computes: list[int], lookahead: int
+    ) -> None:
+        """Waited before its consumer; posted `lookahead` computes earlier, in program order."""
+        rank = {index: r for r, index in enumerate(computes)}
+        earliest = len(computes)
+        posts = []
+        for consumer, _ in reversed(recvs):  # no later receive may be posted before this one
+            earliest = min(earliest, max(0, rank[consumer] - lookahead))
+            posts.append(earliest)
+        for (consumer, recv), post in zip(recvs, reversed(posts)):
+            self.post_before[computes[post]].append(recv)
+            self.wait_before[consumer].append(recv)
+
+
+def _neighbours(steps, computes: list[int]) -> tuple[list[int], list[int]]:
+    """Per step index, the nearest compute at or before it and at or after it."""
+    n = len(steps)
+    first, last = (computes[0], computes[-1]) if computes else (0, 0)
+    before, after = [first] * n, [last] * n
+    for index in computes:
+        before[index] = after[index] = index
+    for index in range(1, n):
+        if type(steps[index]) is CommGroup:
+            before[index] = before[index - 1]
+    for index in range(n - 2, -1, -1):
+        if type(steps[index]) is CommGroup:
+            after[index] = after[index + 1]
+    return before, after
+
+
+def _compute_key(op: Instruction) -> tuple[str, int, int] | None:
+    if type(op) is Forward:
+        return ("F", op.microbatch, op.chunk)
+    if type(op) in (Backward, BackwardInput):
+        return ("B", op.microbatch, op.chunk)  # type: ignore[attr-defined]
+    return None
+
+
+def _data_key(op: Instruction) -> tuple[str, int, int]:
+    """The compute that produces (send) or consumes (receive) the tensor of a comm op."""
+    kind = "F" if type(op) in (SendActivation, RecvActivation) else "B"
+    return (kind, op.microbatch, op.chunk)  # type: ignore[attr-defined]
