@@ -11,8 +11,10 @@ executor would take. Overhead is the gap to that, per instruction of the busiest
 column (each rank's own CPU time for the step, slowest rank) is robust to a loaded machine: it
 shows what each executor costs apart from waiting.
 
+Each rank is bound to its own core, as `schedcc run` binds them (`--no-bind`: left free).
+
     python benchmarks/step_time.py [--rounds 30] [--steps-per-round 1] [--warmup 5]
-        [--schedules gpipe 1f1b interleaved-1f1b] [--microbatches 4 8]
+        [--schedules gpipe 1f1b interleaved-1f1b] [--microbatches 4 8] [--no-bind]
 """
 
 from __future__ import annotations
@@ -218,8 +220,11 @@ def main() -> int:
         default=list(MICROBATCHES),
         help="microbatch counts per schedule (default: %(default)s)",
     )
+    parser.add_argument(
+        "--no-bind", action="store_true", help="leave ranks unbound (default: a core each)"
+    )
     opts = parser.parse_args()
-    return spawn(_worker, NUM_STAGES, (opts,), grace=120, threads=1)
+    return spawn(_worker, NUM_STAGES, (opts,), grace=120, threads=1, bind_cores=not opts.no_bind)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import schedcc
 from schedcc.backends import models
 from schedcc.backends.distributed import Engine
-from schedcc.backends.launch import spawn
+from schedcc.backends.launch import cores_for, spawn
 from schedcc.backends.local import Engine as LocalEngine
 
 #: (schedule, p, v, num_batches, batches trained).
@@ -90,7 +90,7 @@ def _data_parallel_worker(rank: int, world_size: int) -> int:
 
 def test_distributed_equals_local_for_every_schedule():
     """On 2 ranks, every built-in schedule trains to the local backend's weights and losses."""
-    assert spawn(_pipeline_worker, 2, grace=30, threads=1) == 0
+    assert spawn(_pipeline_worker, 2, grace=30, threads=1, bind_cores=True) == 0
 
 
 def _three_stage_worker(rank: int, world_size: int) -> int:
@@ -150,3 +150,22 @@ def test_a_killed_rank_ends_every_other_rank_within_the_timeout(capfd):
     for rank in (0, 1, 2):
         assert f"schedcc: rank {rank}: rank {rank} (stage {rank % 2}) failed" in err, err
     assert "on rank 3 (stage 1)" in err or "data-parallel ranks [1, 3]" in err, err
+
+
+def _bound_worker(rank: int, world_size: int) -> int:
+    expected = cores_for(rank, world_size)
+    if expected is not None and os.sched_getaffinity(0) != expected:
+        raise AssertionError(f"rank {rank} runs on {os.sched_getaffinity(0)}, not {expected}")
+    return 0
+
+
+def test_bound_ranks_each_get_their_own_cores():
+    """`spawn(bind_cores=True)`: each rank on its own equal slice of the cores, disjoint."""
+    assert spawn(_bound_worker, 2, grace=10, bind_cores=True) == 0
+    slices = [cores_for(rank, 2) for rank in range(2)]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert slices[0]
+        assert slices[1]
+        assert slices[0].isdisjoint(slices[1])
+        assert len(slices[0]) == len(slices[1])
+    assert cores_for(0, len(os.sched_getaffinity(0)) + 1) is None  # more ranks than cores

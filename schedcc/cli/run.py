@@ -101,6 +101,11 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--no-bind",
+        action="store_true",
+        help="leave the spawned ranks unbound (default: each its own slice of the cores)",
+    )
+    parser.add_argument(
         "--checkpoint", metavar="DIR", help="checkpoint directory (DIR/step-NNNNNNNN/ per save)"
     )
     parser.add_argument(
@@ -135,6 +140,7 @@ def run(args) -> int:
         grace=config.timeout + 10.0,
         threads=max(1, (os.cpu_count() or 1) // config.world_size),
         describe=config.describe,
+        bind_cores=not args.no_bind,
     )
 
 
