@@ -147,3 +147,19 @@ def test_show_without_v_uses_the_schedules_own_chunks(capsys):
     """show --schedule zb-v with no -v draws ZB-V's two chunks (5.9% bubble at p=4, m=8)."""
     assert main(["show", "--schedule", "zb-v", "-p", "4", "-m", "8"]) == 0
     assert "bubble 5.9%" in capsys.readouterr().out
+
+
+def test_long_shape_flags_are_spelled_both_ways(capsys):
+    """`--stages/--microbatches/--chunks` (as `run` spells them) work in `show` and `tune` too,
+    and `--num-stages/...` in `run`."""
+    from schedcc.cli import build_parser
+
+    assert main(["show", "--schedule", "interleaved-1f1b", "-p", "2", "-m", "4", "-v", "2"]) == 0
+    short = capsys.readouterr().out
+    long = ["--stages", "2", "--microbatches", "4", "--chunks", "2"]
+    assert main(["show", "--schedule", "interleaved-1f1b", *long]) == 0
+    assert capsys.readouterr().out == short
+    parser = build_parser()
+    args = parser.parse_args(["run", "--num-stages", "3", "--num-microbatches", "6"])
+    assert (args.stages, args.microbatches) == (3, 6)
+    assert parser.parse_args(["tune", "--stages", "4"]).num_stages == 4

@@ -76,10 +76,17 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--schedule", default="1f1b", help="name, module:Class or file.py:Class")
-    parser.add_argument("-p", "--stages", type=positive_int, default=2, help="pipeline stages")
-    parser.add_argument("-m", "--microbatches", type=positive_int, default=8)
+    # each long flag also has the spelling `show`, `verify` and `tune` use (--num-stages, ...)
     parser.add_argument(
-        "-v", "--chunks", type=positive_int, help="chunks per stage (default: the schedule's own)"
+        "-p", "--stages", "--num-stages", type=positive_int, default=2, help="pipeline stages"
+    )
+    parser.add_argument("-m", "--microbatches", "--num-microbatches", type=positive_int, default=8)
+    parser.add_argument(
+        "-v",
+        "--chunks",
+        "--num-chunks",
+        type=positive_int,
+        help="chunks per stage (default: the schedule's own)",
     )
     parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel replicas")
     parser.add_argument("--zero", type=int, choices=(0, 1), default=0, help="ZeRO stage")

@@ -82,6 +82,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, required: bool) -> N
     parser.add_argument(
         "-p",
         "--num-stages",
+        "--stages",  # as `schedcc run` spells it
         type=positive_int,
         default=default,
         metavar="P",
@@ -91,6 +92,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, required: bool) -> N
     parser.add_argument(
         "-m",
         "--num-microbatches",
+        "--microbatches",
         type=positive_int,
         default=default,
         metavar="M",
@@ -99,6 +101,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, required: bool) -> N
     parser.add_argument(
         "-v",
         "--num-chunks",
+        "--chunks",
         type=positive_int,
         default=None,
         metavar="V",

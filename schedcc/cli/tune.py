@@ -52,7 +52,13 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "-p", "--num-stages", type=positive_int, required=True, metavar="P", help="stages"
+        "-p",
+        "--num-stages",
+        "--stages",
+        type=positive_int,
+        required=True,
+        metavar="P",
+        help="stages",
     )
     parser.add_argument(
         "--microbatches",
