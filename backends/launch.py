@@ -155,9 +155,7 @@ def spawn(
     context = multiprocessing.get_context(method or _default_method())
     port = free_port()
     processes = [
-        context.Process(
-            target=_child, args=(fn, rank, world_size, port, args, threads, bind_cores)
-        )
+        context.Process(target=_child, args=(fn, rank, world_size, port, args, threads, bind_cores))
         for rank in range(world_size)
     ]
     for process in processes:
