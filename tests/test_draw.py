@@ -112,3 +112,12 @@ def test_ascii_width_below_one_column_is_a_config_error(timeline):
     """to_ascii(width=0) is refused with a ScheduleConfigError, not a division by zero."""
     with pytest.raises(ScheduleConfigError, match="width"):
         timeline.to_ascii(width=0)
+
+
+def test_ascii_keeps_blocks_narrower_than_a_column():
+    """At 2 time units a column, 0.1-unit forwards still mark their column: busy is not idle."""
+    program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 2))
+    timeline = schedcc.simulate(program, schedcc.CostModel(forward=0.1, backward=10))
+    rows = timeline.to_ascii(color=False, width=20).splitlines()[1:]
+    assert rows[0].split("|")[1].startswith("F.")  # F0 and F1 share column 0
+    assert rows[1].split("|")[1].startswith("B1")  # a wider block keeps its column

@@ -2,8 +2,10 @@
 
 Each compute is a block as wide as its duration (one column per time unit, or scaled to fit);
 the block shows its kind and microbatch (`F3`, `B3`), or just the microbatch or the kind letter
-when narrow. Idle time is `.`. On a terminal, blocks are coloured by kind (forward blue, backward
-green, input-grad cyan, weight-grad magenta, updates yellow), brighter on odd chunks.
+when narrow. A block narrower than a column still marks that column when nothing wider is drawn
+there, so busy time never reads as idle. Idle time is `.`. On a terminal, blocks are coloured
+by kind (forward blue, backward green, input-grad cyan, weight-grad magenta, updates yellow),
+brighter on odd chunks.
 
     >>> import schedcc
     >>> timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule("gpipe")(2, 2)))
@@ -50,10 +52,13 @@ def render(timeline, *, width: int | None = None, color: bool | None = None) -> 
     columns = max(1, round(makespan * scale))
     rows = [[(".", None)] * columns for _ in range(timeline.num_stages)]
     for stage, op, start, end in timeline.events:
-        if op.code not in _SHOWN:
+        if op.code not in _SHOWN or end <= start:
             continue
         lo, hi = round(start * scale), round(end * scale)
-        if hi <= lo:
+        if hi <= lo:  # narrower than a column: shown only where nothing wider is
+            col = min(int(start * scale), columns - 1)
+            if rows[stage][col][1] is None:
+                rows[stage][col] = (_block_text(op, 1, color), _style(op))
             continue
         text = _block_text(op, hi - lo, color)
         style = _style(op)
