@@ -67,16 +67,15 @@ class EagerPlan:
                 position.setdefault(key, index)
         sends: list[tuple[int, Transfer]] = []  # (producer step, send), program order
         recvs: list[tuple[int, Transfer]] = []  # (consumer step, receive), program order
-        before, after = _neighbours(steps, computes)
         for g, step in enumerate(steps):
             if type(step) is not CommGroup:
                 continue
-            # a validated program has every producer and consumer; the fallbacks are the
-            # group's own place (the rendezvous position)
+            # a validated program (the Engine refuses any other) computes what every comm op
+            # sends or receives on this stage
             for op, peer, key in step.sends:
-                sends.append((position.get(_data_key(op), before[g]), (op, peer, key, g)))
+                sends.append((position[_data_key(op)], (op, peer, key, g)))
             for op, peer, key in step.recvs:
-                recvs.append((position.get(_data_key(op), after[g]), (op, peer, key, g)))
+                recvs.append((position[_data_key(op)], (op, peer, key, g)))
         self._place_sends(sends)
         self._place_recvs(recvs, computes, lookahead)
 
@@ -102,22 +101,6 @@ class EagerPlan:
         for (consumer, recv), post in zip(recvs, reversed(posts)):
             self.post_before[computes[post]].append(recv)
             self.wait_before[consumer].append(recv)
-
-
-def _neighbours(steps, computes: list[int]) -> tuple[list[int], list[int]]:
-    """Per step index, the nearest compute at or before it and at or after it."""
-    n = len(steps)
-    first, last = (computes[0], computes[-1]) if computes else (0, 0)
-    before, after = [first] * n, [last] * n
-    for index in computes:
-        before[index] = after[index] = index
-    for index in range(1, n):
-        if type(steps[index]) is CommGroup:
-            before[index] = before[index - 1]
-    for index in range(n - 2, -1, -1):
-        if type(steps[index]) is CommGroup:
-            after[index] = after[index + 1]
-    return before, after
 
 
 def _compute_key(op: Instruction) -> tuple[str, int, int] | None:

@@ -92,7 +92,8 @@ def cores_for(rank: int, world_size: int) -> set[int] | None:
     starts later (gloo's I/O thread, the intra-op pool) stay there too. Unbound, the kernel may
     wake a rank that waited on a peer on a core another rank has just used, with cold caches.
     `benchmarks/step_time.py` against its `--no-bind` (README): interleaved 1F1B, where ranks
-    wait on each other most often, ran about a quarter faster bound on 2 cores; 1F1B the same.
+    wait on each other most often, ran about a quarter faster bound on 2 cores; 1F1B showed no
+    clear difference.
     """
     if not hasattr(os, "sched_getaffinity"):
         return None

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import schedcc
 from schedcc.analysis import Layout, comm_route
-from schedcc.backends._eager import EagerPlan, _compute_key, _data_key
+from schedcc.backends._eager import RECV_LOOKAHEAD, EagerPlan, _compute_key, _data_key
 from schedcc.backends._setup import CommGroup, plan
 
 
@@ -108,3 +108,22 @@ def test_sends_leave_right_after_their_compute():
     assert order.index("SA2") > order.index("B0") > order.index("F2")  # the program's place
     assert after["F2"] == ["SA2"]
     assert after["B0"] == ["SG0"]
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v"),
+    [("1f1b", 4, 8, 1), ("1f1b", 2, 64, 1), ("interleaved-1f1b", 4, 64, 2), ("zb-v", 4, 8, 2)],
+)
+def test_receive_buffers_waiting_at_once_stay_bounded(name, p, m, v):
+    """At most RECV_LOOKAHEAD + 1 receives are posted and not yet consumed, whatever m is."""
+    program = schedcc.compile(schedcc.get_schedule(name)(p, m, v))
+    layout = Layout.of(program.schedule)
+    for stage in range(p):
+        eager = EagerPlan(plan(program, stage, layout))
+        waiting = most = 0
+        for posts, waits in zip(eager.post_before, eager.wait_before):
+            waiting += len(posts)
+            most = max(most, waiting)
+            waiting -= len(waits)
+        assert waiting == 0
+        assert most <= RECV_LOOKAHEAD + 1, (stage, most)
