@@ -5,8 +5,9 @@
 `torch.distributed.batch_isend_irecv`, and its receives are waited before the next instruction (the
 execution semantics the validator proves deadlock-free); under gloo each op is posted and waited
 where it helps most (see [Note: eager point-to-point] in `backends._eager`: relaxations that cannot
-add a hang). Gradients are reduced over the data-parallel group (all-reduce; reduce-scatter +
-all-gather under ZeRO-1).
+add a hang), and stages on the same machine exchange through shared memory rather than gloo (see
+[Note: same-host point-to-point] in `backends._shm`). Gradients are reduced over the data-parallel
+group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
 
 Ranks: by default a `DeviceMesh` with dims `("dp", "pp")` over the whole world, so the global rank
 is `dp_index * p + stage`; a caller may pass its own `mesh` (same dim names) or its own
@@ -28,10 +29,10 @@ from idling while its peer has not yet reached the matching receive. Under NCCL 
 coalesced handle, waited whole. NCCL orders its operations on a stream, where an early receive could
 hold back a later send, so there each group stays one `batch_isend_irecv`, posted at its place.
 
-[Note: failures] Every wait has the engine's `timeout`. A peer that dies closes its sockets (gloo)
-and the waiting rank raises `RankFailure` naming its stage, the instruction it waited on and the
-peer ranks of that group; a wait that times out says the same. The launcher (`backends.launch` or
-torchrun) then ends the other ranks, so no rank hangs.
+[Note: failures] Every wait has the engine's `timeout`. A peer that dies closes its sockets (gloo's
+and the shared-memory links') and the waiting rank raises `RankFailure` naming its stage, the
+instruction it waited on and the peer ranks of that group; a wait that times out says the same. The
+launcher (`backends.launch` or torchrun) then ends the other ranks, so no rank hangs.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from schedcc.analysis import Layout, Steps
 from schedcc.backends._eager import EagerPlan, Transfer
 from schedcc.backends._p2p import Shapes, learn_shapes
 from schedcc.backends._setup import CommGroup, device_of, groups, own_segments, plan
+from schedcc.backends._shm import ShmLinks
 from schedcc.backends.checkpoint import (
     load_stage_states,
     program_meta,
@@ -125,6 +127,8 @@ class Engine:
         timeout: the longest any wait may take (seconds or a timedelta).
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
             run); otherwise only the last stage knows it and the others yield NaN.
+        shared_memory: under gloo, move tensors between stages on the same machine through
+            shared memory rather than gloo (see [Note: same-host point-to-point]).
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or groups do not
@@ -146,6 +150,7 @@ class Engine:
         dp_group=None,
         timeout: float | timedelta = 60.0,
         reduce_loss: bool = True,
+        shared_memory: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
@@ -179,6 +184,11 @@ class Engine:
         eager = dist.get_backend(self.pp_group) == "gloo"
         self._eager = EagerPlan(self._steps) if eager else None
         self._posted: dict[Instruction, tuple[torch.Tensor, object]] = {}
+        self._shared_memory = eager and shared_memory
+        self._links: ShmLinks | None = None
+        self._shm_peers: frozenset[int] = frozenset()
+        self._recv_number, self._recvs_per_run = _number_receives(self._steps)
+        self._runs = 0
         self._spans: dict[int, tuple[float, float]] = {}
         self._at: int | None = None
         self._clock0 = 0.0
@@ -242,6 +252,7 @@ class Engine:
         split = [(_split(x, m, self.device), _split(y, m, self.device)) for x, y in group]
         if not self._learnt:
             self._learn_shapes(split[0][0])
+            self._connect()
             self._learnt = True
         runtime.reset()
         for batch, (inputs, targets) in enumerate(split):
@@ -271,6 +282,7 @@ class Engine:
         for index, (start, end) in self._spans.items():  # comm under gloo: see `_span`
             times[index] = (start - self._clock0, end - self._clock0)
         self._finish_sends()
+        self._runs += 1
         self.step_times.append(times)
         self.steps += len(group)
         return self._losses(len(group))
@@ -322,7 +334,10 @@ class Engine:
     def _before(self, index: int, eager: EagerPlan) -> None:
         """Post the receives due before step `index`, then wait the ones it consumes."""
         clock = time.perf_counter
+        shm = self._shm_peers
         for op, peer, key, group in eager.post_before[index]:
+            if peer in shm:
+                continue  # nothing to post: the sender's slot is the buffer
             shape, dtype = self._shapes[key]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             try:
@@ -330,12 +345,16 @@ class Engine:
             except RuntimeError as exc:
                 raise RankFailure(self._failure(self._steps[group], exc)) from exc
             self._posted[op] = (buffer, work)
-        for op, _, _, group in eager.wait_before[index]:
+        for op, peer, key, group in eager.wait_before[index]:
             start = clock()
-            buffer, work = self._posted.pop(op)
             try:
-                work.wait(self.timeout)
-            except RuntimeError as exc:
+                if peer in shm:
+                    number = self._runs * self._recvs_per_run[peer] + self._recv_number[op]
+                    buffer = self._links.recv(peer, number, *self._shapes[key])  # type: ignore[union-attr]
+                else:
+                    buffer, work = self._posted.pop(op)
+                    work.wait(self.timeout)
+            except (RuntimeError, OSError) as exc:
                 raise RankFailure(self._failure(self._steps[group], exc)) from exc
             self.runtime.incoming(op, buffer)
             self._span(group, start, clock())
@@ -345,10 +364,13 @@ class Engine:
         start = time.perf_counter()
         tensor = self._outgoing(op, key)
         try:
-            work = self.pp_group.send([tensor], peer, 0)
-        except RuntimeError as exc:
+            if peer in self._shm_peers:
+                self._links.send(peer, tensor)  # type: ignore[union-attr]  # copied: done
+            else:
+                work = self.pp_group.send([tensor], peer, 0)
+                self._sending.append((work, tensor, self._steps[group]))  # see [Note: sends ...]
+        except (RuntimeError, OSError) as exc:
             raise RankFailure(self._failure(self._steps[group], exc)) from exc
-        self._sending.append((work, tensor, self._steps[group]))  # [Note: sends complete lazily]
         if not self._steps[group].recvs:  # a group with receives spans their waits
             self._span(group, start, time.perf_counter())
 
@@ -456,6 +478,19 @@ class Engine:
         )
         self._clock0 = time.perf_counter()
 
+    def _connect(self) -> None:
+        """Link this stage with its same-host peers (collective over the pipeline group)."""
+        if self._eager is None:  # NCCL: every pair stays on batch_isend_irecv
+            return
+        peers = {peer for step in self._steps if type(step) is CommGroup for peer in step.peers}
+        self._links = ShmLinks.connect(
+            self.pp_group,
+            peers,
+            timeout=self.timeout.total_seconds(),
+            enabled=self._shared_memory and self.device.type == "cpu",  # it moves CPU tensors
+        )
+        self._shm_peers = self._links.peers
+
     @property
     def current_instruction(self) -> str | None:
         """What this rank is executing or waiting on now (for watchdogs and error messages)."""
@@ -477,6 +512,19 @@ def _split(tensor: torch.Tensor | None, m: int, device: torch.device):
             "distributed backend needs batch size divisible by num_microbatches"
         )
     return [part.to(device) for part in tensor.chunk(m)]
+
+
+def _number_receives(steps) -> tuple[dict[Instruction, int], dict[int, int]]:
+    """Each receive's place among this stage's receives from its peer, in program order; and
+    how many there are per peer in one run."""
+    number: dict[Instruction, int] = {}
+    count: dict[int, int] = {}
+    for step in steps:
+        if type(step) is CommGroup:
+            for op, peer, _ in step.recvs:
+                number[op] = count.get(peer, 0)
+                count[peer] = number[op] + 1
+    return number, count
 
 
 def _shape_changed(op, tensor, expected) -> str:

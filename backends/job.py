@@ -80,7 +80,14 @@ def _train(rank: int, config, device: torch.device) -> int:
         return torch.optim.Adam(params, lr=lr)
 
     segments = [segment.to(device) for segment in built.segments]
-    engine = Engine(program, segments, built.loss_fn, optimizer, timeout=config.timeout)
+    engine = Engine(
+        program,
+        segments,
+        built.loss_fn,
+        optimizer,
+        timeout=config.timeout,
+        shared_memory=config.shared_memory,
+    )
     dp_index = dist.get_rank(engine.dp_group)
     if config.resume:
         _resume(engine, config, rank)

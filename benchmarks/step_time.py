@@ -1,15 +1,17 @@
 """Step time of schedcc's distributed backend against torch.distributed.pipelining (a benchmark).
 
-8 x [Linear(512, 512) + ReLU] split evenly over 2 stages (2 chunks each for interleaved), batch
-64, MSE, SGD, one thread per process, gloo on 127.0.0.1. A step is timed barrier to barrier on
-every rank and the slowest rank counts; each row alternates schedcc (A) and torch (B) in rounds,
-A B A B ... (one step per turn by default, so both see the same machine load), and reports the
-median over all timed steps. The *floor* is every rank running only its own segments' forward
-and backward for all microbatches plus its optimizer step, at the same time, with no pipeline
-communication; `floor / (1 - bubble)` (the analytic bubble of the schedule) is what a perfect
-executor would take. Overhead is the gap to that, per instruction of the busiest stage. The CPU
-column (each rank's own CPU time for the step, slowest rank) is robust to a loaded machine: it
-shows what each executor costs apart from waiting.
+8 x [Linear(512, 512) + ReLU] split evenly over 2 stages (2 chunks each for interleaved), batch 64,
+MSE, SGD, one thread per process, gloo on 127.0.0.1. A step is timed barrier to barrier on every
+rank and the slowest rank counts; each row takes turns in rounds: schedcc, schedcc with gloo
+point-to-point (`shared_memory=False`: what the same executor does without its same-host
+transport), torch, the floor (one step per turn by default, so all see the same machine load), and
+reports the median over all timed steps. The *floor* is every rank running only its own segments'
+forward and backward for all microbatches plus its optimizer step, at the same time, with no
+pipeline communication; `floor / (1 - bubble)` (the analytic bubble of the schedule) is what a
+perfect executor would take. Overhead is the gap to that, per instruction of the busiest stage. The
+CPU column (each rank's own CPU time for the step, slowest rank) is robust to a loaded machine: it
+shows what each executor costs apart from waiting (but schedcc's receives check for their data for
+up to 2 ms before they sleep, and that checking counts as CPU).
 
 Each rank is bound to its own core, as `schedcc run` binds them (`--no-bind`: left free).
 
@@ -72,10 +74,15 @@ def _timed(step) -> tuple[float, float]:
 
 
 class _Schedcc:
-    def __init__(self, name: str, m: int, v: int, data):
+    def __init__(self, name: str, m: int, v: int, data, *, shared_memory: bool = True):
         program = schedcc.compile(schedcc.get_schedule(name)(NUM_STAGES, m, v))
         self.engine = Engine(
-            program, _segments(NUM_STAGES * v), F.mse_loss, _sgd, reduce_loss=False
+            program,
+            _segments(NUM_STAGES * v),
+            F.mse_loss,
+            _sgd,
+            reduce_loss=False,
+            shared_memory=shared_memory,
         )
         self.x, self.y = data
         self.instructions = max(len(ops) for ops in program.stages)
@@ -139,14 +146,19 @@ def _slowest(times: list[float]) -> list[float]:
 def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
     torch.manual_seed(1)
     data = (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
-    ours, theirs = _Schedcc(name, m, v, data), _Torch(cls, m, v, data, rank)
-    floor = _Floor(m, v, data, rank)
-    for runner in (ours, theirs, floor):
+    ours = _Schedcc(name, m, v, data)
+    runners = {
+        "schedcc": ours,
+        "gloo": _Schedcc(name, m, v, data, shared_memory=False),
+        "torch": _Torch(cls, m, v, data, rank),
+        "floor": _Floor(m, v, data, rank),
+    }
+    for runner in runners.values():
         for _ in range(opts.warmup):
             _timed(runner.step)
-    times: dict[str, list[tuple[float, float]]] = {"schedcc": [], "torch": [], "floor": []}
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in runners}
     for _ in range(opts.rounds):
-        for label, runner in (("schedcc", ours), ("torch", theirs), ("floor", floor)):
+        for label, runner in runners.items():
             times[label] += [_timed(runner.step) for _ in range(opts.steps_per_round)]
     medians = {
         label: statistics.median(_slowest([wall for wall, _ in values]))
@@ -186,7 +198,8 @@ def _worker(rank: int, world_size: int, opts) -> int:
 def _print(rows: list[dict]) -> None:
     header = (
         "| schedule | schedcc ms | torch ms | torch/schedcc | floor ms | analytic bubble | "
-        "floor/(1-bubble) ms | schedcc/ideal | overhead us/instr | CPU ms schedcc/torch/floor |"
+        "floor/(1-bubble) ms | schedcc/ideal | overhead us/instr | schedcc gloo-p2p ms | "
+        "CPU ms schedcc/gloo-p2p/torch/floor |"
     )
     print(header)
     print("|" + "---|" * header.count(" | ") + "---|")
@@ -195,15 +208,16 @@ def _print(rows: list[dict]) -> None:
             f"| {r['row']} | {r['schedcc'] * 1e3:.2f} | {r['torch'] * 1e3:.2f} | "
             f"{r['torch'] / r['schedcc']:.2f} | {r['floor'] * 1e3:.2f} | {r['bubble']:.1%} | "
             f"{r['ideal'] * 1e3:.2f} | {r['schedcc'] / r['ideal']:.2f} | "
-            f"{r['overhead_us']:.0f} | {r['cpu']['schedcc'] * 1e3:.1f} / "
-            f"{r['cpu']['torch'] * 1e3:.1f} / {r['cpu']['floor'] * 1e3:.1f} |",
+            f"{r['overhead_us']:.0f} | {r['gloo'] * 1e3:.2f} | {r['cpu']['schedcc'] * 1e3:.1f} / "
+            f"{r['cpu']['gloo'] * 1e3:.1f} / {r['cpu']['torch'] * 1e3:.1f} / "
+            f"{r['cpu']['floor'] * 1e3:.1f} |",
             flush=True,
         )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30, help="A B alternations per row")
+    parser.add_argument("--rounds", type=int, default=30, help="turns per runner per row")
     parser.add_argument("--steps-per-round", type=int, default=1, help="timed steps per turn")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per runner")
     parser.add_argument(

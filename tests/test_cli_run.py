@@ -53,7 +53,8 @@ def test_run_with_data_parallel_zero_1_checks_equal_to_non_pipelined(tmp_path):
 
 
 def test_run_accepts_a_schedule_from_a_user_file(tmp_path):
-    """`--schedule file.py:Class` trains a schedule the user wrote, checked against the floor."""
+    """`--schedule file.py:Class` trains a schedule the user wrote, checked against the floor
+    (with `--p2p gloo`: the default, shared memory, is what the other runs use)."""
     source = tmp_path / "my_schedules.py"
     source.write_text(
         textwrap.dedent(
@@ -70,7 +71,15 @@ def test_run_accepts_a_schedule_from_a_user_file(tmp_path):
         )
     )
     result = _run(
-        "--schedule", f"{source}:AllForwardAllBackward", "--steps", "3", "--check", "--model", "mlp"
+        "--schedule",
+        f"{source}:AllForwardAllBackward",
+        "--steps",
+        "3",
+        "--check",
+        "--model",
+        "mlp",
+        "--p2p",
+        "gloo",
     )
     assert result.returncode == 0, result.stderr
     assert "AllForwardAllBackward(p=2, m=8)" in result.stdout

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 import schedcc
 from schedcc.backends import models
+from schedcc.backends._setup import CommGroup
+from schedcc.backends._shm import host_key
 from schedcc.backends.distributed import Engine
 from schedcc.backends.launch import cores_for, spawn
 from schedcc.backends.local import Engine as LocalEngine
@@ -44,8 +46,12 @@ def _init(rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
 
 
-def _compare(rank, name, p, v, batches_per_run, steps, dp=1, zero=0, **groups):
-    """Train one program distributed and locally from the same weights; raise on a difference."""
+def _compare(rank, name, p, v, batches_per_run, steps, dp=1, zero=0, linked=True, **kwargs):
+    """Train one program distributed and locally from the same weights; raise on a difference.
+
+    `linked`: whether neighbouring stages should exchange through shared memory (all ranks run on
+    this machine) rather than gloo.
+    """
     schedule = schedcc.get_schedule(name)(p, 4, v, batches_per_run)
     program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
     segments = models.mlp_segments(p * v, width=8, seed=1)
@@ -54,8 +60,10 @@ def _compare(rank, name, p, v, batches_per_run, steps, dp=1, zero=0, **groups):
     batches = [data.batch(8 * dp, step) for step in range(steps)]
     dp_index = rank // p
     local = [(x.chunk(dp)[dp_index], y.chunk(dp)[dp_index]) for x, y in batches]
-    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=30, **groups)
+    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=30, **kwargs)
     losses = list(engine.train(local))
+    peers = {s for step in engine._steps if type(step) is CommGroup for s in step.peers}
+    assert engine._shm_peers == (peers if linked and host_key() else set()), engine._shm_peers
     replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in batches] if dp > 1 else batches
     expected = list(LocalEngine(program, oracle, F.mse_loss, _optimizer).train(replicas))
     where = f"{name} p={p} v={v} dp={dp} zero={zero} rank {rank}"
@@ -73,6 +81,9 @@ def _pipeline_worker(rank: int, world_size: int) -> int:
     _init(rank, world_size)
     for case in SCHEDULES:
         _compare(rank, *case)
+    # the same over gloo, and a pair where only one side offers shared memory (it uses gloo)
+    _compare(rank, "interleaved-1f1b", 2, 2, 1, 2, linked=False, shared_memory=False)
+    _compare(rank, "1f1b", 2, 1, 1, 2, linked=False, shared_memory=rank == 0)
     return 0
 
 

@@ -53,6 +53,7 @@ class Config:
     check: bool
     timeout: float
     progress: bool
+    shared_memory: bool = True
     checkpoint: str | None = None
     every: int = 0
     resume: bool = False
@@ -107,6 +108,13 @@ def register(subparsers) -> None:
         "--timeout", type=float, default=60.0, help="seconds any rank may wait on a peer"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--p2p",
+        choices=("shm", "gloo"),
+        default="shm",
+        help="under gloo, how stages on the same machine exchange tensors: shared memory "
+        "(default) or gloo's own point-to-point",
+    )
     parser.add_argument(
         "--no-bind",
         action="store_true",
@@ -201,6 +209,7 @@ def _config(args, under_torchrun: bool) -> Config:
         check=args.check,
         timeout=args.timeout,
         progress=not args.no_progress,
+        shared_memory=args.p2p == "shm",
         checkpoint=args.checkpoint,
         every=args.every or 0,
         resume=args.resume,

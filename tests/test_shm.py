@@ -1,0 +1,126 @@
+"""Same-host point-to-point through shared memory (`backends._shm`): the protocol itself.
+
+Two linked stages live in this process (`ShmLinks.pair`), so a test drives both ends and can
+check what a real pipeline cannot: any order of sends and receives, tiny socket buffers (the
+record queues), a receive waited ahead of earlier ones, end of file and timeouts. The distributed
+backend's equality and failure tests (`test_distributed.py`) run the same links across processes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schedcc.backends import _shm
+from schedcc.backends._shm import ShmLinks, host_key
+
+pytestmark = pytest.mark.skipif(host_key() is None, reason="needs Linux memfd and Unix sockets")
+
+DTYPES = [torch.float32, torch.float64, torch.int64, torch.bool, torch.bfloat16]
+
+#: A message: (sender stage, shape, dtype index).
+messages = st.lists(
+    st.tuples(
+        st.integers(0, 1),
+        st.lists(st.integers(0, 40), min_size=0, max_size=3),
+        st.integers(0, len(DTYPES) - 1),
+    ),
+    max_size=60,
+)
+
+
+def _tensor(shape, dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 100, shape, generator=generator)
+    return values.to(dtype)
+
+
+@given(messages, st.randoms(use_true_random=False), st.sampled_from([None, 4096]))
+def test_every_tensor_arrives_once_in_its_place(plan, random, sndbuf):
+    """Random sends both ways, each receive at a random later moment: every tensor bit-exact."""
+    links = ShmLinks.pair(timeout=5, sndbuf=sndbuf)
+    sent: list[list[torch.Tensor]] = [[], []]  # by sender: what it sent, in order
+    pending: list[tuple[int, int]] = []  # (sender, number) not yet received
+    for seed, (sender, shape, code) in enumerate(plan):
+        tensor = _tensor(shape, DTYPES[code], seed)
+        links[sender].send(1 - sender, tensor)
+        pending.append((sender, len(sent[sender])))
+        sent[sender].append(tensor)
+        while pending and random.random() < 0.4:  # receive some, in any order
+            sender_, number = pending.pop(random.randrange(len(pending)))
+            _check(links, sent, sender_, number)
+    random.shuffle(pending)
+    for sender, number in pending:
+        _check(links, sent, sender, number)
+    for link in links:
+        link.close()
+
+
+def _check(links, sent, sender: int, number: int) -> None:
+    want = sent[sender][number]
+    got = links[1 - sender].recv(sender, number, tuple(want.shape), want.dtype)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)
+
+
+def test_slots_are_reused_once_acknowledged():
+    """A steady stream needs as many slots as messages in flight, not one per message."""
+    a, b = ShmLinks.pair(timeout=5)
+    for number in range(50):
+        a.send(1, torch.full((64, 64), float(number)))
+        assert b.recv(0, number, (64, 64), torch.float32)[0, 0].item() == number
+    assert len(a._links[1].slots) == 1
+    for _ in range(5):
+        a.send(1, torch.zeros(64, 64))
+    assert len(a._links[1].slots) == 5  # five in flight at once
+    a.send(1, torch.zeros(1024, 64))  # larger than any slot: a new one
+    assert len(a._links[1].slots) == 6
+
+
+def test_sends_never_wait_even_when_the_socket_is_full():
+    """Both stages send hundreds of messages before either receives: queued, then delivered."""
+    a, b = ShmLinks.pair(timeout=5, sndbuf=4096)
+    for number in range(300):
+        a.send(1, torch.tensor([number]))
+        b.send(0, torch.tensor([-number]))
+    assert a._links[1].data.out  # the socket did not take them all: some are queued
+    for number in range(300):
+        assert b.recv(0, number, (1,), torch.int64).item() == number
+        assert a.recv(1, number, (1,), torch.int64).item() == -number
+
+
+def test_a_closed_peer_ends_the_wait_at_once():
+    a, b = ShmLinks.pair(timeout=30)
+    a.close()
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="stage 0 closed the link"):
+        b.recv(0, 0, (1,), torch.float32)
+    assert time.monotonic() - start < 5
+
+
+def test_a_wait_past_the_timeout_raises(monkeypatch):
+    monkeypatch.setattr(_shm, "SPIN", 0.01)
+    _, b = ShmLinks.pair(timeout=0.2)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="stage 1 waited"):
+        b.recv(0, 0, (1,), torch.float32)
+    assert 0.2 <= time.monotonic() - start < 5
+
+
+def test_a_shape_that_disagrees_with_the_sender_raises():
+    a, b = ShmLinks.pair(timeout=5)
+    a.send(1, torch.zeros(3))
+    with pytest.raises(ValueError, match="expected 16 bytes from stage 0 but got 12"):
+        b.recv(0, 0, (4,), torch.float32)
+
+
+def test_host_key_names_this_kernel_and_network_namespace():
+    key = host_key()
+    assert key == host_key()
+    boot, netns = key.split("/")
+    assert len(boot) == 36
+    assert int(netns) > 0
