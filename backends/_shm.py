@@ -216,10 +216,12 @@ class ShmLinks:
     def send(self, peer: int, tensor: torch.Tensor) -> None:
         """Copy `tensor` into a slot and tell `peer`; returns at once (never waits on the peer)."""
         link = self._links[peer]
-        self._take_acks(link)
         data = tensor.detach().reshape(-1).view(torch.uint8)
         nbytes = data.numel()
-        slot = next((i for i in link.free if link.slots[i].numel() >= nbytes), None)
+        slot = _fitting(link, nbytes)
+        if slot is None:  # take back what the peer has acknowledged since (only now: a syscall)
+            self._take_acks(link)
+            slot = _fitting(link, nbytes)
         if slot is None:
             fd = os.memfd_create("schedcc-slot", os.MFD_CLOEXEC)
             size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
@@ -343,6 +345,11 @@ class ShmLinks:
                 f"stage {self._stage} waited {self._timeout:.0f} s for stage {link.peer}"
             )
         self._flush()
+
+
+def _fitting(link: _Link, nbytes: int) -> int | None:
+    """One of our free slots on `link` that holds `nbytes`, if any."""
+    return next((i for i in link.free if link.slots[i].numel() >= nbytes), None)
 
 
 def _tune(sock: socket.socket, sndbuf: int | None) -> None:
