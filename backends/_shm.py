@@ -13,9 +13,11 @@ transport does:
 - a sender copies the tensor into a *slot* it owns (a `memfd` mapping, passed to the peer once,
   with the record that first uses it, by `SCM_RIGHTS`) and sends a DATA record naming the slot;
 - the receiver copies the tensor out when it needs it and gives the slot back with an ACK record
-  on the other socket. A rank sleeps only on the data socket and takes its ACKs when it next
-  sends, so an ACK never wakes anyone: on a virtual machine a wake-up across cores is what
-  costs most.
+  on the other socket: `ACK_BATCH` slots per record, or all it holds when it is about to wait. A
+  rank sleeps only on the data socket and takes ACKs back only when it has no free slot or is
+  about to wait, so an ACK never wakes anyone: on a virtual machine a wake-up across cores is
+  what costs most. Measured in the same processes on 2 cores, batching ACKs and caching each
+  slot's typed view (one torch call per copy) made 1f1b and interleaved m=8 steps 4-5% faster.
 
 The same ping-pong costs about 27 us of CPU and 53 us of latency. This keeps the relaxed model of
 [Note: eager point-to-point] exactly:
@@ -64,6 +66,12 @@ _HELLO, _DATA, _NEW, _ACK = 0, 1, 2, 3  # NEW: a slot, its fd with it; HELLO: wh
 #: Seconds a receive checks for its data (yielding the core to any other runnable thread between
 #: checks) before it sleeps; see [Note: waiting without sleeping].
 SPIN = 0.002
+#: Slots a receiver is done with before it acknowledges them (in one record); it also
+#: acknowledges whenever it is about to wait. Fewer records mean fewer system calls; the sender's
+#: pool grows by at most this many slots.
+ACK_BATCH = 4
+ACK_BATCH_MAX = 1024  # the most slots one ACK record may carry (far above any batch)
+_ACK_RECORD = struct.Struct("<BxxxI")  # kind, count; then `count` uint32 slot numbers
 _FDS = socket.CMSG_LEN(array.array("i", [0]).itemsize) if hasattr(socket, "CMSG_LEN") else 0
 
 
@@ -117,7 +125,20 @@ class _Channel:
 class _Link:
     """The connection to one peer stage: our slots, theirs, and the two channels."""
 
-    __slots__ = ("acks", "arrived", "data", "fds", "free", "peer", "read", "slots", "theirs")
+    __slots__ = (
+        "acks",
+        "arrived",
+        "data",
+        "fds",
+        "free",
+        "in_views",
+        "out_views",
+        "peer",
+        "read",
+        "slots",
+        "theirs",
+        "unacked",
+    )
 
     def __init__(self, peer: int, data: socket.socket, acks: socket.socket):
         self.peer = peer
@@ -129,6 +150,10 @@ class _Link:
         self.arrived: dict[int, tuple[int, int]] = {}  # message number -> (slot, bytes)
         self.read = 0  # DATA records read so far (the next one's message number)
         self.fds: deque[int] = deque()  # received fds not yet mapped, in order
+        self.unacked: list[int] = []  # the peer's slots we are done with, not yet acknowledged
+        # typed views of a slot, by (slot, shape, dtype): one torch call per copy, not four
+        self.out_views: dict[tuple, torch.Tensor] = {}
+        self.in_views: dict[tuple, torch.Tensor] = {}
 
     def channels(self) -> tuple[_Channel, _Channel]:
         return (self.data, self.acks)
@@ -216,8 +241,7 @@ class ShmLinks:
     def send(self, peer: int, tensor: torch.Tensor) -> None:
         """Copy `tensor` into a slot and tell `peer`; returns at once (never waits on the peer)."""
         link = self._links[peer]
-        data = tensor.detach().reshape(-1).view(torch.uint8)
-        nbytes = data.numel()
+        nbytes = tensor.numel() * tensor.element_size()
         slot = _fitting(link, nbytes)
         if slot is None:  # take back what the peer has acknowledged since (only now: a syscall)
             self._take_acks(link)
@@ -231,7 +255,11 @@ class ShmLinks:
             link.data.put(_RECORD.pack(_NEW, slot, size), fd)
         else:
             link.free.remove(slot)
-        link.slots[slot][:nbytes].copy_(data)
+        key = (slot, tensor.shape, tensor.dtype)
+        view = link.out_views.get(key)
+        if view is None:
+            view = link.out_views[key] = _typed(link.slots[slot], nbytes, tensor)
+        view.copy_(tensor.detach())
         link.data.put(_RECORD.pack(_DATA, slot, nbytes))
         self._flush()
 
@@ -245,15 +273,21 @@ class ShmLinks:
                     deadline = time.monotonic() + self._timeout
                 self._wait(link, deadline)
         slot, nbytes = link.arrived.pop(number)
-        out = torch.empty(shape, dtype=dtype)
-        flat = out.view(-1).view(torch.uint8)
-        if flat.numel() != nbytes:
-            raise ValueError(
-                f"stage {self._stage} expected {flat.numel()} bytes from stage {peer} but got "
-                f"{nbytes}: the two stages disagree on the tensor's shape or dtype"
-            )
-        flat.copy_(link.theirs[slot][:nbytes])
-        link.acks.put(_RECORD.pack(_ACK, slot, 0))
+        key = (slot, tuple(shape), dtype)
+        view = link.in_views.get(key)
+        if view is None:
+            like = torch.empty(shape, dtype=dtype, device="meta")
+            expected = like.numel() * like.element_size()
+            if expected != nbytes:
+                raise ValueError(
+                    f"stage {self._stage} expected {expected} bytes from stage {peer} but got "
+                    f"{nbytes}: the two stages disagree on the tensor's shape or dtype"
+                )
+            view = link.in_views[key] = _typed(link.theirs[slot], nbytes, like)
+        out = view.clone()
+        link.unacked.append(slot)
+        if len(link.unacked) >= ACK_BATCH:
+            self._acknowledge(link)
         self._flush()
         return out
 
@@ -272,6 +306,11 @@ class ShmLinks:
 
     # -- records --------------------------------------------------------------------------------
 
+    def _acknowledge(self, link: _Link) -> None:
+        """Give the peer back every slot we are done with, in one ACK record."""
+        link.acks.put(_ACK_RECORD.pack(_ACK, len(link.unacked)) + _slots(link.unacked))
+        link.unacked = []
+
     def _flush(self) -> None:
         """Send what every channel has queued and its socket takes now."""
         for link in self._links.values():
@@ -287,14 +326,14 @@ class ShmLinks:
         sock = link.acks.sock
         while True:
             try:
-                data = sock.recv(_RECORD.size, socket.MSG_DONTWAIT)
+                data = sock.recv(_ACK_RECORD.size + 4 * ACK_BATCH_MAX, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError as exc:
                 raise _lost(link, exc) from exc
             if not data:
                 raise _lost(link, None)
-            link.free.append(_RECORD.unpack(data)[1])
+            link.free.extend(array.array("I", data[_ACK_RECORD.size :]))
 
     def _read(self, link: _Link, *, block: bool) -> bool:
         """Read one record from `link`'s data socket if one is there; False if none was."""
@@ -327,6 +366,11 @@ class ShmLinks:
 
     def _wait(self, link: _Link, deadline: float) -> None:
         """Sleep until `link` has data, or a queued record can go, or the deadline passes."""
+        for other in self._links.values():  # idle now: settle acknowledgements both ways
+            if other.unacked:
+                self._acknowledge(other)
+            self._take_acks(other)
+        self._flush()
         poller = select.poll()
         poller.register(link.data.sock, select.POLLIN)
         for other in self._links.values():
@@ -345,6 +389,15 @@ class ShmLinks:
                 f"stage {self._stage} waited {self._timeout:.0f} s for stage {link.peer}"
             )
         self._flush()
+
+
+def _typed(slot: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+    """The first `nbytes` of a uint8 `slot` seen as a contiguous tensor shaped like `like`."""
+    return slot[:nbytes].view(like.dtype).view(like.shape)
+
+
+def _slots(numbers: list[int]) -> bytes:
+    return array.array("I", numbers).tobytes()
 
 
 def _fitting(link: _Link, nbytes: int) -> int | None:

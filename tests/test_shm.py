@@ -68,17 +68,29 @@ def _check(links, sent, sender: int, number: int) -> None:
 
 
 def test_slots_are_reused_once_acknowledged():
-    """A steady stream needs as many slots as messages in flight, not one per message."""
+    """A steady stream needs as many slots as messages in flight plus an ACK batch, whatever its
+    length; a larger message gets a slot of its own."""
     a, b = ShmLinks.pair(timeout=5)
     for number in range(50):
         a.send(1, torch.full((64, 64), float(number)))
         assert b.recv(0, number, (64, 64), torch.float32)[0, 0].item() == number
-    assert len(a._links[1].slots) == 1
-    for _ in range(5):
-        a.send(1, torch.zeros(64, 64))
-    assert len(a._links[1].slots) == 5  # five in flight at once
+    assert 1 <= len(a._links[1].slots) <= _shm.ACK_BATCH + 1
+    before = len(a._links[1].slots)
     a.send(1, torch.zeros(1024, 64))  # larger than any slot: a new one
-    assert len(a._links[1].slots) == 6
+    assert len(a._links[1].slots) == before + 1
+
+
+def test_a_receiver_about_to_wait_acknowledges_what_it_holds():
+    """Acknowledgements wait for a batch, except when the receiver waits: then all go back."""
+    a, b = ShmLinks.pair(timeout=0.05)
+    a.send(1, torch.ones(3))
+    b.recv(0, 0, (3,), torch.float32)
+    assert b._links[0].unacked == [0]  # one slot: not yet a batch
+    with pytest.raises(TimeoutError):
+        b.recv(0, 1, (3,), torch.float32)  # nothing sent: it waits, acknowledging first
+    assert b._links[0].unacked == []
+    a.send(1, torch.ones(3))
+    assert len(a._links[1].slots) == 1  # the acknowledged slot was reused
 
 
 def test_sends_never_wait_even_when_the_socket_is_full():
