@@ -13,10 +13,12 @@ from strategies import BUILTIN_SCHEDULES, shapes
 
 import schedcc
 from schedcc import Backward, Forward, ScheduleConfigError, WeightVersionError
+from schedcc.costs import CostModel
 from schedcc.passes import collect
 from schedcc.schedules.interleaved import Interleaved1F1B
 from schedcc.schedules.one_f_one_b import OneFOneB
 from schedcc.schedules.pipedream_2bw import PipeDream2BW
+from schedcc.simulate import simulate
 
 
 def _peak_activations(ops) -> int:
@@ -299,3 +301,27 @@ def test_class_docstring_gives_a_one_line_description(name):
     description = schedcc.get_schedule(name).description()
     assert description
     assert len(description) < 100
+
+
+class _ShortWarmup(Interleaved1F1B):
+    """Interleaved 1F1B with one warm-up forward fewer on stage 0 (at p = 2)."""
+
+    def num_warmup(self, stage: int) -> int:
+        return super().num_warmup(stage) - (stage == 0)
+
+
+@given(m=st.integers(4, 24), v=st.integers(2, 4), backward=st.sampled_from([1, 1.5, 2, 3]))
+def test_two_stage_interleaved_idles_one_warmup_forward_beyond_the_ideal(m, v, backward):
+    """[Note: interleaved at two stages]: at p = 2, m > p, one warm-up forward fewer on stage 0
+    reaches the ideal makespan (F + B) * (v * m + 1) and holds one activation fewer there;
+    Megatron-LM's warm-up idles beyond it wherever Megatron-LM accepts the shape (m % p == 0)."""
+    costs = CostModel(forward=1, backward=backward)
+    ideal = (1 + backward) * (v * m + 1)
+    megatron = simulate(schedcc.compile(Interleaved1F1B(2, m, v)), costs)
+    short = simulate(schedcc.compile(_ShortWarmup(2, m, v)), costs)
+    assert short.makespan == pytest.approx(ideal)
+    assert megatron.makespan >= short.makespan
+    if m % 2 == 0:
+        assert megatron.makespan > ideal
+    assert short.peak_activations[0] == megatron.peak_activations[0] - 1
+    assert short.peak_activations[1] == megatron.peak_activations[1]
