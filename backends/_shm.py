@@ -135,6 +135,7 @@ class _Link:
         "out_views",
         "peer",
         "read",
+        "sizes",
         "slots",
         "theirs",
         "unacked",
@@ -145,6 +146,7 @@ class _Link:
         self.data = _Channel(data)  # DATA and NEW records, both ways; a waiting rank sleeps here
         self.acks = _Channel(acks)  # ACK records, both ways; read only without waiting
         self.slots: list[torch.Tensor] = []  # ours, as uint8 tensors over the mapping
+        self.sizes: list[int] = []  # their sizes in bytes
         self.free: list[int] = []  # our slots the peer has given back
         self.theirs: dict[int, torch.Tensor] = {}  # the peer's slots it has sent to us
         self.arrived: dict[int, tuple[int, int]] = {}  # message number -> (slot, bytes)
@@ -241,7 +243,7 @@ class ShmLinks:
     def send(self, peer: int, tensor: torch.Tensor) -> None:
         """Copy `tensor` into a slot and tell `peer`; returns at once (never waits on the peer)."""
         link = self._links[peer]
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         slot = _fitting(link, nbytes)
         if slot is None:  # take back what the peer has acknowledged since (only now: a syscall)
             self._take_acks(link)
@@ -251,6 +253,7 @@ class ShmLinks:
             size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
             os.ftruncate(fd, size)
             link.slots.append(torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8))
+            link.sizes.append(size)
             slot = len(link.slots) - 1
             link.data.put(_RECORD.pack(_NEW, slot, size), fd)
         else:
@@ -402,7 +405,11 @@ def _slots(numbers: list[int]) -> bytes:
 
 def _fitting(link: _Link, nbytes: int) -> int | None:
     """One of our free slots on `link` that holds `nbytes`, if any."""
-    return next((i for i in link.free if link.slots[i].numel() >= nbytes), None)
+    sizes = link.sizes
+    for i in link.free:
+        if sizes[i] >= nbytes:
+            return i
+    return None
 
 
 def _tune(sock: socket.socket, sndbuf: int | None) -> None:

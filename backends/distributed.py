@@ -385,7 +385,7 @@ class Engine:
 
     def _outgoing(self, op: Instruction, key: tuple[str, int]) -> torch.Tensor:
         tensor = self.runtime.outgoing(op)
-        if tuple(tensor.shape) != self._shapes[key][0]:
+        if tensor.shape != self._shapes[key][0]:
             raise ValueError(_shape_changed(op, tensor, self._shapes[key][0]))
         return tensor
 
