@@ -21,13 +21,7 @@ Backend: NCCL for CUDA tensors, gloo for CPU (the caller initialises the default
 
 [Note: shapes are learnt once] is in `backends._p2p`, with the shape pass it explains.
 
-[Note: sends complete lazily] Where the backend returns a handle per op (gloo), sends are waited
-only at the end of the run (their tensors are kept alive until then), as
-torch.distributed.pipelining does. This only relaxes the rendezvous model the validator proves
-deadlock-free (a send never holds its stage back), so it cannot introduce a hang; it keeps a stage
-from idling while its peer has not yet reached the matching receive. Under NCCL a batch is one
-coalesced handle, waited whole. NCCL orders its operations on a stream, where an early receive could
-hold back a later send, so there each group stays one `batch_isend_irecv`, posted at its place.
+[Note: sends complete lazily] is in `backends._transfers`, with the point-to-point it explains.
 
 [Note: failures] Every wait has the engine's `timeout`. A peer that dies closes its sockets (gloo's
 and the shared-memory links') and the waiting rank raises `RankFailure` naming its stage, the
@@ -47,10 +41,9 @@ import torch.distributed as dist
 from torch import nn
 
 from schedcc.analysis import Layout, Steps
-from schedcc.backends._eager import EagerPlan, Transfer
-from schedcc.backends._p2p import Shapes, learn_shapes
+from schedcc.backends._p2p import learn_shapes
 from schedcc.backends._setup import CommGroup, device_of, groups, own_segments, plan
-from schedcc.backends._shm import ShmLinks
+from schedcc.backends._transfers import Transfers, first_line
 from schedcc.backends.checkpoint import (
     load_stage_states,
     program_meta,
@@ -177,19 +170,16 @@ class Engine:
             s: dist.get_global_rank(self.pp_group, s) for s in range(program.num_stages)
         }
         self._bounds = Steps.of([program.stages[self.stage]]).bounds[0]
-        self._shapes: Shapes = {}
+        self._transfers = Transfers(
+            self._steps,
+            self.runtime,
+            group=self.pp_group,
+            global_peer=self._global_peer,
+            device=self.device,
+            timeout=self.timeout,
+            shared_memory=shared_memory,
+        )
         self._learnt = False
-        self._sending: list[tuple[object, torch.Tensor, CommGroup]] = []
-        # see [Note: eager point-to-point]
-        eager = dist.get_backend(self.pp_group) == "gloo"
-        self._eager = EagerPlan(self._steps) if eager else None
-        self._posted: dict[Instruction, tuple[torch.Tensor, object]] = {}
-        self._shared_memory = eager and shared_memory
-        self._links: ShmLinks | None = None
-        self._shm_peers: frozenset[int] = frozenset()
-        self._recv_number, self._recvs_per_run = _number_receives(self._steps)
-        self._runs = 0
-        self._spans: dict[int, tuple[float, float]] = {}
         self._at: int | None = None
         self._clock0 = 0.0
         #: Per run of the program: (start, end) seconds of each step, since the engine's clock 0.
@@ -250,39 +240,30 @@ class Engine:
         runtime = self.runtime
         m = self.program.schedule.num_microbatches
         split = [(_split(x, m, self.device), _split(y, m, self.device)) for x, y in group]
+        transfers = self._transfers
         if not self._learnt:
             self._learn_shapes(split[0][0])
-            self._connect()
+            transfers.connect()
             self._learnt = True
         runtime.reset()
         for batch, (inputs, targets) in enumerate(split):
             runtime.load_batch(batch, inputs, targets)
         times: list[tuple[float, float]] = []
         clock = time.perf_counter
-        self._posted.clear()
-        self._spans.clear()
-        eager = self._eager
         for index, step in enumerate(self._steps):
             self._at = index
-            if eager is not None:
-                self._before(index, eager)
+            transfers.before(index)
             start = clock()
             if type(step) is CommGroup:
-                if eager is None:
-                    self._exchange_batched(step)
+                transfers.exchange(step)
             elif step.group == "update":
                 self._update(step)
             else:
                 runtime.run(step)
             times.append((start - self._clock0, clock() - self._clock0))
-            if eager is not None:
-                for send in eager.sends_after[index]:
-                    self._send(send)
+            transfers.after(index)
         self._at = None
-        for index, (start, end) in self._spans.items():  # comm under gloo: see `_span`
-            times[index] = (start - self._clock0, end - self._clock0)
-        self._finish_sends()
-        self._runs += 1
+        transfers.finish(times, self._clock0)
         self.step_times.append(times)
         self.steps += len(group)
         return self._losses(len(group))
@@ -329,103 +310,6 @@ class Engine:
         set_rng_state(saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"])
         self.steps = manifest["step"]
 
-    # -- point-to-point, gloo (see [Note: eager point-to-point]) ---------------------------------
-
-    def _before(self, index: int, eager: EagerPlan) -> None:
-        """Post the receives due before step `index`, then wait the ones it consumes."""
-        clock = time.perf_counter
-        shm = self._shm_peers
-        for op, peer, key, group in eager.post_before[index]:
-            if peer in shm:
-                continue  # nothing to post: the sender's slot is the buffer
-            shape, dtype = self._shapes[key]
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            try:
-                work = self.pp_group.recv([buffer], peer, 0)
-            except RuntimeError as exc:
-                raise RankFailure(self._failure(self._steps[group], exc)) from exc
-            self._posted[op] = (buffer, work)
-        for op, peer, key, group in eager.wait_before[index]:
-            start = clock()
-            try:
-                if peer in shm:
-                    number = self._runs * self._recvs_per_run[peer] + self._recv_number[op]
-                    buffer = self._links.recv(peer, number, *self._shapes[key])  # type: ignore[union-attr]
-                else:
-                    buffer, work = self._posted.pop(op)
-                    work.wait(self.timeout)
-            except (RuntimeError, OSError) as exc:
-                raise RankFailure(self._failure(self._steps[group], exc)) from exc
-            self.runtime.incoming(op, buffer)
-            self._span(group, start, clock())
-
-    def _send(self, send: Transfer) -> None:
-        op, peer, key, group = send
-        start = time.perf_counter()
-        tensor = self._outgoing(op, key)
-        try:
-            if peer in self._shm_peers:
-                self._links.send(peer, tensor)  # type: ignore[union-attr]  # copied: done
-            else:
-                work = self.pp_group.send([tensor], peer, 0)
-                self._sending.append((work, tensor, self._steps[group]))  # see [Note: sends ...]
-        except (RuntimeError, OSError) as exc:
-            raise RankFailure(self._failure(self._steps[group], exc)) from exc
-        if not self._steps[group].recvs:  # a group with receives spans their waits
-            self._span(group, start, time.perf_counter())
-
-    def _span(self, group: int, start: float, end: float) -> None:
-        """A comm group's measured time: from its first wait (or send) to its last one's end."""
-        spans = self._spans
-        if group in spans:
-            first, last = spans[group]
-            spans[group] = (min(first, start), max(last, end))
-        else:
-            spans[group] = (start, end)
-
-    def _outgoing(self, op: Instruction, key: tuple[str, int]) -> torch.Tensor:
-        tensor = self.runtime.outgoing(op)
-        if tensor.shape != self._shapes[key][0]:
-            raise ValueError(_shape_changed(op, tensor, self._shapes[key][0]))
-        return tensor
-
-    def _exchange_batched(self, step: CommGroup) -> None:
-        """The group as one `batch_isend_irecv` (NCCL: a coalesced batch, waited whole)."""
-        runtime, shapes, device = self.runtime, self._shapes, self.device
-        ops, received = [], []
-        for op, is_send, peer, key in step.items:
-            if is_send:
-                tensor = self._outgoing(op, key)
-                ops.append(dist.P2POp(dist.isend, tensor, self._global_peer[peer], self.pp_group))
-            else:
-                shape, dtype = shapes[key]
-                buffer = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, buffer, self._global_peer[peer], self.pp_group))
-                received.append((op, buffer))
-        try:
-            works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):  # coalesced (NCCL): one handle for the whole group
-                for work in works:
-                    work.wait(self.timeout)
-            else:
-                for work, p2p in zip(works, ops):
-                    if p2p.op is dist.isend:  # see [Note: sends complete lazily]
-                        self._sending.append((work, p2p.tensor, step))
-                    else:
-                        work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise RankFailure(self._failure(step, exc)) from exc
-        for op, buffer in received:
-            runtime.incoming(op, buffer)
-
-    def _finish_sends(self) -> None:
-        sending, self._sending = self._sending, []
-        for work, _tensor, step in sending:
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as exc:
-                raise RankFailure(self._failure(step, exc)) from exc
-
     def _update(self, op: Instruction) -> None:
         try:
             self.runtime.run(op)
@@ -435,16 +319,8 @@ class Engine:
             ranks = dist.get_process_group_ranks(self.dp_group)
             raise RankFailure(
                 f"rank {self.rank} (stage {self.stage}) failed at {op}, a collective over the "
-                f"data-parallel ranks {ranks}: {_first_line(exc)}"
+                f"data-parallel ranks {ranks}: {first_line(exc)}"
             ) from exc
-
-    def _failure(self, step: CommGroup, exc: BaseException) -> str:
-        ops = " ".join(str(op) for op, *_ in step.items)
-        peers = ", ".join(f"rank {self._global_peer[s]} (stage {s})" for s in step.peers)
-        return (
-            f"rank {self.rank} (stage {self.stage}) failed waiting at comm group [{ops}] on "
-            f"{peers}: {_first_line(exc)}"
-        )
 
     def _losses(self, count: int) -> list[float]:
         last = self._layout.stage_of[self._layout.last]
@@ -465,7 +341,7 @@ class Engine:
 
     def _learn_shapes(self, first_inputs: Sequence[torch.Tensor] | None) -> None:
         """See [Note: shapes are learnt once] in `backends._p2p`."""
-        self._shapes.update(
+        self._transfers.shapes.update(
             learn_shapes(
                 self._layout,
                 self.stage,
@@ -477,19 +353,6 @@ class Engine:
             )
         )
         self._clock0 = time.perf_counter()
-
-    def _connect(self) -> None:
-        """Link this stage with its same-host peers (collective over the pipeline group)."""
-        if self._eager is None:  # NCCL: every pair stays on batch_isend_irecv
-            return
-        peers = {peer for step in self._steps if type(step) is CommGroup for peer in step.peers}
-        self._links = ShmLinks.connect(
-            self.pp_group,
-            peers,
-            timeout=self.timeout.total_seconds(),
-            enabled=self._shared_memory and self.device.type == "cpu",  # it moves CPU tensors
-        )
-        self._shm_peers = self._links.peers
 
     @property
     def current_instruction(self) -> str | None:
@@ -512,31 +375,3 @@ def _split(tensor: torch.Tensor | None, m: int, device: torch.device):
             "distributed backend needs batch size divisible by num_microbatches"
         )
     return [part.to(device) for part in tensor.chunk(m)]
-
-
-def _number_receives(steps) -> tuple[dict[Instruction, int], dict[int, int]]:
-    """Each receive's place among this stage's receives from its peer, in program order; and
-    how many there are per peer in one run."""
-    number: dict[Instruction, int] = {}
-    count: dict[int, int] = {}
-    for step in steps:
-        if type(step) is CommGroup:
-            for op, peer, _ in step.recvs:
-                number[op] = count.get(peer, 0)
-                count[peer] = number[op] + 1
-    return number, count
-
-
-def _shape_changed(op, tensor, expected) -> str:
-    return (
-        f"{op} sends shape {tuple(tensor.shape)} but the first batch's was {expected}; the "
-        "distributed backend learns shapes once: keep every batch the same size"
-    )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__
-    text = text.splitlines()[0]
-    return text.split(". This is typically", 1)[0]  # gloo's generic advice

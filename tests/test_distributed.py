@@ -63,7 +63,8 @@ def _compare(rank, name, p, v, batches_per_run, steps, dp=1, zero=0, linked=True
     engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=30, **kwargs)
     losses = list(engine.train(local))
     peers = {s for step in engine._steps if type(step) is CommGroup for s in step.peers}
-    assert engine._shm_peers == (peers if linked and host_key() else set()), engine._shm_peers
+    shm_peers = engine._transfers.shm_peers
+    assert shm_peers == (peers if linked and host_key() else set()), shm_peers
     replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in batches] if dp > 1 else batches
     expected = list(LocalEngine(program, oracle, F.mse_loss, _optimizer).train(replicas))
     where = f"{name} p={p} v={v} dp={dp} zero={zero} rank {rank}"
