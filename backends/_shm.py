@@ -8,7 +8,7 @@ ideal. Stages on one machine therefore exchange tensors through shared memory, a
 transport does:
 
 - each pair of stages holds two connected `SOCK_SEQPACKET` Unix sockets (abstract namespace, so
-  nothing is left in the filesystem), which carry 16-byte records in order: one for data, one for
+  nothing is left in the filesystem), which carry small records in order: one for data, one for
   acknowledgements;
 - a sender copies the tensor into a *slot* it owns (a `memfd` mapping, passed to the peer once,
   with the record that first uses it, by `SCM_RIGHTS`) and sends a DATA record naming the slot;
