@@ -90,6 +90,17 @@ class Transfers:
         )
         self.shm_peers = self._links.peers
 
+    def describe(self) -> str:
+        """How this stage's tensors travel; see `Engine.point_to_point`."""
+        peers = {peer for step in self.steps if type(step) is CommGroup for peer in step.peers}
+        if not peers:
+            return "none"
+        if self.eager is None:
+            return dist.get_backend(self.group)
+        if self.shm_peers == peers:
+            return "shared memory"
+        return "shared memory + gloo" if self.shm_peers else "gloo"
+
     # -- one run --------------------------------------------------------------------------------
 
     def before(self, index: int) -> None:

@@ -355,6 +355,12 @@ class Engine:
         self._clock0 = time.perf_counter()
 
     @property
+    def point_to_point(self) -> str:
+        """How this stage's tensors travel (after the first run): "shared memory", "gloo",
+        "shared memory + gloo" (some peers on another machine), "nccl", or "none" (p = 1)."""
+        return self._transfers.describe()
+
+    @property
     def current_instruction(self) -> str | None:
         """What this rank is executing or waiting on now (for watchdogs and error messages)."""
         if self._at is None:

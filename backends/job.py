@@ -101,6 +101,7 @@ def _train(rank: int, config, device: torch.device) -> int:
         "dp": dp_index,
         "times": engine.step_times,
         "peak": engine.runtime.peak_activation_bytes,
+        "p2p": engine.point_to_point,
         "state": _state(engine, schedule) if config.check and dp_index == 0 else None,
     }
     gathered = [None] * dist.get_world_size() if rank == 0 else None

@@ -129,6 +129,7 @@ def summarize(program: Program, config, built, losses: list[float], gathered) ->
         "tokens/s" if built.tokens_per_sample > 1 else "samples/s", f"{tokens / step_seconds:,.0f}"
     )
     table.add_row("bubble: measured / simulated", f"{measured:.1%} / {simulated:.1%}")
+    table.add_row("point-to-point", _transports(gathered))
     for stage in sorted(peaks):
         table.add_row(f"peak activations, stage {stage}", f"{peaks[stage] / 2**20:.2f} MB")
     if config.trace:
@@ -145,6 +146,15 @@ def _simulated_bubble(program: Program, events: list[Event]) -> float:
     if not samples:
         return math.nan
     return simulate(program, CostModel.from_trace(samples)).bubble_fraction
+
+
+def _transports(gathered) -> str:
+    """How the stages' tensors travelled: one word if every rank says the same."""
+    kinds = sorted({g["p2p"] for g in gathered})
+    if len(kinds) == 1:
+        return kinds[0]
+    counts = {kind: sum(g["p2p"] == kind for g in gathered) for kind in kinds}
+    return ", ".join(f"{kind} on {n} rank(s)" for kind, n in counts.items())
 
 
 def check_line(worst: float, tolerance: float) -> str:

@@ -4,6 +4,7 @@ bad input, and two torchrun launchers on 127.0.0.1 (the multi-node path)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -41,6 +42,7 @@ def test_run_trains_1f1b_and_prints_the_summary(tmp_path):
     assert result.returncode == 0, result.stderr
     for text in ("entropy floor", "median step time", "bubble", "peak activations, stage 1"):
         assert text in result.stdout
+    assert re.search(r"point-to-point\s*│\s*shared memory\s*│", result.stdout), result.stdout
     assert '"name":"F0"' in trace.read_text()
 
 
@@ -84,6 +86,7 @@ def test_run_accepts_a_schedule_from_a_user_file(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "AllForwardAllBackward(p=2, m=8)" in result.stdout
     assert ": ok" in result.stdout
+    assert re.search(r"point-to-point\s*│\s*gloo\s*│", result.stdout), result.stdout
 
 
 @pytest.mark.parametrize(
