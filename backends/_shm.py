@@ -17,7 +17,7 @@ transport does:
   rank sleeps only on the data socket and takes ACKs back only when it has no free slot or is
   about to wait, so an ACK never wakes anyone: on a virtual machine a wake-up across cores is
   what costs most. Measured in the same processes on 2 cores, batching ACKs and caching each
-  slot's typed view (one torch call per copy) made 1f1b and interleaved m=8 steps 4-5% faster.
+  slot's typed view (one torch call per copy) made 1f1b and interleaved m=8 steps 4-9% faster.
 
 The same ping-pong costs about 27 us of CPU and 53 us of latency. This keeps the relaxed model of
 [Note: eager point-to-point] exactly:
@@ -33,8 +33,8 @@ The same ping-pong costs about 27 us of CPU and 53 us of latency. This keeps the
 `SPIN` seconds, calling `sched_yield` between checks, before it sleeps in `poll`. A rank that owns
 its core loses nothing by this (the core has nothing else to run), and a rank that shares one
 hands it to whoever else is runnable at each check. Measured on 2 cores (ranks bound, steps of
-the step-time benchmark alternating in the same processes), sleeping instead costs 5-12%: each
-sleep and wake-up across cores is slow on a virtual machine, and the compute after it runs slower.
+the step-time benchmark taking turns in the same processes), sleeping instead costs 2-5%: each
+sleep and wake-up across cores is slow on a virtual machine.
 
 A peer that dies closes its socket: a rank waiting on it reads end-of-file at once and raises
 `ConnectionError`; a wait longer than the timeout raises `TimeoutError`. Only stages whose

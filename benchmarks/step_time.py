@@ -4,10 +4,11 @@
 MSE, SGD, one thread per process, gloo on 127.0.0.1. A step is timed barrier to barrier on every
 rank and the slowest rank counts; each row takes turns in rounds: schedcc, schedcc with gloo
 point-to-point (`shared_memory=False`: what the same executor does without its same-host
-transport), torch, the floor (one step per turn by default, so all see the same machine load), and
-reports the median over all timed steps. The *floor* is every rank running only its own segments'
-forward and backward for all microbatches plus its optimizer step, at the same time, with no
-pipeline communication; `floor / (1 - bubble)` (the analytic bubble of the schedule) is what a
+transport), torch, the floor (one step per turn by default, so all see the same machine load; the
+order rotates from round to round, since whichever runner follows the floor measures 8-10% slower),
+and reports the median over all timed steps. The *floor* is every rank running only its own
+segments' forward and backward for all microbatches plus its optimizer step, at the same time, with
+no pipeline communication; `floor / (1 - bubble)` (the analytic bubble of the schedule) is what a
 perfect executor would take. Overhead is the gap to that, per instruction of the busiest stage. The
 CPU column (each rank's own CPU time for the step, slowest rank) is robust to a loaded machine: it
 shows what each executor costs apart from waiting (but schedcc's receives check for their data for
@@ -195,9 +196,13 @@ def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
             _timed(runner.step)
     runners["floor"].spent.clear()
     times: dict[str, list[tuple[float, float]]] = {label: [] for label in runners}
-    for _ in range(opts.rounds):
-        for label, runner in runners.items():
-            times[label] += [_timed(runner.step) for _ in range(opts.steps_per_round)]
+    labels = list(runners)
+    for turn in range(opts.rounds):
+        # the order rotates each round: the runner after the floor measured 8-10% slower, so no
+        # runner may always be the one that follows it
+        k = turn % len(labels)
+        for label in labels[k:] + labels[:k]:
+            times[label] += [_timed(runners[label].step) for _ in range(opts.steps_per_round)]
     medians = {
         label: statistics.median(_slowest([wall for wall, _ in values]))
         for label, values in times.items()

@@ -47,10 +47,11 @@ units against 51 (F = 1, B = 2, no comm cost), and the gap grows with m and v (m
 against 195). Stage 0 runs one forward too many before its first backward; with one fewer, the
 order reaches the ideal exactly and holds one chunk activation fewer on stage 0 (tested for
 4 <= m <= 24, 2 <= v <= 4, B/F from 1 to 3). This schedule keeps Megatron-LM's order all the
-same: measured on 2 CPU ranks (the step-time benchmark's model, the two orders alternating in the
-same processes) the shorter warm-up was 1-3% slower. It leaves no slack, so every hop's latency
-(tens of microseconds here) lands on the critical path, and the simulator, which charges
-communication as time a stage is busy rather than as a delay in flight, does not see that.
+same: measured on 2 CPU ranks (the step-time benchmark's model, the two orders taking turns in the
+same processes) the shorter warm-up was no faster (0.3% faster to 4% slower, m = 4 and 8). It
+leaves no slack, so every hop's latency (tens of microseconds here) lands on the critical path,
+and the simulator, which charges communication as time a stage is busy rather than as a delay in
+flight, does not see that.
 """
 
 from __future__ import annotations
