@@ -85,9 +85,15 @@ class Transfers:
         if self.eager is None:  # NCCL: every pair stays on batch_isend_irecv
             return
         peers = {peer for step in self.steps if type(step) is CommGroup for peer in step.peers}
-        self._links = ShmLinks.connect(
-            self.group, peers, timeout=self.timeout.total_seconds(), enabled=self._shared_memory
-        )
+        try:
+            self._links = ShmLinks.connect(
+                self.group, peers, timeout=self.timeout.total_seconds(), enabled=self._shared_memory
+            )
+        except (RuntimeError, OSError) as exc:
+            raise RankFailure(
+                f"rank {self.rank} (stage {self.stage}) could not link with its peers on this "
+                f"machine: {first_line(exc)}"
+            ) from exc
         self.shm_peers = self._links.peers
 
     def describe(self) -> str:

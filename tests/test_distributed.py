@@ -13,6 +13,7 @@ import signal
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 import schedcc
 from schedcc.backends import models
 from schedcc.backends._setup import CommGroup
-from schedcc.backends._shm import host_key
-from schedcc.backends.distributed import Engine
+from schedcc.backends._shm import ShmLinks, host_key
+from schedcc.backends.distributed import Engine, RankFailure
 from schedcc.backends.launch import cores_for, spawn
 from schedcc.backends.local import Engine as LocalEngine
 
@@ -85,7 +86,27 @@ def _pipeline_worker(rank: int, world_size: int) -> int:
     # the same over gloo, and a pair where only one side offers shared memory (it uses gloo)
     _compare(rank, "interleaved-1f1b", 2, 2, 1, 2, linked=False, shared_memory=False)
     _compare(rank, "1f1b", 2, 1, 1, 2, linked=False, shared_memory=rank == 0)
+    _linking_fails(rank)
     return 0
+
+
+def _linking_fails(rank: int) -> None:
+    """A failure while linking same-host stages is a `RankFailure` naming the rank, not a trace."""
+
+    def refuse(cls, *args, **kwargs):
+        raise OSError("linking refused")
+
+    real = ShmLinks.connect
+    ShmLinks.connect = classmethod(refuse)
+    try:
+        program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
+        engine = Engine(program, models.mlp_segments(2, width=8, seed=1), F.mse_loss, _optimizer)
+        x, y = models.TeacherData(width=8, seed=2).batch(4, 0)
+        expected = f"rank {rank} \\(stage {rank}\\) could not link with its peers on this machine"
+        with pytest.raises(RankFailure, match=f"{expected}: linking refused"):
+            engine.train_step(x, y)
+    finally:
+        ShmLinks.connect = real
 
 
 def _data_parallel_worker(rank: int, world_size: int) -> int:
