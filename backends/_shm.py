@@ -1,11 +1,11 @@
 """Point-to-point between stages on the same machine, through shared memory.
 
 [Note: same-host point-to-point] Under gloo, a message between two processes on one machine goes
-through TCP on loopback, with gloo's I/O thread woken on both ends. Measured on 2 cores, a
-128 KiB activation costs about 250-320 us of CPU and 480 us of latency in a ping-pong, and on a
-pipeline that shares its cores with its compute this is most of what separates a step from the
-ideal. Stages on one machine therefore exchange tensors through shared memory, as NCCL's SHM
-transport does:
+through TCP on loopback, with gloo's I/O thread woken on both ends. Measured on 2 cores
+(`benchmarks/p2p_latency.py`), a 128 KiB activation takes 275-690 us one-way in a ping-pong and
+350-810 us of CPU on the two ranks together; on a pipeline that shares its cores with its compute,
+that is most of what separates a step from the ideal. Stages on one machine therefore exchange
+tensors through shared memory, as NCCL's SHM transport does:
 
 - each pair of stages holds two connected `SOCK_SEQPACKET` Unix sockets (abstract namespace, so
   nothing is left in the filesystem), which carry small records in order: one for data, one for
@@ -19,7 +19,8 @@ transport does:
   what costs most. Measured in the same processes on 2 cores, batching ACKs and caching each
   slot's typed view (one torch call per copy) made 1f1b and interleaved m=8 steps 4-9% faster.
 
-The same ping-pong costs about 27 us of CPU and 53 us of latency. This keeps the relaxed model of
+The same ping-pong takes 52-56 us one-way and about 105 us of CPU, the waiting rank's checks (see
+below) included. This keeps the relaxed model of
 [Note: eager point-to-point] exactly:
 
 - a send never blocks. When every slot for that peer is in use a new one is made, so a pool grows
@@ -70,7 +71,6 @@ SPIN = 0.002
 #: acknowledges whenever it is about to wait. Fewer records mean fewer system calls; the sender's
 #: pool grows by at most this many slots.
 ACK_BATCH = 4
-ACK_BATCH_MAX = 1024  # the most slots one ACK record may carry (far above any batch)
 _ACK_RECORD = struct.Struct("<BxxxI")  # kind, count; then `count` uint32 slot numbers
 _FDS = socket.CMSG_LEN(array.array("i", [0]).itemsize) if hasattr(socket, "CMSG_LEN") else 0
 
@@ -135,7 +135,6 @@ class _Link:
         "out_views",
         "peer",
         "read",
-        "sizes",
         "slots",
         "theirs",
         "unacked",
@@ -146,7 +145,6 @@ class _Link:
         self.data = _Channel(data)  # DATA and NEW records, both ways; a waiting rank sleeps here
         self.acks = _Channel(acks)  # ACK records, both ways; read only without waiting
         self.slots: list[torch.Tensor] = []  # ours, as uint8 tensors over the mapping
-        self.sizes: list[int] = []  # their sizes in bytes
         self.free: list[int] = []  # our slots the peer has given back
         self.theirs: dict[int, torch.Tensor] = {}  # the peer's slots it has sent to us
         self.arrived: dict[int, tuple[int, int]] = {}  # message number -> (slot, bytes)
@@ -253,7 +251,6 @@ class ShmLinks:
             size = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
             os.ftruncate(fd, size)
             link.slots.append(torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8))
-            link.sizes.append(size)
             slot = len(link.slots) - 1
             link.data.put(_RECORD.pack(_NEW, slot, size), fd)
         else:
@@ -271,7 +268,7 @@ class ShmLinks:
         link = self._links[peer]
         deadline = None
         while number not in link.arrived:
-            if not self._read(link, block=False):
+            if not self._read(link):
                 if deadline is None:
                     deadline = time.monotonic() + self._timeout
                 self._wait(link, deadline)
@@ -280,7 +277,7 @@ class ShmLinks:
         view = link.in_views.get(key)
         if view is None:
             like = torch.empty(shape, dtype=dtype, device="meta")
-            expected = like.numel() * like.element_size()
+            expected = like.nbytes
             if expected != nbytes:
                 raise ValueError(
                     f"stage {self._stage} expected {expected} bytes from stage {peer} but got "
@@ -311,7 +308,8 @@ class ShmLinks:
 
     def _acknowledge(self, link: _Link) -> None:
         """Give the peer back every slot we are done with, in one ACK record."""
-        link.acks.put(_ACK_RECORD.pack(_ACK, len(link.unacked)) + _slots(link.unacked))
+        slots = array.array("I", link.unacked).tobytes()
+        link.acks.put(_ACK_RECORD.pack(_ACK, len(link.unacked)) + slots)
         link.unacked = []
 
     def _flush(self) -> None:
@@ -329,7 +327,7 @@ class ShmLinks:
         sock = link.acks.sock
         while True:
             try:
-                data = sock.recv(_ACK_RECORD.size + 4 * ACK_BATCH_MAX, socket.MSG_DONTWAIT)
+                data = sock.recv(_ACK_RECORD.size + 4 * ACK_BATCH, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -338,12 +336,10 @@ class ShmLinks:
                 raise _lost(link, None)
             link.free.extend(array.array("I", data[_ACK_RECORD.size :]))
 
-    def _read(self, link: _Link, *, block: bool) -> bool:
-        """Read one record from `link`'s data socket if one is there; False if none was."""
+    def _read(self, link: _Link) -> bool:
+        """Read one record from `link`'s data socket if one is there (never waits)."""
         try:
-            data, anc, _, _ = link.data.sock.recvmsg(
-                _RECORD.size, _FDS, 0 if block else socket.MSG_DONTWAIT
-            )
+            data, anc, _, _ = link.data.sock.recvmsg(_RECORD.size, _FDS, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -399,17 +395,9 @@ def _typed(slot: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:
     return slot[:nbytes].view(like.dtype).view(like.shape)
 
 
-def _slots(numbers: list[int]) -> bytes:
-    return array.array("I", numbers).tobytes()
-
-
 def _fitting(link: _Link, nbytes: int) -> int | None:
     """One of our free slots on `link` that holds `nbytes`, if any."""
-    sizes = link.sizes
-    for i in link.free:
-        if sizes[i] >= nbytes:
-            return i
-    return None
+    return next((i for i in link.free if link.slots[i].numel() >= nbytes), None)
 
 
 def _tune(sock: socket.socket, sndbuf: int | None) -> None:

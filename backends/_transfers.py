@@ -67,6 +67,7 @@ class Transfers:
         self.device = device
         self.timeout = timeout
         self.shapes: Shapes = {}
+        self._peers = {peer for step in steps if type(step) is CommGroup for peer in step.peers}
         # see [Note: eager point-to-point]
         eager = dist.get_backend(group) == "gloo"
         self.eager = EagerPlan(steps) if eager else None
@@ -84,10 +85,12 @@ class Transfers:
         """Link this stage with its same-host peers (collective over the pipeline group)."""
         if self.eager is None:  # NCCL: every pair stays on batch_isend_irecv
             return
-        peers = {peer for step in self.steps if type(step) is CommGroup for peer in step.peers}
         try:
             self._links = ShmLinks.connect(
-                self.group, peers, timeout=self.timeout.total_seconds(), enabled=self._shared_memory
+                self.group,
+                self._peers,
+                timeout=self.timeout.total_seconds(),
+                enabled=self._shared_memory,
             )
         except (RuntimeError, OSError) as exc:
             raise RankFailure(
@@ -98,12 +101,11 @@ class Transfers:
 
     def describe(self) -> str:
         """How this stage's tensors travel; see `Engine.point_to_point`."""
-        peers = {peer for step in self.steps if type(step) is CommGroup for peer in step.peers}
-        if not peers:
+        if not self._peers:
             return "none"
         if self.eager is None:
             return dist.get_backend(self.group)
-        if self.shm_peers == peers:
+        if self.shm_peers == self._peers:
             return "shared memory"
         return "shared memory + gloo" if self.shm_peers else "gloo"
 
