@@ -24,8 +24,9 @@ below) included. This keeps the relaxed model of
 [Note: eager point-to-point] exactly:
 
 - a send never blocks. When every slot for that peer is in use a new one is made, so a pool grows
-  to the most messages ever in flight. A record the socket cannot take now waits in a queue,
-  flushed by every later call on any link (and by the wait itself);
+  to the most messages ever in flight. A record the socket cannot take now goes to a backlog that
+  a background thread sends as the peer reads, so it arrives even if this stage's own thread is
+  computing or blocked in a collective, as a gloo send would;
 - messages between two stages arrive in the order they were sent, and the receiver numbers its
   receives per peer in program order, so each pairs with the send the compiler matched it with;
 - a receive waits only when its consumer needs it.
@@ -53,6 +54,7 @@ import secrets
 import select
 import socket
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -92,34 +94,54 @@ def host_key() -> str | None:
 
 
 class _Channel:
-    """One socket to a peer and the records it has not yet taken, in order."""
+    """One socket to a peer. A record the socket cannot take now goes to a backlog that a
+    background thread sends, in order, as the peer reads: the sender never waits, and what it
+    sent arrives without its thread doing anything more (as gloo's own I/O thread would do)."""
 
-    __slots__ = ("out", "sock")
+    __slots__ = ("backlog", "error", "lock", "sock", "thread")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.out: deque[tuple[bytes, int | None]] = deque()
+        self.backlog: deque[tuple[bytes, int | None]] = deque()
+        self.lock = threading.Lock()
+        self.error: OSError | None = None
+        self.thread: threading.Thread | None = None
 
-    def put(self, record: bytes, fd: int | None = None) -> None:
-        """Queue `record` (with `fd`, passed to the peer); `flush` sends it."""
-        self.out.append((record, fd))
+    def send(self, record: bytes, fd: int | None = None) -> None:
+        """Send `record` (with `fd`, passed to the peer) now, or after the backlog; never waits."""
+        if self.error is not None:
+            raise self.error
+        with self.lock:
+            if not self.backlog:
+                try:
+                    _send(self.sock, record, fd, socket.MSG_DONTWAIT)
+                    return
+                except BlockingIOError:
+                    pass
+            self.backlog.append((record, fd))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._drain, name="schedcc-shm", daemon=True)
+                self.thread.start()
 
-    def flush(self) -> None:
-        """Send the queued records the socket takes now, in order; keep the rest queued."""
-        out, sock = self.out, self.sock
-        while out:
-            record, fd = out[0]
+    def _drain(self) -> None:
+        """The background thread: send the backlog in order, waiting on the socket as needed.
+
+        A record leaves the backlog only once sent, so `send` queues behind it meanwhile."""
+        while True:
+            with self.lock:
+                if not self.backlog:
+                    self.thread = None
+                    return
+                record, fd = self.backlog[0]
             try:
-                if fd is None:
-                    sock.send(record, socket.MSG_DONTWAIT)
-                else:
-                    fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-                    sock.sendmsg([record], fds, socket.MSG_DONTWAIT)
-            except BlockingIOError:
+                _send(self.sock, record, fd, 0)
+            except OSError as exc:  # the peer is gone: the next `send` (or read) says so
+                self.error = exc
+                with self.lock:
+                    self.thread = None
                 return
-            if fd is not None:
-                os.close(fd)  # the peer holds its own copy now; our mapping stays
-            out.popleft()
+            with self.lock:
+                self.backlog.popleft()
 
 
 class _Link:
@@ -252,16 +274,21 @@ class ShmLinks:
             os.ftruncate(fd, size)
             link.slots.append(torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8))
             slot = len(link.slots) - 1
-            link.data.put(_RECORD.pack(_NEW, slot, size), fd)
+            new = (_RECORD.pack(_NEW, slot, size), fd)
         else:
             link.free.remove(slot)
+            new = None
         key = (slot, tensor.shape, tensor.dtype)
         view = link.out_views.get(key)
         if view is None:
             view = link.out_views[key] = _typed(link.slots[slot], nbytes, tensor)
         view.copy_(tensor.detach())
-        link.data.put(_RECORD.pack(_DATA, slot, nbytes))
-        self._flush()
+        try:
+            if new is not None:
+                link.data.send(*new)
+            link.data.send(_RECORD.pack(_DATA, slot, nbytes))
+        except OSError as exc:
+            raise _lost(link, exc) from exc
 
     def recv(self, peer: int, number: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """The `number`-th tensor `peer` sends this stage (0-based), waiting for it if need be."""
@@ -288,7 +315,6 @@ class ShmLinks:
         link.unacked.append(slot)
         if len(link.unacked) >= ACK_BATCH:
             self._acknowledge(link)
-        self._flush()
         return out
 
     def close(self) -> None:
@@ -309,18 +335,11 @@ class ShmLinks:
     def _acknowledge(self, link: _Link) -> None:
         """Give the peer back every slot we are done with, in one ACK record."""
         slots = array.array("I", link.unacked).tobytes()
-        link.acks.put(_ACK_RECORD.pack(_ACK, len(link.unacked)) + slots)
+        try:
+            link.acks.send(_ACK_RECORD.pack(_ACK, len(link.unacked)) + slots)
+        except OSError as exc:
+            raise _lost(link, exc) from exc
         link.unacked = []
-
-    def _flush(self) -> None:
-        """Send what every channel has queued and its socket takes now."""
-        for link in self._links.values():
-            for channel in link.channels():
-                if channel.out:
-                    try:
-                        channel.flush()
-                    except OSError as exc:
-                        raise _lost(link, exc) from exc
 
     def _take_acks(self, link: _Link) -> None:
         """Take back every slot the peer has acknowledged so far; never waits."""
@@ -364,19 +383,13 @@ class ShmLinks:
         return True
 
     def _wait(self, link: _Link, deadline: float) -> None:
-        """Sleep until `link` has data, or a queued record can go, or the deadline passes."""
+        """Sleep until `link` has data or the deadline passes."""
         for other in self._links.values():  # idle now: settle acknowledgements both ways
             if other.unacked:
                 self._acknowledge(other)
             self._take_acks(other)
-        self._flush()
         poller = select.poll()
         poller.register(link.data.sock, select.POLLIN)
-        for other in self._links.values():
-            for channel in other.channels():
-                if channel.out:
-                    extra = select.POLLIN if channel is link.data else 0
-                    poller.register(channel.sock, select.POLLOUT | extra)
         spin_until = min(deadline, time.monotonic() + SPIN)
         while not poller.poll(0):
             if time.monotonic() >= spin_until:
@@ -387,7 +400,14 @@ class ShmLinks:
             raise TimeoutError(
                 f"stage {self._stage} waited {self._timeout:.0f} s for stage {link.peer}"
             )
-        self._flush()
+
+
+def _send(sock: socket.socket, record: bytes, fd: int | None, flags: int) -> None:
+    if fd is None:
+        sock.send(record, flags)
+        return
+    sock.sendmsg([record], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], flags)
+    os.close(fd)  # the peer holds its own copy now; our mapping stays
 
 
 def _typed(slot: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:

@@ -99,10 +99,20 @@ def test_sends_never_wait_even_when_the_socket_is_full():
     for number in range(300):
         a.send(1, torch.tensor([number]))
         b.send(0, torch.tensor([-number]))
-    assert a._links[1].data.out  # the socket did not take them all: some are queued
+    assert a._links[1].data.backlog  # the socket did not take them all: a thread sends the rest
     for number in range(300):
         assert b.recv(0, number, (1,), torch.int64).item() == number
         assert a.recv(1, number, (1,), torch.int64).item() == -number
+
+
+def test_a_message_arrives_though_its_sender_does_nothing_more():
+    """What a full socket could not take still arrives while the sender's thread does nothing
+    (computes, or waits in a collective): the receiver gets the last message first."""
+    a, b = ShmLinks.pair(timeout=5, sndbuf=4096)
+    for number in range(300):
+        a.send(1, torch.tensor([number]))
+    assert b.recv(0, 299, (1,), torch.int64).item() == 299
+    assert b.recv(0, 0, (1,), torch.int64).item() == 0
 
 
 def test_a_closed_peer_ends_the_wait_at_once():
