@@ -285,6 +285,26 @@ def test_a_segment_without_parameters_trains(zero):
     assert_matches_reference(program, segments, mse, sgd, batches(2, 8))
 
 
+def test_a_first_segment_without_parameters_trains():
+    """A first stage with nothing to train (its output needs no gradient) is skipped in backward."""
+    program = schedcc.compile(_schedule("1f1b", 2, 2, num_batches=1))
+    segments = [torch.nn.Tanh(), make_segments(1)[0]]
+    assert_matches_reference(program, segments, mse, sgd, batches(2, 4))
+
+
+def test_inputs_that_require_grad_are_not_backpropagated_into():
+    """A batch that needs a gradient trains as any other and gets none: the pipeline's backward
+    stops at the batch, as each stage's does at its received input."""
+    program = schedcc.compile(_schedule("1f1b", 2, 4, num_batches=1))
+    data = batches(2, 8)
+    segments, expected = make_segments(2), make_segments(2)
+    list(Engine(program, segments, mse, sgd).train([(x.requires_grad_(True), y) for x, y in data]))
+    assert all(x.grad is None for x, _ in data)
+    train_reference(expected, mse, sgd, [(x.detach(), y) for x, y in data])
+    for a, b in zip(_weights(segments), _weights(expected)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def test_unequal_local_batches_are_refused():
     """Data-parallel local batches of different sizes raise before training."""
     program = schedcc.compile(_schedule("1f1b", 2, 2, num_batches=1), data_parallel=2)
