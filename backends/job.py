@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from schedcc.backends import models
 from schedcc.backends.distributed import Engine
+from schedcc.backends.launch import keep_freed_memory
 from schedcc.compiler import compile
 from schedcc.program import Program
 from schedcc.registry import get_schedule
@@ -42,6 +43,7 @@ def check_devices(num_local_ranks: int) -> None:
 def main(rank: int, world_size: int, config) -> int:
     """Train as `rank` of `world_size`; returns the exit code (0, or 1 for a failed check)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+    keep_freed_memory()  # see [Note: keeping freed memory]
     if torch.cuda.is_available():
         backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)

@@ -14,10 +14,13 @@ CPU column (each rank's own CPU time for the step, slowest rank) is robust to a 
 shows what each executor costs apart from waiting (but schedcc's receives check for their data for
 up to 2 ms before they sleep, and that checking counts as CPU).
 
-Each rank is bound to its own core, as `schedcc run` binds them (`--no-bind`: left free).
+Each rank is bound to its own core and keeps the memory it frees for reuse, as `schedcc run`'s
+ranks do (`--no-bind`: left free; `--default-malloc`: glibc's default trimming; see [Note: keeping
+freed memory] in `backends/launch.py`).
 
     python benchmarks/step_time.py [--rounds 30] [--steps-per-round 1] [--warmup 5]
         [--schedules gpipe 1f1b interleaved-1f1b] [--microbatches 4 8] [--no-bind]
+        [--default-malloc]
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch.distributed import pipelining as tpp
 
 import schedcc
 from schedcc.backends.distributed import Engine
-from schedcc.backends.launch import spawn
+from schedcc.backends.launch import keep_freed_memory, spawn
 from schedcc.costs import CostModel
 from schedcc.simulate import simulate
 
@@ -234,6 +237,8 @@ def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
 
 def _worker(rank: int, world_size: int, opts) -> int:
     torch.set_num_threads(1)
+    if not opts.default_malloc:
+        keep_freed_memory()  # every runner's: they share the process
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(60))
     rows = [
         _row(rank, name, cls, v, m, opts)
@@ -290,6 +295,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--no-bind", action="store_true", help="leave ranks unbound (default: a core each)"
+    )
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's allocator trimming freed memory (default: kept, as schedcc run does)",
     )
     opts = parser.parse_args()
     return spawn(_worker, NUM_STAGES, (opts,), grace=120, threads=1, bind_cores=not opts.no_bind)
