@@ -111,6 +111,12 @@ class _Channel:
         """Send `record` (with `fd`, passed to the peer) now, or after the backlog; never waits."""
         if self.error is not None:
             raise self.error
+        if self.thread is None:  # no backlog (only this thread starts one): no lock to take
+            try:
+                _send(self.sock, record, fd, socket.MSG_DONTWAIT)
+                return
+            except BlockingIOError:
+                pass
         with self.lock:
             if not self.backlog:
                 try:
@@ -261,7 +267,8 @@ class ShmLinks:
     # -- moving tensors -------------------------------------------------------------------------
 
     def send(self, peer: int, tensor: torch.Tensor) -> None:
-        """Copy `tensor` into a slot and tell `peer`; returns at once (never waits on the peer)."""
+        """Copy `tensor` (contiguous, outside any graph) into a slot and tell `peer`; returns at
+        once (never waits on the peer)."""
         link = self._links[peer]
         nbytes = tensor.nbytes
         slot = _fitting(link, nbytes)
@@ -276,13 +283,12 @@ class ShmLinks:
             slot = len(link.slots) - 1
             new = (_RECORD.pack(_NEW, slot, size), fd)
         else:
-            link.free.remove(slot)
             new = None
         key = (slot, tensor.shape, tensor.dtype)
         view = link.out_views.get(key)
         if view is None:
             view = link.out_views[key] = _typed(link.slots[slot], nbytes, tensor)
-        view.copy_(tensor.detach())
+        view.copy_(tensor)
         try:
             if new is not None:
                 link.data.send(*new)
@@ -416,8 +422,13 @@ def _typed(slot: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _fitting(link: _Link, nbytes: int) -> int | None:
-    """One of our free slots on `link` that holds `nbytes`, if any."""
-    return next((i for i in link.free if link.slots[i].numel() >= nbytes), None)
+    """Take one of our free slots on `link` that holds `nbytes`, if any: the last one freed,
+    unless it is too small (the sizes a stage sends are few, so that is rare)."""
+    free, slots = link.free, link.slots
+    for k in range(len(free) - 1, -1, -1):
+        if slots[free[k]].numel() >= nbytes:
+            return free.pop(k)
+    return None
 
 
 def _tune(sock: socket.socket, sndbuf: int | None) -> None:

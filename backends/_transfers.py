@@ -71,6 +71,8 @@ class Transfers:
         # see [Note: eager point-to-point]
         eager = dist.get_backend(group) == "gloo"
         self.eager = EagerPlan(steps) if eager else None
+        #: Per step, the receives to post over gloo first (the shared-memory ones need none).
+        self._to_post = self.eager.post_before if self.eager else []
         self._shared_memory = eager and shared_memory and device.type == "cpu"  # CPU tensors
         self._links: ShmLinks | None = None
         #: The peer stages this stage exchanges with through shared memory (after `connect`).
@@ -97,7 +99,8 @@ class Transfers:
                 f"rank {self.rank} (stage {self.stage}) could not link with its peers on this "
                 f"machine: {first_line(exc)}"
             ) from exc
-        self.shm_peers = self._links.peers
+        self.shm_peers = shm = self._links.peers
+        self._to_post = [[t for t in ts if t[1] not in shm] for ts in self.eager.post_before]
 
     def describe(self) -> str:
         """How this stage's tensors travel; see `Engine.point_to_point`."""
@@ -118,9 +121,7 @@ class Transfers:
             return
         clock = time.perf_counter
         shm = self.shm_peers
-        for op, peer, key, group in eager.post_before[index]:
-            if peer in shm:
-                continue  # nothing to post: the sender's slot is the buffer
+        for op, peer, key, group in self._to_post[index]:
             shape, dtype = self.shapes[key]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             try:
