@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import multiprocessing.connection
 import os
 import platform
 import signal
@@ -237,7 +238,8 @@ def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
                 )
         if not running:
             break
-        if deadline is not None and time.monotonic() > deadline:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             print(
                 f"schedcc: the other ranks did not stop within {grace:g}s after "
                 f"{describe(failed[0])} failed; ending them",  # type: ignore[index]
@@ -245,7 +247,10 @@ def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
                 flush=True,
             )
             break
-        time.sleep(0.05)
+        # sleep until a rank ends (or the grace runs out): no periodic wake-up on the ranks' cores
+        multiprocessing.connection.wait(
+            [process.sentinel for process in processes if process.exitcode is None], left
+        )
     if failed is None:
         return 0
     return failed[1] if failed[1] > 0 else 1

@@ -185,6 +185,21 @@ def test_a_killed_rank_ends_every_other_rank_within_the_timeout(capfd):
     assert "on rank 3 (stage 1)" in err or "data-parallel ranks [1, 3]" in err, err
 
 
+def _stuck_worker(rank: int, world_size: int) -> int:
+    if rank == 0:
+        return 1  # fails at once
+    time.sleep(600)  # never notices
+    return 0
+
+
+def test_a_rank_that_does_not_stop_is_ended_after_the_grace(capfd):
+    """spawn waits the grace for the others after a failure, then ends them: never a hang."""
+    start = time.monotonic()
+    assert spawn(_stuck_worker, 2, grace=1) == 1
+    assert time.monotonic() - start < 15
+    assert "the other ranks did not stop within 1s after rank 0 failed" in capfd.readouterr().err
+
+
 def _bound_worker(rank: int, world_size: int) -> int:
     expected = cores_for(rank, world_size)
     if expected is not None and os.sched_getaffinity(0) != expected:
