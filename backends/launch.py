@@ -217,11 +217,11 @@ def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
     reported: set[int] = set()
     deadline = None
     while True:
-        running = 0
+        running = []  # the sentinels of the ranks still running
         for rank, process in enumerate(processes):
             code = process.exitcode
             if code is None:
-                running += 1
+                running.append(process.sentinel)
                 continue
             if code == 0 or rank in reported:
                 continue
@@ -247,10 +247,9 @@ def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
                 flush=True,
             )
             break
-        # sleep until a rank ends (or the grace runs out): no periodic wake-up on the ranks' cores
-        multiprocessing.connection.wait(
-            [process.sentinel for process in processes if process.exitcode is None], left
-        )
+        # sleep until a rank ends (or the grace runs out): no periodic wake-up on the ranks' cores.
+        # The sentinels are those seen running above: one that has ended since is ready at once.
+        multiprocessing.connection.wait(running, left)
     if failed is None:
         return 0
     return failed[1] if failed[1] > 0 else 1

@@ -1,6 +1,6 @@
-"""Setting up a rank's process: the allocator keeps what it frees (see [Note: keeping freed
-memory] in `backends/launch.py`). Each check runs in a fresh interpreter, since the setting is
-process-wide."""
+"""Setting up and watching ranks' processes: the allocator keeps what it frees (see [Note: keeping
+freed memory] in `backends/launch.py`; each check in a fresh interpreter, since the setting is
+process-wide), and the watcher notices every rank's end."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import platform
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
-from schedcc.backends.launch import keep_freed_memory
+from schedcc.backends.launch import _watch, keep_freed_memory
 
 # Trains the step-time benchmark's model (4 x Linear(512) per stage, 2 stages, 2 chunks each)
 # with interleaved 1F1B on the local backend and prints the pages faulted in by steps 16-23.
@@ -23,7 +24,7 @@ _FAULTS = textwrap.dedent(
     from torch import nn
     import torch.nn.functional as F
     import schedcc
-    from schedcc.backends.launch import keep_freed_memory
+    from schedcc.backends.launch import _watch, keep_freed_memory
     from schedcc.backends.local import Engine
 
     if sys.argv[1] == "keep":
@@ -75,3 +76,30 @@ def test_thresholds_set_by_the_user_are_left_alone(monkeypatch):
     """MALLOC_TRIM_THRESHOLD_ in the environment: the user chose; nothing is changed."""
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert keep_freed_memory() is False
+
+
+class _EndsBetweenLooks:
+    """A rank seen running at the first look and ended from the next one on: the race between
+    a watcher's looks at its ranks that once left it waiting on no rank at all, forever."""
+
+    def __init__(self):
+        read, write = os.pipe()
+        os.close(write)  # an ended process's sentinel: ready to read
+        self.sentinel = read
+        self.looks = 0
+
+    @property
+    def exitcode(self):
+        self.looks += 1
+        return None if self.looks == 1 else 0
+
+
+def test_the_watcher_notices_a_rank_that_ends_while_it_looks():
+    """spawn's watcher returns 0 when the last rank ends between two of its looks."""
+    rank = _EndsBetweenLooks()
+    result = []
+    watcher = threading.Thread(target=lambda: result.append(_watch([rank], 1.0, str)), daemon=True)
+    watcher.start()
+    watcher.join(10)
+    os.close(rank.sentinel)
+    assert result == [0]
