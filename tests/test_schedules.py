@@ -310,6 +310,24 @@ class _ShortWarmup(Interleaved1F1B):
         return super().num_warmup(stage) - (stage == 0)
 
 
+class _GroupsOfFour(Interleaved1F1B):
+    """Interleaved 1F1B whose forwards go through the chunks four microbatches at a time."""
+
+    def groups(self) -> list[range]:
+        m = self.num_microbatches
+        return [range(i, min(i + 4, m)) for i in range(0, m, 4)]
+
+
+def test_two_stage_interleaved_in_groups_of_four_reaches_the_ideal():
+    """[Note: interleaved at two stages]: p = 2, v = 2, m = 8 in groups of four takes the ideal
+    51 units (Megatron-LM's groups of two: 57) and holds two more activations on each stage."""
+    costs = CostModel(forward=1, backward=2)
+    fours = simulate(schedcc.compile(_GroupsOfFour(2, 8, 2)), costs)
+    twos = simulate(schedcc.compile(Interleaved1F1B(2, 8, 2)), costs)
+    assert (fours.makespan, twos.makespan) == (51, 57)
+    assert [a - b for a, b in zip(fours.peak_activations, twos.peak_activations)] == [2, 2]
+
+
 @given(m=st.integers(4, 24), v=st.integers(2, 4), backward=st.sampled_from([1, 1.5, 2, 3]))
 def test_two_stage_interleaved_idles_one_warmup_forward_beyond_the_ideal(m, v, backward):
     """[Note: interleaved at two stages]: at p = 2, m > p, one warm-up forward fewer on stage 0
