@@ -111,19 +111,15 @@ class _Channel:
         """Send `record` (with `fd`, passed to the peer) now, or after the backlog; never waits."""
         if self.error is not None:
             raise self.error
-        if self.thread is None:  # no backlog (only this thread starts one): no lock to take
+        # No drain thread means no backlog (only this thread queues, and the drain thread ends
+        # only once the backlog is empty): send now, with no lock to take.
+        if self.thread is None:
             try:
                 _send(self.sock, record, fd, socket.MSG_DONTWAIT)
                 return
             except BlockingIOError:
                 pass
-        with self.lock:
-            if not self.backlog:
-                try:
-                    _send(self.sock, record, fd, socket.MSG_DONTWAIT)
-                    return
-                except BlockingIOError:
-                    pass
+        with self.lock:  # the socket is full or a backlog is draining: queue behind it
             self.backlog.append((record, fd))
             if self.thread is None:
                 self.thread = threading.Thread(target=self._drain, name="schedcc-shm", daemon=True)
