@@ -179,6 +179,14 @@ class Engine:
             timeout=self.timeout,
             shared_memory=shared_memory,
         )
+        #: The steps `_run` visits, by index. Under gloo a comm group does nothing where it
+        #: stands (its ops are posted and waited around the computes: [Note: eager
+        #: point-to-point]), so only the computes are visited; under NCCL, every step.
+        self._visit = [
+            index
+            for index, step in enumerate(self._steps)
+            if self._transfers.eager is None or type(step) is not CommGroup
+        ]
         self._learnt = False
         self._at: int | None = None
         self._clock0 = 0.0
@@ -248,9 +256,10 @@ class Engine:
         runtime.reset()
         for batch, (inputs, targets) in enumerate(split):
             runtime.load_batch(batch, inputs, targets)
-        times: list[tuple[float, float]] = []
-        clock = time.perf_counter
-        for index, step in enumerate(self._steps):
+        steps, clock, clock0 = self._steps, time.perf_counter, self._clock0
+        times = [(0.0, 0.0)] * len(steps)  # a comm group not visited: its waits', from `finish`
+        for index in self._visit:
+            step = steps[index]
             self._at = index
             transfers.before(index)
             start = clock()
@@ -260,7 +269,7 @@ class Engine:
                 self._update(step)
             else:
                 runtime.run(step)
-            times.append((start - self._clock0, clock() - self._clock0))
+            times[index] = (start - clock0, clock() - clock0)
             transfers.after(index)
         self._at = None
         transfers.finish(times, self._clock0)
