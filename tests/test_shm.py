@@ -39,10 +39,17 @@ def _tensor(shape, dtype, seed: int) -> torch.Tensor:
     return values.to(dtype)
 
 
-@given(messages, st.randoms(use_true_random=False), st.sampled_from([None, 4096]))
-def test_every_tensor_arrives_once_in_its_place(plan, random, sndbuf):
-    """Random sends both ways, each receive at a random later moment: every tensor bit-exact."""
-    links = ShmLinks.pair(timeout=1, sndbuf=sndbuf)  # a lost message fails fast, shrinks fast
+@given(
+    messages,
+    st.randoms(use_true_random=False),
+    st.sampled_from([None, 4096]),
+    st.sampled_from([None, 0, 64]),
+)
+def test_every_tensor_arrives_once_in_its_place(plan, random, sndbuf, inline):
+    """Random sends both ways, each receive at a random later moment: every tensor bit-exact,
+    whether it went inline, through a slot, or (`inline=64`) either way in one stream."""
+    # a lost message fails fast, shrinks fast
+    links = ShmLinks.pair(timeout=1, sndbuf=sndbuf, inline=inline)
     sent: list[list[torch.Tensor]] = [[], []]  # by sender: what it sent, in order
     pending: list[tuple[int, int]] = []  # (sender, number) not yet received
     for seed, (sender, shape, code) in enumerate(plan):
@@ -70,7 +77,7 @@ def _check(links, sent, sender: int, number: int) -> None:
 def test_slots_are_reused_once_acknowledged():
     """A steady stream needs as many slots as messages in flight plus an ACK batch, whatever its
     length; a larger message gets a slot of its own."""
-    a, b = ShmLinks.pair(timeout=5)
+    a, b = ShmLinks.pair(timeout=5, inline=0)
     for number in range(50):
         a.send(1, torch.full((64, 64), float(number)))
         assert b.recv(0, number, (64, 64), torch.float32)[0, 0].item() == number
@@ -82,7 +89,7 @@ def test_slots_are_reused_once_acknowledged():
 
 def test_a_receiver_about_to_wait_acknowledges_what_it_holds():
     """Acknowledgements wait for a batch, except when the receiver waits: then all go back."""
-    a, b = ShmLinks.pair(timeout=0.05)
+    a, b = ShmLinks.pair(timeout=0.05, inline=0)
     a.send(1, torch.ones(3))
     b.recv(0, 0, (3,), torch.float32)
     assert b._links[0].unacked == [0]  # one slot: not yet a batch
@@ -133,11 +140,41 @@ def test_a_wait_past_the_timeout_raises(monkeypatch):
     assert 0.2 <= time.monotonic() - start < 5
 
 
-def test_a_shape_that_disagrees_with_the_sender_raises():
-    a, b = ShmLinks.pair(timeout=5)
+@pytest.mark.parametrize("inline", [None, 0])
+def test_a_shape_that_disagrees_with_the_sender_raises(inline):
+    a, b = ShmLinks.pair(timeout=5, inline=inline)
     a.send(1, torch.zeros(3))
     with pytest.raises(ValueError, match="expected 16 bytes from stage 0 but got 12"):
         b.recv(0, 0, (4,), torch.float32)
+
+
+@pytest.mark.parametrize("inline", [None, 0])
+def test_a_shape_that_disagrees_raises_when_read_ahead_too(inline):
+    """The first message is read while the second's receive waits, before its shape is known."""
+    a, b = ShmLinks.pair(timeout=5, inline=inline)
+    a.send(1, torch.zeros(3))
+    a.send(1, torch.ones(2))
+    assert torch.equal(b.recv(0, 1, (2,), torch.float32), torch.ones(2))
+    with pytest.raises(ValueError, match="expected 16 bytes from stage 0 but got 12"):
+        b.recv(0, 0, (4,), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_tensors_go_inline_and_large_ones_through_slots(dtype):
+    """A tensor up to the pair's limit needs no slot and no acknowledgement; a larger one does."""
+    a, b = ShmLinks.pair(timeout=5)
+    link = a._links[1]
+    small = torch.arange(link.inline // dtype.itemsize).to(dtype)
+    for number in range(20):
+        a.send(1, small + number)
+        assert torch.equal(b.recv(0, number, small.shape, dtype), small + number)
+    assert link.slots == []
+    assert b._links[0].unacked == []
+    large = torch.arange(link.inline // dtype.itemsize + 1).to(dtype)
+    a.send(1, large)
+    assert torch.equal(b.recv(0, 20, large.shape, dtype), large)
+    assert len(link.slots) == 1
+    assert b._links[0].unacked == [0]
 
 
 def test_host_key_names_this_kernel_and_network_namespace():
