@@ -165,9 +165,12 @@ def test_small_tensors_go_inline_and_large_ones_through_slots(dtype):
     a, b = ShmLinks.pair(timeout=5)
     link = a._links[1]
     small = torch.arange(link.inline // dtype.itemsize).to(dtype)
+    got = []
     for number in range(20):
         a.send(1, small + number)
-        assert torch.equal(b.recv(0, number, small.shape, dtype), small + number)
+        got.append(b.recv(0, number, small.shape, dtype))
+    for number, tensor in enumerate(got):  # each its own tensor, none overwritten since
+        assert torch.equal(tensor, small + number)
     assert link.slots == []
     assert b._links[0].unacked == []
     large = torch.arange(link.inline // dtype.itemsize + 1).to(dtype)
