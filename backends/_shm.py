@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import functools
 import math
 import mmap
@@ -310,7 +311,7 @@ class ShmLinks:
         nbytes = tensor.nbytes
         if nbytes <= link.inline:  # see [Note: small tensors inline]
             try:
-                link.data.send(_RECORD.pack(_INLINE, 0, nbytes), None, _memory(tensor))
+                link.data.send(_inline_header(nbytes), None, _memory(tensor))
             except OSError as exc:
                 raise _lost(link, exc) from exc
             return
@@ -505,11 +506,22 @@ def _send(sock: socket.socket, record: bytes, fd: int | None, flags: int, payloa
 
 
 def _memory(tensor: torch.Tensor):
-    """A buffer over a contiguous CPU tensor's bytes (no copy), for the socket to read or fill."""
-    try:
-        return tensor.numpy()
-    except TypeError:  # a dtype numpy lacks (bfloat16, ...): the same bytes, as uint8
-        return tensor.reshape(-1).view(torch.uint8).numpy()
+    """A buffer over a contiguous CPU tensor's bytes (no copy), for the socket to read or fill.
+
+    It does not keep the tensor alive: the caller holds the tensor while the buffer is in use.
+    (A ctypes array rather than `tensor.numpy()`: any dtype, and 3 us less right after a compute.)
+    """
+    return _bytes_type(tensor.nbytes).from_address(tensor.data_ptr())
+
+
+@functools.cache
+def _bytes_type(nbytes: int) -> type:
+    return ctypes.c_char * nbytes
+
+
+@functools.cache
+def _inline_header(nbytes: int) -> bytes:
+    return _RECORD.pack(_INLINE, 0, nbytes)
 
 
 @functools.cache
