@@ -28,8 +28,9 @@ validates (checked for p <= 8, m <= 32, v <= 4 by the tests):
 - `v == 1`: exactly the 1F1B order (nothing to interleave).
 
 Properties (F = 1, B = 2 per chunk, no comm cost, `m` a multiple of `p`): bubble fraction about
-`(p - 1) / (v * m + p - 1)`, the 1F1B bubble shrunk by about `v` (p = 4, m = 8, v = 2 takes 58
-time units against the formula's 57), except at p = 2 (see [Note: interleaved at two stages]);
+`(p - 1) / (v * m + p - 1)`, the 1F1B bubble shrunk by about `v` (p = 4, m = 8, v = 2 takes
+exactly the formula's 57 time units), except at p = 2 under rendezvous exchanges (see [Note:
+interleaved at two stages]);
 stage s holds at most its warm-up + 1 chunk activations (microbatch x chunk), capped at `m * v`:
 `(p - s - 1) * 2 + (v - 1) * p + 1` for `m > p` (all `m * v` at `m == p`), against v times
 fewer, larger ones in 1F1B; one weight version.
@@ -41,20 +42,21 @@ p = 4, m = 8, v = 2, compute order per stage (`F3.1` is microbatch 3 on chunk 1)
     stage 2: F0 F1 F2 F3 F0.1 F1.1 F2.1 B0.1 F3.1 B1.1 F4 B2.1 F5 B3.1 F6 B0 F7 B1 F4.1 B2 ...
     stage 3: F0 F1 F2 F3 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3.1 B3.1 F4 B0 F5 B1 F6 B2 F7 B3 ...
 
-[Note: interleaved at two stages] At p = 2 Megatron-LM's warm-up (torch's too) idles beyond the
-ideal makespan `(F + B) * (v * m + p - 1)` once m is a multiple of p: v = 2, m = 8 take 57 time
-units against 51 (F = 1, B = 2, no comm cost), and the gap grows with m and v (m = 16, v = 4: 237
-against 195). Stage 0 runs one forward too many before its first backward; with one fewer, the
-order reaches the ideal exactly and holds one chunk activation fewer on stage 0 (tested for
-4 <= m <= 24, 2 <= v <= 4, B/F from 1 to 3). This schedule keeps Megatron-LM's order all the
-same: measured on 2 CPU ranks (the step-time benchmark's model, the two orders taking turns in the
-same processes) the shorter warm-up was no faster (0.3% faster to 4% slower, m = 4 and 8). It
-leaves no slack, so every hop's latency (tens of microseconds here) lands on the critical path,
-and the simulator, which charges communication as time a stage is busy rather than as a delay in
-flight, does not see that. Groups of four microbatches rather than two also reach the ideal
-(v = 2, m = 8: 51 units) and keep slack, at two more chunk activations per stage; measured the
-same way (with kept memory, see `backends/launch.py`) they were 2% faster in two runs, the shorter
-warm-up -0.6% to +0.8%. The built-in keeps Megatron-LM's and torch's groups of p.
+[Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the step model
+the validator proves and `simulate` times by default, and Megatron-LM's own blocking
+`send_forward_recv_backward`), Megatron-LM's order (torch's too) idles beyond the ideal makespan
+`(F + B) * (v * m + p - 1)` once m is a multiple of p: v = 2, m = 8 take 57 time units against 51
+(F = 1, B = 2, no comm cost), and the gap grows with m and v (m = 16, v = 4: 237 against 195).
+The idling is the rendezvous's, not the order's: with sends that never wait (`simulate(...,
+eager=True)`, which is how the distributed engine runs over gloo, and how torch posts its sends),
+the same order takes exactly the ideal (tested for m even up to 24, 2 <= v <= 4, B/F from 1 to
+3). Under rendezvous, one warm-up forward fewer on stage 0 also reaches the ideal and holds one
+chunk activation fewer there; eagerly it gains nothing, and measured on 2 CPU ranks (the
+step-time benchmark's model, the two orders taking turns in the same processes) it was no faster
+(0.3% faster to 4% slower, m = 4 and 8; -0.6% to +0.8% with kept memory). Groups of four
+microbatches rather than two reach the ideal either way (v = 2, m = 8: 51 units) and keep slack
+against each hop's latency, at two more chunk activations per stage: 2% faster in two runs
+measured the same way. The built-in keeps Megatron-LM's and torch's groups of p.
 """
 
 from __future__ import annotations

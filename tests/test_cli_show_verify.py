@@ -47,6 +47,16 @@ def test_show_prints_the_drawing_and_the_summary():
     assert lines[-1].startswith("makespan 33, bubble 27.3%, peak activations per stage [4 3 2 1]")
 
 
+def test_show_eager_times_sends_that_never_wait():
+    """Interleaved 1F1B at p = 2: 57 units with rendezvous exchanges, the ideal 51 eagerly."""
+    shape = ("--schedule", "interleaved-1f1b", "-p", "2", "-m", "8", "-v", "2")
+    rendezvous = schedcc_cli("show", *shape)
+    eager = schedcc_cli("show", *shape, "--eager")
+    assert rendezvous.returncode == eager.returncode == 0, rendezvous.stderr + eager.stderr
+    assert rendezvous.stdout.splitlines()[-1].startswith("makespan 57,")
+    assert eager.stdout.splitlines()[-1].startswith("makespan 51, bubble 5.9%")
+
+
 def test_show_writes_svg_and_chrome_files(tmp_path):
     """--format svg and --format chrome write the files they are asked for."""
     svg = schedcc_cli(

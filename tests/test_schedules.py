@@ -322,24 +322,31 @@ def test_two_stage_interleaved_in_groups_of_four_reaches_the_ideal():
     """[Note: interleaved at two stages]: p = 2, v = 2, m = 8 in groups of four takes the ideal
     51 units (Megatron-LM's groups of two: 57) and holds two more activations on each stage."""
     costs = CostModel(forward=1, backward=2)
-    fours = simulate(schedcc.compile(_GroupsOfFour(2, 8, 2)), costs)
-    twos = simulate(schedcc.compile(Interleaved1F1B(2, 8, 2)), costs)
-    assert (fours.makespan, twos.makespan) == (51, 57)
-    assert [a - b for a, b in zip(fours.peak_activations, twos.peak_activations)] == [2, 2]
+    fours = schedcc.compile(_GroupsOfFour(2, 8, 2))
+    twos = schedcc.compile(Interleaved1F1B(2, 8, 2))
+    assert (simulate(fours, costs).makespan, simulate(twos, costs).makespan) == (51, 57)
+    eager = simulate(fours, costs, eager=True), simulate(twos, costs, eager=True)
+    assert (eager[0].makespan, eager[1].makespan) == (51, 51)  # sends that never wait
+    peaks = simulate(fours, costs).peak_activations, simulate(twos, costs).peak_activations
+    assert [a - b for a, b in zip(*peaks)] == [2, 2]
 
 
 @given(m=st.integers(4, 24), v=st.integers(2, 4), backward=st.sampled_from([1, 1.5, 2, 3]))
-def test_two_stage_interleaved_idles_one_warmup_forward_beyond_the_ideal(m, v, backward):
-    """[Note: interleaved at two stages]: at p = 2, m > p, one warm-up forward fewer on stage 0
-    reaches the ideal makespan (F + B) * (v * m + 1) and holds one activation fewer there;
-    Megatron-LM's warm-up idles beyond it wherever Megatron-LM accepts the shape (m % p == 0)."""
+def test_two_stage_interleaved_idles_beyond_the_ideal_only_under_rendezvous(m, v, backward):
+    """[Note: interleaved at two stages]: at p = 2, m > p, under rendezvous exchanges one warm-up
+    forward fewer on stage 0 reaches the ideal makespan (F + B) * (v * m + 1) and holds one
+    activation fewer there, while Megatron-LM's warm-up idles beyond it wherever Megatron-LM
+    accepts the shape (m % p == 0); with sends that never wait, Megatron-LM's order takes the
+    ideal too."""
     costs = CostModel(forward=1, backward=backward)
     ideal = (1 + backward) * (v * m + 1)
-    megatron = simulate(schedcc.compile(Interleaved1F1B(2, m, v)), costs)
+    program = schedcc.compile(Interleaved1F1B(2, m, v))
+    megatron = simulate(program, costs)
     short = simulate(schedcc.compile(_ShortWarmup(2, m, v)), costs)
     assert short.makespan == pytest.approx(ideal)
     assert megatron.makespan >= short.makespan
     if m % 2 == 0:
         assert megatron.makespan > ideal
+        assert simulate(program, costs, eager=True).makespan == pytest.approx(ideal)
     assert short.peak_activations[0] == megatron.peak_activations[0] - 1
     assert short.peak_activations[1] == megatron.peak_activations[1]

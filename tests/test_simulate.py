@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 import schedcc
 from schedcc import CostModel, ScheduleConfigError, ScheduleError, simulate
+from schedcc.analysis import Layout, comm_route
 from schedcc.ir import RecvActivation
+from schedcc.testing import schedules
 
 shapes = st.tuples(st.integers(1, 8), st.integers(1, 32))
 
@@ -201,3 +203,85 @@ def test_simulate_rejects_what_is_not_a_program():
     """Passing a schedule instead of its compiled program is a config error that says so."""
     with pytest.raises(ScheduleConfigError, match="compiled Program"):
         simulate(schedcc.get_schedule("1f1b")(2, 2))
+
+
+# -- eager: sends that never wait ([Note: eager simulation]) ------------------------------------
+
+BUILT_INS = sorted({schedcc.get_schedule(name) for name in schedcc.available_schedules()}, key=str)
+costs_ = st.builds(
+    CostModel,
+    forward=st.sampled_from([0.5, 1.0, 2.0]),
+    backward=st.sampled_from([1.0, 2.0, 3.0]),
+    backward_input=st.sampled_from([0.5, 1.0, 1.5]),
+    backward_weight=st.sampled_from([0.5, 1.0, 1.5]),
+    comm=st.sampled_from([0.0, 0.25, 1.0]),
+    step=st.sampled_from([0.0, 1.0]),
+)
+
+
+@pytest.mark.parametrize("cls", BUILT_INS, ids=lambda cls: cls.name)
+@given(data=st.data(), costs=costs_)
+def test_eager_timing_is_the_earliest_the_data_allows(cls, data, costs):
+    """Every compute starts exactly when its stage is free and its inputs from other stages have
+    arrived (the sender's compute end plus the receive's comm cost); no compute starts later
+    than in the rendezvous model, so the makespan is at most its."""
+    schedule = data.draw(schedules(cls, max_stages=5, max_microbatches=10))
+    program = schedcc.compile(schedule)
+    eager = simulate(program, costs, eager=True)
+    rendezvous = simulate(program, costs)
+    assert [(e.stage, e.instruction) for e in eager.events] == [
+        (s, op) for s, ops in enumerate(program.stages) for op in ops
+    ]
+    ends = {}  # (kind, microbatch, segment) -> when the compute producing it ended
+    layout = Layout.of(schedule)
+    for e in eager.events:
+        if e.instruction.group == "compute" and e.instruction.code != "W":
+            k = layout.segment[e.stage][e.instruction.chunk]
+            ends["A" if e.instruction.code == "F" else "G", e.instruction.microbatch, k] = e.end
+    arrivals = {}  # (stage, consumer) -> when its message arrived
+    for e in eager.events:
+        op = e.instruction
+        if op.code in ("RA", "RG"):
+            route = comm_route(layout, e.stage, op)
+            assert e.start == ends[route[2]]  # the flight starts at the producer's end
+            assert e.end == pytest.approx(e.start + costs.cost(e.stage, op))
+            consumer = ("F",) if op.code == "RA" else ("B", "I")
+            arrivals[e.stage, consumer, op.microbatch, op.chunk] = e.end
+    for s in range(program.num_stages):
+        free = 0.0
+        for e in (e for e in eager.events if e.stage == s and e.instruction.group != "comm"):
+            op = e.instruction
+            waits = [
+                t
+                for (stage, codes, i, c), t in arrivals.items()
+                if stage == s and op.code in codes and (i, c) == (op.microbatch, op.chunk)
+            ]
+            assert e.start == pytest.approx(max([free, *waits]))
+            assert e.end == pytest.approx(e.start + costs.cost(s, op))
+            free = e.end
+    assert eager.makespan <= rendezvous.makespan + 1e-9
+    assert eager.busy == pytest.approx(rendezvous.busy)
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1)])
+def test_eager_flush_schedules_keep_the_textbook_makespan(name, p, m, v):
+    """Where the rendezvous model already reaches the textbook, eager sends change nothing."""
+    program = schedcc.compile(schedcc.get_schedule(name)(p, m, v))
+    assert simulate(program, eager=True).makespan == simulate(program).makespan == 3 * (m + p - 1)
+
+
+def test_eager_comm_is_in_flight_not_on_the_stage():
+    """A comm cost delays the consumer (the message is in flight) but takes no stage time."""
+    program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
+    timeline = simulate(program, CostModel(comm=0.5), eager=True)
+    assert timeline.makespan == 1 + 0.5 + 1 + 2 + 0.5 + 2  # F0, flight, F1, B1, flight, B0
+    assert timeline.busy == (3.0, 3.0)
+    assert timeline.critical_path == ()
+
+
+def test_simulating_an_invalid_program_eagerly_raises_the_validators_error():
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
+    stage1 = tuple(op for op in program.stages[1] if op != RecvActivation(1))
+    broken = program.evolve(stages=(program.stages[0], stage1))
+    with pytest.raises(ScheduleError):
+        simulate(broken, eager=True)

@@ -141,6 +141,12 @@ def register(subparsers) -> None:
         help="instruction costs, e.g. F=1,B=2,I=1,W=1,comm=0.1,reduce=0.5",
     )
     parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="time it with sends that never wait, as the distributed engine runs over gloo "
+        "(default: every exchange a rendezvous, as the validator proves and NCCL needs)",
+    )
+    parser.add_argument(
         "--format",
         choices=("ascii", "png", "svg", "chrome"),
         default=None,
@@ -172,7 +178,7 @@ def build(args):
 def run(args) -> int:
     schedule = build(args)
     program = compile(schedule, data_parallel=args.dp, zero=args.zero)
-    timeline = simulate(program, args.costs)
+    timeline = simulate(program, args.costs, eager=args.eager)
     fmt = args.format or (_FORMAT_OF.get(args.output.suffix.lower()) if args.output else "ascii")
     if fmt is None:
         raise ScheduleConfigError(
