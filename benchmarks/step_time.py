@@ -221,7 +221,8 @@ def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
     # the schedule's own stretch over the busiest stage's work, from the floor's measured costs
     # with free communication: floor / (1 - bubble) where the bubble is the schedule's, not the
     # formula's (they differ where the order idles more than the formula assumes)
-    makespan = simulate(ours.engine.program, _cost_model(stage_costs)).makespan
+    # (eager: sends that never wait, as the engine runs over gloo; see [Note: eager simulation])
+    makespan = simulate(ours.engine.program, _cost_model(stage_costs), eager=True).makespan
     work = max(m * sum(f + b for f, b in chunks) + step for chunks, step in stage_costs)
     simulated = medians["floor"] * makespan / work
     return {
