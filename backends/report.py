@@ -3,7 +3,9 @@
 The summary reads the measured instruction times every rank gathered to rank 0: the median step
 time (the slowest rank's, barrier-aligned clocks), tokens per second, the measured bubble
 (`Timeline.bubble_fraction` of the measured events) against the simulated one (`schedcc.simulate`
-with `CostModel.from_trace` of the same run), and each stage's peak activation memory.
+with `CostModel.from_trace` of the same run, timed as the engine ran it: eagerly over gloo, where
+sends never wait, with rendezvous exchanges under NCCL; see [Note: eager simulation]), and each
+stage's peak activation memory.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def summarize(program: Program, config, built, losses: list[float], gathered) ->
         * built.tokens_per_sample
     )
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
-    simulated = _simulated_bubble(program, [e for r in steady for e in runs[r]])
+    simulated = _simulated_bubble(
+        program, [e for r in steady for e in runs[r]], eager=_ran_eagerly(gathered)
+    )
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
         events = runs[-1]
@@ -137,7 +141,7 @@ def summarize(program: Program, config, built, losses: list[float], gathered) ->
     Console().print(table)
 
 
-def _simulated_bubble(program: Program, events: list[Event]) -> float:
+def _simulated_bubble(program: Program, events: list[Event], *, eager: bool) -> float:
     samples = [
         {"name": str(e.instruction), "ph": "X", "tid": e.stage, "dur": (e.end - e.start) * 1e6}
         for e in events
@@ -145,7 +149,12 @@ def _simulated_bubble(program: Program, events: list[Event]) -> float:
     ]
     if not samples:
         return math.nan
-    return simulate(program, CostModel.from_trace(samples)).bubble_fraction
+    return simulate(program, CostModel.from_trace(samples), eager=eager).bubble_fraction
+
+
+def _ran_eagerly(gathered) -> bool:
+    """Whether every rank's sends never waited (gloo, shared memory; not NCCL's batches)."""
+    return all(g["p2p"] != "nccl" for g in gathered)
 
 
 def _transports(gathered) -> str:
