@@ -180,6 +180,8 @@ class StageRuntime:
             GatherParams: self._gather_params,
         }
         self.peak_activation_bytes = 0
+        #: bytes a forward saves, by signature: kept across runs (see the note above)
+        self._saved_bytes: dict[tuple, int] = {}
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------
@@ -198,7 +200,6 @@ class StageRuntime:
         self._versions = WeightVersions(
             self.program, self.stage, self.modules, RuntimeInstructionError
         )
-        self._saved_bytes: dict[tuple, int] = {}
 
     @property
     def losses(self) -> dict[int, float]:

@@ -145,3 +145,25 @@ def test_the_loss_is_recorded_on_the_last_stage(program):
     (loss,) = engine.train(batches(1, 4))
     assert engine.runtimes[0][1].losses == {0: pytest.approx(loss)}
     assert engine.runtimes[0][0].losses == {}
+
+
+def test_activation_bytes_are_measured_once_not_once_per_run(monkeypatch):
+    """[Note: activation bytes are measured once]: the saved-tensor hooks run on the first
+    forward of each signature, and a later run of the program reuses its count."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    engine = Engine(program, make_segments(2), mse, sgd)
+    hooked = []
+    real = torch.autograd.graph.saved_tensors_hooks
+
+    def counting(pack, unpack):
+        hooked.append(1)
+        return real(pack, unpack)
+
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", counting)
+    list(engine.train(batches(1, 4)))
+    first = len(hooked)
+    peaks = list(engine.peak_activation_bytes)
+    list(engine.train(batches(2, 4)))
+    assert first == 2  # one signature per stage
+    assert len(hooked) == first
+    assert list(engine.peak_activation_bytes) == peaks
