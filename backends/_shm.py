@@ -88,8 +88,9 @@ _HELLO, _DATA, _NEW, _ACK, _INLINE = 0, 1, 2, 3, 4  # NEW: a slot, its fd with i
 #: The largest tensor (bytes) sent inside its record rather than through a slot; see [Note: small
 #: tensors inline]. A pair whose sockets take smaller records agrees on less.
 INLINE = 64 * 1024
-#: Empty tensors a link allocates at once for the inline ones it receives, by shape: right after a
-#: compute one `torch.empty` took 13-15 us here (caches cold), the next ones a fraction of that.
+#: Empty tensors a link keeps for the inline ones it receives, by shape, allocated a few at once
+#: and topped up whenever the rank is about to wait: right after a compute one `torch.empty` took
+#: 13-15 us here (caches cold), the next ones a fraction of that.
 SPARES = 8
 #: Seconds a receive checks for its data (yielding the core to any other runnable thread between
 #: checks) before it sleeps; see [Note: waiting without sleeping].
@@ -426,8 +427,7 @@ class ShmLinks:
                     spares = link.spares[want] = []
                 if spares is not None:
                     if not spares:  # a few at once: one allocation alone, cold, costs more
-                        empties = [torch.empty(want[0], dtype=want[1]) for _ in range(SPARES)]
-                        spares += [(empty, [link.head, _memory(empty)]) for empty in empties]
+                        _top_up(link, want, spares)
                     tensor, buffers = spares[-1]
             else:  # a record ahead of its receive: its header says how large a tensor it holds
                 head = sock.recv(_RECORD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -480,6 +480,9 @@ class ShmLinks:
             if other.unacked:
                 self._acknowledge(other)
             self._take_acks(other)
+            for want, spares in other.spares.items():  # and allocate what later receives need
+                if len(spares) < SPARES:
+                    _top_up(other, want, spares)
         poller = select.poll()
         poller.register(link.data.sock, select.POLLIN)
         spin_until = min(deadline, time.monotonic() + SPIN)
@@ -503,6 +506,12 @@ def _send(sock: socket.socket, record: bytes, fd: int | None, flags: int, payloa
         return
     sock.sendmsg([record], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], flags)
     os.close(fd)  # the peer holds its own copy now; our mapping stays
+
+
+def _top_up(link: _Link, want: tuple, spares: list) -> None:
+    """Fill `spares` (of `link`, for tensors shaped `want`) back up to `SPARES`."""
+    empties = [torch.empty(want[0], dtype=want[1]) for _ in range(SPARES - len(spares))]
+    spares[:0] = [(empty, [link.head, _memory(empty)]) for empty in empties]
 
 
 def _memory(tensor: torch.Tensor):

@@ -186,3 +186,20 @@ def test_host_key_names_this_kernel_and_network_namespace():
     boot, netns = key.split("/")
     assert len(boot) == 36
     assert int(netns) > 0
+
+
+def test_a_receiver_about_to_wait_tops_up_its_empty_tensors(monkeypatch):
+    """Inline receives take empty tensors allocated `SPARES` at a time; a rank about to wait
+    allocates the ones used since, so the next receives find theirs ready."""
+    monkeypatch.setattr(_shm, "SPIN", 0.001)
+    a, b = ShmLinks.pair(timeout=0.05)
+    for number in range(3):
+        a.send(1, torch.full((4,), float(number)))
+        assert b.recv(0, number, (4,), torch.float32)[0].item() == number
+    spares = b._links[0].spares[(4,), torch.float32]
+    assert len(spares) == _shm.SPARES - 3
+    with pytest.raises(TimeoutError):
+        b.recv(0, 3, (4,), torch.float32)  # nothing sent: it waits, topping up first
+    assert len(spares) == _shm.SPARES
+    a.send(1, torch.full((4,), 3.0))
+    assert torch.equal(b.recv(0, 3, (4,), torch.float32), torch.full((4,), 3.0))
