@@ -264,8 +264,9 @@ class ShmLinks:
             listener.bind(name)
             listener.listen(2 * dist.get_world_size(group))
             listener.settimeout(timeout)
+        inline = _inline_limit(sndbuf) if key is not None else 0  # no probe where none link
         info: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(info, (key, name, _inline_limit(sndbuf)), group=group)
+        dist.all_gather_object(info, (key, name, inline), group=group)
         same = sorted(s for s in set(peers) if s != me and key and info[s][0] == key)
         sockets: dict[tuple[int, int], socket.socket] = {}  # (peer, 0 data | 1 acks) -> socket
         try:
@@ -285,7 +286,6 @@ class ShmLinks:
                 listener.close()
         for sock in sockets.values():
             _tune(sock, sndbuf)
-        inline = _inline_limit(sndbuf)
         links = {s: _Link(s, sockets[s, 0], sockets[s, 1], min(inline, info[s][2])) for s in same}
         return cls(links, timeout, me)
 

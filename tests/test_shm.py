@@ -203,3 +203,21 @@ def test_a_receiver_about_to_wait_tops_up_its_empty_tensors(monkeypatch):
     assert len(spares) == _shm.SPARES
     a.send(1, torch.full((4,), 3.0))
     assert torch.equal(b.recv(0, 3, (4,), torch.float32), torch.full((4,), 3.0))
+
+
+def test_where_no_link_can_be_made_connect_makes_no_socket(monkeypatch):
+    """Without memfd or SEQPACKET sockets (`host_key()` None: not Linux) the pair stays on gloo
+    and `connect` opens no socket at all, not even to size its records."""
+    import torch.distributed as dist
+
+    def no_sockets(*args, **kwargs):
+        raise AssertionError("connect opened a socket")
+
+    monkeypatch.setattr(_shm, "host_key", lambda: None)
+    monkeypatch.setattr(_shm.socket, "socket", no_sockets)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        links = ShmLinks.connect(dist.group.WORLD, [], timeout=5)
+    finally:
+        dist.destroy_process_group()
+    assert links.peers == frozenset()
