@@ -178,7 +178,7 @@ class Timeline:
         """A chain of events, in time order, from time 0 to the makespan with no slack.
 
         Each event's start is set by the one before it: the previous step on its stage, or the
-        partner group its comm group waited for. Empty for a measured timeline.
+        partner group its comm group waited for. Empty for a measured or an eager timeline.
         """
         if self._run is None:
             return ()
