@@ -247,7 +247,10 @@ class Engine:
     def _run(self, group: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         runtime = self.runtime
         m = self.program.schedule.num_microbatches
-        split = [(_split(x, m, self.device), _split(y, m, self.device)) for x, y in group]
+        layout, device = self._layout, self.device
+        # every rank checks the batch (all raise alike); only the stages that read it split it
+        first, last = (layout.stage_of[k] == self.stage for k in (0, layout.last))
+        split = [(_split(x, m, device, first), _split(y, m, device, last)) for x, y in group]
         transfers = self._transfers
         if not self._learnt:
             self._learn_shapes(split[0][0])
@@ -381,7 +384,8 @@ class Engine:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _split(tensor: torch.Tensor | None, m: int, device: torch.device):
+def _split(tensor: torch.Tensor | None, m: int, device: torch.device, needed: bool):
+    """`tensor`'s `m` microbatches on `device`, or None where this stage does not read it."""
     if tensor is None:
         return None
     if tensor.shape[0] % m:
@@ -389,4 +393,4 @@ def _split(tensor: torch.Tensor | None, m: int, device: torch.device):
             f"a batch of {tensor.shape[0]} does not split into {m} equal microbatches; the "
             "distributed backend needs batch size divisible by num_microbatches"
         )
-    return [part.to(device) for part in tensor.chunk(m)]
+    return list(tensor.to(device).chunk(m)) if needed else None

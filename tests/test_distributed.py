@@ -217,3 +217,21 @@ def test_bound_ranks_each_get_their_own_cores():
         assert slices[0].isdisjoint(slices[1])
         assert len(slices[0]) == len(slices[1])
     assert cores_for(0, len(os.sched_getaffinity(0)) + 1) is None  # more ranks than cores
+
+
+def _uneven_batch_worker(rank: int, world_size: int) -> int:
+    """Every rank, whether or not its stage reads the inputs or the targets, refuses a batch that
+    does not split into m microbatches, before any exchange (so none waits on another)."""
+    _init(rank, world_size)
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    engine = Engine(program, models.mlp_segments(2, width=8), F.mse_loss, _optimizer, timeout=5)
+    x, y = models.TeacherData(width=8).batch(6, 0)
+    with pytest.raises(ValueError, match="a batch of 6 does not split into 4 equal microbatches"):
+        engine.train_step(x, y)
+    x, y = models.TeacherData(width=8).batch(8, 0)
+    assert engine.train_step(x, y) > 0  # the engine is still usable
+    return 0
+
+
+def test_an_uneven_batch_is_refused_on_every_rank():
+    assert spawn(_uneven_batch_worker, 2, grace=10, threads=1) == 0
