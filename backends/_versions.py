@@ -50,7 +50,8 @@ class WeightVersions:
         self._error = error
         self.version = 0
         self._stash: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in modules]
-        self._uses_left = self._count_uses(program)
+        # only stashed versions are counted (a program with no weight delay stashes none)
+        self._uses_left = self._count_uses(program) if self._delay else []
         # the live parameters by chunk, looked up once per run instead of once per forward
         self._live = [dict(mod.named_parameters()) for mod in modules]
         if self._delay:
