@@ -32,7 +32,7 @@ model (v = 2, m = 8, F = 1, B = 2), and exactly 51 eagerly.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from functools import cached_property
 from os import PathLike
 from pathlib import Path
@@ -276,7 +276,6 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
         raise ScheduleConfigError(f"costs must be a CostModel, got {costs!r}")
     stages = program.stages
     with paused_gc():
-        steps = Steps.of(stages)
         layout = Layout.of(program.schedule)
         partner, problems = match_comm(program, layout)
         tables = _tables(costs, len(stages))
@@ -285,6 +284,7 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
             if events is None:
                 _raise_invalid(program)
             return Timeline(program, events=events, costs=costs)
+        steps = Steps.of(stages)
         durations = _durations(costs, tables, stages, steps)
         result = walk(steps, partner, lambda s, j: durations[s][j])
     if result.stuck or problems:
@@ -319,60 +319,70 @@ def _durations(costs: CostModel, tables, stages, steps: Steps) -> list[list[floa
 
 def _eager_events(program: Program, costs: CostModel, tables, layout: Layout) -> list | None:
     """The eager timeline's events, stage by stage in program order (see [Note: eager
-    simulation]); None if the program gets stuck (it does not validate)."""
+    simulation]); None if the program gets stuck (it does not validate). Linear: a stage that
+    waits for a tensor is resumed once, when the tensor's producer has run."""
     stages = program.stages
-    stage_of, last = layout.stage_of, layout.last
+    stage_of, segment, last = layout.stage_of, layout.segment, layout.last
 
     def cost(s: int, op: Instruction) -> float:
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    # what each compute waits for from another stage, and how long that message is in flight
-    needs: list[list[tuple | None]] = []
-    flight: dict[tuple, float] = {}  # payload -> the receive's comm cost
+    # per op: its duration (None for a comm op, timed by its message below), the payload it needs
+    # from another stage and the one it makes (or, for a comm op, moves); payloads are
+    # comm_route's ("A" | "G", microbatch, segment)
+    plans: list[list[tuple[float | None, tuple | None, tuple | None]]] = []
+    flight: dict[tuple, float] = {}  # payload -> the receive's comm cost (in flight)
     for s, ops in enumerate(stages):
-        row: list[tuple | None] = []
+        row = []
         for op in ops:
-            key = None
-            if type(op) in (RecvActivation, RecvGrad):
-                route = comm_route(layout, s, op)
+            need = make = None
+            cls = type(op)
+            if op.group == "comm":
+                route = comm_route(layout, s, op)  # type: ignore[arg-type]
                 if route is not None:
-                    flight[route[2]] = cost(s, op)
-            elif type(op) is Forward:
-                k = layout.segment[s][op.chunk]
+                    make = route[2]
+                    if cls in (RecvActivation, RecvGrad):
+                        flight[make] = cost(s, op)
+                row.append((None, None, make))
+                continue
+            if cls is Forward:
+                k = segment[s][op.chunk]
+                make = ("A", op.microbatch, k)
                 if k > 0 and stage_of[k - 1] != s:
-                    key = ("A", op.microbatch, k - 1)
-            elif type(op) in (Backward, BackwardInput):
-                k = layout.segment[s][op.chunk]  # type: ignore[attr-defined]
+                    need = ("A", op.microbatch, k - 1)
+            elif cls in (Backward, BackwardInput):
+                k = segment[s][op.chunk]  # type: ignore[attr-defined]
+                make = ("G", op.microbatch, k)  # type: ignore[attr-defined]
                 if k < last and stage_of[k + 1] != s:
-                    key = ("G", op.microbatch, k + 1)  # type: ignore[attr-defined]
-            row.append(key)
-        needs.append(row)
+                    need = ("G", op.microbatch, k + 1)  # type: ignore[attr-defined]
+            row.append((cost(s, op), need, make))
+        plans.append(row)
     produced: dict[tuple, float] = {}  # payload -> when its producer ended
     spans: list[list[tuple[float, float] | None]] = [[None] * len(ops) for ops in stages]
     clock, at = [0.0] * len(stages), [0] * len(stages)
-    moved = True
-    while moved:
-        moved = False
-        for s, ops in enumerate(stages):
-            while at[s] < len(ops):
-                pos, op = at[s], ops[at[s]]
-                if op.group != "comm":  # a comm op is timed by its message, below
-                    key = needs[s][pos]
-                    if key is not None and key not in produced:
+    waiting: dict[tuple, list[int]] = {}  # payload -> the stages stopped until it is made
+    ready = deque(range(len(stages)))
+    while ready:
+        s = ready.popleft()
+        plan, row, now, pos = plans[s], spans[s], clock[s], at[s]
+        while pos < len(plan):
+            duration, need, make = plan[pos]
+            if duration is not None:
+                if need is not None:
+                    if need not in produced:
+                        waiting.setdefault(need, []).append(s)
                         break
-                    arrival = 0.0 if key is None else produced[key] + flight.get(key, 0.0)
-                    start = max(clock[s], arrival)
-                    clock[s] = start + cost(s, op)
-                    spans[s][pos] = (start, clock[s])
-                    if type(op) is Forward:
-                        produced["A", op.microbatch, layout.segment[s][op.chunk]] = clock[s]
-                    elif type(op) in (Backward, BackwardInput):
-                        k = layout.segment[s][op.chunk]  # type: ignore[attr-defined]
-                        produced["G", op.microbatch, k] = clock[s]  # type: ignore[attr-defined]
-                at[s] += 1
-                moved = True
-    if any(at[s] < len(ops) for s, ops in enumerate(stages)):
+                    now = max(now, produced[need] + flight.get(need, 0.0))
+                row[pos] = (now, now + duration)
+                now += duration
+                if make is not None:
+                    produced[make] = now
+                    if make in waiting:
+                        ready.extend(waiting.pop(make))
+            pos += 1
+        clock[s], at[s] = now, pos
+    if any(at[s] < len(plan) for s, plan in enumerate(plans)):
         return None
     events = []
     for s, ops in enumerate(stages):
@@ -380,12 +390,12 @@ def _eager_events(program: Program, costs: CostModel, tables, layout: Layout) ->
         for pos, op in enumerate(ops):
             span = spans[s][pos]
             if span is None:  # a comm op: its message's flight (none: no time where it stands)
-                route = comm_route(layout, s, op)  # type: ignore[arg-type]
-                if route is None or route[2] not in produced:
+                moved = plans[s][pos][2]
+                if moved is None or moved not in produced:
                     span = (previous, previous)
                 else:
-                    sent = produced[route[2]]
-                    span = (sent, sent + flight.get(route[2], 0.0))
+                    sent = produced[moved]
+                    span = (sent, sent + flight.get(moved, 0.0))
             else:
                 previous = span[1]
             events.append(Event(s, op, *span))
