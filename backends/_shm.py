@@ -299,7 +299,9 @@ class ShmLinks:
         acks = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for sock in (*data, *acks):
             _tune(sock, sndbuf)
-        limit = _inline_limit(sndbuf) if inline is None else min(inline, _inline_limit(sndbuf))
+        limit = _inline_limit(sndbuf)
+        if inline is not None:
+            limit = min(limit, inline)
         first = cls({1: _Link(1, data[0], acks[0], limit)}, timeout, 0)
         return first, cls({0: _Link(0, data[1], acks[1], limit)}, timeout, 1)
 
@@ -332,7 +334,8 @@ class ShmLinks:
         key = (slot, tensor.shape, tensor.dtype)
         view = link.out_views.get(key)
         if view is None:
-            view = link.out_views[key] = _typed(link.slots[slot], nbytes, tensor)
+            view = _typed(link.slots[slot], nbytes, tensor.dtype, tensor.shape)
+            link.out_views[key] = view
         view.copy_(tensor)
         try:
             if new is not None:
@@ -360,13 +363,12 @@ class ShmLinks:
                 raise self._disagree(link, _nbytes(shape, dtype), got.nbytes)
             return got.view(dtype).view(shape)
         slot, nbytes = got
+        if nbytes != _nbytes(shape, dtype):
+            raise self._disagree(link, _nbytes(shape, dtype), nbytes)
         key = (slot, tuple(shape), dtype)
         view = link.in_views.get(key)
         if view is None:
-            like = torch.empty(shape, dtype=dtype, device="meta")
-            if like.nbytes != nbytes:
-                raise self._disagree(link, like.nbytes, nbytes)
-            view = link.in_views[key] = _typed(link.theirs[slot], nbytes, like)
+            view = link.in_views[key] = _typed(link.theirs[slot], nbytes, dtype, shape)
         out = view.clone()
         link.unacked.append(slot)
         if len(link.unacked) >= ACK_BATCH:
@@ -538,9 +540,9 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _typed(slot: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:
-    """The first `nbytes` of a uint8 `slot` seen as a contiguous tensor shaped like `like`."""
-    return slot[:nbytes].view(like.dtype).view(like.shape)
+def _typed(slot: torch.Tensor, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The first `nbytes` of a uint8 `slot` seen as a contiguous `shape` tensor of `dtype`."""
+    return slot[:nbytes].view(dtype).view(shape)
 
 
 def _fitting(link: _Link, nbytes: int) -> int | None:

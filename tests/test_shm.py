@@ -221,3 +221,16 @@ def test_where_no_link_can_be_made_connect_makes_no_socket(monkeypatch):
     finally:
         dist.destroy_process_group()
     assert links.peers == frozenset()
+
+
+def test_a_disagreeing_shape_raises_even_in_a_slot_already_seen():
+    """The size check is per message, not per slot: a reused slot whose typed view is cached
+    still refuses a message of another size."""
+    a, b = ShmLinks.pair(timeout=5, inline=0)
+    a.send(1, torch.ones(4))
+    assert torch.equal(b.recv(0, 0, (4,), torch.float32), torch.ones(4))
+    b._acknowledge(b._links[0])  # slot 0 goes back to the sender, which reuses it
+    a.send(1, torch.zeros(3))
+    assert len(a._links[1].slots) == 1  # the same slot, reused
+    with pytest.raises(ValueError, match="expected 16 bytes from stage 0 but got 12"):
+        b.recv(0, 1, (4,), torch.float32)
