@@ -24,7 +24,7 @@ _FAULTS = textwrap.dedent(
     from torch import nn
     import torch.nn.functional as F
     import schedcc
-    from schedcc.backends.launch import _watch, keep_freed_memory
+    from schedcc.backends.launch import keep_freed_memory
     from schedcc.backends.local import Engine
 
     if sys.argv[1] == "keep":

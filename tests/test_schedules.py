@@ -324,10 +324,11 @@ def test_two_stage_interleaved_in_groups_of_four_reaches_the_ideal():
     costs = CostModel(forward=1, backward=2)
     fours = schedcc.compile(_GroupsOfFour(2, 8, 2))
     twos = schedcc.compile(Interleaved1F1B(2, 8, 2))
-    assert (simulate(fours, costs).makespan, simulate(twos, costs).makespan) == (51, 57)
+    rendezvous = simulate(fours, costs), simulate(twos, costs)
+    assert (rendezvous[0].makespan, rendezvous[1].makespan) == (51, 57)
     eager = simulate(fours, costs, eager=True), simulate(twos, costs, eager=True)
     assert (eager[0].makespan, eager[1].makespan) == (51, 51)  # sends that never wait
-    peaks = simulate(fours, costs).peak_activations, simulate(twos, costs).peak_activations
+    peaks = rendezvous[0].peak_activations, rendezvous[1].peak_activations
     assert [a - b for a, b in zip(*peaks)] == [2, 2]
 
 

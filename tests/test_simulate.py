@@ -259,6 +259,9 @@ def test_eager_timing_is_the_earliest_the_data_allows(cls, data, costs):
             assert e.start == pytest.approx(max([free, *waits]))
             assert e.end == pytest.approx(e.start + costs.cost(s, op))
             free = e.end
+    for a, b in zip(eager.events, rendezvous.events):  # both in program order
+        if a.instruction.group != "comm":
+            assert a.start <= b.start + 1e-9
     assert eager.makespan <= rendezvous.makespan + 1e-9
     assert eager.busy == pytest.approx(rendezvous.busy)
 
