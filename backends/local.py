@@ -33,15 +33,15 @@ import torch
 from torch import nn
 
 from schedcc.analysis import Layout, comm_route
-from schedcc.backends.checkpoint import (
+from schedcc.backends.checkpoint.files import (
     load_stage_states,
     program_meta,
     shard_name,
     write_manifest,
     write_shard,
 )
-from schedcc.backends.runtime import StageRuntime
-from schedcc.backends.state import rng_state, set_rng_state
+from schedcc.backends.checkpoint.state import rng_state, set_rng_state
+from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.program import Program
 from schedcc.validate import validate
@@ -224,7 +224,7 @@ class Engine:
         """Write a checkpoint of every stage and replica to the directory `path`.
 
         One file per (stage, data-parallel rank) and a manifest written last; see
-        `schedcc.backends.checkpoint`. Returns the path of the manifest.
+        `schedcc.backends.checkpoint.files`. Returns the path of the manifest.
         """
         files = {}
         for r, runtimes in enumerate(self.runtimes):

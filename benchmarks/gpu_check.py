@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import schedcc
-from schedcc.backends import models
 from schedcc.backends.local import Engine
+from schedcc.backends.run import models
 
 SHAPES = {
     "gpipe": (2, 4, 1, 1),

@@ -1,9 +1,9 @@
 """One message between two local ranks: gloo send/recv against shared memory (a benchmark).
 
-Two processes, each bound to its own core, one thread each, ping-pong a float32 tensor of the
-given size N times, first through gloo (`dist.send`/`dist.recv` on 127.0.0.1), then through
-`ShmLinks` (backends/_shm.py). Prints, per one-way message, the wall time and the CPU time of
-both processes together (gloo's I/O threads included), and their ratio.
+Two processes, each bound to its own core, one thread each, ping-pong a float32 tensor of the given
+size N times, first through gloo (`dist.send`/`dist.recv` on 127.0.0.1), then through `ShmLinks`
+(backends/distributed/shm.py). Prints, per one-way message, the wall time and the CPU time of both
+processes together (gloo's I/O threads included), and their ratio.
 
     python benchmarks/p2p_latency.py [--kib 128] [--messages 2000]
 """
@@ -21,8 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from schedcc.backends._shm import ShmLinks, host_key
-from schedcc.backends.launch import spawn
+from schedcc.backends.distributed.shm import ShmLinks, host_key
+from schedcc.backends.run.launch import spawn
 
 
 def _gloo(rank: int, tensor: torch.Tensor, buffer: torch.Tensor, n: int) -> None:

@@ -16,7 +16,7 @@ up to 2 ms before they sleep, and that checking counts as CPU).
 
 Each rank is bound to its own core and keeps the memory it frees for reuse, as `schedcc run`'s
 ranks do (`--no-bind`: left free; `--default-malloc`: glibc's default trimming; see [Note: keeping
-freed memory] in `backends/launch.py`).
+freed memory] in `backends/run/launch.py`).
 
     python benchmarks/step_time.py [--rounds 30] [--steps-per-round 1] [--warmup 5]
         [--schedules gpipe 1f1b interleaved-1f1b] [--microbatches 4 8] [--no-bind]
@@ -42,8 +42,8 @@ from torch import nn
 from torch.distributed import pipelining as tpp
 
 import schedcc
-from schedcc.backends.distributed import Engine
-from schedcc.backends.launch import keep_freed_memory, spawn
+from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.run.launch import keep_freed_memory, spawn
 from schedcc.costs import CostModel
 from schedcc.simulate import simulate
 

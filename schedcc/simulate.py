@@ -15,19 +15,19 @@ partner group is posted, plus the comm cost. One linear pass; the result is a `T
 over gloo: sends never wait (see [Note: eager simulation]).
 
 [Note: eager simulation] The step model is rendezvous: a comm group is done only once its
-partners are posted, so a send waits for its receiver, and the compiler's groups pair a send with
-a receive (as Megatron-LM's `send_forward_recv_backward` does). That is the safe model for NCCL and
-what the validator proves. An executor whose sends never wait (the distributed engine over gloo,
-see [Note: eager point-to-point] in `backends/_eager.py`) does better: each tensor leaves when its
-producer ends, and a compute starts once its stage is free and every tensor it needs from another
-stage has arrived (the producer's end plus the receive's comm cost, in flight, not taken from
-either stage). The eager timeline is that: computes and updates in program order, each starting
+partners are posted, so a send waits for its receiver, and the compiler's groups pair a send with a
+receive (as Megatron-LM's `send_forward_recv_backward` does). That is the safe model for NCCL and
+what the validator proves. An executor whose sends never wait (the distributed engine over gloo, see
+[Note: eager point-to-point] in `backends/distributed/eager.py`) does better: each tensor leaves
+when its producer ends, and a compute starts once its stage is free and every tensor it needs from
+another stage has arrived (the producer's end plus the receive's comm cost, in flight, not taken
+from either stage). The eager timeline is that: computes and updates in program order, each starting
 at the later of its stage's clock and its inputs' arrival; a comm op spans its message's flight,
 from the producer's end to the arrival. A program that validates cannot get stuck this way (every
 wait of the rendezvous model is kept or dropped, none added), and no compute starts later than it
 would there. The difference can be the schedule's whole excess over the textbook: at p = 2
-interleaved 1F1B (Megatron-LM's order) takes 57 units against the ideal 51 in the rendezvous
-model (v = 2, m = 8, F = 1, B = 2), and exactly 51 eagerly.
+interleaved 1F1B (Megatron-LM's order) takes 57 units against the ideal 51 in the rendezvous model
+(v = 2, m = 8, F = 1, B = 2), and exactly 51 eagerly.
 """
 
 from __future__ import annotations

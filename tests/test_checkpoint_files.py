@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from schedcc.backends import checkpoint as ckpt
+from schedcc.backends.checkpoint import files as ckpt
 from schedcc.errors import CheckpointError
 
 META = {"schedule": "1f1b", "num_stages": 2, "num_chunks": 1, "data_parallel": 1, "zero": 0}
@@ -136,7 +136,7 @@ def test_kill_during_save_keeps_previous(tmp_path):
     script = textwrap.dedent(
         f"""
         import time, torch
-        from schedcc.backends import checkpoint as ckpt
+        from schedcc.backends.checkpoint import files as ckpt
         root = {str(tmp_path)!r}
         def save(step, slow):
             d = ckpt.step_dir(root, step)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from schedcc.backends.launch import free_port
+from schedcc.backends.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import schedcc
-from schedcc.backends import models
-from schedcc.backends._setup import CommGroup
-from schedcc.backends._shm import ShmLinks, host_key
-from schedcc.backends.distributed import Engine, RankFailure
-from schedcc.backends.launch import cores_for, spawn
+from schedcc.backends.distributed.engine import Engine, RankFailure
+from schedcc.backends.distributed.groups import CommGroup
+from schedcc.backends.distributed.shm import ShmLinks, host_key
 from schedcc.backends.local import Engine as LocalEngine
+from schedcc.backends.run import models
+from schedcc.backends.run.launch import cores_for, spawn
 
 #: (schedule, p, v, num_batches, batches trained).
 SCHEDULES = [

@@ -1,4 +1,5 @@
-"""The gloo path's eager point-to-point plan (`backends._eager`): it cannot hang or mispair.
+"""The gloo path's eager point-to-point plan (`backends.distributed.eager`): it cannot hang or
+mispair.
 
 An abstract executor runs every stage's plan together under the relaxed model the plan assumes
 (sends never block; a receive completes once its channel's matching send was posted; per channel
@@ -16,8 +17,8 @@ from hypothesis import strategies as st
 
 import schedcc
 from schedcc.analysis import Layout, comm_route
-from schedcc.backends._eager import RECV_LOOKAHEAD, EagerPlan, _compute_key, _data_key
-from schedcc.backends._setup import CommGroup, plan
+from schedcc.backends.distributed.eager import RECV_LOOKAHEAD, EagerPlan, _compute_key, _data_key
+from schedcc.backends.distributed.groups import CommGroup, plan
 
 
 def _run_relaxed(program, lookahead: int) -> None:

@@ -1,5 +1,5 @@
 """Setting up and watching ranks' processes: the allocator keeps what it frees (see [Note: keeping
-freed memory] in `backends/launch.py`; each check in a fresh interpreter, since the setting is
+freed memory] in `backends/run/launch.py`; each check in a fresh interpreter, since the setting is
 process-wide), and the watcher notices every rank's end."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from schedcc.backends.launch import _watch, keep_freed_memory
+from schedcc.backends.run.launch import _watch, keep_freed_memory
 
 # Trains the step-time benchmark's model (4 x Linear(512) per stage, 2 stages, 2 chunks each)
 # with interleaved 1F1B on the local backend and prints the pages faulted in by steps 16-23.
@@ -24,7 +24,7 @@ _FAULTS = textwrap.dedent(
     from torch import nn
     import torch.nn.functional as F
     import schedcc
-    from schedcc.backends.launch import keep_freed_memory
+    from schedcc.backends.run.launch import keep_freed_memory
     from schedcc.backends.local import Engine
 
     if sys.argv[1] == "keep":

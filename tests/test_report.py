@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import schedcc
-from schedcc.backends.report import _ran_eagerly, _simulated_bubble
+from schedcc.backends.run.report import _ran_eagerly, _simulated_bubble
 
 
 def test_the_simulated_bubble_follows_how_the_sends_ran():

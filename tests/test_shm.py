@@ -1,4 +1,4 @@
-"""Same-host point-to-point through shared memory (`backends._shm`): the protocol itself.
+"""Same-host point-to-point through shared memory (`backends.distributed.shm`): the protocol itself.
 
 Two linked stages live in this process (`ShmLinks.pair`), so a test drives both ends and can
 check what a real pipeline cannot: any order of sends and receives, tiny socket buffers (the
@@ -15,8 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedcc.backends import _shm
-from schedcc.backends._shm import ShmLinks, host_key
+from schedcc.backends.distributed import shm as _shm
+from schedcc.backends.distributed.shm import ShmLinks, host_key
 
 pytestmark = pytest.mark.skipif(host_key() is None, reason="needs Linux memfd and Unix sockets")
 

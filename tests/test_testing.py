@@ -86,7 +86,7 @@ def test_check_schedule_numerics_passes_for_builtins(name):
 
 def test_check_schedule_numerics_catches_a_wrong_backward(monkeypatch):
     """A runtime whose gradients are off by 0.1% fails the numerics check with the shape."""
-    from schedcc.backends.runtime import StageRuntime
+    from schedcc.backends.runtime.stage import StageRuntime
 
     backward = StageRuntime._backward_into_grads
 

@@ -136,10 +136,10 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     """Validate the request, then train on spawned processes or on torchrun's ranks."""
-    from schedcc.backends import launch
+    from schedcc.backends.run import launch
 
     config = _config(args, launch.in_torchrun())
-    from schedcc.backends import job  # imports torch
+    from schedcc.backends.run import job  # imports torch
 
     if launch.in_torchrun():
         rank = int(os.environ["RANK"])

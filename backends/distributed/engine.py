@@ -4,10 +4,10 @@
 `StageRuntime`. Under NCCL each comm group is posted whole, as ONE
 `torch.distributed.batch_isend_irecv`, and its receives are waited before the next instruction (the
 execution semantics the validator proves deadlock-free); under gloo each op is posted and waited
-where it helps most (see [Note: eager point-to-point] in `backends._eager`: relaxations that cannot
-add a hang), and stages on the same machine exchange through shared memory rather than gloo (see
-[Note: same-host point-to-point] in `backends._shm`). Gradients are reduced over the data-parallel
-group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
+where it helps most (see [Note: eager point-to-point] in `backends.distributed.eager`: relaxations
+that cannot add a hang), and stages on the same machine exchange through shared memory rather than
+gloo (see [Note: same-host point-to-point] in `backends.distributed.shm`). Gradients are reduced
+over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
 
 Ranks: by default a `DeviceMesh` with dims `("dp", "pp")` over the whole world, so the global rank
 is `dp_index * p + stage`; a caller may pass its own `mesh` (same dim names) or its own
@@ -41,19 +41,19 @@ import torch.distributed as dist
 from torch import nn
 
 from schedcc.analysis import Layout, Steps
-from schedcc.backends._p2p import learn_shapes
-from schedcc.backends._setup import CommGroup, device_of, groups, own_segments, plan
-from schedcc.backends._transfers import Transfers, first_line
-from schedcc.backends.checkpoint import (
+from schedcc.backends.checkpoint.files import (
     load_stage_states,
     program_meta,
     shard_name,
     write_manifest,
     write_shard,
 )
-from schedcc.backends.launch import RankFailure
-from schedcc.backends.runtime import StageRuntime
-from schedcc.backends.state import rng_state, set_rng_state
+from schedcc.backends.checkpoint.state import rng_state, set_rng_state
+from schedcc.backends.distributed.groups import CommGroup, device_of, groups, own_segments, plan
+from schedcc.backends.distributed.shapes import learn_shapes
+from schedcc.backends.distributed.transfers import Transfers, first_line
+from schedcc.backends.run.launch import RankFailure
+from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import CheckpointError, ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program

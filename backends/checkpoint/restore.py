@@ -3,7 +3,7 @@
 A checkpoint keeps, per data-parallel rank of a stage, what `StageRuntime.state_dict` returns. It
 fits this stage when every old rank is there and the parameters have the same sizes; the
 optimizer state is loaded as is when the layout (data-parallel degree, ZeRO) is the same, and
-re-laid out through `backends.state` otherwise.
+re-laid out through `backends.checkpoint.state` otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schedcc.backends.state import canonical_optimizer_state, layout_optimizer_state
+from schedcc.backends.checkpoint.state import canonical_optimizer_state, layout_optimizer_state
 from schedcc.errors import CheckpointError
 
 __all__ = ["check_saved", "load_optimizer"]

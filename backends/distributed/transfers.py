@@ -5,9 +5,9 @@ Three paths, chosen per peer:
 - NCCL: each comm group is one `batch_isend_irecv`, posted at its place in the program and waited
   whole (the execution semantics the validator proves deadlock-free);
 - gloo: each op is posted and waited where it helps most (see [Note: eager point-to-point] in
-  `backends._eager`: relaxations that cannot add a hang);
+  `backends.distributed.eager`: relaxations that cannot add a hang);
 - gloo between stages on the same machine: the same places, through shared memory rather than
-  gloo (see [Note: same-host point-to-point] in `backends._shm`).
+  gloo (see [Note: same-host point-to-point] in `backends.distributed.shm`).
 
 [Note: sends complete lazily] Where the backend returns a handle per op (gloo), sends are waited
 only at the end of the run (their tensors are kept alive until then), as
@@ -27,12 +27,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from schedcc.backends._eager import EagerPlan, Transfer
-from schedcc.backends._p2p import Shapes
-from schedcc.backends._setup import CommGroup
-from schedcc.backends._shm import ShmLinks
-from schedcc.backends.launch import RankFailure
-from schedcc.backends.runtime import StageRuntime
+from schedcc.backends.distributed.eager import EagerPlan, Transfer
+from schedcc.backends.distributed.groups import CommGroup
+from schedcc.backends.distributed.shapes import Shapes
+from schedcc.backends.distributed.shm import ShmLinks
+from schedcc.backends.run.launch import RankFailure
+from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.ir import Instruction
 
 __all__ = ["Transfers", "first_line"]

@@ -1,6 +1,6 @@
 """What one rank of `schedcc run` does: set up torch.distributed, train, report on rank 0.
 
-`main(rank, world_size, config)` is called by `backends.launch.spawn` in each local process, or
+`main(rank, world_size, config)` is called by `backends.run.launch.spawn` in each local process, or
 directly under torchrun. Rank 0 shows the progress bar, gathers every rank's measured instruction
 times, and prints the summary (and, with `--check`, compares against non-pipelined training).
 """
@@ -16,9 +16,9 @@ import torch
 import torch._dynamo  # torch.optim imports it (seconds): import once, before forking ranks
 import torch.distributed as dist
 
-from schedcc.backends import models
-from schedcc.backends.distributed import Engine
-from schedcc.backends.launch import keep_freed_memory
+from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.run import models
+from schedcc.backends.run.launch import keep_freed_memory
 from schedcc.compiler import compile
 from schedcc.program import Program
 from schedcc.registry import get_schedule
@@ -31,7 +31,7 @@ CHECK_TOLERANCE = 1e-9
 
 def check_devices(num_local_ranks: int) -> None:
     """Raise `UserError` when CUDA is there but has fewer GPUs than local ranks (one each)."""
-    from schedcc.backends.launch import UserError
+    from schedcc.backends.run.launch import UserError
 
     if torch.cuda.is_available() and torch.cuda.device_count() < num_local_ranks:
         raise UserError(
@@ -60,7 +60,7 @@ def main(rank: int, world_size: int, config) -> int:
         )
         code = _train(rank, config, device)
     except dist.DistError as exc:  # e.g. a peer exited while process groups were being made
-        from schedcc.backends.launch import RankFailure
+        from schedcc.backends.run.launch import RankFailure
 
         raise RankFailure(f"lost contact with a peer rank: {exc}") from None
     dist.destroy_process_group()
@@ -110,7 +110,7 @@ def _train(rank: int, config, device: torch.device) -> int:
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return 0
-    from schedcc.backends.report import check_line, summarize
+    from schedcc.backends.run.report import check_line, summarize
 
     summarize(program, config, built, losses, gathered)
     if not config.check:
@@ -128,7 +128,7 @@ def _global_batches(built, config, start: int = 0):
 
 def _resume(engine: Engine, config, rank: int) -> None:
     """Load the newest complete checkpoint under `--checkpoint`, if there is one."""
-    from schedcc.backends.checkpoint import latest_checkpoint
+    from schedcc.backends.checkpoint.files import latest_checkpoint
 
     path = latest_checkpoint(config.checkpoint)
     if path is None:
@@ -141,8 +141,8 @@ def _resume(engine: Engine, config, rank: int) -> None:
 
 
 def _loop(engine: Engine, built, config, dp_index: int, *, show: bool) -> list[float]:
-    from schedcc.backends.checkpoint import step_dir
-    from schedcc.backends.report import Progress
+    from schedcc.backends.checkpoint.files import step_dir
+    from schedcc.backends.run.report import Progress
 
     dp = config.data_parallel
     batches = _global_batches(built, config, engine.steps)

@@ -226,7 +226,8 @@ def load_stage_states(
     """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
 
     Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
-    rank of that stage, in rank order (the program's layout may differ: see `backends.state`).
+    rank of that stage, in rank order (the program's layout may differ: see
+    `backends.checkpoint.state`).
 
     Raises:
         CheckpointError: incomplete, altered, unsafe, or saved from another program.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedcc.backends._setup import CommGroup
+from schedcc.backends.distributed.groups import CommGroup
 from schedcc.ir import (
     Backward,
     BackwardInput,

@@ -5,8 +5,9 @@ tensors to send from `outgoing`, and hands every compute and update instruction 
 parallelism reaches the runtime through a `Collectives` object (all-reduce, reduce-scatter,
 all-gather over this stage's data-parallel group).
 
-Helpers it delegates to: `backends._versions` (the stashed weight versions), `backends._zero` (the
-gradient reduction and the ZeRO shards), `backends._restore` (loading a checkpoint's state).
+Helpers it delegates to: `backends.runtime.versions` (the stashed weight versions),
+`backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.checkpoint.restore`
+(loading a checkpoint's state).
 
 [Note: what the runtime keeps] Per (microbatch, chunk): the input of the segment (received, handed
 over from a segment on this stage, or the microbatch itself on segment 0), the graph of its forward
@@ -37,9 +38,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from schedcc.backends._restore import check_saved, load_optimizer
-from schedcc.backends._versions import WeightVersions
-from schedcc.backends._zero import Reducer
+from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
+from schedcc.backends.runtime.versions import WeightVersions
+from schedcc.backends.runtime.zero import Reducer
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Backward,
@@ -280,7 +281,7 @@ class StageRuntime:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this stage between program runs (see `backends.state`)."""
+        """What a checkpoint keeps of this stage between runs (see `backends.checkpoint.state`)."""
         return {
             "modules": [mod.state_dict() for mod in self.modules],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
