@@ -13,12 +13,13 @@ Groups: `max(1, m // p)` of them, as equal as possible (the larger first), as in
 `ScheduleInterleaved1F1B`; for `m` a multiple of `p` that is groups of `p`, as in Megatron-LM.
 
 Where Megatron-LM accepts the shape (`m` a multiple of `p`, `v >= 2`), each stage's compute
-order is exactly Megatron-LM's, including its classic rule that `m == p` runs all forwards
-first (the ideal makespan `3 * (v * m + p - 1)`). Recent Megatron-LM (with
-`microbatch_group_size_per_vp_stage`) and torch dropped that rule: at `m == p` their later
-stages start 1F1B earlier (less memory there, one time unit longer). Elsewhere the order is also
-torch's wherever torch accepts the shape. The shapes they reject are decided as follows; each
-validates (checked for p <= 8, m <= 32, v <= 4 by the tests):
+order is exactly current Megatron-LM's (`get_schedule_table` with
+`microbatch_group_size_per_vp_stage = p`), and wherever torch accepts the shape it is torch's.
+At `m == p` that means no special case: classic Megatron-LM ran all forwards first there, while
+Megatron-LM today and torch use the same warm-up count as for `m > p`, so the later stages start
+1F1B earlier and hold fewer activations, at the same makespan `3 * (v * m + p - 1)`. The shapes
+they reject are decided as follows; each validates (checked for p <= 8, m <= 32, v <= 4 by the
+tests):
 
 - `m < p` (Megatron-LM rejects): supported, one group of `m`, as torch does.
 - `m % p != 0`, `m > p` (Megatron-LM rejects; torch too unless the groups come out equal):
@@ -32,8 +33,8 @@ Properties (F = 1, B = 2 per chunk, no comm cost, `m` a multiple of `p`): bubble
 exactly the formula's 57 time units), except at p = 2 under rendezvous exchanges (see [Note:
 interleaved at two stages]);
 stage s holds at most its warm-up + 1 chunk activations (microbatch x chunk), capped at `m * v`:
-`(p - s - 1) * 2 + (v - 1) * p + 1` for `m > p` (all `m * v` at `m == p`), against v times
-fewer, larger ones in 1F1B; one weight version.
+`min((p - s - 1) * 2 + (v - 1) * p + 1, m * v)` for `m >= p`, against v times fewer, larger
+ones in 1F1B; one weight version.
 
 p = 4, m = 8, v = 2, compute order per stage (`F3.1` is microbatch 3 on chunk 1):
 
@@ -42,21 +43,21 @@ p = 4, m = 8, v = 2, compute order per stage (`F3.1` is microbatch 3 on chunk 1)
     stage 2: F0 F1 F2 F3 F0.1 F1.1 F2.1 B0.1 F3.1 B1.1 F4 B2.1 F5 B3.1 F6 B0 F7 B1 F4.1 B2 ...
     stage 3: F0 F1 F2 F3 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3.1 B3.1 F4 B0 F5 B1 F6 B2 F7 B3 ...
 
-[Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the step model
-the validator proves and `simulate` times by default, and Megatron-LM's own blocking
+[Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the step model the
+validator proves and `simulate` times by default, and Megatron-LM's own blocking
 `send_forward_recv_backward`), Megatron-LM's order (torch's too) idles beyond the ideal makespan
-`(F + B) * (v * m + p - 1)` once m is a multiple of p: v = 2, m = 8 take 57 time units against 51
-(F = 1, B = 2, no comm cost), and the gap grows with m and v (m = 16, v = 4: 237 against 195).
-The idling is the rendezvous's, not the order's: with sends that never wait (`simulate(...,
+`(F + B) * (v * m + p - 1)` once m is a multiple of p above p: v = 2, m = 8 take 57 time units
+against 51 (F = 1, B = 2, no comm cost), and the gap grows with m and v (m = 16, v = 4: 237 against
+195). The idling is the rendezvous's, not the order's: with sends that never wait (`simulate(...,
 eager=True)`, which is how the distributed engine runs over gloo, and how torch posts its sends),
-the same order takes exactly the ideal (tested for m even up to 24, 2 <= v <= 4, B/F from 1 to
-3). Under rendezvous, one warm-up forward fewer on stage 0 also reaches the ideal and holds one
-chunk activation fewer there; eagerly it gains nothing, and measured on 2 CPU ranks (the
-step-time benchmark's model, the two orders taking turns in the same processes) it was no faster
-(0.3% faster to 4% slower, m = 4 and 8; -0.6% to +0.8% with kept memory). Groups of four
-microbatches rather than two reach the ideal either way (v = 2, m = 8: 51 units) and keep slack
-against each hop's latency, at two more chunk activations per stage: 2% faster in two runs
-measured the same way. The built-in keeps Megatron-LM's and torch's groups of p.
+the same order takes exactly the ideal (tested for m even up to 24, 2 <= v <= 4, B/F from 1 to 3).
+Under rendezvous, one warm-up forward fewer on stage 0 also reaches the ideal and holds one chunk
+activation fewer there; eagerly it gains nothing, and measured on 2 CPU ranks (the step-time
+benchmark's model, the two orders taking turns in the same processes) it was no faster (0.3% faster
+to 4% slower, m = 4 and 8; -0.6% to +0.8% with kept memory). Groups of four microbatches rather
+than two reach the ideal either way (v = 2, m = 8: 51 units) and keep slack against each hop's
+latency, at two more chunk activations per stage: 2% faster in two runs measured the same way. The
+built-in keeps Megatron-LM's and torch's groups of p.
 """
 
 from __future__ import annotations
@@ -103,8 +104,6 @@ class Interleaved1F1B(Schedule):
         total = m * v
         if v == 1:
             return min(p - stage - 1, m)  # plain 1F1B
-        if m == p:
-            return total  # classic Megatron-LM: all forwards first
         largest = max(len(group) for group in self.groups())
         return min((p - stage - 1) * 2 + (v - 1) * largest, total)
 

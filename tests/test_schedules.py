@@ -190,18 +190,21 @@ def _megatron_core_order(p: int, m: int, v: int, rank: int) -> list[str]:
     return order
 
 
-@given(p=st.integers(2, 8), groups=st.integers(1, 4), v=st.integers(2, 4))
+@given(p=st.integers(2, 8), groups=st.integers(2, 4), v=st.integers(2, 4))
 def test_interleaved_equals_classic_megatron_where_it_accepts(p, groups, v):
-    """For m a multiple of p and v >= 2, each stage's order is exactly classic Megatron-LM's."""
+    """For m a multiple of p above p and v >= 2, each stage's order is exactly classic
+    Megatron-LM's (at m == p classic Megatron-LM ran all forwards first; recent Megatron-LM and
+    torch do not, and neither does schedcc)."""
     m = p * groups
     program = collect(Interleaved1F1B(p, m, v))
     for rank, ops in enumerate(program.stages):
         assert [str(op) for op in ops] == _megatron_order(p, m, v, rank)
 
 
-@given(p=st.integers(2, 8), groups=st.integers(2, 4), v=st.integers(2, 4))
+@given(p=st.integers(2, 8), groups=st.integers(1, 4), v=st.integers(2, 4))
 def test_interleaved_equals_megatron_core_where_it_accepts(p, groups, v):
-    """For m a multiple of p above p, each stage's order is exactly recent Megatron-LM's."""
+    """For m a multiple of p (m == p included), each stage's order is exactly recent
+    Megatron-LM's."""
     m = p * groups
     program = collect(Interleaved1F1B(p, m, v))
     for rank, ops in enumerate(program.stages):
@@ -236,31 +239,40 @@ def _torch_order(p: int, m: int, v: int, rank: int) -> list[str]:
     ("p", "m", "v"),
     [
         (2, 1, 2),
+        (2, 2, 2),
         (2, 4, 3),
         (3, 2, 2),
         (4, 3, 2),
+        (4, 4, 2),
+        (4, 4, 3),
         (4, 6, 3),
         (4, 8, 2),
         (4, 10, 2),
         (4, 12, 4),
         (5, 7, 2),
+        (8, 8, 2),
         (8, 16, 2),
         (8, 18, 3),
         (8, 32, 4),
     ],
 )
 def test_interleaved_equals_torch_where_torch_accepts(p, m, v):
-    """Where torch accepts the shape (m a multiple of its rounds), and m != p, torch's order."""
+    """Where torch accepts the shape (m a multiple of its rounds), torch's order."""
     program = collect(Interleaved1F1B(p, m, v))
     for rank, ops in enumerate(program.stages):
         assert [str(op) for op in ops] == _torch_order(p, m, v, rank)
 
 
-def test_interleaved_m_equal_p_is_all_forwards_first():
-    """At m == p (classic Megatron-LM's rule) every stage runs all forwards, then backwards."""
-    for ops in collect(Interleaved1F1B(4, 4, 3)).stages:
-        codes = "".join(op.code for op in ops)
-        assert codes == "F" * 12 + "B" * 12
+def test_interleaved_m_equal_p_starts_1f1b_early_at_the_same_makespan():
+    """At m == p the later stages start 1F1B before their last forward (as recent Megatron-LM
+    and torch do), holding fewer activations than all-forwards-first, in the ideal makespan."""
+    program = schedcc.compile(Interleaved1F1B(4, 4, 3))
+    codes = ["".join(op.code for op in ops if op.group == "compute") for ops in program.stages]
+    assert codes[0] == "F" * 12 + "B" * 12
+    assert codes[3] == "F" * 8 + "FB" * 4 + "B" * 8
+    timeline = simulate(program, CostModel(forward=1, backward=2))
+    assert timeline.makespan == 3 * (3 * 4 + 4 - 1)
+    assert timeline.peak_activations == (12, 12, 11, 9)
 
 
 @given(shape=shapes(Interleaved1F1B, max_chunks=1))
