@@ -2,7 +2,10 @@
 
 `ScheduleError` covers a schedule or program that is wrong; each validator rule raises its own
 subclass. `ScheduleConfigError` is a bad argument to a schedule (a `ValueError`), raised before
-anything is compiled. `UnknownScheduleError` is a name that resolves to no schedule.
+anything is compiled. `UnknownScheduleError` is a name that resolves to no schedule. The
+backends raise the last three: `RuntimeInstructionError` (a stage runtime cannot run an
+instruction), `RankFailure` (a distributed rank failed or timed out) and `UserError` (a bad
+`schedcc run` request). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ __all__ = [
     "DependencyError",
     "IncompleteScheduleError",
     "MemoryBoundError",
+    "RankFailure",
+    "RuntimeInstructionError",
     "ScheduleConfigError",
     "ScheduleError",
     "UnknownScheduleError",
     "UnmatchedCommError",
+    "UserError",
     "WeightVersionError",
 ]
 
@@ -69,3 +75,18 @@ class UnknownScheduleError(ScheduleError, LookupError):
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, altered, unsafe, or made for another program."""
+
+
+# -- raised by the backends (`schedcc.backends`) --------------------------------------------------
+
+
+class RuntimeInstructionError(ScheduleError):
+    """An instruction a backend's stage runtime cannot execute (unknown, or its inputs missing)."""
+
+
+class RankFailure(RuntimeError):
+    """Training on this rank failed (a peer died, a wait timed out); printed as one line, exit 1."""
+
+
+class UserError(Exception):
+    """A mistake in what the user asked `schedcc run` for: one line from the rank, exit 2."""
