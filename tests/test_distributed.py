@@ -19,12 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import schedcc
-from schedcc.backends.distributed.engine import Engine, RankFailure
+from schedcc.backends.distributed.engine import Engine
 from schedcc.backends.distributed.groups import CommGroup
 from schedcc.backends.distributed.shm import ShmLinks, host_key
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import cores_for, spawn
+from schedcc.errors import RankFailure
 
 #: (schedule, p, v, num_batches, batches trained).
 SCHEDULES = [

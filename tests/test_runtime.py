@@ -11,8 +11,8 @@ from _models import batches, make_segments, mse, sgd
 import schedcc
 from schedcc import Backward, BackwardInput, BackwardWeight, Forward, Schedule
 from schedcc.backends.local import Engine
-from schedcc.backends.runtime.stage import RuntimeInstructionError, StageRuntime
-from schedcc.errors import ScheduleConfigError
+from schedcc.backends.runtime.stage import StageRuntime
+from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
 
 
 class SplitGPipe(Schedule):

@@ -52,14 +52,13 @@ from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.distributed.groups import CommGroup, device_of, groups, own_segments, plan
 from schedcc.backends.distributed.shapes import learn_shapes
 from schedcc.backends.distributed.transfers import Transfers, first_line
-from schedcc.backends.run.launch import RankFailure
 from schedcc.backends.runtime.stage import StageRuntime
-from schedcc.errors import CheckpointError, ScheduleConfigError
+from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
 from schedcc.validate import validate
 
-__all__ = ["DataParallel", "Engine", "RankFailure"]
+__all__ = ["DataParallel", "Engine"]
 
 
 class DataParallel:

@@ -31,8 +31,8 @@ from schedcc.backends.distributed.eager import EagerPlan, Transfer
 from schedcc.backends.distributed.groups import CommGroup
 from schedcc.backends.distributed.shapes import Shapes
 from schedcc.backends.distributed.shm import ShmLinks
-from schedcc.backends.run.launch import RankFailure
 from schedcc.backends.runtime.stage import StageRuntime
+from schedcc.errors import RankFailure
 from schedcc.ir import Instruction
 
 __all__ = ["Transfers", "first_line"]

@@ -31,7 +31,7 @@ CHECK_TOLERANCE = 1e-9
 
 def check_devices(num_local_ranks: int) -> None:
     """Raise `UserError` when CUDA is there but has fewer GPUs than local ranks (one each)."""
-    from schedcc.backends.run.launch import UserError
+    from schedcc.errors import UserError
 
     if torch.cuda.is_available() and torch.cuda.device_count() < num_local_ranks:
         raise UserError(
@@ -60,7 +60,7 @@ def main(rank: int, world_size: int, config) -> int:
         )
         code = _train(rank, config, device)
     except dist.DistError as exc:  # e.g. a peer exited while process groups were being made
-        from schedcc.backends.run.launch import RankFailure
+        from schedcc.errors import RankFailure
 
         raise RankFailure(f"lost contact with a peer rank: {exc}") from None
     dist.destroy_process_group()

@@ -28,9 +28,9 @@ import time
 import traceback
 from collections.abc import Callable
 
+from schedcc.errors import RankFailure, UserError
+
 __all__ = [
-    "RankFailure",
-    "UserError",
     "cores_for",
     "free_port",
     "in_torchrun",
@@ -38,14 +38,6 @@ __all__ = [
     "run_rank",
     "spawn",
 ]
-
-
-class UserError(Exception):
-    """A mistake in what the user asked for: printed as one line by the rank, exit 2."""
-
-
-class RankFailure(RuntimeError):
-    """Training on this rank failed (a peer died, a wait timed out); printed as one line, exit 1."""
 
 
 def in_torchrun() -> bool:

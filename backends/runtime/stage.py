@@ -41,7 +41,7 @@ from torch import nn
 from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import Reducer
-from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
 from schedcc.ir import (
     Backward,
     BackwardInput,
@@ -60,11 +60,7 @@ from schedcc.ir import (
 if TYPE_CHECKING:
     from schedcc.program import Program
 
-__all__ = ["Collectives", "RuntimeInstructionError", "SoloCollectives", "StageRuntime"]
-
-
-class RuntimeInstructionError(ScheduleError):
-    """An instruction the runtime cannot execute (unknown, or its inputs are missing)."""
+__all__ = ["Collectives", "SoloCollectives", "StageRuntime"]
 
 
 class Collectives(Protocol):
@@ -198,9 +194,7 @@ class StageRuntime:
         self._to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self._handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # keyed by segment
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._versions = WeightVersions(
-            self.program, self.stage, self.modules, RuntimeInstructionError
-        )
+        self._versions = WeightVersions(self.program, self.stage, self.modules)
 
     @property
     def losses(self) -> dict[int, float]:

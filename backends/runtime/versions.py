@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from schedcc.errors import ScheduleError
+from schedcc.errors import RuntimeInstructionError
 from schedcc.ir import Forward
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ class WeightVersions:
         program: the compiled program (its schedule gives m and the weight delay).
         stage: the stage whose forwards are counted.
         modules: the stage's segments, by chunk (their parameters are the live version).
-        error: the error type raised for a version that is not available.
 
     `version` is the live version, 0 at the start of a run; `advance` moves it on.
     """
@@ -41,13 +40,11 @@ class WeightVersions:
         program: Program,
         stage: int,
         modules: Sequence[nn.Module],
-        error: type[ScheduleError],
     ) -> None:
         self._m = program.schedule.num_microbatches
         self._delay = program.schedule.weight_delay
         self._stage = stage
         self._modules = modules
-        self._error = error
         self.version = 0
         self._stash: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in modules]
         # only stashed versions are counted (a program with no weight delay stashes none)
@@ -75,7 +72,7 @@ class WeightVersions:
             return self._live[c]
         stash = self._stash[c]
         if version not in stash:
-            raise self._error(
+            raise RuntimeInstructionError(
                 f"stage {self._stage} chunk {c}: weight version {version} is not available "
                 f"(live version {self.version}, stashed {sorted(stash)})",
                 stage=self._stage,
