@@ -24,6 +24,8 @@ import pstats
 import time
 from collections.abc import Callable
 
+from _stamp import stamp
+
 import schedcc
 
 SHAPES = ((8, 64), (16, 256), (32, 512), (64, 1024), (128, 2048))
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'schedule':<18}{'p':>5}{'m':>6}{'instr':>9}{'schedcc s':>11}{'instr/s':>10}"
         f"{'torch s':>10}{'ratio':>7}{'+sim s':>9}{'ratio':>7}"
     )
+    print(stamp("compile_scale"))
     print(header)
     print("-" * len(header))
     for name, v in (("1f1b", 1), ("interleaved-1f1b", 2)):

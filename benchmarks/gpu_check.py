@@ -17,6 +17,7 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
+from _stamp import stamp
 
 import schedcc
 from schedcc.backends.local import Engine
@@ -76,6 +77,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
+    print(stamp("gpu_check"))
     print(
         f"torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
         flush=True,

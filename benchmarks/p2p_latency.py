@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _stamp import stamp
 
 from schedcc.backends.distributed.shm import ShmLinks, host_key
 from schedcc.backends.run.launch import spawn
@@ -74,6 +75,7 @@ def _worker(rank: int, world_size: int, opts) -> int:
     shm = _timed(lambda: _shm(rank, tensor, links, n, warm))
     if rank == 0:
         per = 2 * n  # one-way messages
+        print(stamp("p2p_latency"))
         print(f"{opts.kib} KiB, {n} round trips, ranks bound, per one-way message:")
         print("| transport | wall us | CPU us (both ranks) |")
         print("|---|---|---|")

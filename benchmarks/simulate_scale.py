@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _stamp import stamp
+
 import schedcc
 from schedcc.analysis import Layout
 
@@ -131,6 +133,7 @@ def main() -> None:
         f"{'p':>4} {'m':>5} {'v':>2} {'instructions':>12} {'compile s':>9} {'simulate s':>10} "
         f"{'+events s':>9} {'instr/s':>10} {'bubble':>7} {'torch s':>8} {'torch/ours':>10}"
     )
+    print(stamp("simulate_scale"))
     print(header)
     print("-" * len(header))
     for p, m, v in shapes:

@@ -38,6 +38,7 @@ import torch
 import torch._dynamo  # torch.optim imports it (seconds): import once, before forking ranks
 import torch.distributed as dist
 import torch.nn.functional as F
+from _stamp import stamp
 from torch import nn
 from torch.distributed import pipelining as tpp
 
@@ -260,6 +261,7 @@ def _print(rows: list[dict]) -> None:
         "overhead us/instr | schedcc gloo-p2p ms | "
         "CPU ms schedcc/gloo-p2p/torch/floor |"
     )
+    print(stamp("step_time"))
     print(header)
     print("|" + "---|" * header.count(" | ") + "---|")
     for r in rows:
