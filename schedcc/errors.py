@@ -22,6 +22,7 @@ __all__ = [
     "ScheduleError",
     "UnknownScheduleError",
     "UnmatchedCommError",
+    "UpdateOrderError",
     "UserError",
     "WeightVersionError",
 ]
@@ -90,3 +91,16 @@ class RankFailure(RuntimeError):
 
 class UserError(Exception):
     """A mistake in what the user asked `schedcc run` for: one line from the rank, exit 2."""
+
+
+# -- appended by the validator's update rules ---------------------------------------------------
+
+
+class UpdateOrderError(DependencyError):
+    """A ReduceGrads, OptimizerStep or GatherParams out of place on its stage.
+
+    A step before its batch's gradients are all in and reduced, a reduction with nothing to
+    reduce, a `GatherParams` without ZeRO, or, under ZeRO, a chunk whose updated weights are not
+    gathered before its next compute or the end of the program. A subclass of `DependencyError`
+    (what these problems raised before they had their own rules).
+    """
