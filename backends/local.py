@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from schedcc.analysis import Layout, comm_route
 from schedcc.backends.checkpoint.files import (
     load_stage_states,
     program_meta,
@@ -44,6 +43,7 @@ from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.program import Program
+from schedcc.semantics import Layout, comm_route
 from schedcc.validate import validate
 
 __all__ = ["Engine", "ThreadCollectives"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from _stamp import stamp
 
 import schedcc
-from schedcc.analysis import Layout
+from schedcc.semantics import Layout
 
 SHAPES = [(16, 256, 1), (32, 512, 2), (64, 1024, 2), (128, 2048, 2)]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from schedcc.analysis import paused_gc
+from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError
 from schedcc.passes import PASSES, collect
 from schedcc.program import Program

@@ -21,7 +21,11 @@ import attrs
 __all__ = [
     "COMM",
     "COMPUTE",
+    "INPUT_GRADIENT",
+    "RECEIVES",
+    "SENDS",
     "UPDATE",
+    "WEIGHT_GRADIENT",
     "Backward",
     "BackwardInput",
     "BackwardWeight",
@@ -30,6 +34,7 @@ __all__ = [
     "Forward",
     "GatherParams",
     "Instruction",
+    "OnMicrobatch",
     "OptimizerStep",
     "RecvActivation",
     "RecvGrad",
@@ -43,14 +48,25 @@ __all__ = [
 
 @attrs.frozen(slots=True)
 class Instruction:
-    """Base of every instruction; `group` is "compute", "comm" or "update"."""
+    """Base of every instruction.
+
+    Tell kinds apart by type (`isinstance(op, Comm)`, `type(op) in WEIGHT_GRADIENT`); `code` is
+    the printed name (`F`, `SA`, `Step`, ...) and `group` ("compute", "comm" or "update") is kept
+    for display.
+    """
 
     group: ClassVar[str] = ""
     code: ClassVar[str] = ""
 
 
 @attrs.frozen(slots=True)
-class _OnMicrobatch(Instruction):
+class OnMicrobatch(Instruction):
+    """Base of the instructions on one microbatch and chunk: every compute and comm instruction.
+
+    >>> isinstance(Forward(3, chunk=1), OnMicrobatch)
+    True
+    """
+
     microbatch: int
     chunk: int = 0
 
@@ -61,14 +77,14 @@ class _OnMicrobatch(Instruction):
 
 
 @attrs.frozen(slots=True)
-class Compute(_OnMicrobatch):
+class Compute(OnMicrobatch):
     """Base of the compute instructions."""
 
     group: ClassVar[str] = "compute"
 
 
 @attrs.frozen(slots=True)
-class Comm(_OnMicrobatch):
+class Comm(OnMicrobatch):
     """Base of the point-to-point instructions; `is_send` tells the direction."""
 
     group: ClassVar[str] = "comm"
@@ -178,6 +194,12 @@ class GatherParams(Update):
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
 UPDATE = (ReduceGrads, OptimizerStep, GatherParams)
+#: The computes that add to a chunk's weight gradients (`.grad`).
+WEIGHT_GRADIENT = (Backward, BackwardWeight)
+#: The computes that make a microbatch's input gradient (what `SendGrad` sends).
+INPUT_GRADIENT = (Backward, BackwardInput)
+SENDS = (SendActivation, SendGrad)
+RECEIVES = (RecvActivation, RecvGrad)
 
 _BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
 _ON_MICROBATCH = re.compile(r"(F|B|I|W|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")

@@ -45,13 +45,13 @@ class Program:
 
     @cached_property
     def graph(self) -> nx.DiGraph:
-        """The dependency DAG, built on first use (see `schedcc.passes.build_graph`)."""
-        from schedcc.passes.build_graph import build_graph
+        """The dependency DAG, built on first use (see `schedcc.semantics.graph`)."""
+        from schedcc.semantics.graph import build_graph
 
         return build_graph(self)
 
     def evolve(self, **changes) -> Program:
-        """A copy with some fields replaced (the cached graph is not carried over)."""
+        """A copy with some fields replaced (the cached graph and proof are not carried over)."""
         return attrs.evolve(self, **changes)
 
     def to_text(self) -> str:

@@ -1,9 +1,11 @@
 """The simulator: how long a program takes, where its bubbles are and what it holds in memory.
 
 `simulate(program, costs)` times the very step model the validator proves deadlock-free (see
-[Note: the step model] in `schedcc.analysis`): each stage runs its program in order, a compute or
-update takes its cost, a comm group is posted when its stage reaches it and done once every
-partner group is posted, plus the comm cost. One linear pass; the result is a `Timeline`.
+[Note: the step model] in `schedcc.semantics.steps`): each stage runs its program in order, a
+compute or update takes its cost, a comm group is posted when its stage reaches it and done once
+every partner group is posted, plus the comm cost. One linear pass; the result is a `Timeline`.
+A program is validated before it is timed (once: the proof is kept on the program), so a
+program the validator refuses is refused here too, with the validator's error.
 
     >>> import schedcc
     >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(4, 8))
@@ -12,27 +14,12 @@ partner group is posted, plus the comm cost. One linear pass; the result is a `T
     (33.0, 0.2727)
 
 `simulate(program, costs, eager=True)` times the same program as the distributed engine runs it
-over gloo: sends never wait (see [Note: eager simulation]).
-
-[Note: eager simulation] The step model is rendezvous: a comm group is done only once its
-partners are posted, so a send waits for its receiver, and the compiler's groups pair a send with a
-receive (as Megatron-LM's `send_forward_recv_backward` does). That is the safe model for NCCL and
-what the validator proves. An executor whose sends never wait (the distributed engine over gloo, see
-[Note: eager point-to-point] in `backends/distributed/eager.py`) does better: each tensor leaves
-when its producer ends, and a compute starts once its stage is free and every tensor it needs from
-another stage has arrived (the producer's end plus the receive's comm cost, in flight, not taken
-from either stage). The eager timeline is that: computes and updates in program order, each starting
-at the later of its stage's clock and its inputs' arrival; a comm op spans its message's flight,
-from the producer's end to the arrival. A program that validates cannot get stuck this way (every
-wait of the rendezvous model is kept or dropped, none added), and no compute starts later than it
-would there. The difference can be the schedule's whole excess over the textbook: at p = 2
-interleaved 1F1B (Megatron-LM's order) takes 57 units against the ideal 51 in the rendezvous model
-(v = 2, m = 8, F = 1, B = 2), and exactly 51 eagerly.
+over gloo: sends never wait (see [Note: eager simulation] in `schedcc.simulate_eager`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from functools import cached_property
 from os import PathLike
 from pathlib import Path
@@ -40,20 +27,14 @@ from typing import NamedTuple
 
 import attrs
 
-from schedcc.analysis import Layout, Steps, Walk, comm_route, match_comm, paused_gc, walk
+from schedcc._gc import paused_gc
 from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
-from schedcc.ir import (
-    COMPUTE,
-    Backward,
-    BackwardInput,
-    Forward,
-    Instruction,
-    RecvActivation,
-    RecvGrad,
-)
-from schedcc.passes.assign_versions import assign_versions
+from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
 from schedcc.program import Program
+from schedcc.semantics import Steps, Tensors, Walk, match_comm, peak_activations, versions_of, walk
+from schedcc.simulate_eager import eager_spans
+from schedcc.validate import ensure_valid
 
 __all__ = ["CostModel", "Event", "Timeline", "simulate"]
 
@@ -131,7 +112,7 @@ class Timeline:
                 busy[s] = _stage_busy(ops, self._run, s)
             return tuple(busy)
         for e in self.events:
-            if e.instruction.group == "compute":
+            if isinstance(e.instruction, Compute):
                 busy[e.stage] += e.end - e.start
         return tuple(busy)
 
@@ -149,18 +130,9 @@ class Timeline:
 
     @cached_property
     def peak_activations(self) -> tuple[int, ...]:
-        """Per stage, the most microbatch activations held at once (+1 at F, -1 at B or I)."""
-        peaks = []
-        for ops in self.program.stages:
-            held = peak = 0
-            for op in ops:
-                if op.code == "F":
-                    held += 1
-                    peak = max(peak, held)
-                elif op.code in ("B", "I"):
-                    held -= 1
-            peaks.append(peak)
-        return tuple(peaks)
+        """Per stage, the most microbatch activations held at once: each from its F to its last
+        backward piece, B or W (`schedcc.semantics.memory`, the validator's count)."""
+        return tuple(peak_activations(ops) for ops in self.program.stages)
 
     @cached_property
     def peak_versions(self) -> tuple[int, ...]:
@@ -170,7 +142,10 @@ class Timeline:
         stays live while it is the newest or until its last use by a compute on the stage.
         """
         program = self.program
-        versions = (program.versions or assign_versions(program).versions) or ()
+        versions = program.versions
+        if versions is None:
+            m, delay = program.schedule.num_microbatches, program.schedule.weight_delay
+            versions = tuple(versions_of(ops, m, delay) for ops in program.stages)
         return tuple(_peak_live(ops, row) for ops, row in zip(program.stages, versions))
 
     @cached_property
@@ -221,7 +196,7 @@ def _peak_live(ops, row) -> int:
         version = row[pos]
         if version is None:
             continue
-        if op.code == "Step":
+        if type(op) is OptimizerStep:
             born[version] = pos
         else:
             last_use[version] = pos
@@ -274,21 +249,21 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
     costs = CostModel() if costs is None else costs
     if not isinstance(costs, CostModel):
         raise ScheduleConfigError(f"costs must be a CostModel, got {costs!r}")
+    ensure_valid(program)  # the validator's error for a program it refuses
     stages = program.stages
     with paused_gc():
-        layout = Layout.of(program.schedule)
-        partner, problems = match_comm(program, layout)
+        tensors = Tensors.of(program.schedule)
         tables = _tables(costs, len(stages))
         if eager:
-            events = None if problems else _eager_events(program, costs, tables, layout)
-            if events is None:
-                _raise_invalid(program)
-            return Timeline(program, events=events, costs=costs)
+            return Timeline(
+                program, events=_eager_events(program, costs, tables, tensors), costs=costs
+            )
+        partner, problems = match_comm(stages, tensors)
         steps = Steps.of(stages)
         durations = _durations(costs, tables, stages, steps)
         result = walk(steps, partner, lambda s, j: durations[s][j])
-    if result.stuck or problems:
-        _raise_invalid(program)
+    if result.stuck or problems:  # cannot happen for a validated program
+        raise DeadlockError("the program cannot run to the end; it does not validate")
     return Timeline(program, costs=costs, run=_Run(steps, partner, result, tables))
 
 
@@ -317,89 +292,21 @@ def _durations(costs: CostModel, tables, stages, steps: Steps) -> list[list[floa
     return out
 
 
-def _eager_events(program: Program, costs: CostModel, tables, layout: Layout) -> list | None:
-    """The eager timeline's events, stage by stage in program order (see [Note: eager
-    simulation]); None if the program gets stuck (it does not validate). Linear: a stage that
-    waits for a tensor is resumed once, when the tensor's producer has run."""
-    stages = program.stages
-    stage_of, segment, last = layout.stage_of, layout.segment, layout.last
+def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) -> list[Event]:
+    """The eager timeline's events, stage by stage in program order (`schedcc.simulate_eager`)."""
 
     def cost(s: int, op: Instruction) -> float:
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    # per op: its duration (None for a comm op, timed by its message below), the payload it needs
-    # from another stage and the one it makes (or, for a comm op, moves); payloads are
-    # comm_route's ("A" | "G", microbatch, segment)
-    plans: list[list[tuple[float | None, tuple | None, tuple | None]]] = []
-    flight: dict[tuple, float] = {}  # payload -> the receive's comm cost (in flight)
-    for s, ops in enumerate(stages):
-        row = []
-        for op in ops:
-            need = make = None
-            cls = type(op)
-            if op.group == "comm":
-                route = comm_route(layout, s, op)  # type: ignore[arg-type]
-                if route is not None:
-                    make = route[2]
-                    if cls in (RecvActivation, RecvGrad):
-                        flight[make] = cost(s, op)
-                row.append((None, None, make))
-                continue
-            if cls is Forward:
-                k = segment[s][op.chunk]
-                make = ("A", op.microbatch, k)
-                if k > 0 and stage_of[k - 1] != s:
-                    need = ("A", op.microbatch, k - 1)
-            elif cls in (Backward, BackwardInput):
-                k = segment[s][op.chunk]  # type: ignore[attr-defined]
-                make = ("G", op.microbatch, k)  # type: ignore[attr-defined]
-                if k < last and stage_of[k + 1] != s:
-                    need = ("G", op.microbatch, k + 1)  # type: ignore[attr-defined]
-            row.append((cost(s, op), need, make))
-        plans.append(row)
-    produced: dict[tuple, float] = {}  # payload -> when its producer ended
-    spans: list[list[tuple[float, float] | None]] = [[None] * len(ops) for ops in stages]
-    clock, at = [0.0] * len(stages), [0] * len(stages)
-    waiting: dict[tuple, list[int]] = {}  # payload -> the stages stopped until it is made
-    ready = deque(range(len(stages)))
-    while ready:
-        s = ready.popleft()
-        plan, row, now, pos = plans[s], spans[s], clock[s], at[s]
-        while pos < len(plan):
-            duration, need, make = plan[pos]
-            if duration is not None:
-                if need is not None:
-                    if need not in produced:
-                        waiting.setdefault(need, []).append(s)
-                        break
-                    now = max(now, produced[need] + flight.get(need, 0.0))
-                row[pos] = (now, now + duration)
-                now += duration
-                if make is not None:
-                    produced[make] = now
-                    if make in waiting:
-                        ready.extend(waiting.pop(make))
-            pos += 1
-        clock[s], at[s] = now, pos
-    if any(at[s] < len(plan) for s, plan in enumerate(plans)):
-        return None
-    events = []
-    for s, ops in enumerate(stages):
-        previous = 0.0
-        for pos, op in enumerate(ops):
-            span = spans[s][pos]
-            if span is None:  # a comm op: its message's flight (none: no time where it stands)
-                moved = plans[s][pos][2]
-                if moved is None or moved not in produced:
-                    span = (previous, previous)
-                else:
-                    sent = produced[moved]
-                    span = (sent, sent + flight.get(moved, 0.0))
-            else:
-                previous = span[1]
-            events.append(Event(s, op, *span))
-    return events
+    spans = eager_spans(program.stages, tensors, cost)
+    if spans is None:  # cannot happen for a validated program
+        raise DeadlockError("the program cannot run to the end; it does not validate")
+    return [
+        Event(s, op, *span)
+        for s, ops in enumerate(program.stages)
+        for op, span in zip(ops, spans[s])
+    ]
 
 
 def _stage_busy(ops, run: _Run, s: int) -> float:
@@ -412,15 +319,8 @@ def _stage_busy(ops, run: _Run, s: int) -> float:
     return sum(
         ends[j] - starts[j]
         for j, (lo, _) in enumerate(run.steps.bounds[s])
-        if ops[lo].group == "compute"
+        if isinstance(ops[lo], Compute)
     )
-
-
-def _raise_invalid(program: Program) -> None:
-    from schedcc.validate import validate
-
-    validate(program)  # raises the precise error
-    raise DeadlockError("the program cannot run to the end; it does not validate")
 
 
 def _critical_path(stages, run: _Run) -> tuple[Event, ...]:

@@ -1,6 +1,6 @@
 """The compiler: arguments, each pass alone, update placement, all-or-nothing, the DAG.
 
-The central property (DESIGN.md, "Compiling"): every compute order that respects the data
+The central property (docs/design.md, "The compiler"): every compute order that respects the data
 dependencies lowers to a program that validates, for any shape, placement, data parallelism and
 ZeRO level.
 """
@@ -29,9 +29,9 @@ from schedcc import (
     UnmatchedCommError,
     validate,
 )
-from schedcc.analysis import Layout, Steps, match_comm
-from schedcc.ir import Compute
+from schedcc.ir import SENDS, WEIGHT_GRADIENT, Comm, Compute
 from schedcc.passes import assign_versions, build_graph, collect, insert_comm, insert_updates
+from schedcc.semantics import Steps, Tensors, match_comm
 
 _PARALLEL = st.sampled_from([(1, 0), (2, 0), (2, 1), (2, 2), (1, 1)])
 
@@ -60,16 +60,16 @@ def test_graph_is_a_dag_with_documented_edges(schedule):
     graph = program.graph
     assert nx.is_directed_acyclic_graph(graph)
     assert graph.number_of_nodes() == program.num_instructions
-    partner, _ = match_comm(program, Layout.of(schedule))
+    partner, _ = match_comm(program.stages, Tensors.of(schedule))
     for (s, pos), op in _ops(program, with_place=True):
         if pos:
             assert graph.has_edge((s, pos - 1), (s, pos))
-        if op.group == "comm" and op.is_send:
+        if isinstance(op, SENDS):
             assert graph.edges[(s, pos), partner[s][pos]]["kind"] == "comm"
     node = {
         (op.code, op.microbatch, schedule.segment_of(s, op.chunk)): (s, pos)
         for (s, pos), op in _ops(program, with_place=True)
-        if op.group == "compute"
+        if isinstance(op, Compute)
     }
     for i in range(schedule.num_microbatches_total):
         for k in range(schedule.num_segments):
@@ -88,7 +88,7 @@ def _ops(program: Program, with_place: bool = False):
 
 
 def _assert_updates_placed(program: Program) -> None:
-    """Reduce/Step/Gather sit where DESIGN.md says, on every stage and batch."""
+    """Reduce/Step/Gather sit where docs/design.md says, on every stage and batch."""
     schedule = program.schedule
     m, v = schedule.num_microbatches, schedule.num_chunks
     reduce = program.data_parallel > 1 or program.zero > 0
@@ -102,14 +102,16 @@ def _assert_updates_placed(program: Program) -> None:
             grads = [
                 pos
                 for pos, op in enumerate(ops)
-                if op.code in ("B", "W") and op.microbatch // m == batch
+                if isinstance(op, WEIGHT_GRADIENT) and op.microbatch // m == batch
             ]
             if not reduce:
                 assert not reduced
             elif program.zero == 2:  # a reduce-scatter right after every weight gradient
                 assert len(reduced) == len(grads)
                 for pos in grads:
-                    after = next(q for q in range(pos + 1, len(ops)) if ops[q].group != "comm")
+                    after = next(
+                        q for q in range(pos + 1, len(ops)) if not isinstance(ops[q], Comm)
+                    )
                     assert ops[after] == ReduceGrads(ops[pos].chunk)
             else:  # one per chunk, right after (past comm) its last weight gradient
                 assert sorted(ops[pos].chunk for pos in reduced) == list(range(v))
@@ -117,7 +119,7 @@ def _assert_updates_placed(program: Program) -> None:
                     c = ops[pos].chunk
                     last = max(q for q in grads if ops[q].chunk == c)
                     between = ops[last + 1 : pos]
-                    assert all(op.group != "compute" for op in between)
+                    assert not any(isinstance(op, Compute) for op in between)
             gathers = [op for op in ops[step + 1 : step + 1 + v] if isinstance(op, GatherParams)]
             assert len(gathers) == (v if program.zero >= 1 else 0)
 
@@ -178,7 +180,7 @@ def test_each_pass_alone():
 
     schedule = schedcc.get_schedule("1f1b")(3, 4, num_batches=2)
     program = collect(schedule, data_parallel=2, zero=1)
-    assert all(op.group == "compute" for _, op in _ops(program))
+    assert all(isinstance(op, Compute) for _, op in _ops(program))
     with_comm = insert_comm(program)
     assert {op.group for _, op in _ops(with_comm)} == {"compute", "comm"}
     assert all(isinstance(e, ScheduleError) for e in validate(with_comm, collect=True))
@@ -191,7 +193,7 @@ def test_each_pass_alone():
         steps = [v for op, v in zip(ops, versions) if isinstance(op, OptimizerStep)]
         assert steps == [1, 2]
         for op, version in zip(ops, versions):
-            if op.group == "compute":
+            if isinstance(op, Compute):
                 assert version == op.microbatch // 4
     assert nx.is_directed_acyclic_graph(build_graph(versioned))
     assert schedcc.compile(schedule, data_parallel=2, zero=1).stages == versioned.stages
@@ -313,15 +315,15 @@ def test_both_lowerings_keep_their_timing_promises(schedule):
 
     lowering = importlib.import_module("schedcc.passes.insert_comm")
     program = collect(schedule)
-    layout = Layout.of(schedule)
-    plan = lowering._Plan(program, layout)
+    tensors = Tensors.of(schedule)
+    plan = lowering._Plan(program, tensors)
     start = lowering._simulate(program, plan)
     ideal = max(
         (t + c for row, costs in zip(start, plan.costs) for t, c in zip(row, costs)), default=0
     )
-    stages, exact = lowering._lower(program, layout, plan, start)
+    stages, exact = lowering._lower(program, plan, start)
     if exact:
-        assert lowering._makespan(program.evolve(stages=stages), layout) == ideal
-    online, makespan = lowering._lower_online(program, layout, plan)
-    assert lowering._makespan(program.evolve(stages=online), layout) == makespan
+        assert lowering._makespan(program.evolve(stages=stages), tensors) == ideal
+    online, makespan = lowering._lower_online(program, plan)
+    assert lowering._makespan(program.evolve(stages=online), tensors) == makespan
     assert makespan >= ideal

@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import schedcc
-from schedcc.analysis import Layout, comm_route
 from schedcc.backends.distributed.eager import RECV_LOOKAHEAD, EagerPlan, _compute_key, _data_key
 from schedcc.backends.distributed.groups import CommGroup, plan
+from schedcc.semantics import Layout, comm_route
 
 
 def _run_relaxed(program, lookahead: int) -> None:

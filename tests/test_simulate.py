@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import schedcc
 from schedcc import CostModel, ScheduleConfigError, ScheduleError, simulate
-from schedcc.analysis import Layout, comm_route
-from schedcc.ir import RecvActivation
+from schedcc.ir import RECEIVES, Backward, BackwardInput, Comm, Compute, Forward, RecvActivation
+from schedcc.semantics import Tensors
 from schedcc.testing import schedules
 
 shapes = st.tuples(st.integers(1, 8), st.integers(1, 32))
@@ -57,7 +57,7 @@ def test_critical_path_runs_from_zero_to_the_makespan_without_slack(name, shape)
     path = timeline.critical_path
     assert path[0].start == 0
     assert path[-1].end == timeline.makespan
-    compute = sum(e.end - e.start for e in path if e.instruction.group == "compute")
+    compute = sum(e.end - e.start for e in path if isinstance(e.instruction, Compute))
     assert compute == timeline.makespan
 
 
@@ -232,35 +232,35 @@ def test_eager_timing_is_the_earliest_the_data_allows(cls, data, costs):
     assert [(e.stage, e.instruction) for e in eager.events] == [
         (s, op) for s, ops in enumerate(program.stages) for op in ops
     ]
-    ends = {}  # (kind, microbatch, segment) -> when the compute producing it ended
-    layout = Layout.of(schedule)
+    ends = {}  # tensor key -> when the compute producing it ended
+    tensors = Tensors.of(schedule)
     for e in eager.events:
-        if e.instruction.group == "compute" and e.instruction.code != "W":
-            k = layout.segment[e.stage][e.instruction.chunk]
-            ends["A" if e.instruction.code == "F" else "G", e.instruction.microbatch, k] = e.end
-    arrivals = {}  # (stage, consumer) -> when its message arrived
+        key = tensors.makes(e.stage, e.instruction)
+        if key is not None:
+            ends[key] = e.end
+    arrivals = {}  # (stage, consumer classes, microbatch, chunk) -> when its message arrived
     for e in eager.events:
         op = e.instruction
-        if op.code in ("RA", "RG"):
-            route = comm_route(layout, e.stage, op)
-            assert e.start == ends[route[2]]  # the flight starts at the producer's end
+        if isinstance(op, RECEIVES):
+            route = tensors.route(e.stage, op)
+            assert e.start == ends[route.tensor]  # the flight starts at the producer's end
             assert e.end == pytest.approx(e.start + costs.cost(e.stage, op))
-            consumer = ("F",) if op.code == "RA" else ("B", "I")
+            consumer = (Forward,) if type(op) is RecvActivation else (Backward, BackwardInput)
             arrivals[e.stage, consumer, op.microbatch, op.chunk] = e.end
     for s in range(program.num_stages):
         free = 0.0
-        for e in (e for e in eager.events if e.stage == s and e.instruction.group != "comm"):
+        for e in (e for e in eager.events if e.stage == s and not isinstance(e.instruction, Comm)):
             op = e.instruction
             waits = [
                 t
-                for (stage, codes, i, c), t in arrivals.items()
-                if stage == s and op.code in codes and (i, c) == (op.microbatch, op.chunk)
+                for (stage, classes, i, c), t in arrivals.items()
+                if stage == s and type(op) in classes and (i, c) == (op.microbatch, op.chunk)
             ]
             assert e.start == pytest.approx(max([free, *waits]))
             assert e.end == pytest.approx(e.start + costs.cost(s, op))
             free = e.end
     for a, b in zip(eager.events, rendezvous.events):  # both in program order
-        if a.instruction.group != "comm":
+        if not isinstance(a.instruction, Comm):
             assert a.start <= b.start + 1e-9
     assert eager.makespan <= rendezvous.makespan + 1e-9
     assert eager.busy == pytest.approx(rendezvous.busy)

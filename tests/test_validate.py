@@ -19,6 +19,7 @@ from schedcc import (
     WeightVersionError,
     validate,
 )
+from schedcc.errors import UpdateOrderError
 from schedcc.validate import render_grid
 
 GPIPE_2_2 = """
@@ -228,8 +229,9 @@ DP_STAGE_0 = (
         ("RG1 B1 Reduce Step", "RG1 Reduce B1 Step", "adds a gradient after this batch's Reduce"),
     ],
 )
-def test_misplaced_updates_are_dependency_errors(old, new, says):
-    """A step, reduction or ZeRO-1 gather out of place on a stage is a DependencyError saying so."""
+def test_misplaced_updates_are_update_order_errors(old, new, says):
+    """A step, reduction or ZeRO-1 gather out of place on a stage is an UpdateOrderError (a
+    DependencyError) saying so."""
     good = schedcc.compile(
         schedcc.get_schedule("1f1b")(2, 2, num_batches=2), data_parallel=2, zero=1
     )
@@ -237,7 +239,8 @@ def test_misplaced_updates_are_dependency_errors(old, new, says):
     stage_0 = Program.parse_stages("stage 0: " + DP_STAGE_0.replace(old, new, 1))[0]
     bad = good.evolve(stages=(stage_0, good.stages[1]))
     problems = validate(bad, collect=True)
-    assert any(type(p) is DependencyError and says in str(p) for p in problems), problems
+    assert any(type(p) is UpdateOrderError and says in str(p) for p in problems), problems
+    assert all(isinstance(p, DependencyError) for p in problems if type(p) is UpdateOrderError)
 
 
 def test_validate_rejects_what_is_not_a_program():

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from schedcc.analysis import Layout, Steps
 from schedcc.backends.checkpoint.files import (
     load_stage_states,
     program_meta,
@@ -56,6 +55,7 @@ from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
+from schedcc.semantics import Layout, Steps
 from schedcc.validate import validate
 
 __all__ = ["DataParallel", "Engine"]

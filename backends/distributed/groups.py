@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from schedcc.analysis import Layout, Steps, comm_route
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
+from schedcc.semantics import Layout, Steps, comm_route, decode
 
 __all__ = ["CommGroup", "device_of", "groups", "own_segments", "plan"]
 
@@ -99,10 +99,11 @@ def plan(program: Program, stage: int, layout: Layout) -> list[Instruction | Com
             continue
         items = []
         for op in ops[lo:hi]:
-            src, dst, (kind, _, k) = comm_route(layout, stage, op)  # type: ignore[misc]
+            src, dst, tensor = comm_route(layout, stage, op)  # type: ignore[misc]
+            is_gradient, _, k = decode(tensor, layout.num_segments)
             # the tensor is an activation out of segment k, or the gradient of the activation
             # out of segment k - 1: either way its shape is learnt under ("A", segment)
-            key = ("A", k if kind == "A" else k - 1)
+            key = ("A", k - 1 if is_gradient else k)
             items.append((op, op.is_send, dst if op.is_send else src, key))
         steps.append(CommGroup(items))
     return steps

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from schedcc.analysis import Layout
+from schedcc.semantics import Layout
 
 __all__ = ["Shapes", "learn_shapes", "recv_tensor", "send_tensor"]
 

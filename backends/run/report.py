@@ -77,7 +77,7 @@ def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[Event
 
 
 def _bounds(program: Program):
-    from schedcc.analysis import Steps
+    from schedcc.semantics import Steps
 
     return Steps.of(program.stages).bounds
 

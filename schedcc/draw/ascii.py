@@ -20,11 +20,29 @@ import shutil
 import sys
 
 from schedcc.errors import ScheduleConfigError
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Compute,
+    Forward,
+    GatherParams,
+    OptimizerStep,
+    ReduceGrads,
+)
 
 __all__ = ["render"]
 
-_BACKGROUND = {"F": 44, "B": 42, "I": 46, "W": 45, "Reduce": 43, "Step": 43, "Gather": 43}
-_SHOWN = frozenset(_BACKGROUND)
+#: The ANSI background of each drawn instruction class (comm is not drawn).
+_BACKGROUND = {
+    Forward: 44,
+    Backward: 42,
+    BackwardInput: 46,
+    BackwardWeight: 45,
+    ReduceGrads: 43,
+    OptimizerStep: 43,
+    GatherParams: 43,
+}
 _RESET = "\x1b[0m"
 
 
@@ -52,7 +70,7 @@ def render(timeline, *, width: int | None = None, color: bool | None = None) -> 
     columns = max(1, round(makespan * scale))
     rows = [[(".", None)] * columns for _ in range(timeline.num_stages)]
     for stage, op, start, end in timeline.events:
-        if op.code not in _SHOWN or end <= start:
+        if type(op) not in _BACKGROUND or end <= start:
             continue
         lo, hi = round(start * scale), round(end * scale)
         if hi <= lo:  # narrower than a column: shown only where nothing wider is
@@ -76,7 +94,7 @@ def _smallest_unit(timeline) -> float:
         (
             e.end - e.start
             for e in timeline.events
-            if e.instruction.code in "FBIW" and e.end > e.start
+            if isinstance(e.instruction, Compute) and e.end > e.start
         ),
         default=1.0,
     )
@@ -109,7 +127,7 @@ def _block_text(op, width: int, color: bool) -> str:
 
 
 def _style(op) -> int:
-    background = _BACKGROUND[op.code]
+    background = _BACKGROUND[type(op)]
     return background + 60 if getattr(op, "chunk", 0) % 2 else background
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
 
-from schedcc.ir import Instruction
+from schedcc.ir import SENDS, Comm, Instruction
 
 __all__ = ["chrome_trace", "comm_flows", "write_chrome_trace"]
 
@@ -117,15 +117,15 @@ def comm_flows(program, events: Iterable[EventLike]) -> list[tuple[EventLike, Ev
     Works for a measured run too: events are looked up by `(stage, instruction)`, in any order;
     a pair with a side missing from `events` is left out.
     """
-    from schedcc.analysis import Layout, match_comm
+    from schedcc.semantics import Tensors, match_comm
 
-    by_op = {(e[0], e[1]): e for e in events if e[1].group == "comm"}
-    partner, _ = match_comm(program, Layout.of(program.schedule))
+    by_op = {(e[0], e[1]): e for e in events if isinstance(e[1], Comm)}
+    partner, _ = match_comm(program.stages, Tensors.of(program.schedule))
     pairs = []
     for s, row in enumerate(partner):
         ops = program.stages[s]
         for pos, peer in enumerate(row):
-            if peer is None or not ops[pos].is_send:
+            if peer is None or not isinstance(ops[pos], SENDS):
                 continue
             send = by_op.get((s, ops[pos]))
             recv = by_op.get((peer[0], program.stages[peer[0]][peer[1]]))

@@ -16,17 +16,36 @@ from os import PathLike
 from pathlib import Path
 
 from schedcc.errors import ScheduleConfigError
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    GatherParams,
+    OptimizerStep,
+    ReduceGrads,
+)
 
 __all__ = ["save"]
 
+#: Per drawn instruction class: its colour and its legend entry.
 _COLOR = {
-    "F": (0.20, 0.42, 0.80),
-    "B": (0.22, 0.62, 0.30),
-    "I": (0.10, 0.60, 0.62),
-    "W": (0.55, 0.33, 0.70),
-    "Reduce": (0.55, 0.55, 0.55),
-    "Step": (0.40, 0.40, 0.40),
-    "Gather": (0.65, 0.65, 0.65),
+    Forward: (0.20, 0.42, 0.80),
+    Backward: (0.22, 0.62, 0.30),
+    BackwardInput: (0.10, 0.60, 0.62),
+    BackwardWeight: (0.55, 0.33, 0.70),
+    ReduceGrads: (0.55, 0.55, 0.55),
+    OptimizerStep: (0.40, 0.40, 0.40),
+    GatherParams: (0.65, 0.65, 0.65),
+}
+_NAME = {
+    Forward: "forward",
+    Backward: "backward",
+    BackwardInput: "input grad",
+    BackwardWeight: "weight grad",
+    ReduceGrads: "reduce",
+    OptimizerStep: "step",
+    GatherParams: "gather",
 }
 _FORMATS = {".png": "png", ".svg": "svg"}
 _MAX_LABELS = 4000  # beyond this many blocks, numbers would be unreadable anyway
@@ -53,11 +72,11 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
     num_stages, makespan = timeline.num_stages, timeline.makespan or 1.0
     fig = Figure(figsize=(min(40.0, max(8.0, makespan / 4)), 1.0 + 0.45 * num_stages))
     ax = fig.add_subplot()
-    blocks = [e for e in timeline.events if e.instruction.code in _COLOR and e.end > e.start]
+    blocks = [e for e in timeline.events if type(e.instruction) in _COLOR and e.end > e.start]
     num_chunks = timeline.program.schedule.num_chunks
     label = len(blocks) <= _MAX_LABELS
     for stage, op, start, end in blocks:
-        color = _shade(_COLOR[op.code], getattr(op, "chunk", 0), num_chunks)
+        color = _shade(_COLOR[type(op)], getattr(op, "chunk", 0), num_chunks)
         ax.broken_barh(
             [(start, end - start)],
             (stage - 0.4, 0.8),
@@ -95,17 +114,8 @@ def _shade(rgb: tuple[float, float, float], chunk: int, num_chunks: int):
 def _legend(blocks):
     from matplotlib.patches import Patch
 
-    names = {
-        "F": "forward",
-        "B": "backward",
-        "I": "input grad",
-        "W": "weight grad",
-        "Reduce": "reduce",
-        "Step": "step",
-        "Gather": "gather",
-    }
-    present = {e.instruction.code for e in blocks}
-    return [Patch(color=_COLOR[code], label=names[code]) for code in _COLOR if code in present]
+    present = {type(e.instruction) for e in blocks}
+    return [Patch(color=_COLOR[cls], label=_NAME[cls]) for cls in _COLOR if cls in present]
 
 
 def _title(timeline) -> str:

@@ -1,6 +1,6 @@
 """insert_comm: add the sends and receives that the compute order needs, deadlock-free.
 
-[Note: comm insertion by walk] (DESIGN.md, "one model for proof, simulation and comm insertion")
+[Note: comm insertion by walk] (docs/design.md, "Comm insertion by a walk in time slices")
 Simulate the computes alone with the default costs (F=1, B=2, I=1, W=1), each starting once its
 stage is free and its inputs exist. Then walk the instructions in time slices: at each time,
 first append the transfers that meet then (the send at the producer's current end, the receive
@@ -34,29 +34,26 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from schedcc.analysis import Layout, Steps, match_comm, walk
 from schedcc.errors import DeadlockError, DependencyError, IncompleteScheduleError
 from schedcc.ir import (
     Backward,
     BackwardInput,
     BackwardWeight,
+    Comm,
+    Compute,
     Forward,
     Instruction,
-    RecvActivation,
-    RecvGrad,
-    SendActivation,
-    SendGrad,
 )
 from schedcc.program import Program
+from schedcc.semantics import Steps, Tensors, match_comm, wait_for_cycle, walk
 
 __all__ = ["insert_comm"]
 
 # The default cost model in whole units, so start times are exact ints (and index buckets).
 _COST = {Forward: 1, Backward: 2, BackwardInput: 1, BackwardWeight: 1}
 
-# [Note: tensor keys] A tensor that crosses segments is one int: `(i * num_segments + k) * 2`
-# is microbatch i's activation out of segment k, and `+ 1` its input gradient out of segment k.
-# Flat lists indexed by key replace dicts of tuples: the walk is the compiler's hot loop.
+# Tensors are named by their keys (see [Note: tensor keys] in `schedcc.semantics.tensors`): flat
+# lists indexed by key replace dicts of tuples, since the walk is the compiler's hot loop.
 
 
 def insert_comm(program: Program) -> Program:
@@ -65,24 +62,24 @@ def insert_comm(program: Program) -> Program:
     A program that already holds any comm instruction is returned unchanged: its author owns
     the communication, and the validator checks it.
     """
-    if any(op.group == "comm" for ops in program.stages for op in ops):
+    if any(isinstance(op, Comm) for ops in program.stages for op in ops):
         return program
-    layout = Layout.of(program.schedule)
-    plan = _Plan(program, layout)
+    tensors = Tensors.of(program.schedule)
+    plan = _Plan(program, tensors)
     start = _simulate(program, plan)
-    stages, exact = _lower(program, layout, plan, start)
+    stages, exact = _lower(program, plan, start)
     lowered = program.evolve(stages=stages)
     if not exact:  # see [Note: two lowerings]
-        online, makespan = _lower_online(program, layout, plan)
-        if makespan < _makespan(lowered, layout):
+        online, makespan = _lower_online(program, plan)
+        if makespan < _makespan(lowered, tensors):
             lowered = program.evolve(stages=online)
     return lowered
 
 
-def _makespan(program: Program, layout: Layout) -> float:
+def _makespan(program: Program, tensors: Tensors) -> float:
     """The program's makespan under rendezvous with the default costs and free comm."""
     steps = Steps.of(program.stages)
-    partner, _ = match_comm(program, layout)
+    partner, _ = match_comm(program.stages, tensors)
 
     def duration(stage: int, step: int) -> float:
         if steps.is_group[stage][step]:
@@ -102,33 +99,27 @@ class _Plan:
     `key` (-1 if none), `producer_pos[key]` the position there.
     """
 
-    def __init__(self, program: Program, layout: Layout):
-        num_segments = len(layout.stage_of)
-        last = num_segments - 1
-        num_keys = 2 * num_segments * program.schedule.num_microbatches_total
-        self.num_segments = num_segments
+    def __init__(self, program: Program, tensors: Tensors):
+        span = tensors.span
+        num_keys = span * program.schedule.num_microbatches_total
+        self.tensors = tensors
         self.producer = [-1] * num_keys
         self.producer_pos = [0] * num_keys
         self.wants: list[list[tuple[int, ...] | None]] = []
         self.outs: list[list[int]] = []
         self.costs: list[list[int]] = []
         for s, ops in enumerate(program.stages):
-            seg = layout.segment[s]
+            table = tensors.compute_table(s)
             wants: list[tuple[int, ...] | None] = []
             outs: list[int] = []
             for op in ops:
-                cls, out = type(op), -1
-                if cls in _COST:
-                    k = seg[op.chunk]  # type: ignore[attr-defined]
-                    base = (op.microbatch * num_segments + k) * 2  # type: ignore[attr-defined]
-                    if cls is Forward:
-                        wants.append((base - 2,) if k > 0 else ())
-                        out = base
-                    elif cls is BackwardWeight:
-                        wants.append((base + 1,))
-                    else:  # Backward, BackwardInput: the forward, and the gradient from k + 1
-                        wants.append((base, base + 3) if k < last else (base,))
-                        out = base + 1
+                out = -1
+                if isinstance(op, Compute):
+                    use = table[type(op), op.chunk]
+                    base = op.microbatch * span
+                    wants.append(tuple(base + offset for offset in use.needs))
+                    if use.makes >= 0:
+                        out = base + use.makes
                 else:
                     wants.append(None)
                 outs.append(out)
@@ -140,10 +131,7 @@ class _Plan:
             self.costs.append([_COST.get(type(op), 0) for op in ops])
 
     def describe(self, key: int) -> str:
-        microbatch, k = divmod(key >> 1, self.num_segments)
-        if key & 1:
-            return f"input gradient of microbatch {microbatch} on segment {k}"
-        return f"forward of microbatch {microbatch} on segment {k}"
+        return self.tensors.describe(key)
 
 
 def _simulate(program: Program, plan: _Plan) -> list[list[int]]:
@@ -192,7 +180,7 @@ def _simulate(program: Program, plan: _Plan) -> list[list[int]]:
 
 
 def _lower(
-    program: Program, layout: Layout, plan: _Plan, start: list[list[int]]
+    program: Program, plan: _Plan, start: list[list[int]]
 ) -> tuple[tuple[tuple[Instruction, ...], ...], bool]:
     """Walk the instructions by start time, putting each transfer at its meeting time.
 
@@ -215,7 +203,7 @@ def _lower(
                 src = producer[key]
                 if src == s:
                     continue
-                send, recv = _pair(key, layout, plan, make)
+                send, recv = _pair(key, plan, make)
                 when = _meeting(start, ends, src, producer_pos[key], s, start[s][pos])
                 if when < 0:  # no common idle moment: meet at the consumer's start
                     when, exact = start[s][pos], False
@@ -301,12 +289,7 @@ def _explain_stuck(program: Program, plan: _Plan, cursor: list[int], blocked: di
                 stage=s,
                 position=pos,
             )
-    s = min(blocked)
-    chain: list[int] = []
-    while s not in chain:
-        chain.append(s)
-        s = producer[blocked[s]]
-    cycle = chain[chain.index(s) :]
+    cycle = wait_for_cycle({s: producer[key] for s, key in blocked.items()})
     links = [
         f"stage {s} waits at {stages[s][cursor[s]]} (position {cursor[s]}) for stage "
         f"{producer[blocked[s]]}'s {plan.describe(blocked[s])}"
@@ -323,9 +306,7 @@ def _explain_stuck(program: Program, plan: _Plan, cursor: list[int], blocked: di
     )
 
 
-def _lower_online(
-    program: Program, layout: Layout, plan: _Plan
-) -> tuple[tuple[tuple[Instruction, ...], ...], int]:
+def _lower_online(program: Program, plan: _Plan) -> tuple[tuple[tuple[Instruction, ...], ...], int]:
     """Lower by running the rendezvous model itself, greedily, in whole time units.
 
     At each time: first every pair whose producer has its tensor and whose two stages are both
@@ -352,7 +333,7 @@ def _lower_online(
             for key in wants[s][pos] if pos < len(ops) else ():
                 src = producer[key]
                 if src != s and not delivered[key] and 0 <= done[key] <= t >= busy_until[src]:
-                    send, recv = _pair(key, layout, plan, make)
+                    send, recv = _pair(key, plan, make)
                     out[src].append(send)
                     out[s].append(recv)
                     delivered[key] = 1
@@ -375,10 +356,7 @@ def _lower_online(
         t = min(later)
 
 
-def _pair(key: int, layout: Layout, plan: _Plan, make) -> tuple[Instruction, Instruction]:
-    """The send and the receive that move tensor `key` (see [Note: tensor keys])."""
-    i, k = divmod(key >> 1, plan.num_segments)
-    chunk_of = layout.chunk_of
-    if key & 1:  # gradient out of segment k into k - 1
-        return make(SendGrad, i, chunk_of[k]), make(RecvGrad, i, chunk_of[k - 1])
-    return make(SendActivation, i, chunk_of[k]), make(RecvActivation, i, chunk_of[k + 1])
+def _pair(key: int, plan: _Plan, make) -> tuple[Instruction, Instruction]:
+    """The send and the receive that move tensor `key`, one shared instance of each."""
+    send, recv = plan.tensors.pair_of(key)
+    return make(*send), make(*recv)

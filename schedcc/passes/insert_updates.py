@@ -11,23 +11,22 @@ reduce: `data_parallel > 1` or ZeRO.
 from __future__ import annotations
 
 from schedcc.ir import (
-    Backward,
-    BackwardWeight,
+    WEIGHT_GRADIENT,
+    Comm,
     GatherParams,
     Instruction,
     OptimizerStep,
     ReduceGrads,
+    Update,
 )
 from schedcc.program import Program
 
 __all__ = ["insert_updates"]
 
-_WEIGHT_GRAD = (Backward, BackwardWeight)
-
 
 def insert_updates(program: Program) -> Program:
     """The program with its update instructions; unchanged if it already holds any."""
-    if any(op.group == "update" for ops in program.stages for op in ops):
+    if any(isinstance(op, Update) for ops in program.stages for op in ops):
         return program
     reduce = program.data_parallel > 1 or program.zero > 0
     schedule = program.schedule
@@ -43,7 +42,7 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
     after: dict[int, list[Instruction]] = {}
     last_grad: dict[tuple[int, int], int] = {}  # (batch, chunk) -> position of last weight-grad
     for pos, op in enumerate(ops):
-        if type(op) in _WEIGHT_GRAD:
+        if isinstance(op, WEIGHT_GRADIENT):
             batch = op.microbatch // num_microbatches
             last_grad[batch, op.chunk] = pos
             if zero == 2:
@@ -70,6 +69,6 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
 
 def _past_comm(ops, pos: int) -> int:
     """The last position of the comm group right after `pos` (or `pos` if none follows)."""
-    while pos + 1 < len(ops) and ops[pos + 1].group == "comm":
+    while pos + 1 < len(ops) and isinstance(ops[pos + 1], Comm):
         pos += 1
     return pos

@@ -1,0 +1,58 @@
+"""The validator's rules: small functions from a `Context` to the `Problem`s they find.
+
+Each rule reads the program through `schedcc.semantics` (the step model, tensor identity, the
+weight-version rule, activation counting), so what it proves is what the simulators time and the
+backends run. `schedcc.validate.RULES` lists them in the order they run; the table of rules and
+errors is in docs/design.md ("What the validator guarantees").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import cached_property
+
+import attrs
+
+from schedcc.errors import ScheduleError
+from schedcc.program import Program
+from schedcc.semantics import CommProblem, Tensors, match_comm
+
+__all__ = ["Context", "Problem", "Rule", "short"]
+
+
+@attrs.frozen
+class Problem:
+    """One finding of a rule: the error class, what is wrong and how to fix it, and where."""
+
+    error: type[ScheduleError]
+    message: str
+    stage: int | None = None
+    position: int | None = None
+
+
+class Context:
+    """What several rules read, computed once per validation."""
+
+    def __init__(self, program: Program, max_activations: int | None):
+        self.program = program
+        self.stages = program.stages
+        self.schedule = program.schedule
+        self.max_activations = max_activations
+        self.tensors = Tensors.of(program.schedule)
+        self.layout = self.tensors.layout
+
+    @cached_property
+    def matching(self) -> tuple[list[list[tuple[int, int] | None]], list[CommProblem]]:
+        """`match_comm`'s `(partner, problems)` for the program."""
+        return match_comm(self.stages, self.tensors)
+
+    def where(self, stage: int, pos: int) -> str:
+        return f"stage {stage}, position {pos} ({self.stages[stage][pos]})"
+
+
+Rule = Callable[[Context], Iterator[Problem]]
+
+
+def short(code: str, microbatch: int, chunk: int) -> str:
+    """An instruction's printed form from its parts: `short("F", 3, 1) == "F3.1"`."""
+    return f"{code}{microbatch}.{chunk}" if chunk else f"{code}{microbatch}"

@@ -1,0 +1,142 @@
+"""Rules on computes: each runs once, on its own stage, after what it needs; memory bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from schedcc.errors import DependencyError, IncompleteScheduleError, MemoryBoundError
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Comm,
+    Compute,
+    Forward,
+    OptimizerStep,
+    SendActivation,
+)
+from schedcc.rules import Context, Problem, short
+from schedcc.semantics import first_over
+
+__all__ = ["check_complete", "check_dependencies", "check_memory"]
+
+_COLUMN = {Forward: 0, Backward: 1, BackwardInput: 2, BackwardWeight: 3}
+
+
+def check_complete(ctx: Context) -> Iterator[Problem]:
+    """Each (microbatch, segment) is forwarded once and backwarded once (B, or I then W); each
+    stage has one OptimizerStep per batch."""
+    # counts[4 * (i * num_segments + k) + n]: how often class n of _COLUMN runs (i, k).
+    num_segments = ctx.layout.num_segments
+    counts = [0] * (4 * num_segments * ctx.schedule.num_microbatches_total)
+    for s, ops in enumerate(ctx.stages):
+        seg = ctx.layout.segment[s]
+        for op in ops:
+            if isinstance(op, Compute):
+                counts[4 * (op.microbatch * num_segments + seg[op.chunk]) + _COLUMN[type(op)]] += 1
+    stage_of, chunk_of = ctx.layout.stage_of, ctx.layout.chunk_of
+    quads = zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])
+    for index, (f, b, inp, w) in enumerate(quads):
+        backward_once = (b, inp, w) == (1, 0, 0) or (b, inp, w) == (0, 1, 1)
+        if f == 1 and backward_once:
+            continue
+        i, k = divmod(index, num_segments)
+        s, c = stage_of[k], chunk_of[k]
+        what = f"microbatch {i}, segment {k} (stage {s}, chunk {c})"
+        if f != 1:
+            yield Problem(
+                IncompleteScheduleError,
+                f"{what} is forwarded {f} times; stage {s} must yield Forward({i}, chunk={c}) "
+                "exactly once",
+                s,
+            )
+        if not backward_once:
+            yield Problem(
+                IncompleteScheduleError,
+                f"{what} has {b} Backward, {inp} BackwardInput and {w} BackwardWeight; stage "
+                f"{s} must yield either Backward({i}, chunk={c}) once, or "
+                f"BackwardInput({i}, chunk={c}) and BackwardWeight({i}, chunk={c}) once each",
+                s,
+            )
+    num_batches = ctx.schedule.num_batches
+    for s, ops in enumerate(ctx.stages):
+        steps = sum(1 for op in ops if type(op) is OptimizerStep)
+        if steps != num_batches:
+            yield Problem(
+                IncompleteScheduleError,
+                f"stage {s} has {steps} OptimizerStep instructions; it needs one per batch "
+                f"({num_batches})",
+                s,
+            )
+
+
+def check_dependencies(ctx: Context) -> Iterator[Problem]:
+    """On its own stage, each compute comes after the tensors it needs (made on this stage or
+    received), and each send after the compute that makes what it sends."""
+    tensors, span = ctx.tensors, ctx.tensors.span
+    for s, ops in enumerate(ctx.stages):
+        have: set[int] = set()  # keys made or received on this stage so far
+        computes, comms = tensors.compute_table(s), tensors.comm_table(s)
+        for pos, op in enumerate(ops):
+            if isinstance(op, Compute):
+                use = computes[type(op), op.chunk]
+                base = op.microbatch * span
+                for offset in use.needs:
+                    if base + offset not in have:
+                        text = _needs(ctx, s, op, base + offset)
+                        yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {text}", s, pos)
+                        break
+                if use.makes >= 0:
+                    have.add(base + use.makes)
+            elif isinstance(op, Comm):
+                route = comms.get((type(op), op.chunk))
+                if route is None:  # nothing to move: check_comm reports it
+                    continue
+                key = op.microbatch * span + route.carries
+                if not op.is_send:
+                    have.add(key)
+                elif key not in have:
+                    text = _needs(ctx, s, op, key)
+                    yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {text}", s, pos)
+
+
+def _needs(ctx: Context, s: int, op: Compute | Comm, key: int) -> str:
+    """What `op` on stage `s` needed before it: the tensor `key`, as the instruction to add."""
+    is_gradient, i, k = ctx.tensors.decode(key)
+    c, chunk_of = op.chunk, ctx.layout.chunk_of
+    local = ctx.tensors.maker_stage(key) == s
+    if isinstance(op, Comm):
+        if type(op) is SendActivation:
+            return f"the forward that produces it, {short('F', i, c)}, before it"
+        return f"the backward that produces it, {short('B', i, c)} or {short('I', i, c)}"
+    if type(op) is Forward:
+        if local:
+            return f"{short('F', i, chunk_of[k])} (the forward of segment {k}) before it"
+        return f"its input received first: a RecvActivation {short('RA', i, c)} before it"
+    if type(op) is BackwardWeight:
+        return f"its BackwardInput {short('I', i, c)} before it"
+    if not is_gradient:
+        return f"its forward {short('F', i, c)} before it"
+    if local:
+        return f"the backward of segment {k} ({short('B', i, chunk_of[k])})"
+    return f"its output gradient received first: {short('RG', i, c)} before it"
+
+
+def check_memory(ctx: Context) -> Iterator[Problem]:
+    """No stage holds more than `max_activations` microbatch activations at once (each held
+    from its forward to its last backward piece, see `schedcc.semantics.memory`)."""
+    limit = ctx.max_activations
+    if limit is None:
+        return
+    for s, ops in enumerate(ctx.stages):
+        over = first_over(ops, limit)
+        if over is not None:
+            pos, held = over
+            yield Problem(
+                MemoryBoundError,
+                f"{ctx.where(s, pos)} makes stage {s} hold {held} microbatch activations, over "
+                f"the limit of {limit} (each is held from its F to its last backward piece, B or "
+                "W); run a backward earlier or lower the in-flight microbatches",
+                s,
+                pos,
+            )

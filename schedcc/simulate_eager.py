@@ -1,0 +1,111 @@
+"""The eager timeline: a program timed as the distributed engine runs it over gloo.
+
+[Note: eager simulation] The step model is rendezvous: a comm group is done only once its
+partners are posted, so a send waits for its receiver, and the compiler's groups pair a send with
+a receive (as Megatron-LM's `send_forward_recv_backward` does). That is the safe model for NCCL
+and what the validator proves. An executor whose sends never wait (the distributed engine over
+gloo, see [Note: eager point-to-point] in `backends/distributed/eager.py`) does better: each
+tensor leaves when its producer ends, and a compute starts once its stage is free and every tensor
+it needs from another stage has arrived (the producer's end plus the receive's comm cost, in
+flight, not taken from either stage). The eager timeline is that: computes and updates in program
+order, each starting at the later of its stage's clock and its inputs' arrival; a comm op spans
+its message's flight, from the producer's end to the arrival. A program that validates cannot
+get stuck this way (every wait of the rendezvous model is kept or dropped, none added), and no
+compute starts later than it would there (docs/design.md, "Rendezvous and eager").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from schedcc.ir import Comm, Compute, Instruction, RecvActivation, RecvGrad
+from schedcc.semantics import Tensors
+
+__all__ = ["eager_spans"]
+
+#: Per op: its duration (None for a comm op, timed by its message), the tensor key it needs from
+#: another stage and the one it makes (or, for a comm op, carries); -1 for none.
+_Plan = list[list[tuple[float | None, int, int]]]
+
+
+def eager_spans(
+    stages: Sequence[Sequence[Instruction]],
+    tensors: Tensors,
+    cost: Callable[[int, Instruction], float],
+) -> list[list[tuple[float, float]]] | None:
+    """`spans[s][pos] = (start, end)` of every instruction in the eager timeline (see the note
+    above); None if the program gets stuck (it does not validate). Linear: a stage that waits for
+    a tensor is resumed once, when the tensor's producer has run."""
+    plans, flight = _plans(stages, tensors, cost)
+    produced: dict[int, float] = {}  # tensor key -> when its producer ended
+    spans: list[list[tuple[float, float] | None]] = [[None] * len(ops) for ops in stages]
+    clock, at = [0.0] * len(stages), [0] * len(stages)
+    waiting: dict[int, list[int]] = {}  # tensor key -> the stages stopped until it is made
+    ready = deque(range(len(stages)))
+    while ready:
+        s = ready.popleft()
+        plan, row, now, pos = plans[s], spans[s], clock[s], at[s]
+        while pos < len(plan):
+            duration, need, make = plan[pos]
+            if duration is not None:
+                if need >= 0:
+                    if need not in produced:
+                        waiting.setdefault(need, []).append(s)
+                        break
+                    now = max(now, produced[need] + flight.get(need, 0.0))
+                row[pos] = (now, now + duration)
+                now += duration
+                if make >= 0:
+                    produced[make] = now
+                    if make in waiting:
+                        ready.extend(waiting.pop(make))
+            pos += 1
+        clock[s], at[s] = now, pos
+    if any(at[s] < len(plan) for s, plan in enumerate(plans)):
+        return None
+    return [_comm_spans(plans[s], spans[s], produced, flight) for s in range(len(stages))]
+
+
+def _plans(stages, tensors: Tensors, cost) -> tuple[_Plan, dict[int, float]]:
+    """Each op's plan entry, and `flight[key]`: the cost of the receive that moves `key`."""
+    span = tensors.span
+    plans: _Plan = []
+    flight: dict[int, float] = {}
+    for s, ops in enumerate(stages):
+        computes, comms = tensors.compute_table(s), tensors.comm_table(s)
+        row: list[tuple[float | None, int, int]] = []
+        for op in ops:
+            if isinstance(op, Comm):
+                route = comms.get((type(op), op.chunk))
+                key = -1 if route is None else op.microbatch * span + route.carries
+                if key >= 0 and type(op) in (RecvActivation, RecvGrad):
+                    flight[key] = cost(s, op)
+                row.append((None, -1, key))
+            elif isinstance(op, Compute):
+                use = computes[type(op), op.chunk]
+                base = op.microbatch * span
+                need = base + use.remote[0] if use.remote else -1
+                row.append((cost(s, op), need, base + use.makes if use.makes >= 0 else -1))
+            else:
+                row.append((cost(s, op), -1, -1))
+        plans.append(row)
+    return plans, flight
+
+
+def _comm_spans(plan, row, produced, flight) -> list[tuple[float, float]]:
+    """The stage's spans with each comm op's filled in: its message's flight (none: no time,
+    where it stands)."""
+    out = []
+    previous = 0.0
+    for (_, _, moved), span in zip(plan, row):
+        if span is None:
+            if moved < 0 or moved not in produced:
+                span = (previous, previous)
+            else:
+                sent = produced[moved]
+                span = (sent, sent + flight.get(moved, 0.0))
+        else:
+            previous = span[1]
+        out.append(span)
+    return out
