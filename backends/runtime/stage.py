@@ -3,11 +3,13 @@
 A backend owns communication only: it feeds received tensors in through `incoming`, takes the
 tensors to send from `outgoing`, and hands every compute and update instruction to `run`. Data
 parallelism reaches the runtime through a `Collectives` object (all-reduce, reduce-scatter,
-all-gather over this stage's data-parallel group).
+all-gather over this stage's data-parallel group; `backends.runtime.collectives`).
 
 Helpers it delegates to: `backends.runtime.versions` (the stashed weight versions),
-`backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.checkpoint.restore`
-(loading a checkpoint's state).
+`backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.runtime.grads`
+(gradients into `.grad`), `backends.runtime.memory` (the activation bytes a forward saves),
+`backends.checkpoint.restore` (loading a checkpoint's state). The file stays over ~400 lines on
+purpose: one short handler per instruction, in one class, so what each does reads in one place.
 
 [Note: what the runtime keeps] Per (microbatch, chunk): the input of the segment (received, handed
 over from a segment on this stage, or the microbatch itself on segment 0), the graph of its forward
@@ -18,27 +20,23 @@ stashing), and under ZeRO a flat shard parameter that the optimizer steps.
 
 [Note: exactness] The last segment scales its loss by 1/(m * dp), gradients are accumulated into
 the live parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed
-weights under weight stashing), and the reductions sum in rank order, so a pipelined step equals a
-non-pipelined step on the concatenated global batch up to float rounding.
-
-[Note: activation bytes are measured once] Saved-tensor hooks count the bytes a forward saves for
-its backward (views count their own bytes, a tensor saved twice counts once, parameters do not
-count). A Python hook on every saved tensor costs time, so the count is taken on the first forward
-of each signature (chunk, input shape/dtype/strides/requires_grad, the target's for the loss, the
-module's training flag, grad mode) and reused for later forwards with the same signature: exact
-for any module whose saved tensors depend on shapes, not on values (a data-dependent module, e.g.
-a router that drops tokens, gets the first microbatch's count).
+weights under weight stashing: [Note: autograd accumulates] in `backends.runtime.grads`), and the
+reductions sum in rank order, so a pipelined step equals a non-pipelined step on the concatenated
+global batch up to float rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
+from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
+from schedcc.backends.runtime.grads import accumulate, backward_into_grads
+from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
@@ -60,39 +58,7 @@ from schedcc.ir import (
 if TYPE_CHECKING:
     from schedcc.program import Program
 
-__all__ = ["Collectives", "SoloCollectives", "StageRuntime"]
-
-
-class Collectives(Protocol):
-    """Data-parallel communication over one stage's replicas, supplied by the backend."""
-
-    rank: int
-    size: int
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """In-place SUM across the data-parallel ranks."""
-
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """SUM of `flat` (length `size * shard`) across ranks; returns this rank's shard."""
-
-    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The concatenation, in rank order, of every rank's `shard` (flat)."""
-
-
-class SoloCollectives:
-    """The collectives of a single replica (data_parallel == 1): identities."""
-
-    rank = 0
-    size = 1
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        return None
-
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.clone()
-
-    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        return shard.clone()
+__all__ = ["StageRuntime"]
 
 
 class _Graph:
@@ -177,8 +143,9 @@ class StageRuntime:
             GatherParams: self._gather_params,
         }
         self.peak_activation_bytes = 0
-        #: bytes a forward saves, by signature: kept across runs (see the note above)
-        self._saved_bytes: dict[tuple, int] = {}
+        #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
+        #: measured once])
+        self._saved_bytes = SavedBytes()
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------
@@ -325,36 +292,20 @@ class StageRuntime:
                 self._to_send["A", i, c] = out.contiguous()
 
     def _run_segment(self, c, k, i, x, params) -> _Graph:
-        module = self.modules[c]
+        def forward() -> torch.Tensor:
+            out = self._call(self.modules[c], params, x)
+            return self._loss(i, out) if k == self._last else out
+
         signature = self._signature(c, k, i, x)
-        num_bytes = self._saved_bytes.get(signature)
-        if num_bytes is not None:  # see [Note: activation bytes are measured once]
-            out = self._call(module, params, x)
-            if k == self._last:
-                out = self._loss(i, out)
-            return _Graph(out, x, list(params.values()), num_bytes)
-        skip = {t.untyped_storage().data_ptr() for t in params.values()}
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            # A view counts its own bytes (a microbatch is a view of the whole batch); a tensor
-            # saved twice counts once; parameters are weights, not activations.
-            if t.untyped_storage().data_ptr() not in skip:
-                seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self._call(module, params, x)
-            if k == self._last:
-                out = self._loss(i, out)
-        num_bytes = self._saved_bytes[signature] = sum(seen.values())
+        out, num_bytes = self._saved_bytes.run(signature, params.values(), forward)
         return _Graph(out, x, list(params.values()), num_bytes)
 
     def _call(self, module: nn.Module, params, x: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(module, params, (x,)) if self._delay else module(x)
 
     def _signature(self, c: int, k: int, i: int, x: torch.Tensor) -> tuple:
-        """What the saved tensors of a forward depend on (see the note in `_run_segment`)."""
+        """What the saved tensors of a forward depend on ([Note: activation bytes are measured
+        once] in `backends.runtime.memory`)."""
         target = None
         if k == self._last:
             batch, local = divmod(i, self._m)
@@ -418,9 +369,9 @@ class StageRuntime:
             if x.requires_grad:
                 self._emit_input_grad(op, x, grads[0])
                 grads = grads[1:]
-            self._accumulate(op.chunk, grads)
+            accumulate(self.modules[op.chunk].parameters(), grads)
         else:
-            self._backward_into_grads(graph.output, grad_out)
+            backward_into_grads(graph.output, grad_out)
             if x.requires_grad:
                 self._emit_input_grad(op, x, x.grad)
         self._free(op)
@@ -445,33 +396,10 @@ class StageRuntime:
         output, grad_out = graph.output
         if self._delay:
             grads = torch.autograd.grad(output, graph.params, grad_out, allow_unused=True)
-            self._accumulate(op.chunk, grads)
+            accumulate(self.modules[op.chunk].parameters(), grads)
         else:
-            self._backward_into_grads(output, grad_out, graph.params)
+            backward_into_grads(output, grad_out, graph.params)
         self._free(op)
-
-    @staticmethod
-    def _backward_into_grads(output, grad_out, leaves: list[torch.Tensor] | None = None) -> None:
-        """Accumulate d output / d leaf into each leaf's `.grad`: every leaf the graph reaches
-        that needs a gradient (as `loss.backward()`), or only `leaves`.
-
-        [Note: autograd accumulates] The engine does what `_accumulate` does in Python: a leaf
-        without `.grad` takes the gradient, one with `.grad` adds it in place; so the result is
-        bitwise the same, without the clone and the per-parameter Python loop. A segment's input
-        is a fresh leaf per microbatch (or, on the first segment, a batch detached on load), so
-        its `.grad` is exactly its input gradient; the other leaves a chunk's forward reaches are
-        its parameters. A full backward names no leaves: with `inputs=` the engine took 2-7%
-        longer per backward here (measured on the benchmark's 4 x Linear(512) segment),
-        and a backward is most of a stage's time. Only `BackwardWeight` names them (the
-        parameters), since its input's gradient was already taken.
-        """
-        if leaves is None:
-            if output.requires_grad:
-                torch.autograd.backward(output, grad_out)
-            return
-        wrt = [t for t in leaves if t.requires_grad]
-        if wrt:
-            torch.autograd.backward(output, grad_out, inputs=wrt)
 
     def _graph(self, op) -> _Graph:
         graph = self._graphs.get((op.microbatch, op.chunk))
@@ -495,15 +423,6 @@ class StageRuntime:
             self._handoff["G", i, k] = grad
         else:
             self._to_send["G", i, c] = grad.contiguous()
-
-    def _accumulate(self, c: int, grads: Sequence[torch.Tensor | None]) -> None:
-        for p, g in zip(self.modules[c].parameters(), grads):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.detach().clone()
-            else:
-                p.grad.add_(g)
 
     # -- updates --------------------------------------------------------------------------------
 

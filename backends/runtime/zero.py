@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from schedcc.backends.runtime.stage import Collectives
+    from schedcc.backends.runtime.collectives import Collectives
 
 __all__ = ["Reducer"]
 
