@@ -1,12 +1,23 @@
 """The local backend: every stage (and data-parallel replica) of a program in one process.
 
-Stages exchange tensors through an in-memory mailbox keyed by the same route the validator pairs
-sends and receives with (`schedcc.analysis.comm_route`). Each replica runs its stages round-robin,
-advancing a stage until it reaches a receive whose send has not happened; a validated program
-always finishes this way (a send never waits, which only relaxes the rendezvous model the
-validator proves). Data-parallel replicas run as threads whose collectives meet at a barrier and
-sum in rank order, so results are deterministic. With float64 this backend matches non-pipelined
-training to ~1e-12: it is the oracle the distributed backend is tested against.
+Each replica runs its stages in turns, each stage advancing until it waits at a comm group, in
+the rendezvous model the validator proves (see the note below). Data-parallel replicas run as
+threads whose collectives meet at a barrier and sum in rank order, so results are deterministic.
+With float64 this backend matches non-pipelined training to ~1e-12: it is the oracle the
+distributed backend is tested against.
+
+[Note: the local backend runs the rendezvous model] (docs/design.md, "Semantics") A stage that
+reaches a comm group *posts* all of it: each send's tensor goes into a mailbox keyed by the route
+the validator pairs it with (`comm_route`), and each receive is marked as expected. The group is
+*done* once each send is expected by its receiver and each receive has its tensor, i.e. once
+every op's partner group is posted, and only then does the stage go on. That is the step model
+itself, so a program runs here exactly when the validator accepts it (posting a group's sends
+before waiting on any receive is what runs `F0 [RG0 SA0] B0` against `[RA0] F0 B0 [SG0]`; waiting
+on each receive in turn is a stricter model, which deadlocked there). The distributed backend runs
+the same model under NCCL (a group is one `batch_isend_irecv`) and a relaxation of it under gloo:
+eager sends, receives posted ahead, shared memory's inline messages. None adds a wait or changes
+a pairing, so none can hang or change a number: [Note: eager point-to-point] in
+`backends.distributed.eager` gives the argument.
 
     >>> import torch, schedcc
     >>> from schedcc.backends.local import Engine
@@ -22,10 +33,9 @@ training to ~1e-12: it is the oracle the distributed backend is tested against.
 from __future__ import annotations
 
 import copy
-import itertools
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,64 +50,28 @@ from schedcc.backends.checkpoint.files import (
     write_shard,
 )
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
+from schedcc.backends.engine import (
+    BaseEngine,
+    LossFn,
+    OptimizerFactory,
+    check_pair,
+    check_segments,
+    is_pair,
+)
+from schedcc.backends.runtime.collectives import Meeting, ThreadCollectives
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import DeadlockError, ScheduleConfigError
+from schedcc.ir import Comm, Instruction
 from schedcc.program import Program
-from schedcc.semantics import Layout, comm_route
-from schedcc.validate import validate
+from schedcc.semantics import Layout, Steps, comm_route
 
-__all__ = ["Engine", "ThreadCollectives"]
+__all__ = ["Engine"]
 
-#: Seconds a data-parallel replica waits for the others at a collective before giving up.
-COLLECTIVE_TIMEOUT_S = 120.0
-
-Batch = tuple[torch.Tensor, torch.Tensor]
+#: Per batch of a run, per replica: the microbatches of the inputs and of the targets.
+Microbatches = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
-class _Group:
-    """The meeting point of one stage's data-parallel replicas (threads)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.slots: list[torch.Tensor | None] = [None] * size
-        self.barrier = threading.Barrier(size, timeout=COLLECTIVE_TIMEOUT_S)
-
-
-class ThreadCollectives:
-    """`Collectives` between replica threads of one process: sums in rank order (deterministic)."""
-
-    def __init__(self, group: _Group, rank: int) -> None:
-        self._group = group
-        self.rank = rank
-        self.size = group.size
-
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        group = self._group
-        group.slots[self.rank] = tensor
-        group.barrier.wait()
-        seen = list(group.slots)  # type: ignore[arg-type]
-        group.barrier.wait()  # nobody refills a slot before everyone has read them all
-        return seen  # type: ignore[return-value]
-
-    def _sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(tensor.detach().clone())
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total.add_(part)
-        return total
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        tensor.copy_(self._sum(tensor))
-
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        shard = flat.numel() // self.size
-        return self._sum(flat)[self.rank * shard : (self.rank + 1) * shard].clone()
-
-    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._exchange(shard.detach().clone()))
-
-
-class Engine:
+class Engine(BaseEngine):
     """Train `segments` with `program`, every stage in this process.
 
     Args:
@@ -110,113 +84,50 @@ class Engine:
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
 
     Raises:
-        ScheduleConfigError: the number of segments is not `p * v`, or one is not a module.
+        ScheduleConfigError: the number of segments is not `p * v`, one is not a module, or
+            `loss_fn`/`optimizer` is not callable.
         ScheduleError: the program does not validate.
 
     A batch is `(inputs, targets)`, split along dim 0 into `m` microbatches. With
     `data_parallel = dp > 1` a batch is either a sequence of `dp` local batches (one per
     replica, in data-parallel order) or one `(inputs, targets)` global batch that is split into
     `dp` equal local batches; a step equals non-pipelined training on their concatenation.
+    `train`, `train_step`, `steps` and `peak_activation_bytes` are `BaseEngine`'s.
     """
 
     def __init__(
         self,
         program: Program,
         segments: Sequence[nn.Module],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
     ) -> None:
-        if not isinstance(program, Program):
-            raise ScheduleConfigError(
-                f"Engine needs a compiled Program, got {type(program).__name__}: pass "
-                "schedcc.compile(schedule)"
-            )
-        validate(program)
+        super().__init__(program, loss_fn, optimizer)
         schedule = program.schedule
-        segments = list(segments)
-        if len(segments) != schedule.num_segments:
-            raise ScheduleConfigError(
-                f"{schedule!r} needs p*v = {schedule.num_stages}*{schedule.num_chunks} = "
-                f"{schedule.num_segments} segments, got {len(segments)}: cut the model with "
-                f"schedcc.partition(model, {schedule.num_segments})"
-            )
-        for k, segment in enumerate(segments):
-            if not isinstance(segment, nn.Module):
-                raise ScheduleConfigError(
-                    f"segment {k} is a {type(segment).__name__}, not a torch.nn.Module"
-                )
-        self.program = program
+        segments = check_segments(schedule, segments)
         self.segments = segments
-        self._layout = Layout.of(schedule)
+        self._layout = layout = Layout.of(schedule)
         dp = program.data_parallel
         replicas = [segments] + [copy.deepcopy(segments) for _ in range(dp - 1)]
-        groups = [_Group(dp) for _ in range(schedule.num_stages)]
+        meetings = [Meeting(dp) for _ in range(schedule.num_stages)]
         self.runtimes: list[list[StageRuntime]] = [
             [
                 StageRuntime(
                     program,
                     s,
-                    [replica[k] for k in self._layout.segment[s]],
+                    [replica[k] for k in layout.segment[s]],
                     loss_fn,
                     optimizer,
-                    collectives=ThreadCollectives(groups[s], r) if dp > 1 else None,
+                    collectives=ThreadCollectives(meetings[s], r) if dp > 1 else None,
                 )
                 for s in range(schedule.num_stages)
             ]
             for r, replica in enumerate(replicas)
         ]
-        self._groups = groups
-        #: Optimizer steps taken so far (batches trained); saved in checkpoints.
-        self.steps = 0
-
-    # -- public ---------------------------------------------------------------------------------
-
-    @property
-    def peak_activation_bytes(self) -> list[int]:
-        """Per stage (replica 0), the most bytes of saved activations held at once."""
-        return [rt.peak_activation_bytes for rt in self.runtimes[0]]
-
-    def train(self, batches: Iterable[Any]) -> Iterator[float]:
-        """Train on `batches`, yielding each batch's loss (the global-batch mean).
-
-        The program covers `num_batches` batches; the batches are taken in groups of that many
-        and the program runs once per group. Each run starts from the current weights as version
-        0, so under a weight-delayed schedule (2BW) the pipeline drains at group boundaries
-        exactly as at the end of one program: the first `weight_delay` batches of every group use
-        the group's starting weights.
-
-        Raises:
-            ScheduleConfigError: a bad batch (checked for a whole group before it runs), or fewer
-                batches left than one program covers.
-        """
-        size = self.program.schedule.num_batches
-        it = iter(batches)
-        while group := list(itertools.islice(it, size)):
-            if len(group) < size:
-                raise ScheduleConfigError(
-                    f"the program covers {size} batches per run but only {len(group)} were left: "
-                    f"pass a multiple of {size} batches, or compile with num_batches=1"
-                )
-            for loss in self._run([self._split(b, j) for j, b in enumerate(group)]):
-                self.steps += 1
-                yield loss
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on one batch (flush schedules); returns its loss.
-
-        Raises:
-            ScheduleConfigError: the schedule delays weights or covers more than one batch (use
-                `train`), or a bad batch.
-        """
-        schedule = self.program.schedule
-        if schedule.weight_delay or schedule.num_batches != 1:
-            raise ScheduleConfigError(
-                f"train_step runs one flush step; {schedule!r} has weight_delay="
-                f"{schedule.weight_delay} and num_batches={schedule.num_batches}: use train()"
-            )
-        (loss,) = self._run([self._split((inputs, targets), 0)])
-        self.steps += 1
-        return loss
+        self._meetings = meetings
+        #: Per stage, its program as this engine runs it: compute and update instructions, and
+        #: each comm group as one `_CommGroup`.
+        self._ops = [_stage_ops(program, s, layout) for s in range(schedule.num_stages)]
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -255,49 +166,46 @@ class Engine:
 
     # -- batches --------------------------------------------------------------------------------
 
-    def _split(self, batch: Any, index: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    def _runtimes(self) -> list[StageRuntime]:
+        return self.runtimes[0]
+
+    def _prepare(self, group: list[Any], first: int) -> list[Microbatches]:
+        return [self._split(batch, first + j) for j, batch in enumerate(group)]
+
+    def _split(self, batch: Any, index: int) -> Microbatches:
         """Per replica, the microbatches of inputs and targets; checks everything first."""
-        dp = self.program.data_parallel
-        if _is_pair(batch):
+        dp, m = self.program.data_parallel, self.program.schedule.num_microbatches
+        if is_pair(batch):
             inputs, targets = batch
-            _check_pair(inputs, targets, index)
-            if dp > 1:
-                if inputs.shape[0] % dp:
-                    raise ScheduleConfigError(
-                        f"batch {index}: {inputs.shape[0]} samples cannot be split into "
-                        f"data_parallel={dp} equal local batches"
-                    )
-                local = list(zip(inputs.chunk(dp), targets.chunk(dp)))
-            else:
-                local = [(inputs, targets)]
-        elif isinstance(batch, Sequence) and len(batch) == dp and all(map(_is_pair, batch)):
+            check_pair(inputs, targets, index)
+            if dp > 1 and inputs.shape[0] % dp:
+                raise ScheduleConfigError(
+                    f"batch {index}: {inputs.shape[0]} samples cannot be split into "
+                    f"data_parallel={dp} equal local batches"
+                )
+            local = list(zip(inputs.chunk(dp), targets.chunk(dp))) if dp > 1 else [batch]
+        elif isinstance(batch, Sequence) and len(batch) == dp and all(map(is_pair, batch)):
             local = list(batch)
         else:
             raise ScheduleConfigError(
                 f"batch {index} must be (inputs, targets) tensors"
                 + (f" or a sequence of {dp} such local batches" if dp > 1 else "")
             )
-        sizes = {x.shape[0] if isinstance(x, torch.Tensor) else None for x, _ in local}
+        for r, (x, y) in enumerate(local):
+            check_pair(x, y, index, where=f" (replica {r})" if dp > 1 else "")
+        sizes = {x.shape[0] for x, _ in local}
         if len(sizes) > 1:
             raise ScheduleConfigError(
-                f"batch {index}: the local batches hold {sorted(map(str, sizes))} samples; every "
+                f"batch {index}: the local batches hold {sorted(sizes)} samples; every "
                 "data-parallel replica needs the same local batch size"
             )
-        return [self._microbatches(x, y, index, r) for r, (x, y) in enumerate(local)]
-
-    def _microbatches(self, inputs, targets, index: int, replica: int):
-        _check_pair(inputs, targets, index)
-        m = self.program.schedule.num_microbatches
-        if inputs.shape[0] % m:
-            raise ScheduleConfigError(
-                f"batch {index} (replica {replica}): {inputs.shape[0]} samples cannot be split "
-                f"into m={m} equal microbatches; make the batch size a multiple of {m}"
-            )
-        return list(inputs.chunk(m)), list(targets.chunk(m))
+        for r, (x, y) in enumerate(local):
+            check_pair(x, y, index, m, where=f" (replica {r})" if dp > 1 else "")
+        return [(list(x.chunk(m)), list(y.chunk(m))) for x, y in local]
 
     # -- running --------------------------------------------------------------------------------
 
-    def _run(self, batches) -> list[float]:
+    def _run(self, batches: list[Microbatches]) -> list[float]:
         """Run the program once over `batches` (per batch, per replica microbatches)."""
         first, last = self._layout.stage_of[0], self._layout.stage_of[-1]
         for r, runtimes in enumerate(self.runtimes):
@@ -323,76 +231,119 @@ class Engine:
                 self._run_replica(r)
             except BaseException as error:
                 errors.append(error)
-                for group in self._groups:
-                    group.barrier.abort()  # wake the other replicas; they fail too
+                for meeting in self._meetings:
+                    meeting.barrier.abort()  # wake the other replicas; they fail too
 
         threads = [threading.Thread(target=body, args=(r,)) for r in range(len(self.runtimes))]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        for group in self._groups:
-            group.barrier.reset()
+        for meeting in self._meetings:
+            meeting.barrier.reset()
         if errors:
             broken = (threading.BrokenBarrierError,)
             raise next((e for e in errors if not isinstance(e, broken)), errors[0])
 
     def _run_replica(self, replica: int) -> None:
-        runtimes = self.runtimes[replica]
-        stages = self.program.stages
-        cursor = [0] * len(stages)
-        mailbox: dict[tuple, torch.Tensor] = {}
-        while any(cursor[s] < len(ops) for s, ops in enumerate(stages)):
-            progressed = False
-            for s, ops in enumerate(stages):
-                start = cursor[s]
-                cursor[s] = self._advance(runtimes[s], s, ops, start, mailbox)
-                progressed |= cursor[s] != start
-            if not progressed:
-                waiting = {
-                    s: str(stages[s][cursor[s]])
-                    for s in range(len(stages))
-                    if cursor[s] < len(stages[s])
-                }
-                raise DeadlockError(f"local backend: every stage waits on a receive: {waiting}")
+        """Run every stage of one replica in turns until all finish (see the note above)."""
+        runtimes, all_ops = self.runtimes[replica], self._ops
+        mail = _Mailbox()
+        cursors = [_Cursor() for _ in all_ops]
+        while True:
+            moved = False
+            for runtime, ops, cursor in zip(runtimes, all_ops, cursors):
+                moved |= cursor.advance(runtime, ops, mail)
+            if all(cursor.pos == len(ops) for cursor, ops in zip(cursors, all_ops)):
+                return
+            if not moved:
+                waiting = "; ".join(
+                    f"stage {s} at [{ops[cursor.pos]}]"
+                    for s, (cursor, ops) in enumerate(zip(cursors, all_ops))
+                    if cursor.pos < len(ops)
+                )
+                raise DeadlockError(
+                    "local backend: every unfinished stage waits at a comm group whose partner "
+                    f"is never posted: {waiting}"
+                )
 
-    def _advance(self, runtime: StageRuntime, s: int, ops, pos: int, mailbox) -> int:
-        """Run stage s from `pos` until it ends or waits on a receive; the new position."""
-        while pos < len(ops):
-            op = ops[pos]
-            if op.group == "comm":
-                route = comm_route(self._layout, s, op)
-                if route is None:
-                    raise DeadlockError(f"local backend: stage {s} {op} has no peer", stage=s)
-                if op.is_send:
-                    mailbox[route] = runtime.outgoing(op).clone()  # what a network would do
-                elif route in mailbox:
-                    runtime.incoming(op, mailbox.pop(route))
-                else:
-                    return pos
+
+class _CommGroup:
+    """One comm group of a stage's program: `(op, route)` for its sends and for its receives."""
+
+    __slots__ = ("ops", "recvs", "sends")
+
+    def __init__(self, ops: Sequence[Comm], routes: Sequence[tuple]) -> None:
+        self.ops = tuple(ops)
+        self.sends = [(op, route) for op, route in zip(ops, routes) if op.is_send]
+        self.recvs = [(op, route) for op, route in zip(ops, routes) if not op.is_send]
+
+    def __str__(self) -> str:
+        return " ".join(map(str, self.ops))
+
+
+def _stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction | _CommGroup]:
+    """Stage `stage`'s program: its compute and update instructions, and its comm groups."""
+    ops = program.stages[stage]
+    steps = Steps.of([ops])
+    items: list[Instruction | _CommGroup] = []
+    for (lo, hi), group in zip(steps.bounds[0], steps.is_group[0]):
+        if not group:
+            items.append(ops[lo])
+            continue
+        comms = ops[lo:hi]
+        # a validated program (the Engine refuses any other) has a route for every comm op
+        items.append(_CommGroup(comms, [comm_route(layout, stage, op) for op in comms]))
+    return items
+
+
+class _Mailbox:
+    """The point-to-point of one run of one replica: what each posted send carries, and which
+    receives are posted, by route (a route names one tensor of the run)."""
+
+    __slots__ = ("expected", "messages")
+
+    def __init__(self) -> None:
+        self.messages: dict[tuple, torch.Tensor] = {}
+        self.expected: set[tuple] = set()
+
+    def post(self, group: _CommGroup, runtime: StageRuntime) -> None:
+        for op, route in group.sends:
+            self.messages[route] = runtime.outgoing(op).clone()  # what a network would do
+        self.expected.update(route for _, route in group.recvs)
+
+    def done(self, group: _CommGroup) -> bool:
+        """Whether every op's partner group has been posted (rendezvous)."""
+        return all(route in self.expected for _, route in group.sends) and all(
+            route in self.messages for _, route in group.recvs
+        )
+
+
+class _Cursor:
+    """Where one stage is in its program during a run: a position, and whether the comm group
+    there is already posted."""
+
+    __slots__ = ("pos", "posted")
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.posted = False
+
+    def advance(self, runtime: StageRuntime, ops: Sequence, mail: _Mailbox) -> bool:
+        """Run until the end or a comm group that is not done; whether anything happened."""
+        start, was_posted = self.pos, self.posted
+        while self.pos < len(ops):
+            op = ops[self.pos]
+            if type(op) is _CommGroup:
+                if not self.posted:
+                    mail.post(op, runtime)
+                    self.posted = True
+                if not mail.done(op):
+                    break
+                for recv, route in op.recvs:
+                    runtime.incoming(recv, mail.messages.pop(route))
+                self.posted = False
             else:
                 runtime.run(op)
-            pos += 1
-        return pos
-
-
-def _is_pair(batch: Any) -> bool:
-    return (
-        isinstance(batch, (tuple, list))
-        and len(batch) == 2
-        and all(isinstance(t, torch.Tensor) for t in batch)
-    )
-
-
-def _check_pair(inputs: Any, targets: Any, index: int) -> None:
-    for name, t in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ScheduleConfigError(
-                f"batch {index}: {name} must be a tensor with a batch dimension, got "
-                f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else ' scalar'}"
-            )
-    if inputs.shape[0] != targets.shape[0]:
-        raise ScheduleConfigError(
-            f"batch {index}: inputs hold {inputs.shape[0]} samples but targets hold "
-            f"{targets.shape[0]}: targets must have the same batch size (dim 0)"
-        )
+            self.pos += 1
+        return self.pos != start or self.posted != was_posted

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _written import CLASS_A, written
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
@@ -25,7 +26,7 @@ from schedcc.backends.distributed.shm import ShmLinks, host_key
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import cores_for, spawn
-from schedcc.errors import RankFailure
+from schedcc.errors import RankFailure, ScheduleConfigError
 
 #: (schedule, p, v, num_batches, batches trained).
 SCHEDULES = [
@@ -55,21 +56,27 @@ def _compare(rank, name, p, v, batches_per_run, steps, dp=1, zero=0, linked=True
     this machine) rather than gloo.
     """
     schedule = schedcc.get_schedule(name)(p, 4, v, batches_per_run)
+    _compare_program(rank, schedule, steps, dp=dp, zero=zero, linked=linked, **kwargs)
+
+
+def _compare_program(rank, schedule, steps, dp=1, zero=0, linked=True, **kwargs):
+    """`_compare` for any schedule (e.g. a hand-written program)."""
+    p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
     program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
     segments = models.mlp_segments(p * v, width=8, seed=1)
     oracle = copy.deepcopy(segments)
     data = models.TeacherData(width=8, seed=2)
-    batches = [data.batch(8 * dp, step) for step in range(steps)]
+    batches = [data.batch(2 * m * dp, step) for step in range(steps)]
     dp_index = rank // p
     local = [(x.chunk(dp)[dp_index], y.chunk(dp)[dp_index]) for x, y in batches]
     engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=30, **kwargs)
     losses = list(engine.train(local))
-    peers = {s for step in engine._steps if type(step) is CommGroup for s in step.peers}
+    peers = {s for op in engine._ops if type(op) is CommGroup for s in op.peers}
     shm_peers = engine._transfers.shm_peers
     assert shm_peers == (peers if linked and host_key() else set()), shm_peers
     replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in batches] if dp > 1 else batches
     expected = list(LocalEngine(program, oracle, F.mse_loss, _optimizer).train(replicas))
-    where = f"{name} p={p} v={v} dp={dp} zero={zero} rank {rank}"
+    where = f"{schedule!r} dp={dp} zero={zero} rank {rank}"
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
     traced = [op for _, op, _, _ in engine.trace_events()]
     assert traced == list(program.stages[engine.stage]), where  # each instruction once, in order
@@ -108,6 +115,19 @@ def _linking_fails(rank: int) -> None:
             engine.train_step(x, y)
     finally:
         ShmLinks.connect = real
+
+
+def _written_worker(rank: int, world_size: int) -> int:
+    _init(rank, world_size)
+    _compare_program(rank, written(*CLASS_A), 2)  # shared memory
+    _compare_program(rank, written(*CLASS_A), 2, linked=False, shared_memory=False)  # gloo p2p
+    return 0
+
+
+def test_a_comm_group_that_receives_before_it_sends_equals_local():
+    """Issue 16's class A (`F0 [RG0 SA0] B0 Step` / `[RA0] F0 B0 [SG0] Step`, hand-written) trains
+    on 2 ranks, over shared memory and over gloo point-to-point, to the local backend's numbers."""
+    assert spawn(_written_worker, 2, grace=30, threads=1) == 0
 
 
 def _data_parallel_worker(rank: int, world_size: int) -> int:
@@ -227,7 +247,7 @@ def _uneven_batch_worker(rank: int, world_size: int) -> int:
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
     engine = Engine(program, models.mlp_segments(2, width=8), F.mse_loss, _optimizer, timeout=5)
     x, y = models.TeacherData(width=8).batch(6, 0)
-    with pytest.raises(ValueError, match="a batch of 6 does not split into 4 equal microbatches"):
+    with pytest.raises(ScheduleConfigError, match="batch 0: 6 samples cannot be split into m=4"):
         engine.train_step(x, y)
     x, y = models.TeacherData(width=8).batch(8, 0)
     assert engine.train_step(x, y) > 0  # the engine is still usable

@@ -8,6 +8,7 @@ import pytest
 import torch
 from _models import batches, make_segments, mse, sgd
 from _orders import random_orders
+from _written import CLASS_A, written
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ import schedcc
 from schedcc.backends.local import Engine
 from schedcc.backends.reference import assert_matches_reference, train_reference
 from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.ir import Comm
 
 
 def _schedule(name: str, p: int, m: int, v: int = 1, num_batches: int = 2):
@@ -95,6 +97,55 @@ def test_random_weight_delayed_orders_follow_the_delayed_rule(schedule):
     """Any valid order with weight_delay=1 (stashed versions) follows the 2BW update rule."""
     program = schedcc.compile(schedule)
     data = batches(schedule.num_batches, 2 * schedule.num_microbatches)
+    assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, data)
+
+
+# -- the rendezvous model: a comm group is posted whole ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stages",
+    [
+        CLASS_A,
+        ("F0 SA0 RG0 B0 Step", "RA0 F0 B0 SG0 Step"),  # the same group, send first
+        ("F0 F1 SA0 SA1 RG1 RG0 B1 B0 Step", "RA0 F0 RA1 F1 B1 SG1 B0 SG0 Step"),
+    ],
+)
+def test_a_comm_group_posted_whole_trains_exactly(stages):
+    """Issue 16's class A: a hand-written program whose group receives before it sends (and one
+    group meeting four of its peer's) validates and trains to non-pipelined training's numbers;
+    waiting on each receive before posting the group's send deadlocked."""
+    schedule = written(*stages, num_microbatches=stages[0].count("F"))
+    program = schedcc.compile(schedule)
+    m = schedule.num_microbatches
+    assert_matches_reference(program, make_segments(2), mse, sgd, batches(2, 2 * m))
+
+
+def _receives_first(program):
+    """`program` with the receives of every comm group moved before its sends (each channel's
+    FIFO order is kept: a send and a receive never share a channel)."""
+    stages = []
+    for ops in program.stages:
+        out: list = []
+        group: list = []
+        for op in [*ops, None]:
+            if isinstance(op, Comm):
+                group.append(op)
+                continue
+            out += [o for o in group if not o.is_send] + [o for o in group if o.is_send]
+            group = []
+            if op is not None:
+                out.append(op)
+        stages.append(tuple(out))
+    return program.evolve(stages=tuple(stages))
+
+
+@given(random_orders(max_stages=3, max_microbatches=4, max_chunks=2))
+def test_the_order_inside_a_comm_group_does_not_matter(schedule):
+    """A group is posted whole: with every group's receives first, any valid order still
+    validates and trains exactly."""
+    program = _receives_first(schedcc.compile(schedule))
+    data = batches(schedule.num_batches, schedule.num_microbatches)
     assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, data)
 
 

@@ -19,28 +19,32 @@ Backend: NCCL for CUDA tensors, gloo for CPU (the caller initialises the default
     >>> engine = Engine(program, segments, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1))
     >>> for loss in engine.train(batches): ...
 
-[Note: shapes are learnt once] is in `backends._p2p`, with the shape pass it explains.
-
-[Note: sends complete lazily] is in `backends._transfers`, with the point-to-point it explains.
+[Note: shapes are learnt once] is in `backends.distributed.shapes`, with the shape pass it
+explains; [Note: sends complete lazily] in `backends.distributed.transfers`, with the
+point-to-point. What both engines share (argument and batch checks, `train`, `train_step`,
+`steps`, `save`/`load`, `peak_activation_bytes`) is `backends.engine.BaseEngine`.
 
 [Note: failures] Every wait has the engine's `timeout`. A peer that dies closes its sockets (gloo's
 and the shared-memory links') and the waiting rank raises `RankFailure` naming its stage, the
 instruction it waited on and the peer ranks of that group; a wait that times out says the same. The
-launcher (`backends.launch` or torchrun) then ends the other ranks, so no rank hangs.
+launcher (`backends.run.launch` or torchrun) then ends the other ranks, so no rank hangs.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from itertools import islice
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from schedcc.backends.checkpoint.files import (
+    MANIFEST,
     load_stage_states,
     program_meta,
     shard_name,
@@ -48,35 +52,42 @@ from schedcc.backends.checkpoint.files import (
     write_shard,
 )
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
-from schedcc.backends.distributed.groups import CommGroup, device_of, groups, own_segments, plan
+from schedcc.backends.distributed.groups import (
+    CommGroup,
+    device_of,
+    own_segments,
+    process_groups,
+    stage_ops,
+)
 from schedcc.backends.distributed.shapes import learn_shapes
 from schedcc.backends.distributed.transfers import Transfers, first_line
+from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_pair, is_pair
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
-from schedcc.ir import Instruction
+from schedcc.ir import Instruction, Update
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps
-from schedcc.validate import validate
 
 __all__ = ["DataParallel", "Engine"]
 
 
 class DataParallel:
-    """`Collectives` over one stage's data-parallel group (see `backends.runtime.Collectives`).
+    """`Collectives` over one stage's data-parallel process group (see
+    `backends.runtime.collectives`).
 
     Gloo has no reduce-scatter: there it all-reduces a copy and keeps this rank's slice.
     """
 
-    def __init__(self, group, *, timeout: timedelta | None = None):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self._native = dist.get_backend(group) != "gloo"
+    def __init__(self, dp_group, *, timeout: timedelta | None = None):
+        self.dp_group = dp_group
+        self.rank = dist.get_rank(dp_group)
+        self.size = dist.get_world_size(dp_group)
+        self._native = dist.get_backend(dp_group) != "gloo"
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """In-place SUM over the group."""
         if self.size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            dist.all_reduce(tensor, group=self.dp_group)
 
     def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """SUM of `flat` (length `size * shard`) over the group; this rank's shard."""
@@ -85,10 +96,10 @@ class DataParallel:
             return flat.clone()
         if self._native:
             out = flat.new_empty(shard)
-            dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.group)
+            dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.dp_group)
             return out
         total = flat.clone()
-        dist.all_reduce(total, group=self.group)
+        dist.all_reduce(total, group=self.dp_group)
         return total[self.rank * shard : (self.rank + 1) * shard].clone()
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
@@ -97,14 +108,14 @@ class DataParallel:
             return shard.clone()
         if self._native:
             out = shard.new_empty(shard.numel() * self.size)
-            dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
+            dist.all_gather_into_tensor(out, shard.contiguous(), group=self.dp_group)
             return out
         parts = [torch.empty_like(shard) for _ in range(self.size)]
-        dist.all_gather(parts, shard.contiguous(), group=self.group)
+        dist.all_gather(parts, shard.contiguous(), group=self.dp_group)
         return torch.cat(parts)
 
 
-class Engine:
+class Engine(BaseEngine):
     """Trains this rank's stage of a pipelined model with `torch.distributed`.
 
     Args:
@@ -115,7 +126,8 @@ class Engine:
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
         mesh: a `DeviceMesh` with dims ("dp", "pp"); default: one over the whole world.
-        pp_group, dp_group: process groups to use instead of a mesh (both or neither).
+        pp_group, dp_group: the pipeline and data-parallel process groups to use instead of
+            a mesh (both or neither).
         timeout: the longest any wait may take (seconds or a timedelta).
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
             run); otherwise only the last stage knows it and the others yield NaN.
@@ -123,19 +135,23 @@ class Engine:
             shared memory rather than gloo (see [Note: same-host point-to-point]).
 
     Raises:
-        ScheduleConfigError: torch.distributed is not initialised, the world or groups do not
-            match `p * data_parallel`, or the segments do not match the program.
+        ScheduleConfigError: torch.distributed is not initialised, the world or process groups
+            do not match `p * data_parallel`, the segments do not match the program, or
+            `loss_fn`/`optimizer` is not callable.
         ScheduleError: the program does not validate (it could deadlock or compute wrongly).
 
-    The default group must already exist (`dist.init_process_group`, e.g. under torchrun).
+    The default process group must already exist (`dist.init_process_group`, e.g. under
+    torchrun). A batch is this rank's local `(inputs, targets)`; every rank passes its batches
+    (each checks them alike, so all refuse a bad one together). `train`, `train_step`, `steps`
+    and `peak_activation_bytes` are `BaseEngine`'s.
     """
 
     def __init__(
         self,
         program: Program,
         segments: Sequence[nn.Module],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
         *,
         mesh=None,
         pp_group=None,
@@ -149,9 +165,8 @@ class Engine:
                 "the distributed Engine needs torch.distributed initialised on every rank: call "
                 "dist.init_process_group(...) first (torchrun sets the environment for it)"
             )
-        validate(program)  # a program that does not validate could hang: refuse it here
-        self.program = program
-        self.pp_group, self.dp_group = groups(program, mesh, pp_group, dp_group)
+        super().__init__(program, loss_fn, optimizer)
+        self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
         self.stage = dist.get_rank(self.pp_group)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.reduce_loss = reduce_loss
@@ -164,35 +179,36 @@ class Engine:
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
-        self._steps = plan(program, self.stage, self._layout)
+        #: This stage's program as the engine runs it: compute and update instructions, and
+        #: each comm group as one `CommGroup`, indexed like the step model's steps.
+        self._ops = ops = stage_ops(program, self.stage, self._layout)
         self._global_peer = {
             s: dist.get_global_rank(self.pp_group, s) for s in range(program.num_stages)
         }
         self._bounds = Steps.of([program.stages[self.stage]]).bounds[0]
         self._transfers = Transfers(
-            self._steps,
+            ops,
             self.runtime,
-            group=self.pp_group,
+            pp_group=self.pp_group,
             global_peer=self._global_peer,
             device=self.device,
             timeout=self.timeout,
             shared_memory=shared_memory,
         )
-        #: The steps `_run` visits, by index. Under gloo a comm group does nothing where it
-        #: stands (its ops are posted and waited around the computes: [Note: eager
-        #: point-to-point]), so only the computes are visited; under NCCL, every step.
+        #: The indices of `_ops` that `_run` visits. Under gloo a comm group does nothing where
+        #: it stands (its ops are posted and waited around the computes: [Note: eager
+        #: point-to-point]), so only the computes are visited; under NCCL, every one.
         self._visit = [
             index
-            for index, step in enumerate(self._steps)
-            if self._transfers.eager is None or type(step) is not CommGroup
+            for index, op in enumerate(ops)
+            if self._transfers.eager is None or type(op) is not CommGroup
         ]
         self._learnt = False
         self._at: int | None = None
         self._clock0 = 0.0
-        #: Per run of the program: (start, end) seconds of each step, since the engine's clock 0.
+        #: Per run of the program: (start, end) seconds of each of `_ops` (a step of the step
+        #: model), since the engine's clock 0.
         self.step_times: list[list[tuple[float, float]]] = []
-        #: Optimizer steps taken so far (batches trained); saved in checkpoints.
-        self.steps = 0
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -200,38 +216,6 @@ class Engine:
     def modules(self) -> list[nn.Module]:
         """The segments this rank holds, by chunk."""
         return self.runtime.modules
-
-    def train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[float]:
-        """Train on `batches` (each `(inputs, targets)`, this rank's local batch); yield losses.
-
-        The program covers `num_batches` optimizer steps; batches are taken that many at a time.
-
-        Raises:
-            ValueError: a batch does not split into `m` equal microbatches, the batches run out
-                in the middle of a program, or a shape differs from the first batch's.
-            RankFailure: a peer failed or a wait timed out.
-        """
-        per_run = self.program.schedule.num_batches
-        stream = iter(batches)
-        while True:
-            group = list(islice(stream, per_run))
-            if not group:
-                return
-            if len(group) < per_run:
-                raise ValueError(
-                    f"the program covers {per_run} batches per run but only {len(group)} were "
-                    "left; pass a multiple of num_batches"
-                )
-            yield from self._run(group)
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on one batch (schedules with `num_batches == 1`); its loss."""
-        if self.program.schedule.num_batches != 1:
-            raise ScheduleConfigError(
-                "train_step needs a program with num_batches=1; use train(batches) instead"
-            )
-        (loss,) = self._run([(inputs, targets)])
-        return loss
 
     def trace_events(self, run: int = -1) -> list[tuple[int, Instruction, float, float]]:
         """`(stage, instruction, start, end)` per instruction of run `run` (seconds)."""
@@ -243,13 +227,27 @@ class Engine:
 
     # -- one run of the program -----------------------------------------------------------------
 
-    def _run(self, group: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    def _runtimes(self) -> list[StageRuntime]:
+        return [self.runtime]
+
+    def _prepare(self, group: list[Any], first: int) -> list[tuple[Any, Any]]:
+        """Every rank checks the batches (so all raise alike, before any exchange); only the
+        stages that read the inputs or the targets split them."""
+        m, layout, device = self.program.schedule.num_microbatches, self._layout, self.device
+        reads = [layout.stage_of[k] == self.stage for k in (0, layout.last)]
+        split = []
+        for index, batch in enumerate(group, first):
+            if not is_pair(batch):
+                raise ScheduleConfigError(f"batch {index} must be (inputs, targets) tensors")
+            check_pair(*batch, index, m)
+            inputs, targets = (
+                list(t.to(device).chunk(m)) if r else None for t, r in zip(batch, reads)
+            )
+            split.append((inputs, targets))
+        return split
+
+    def _run(self, split: list[tuple[Any, Any]]) -> list[float]:
         runtime = self.runtime
-        m = self.program.schedule.num_microbatches
-        layout, device = self._layout, self.device
-        # every rank checks the batch (all raise alike); only the stages that read it split it
-        first, last = (layout.stage_of[k] == self.stage for k in (0, layout.last))
-        split = [(_split(x, m, device, first), _split(y, m, device, last)) for x, y in group]
         transfers = self._transfers
         if not self._learnt:
             self._learn_shapes(split[0][0])
@@ -258,31 +256,31 @@ class Engine:
         runtime.reset()
         for batch, (inputs, targets) in enumerate(split):
             runtime.load_batch(batch, inputs, targets)
-        steps, clock, clock0 = self._steps, time.perf_counter, self._clock0
-        times = [(0.0, 0.0)] * len(steps)  # a comm group not visited: its waits', from `finish`
+        ops, clock, clock0 = self._ops, time.perf_counter, self._clock0
+        times = [(0.0, 0.0)] * len(ops)  # a comm group not visited: its waits', from `finish`
         for index in self._visit:
-            step = steps[index]
+            op = ops[index]
             self._at = index
             transfers.before(index)
             start = clock()
-            if type(step) is CommGroup:
-                transfers.exchange(step)
-            elif step.group == "update":
-                self._update(step)
+            if type(op) is CommGroup:
+                transfers.exchange(op)
+            elif isinstance(op, Update):
+                self._update(op)
             else:
-                runtime.run(step)
+                runtime.run(op)
             times[index] = (start - clock0, clock() - clock0)
             transfers.after(index)
         self._at = None
         transfers.finish(times, self._clock0)
         self.step_times.append(times)
-        self.steps += len(group)
-        return self._losses(len(group))
+        return self._losses(len(split))
 
     # -- checkpoints (collective: every rank of the default group calls them) ------------------
 
-    def save(self, path) -> None:
-        """Write this rank's shard of a checkpoint to the directory `path`.
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write this rank's shard of a checkpoint to the directory `path`; returns the path of
+        the manifest (on every rank).
 
         Every rank writes its own file (atomically); rank 0 writes the manifest once all are on
         disk, so a crash mid-save leaves the previous checkpoint the newest complete one. The
@@ -296,8 +294,9 @@ class Engine:
         if dist.get_rank() == 0:
             write_manifest(path, program_meta(self.program), self.steps, dict(entries))
         dist.barrier()
+        return Path(path) / MANIFEST
 
-    def load(self, path) -> None:
+    def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by `save` (or by the local backend) on every rank.
 
         Each rank reads and checks what its stage needs; only if every rank succeeds does any
@@ -351,7 +350,7 @@ class Engine:
         return tensor.tolist()
 
     def _learn_shapes(self, first_inputs: Sequence[torch.Tensor] | None) -> None:
-        """See [Note: shapes are learnt once] in `backends._p2p`."""
+        """See [Note: shapes are learnt once] in `backends.distributed.shapes`."""
         self._transfers.shapes.update(
             learn_shapes(
                 self._layout,
@@ -359,7 +358,7 @@ class Engine:
                 self.runtime.modules,
                 first_inputs,
                 peer=self._global_peer,
-                group=self.pp_group,
+                pp_group=self.pp_group,
                 device=self.device,
             )
         )
@@ -378,18 +377,3 @@ class Engine:
             return None
         lo, hi = self._bounds[self._at]
         return " ".join(str(op) for op in self.program.stages[self.stage][lo:hi])
-
-
-# -- helpers -------------------------------------------------------------------------------------
-
-
-def _split(tensor: torch.Tensor | None, m: int, device: torch.device, needed: bool):
-    """`tensor`'s `m` microbatches on `device`, or None where this stage does not read it."""
-    if tensor is None:
-        return None
-    if tensor.shape[0] % m:
-        raise ValueError(
-            f"a batch of {tensor.shape[0]} does not split into {m} equal microbatches; the "
-            "distributed backend needs batch size divisible by num_microbatches"
-        )
-    return list(tensor.to(device).chunk(m)) if needed else None

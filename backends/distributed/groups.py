@@ -1,7 +1,8 @@
-"""Setting up the distributed `Engine`: process groups, this stage's segments, its steps.
+"""Setting up the distributed `Engine`: process groups, this stage's segments, its program.
 
-The steps are the stage's program as the engine runs it: single compute and update
-instructions, and each comm group as one `CommGroup` (posted together, see `Engine._exchange`).
+`stage_ops` gives the stage's program as the engine runs it, one item per step of the step model:
+single compute and update instructions, and each comm group as one `CommGroup` (posted together
+under NCCL by `Transfers.exchange`; op by op under gloo, see [Note: eager point-to-point]).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from schedcc.backends.engine import check_segments
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route, decode
 
-__all__ = ["CommGroup", "device_of", "groups", "own_segments", "plan"]
+__all__ = ["CommGroup", "device_of", "own_segments", "process_groups", "stage_ops"]
 
 
 class CommGroup:
@@ -36,7 +38,7 @@ class CommGroup:
         self.recvs = [(op, peer, key) for op, is_send, peer, key in items if not is_send]
 
 
-def groups(program: Program, mesh, pp_group, dp_group):
+def process_groups(program: Program, mesh, pp_group, dp_group):
     """The (pipeline, data-parallel) process groups: the caller's, or a ("dp", "pp") mesh's."""
     p, dp = program.num_stages, program.data_parallel
     if (pp_group is None) != (dp_group is None):
@@ -69,16 +71,10 @@ def groups(program: Program, mesh, pp_group, dp_group):
 
 def own_segments(schedule, stage: int, segments: Sequence[nn.Module]) -> list[nn.Module]:
     """The segments `stage` holds, by chunk, from all `p*v` segments or from its own `v`."""
-    segments = list(segments)
-    v = schedule.num_chunks
+    segments = check_segments(schedule, segments, own_stage=True)
     if len(segments) == schedule.num_segments:
-        return [segments[schedule.segment_of(stage, c)] for c in range(v)]
-    if len(segments) == v:
-        return segments
-    raise ScheduleConfigError(
-        f"got {len(segments)} segment(s): pass all p*v = {schedule.num_segments} segments of the "
-        f"model, or this stage's {v} by chunk"
-    )
+        return [segments[schedule.segment_of(stage, c)] for c in range(schedule.num_chunks)]
+    return segments
 
 
 def device_of(modules: Sequence[nn.Module]) -> torch.device:
@@ -89,21 +85,22 @@ def device_of(modules: Sequence[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
-def plan(program: Program, stage: int, layout: Layout) -> list[Instruction | CommGroup]:
-    """The stage's program as steps: single compute/update instructions and comm groups."""
+def stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction | CommGroup]:
+    """The stage's program as the engine runs it: compute/update instructions and comm groups."""
     ops = program.stages[stage]
-    steps: list[Instruction | CommGroup] = []
-    for lo, hi in Steps.of([ops]).bounds[0]:
-        if ops[lo].group != "comm":
-            steps.append(ops[lo])
+    steps = Steps.of([ops])
+    items: list[Instruction | CommGroup] = []
+    for (lo, hi), is_group in zip(steps.bounds[0], steps.is_group[0]):
+        if not is_group:
+            items.append(ops[lo])
             continue
-        items = []
+        comms = []
         for op in ops[lo:hi]:
             src, dst, tensor = comm_route(layout, stage, op)  # type: ignore[misc]
             is_gradient, _, k = decode(tensor, layout.num_segments)
             # the tensor is an activation out of segment k, or the gradient of the activation
             # out of segment k - 1: either way its shape is learnt under ("A", segment)
             key = ("A", k - 1 if is_gradient else k)
-            items.append((op, op.is_send, dst if op.is_send else src, key))
-        steps.append(CommGroup(items))
-    return steps
+            comms.append((op, op.is_send, dst if op.is_send else src, key))
+        items.append(CommGroup(comms))
+    return items

@@ -44,15 +44,16 @@ def learn_shapes(
     first_inputs: Sequence[torch.Tensor] | None,
     *,
     peer: Mapping[int, int],
-    group,
+    pp_group,
     device: torch.device,
 ) -> Shapes:
-    """Run the shape pass on `stage` (collective over `group`); the shapes it receives or sends.
+    """Run the shape pass on `stage` (collective over the pipeline process group
+    `pp_group`); the shapes it receives or sends.
 
     `modules` are the stage's segments by chunk, `peer[s]` the global rank of stage `s`.
     """
     shapes: Shapes = {}
-    dist.barrier(group=group)
+    dist.barrier(group=pp_group)
     devices = [device] if device.type == "cuda" else []
     held: torch.Tensor | None = None
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -65,16 +66,18 @@ def learn_shapes(
                     held = first_inputs[0]
                 held = modules[layout.chunk_of[k]](held)
                 if consumer != stage:
-                    send_tensor(held, stage, peer[consumer], group, device)
+                    send_tensor(held, stage, peer[consumer], pp_group, device)
             elif consumer == stage:
-                held = recv_tensor(peer[producer], group, device)
+                held = recv_tensor(peer[producer], pp_group, device)
             if stage in (producer, consumer):
                 shapes["A", k] = (tuple(held.shape), held.dtype)
-    dist.barrier(group=group)
+    dist.barrier(group=pp_group)
     return shapes
 
 
-def send_tensor(tensor: torch.Tensor, stage: int, peer: int, group, device: torch.device) -> None:
+def send_tensor(
+    tensor: torch.Tensor, stage: int, peer: int, pp_group, device: torch.device
+) -> None:
     """Send `tensor` from `stage` to the global rank `peer`: its metadata, then its data."""
     if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
         raise ValueError(
@@ -83,15 +86,15 @@ def send_tensor(tensor: torch.Tensor, stage: int, peer: int, group, device: torc
         )
     meta = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
     meta += [0] * (2 + _MAX_DIMS - len(meta))
-    dist.send(torch.tensor(meta, dtype=torch.int64, device=device), peer, group)
-    dist.send(tensor.contiguous(), peer, group)
+    dist.send(torch.tensor(meta, dtype=torch.int64, device=device), peer, pp_group)
+    dist.send(tensor.contiguous(), peer, pp_group)
 
 
-def recv_tensor(peer: int, group, device: torch.device) -> torch.Tensor:
+def recv_tensor(peer: int, pp_group, device: torch.device) -> torch.Tensor:
     """Receive what `send_tensor` sent from the global rank `peer`."""
     meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
-    dist.recv(meta, peer, group)
+    dist.recv(meta, peer, pp_group)
     code, ndim, *dims = meta.tolist()
     tensor = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=device)
-    dist.recv(tensor, peer, group)
+    dist.recv(tensor, peer, pp_group)
     return tensor

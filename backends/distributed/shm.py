@@ -242,31 +242,32 @@ class ShmLinks:
     @classmethod
     def connect(
         cls,
-        group,
+        process_group,
         peers: Iterable[int],
         *,
         timeout: float,
         enabled: bool = True,
         sndbuf: int | None = None,
     ) -> ShmLinks:
-        """Link this rank with every stage in `peers` on the same host (collective over `group`).
+        """Link this rank with every stage in `peers` on the same host (collective over
+        `process_group`).
 
-        Every rank of `group` must call it; `peers` are group ranks and must be symmetric (if a
-        lists b, b lists a). `enabled=False` on any rank of a pair keeps that pair on gloo.
+        Every rank of `process_group` must call it; `peers` are ranks in it and must be symmetric
+        (if a lists b, b lists a). `enabled=False` on any rank of a pair keeps that pair on gloo.
         `sndbuf` shrinks the sockets' send buffers (tests use it to exercise the record queues).
         """
-        me = dist.get_rank(group)
+        me = dist.get_rank(process_group)
         key = host_key() if enabled else None
         listener = name = None
         if key is not None:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             name = f"\0schedcc-{os.getpid()}-{secrets.token_hex(8)}"
             listener.bind(name)
-            listener.listen(2 * dist.get_world_size(group))
+            listener.listen(2 * dist.get_world_size(process_group))
             listener.settimeout(timeout)
         inline = _inline_limit(sndbuf) if key is not None else 0  # no probe where none link
-        info: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(info, (key, name, inline), group=group)
+        info: list = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(info, (key, name, inline), group=process_group)
         same = sorted(s for s in set(peers) if s != me and key and info[s][0] == key)
         sockets: dict[tuple[int, int], socket.socket] = {}  # (peer, 0 data | 1 acks) -> socket
         try:

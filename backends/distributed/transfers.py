@@ -15,7 +15,8 @@ torch.distributed.pipelining does. This only relaxes the rendezvous model the va
 deadlock-free (a send never holds its stage back), so it cannot introduce a hang; it keeps a stage
 from idling while its peer has not yet reached the matching receive. Under NCCL a batch is one
 coalesced handle, waited whole. NCCL orders its operations on a stream, where an early receive could
-hold back a later send, so there each group stays one `batch_isend_irecv`, posted at its place.
+hold back a later send, so there each comm group stays one `batch_isend_irecv`, posted at its
+place.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Transfers:
     The engine calls `before(i)`, runs step `i` (calling `exchange(step)` for a comm group), then
     `after(i)`; `finish(times)` ends a run. `shapes` must hold every transferred tensor's shape
     and dtype (the engine's shape pass fills it) before the first run, and `connect()` must have
-    been called on every rank of the group.
+    been called on every rank of the pipeline process group `pp_group`.
     """
 
     def __init__(
@@ -52,7 +53,7 @@ class Transfers:
         steps: Sequence[Instruction | CommGroup],
         runtime: StageRuntime,
         *,
-        group,
+        pp_group,
         global_peer: Mapping[int, int],
         device: torch.device,
         timeout: timedelta,
@@ -60,8 +61,8 @@ class Transfers:
     ):
         self.steps = steps
         self.runtime = runtime
-        self.group = group
-        self.stage = dist.get_rank(group)
+        self.pp_group = pp_group
+        self.stage = dist.get_rank(pp_group)
         self.rank = dist.get_rank()
         self.global_peer = global_peer
         self.device = device
@@ -69,7 +70,7 @@ class Transfers:
         self.shapes: Shapes = {}
         self._peers = {peer for step in steps if type(step) is CommGroup for peer in step.peers}
         # see [Note: eager point-to-point]
-        eager = dist.get_backend(group) == "gloo"
+        eager = dist.get_backend(pp_group) == "gloo"
         self.eager = EagerPlan(steps) if eager else None
         #: Per step, the receives to post over gloo first (the shared-memory ones need none).
         self._to_post = self.eager.post_before if self.eager else []
@@ -84,12 +85,13 @@ class Transfers:
         self._spans: dict[int, tuple[float, float]] = {}
 
     def connect(self) -> None:
-        """Link this stage with its same-host peers (collective over the pipeline group)."""
+        """Link this stage with its same-host peers (collective over the pipeline process
+        group)."""
         if self.eager is None:  # NCCL: every pair stays on batch_isend_irecv
             return
         try:
             self._links = ShmLinks.connect(
-                self.group,
+                self.pp_group,
                 self._peers,
                 timeout=self.timeout.total_seconds(),
                 enabled=self._shared_memory,
@@ -107,7 +109,7 @@ class Transfers:
         if not self._peers:
             return "none"
         if self.eager is None:
-            return dist.get_backend(self.group)
+            return dist.get_backend(self.pp_group)
         if self.shm_peers == self._peers:
             return "shared memory"
         return "shared memory + gloo" if self.shm_peers else "gloo"
@@ -125,7 +127,7 @@ class Transfers:
             shape, dtype = self.shapes[key]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             try:
-                work = self.group.recv([buffer], peer, 0)
+                work = self.pp_group.recv([buffer], peer, 0)
             except RuntimeError as exc:
                 raise self._failure(group, exc) from exc
             self._posted[op] = (buffer, work)
@@ -144,18 +146,18 @@ class Transfers:
             self._span(group, start, clock())
 
     def exchange(self, step: CommGroup) -> None:
-        """NCCL: the group as one `batch_isend_irecv` (a coalesced batch, waited whole)."""
+        """NCCL: the comm group as one `batch_isend_irecv` (a coalesced batch, waited whole)."""
         if self.eager is not None:
-            return  # gloo: the group's ops are posted by `before` and `after`
+            return  # gloo: the comm group's ops are posted by `before` and `after`
         ops, received = [], []
         for op, is_send, peer, key in step.items:
             if is_send:
                 tensor = self._outgoing(op, key)
-                ops.append(dist.P2POp(dist.isend, tensor, self.global_peer[peer], self.group))
+                ops.append(dist.P2POp(dist.isend, tensor, self.global_peer[peer], self.pp_group))
             else:
                 shape, dtype = self.shapes[key]
                 buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, self.global_peer[peer], self.group))
+                ops.append(dist.P2POp(dist.irecv, buffer, self.global_peer[peer], self.pp_group))
                 received.append((op, buffer))
         try:
             works = dist.batch_isend_irecv(ops)
@@ -204,7 +206,7 @@ class Transfers:
             if peer in self.shm_peers:
                 self._links.send(peer, tensor)  # type: ignore[union-attr]  # copied: done
             else:
-                work = self.group.send([tensor], peer, 0)
+                work = self.pp_group.send([tensor], peer, 0)
                 self._sending.append((work, tensor, self.steps[group]))  # see [Note: sends ...]
         except (RuntimeError, OSError) as exc:
             raise self._failure(group, exc) from exc
