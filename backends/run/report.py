@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Sequence
 
 from schedcc.draw.chrome import comm_flows, write_chrome_trace
+from schedcc.ir import Comm
 from schedcc.program import Program
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 
@@ -145,7 +146,7 @@ def _simulated_bubble(program: Program, events: list[Event], *, eager: bool) -> 
     samples = [
         {"name": str(e.instruction), "ph": "X", "tid": e.stage, "dur": (e.end - e.start) * 1e6}
         for e in events
-        if e.instruction.group != "comm"
+        if not isinstance(e.instruction, Comm)
     ]
     if not samples:
         return math.nan

@@ -17,6 +17,7 @@ from torch import nn
 
 from schedcc.errors import RuntimeInstructionError
 from schedcc.ir import Forward
+from schedcc.semantics import version_used
 
 if TYPE_CHECKING:
     from schedcc.program import Program
@@ -57,7 +58,7 @@ class WeightVersions:
 
     def version_of(self, microbatch: int) -> int:
         """The weight version the forward of `microbatch` runs on."""
-        return max(0, microbatch // self._m - self._delay)
+        return version_used(microbatch, self._m, self._delay)
 
     def _count_uses(self, program: Program) -> list[dict[int, int]]:
         uses: list[dict[int, int]] = [defaultdict(int) for _ in self._modules]
