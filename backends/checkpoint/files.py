@@ -3,8 +3,13 @@
 Layout of a checkpoint directory `DIR/step-00000042/`:
 
     manifest.json        schedule and shape, step count, every file with its size and sha256
-    stage0-dp0.pt        what stage 0 of data-parallel rank 0 holds (parameters, optimizer
-    stage1-dp0.pt        state or its ZeRO-1 shard, live weight versions, RNG states)
+    stage0-dp0.pt        what stage 0 of data-parallel rank 0 holds between runs: its chunks'
+    stage1-dp0.pt        parameters and buffers, the optimizer state (under ZeRO this rank's
+                         shard of it), the RNG states, and the shard's own identity (stage,
+                         data-parallel rank, segment indices), checked on load
+
+Between runs of the program no weight version is stashed, so a shard holds the live weights only
+(see `backends.checkpoint.state`).
 
 [Note: crash safety] Every file is written to a temporary name in the same directory, flushed,
 fsync'ed and renamed into place; the manifest is written the same way and last, after every shard
@@ -12,6 +17,14 @@ is on disk. A checkpoint without a manifest, or whose files do not match it, is 
 never loaded: a crash during a save leaves the previous checkpoint the newest complete one.
 Loading reads with `torch.load(weights_only=True)`, so a checkpoint can never run code, and
 checks each file's size and sha256 against the manifest before that.
+
+[Note: refuse before changing anything] Loading is two phases: read and check everything (the
+manifest's fields and types, the program's shape, every file's size and checksum, every shard's
+identity and that each tensor, optimizer state and RNG state fits the engine), then apply. Every
+refusal is a `CheckpointError` from the first phase, so a refused checkpoint leaves the engine's
+parameters, optimizer state, RNG state and step count bitwise as they were; on the distributed
+backend every rank checks its own shards and the ranks agree before any applies (no rank loads
+unless every rank can).
 """
 
 from __future__ import annotations
@@ -127,7 +140,48 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     for key in ("step", "meta", "files"):
         if key not in manifest:
             raise CheckpointError(f"{path} lacks the field {key!r}")
+    _check_fields(path, manifest)
     return manifest
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative int (JSON's `true` is not a count)."""
+    return type(value) is int and value >= 0
+
+
+def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a manifest whose fields have the wrong type, naming the field."""
+    if not _is_count(manifest["step"]):
+        raise CheckpointError(
+            f"{path}: step is {manifest['step']!r}, not a count of optimizer steps"
+        )
+    if not isinstance(manifest["meta"], dict):
+        raise CheckpointError(
+            f"{path}: meta is a {type(manifest['meta']).__name__}, not an object of the "
+            "program's schedule and shape"
+        )
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise CheckpointError(
+            f"{path}: files is a {type(files).__name__}, not an object of file entries"
+        )
+    for name, entry in files.items():
+        if Path(name).name != name or name.startswith("."):
+            raise CheckpointError(f"{path}: {name!r} is not a file name in the checkpoint")
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: the entry of {name} is not an object")
+        if not _is_count(entry.get("size")):
+            raise CheckpointError(
+                f"{path}: the entry of {name} has no size in bytes (got {entry.get('size')!r})"
+            )
+        if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+            raise CheckpointError(
+                f"{path}: the entry of {name} has no sha256 of 64 hex digits "
+                f"(got {entry.get('sha256')!r})"
+            )
 
 
 def verify_files(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
@@ -158,12 +212,17 @@ def read_shard(directory: str | os.PathLike, name: str, manifest: dict[str, Any]
     if name not in manifest["files"]:
         raise CheckpointError(f"checkpoint {directory} has no shard {name}")
     try:
-        return torch.load(Path(directory) / name, map_location="cpu", weights_only=True)
+        state = torch.load(Path(directory) / name, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"checkpoint {directory}: {name} cannot be loaded safely (weights_only): {first}"
         ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"checkpoint {directory}: {name} holds a {type(state).__name__}, not a shard's state"
+        )
+    return state
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
@@ -233,9 +292,16 @@ def load_stage_states(
         CheckpointError: incomplete, altered, unsafe, or saved from another program.
     """
     manifest = read_manifest(directory)
-    check_meta(manifest["meta"], program_meta(program))
+    meta = manifest["meta"]
+    check_meta(meta, program_meta(program))
+    for key, least in (("data_parallel", 1), ("zero", 0)):
+        if not _is_count(meta.get(key)) or meta[key] < least:
+            raise CheckpointError(
+                f"checkpoint {directory}: meta {key} is {meta.get(key)!r}, not an integer "
+                f">= {least}"
+            )
     verify_files(directory, manifest)
-    old_dp = manifest["meta"]["data_parallel"]
+    old_dp = meta["data_parallel"]
     states = {
         s: [read_shard(directory, shard_name(s, r), manifest) for r in range(old_dp)]
         for s in stages

@@ -2,10 +2,11 @@
 
 A shard file holds what one (stage, data-parallel rank) needs to resume between program runs:
 the chunk modules' state dicts, the optimizer's state dict (under ZeRO only this rank's shard of
-it), the layout it was saved under (`data_parallel`, `zero`, `rank`, parameter counts) and the
-RNG states. Between runs every pipeline is drained, so no activation and no stashed weight
-version is live (a weight-delayed schedule restarts its versions at every program run, see
-`backends.local.Engine.train`).
+it), the layout it was saved under (`data_parallel`, `zero`, `rank`, parameter counts), its
+identity (`stage` and the `segments` it holds, with `rank`: checked on load, so shards swapped
+between stages or ranks are refused) and the RNG states. Between runs every pipeline is
+drained, so no activation and no stashed weight version is live (a weight-delayed schedule
+restarts its versions at every program run, see `backends.local.Engine.train`).
 
 [Note: elastic resume] Where only the data-parallel degree or ZeRO on/off differs, the optimizer
 state is first put in a canonical form — per chunk and per state name, one flat tensor over the
@@ -80,7 +81,13 @@ def _join(parts: Sequence[dict[str, Any]], total: int) -> dict[str, Any]:
                 "re-sharded"
             )
         if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
-            joined[name] = torch.cat([v.reshape(-1) for v in values])[:total]
+            flat = torch.cat([v.reshape(-1) for v in values])
+            if flat.numel() < total:
+                raise CheckpointError(
+                    f"optimizer state {name!r} holds {flat.numel()} values for {total} "
+                    "parameter values: it was saved from another model"
+                )
+            joined[name] = flat[:total]
         else:
             joined[name] = values[0]  # a scalar (e.g. Adam's step), equal across parts
     return joined
