@@ -1,0 +1,266 @@
+"""A real small GPT for tests and `schedcc run`: padding mask, position ids, tied LM head.
+
+The model is what a researcher brings, not an `nn.Sequential`: token and position embeddings,
+pre-norm blocks with causal self-attention that take `(x, pad_mask, pos_ids)` (a bool padding
+mask, True at padding, and int position ids; the blocks rotate queries and keys by the position
+ids, so every stage needs them), a final LayerNorm, and an LM head whose weight IS the token
+embedding's (`head.weight = tok.weight`). Batches have variable lengths, padded on the right.
+
+`gpt_segments(model, n)` cuts it by hand into `n` segments whose boundary value is the tuple
+`(x, pad_mask, pos_ids)`; they hold the model's own modules, so the first and the last segment
+share the tied Parameter object. `schedcc.split(model, ["blocks.2"])` cuts it automatically.
+
+    >>> model = GPT(GPTConfig(vocab=16, max_len=8, d_model=8, num_heads=2, num_blocks=2))
+    >>> (tokens, pad_mask), targets = PaddedBigramData(vocab=16, max_len=8).batch(3, step=0)
+    >>> tuple(model(tokens, pad_mask).shape) == (*tokens.shape, 16)
+    True
+    >>> first, last = gpt_segments(model, 2)
+    >>> first.tok.weight is last.head.weight
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from schedcc.errors import ScheduleConfigError
+
+__all__ = [
+    "IGNORE_INDEX",
+    "GPT",
+    "GPTConfig",
+    "PaddedBigramData",
+    "gpt_segments",
+    "mean_token_loss",
+    "position_ids",
+    "token_loss",
+]
+
+#: The target of a padding position: ignored by the loss.
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a `GPT`; `max_len` bounds the position ids, `dropout` is off by default."""
+
+    vocab: int = 64
+    max_len: int = 32
+    d_model: int = 32
+    num_heads: int = 4
+    num_blocks: int = 4
+    dropout: float = 0.0
+
+
+def position_ids(pad_mask: torch.Tensor) -> torch.Tensor:
+    """int64 position of each token among the real ones of its row (0 at leading padding).
+
+    >>> position_ids(torch.tensor([[False, False, True], [True, False, False]])).tolist()
+    [[0, 1, 1], [0, 0, 1]]
+    """
+    return ((~pad_mask).long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _rotate(t: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of `t` `(b, heads, s, d)` by integer positions `(b, s)`."""
+    half = t.shape[-1] // 2
+    freqs = 10_000.0 ** (-torch.arange(half, dtype=t.dtype, device=t.device) / half)
+    angles = pos_ids.to(t.dtype)[:, None, :, None] * freqs
+    cos, sin = angles.cos(), angles.sin()
+    t1, t2 = t[..., :half], t[..., half:]
+    return torch.cat((t1 * cos - t2 * sin, t1 * sin + t2 * cos), dim=-1)
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention (rotary, padding-masked) and an MLP, both residual."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        width = config.d_model
+        self.num_heads = config.num_heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, pad_mask: torch.Tensor, pos_ids: torch.Tensor):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        shape = (batch, seq, self.num_heads, width // self.num_heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        q, k = _rotate(q, pos_ids), _rotate(k, pos_ids)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(shape[-1])
+        # A query sees earlier real tokens, and always itself (so a padding row is never empty).
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        allowed = (causal & ~pad_mask[:, None, None, :]) | torch.eye(
+            seq, dtype=torch.bool, device=x.device
+        )
+        attn = self.drop(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)) @ v
+        x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, width)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    """`GPT(config, seed=0)(tokens, pad_mask) -> logits (b, s, vocab)`; the head is tied.
+
+    Parameters are drawn from their own generator seeded by `seed` (normal(0, 0.02) for
+    matrices, zero biases, unit norm weights), whatever the global RNG holds.
+    """
+
+    def __init__(self, config: GPTConfig | None = None, *, seed: int = 0):
+        super().__init__()
+        config = config or GPTConfig()
+        self.config = config
+        self.tok = nn.Embedding(config.vocab, config.d_model)
+        self.pos = nn.Embedding(config.max_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_blocks))
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab, bias=False)
+        self.head.weight = self.tok.weight
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():  # the tied weight once
+                if param.dim() >= 2:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+                else:  # the only 1-D weights are the norms' gains
+                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+
+    def forward(self, tokens: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+        pos_ids = position_ids(pad_mask)
+        x = self.drop(self.tok(tokens) + self.pos(pos_ids))
+        for block in self.blocks:
+            x = block(x, pad_mask, pos_ids)
+        return self.head(self.norm(x))
+
+
+class GPTSegment(nn.Module):
+    """Blocks `lo:hi` of a `GPT`, with the embeddings if first and the norm and head if last.
+
+    Boundary value: the tuple `(x, pad_mask, pos_ids)`. The first segment takes the batch's
+    inputs `(tokens, pad_mask)`; the last returns the logits. The modules are the model's own.
+    """
+
+    def __init__(self, model: GPT, lo: int, hi: int, *, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok, self.pos, self.drop = model.tok, model.pos, model.drop
+        self.blocks = nn.ModuleList(model.blocks[lo:hi])
+        if last:
+            self.norm, self.head = model.norm, model.head
+
+    def forward(self, *inputs: torch.Tensor):
+        if self.first:
+            tokens, pad_mask = inputs
+            pos_ids = position_ids(pad_mask)
+            x = self.drop(self.tok(tokens) + self.pos(pos_ids))
+        else:
+            x, pad_mask, pos_ids = inputs
+        for block in self.blocks:
+            x = block(x, pad_mask, pos_ids)
+        if self.last:
+            return self.head(self.norm(x))
+        return x, pad_mask, pos_ids
+
+
+def gpt_segments(model: GPT, num_segments: int) -> list[nn.Module]:
+    """`model` cut by hand into `num_segments` `GPTSegment`s (blocks spread evenly, larger first).
+
+    Raises:
+        ScheduleConfigError: fewer blocks than segments, or a non-positive count.
+
+    >>> segments = gpt_segments(GPT(GPTConfig(num_blocks=3)), 2)
+    >>> [len(s.blocks) for s in segments]
+    [2, 1]
+    """
+    num_blocks = len(model.blocks)
+    if not 1 <= num_segments <= num_blocks:
+        raise ScheduleConfigError(
+            f"cannot cut a GPT of {num_blocks} block(s) into {num_segments} segments: every "
+            "segment needs at least one block; use fewer stages or chunks, or more blocks"
+        )
+    base, extra = divmod(num_blocks, num_segments)
+    segments: list[nn.Module] = []
+    lo = 0
+    for k in range(num_segments):
+        hi = lo + base + (1 if k < extra else 0)
+        last = k == num_segments - 1
+        segments.append(GPTSegment(model, lo, hi, first=k == 0, last=last))
+        lo = hi
+    return segments
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(loss_sum, count)`: summed next-token cross-entropy and the number of real targets.
+
+    Padding targets (`IGNORE_INDEX`) count for nothing; divide the sums by the counts over the
+    whole batch for the batch's mean loss, whatever the microbatches' lengths.
+    """
+    flat = targets.flatten()
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, 1), flat, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss_sum, (flat != IGNORE_INDEX).sum()
+
+
+def mean_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy over the real (non-padding) targets of a microbatch."""
+    loss_sum, count = token_loss(logits, targets)
+    return loss_sum / count
+
+
+class PaddedBigramData:
+    """Seeded variable-length token batches from a random bigram model, padded on the right.
+
+    `batch(batch_size, step)` is a pure function of `(seed, step)`: it picks the batch's length
+    in `[min_len, max_len]` (so shapes change from batch to batch), gives each row a length in
+    `[min_len, that]` (at least one row full), and returns `((tokens, pad_mask), targets)`:
+    int64 tokens (0 at padding), a bool mask (True at padding), int64 next-token targets
+    (`IGNORE_INDEX` at padding).
+
+    >>> (tokens, pad_mask), targets = PaddedBigramData(max_len=6, seed=1).batch(4, step=2)
+    >>> bool(((targets == IGNORE_INDEX) == pad_mask).all())
+    True
+    """
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        max_len: int = 32,
+        *,
+        min_len: int = 2,
+        seed: int = 0,
+        sharpness: float = 2.5,
+    ):
+        if not 1 <= min_len <= max_len:
+            raise ScheduleConfigError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(vocab, vocab, generator=gen, dtype=torch.float64) * sharpness
+        self.transition = logits.softmax(dim=-1)
+        self.vocab, self.max_len, self.min_len, self.seed = vocab, max_len, min_len, seed
+
+    def batch(self, batch_size: int, step: int):
+        """`((tokens, pad_mask), targets)` for one batch; see the class docstring."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        seq = int(torch.randint(self.min_len, self.max_len + 1, (), generator=gen))
+        lengths = torch.randint(self.min_len, seq + 1, (batch_size,), generator=gen)
+        lengths[int(torch.randint(batch_size, (), generator=gen))] = seq
+        chain = torch.empty(batch_size, seq + 1, dtype=torch.long)
+        chain[:, 0] = torch.randint(self.vocab, (batch_size,), generator=gen)
+        for t in range(seq):
+            rows = self.transition[chain[:, t]]
+            chain[:, t + 1] = torch.multinomial(rows, 1, generator=gen).squeeze(1)
+        pad_mask = torch.arange(seq)[None, :] >= lengths[:, None]
+        tokens = chain[:, :-1].masked_fill(pad_mask, 0)
+        targets = chain[:, 1:].masked_fill(pad_mask, IGNORE_INDEX)
+        return (tokens, pad_mask), targets
