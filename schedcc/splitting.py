@@ -1,0 +1,275 @@
+"""`split`: cut any `nn.Module` into pipeline segments at named submodules (imports torch lazily).
+
+    >>> import torch, schedcc
+    >>> from schedcc.backends.run.gpt import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(num_blocks=4))
+    >>> first, second = schedcc.split(model, ["blocks.2"])
+    >>> first.tok.weight is second.head.weight  # the tie is one Parameter, in both segments
+    True
+
+[Note: splitting keeps the model's own modules] `split` traces the model with `torch.fx`,
+treating every submodule as a leaf except the ancestors of the split points, so the graph holds
+one `call_module` node per block-level call and the tracer only ever reads the glue code around
+them (the model's own `forward` and, for a point like `blocks.2.attn`, `blocks.2`'s). The graph is
+cut before each point's call; each segment is an `fx.GraphModule` built from the original model,
+and `GraphModule` installs the very module and Parameter objects the graph names (no copies). So
+a segment trains the model in place, and a Parameter that two segments use, like a tied
+embedding and LM head, is one object in both: a tie the engines can see by identity.
+
+torch.distributed.pipelining's `pipeline(model, mb_args, split_spec=...)` traces with
+`torch.export` instead. Tried on this project's GPT (torch 2.13): the last stage's tied
+`head.weight` is a separate tensor from the first stage's `tok.weight` (so the copies drift unless
+their gradients are synchronised by hand), the sequence length of the example is baked into
+`view` shapes (a shorter batch fails), and the first stage takes its inputs in another order
+than the model's `forward`. Leaves traced by `fx` run as ordinary eager calls, so none of that
+happens here.
+
+A boundary value is the tuple of every value computed before a cut and used after it, in the
+order the model computes them (for a GPT: the hidden state, the padding mask and the position
+ids); a value that skips a segment passes through it. Parameters and buffers the glue code reads
+(`get_attr`) never cross: each segment that reads one holds it. The first segment has the
+model's `forward` signature; the last returns what the model returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from schedcc.errors import ScheduleConfigError
+
+if TYPE_CHECKING:
+    from torch import fx, nn
+
+__all__ = ["even_points", "split"]
+
+
+def split(
+    model: nn.Module, points: Sequence[str], *, example_inputs: Any = None
+) -> list[nn.Module]:
+    """Cut `model` before each named submodule's call into `len(points) + 1` segments.
+
+    Segments follow the calling convention of `schedcc.backends.runtime.values.call`: the first
+    takes the model's inputs (a tuple as positional, a dict as keyword arguments), each later one
+    takes the tuple its predecessor returns, the last returns the model's output. They hold the
+    model's own submodules and Parameters (no copies): shared Parameters stay shared.
+
+    Args:
+        model: any module whose `forward` calls each point exactly once, in the given order.
+        points: qualified submodule names, e.g. `["blocks.2", "blocks.4"]` for three segments.
+        example_inputs: if given, a batch's inputs; the chained segments must compute exactly
+            what the model computes on them, or `split` refuses.
+
+    Raises:
+        ScheduleConfigError: a point that is not a submodule, not called exactly once, out of
+            call order or inside another point; glue code that `torch.fx` cannot trace; segments
+            that differ from the model on `example_inputs`.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    >>> [type(s).__name__ for s in split(model, ["1", "2"])]
+    ['Segment0', 'Segment1', 'Segment2']
+    """
+    from torch import fx
+
+    names = _check_points(model, points)
+    graph = _trace(model, names)
+    cuts = _cut_nodes(graph, names)
+    segment_of = _assign(graph, cuts)
+    boundaries = _boundaries(graph, segment_of, len(cuts) + 1)
+    segments = [
+        fx.GraphModule(model, _segment_graph(graph, segment_of, boundaries, k), f"Segment{k}")
+        for k in range(len(cuts) + 1)
+    ]
+    if example_inputs is not None:
+        _check_equal(model, segments, example_inputs)
+    return segments
+
+
+def even_points(model: nn.Module, num_segments: int, *, container: str | None = None) -> list[str]:
+    """Split points that spread the entries of a module list evenly over `num_segments`.
+
+    `container` names an `nn.ModuleList` or `nn.Sequential` inside `model`; by default the one
+    with the most entries. Larger segments come first, as in `partition(..., "uniform")`.
+
+    Raises:
+        ScheduleConfigError: no such container, or fewer entries than segments.
+
+    >>> from schedcc.backends.run.gpt import GPT, GPTConfig
+    >>> even_points(GPT(GPTConfig(num_blocks=6)), 4)
+    ['blocks.2', 'blocks.4', 'blocks.5']
+    """
+    from torch import nn
+
+    lists = {
+        name: module
+        for name, module in model.named_modules()
+        if name and isinstance(module, (nn.ModuleList, nn.Sequential))
+    }
+    if container is None and lists:
+        container = max(lists, key=lambda name: len(lists[name]))
+    if container not in lists:
+        raise ScheduleConfigError(
+            f"{type(model).__name__} has no ModuleList or Sequential named {container!r} to cut; "
+            f"it has: {', '.join(lists) or 'none'}; pass split points by hand"
+        )
+    size = len(lists[container])
+    if isinstance(num_segments, bool) or not isinstance(num_segments, int):
+        raise ScheduleConfigError(f"the number of segments must be an int, got {num_segments!r}")
+    if not 1 <= num_segments <= size:
+        raise ScheduleConfigError(
+            f"cannot cut the {size} entries of {container} into {num_segments} segments: use "
+            "fewer stages or chunks, or a deeper model"
+        )
+    base, extra = divmod(size, num_segments)
+    starts, start = [], 0
+    for k in range(num_segments - 1):
+        start += base + (1 if k < extra else 0)
+        starts.append(f"{container}.{start}")
+    return starts
+
+
+def _check_points(model: nn.Module, points: Sequence[str]) -> list[str]:
+    if isinstance(points, str) or not all(isinstance(p, str) for p in points):
+        raise ScheduleConfigError(
+            f"split points must be a list of submodule names, e.g. ['blocks.2'], got {points!r}"
+        )
+    names = list(points)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name in names:
+        if name not in modules or not name:
+            children = ", ".join(n for n, _ in model.named_children())
+            raise ScheduleConfigError(
+                f"{name!r} is not a submodule of {type(model).__name__} (its children: "
+                f"{children}); name a submodule by its qualified name, e.g. 'blocks.2'"
+            )
+    if len(set(names)) != len(names):
+        raise ScheduleConfigError(f"split points {names} name a submodule twice")
+    for name in names:
+        for other in names:
+            if other.startswith(name + "."):
+                raise ScheduleConfigError(
+                    f"split point {other!r} lies inside split point {name!r}: a segment starts "
+                    "at a whole call, so cut at one of them"
+                )
+    return names
+
+
+def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
+    """The fx graph of `model` with every submodule a leaf except the points' ancestors."""
+    from torch import fx
+
+    ancestors = {".".join(n.split(".")[:i]) for n in names for i in range(n.count(".") + 1)}
+
+    class _Tracer(fx.Tracer):
+        def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+            return qualified_name not in ancestors
+
+    try:
+        return _Tracer().trace(model)
+    except Exception as error:  # fx raises TraceError, TypeError, RuntimeError, NameError...
+        raise ScheduleConfigError(
+            f"schedcc.split could not trace {type(model).__name__}'s forward around the split "
+            f"points with torch.fx ({type(error).__name__}: {error}). Submodules are called as "
+            "they are, so move Python control flow on tensor values into a submodule, or cut "
+            "at other points"
+        ) from error
+
+
+def _cut_nodes(graph: fx.Graph, names: list[str]) -> list[fx.Node]:
+    calls: dict[str, list[fx.Node]] = {name: [] for name in names}
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in calls:
+            calls[node.target].append(node)
+    for name, nodes in calls.items():
+        if len(nodes) != 1:
+            raise ScheduleConfigError(
+                f"split point {name!r} is called {len(nodes)} times by the model's forward; a "
+                "segment starts at a submodule that runs exactly once per forward"
+            )
+    cuts = [calls[name][0] for name in names]
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    in_order = sorted(names, key=lambda name: order[calls[name][0]])
+    if in_order != names:
+        raise ScheduleConfigError(
+            f"split points {names} are not in the order the model calls them; use {in_order}"
+        )
+    return cuts
+
+
+def _assign(graph: fx.Graph, cuts: list[fx.Node]) -> dict[fx.Node, int]:
+    """The segment of every node (get_attr nodes have none: every segment reads its own)."""
+    starts = set(cuts)
+    segment_of, k = {}, 0
+    for node in graph.nodes:
+        if node in starts:
+            k += 1
+        if node.op != "get_attr":
+            segment_of[node] = k
+    return segment_of
+
+
+def _boundaries(graph: fx.Graph, segment_of: dict, num_segments: int) -> list[list[fx.Node]]:
+    """`boundaries[k]`: the values segment `k` receives (`k >= 1`), in computation order."""
+    boundaries: list[list[fx.Node]] = [[] for _ in range(num_segments)]
+    for node in graph.nodes:
+        if node not in segment_of:
+            continue
+        last_use = max((segment_of[user] for user in node.users), default=0)
+        for k in range(segment_of[node] + 1, last_use + 1):
+            boundaries[k].append(node)
+    return boundaries
+
+
+def _segment_graph(graph: fx.Graph, segment_of: dict, boundaries: list, k: int) -> fx.Graph:
+    from torch import fx
+
+    part = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:  # only a parameter or buffer read: each segment holds its own
+            env[node] = part.get_attr(node.target)
+        return env[node]
+
+    for node in boundaries[k]:
+        env[node] = part.placeholder(node.name)
+    last = k == len(boundaries) - 1
+    for node in graph.nodes:
+        if node.op == "output":
+            if last:
+                part.output(fx.map_arg(node.args[0], lookup))
+        elif segment_of.get(node) == k:
+            env[node] = part.node_copy(node, lookup)
+            if isinstance(env[node].type, str):  # a postponed annotation: unpicklable code
+                env[node].type = None
+    if not last:
+        part.output(tuple(env[node] for node in boundaries[k + 1]))
+    part.lint()
+    return part
+
+
+def _check_equal(model: nn.Module, segments: list[nn.Module], example_inputs: Any) -> None:
+    """Refuse segments whose chained output differs from the model's on `example_inputs`."""
+    import torch
+
+    from schedcc.backends.runtime.values import call, flatten
+
+    with torch.no_grad():
+        with torch.random.fork_rng():
+            expected = call(model, example_inputs)
+        with torch.random.fork_rng():
+            value = example_inputs
+            for segment in segments:
+                value = call(segment, value)
+    (want, want_spec), (got, got_spec) = flatten(expected), flatten(value)
+    same = want_spec == got_spec and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        for a, b in zip(want, got, strict=True)
+    )
+    if not same:
+        raise ScheduleConfigError(
+            f"the segments of {type(model).__name__} do not compute what the model computes on "
+            "example_inputs: the forward code around the split points was traced once, so a "
+            "Python branch on the inputs (or on self.training) is fixed; move it into a submodule"
+        )
