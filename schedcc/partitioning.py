@@ -42,8 +42,10 @@ def partition(
             segments 1..n-1 start.
 
     Raises:
-        PartitionError: `n` is not positive or exceeds the number of layers, the boundaries are
-            not `n - 1` increasing indices inside the model, or the method is unknown.
+        PartitionError: `model` is another kind of module (the message names the
+            `schedcc.split(model, [...])` call to use instead), `n` is not positive or exceeds
+            the number of layers, the boundaries are not `n - 1` increasing indices inside the
+            model, or the method is unknown.
 
     >>> import torch
     >>> layers = [torch.nn.Linear(4, 4) for _ in range(5)]
@@ -54,7 +56,18 @@ def partition(
     """
     from torch import nn
 
-    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    if isinstance(model, nn.Sequential):
+        layers = list(model.children())
+    elif isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
+        raise PartitionError(_not_sequential(model, n))
+    else:
+        try:
+            layers = list(model)
+        except TypeError:
+            raise PartitionError(
+                "partition cuts an nn.Sequential or a list of layers; got an object of type "
+                f"{type(model).__name__}"
+            ) from None
     for index, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise PartitionError(
@@ -63,6 +76,21 @@ def partition(
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     bounds = segment_bounds(sizes, n, method)
     return [nn.Sequential(*layers[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+
+
+def _not_sequential(model: nn.Module, n: Any) -> str:
+    """Why a module that is not a Sequential cannot be partitioned, and the `split` to use."""
+    from schedcc.splitting import even_points
+
+    try:
+        points = repr(even_points(model, n))
+    except ScheduleConfigError:
+        points = "[the names of the submodules where segments 1, 2, ... start]"
+    return (
+        f"partition cuts an nn.Sequential (or a list of layers) in order, but a "
+        f"{type(model).__name__} is an nn.Module whose forward decides how its submodules are "
+        f"called; cut it at named submodules with schedcc.split(model, {points}) instead"
+    )
 
 
 def segment_bounds(sizes: Sequence[int], n: int, method: str | Sequence[int] = "parameters"):

@@ -106,3 +106,32 @@ def test_non_modules_are_refused():
     """A list holding something that is not a module is named."""
     with pytest.raises(PartitionError, match="layer 1 is a int"):
         schedcc.partition([nn.ReLU(), 3], 1)
+
+
+class _Tower(nn.Module):
+    """Not a Sequential: its forward decides how the layers are called."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_a_module_it_cannot_cut_points_to_split():
+    """A module that is not a Sequential is refused with the `schedcc.split` call to use instead,
+    never a bare TypeError."""
+    with pytest.raises(ScheduleConfigError, match=r"schedcc\.split\(model, \['layers\.2'\]\)"):
+        schedcc.partition(_Tower(), 2)
+    with pytest.raises(ScheduleConfigError, match=r"schedcc\.split\(model, \[the names"):
+        schedcc.partition(nn.Linear(2, 2), 2)
+    with pytest.raises(PartitionError, match="got an object of type int"):
+        schedcc.partition(3, 1)
+
+
+def test_a_module_list_is_still_a_list_of_layers():
+    """An nn.ModuleList is cut like the list of its layers."""
+    assert [len(s) for s in schedcc.partition(nn.ModuleList(_model()), 2, "uniform")] == [3, 3]
