@@ -1,41 +1,59 @@
-"""Mutation tests: a broken program is rejected with a ScheduleError, never anything else.
+"""Mutation tests: what the validator accepts trains exactly on the real backends.
 
-Drop, duplicate, swap or move instructions (comm and updates included) of a valid program. The
-validator must either accept the result, and then an independent naive executor (below) must
-run it to completion with every tensor where it is needed, or raise a `ScheduleError` subclass:
-never another exception, never a hang (every algorithm involved is linear; the executor is
-bounded). Mutated compute-only orders go through `compile` under the same rule.
+Edit a valid program — drop, duplicate, swap or move an instruction (comm and updates included),
+move one to another stage, or insert an update instruction — under data parallelism and ZeRO.
+Then either the validator rejects the result with a `ScheduleError` (never another exception),
+or the result is a program every backend runs: the local backend trains it in float64 to the
+numbers of non-pipelined training, and a bounded sample runs on gloo (shared memory and gloo
+point-to-point) to the local backend's numbers, within a timeout. No model of a backend stands in
+for a backend here. `HYPOTHESIS_PROFILE=dev` tries thousands of programs.
 """
 
 from __future__ import annotations
 
-import pytest
+import copy
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _models import batches, make_segments, mse
 from _orders import OrderSchedule, random_orders
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import schedcc
-from schedcc import Program, ScheduleError, validate
+from schedcc import GatherParams, OptimizerStep, Program, ReduceGrads, ScheduleError, validate
+from schedcc.backends.reference import assert_matches_reference
 
-_KINDS = ("drop", "duplicate", "swap", "move")
+_KINDS = ("drop", "duplicate", "swap", "move", "cross", "update")
+_SMALL = {"max_stages": 3, "max_microbatches": 4, "max_chunks": 2}
+_PARALLEL = st.sampled_from([(1, 0), (2, 0), (2, 1), (2, 2)])
+_BUILTINS = st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "2bw"])
+#: Mutants are cheap and the point is to try many: four times the profile's examples (ci 100 per
+#: property, dev 800).
+_MANY = settings(max_examples=4 * settings().max_examples)
 
 
 @st.composite
 def mutations(draw, max_count: int = 3):
-    """A list of (kind, stage, position, other position) as fractions in [0, 1)."""
+    """A list of (kind, stage, position, other) with the last three as fractions in [0, 1)."""
     unit = st.floats(0, 1, exclude_max=True)
-    return draw(
-        st.lists(
-            st.tuples(st.sampled_from(_KINDS), unit, unit, unit), min_size=1, max_size=max_count
-        )
-    )
+    edit = st.tuples(st.sampled_from(_KINDS), unit, unit, unit, unit)
+    return draw(st.lists(edit, min_size=1, max_size=max_count))
 
 
-def mutate(stages, edits) -> tuple[tuple, ...]:
-    """`stages` with the edits applied (empty stages are left alone)."""
+def mutate(stages, edits, num_chunks: int) -> tuple[tuple, ...]:
+    """`stages` with the edits applied (an edit that finds an empty stage does nothing)."""
     out = [list(ops) for ops in stages]
-    for kind, at_stage, at, other in edits:
+    for kind, at_stage, at, other, where in edits:
         ops = out[int(at_stage * len(out))]
+        if kind == "update":
+            chunk = int(other * num_chunks)
+            op = (ReduceGrads(chunk), OptimizerStep(), GatherParams(chunk))[int(where * 3)]
+            ops.insert(int(at * (len(ops) + 1)), op)
+            continue
         if not ops:
             continue
         j, k = int(at * len(ops)), int(other * len(ops))
@@ -45,33 +63,73 @@ def mutate(stages, edits) -> tuple[tuple, ...]:
             ops.insert(k, ops[j])
         elif kind == "swap":
             ops[j], ops[k] = ops[k], ops[j]
-        else:
+        elif kind == "move":
             ops.insert(k, ops.pop(j))
+        else:  # cross: to another stage
+            target = out[int(where * len(out))]
+            target.insert(int(other * (len(target) + 1)), ops.pop(j))
     return tuple(tuple(ops) for ops in out)
 
 
-_SMALL = {"max_stages": 4, "max_microbatches": 4, "max_chunks": 2}
-_PARALLEL = st.sampled_from([(1, 0), (2, 0), (2, 1), (2, 2)])
+def _data(program: Program, seed: int = 1):
+    """Two program runs' worth of float64 batches, evenly split over microbatches and replicas."""
+    schedule = program.schedule
+    size = 2 * schedule.num_microbatches * program.data_parallel
+    return batches(2 * schedule.num_batches, size, seed=seed)
 
 
+def _adam(params):
+    return torch.optim.Adam(params, lr=0.05)
+
+
+def trains_exactly(program: Program) -> None:
+    """The local backend trains `program` to the numbers of non-pipelined training (float64)."""
+    segments = make_segments(program.schedule.num_segments, seed=3)
+    assert_matches_reference(program, segments, mse, _adam, _data(program))
+
+
+def accepted(program: Program) -> bool:
+    """Whether the validator accepts `program`; any error but a `ScheduleError` propagates."""
+    try:
+        validate(program)
+    except ScheduleError:
+        return False
+    return True
+
+
+@_MANY
 @given(random_orders(**_SMALL), _PARALLEL, mutations())
-def test_mutated_program_is_rejected_or_runs(schedule, parallel, edits):
-    """A mutated lowered program raises a ScheduleError, or validates and runs correctly."""
+def test_a_mutated_random_program_is_rejected_or_trains_exactly(schedule, parallel, edits):
+    """A mutated lowered program raises a ScheduleError, or trains exactly on the local backend."""
     data_parallel, zero = parallel
     program = schedcc.compile(schedule, data_parallel=data_parallel, zero=zero)
-    mutated = program.evolve(stages=mutate(program.stages, edits))
-    try:
-        validate(mutated)
-    except ScheduleError:
-        return
-    execute(mutated)
+    mutated = program.evolve(stages=mutate(program.stages, edits, schedule.num_chunks))
+    if accepted(mutated):
+        trains_exactly(mutated)
 
 
-@given(random_orders(**_SMALL), _PARALLEL, mutations())
-def test_mutated_compute_order_is_rejected_or_compiles(schedule, parallel, edits):
-    """A mutated compute order fails to compile with a ScheduleError, or compiles and runs."""
+@_MANY
+@given(_BUILTINS, st.integers(1, 3), st.integers(1, 4), _PARALLEL, mutations())
+def test_a_mutated_builtin_is_rejected_or_trains_exactly(name, p, m, parallel, edits):
+    """The same for the built-ins' own programs (2BW's weight delay and ZB-V's V included)."""
     data_parallel, zero = parallel
-    orders = mutate(schedule.orders, edits)
+    cls = schedcc.get_schedule(name)
+    try:
+        schedule = cls(p, m, 2 if name in ("interleaved-1f1b", "zb-v") else 1)
+    except schedcc.ScheduleConfigError:
+        return
+    program = schedcc.compile(schedule, data_parallel=data_parallel, zero=zero)
+    mutated = program.evolve(stages=mutate(program.stages, edits, schedule.num_chunks))
+    if accepted(mutated):
+        trains_exactly(mutated)
+
+
+@_MANY
+@given(random_orders(**_SMALL), _PARALLEL, mutations())
+def test_a_mutated_compute_order_is_rejected_or_trains_exactly(schedule, parallel, edits):
+    """A mutated compute order fails to compile with a ScheduleError, or trains exactly."""
+    data_parallel, zero = parallel
+    orders = mutate(schedule.orders, [e for e in edits if e[0] != "update"], schedule.num_chunks)
     mutated = OrderSchedule(
         schedule.num_stages,
         schedule.num_microbatches,
@@ -84,146 +142,71 @@ def test_mutated_compute_order_is_rejected_or_compiles(schedule, parallel, edits
         program = schedcc.compile(mutated, data_parallel=data_parallel, zero=zero)
     except ScheduleError:
         return
-    execute(program)
+    trains_exactly(program)
 
 
 @given(random_orders(**_SMALL), _PARALLEL)
-def test_executor_runs_every_valid_program(schedule, parallel):
-    """The executor accepts what the compiler produces (so its rejections above mean something)."""
+def test_every_compiled_random_order_trains_exactly(schedule, parallel):
+    """Unmutated, every dependency-respecting order trains exactly (rejections mean something)."""
     data_parallel, zero = parallel
-    execute(schedcc.compile(schedule, data_parallel=data_parallel, zero=zero))
+    trains_exactly(schedcc.compile(schedule, data_parallel=data_parallel, zero=zero))
 
 
-def test_executor_catches_a_bad_program():
-    """The executor is a real check: it rejects a program the validator is not asked about."""
-    program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 2), validate=False)
-    swapped = list(program.stages[1])
-    swapped[0], swapped[1] = swapped[1], swapped[0]  # F0 before RA0
-    with pytest.raises(AssertionError, match="input"):
-        execute(program.evolve(stages=(program.stages[0], tuple(swapped))))
+# -- a bounded sample on gloo --------------------------------------------------------------------
+
+#: (schedule, p, m, v, data_parallel, zero) the gloo sample mutates.
+_GLOO_BASES = [
+    ("1f1b", 2, 3, 1, 1, 0),
+    ("interleaved-1f1b", 2, 2, 2, 1, 0),
+    ("zb-h1", 2, 2, 1, 1, 0),
+    ("gpipe", 2, 2, 1, 1, 0),
+]
 
 
-# -- an independent naive executor ---------------------------------------------------------------
+def accepted_mutants(count: int, seed: int) -> list[Program]:
+    """`count` accepted programs that differ from their base, drawn by a seeded generator."""
+    rng = random.Random(seed)
+    found: list[Program] = []
+    while len(found) < count:
+        name, p, m, v, dp, zero = rng.choice(_GLOO_BASES)
+        base = schedcc.compile(schedcc.get_schedule(name)(p, m, v), data_parallel=dp, zero=zero)
+        edits = [
+            (rng.choice(_KINDS), rng.random(), rng.random(), rng.random(), rng.random())
+            for _ in range(rng.randint(1, 2))
+        ]
+        mutated = base.evolve(stages=mutate(base.stages, edits, v))
+        if mutated.stages != base.stages and accepted(mutated):
+            found.append(mutated)
+    return found
 
 
-class _Stage:
-    """One stage's state while executing: its cursor and what tensors it holds."""
+def _gloo_rank(rank: int, world_size: int, count: int, seed: int) -> None:
+    from schedcc.backends.distributed import Engine
+    from schedcc.backends.local import Engine as LocalEngine
 
-    def __init__(self, ops):
-        self.ops = ops
-        self.pos = 0
-        self.group: list[tuple[int, int, int]] | None = None  # (position, channel, index)
-        self.outputs: set[tuple] = set()  # ("F" | "G", microbatch, segment) held here
-        self.forwarded: set[tuple] = set()
-        self.input_grad: set[tuple] = set()
-
-
-def execute(program: Program) -> None:
-    """Run `program` under rendezvous comm groups, asserting every data dependency holds.
-
-    Deliberately naive and separate from `schedcc.analysis`: ops name tensors by segment, FIFO
-    channels are queues, and stages are polled round-robin until none can move.
-    """
-    schedule = program.schedule
-    table = schedule.segment_table()
-    stage_of = {k: s for s, row in enumerate(table) for k in row}
-    last = schedule.num_segments - 1
-    stages = [_Stage(ops) for ops in program.stages]
-    posted: dict[tuple[str, int, int], list[tuple]] = {}  # (side, src, dst) -> payloads
-    counts = {"F": 0, "B": 0}
-    progress = True
-    while progress:
-        progress = False
-        for s, stage in enumerate(stages):
-            while _advance(s, stage, table, stage_of, last, posted, counts):
-                progress = True
-    stuck = [s for s, stage in enumerate(stages) if stage.pos < len(stage.ops)]
-    assert not stuck, f"stages {stuck} never finish"
-    total = schedule.num_microbatches_total * schedule.num_segments
-    assert counts == {"F": total, "B": total}, counts
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    for number, program in enumerate(accepted_mutants(count, seed)):
+        for shared_memory in (True, False):
+            segments = make_segments(program.schedule.num_segments, seed=3)
+            oracle = copy.deepcopy(segments)
+            data = _data(program)
+            engine = Engine(
+                program, segments, F.mse_loss, _adam, timeout=60, shared_memory=shared_memory
+            )
+            got = list(engine.train(data))
+            want = list(LocalEngine(program, oracle, F.mse_loss, _adam).train(data))
+            where = f"program {number} (shm={shared_memory}):\n{program.to_text()}"
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, where
+            for s, c in ((engine.stage, c) for c in range(program.schedule.num_chunks)):
+                k = program.schedule.segment_of(s, c)
+                for a, b in zip(segments[k].parameters(), oracle[k].parameters()):
+                    assert torch.allclose(a, b, rtol=0, atol=1e-12), where
+    dist.destroy_process_group()
 
 
-def _advance(s, stage, table, stage_of, last, posted, counts) -> bool:
-    """Run one step of `stage`; False if it is finished or blocked."""
-    if stage.group is not None:
-        return _finish_group(s, stage, table, stage_of, last, posted)
-    if stage.pos >= len(stage.ops):
-        return False
-    op = stage.ops[stage.pos]
-    if op.group == "comm":
-        _post_group(s, stage, table, stage_of, last, posted)
-        return True
-    if op.group == "compute":
-        _compute(stage, op, table[s][op.chunk], last, counts)
-    stage.pos += 1
-    return True
+def test_a_sample_of_accepted_mutants_trains_on_gloo_as_on_the_local_backend():
+    """Accepted mutants of real programs run on gloo (shm and p2p) to the local numbers."""
+    from schedcc.backends.run.launch import spawn
 
-
-def _compute(stage, op, k, last, counts) -> None:
-    i = op.microbatch
-    if op.code == "F":
-        assert k == 0 or ("F", i, k - 1) in stage.outputs, f"{op} runs without its input"
-        assert (i, k) not in stage.forwarded, f"{op} runs twice"
-        stage.forwarded.add((i, k))
-        stage.outputs.add(("F", i, k))
-        counts["F"] += 1
-    elif op.code in ("B", "I"):
-        assert (i, k) in stage.forwarded, f"{op} runs before its forward"
-        assert k == last or ("G", i, k + 1) in stage.outputs, f"{op} runs without its input grad"
-        assert (i, k) not in stage.input_grad, f"{op} runs twice"
-        stage.input_grad.add((i, k))
-        stage.outputs.add(("G", i, k))
-        counts["B"] += op.code == "B"
-    else:
-        assert (i, k) in stage.input_grad, f"{op} runs before its input gradient"
-        counts["B"] += 1
-
-
-def _route(s, op, table, stage_of, last):
-    """(src, dst, payload) of a comm op, or fail: the op must move something."""
-    k, i = table[s][op.chunk], op.microbatch
-    if op.code == "SA":
-        assert k < last, f"{op} has no peer"
-        assert stage_of[k + 1] != s, f"{op} has no peer"
-        return s, stage_of[k + 1], ("F", i, k)
-    if op.code == "RA":
-        assert k > 0, f"{op} has no peer"
-        assert stage_of[k - 1] != s, f"{op} has no peer"
-        return stage_of[k - 1], s, ("F", i, k - 1)
-    if op.code == "SG":
-        assert k > 0, f"{op} has no peer"
-        assert stage_of[k - 1] != s, f"{op} has no peer"
-        return s, stage_of[k - 1], ("G", i, k)
-    assert k < last, f"{op} has no peer"
-    assert stage_of[k + 1] != s, f"{op} has no peer"
-    return stage_of[k + 1], s, ("G", i, k + 1)
-
-
-def _post_group(s, stage, table, stage_of, last, posted) -> None:
-    stage.group = []
-    while stage.pos < len(stage.ops) and stage.ops[stage.pos].group == "comm":
-        op = stage.ops[stage.pos]
-        src, dst, payload = _route(s, op, table, stage_of, last)
-        side = "send" if op.is_send else "recv"
-        if op.is_send:
-            assert payload in stage.outputs, f"{op} sends a tensor this stage does not hold"
-        queue = posted.setdefault((side, src, dst), [])
-        stage.group.append((stage.pos, (src, dst), len(queue)))
-        queue.append(payload)
-        stage.pos += 1
-
-
-def _finish_group(s, stage, table, stage_of, last, posted) -> bool:
-    for pos, (src, dst), index in stage.group:
-        op = stage.ops[pos]
-        other = posted.get(("recv" if op.is_send else "send", src, dst), [])
-        if len(other) <= index:
-            return False
-    for pos, (src, dst), index in stage.group:
-        op = stage.ops[pos]
-        if not op.is_send:
-            payload = posted[("send", src, dst)][index]
-            assert payload == posted[("recv", src, dst)][index], f"{op} receives {payload}"
-            stage.outputs.add(payload)
-    stage.group = None
-    return True
+    assert spawn(_gloo_rank, 2, (6, 20261201), grace=10) == 0
