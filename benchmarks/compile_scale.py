@@ -1,12 +1,14 @@
-"""How compile + validate scale with the program size, side by side with torch.
+"""How compile + simulate scale with the program size, side by side with torch.
 
 For each shape (p, m) and each of 1F1B and interleaved 1F1B (v = 2), time schedcc's
-`compile(schedule)` (collect, insert comm, insert updates, assign versions, validate) and torch's
-equivalent: building every rank's order with `torch.distributed.pipelining`'s own schedule class
-over mock stage objects, `_validate_schedule`, and the comm lowering (`_add_send_recv`; the
-interleaved class runs it, with its reduce-grad and unshard passes, in its constructor). Prints
-seconds, instructions, instructions per second and the ratio torch / schedcc (above 1: schedcc
-is faster).
+`compile(schedule)` (collect, insert comm, insert updates, assign versions, validate) and then
+`simulate` of its result, against torch's equivalent: building every rank's order with
+`torch.distributed.pipelining`'s own schedule class over mock stage objects,
+`_validate_schedule`, the comm lowering (`_add_send_recv`; the interleaved class runs it, with its
+reduce-grad and unshard passes, in its constructor) and its simulator
+(`_simulate_comms_compute`, which is also its deadlock check). Prints seconds, instructions,
+instructions per second and the ratios torch / schedcc (above 1: schedcc is faster), for
+compiling alone (against torch's lowering alone) and with the simulation.
 
     .venv/bin/python benchmarks/compile_scale.py                 # every shape, up to p = 128
     .venv/bin/python benchmarks/compile_scale.py --max-stages 32 # a quick run
@@ -50,6 +52,12 @@ def best_of(run: Callable[[], object], repeat: int) -> tuple[float, object]:
 def schedcc_compile(name: str, p: int, m: int, v: int) -> Callable[[], schedcc.Program]:
     cls = schedcc.get_schedule(name)
     return lambda: schedcc.compile(cls(p, m, num_chunks=v))
+
+
+def schedcc_compile_simulate(name: str, p: int, m: int, v: int) -> Callable[[], object]:
+    """compile, then simulate the program it returns (what `schedcc show` does)."""
+    compile_ = schedcc_compile(name, p, m, v)
+    return lambda: schedcc.simulate(compile_())
 
 
 # -- torch.distributed.pipelining ---------------------------------------------------------------
@@ -137,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         profile(*args.profile)
         return
     header = (
-        f"{'schedule':<18}{'p':>5}{'m':>6}{'instr':>9}{'schedcc s':>11}{'instr/s':>10}"
-        f"{'torch s':>10}{'ratio':>7}{'+sim s':>9}{'ratio':>7}"
+        f"{'schedule':<18}{'p':>5}{'m':>6}{'instr':>9}{'compile s':>11}{'instr/s':>10}"
+        f"{'torch s':>10}{'ratio':>7}{'+sim s':>9}{'torch s':>9}{'ratio':>7}"
     )
     print(stamp("compile_scale"))
     print(header)
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             if p > args.max_stages:
                 continue
             seconds, program = best_of(schedcc_compile(name, p, m, v), args.repeat)
+            total, _ = best_of(schedcc_compile_simulate(name, p, m, v), args.repeat)
             size = program.num_instructions
             row = f"{name:<18}{p:>5}{m:>6}{size:>9}{seconds:>11.3f}{size / seconds:>10.0f}"
             guess = None
@@ -156,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                 last_size, last_seconds = torch_last
                 guess = last_seconds * (size / last_size) ** 2 / 2
             if args.no_torch or (guess is not None and guess > args.torch_limit):
-                row += f"{'-':>10}{'-':>7}{'-':>9}{'-':>7}"
+                row += f"{'-':>10}{'-':>7}{total:>9.3f}{'-':>9}{'-':>7}"
             else:
                 repeat = 1 if p >= 64 else args.repeat
                 lower_seconds, lowered = best_of(torch_compile(p, m, v), repeat)
@@ -164,16 +173,17 @@ def main(argv: list[str] | None = None) -> None:
                 torch_last = (size, lower_seconds + sim_seconds)
                 both = lower_seconds + sim_seconds
                 row += (
-                    f"{lower_seconds:>10.3f}{lower_seconds / seconds:>7.1f}"
-                    f"{both:>9.3f}{both / seconds:>7.1f}"
+                    f"{lower_seconds:>10.3f}{lower_seconds / seconds:>7.2f}"
+                    f"{total:>9.3f}{both:>9.3f}{both / total:>7.2f}"
                 )
             print(row, flush=True)
 
 
 def profile(p: int, m: int) -> None:
-    """cProfile schedcc's compile of 1F1B and interleaved 1F1B at (p, m); the top 25 by time."""
+    """cProfile schedcc's compile + simulate of 1F1B and interleaved 1F1B at (p, m); the top 25
+    by time."""
     for name, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
-        run = schedcc_compile(name, p, m, v)
+        run = schedcc_compile_simulate(name, p, m, v)
         profiler = cProfile.Profile()
         profiler.enable()
         run()

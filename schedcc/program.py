@@ -9,6 +9,7 @@ import attrs
 
 from schedcc.ir import Instruction, parse
 from schedcc.schedule import Schedule
+from schedcc.semantics.model import STAGE_CACHES
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -51,8 +52,15 @@ class Program:
         return build_graph(self)
 
     def evolve(self, **changes) -> Program:
-        """A copy with some fields replaced (the cached graph and proof are not carried over)."""
-        return attrs.evolve(self, **changes)
+        """A copy with some fields replaced. What the semantics read off the schedule and stages
+        (steps, partners, versions) is carried over when neither changes; the graph and the
+        validator's proof are not."""
+        copy = attrs.evolve(self, **changes)
+        if not {"schedule", "stages"} & changes.keys():
+            for key in STAGE_CACHES:
+                if key in self.__dict__:
+                    copy.__dict__[key] = self.__dict__[key]
+        return copy
 
     def to_text(self) -> str:
         """One line per stage: `stage 0: F0 F1 SA0 ...` (what golden files store)."""

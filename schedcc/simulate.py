@@ -32,7 +32,17 @@ from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
 from schedcc.program import Program
-from schedcc.semantics import Steps, Tensors, Walk, match_comm, peak_activations, versions_of, walk
+from schedcc.semantics import (
+    Steps,
+    Tensors,
+    Walk,
+    peak_activations,
+    reference_walk,
+    step_model,
+    tensors_of,
+    versions_of,
+    walk,
+)
 from schedcc.simulate_eager import eager_spans
 from schedcc.validate import ensure_valid
 
@@ -252,19 +262,24 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
     ensure_valid(program)  # the validator's error for a program it refuses
     stages = program.stages
     with paused_gc():
-        tensors = Tensors.of(program.schedule)
         tables = _tables(costs, len(stages))
         if eager:
-            return Timeline(
-                program, events=_eager_events(program, costs, tables, tensors), costs=costs
-            )
-        partner, problems = match_comm(stages, tensors)
-        steps = Steps.of(stages)
-        durations = _durations(costs, tables, stages, steps)
-        result = walk(steps, partner, lambda s, j: durations[s][j])
+            events = _eager_events(program, costs, tables, tensors_of(program))
+            return Timeline(program, events=events, costs=costs)
+        model = step_model(program)
+        steps, partner, problems = model.steps, model.partner, model.problems
+        if costs == _DEFAULT:  # the validator's walk: [Note: the reference walk]
+            result = reference_walk(program)
+        else:
+            durations = _durations(costs, tables, stages, steps)
+            result = walk(steps, partner, durations, links=model.links)
     if result.stuck or problems:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
     return Timeline(program, costs=costs, run=_Run(steps, partner, result, tables))
+
+
+#: The default cost model, whose walk is the reference walk (`UNIT_COSTS` are its durations).
+_DEFAULT = CostModel()
 
 
 def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:

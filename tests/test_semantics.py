@@ -170,3 +170,31 @@ def test_semantics_imports_no_program_and_simulate_no_pass():
     for name in ("simulate.py", "simulate_eager.py", "program.py"):
         imports = _runtime_imports(ROOT / "schedcc" / name)
         assert not any(i.startswith("schedcc.passes") for i in imports), name
+
+
+def test_the_reference_walk_is_the_default_simulation():
+    """The deadlock rule's walk is timed with `UNIT_COSTS`, `CostModel()`'s durations, so the
+    default simulation reuses it and equals one timed from scratch."""
+    from schedcc.costs import ALL_KINDS, kind_cost
+    from schedcc.semantics import UNIT_COSTS
+
+    assert all(kind_cost(schedcc.CostModel(), cls) == UNIT_COSTS.get(cls, 0.0) for cls in ALL_KINDS)
+    for name, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)):
+        program = schedcc.compile(schedcc.get_schedule(name)(4, 8, v), data_parallel=2)
+        reused = simulate(program)
+        timed = simulate(program, schedcc.CostModel(per_stage={0: schedcc.CostModel()}))
+        assert reused.events == timed.events
+        assert reused.critical_path == timed.critical_path
+
+
+def test_evolve_keeps_what_depends_on_the_stages_only():
+    """A copy with other versions keeps the step model; one with other stages does not, nor
+    does any copy keep the validator's proof."""
+    from schedcc.semantics import step_model
+
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
+    model = step_model(program)
+    assert step_model(program.evolve(versions=None)) is model
+    moved = program.evolve(stages=program.stages[::-1])
+    assert "_schedcc_step_model" not in moved.__dict__
+    assert "_schedcc_proved" not in program.evolve(versions=None).__dict__

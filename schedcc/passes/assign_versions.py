@@ -1,13 +1,14 @@
 """assign_versions: the weight version each compute uses and each optimizer step produces.
 
 The rule itself lives in `schedcc.semantics.versions` (the validator and the runtime read the
-same one); whether those versions exist when needed is the validator's `check_versions` rule.
+same one; `rule_versions` keeps its result with the program, for the validator); whether those
+versions exist when needed is the validator's `check_versions` rule.
 """
 
 from __future__ import annotations
 
 from schedcc.program import Program
-from schedcc.semantics.versions import versions_of
+from schedcc.semantics.model import rule_versions
 
 __all__ = ["assign_versions"]
 
@@ -20,7 +21,4 @@ def assign_versions(program: Program) -> Program:
     >>> program.stages[0][-1], program.versions[0][-1]
     (OptimizerStep(), 2)
     """
-    schedule = program.schedule
-    m, delay = schedule.num_microbatches, schedule.weight_delay
-    versions = tuple(versions_of(ops, m, delay) for ops in program.stages)
-    return program.evolve(versions=versions)
+    return program.evolve(versions=rule_versions(program))

@@ -22,12 +22,13 @@ shapes (p = 4, m = 8, v = 2). In others it has moments where a producer and its 
 never idle together between the producer's end and the consumer's start; a blocking exchange
 must then stall one of them, and the stalls made early in the compute-only plan cascade.
 
-[Note: two lowerings] So when the first lowering does not replay the compute-only makespan, a
-second one runs the rendezvous model itself while it lowers (`_lower_online`: at each time unit,
-pairs meet where both stages are idle, then computes start), so later meetings follow the real,
-stalled timeline; the faster of the two (simulated with the default costs) is kept. Interleaved
-1F1B at p = 32, m = 512, v = 2: 3241 against the ideal 3165 (the first lowering alone: 4093).
-Both are walk-ordered, so either is deadlock-free.
+[Note: two lowerings] So when the first lowering does not replay the compute-only makespan (it
+still may where a pair met at a busy moment; then it is kept), a second one runs the rendezvous
+model itself while it lowers (`_lower_online`: at each time unit, pairs meet where both stages
+are idle, then computes start), so later meetings follow the real, stalled timeline; the faster
+of the two (simulated with the default costs) is kept. Interleaved 1F1B at p = 32, m = 512,
+v = 2: 3241 against the ideal 3165 (the first lowering alone: 4093). Both are walk-ordered, so
+either is deadlock-free.
 """
 
 from __future__ import annotations
@@ -36,21 +37,17 @@ from bisect import bisect_left
 
 from schedcc.errors import DeadlockError, DependencyError, IncompleteScheduleError
 from schedcc.ir import (
-    Backward,
-    BackwardInput,
-    BackwardWeight,
     Comm,
     Compute,
-    Forward,
     Instruction,
 )
 from schedcc.program import Program
-from schedcc.semantics import Steps, Tensors, match_comm, wait_for_cycle, walk
+from schedcc.semantics import UNIT_COSTS, Steps, Tensors, unit_durations, wait_for_cycle, walk
 
 __all__ = ["insert_comm"]
 
-# The default cost model in whole units, so start times are exact ints (and index buckets).
-_COST = {Forward: 1, Backward: 2, BackwardInput: 1, BackwardWeight: 1}
+# The default costs in whole units, so start times are exact ints (and index buckets).
+_COST = {cls: int(cost) for cls, cost in UNIT_COSTS.items()}
 
 # Tensors are named by their keys (see [Note: tensor keys] in `schedcc.semantics.tensors`): flat
 # lists indexed by key replace dicts of tuples, since the walk is the compiler's hot loop.
@@ -67,26 +64,26 @@ def insert_comm(program: Program) -> Program:
     tensors = Tensors.of(program.schedule)
     plan = _Plan(program, tensors)
     start = _simulate(program, plan)
-    stages, exact = _lower(program, plan, start)
-    lowered = program.evolve(stages=stages)
+    stages, partner, exact = _lower(program, plan, start)
     if not exact:  # see [Note: two lowerings]
-        online, makespan = _lower_online(program, plan)
-        if makespan < _makespan(lowered, tensors):
-            lowered = program.evolve(stages=online)
-    return lowered
+        first = _makespan(stages, partner)
+        if first > _ideal(start, plan):  # else no lowering can be faster
+            online, makespan = _lower_online(program, plan)
+            if makespan < first:
+                stages = online
+    return program.evolve(stages=stages)
 
 
-def _makespan(program: Program, tensors: Tensors) -> float:
-    """The program's makespan under rendezvous with the default costs and free comm."""
-    steps = Steps.of(program.stages)
-    partner, _ = match_comm(program.stages, tensors)
+def _ideal(start: list[list[int]], plan: _Plan) -> int:
+    """The compute-only simulation's makespan: no lowering runs faster."""
+    return max((row[-1] + costs[-1] for row, costs in zip(start, plan.costs) if row), default=0)
 
-    def duration(stage: int, step: int) -> float:
-        if steps.is_group[stage][step]:
-            return 0
-        return _COST.get(type(program.stages[stage][steps.bounds[stage][step][0]]), 0)
 
-    result = walk(steps, partner, duration)
+def _makespan(stages, partner) -> float:
+    """The program's makespan under rendezvous with the default costs and free comm;
+    `partner[s][pos]` is each comm op's matched op (as `match_comm` gives it)."""
+    steps = Steps.of(stages)
+    result = walk(steps, partner, unit_durations(stages, steps))
     if result.stuck:  # cannot happen for a walk-ordered lowering; never prefer such a program
         return float("inf")
     return max((row[-1] for row in result.end if row), default=0)
@@ -95,22 +92,25 @@ def _makespan(program: Program, tensors: Tensors) -> float:
 class _Plan:
     """Per stage and position: the tensor keys a compute waits for and the key it produces.
 
-    `wants[s][pos]` is None for a non-compute; `producer[key]` is the stage that first computes
-    `key` (-1 if none), `producer_pos[key]` the position there.
+    `wants[s][pos]` is None for a non-compute, `remote[s][pos]` those of its wants that another
+    stage makes; `producer[key]` is the stage that first computes `key` (-1 if none),
+    `producer_pos[key]` the position there.
     """
 
     def __init__(self, program: Program, tensors: Tensors):
         span = tensors.span
         num_keys = span * program.schedule.num_microbatches_total
-        self.tensors = tensors
+        self.tensors, self.span, self.pairs = tensors, span, tensors.pair_table()
         self.producer = [-1] * num_keys
         self.producer_pos = [0] * num_keys
         self.wants: list[list[tuple[int, ...] | None]] = []
+        self.remote: list[list[tuple[int, ...]]] = []  # the wants made on another stage
         self.outs: list[list[int]] = []
         self.costs: list[list[int]] = []
         for s, ops in enumerate(program.stages):
             table = tensors.compute_table(s)
             wants: list[tuple[int, ...] | None] = []
+            remote: list[tuple[int, ...]] = []
             outs: list[int] = []
             for op in ops:
                 out = -1
@@ -118,15 +118,18 @@ class _Plan:
                     use = table[type(op), op.chunk]
                     base = op.microbatch * span
                     wants.append(tuple(base + offset for offset in use.needs))
+                    remote.append(tuple(base + offset for offset in use.remote))
                     if use.makes >= 0:
                         out = base + use.makes
                 else:
                     wants.append(None)
+                    remote.append(())
                 outs.append(out)
                 if out >= 0 and self.producer[out] < 0:
                     self.producer[out] = s
                     self.producer_pos[out] = len(outs) - 1
             self.wants.append(wants)
+            self.remote.append(remote)
             self.outs.append(outs)
             self.costs.append([_COST.get(type(op), 0) for op in ops])
 
@@ -179,13 +182,12 @@ def _simulate(program: Program, plan: _Plan) -> list[list[int]]:
     return start
 
 
-def _lower(
-    program: Program, plan: _Plan, start: list[list[int]]
-) -> tuple[tuple[tuple[Instruction, ...], ...], bool]:
+def _lower(program: Program, plan: _Plan, start: list[list[int]]):
     """Walk the instructions by start time, putting each transfer at its meeting time.
 
-    Also says whether every pair met where both stages were idle: then the program replays the
-    compute-only simulation exactly (see [Note: meeting time]).
+    Returns the stages, each comm op's partner (what `match_comm` would find: a send and its
+    receive are appended together) and whether every pair met where both stages were idle: then
+    the program replays the compute-only simulation exactly (see [Note: meeting time]).
     """
     stages = program.stages
     horizon = 1 + max(map(max, filter(None, start)), default=0)
@@ -199,9 +201,9 @@ def _lower(
             slices[t].append((s, pos))
     for moment in slices:
         for s, pos in moment:
-            for key in plan.wants[s][pos] or ():
+            for key in plan.remote[s][pos]:
                 src = producer[key]
-                if src == s:
+                if src < 0:  # nobody computes it: _simulate has reported it
                     continue
                 send, recv = _pair(key, plan, make)
                 when = _meeting(start, ends, src, producer_pos[key], s, start[s][pos])
@@ -209,13 +211,17 @@ def _lower(
                     when, exact = start[s][pos], False
                 pairs[when].append((src, s, send, recv))
     out: list[list[Instruction]] = [[] for _ in stages]
+    partner: list[list[tuple[int, int] | None]] = [[] for _ in stages]
     for moment, meeting in zip(slices, pairs):
         for src, dst, send, recv in meeting:
+            partner[src].append((dst, len(out[dst])))
+            partner[dst].append((src, len(out[src])))
             out[src].append(send)
             out[dst].append(recv)
         for s, pos in moment:
             out[s].append(stages[s][pos])
-    return tuple(tuple(ops) for ops in out), exact
+            partner[s].append(None)
+    return tuple(tuple(ops) for ops in out), partner, exact
 
 
 #: How many idle gaps `_meeting` looks through before settling for the consumer's start.
@@ -358,5 +364,6 @@ def _lower_online(program: Program, plan: _Plan) -> tuple[tuple[tuple[Instructio
 
 def _pair(key: int, plan: _Plan, make) -> tuple[Instruction, Instruction]:
     """The send and the receive that move tensor `key`, one shared instance of each."""
-    send, recv = plan.tensors.pair_of(key)
-    return make(*send), make(*recv)
+    microbatch, rest = divmod(key, plan.span)
+    send, send_chunk, recv, recv_chunk = plan.pairs[rest]
+    return make(send, microbatch, send_chunk), make(recv, microbatch, recv_chunk)

@@ -15,7 +15,7 @@ import attrs
 
 from schedcc.errors import ScheduleError
 from schedcc.program import Program
-from schedcc.semantics import CommProblem, Tensors, match_comm
+from schedcc.semantics import CommProblem, StepModel, step_model, tensors_of
 
 __all__ = ["Context", "Problem", "Rule", "short"]
 
@@ -38,13 +38,18 @@ class Context:
         self.stages = program.stages
         self.schedule = program.schedule
         self.max_activations = max_activations
-        self.tensors = Tensors.of(program.schedule)
+        self.tensors = tensors_of(program)
         self.layout = self.tensors.layout
 
     @cached_property
-    def matching(self) -> tuple[list[list[tuple[int, int] | None]], list[CommProblem]]:
+    def model(self) -> StepModel:
+        """The program's step model (kept on the program for the simulators)."""
+        return step_model(self.program)
+
+    @property
+    def matching(self) -> tuple[list[list[tuple[int, int] | None]], tuple[CommProblem, ...]]:
         """`match_comm`'s `(partner, problems)` for the program."""
-        return match_comm(self.stages, self.tensors)
+        return self.model.partner, self.model.problems
 
     def where(self, stage: int, pos: int) -> str:
         return f"stage {stage}, position {pos} ({self.stages[stage][pos]})"

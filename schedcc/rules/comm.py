@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from schedcc.errors import DeadlockError, UnmatchedCommError
 from schedcc.ir import SENDS
 from schedcc.rules import Context, Problem
-from schedcc.semantics import Steps, walk
+from schedcc.semantics import reference_walk
 
 __all__ = ["check_comm", "check_deadlock"]
 
@@ -45,9 +45,8 @@ def check_deadlock(ctx: Context) -> Iterator[Problem]:
     partner, problems = ctx.matching
     if problems:  # unmatched comm is check_comm's to report; the step model needs pairs
         return
-    stages = ctx.stages
-    steps = Steps.of(stages)
-    result = walk(steps, partner)
+    stages, steps = ctx.stages, ctx.model.steps
+    result = reference_walk(ctx.program)  # timed, for the simulator: [Note: the reference walk]
     if not result.stuck:
         return
     cycle = result.wait_for_cycle()

@@ -74,28 +74,29 @@ def check_dependencies(ctx: Context) -> Iterator[Problem]:
     """On its own stage, each compute comes after the tensors it needs (made on this stage or
     received), and each send after the compute that makes what it sends."""
     tensors, span = ctx.tensors, ctx.tensors.span
+    # have[key] == s: key was made or received on stage s so far (stages run one after another)
+    have = [-1] * (span * ctx.schedule.num_microbatches_total)
     for s, ops in enumerate(ctx.stages):
-        have: set[int] = set()  # keys made or received on this stage so far
         computes, comms = tensors.compute_table(s), tensors.comm_table(s)
         for pos, op in enumerate(ops):
             if isinstance(op, Compute):
                 use = computes[type(op), op.chunk]
                 base = op.microbatch * span
                 for offset in use.needs:
-                    if base + offset not in have:
+                    if have[base + offset] != s:
                         text = _needs(ctx, s, op, base + offset)
                         yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {text}", s, pos)
                         break
                 if use.makes >= 0:
-                    have.add(base + use.makes)
+                    have[base + use.makes] = s
             elif isinstance(op, Comm):
                 route = comms.get((type(op), op.chunk))
                 if route is None:  # nothing to move: check_comm reports it
                     continue
                 key = op.microbatch * span + route.carries
                 if not op.is_send:
-                    have.add(key)
-                elif key not in have:
+                    have[key] = s
+                elif have[key] != s:
                     text = _needs(ctx, s, op, key)
                     yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {text}", s, pos)
 

@@ -25,7 +25,7 @@ from schedcc.ir import (
     ReduceGrads,
 )
 from schedcc.rules import Context, Problem, short
-from schedcc.semantics import HELD, kept_versions, stashes, version_used
+from schedcc.semantics import HELD, kept_versions, rule_versions, stashes
 
 __all__ = [
     "check_gathers",
@@ -181,14 +181,15 @@ def check_gathers(ctx: Context) -> Iterator[Problem]:
 def check_versions(ctx: Context) -> Iterator[Problem]:
     """Each compute's weight version exists when it runs, and at most d + 1 are kept."""
     m, delay = ctx.schedule.num_microbatches, ctx.schedule.weight_delay
-    for s, ops in enumerate(ctx.stages):
-        produced = 0
-        for pos, op in enumerate(ops):
+    for s, (ops, versions) in enumerate(zip(ctx.stages, rule_versions(ctx.program))):
+        produced = oldest = 0  # versions made so far on this stage; the oldest one kept
+        for pos, version in enumerate(versions):
+            if version is None:
+                continue
+            op = ops[pos]
             if type(op) is OptimizerStep:
-                produced += 1
-            elif isinstance(op, Compute):
-                version = version_used(op.microbatch, m, delay)
-                kept = kept_versions(produced, delay)
+                produced, oldest = version, kept_versions(version, delay).start
+            elif not oldest <= version <= produced:
                 if version > produced:
                     yield Problem(
                         WeightVersionError,
@@ -199,11 +200,11 @@ def check_versions(ctx: Context) -> Iterator[Problem]:
                         s,
                         pos,
                     )
-                elif version not in kept:
+                else:
                     yield Problem(
                         WeightVersionError,
                         f"{ctx.where(s, pos)} needs weight version {version}, but after "
-                        f"{produced} steps only versions {kept.start}..{produced} are kept "
+                        f"{produced} steps only versions {oldest}..{produced} are kept "
                         f"(weight_delay {delay} keeps {delay + 1}); run it before step "
                         f"{version + delay} or raise weight_delay",
                         s,

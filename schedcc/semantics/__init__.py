@@ -12,12 +12,23 @@ simulators and the backends all call it, so they agree by construction (docs/des
   `Walk`, `wait_for_cycle`): deadlock freedom and timing;
 - `versions`: the weight-version rule (`version_used`, `kept_versions`, `stashes`);
 - `memory`: activation counting (`HELD`, `peak_activations`, `first_over`);
+- `model`: those facts of one program, made once and kept with it (`step_model`);
 - `graph`: the program as a networkx DAG (`build_graph`, for `Program.graph`).
 """
 
 from schedcc.semantics.channels import CommProblem, match_comm
 from schedcc.semantics.layout import Layout
 from schedcc.semantics.memory import HELD, first_over, peak_activations
+from schedcc.semantics.model import (
+    STAGE_CACHES,
+    UNIT_COSTS,
+    StepModel,
+    reference_walk,
+    rule_versions,
+    step_model,
+    tensors_of,
+    unit_durations,
+)
 from schedcc.semantics.steps import Steps, Walk, wait_for_cycle, walk
 from schedcc.semantics.tensors import (
     CommUse,
@@ -32,11 +43,14 @@ from schedcc.semantics.versions import kept_versions, stashes, version_used, ver
 
 __all__ = [
     "HELD",
+    "STAGE_CACHES",
+    "UNIT_COSTS",
     "CommProblem",
     "CommUse",
     "ComputeUse",
     "Layout",
     "Route",
+    "StepModel",
     "Steps",
     "TensorId",
     "Tensors",
@@ -47,7 +61,12 @@ __all__ = [
     "kept_versions",
     "match_comm",
     "peak_activations",
+    "reference_walk",
+    "rule_versions",
     "stashes",
+    "step_model",
+    "tensors_of",
+    "unit_durations",
     "version_used",
     "versions_of",
     "wait_for_cycle",

@@ -13,8 +13,9 @@ import attrs
 from schedcc.ir import Comm, Instruction
 from schedcc.semantics.tensors import Tensors
 
-__all__ = ["CommProblem", "match_comm"]
+__all__ = ["CommProblem", "Partner", "match_comm"]
 
+#: `partner[s][pos]`: the `(stage, position)` of the op matched with comm op `pos` of stage `s`.
 Partner = list[list[tuple[int, int] | None]]
 
 

@@ -11,13 +11,20 @@ deadlock, and following "waits for" from stage to stage finds the cycle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
+from itertools import accumulate
 
 import attrs
 
-from schedcc.ir import Comm, Instruction
+from schedcc.ir import COMM, Instruction
 
-__all__ = ["Steps", "Walk", "wait_for_cycle", "walk"]
+__all__ = ["Links", "Steps", "Walk", "links_of", "wait_for_cycle", "walk"]
+
+#: `links[s][j]`: for a comm group, the flat indices of its partner groups; None otherwise.
+Links = tuple[tuple[tuple[int, ...] | None, ...], ...]
+
+_COMM = frozenset(COMM)
 
 
 @attrs.frozen(slots=True)
@@ -38,6 +45,11 @@ class Steps:
     is_group: tuple[tuple[bool, ...], ...]
     step_at: tuple[tuple[int, ...], ...]
 
+    @property
+    def offset(self) -> list[int]:
+        """`offset[s]`: the flat index of stage s's first step (`offset[-1]`: all steps)."""
+        return list(accumulate((len(b) for b in self.bounds), initial=0))
+
     @classmethod
     def of(cls, stages: Sequence[Sequence[Instruction]]) -> Steps:
         bounds, is_group, step_at = [], [], []
@@ -45,13 +57,14 @@ class Steps:
             starts: list[int] = []
             groups: list[bool] = []
             at: list[int] = []
-            previous = False  # was the op before a comm op?
+            previous, j = False, -1  # was the op before a comm op? the current step
             for pos, op in enumerate(ops):
-                comm = isinstance(op, Comm)
+                comm = type(op) in _COMM
                 if not (comm and previous):  # a new step starts here
                     starts.append(pos)
                     groups.append(comm)
-                at.append(len(starts) - 1)
+                    j += 1
+                at.append(j)
                 previous = comm
             bounds.append(tuple(zip(starts, [*starts[1:], len(ops)])))
             is_group.append(tuple(groups))
@@ -97,83 +110,106 @@ class Walk:
         return wait_for_cycle({s: peer for s, (_, peer, _) in self.stuck.items()})
 
 
+def links_of(steps: Steps, partner: Sequence[Sequence[tuple[int, int] | None]]) -> Links:
+    """Per stage and step: for a comm group, the flat indices of its partner groups (-1 for an
+    op without a partner), None for a single instruction. Step j of stage s has flat index
+    `steps.offset[s] + j` (see `walk`)."""
+    offset, step_at = steps.offset, steps.step_at
+    links = []
+    for s, (bounds, groups) in enumerate(zip(steps.bounds, steps.is_group)):
+        partner_s = partner[s]
+        row: list[tuple[int, ...] | None] = []
+        for (lo, hi), group in zip(bounds, groups):
+            if not group:
+                row.append(None)
+                continue
+            peers = []
+            for pos in range(lo, hi):
+                peer = partner_s[pos]
+                peers.append(-1 if peer is None else offset[peer[0]] + step_at[peer[0]][peer[1]])
+            row.append(tuple(peers))
+        links.append(tuple(row))
+    return tuple(links)
+
+
 def walk(
     steps: Steps,
     partner: Sequence[Sequence[tuple[int, int] | None]],
-    duration: Callable[[int, int], float] | None = None,
+    durations: Sequence[Sequence[float]] | None = None,
+    *,
+    links: Links | None = None,
 ) -> Walk:
     """Visit every step in a topological order of the step model, timing it.
 
     `partner[s][pos]` is the matched op of each comm op (`schedcc.semantics.match_comm`);
-    `duration(stage, step)` gives a compute's run time or a group's comm cost (0 if omitted).
-    Linear in the number of instructions.
+    `durations[s][j]` is step j's run time (a compute or update) or comm cost (a group) on stage
+    s (all 0 if omitted); `links` is `links_of(steps, partner)` if the caller keeps it. Linear in
+    the number of instructions.
 
     >>> import schedcc
     >>> from schedcc.semantics import Tensors, match_comm
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
     >>> partner, _ = match_comm(program.stages, Tensors.of(program.schedule))
-    >>> walk(Steps.of(program.stages), partner, lambda s, j: 1.0).end
+    >>> steps = Steps.of(program.stages)
+    >>> walk(steps, partner, [[1.0] * len(row) for row in steps.bounds]).end
     ((1.0, 5.0, 6.0, 7.0), (2.0, 3.0, 4.0, 5.0, 6.0))
     """
-    num_stages = len(steps.bounds)
-    start = [[0.0] * len(b) for b in steps.bounds]
-    end = [[0.0] * len(b) for b in steps.bounds]
-    posted = [[False] * len(b) for b in steps.bounds]
-    clock = [0.0] * num_stages
-    cursor = [0] * num_stages
-    waiting: dict[tuple[int, int], list[int]] = {}
-    blocked: dict[int, tuple[int, int, int]] = {}
-    pending = list(range(num_stages))
-    queued = [True] * num_stages
-    step_at = steps.step_at
-
+    if links is None:
+        links = links_of(steps, partner)
+    offset = steps.offset
+    num_stages, total = len(steps.bounds), offset[-1]
+    start, end = [0.0] * total, [0.0] * total  # by flat step index
+    posted = bytearray(total)
+    clock, cursor = [0.0] * num_stages, [0] * num_stages
+    waiting: dict[int, list[int]] = {}  # flat index of a group -> stages waiting for its post
+    blocked: dict[int, int] = {}  # stage -> the flat index it waits for
+    pending, queued = list(range(num_stages)), [True] * num_stages
+    zero = [0.0] * max((len(b) for b in steps.bounds), default=0)
     while pending:
         s = pending.pop()
         queued[s] = False
         blocked.pop(s, None)
-        bounds, groups, partner_s = steps.bounds[s], steps.is_group[s], partner[s]
-        start_s, end_s, posted_s = start[s], end[s], posted[s]
-        now, j, n = clock[s], cursor[s], len(bounds)
+        links_s, base = links[s], offset[s]
+        cost = durations[s] if durations is not None else zero
+        now, j, n = clock[s], cursor[s], len(links_s)
         while j < n:
-            if not groups[j]:
-                start_s[j] = now
-                if duration is not None:
-                    now += duration(s, j)
-                end_s[j] = now
+            peers, q = links_s[j], base + j
+            if peers is None:  # a compute or update
+                start[q] = now
+                now += cost[j]
+                end[q] = now
                 j += 1
                 continue
-            if not posted_s[j]:
-                posted_s[j] = True
-                start_s[j] = now
-                for waiter in waiting.pop((s, j), ()):
+            if not posted[q]:
+                posted[q] = 1
+                start[q] = now
+                for waiter in waiting.pop(q, ()):
                     if not queued[waiter]:
                         queued[waiter] = True
                         pending.append(waiter)
-            ready = start_s[j]
-            missing = None
-            lo, hi = bounds[j]
-            for pos in range(lo, hi):
-                peer = partner_s[pos]
-                if peer is None:  # unmatched: the validator reports it; never completes
-                    missing = (s, j)
+            ready, missing = start[q], -1
+            for peer in peers:
+                if peer < 0 or not posted[peer]:  # unmatched (never completes) or not posted
+                    missing = q if peer < 0 else peer
                     break
-                ps = peer[0]
-                pstep = step_at[ps][peer[1]]
-                if not posted[ps][pstep]:
-                    missing = (ps, pstep)
-                    break
-                if start[ps][pstep] > ready:
-                    ready = start[ps][pstep]
-            if missing is not None:
+                if start[peer] > ready:
+                    ready = start[peer]
+            if missing >= 0:
                 waiting.setdefault(missing, []).append(s)
-                blocked[s] = (j, *missing)
+                blocked[s] = missing
                 break
-            now = ready + duration(s, j) if duration is not None else ready
-            end_s[j] = now
+            now = ready + cost[j]
+            end[q] = now
             j += 1
         clock[s], cursor[s] = now, j
     return Walk(
-        tuple(map(tuple, start)),
-        tuple(map(tuple, end)),
-        {s: blocked[s] for s in sorted(blocked)},
+        tuple(tuple(start[offset[s] : offset[s + 1]]) for s in range(num_stages)),
+        tuple(tuple(end[offset[s] : offset[s + 1]]) for s in range(num_stages)),
+        {s: (cursor[s], *_stage_step(offset, blocked[s])) for s in sorted(blocked)},
     )
+
+
+def _stage_step(offset: Sequence[int], index: int) -> tuple[int, int]:
+    """The (stage, step) of a flat step index."""
+    stage = bisect_right(offset, index) - 1
+    return stage, index - offset[stage]

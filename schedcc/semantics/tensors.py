@@ -86,13 +86,14 @@ class Tensors:
     'input gradient of microbatch 3 out of segment 1'
     """
 
-    __slots__ = ("_comm", "_compute", "layout", "span")
+    __slots__ = ("_comm", "_compute", "_pairs", "layout", "span")
 
     def __init__(self, layout: Layout):
         self.layout = layout
         self.span = 2 * layout.num_segments  # keys per microbatch
         self._compute = [self._compute_table(s) for s in range(layout.num_stages)]
         self._comm = [self._comm_table(s) for s in range(layout.num_stages)]
+        self._pairs = [self._pair_entry(rest) for rest in range(self.span)]
 
     @classmethod
     def of(cls, schedule: Schedule) -> Tensors:
@@ -125,14 +126,14 @@ class Tensors:
         >>> tensors.pair_of(tensors.gradient(3, 1))
         ((<class 'schedcc.ir.SendGrad'>, 3, 0), (<class 'schedcc.ir.RecvGrad'>, 3, 0))
         """
-        is_gradient, microbatch, k = self.decode(key)
-        chunk_of = self.layout.chunk_of
-        if is_gradient:  # out of segment k into k - 1
-            return (SendGrad, microbatch, chunk_of[k]), (RecvGrad, microbatch, chunk_of[k - 1])
-        return (
-            (SendActivation, microbatch, chunk_of[k]),
-            (RecvActivation, microbatch, chunk_of[k + 1]),
-        )
+        microbatch, rest = divmod(key, self.span)
+        send, send_chunk, recv, recv_chunk = self._pairs[rest]
+        return (send, microbatch, send_chunk), (recv, microbatch, recv_chunk)
+
+    def pair_table(self) -> list[tuple[type, int, type, int]]:
+        """`pair_table()[key % span]`: `(send class, its chunk, receive class, its chunk)` that
+        move `key` (`pair_of` without building tuples, for a hot loop)."""
+        return self._pairs
 
     def maker_stage(self, key: int) -> int:
         """The stage whose compute makes `key` (its segment's stage)."""
@@ -188,6 +189,12 @@ class Tensors:
                 remote = tuple(o for o in needs if stage_of[o >> 1] != s)
                 table[cls, c] = ComputeUse(needs, makes, remote)
         return table
+
+    def _pair_entry(self, rest: int) -> tuple[type, int, type, int]:
+        k, chunk_of = rest >> 1, self.layout.chunk_of
+        if rest & 1:  # the gradient out of segment k, into k - 1
+            return (SendGrad, chunk_of[k], RecvGrad, chunk_of[k - 1] if k > 0 else -1)
+        return (SendActivation, chunk_of[k], RecvActivation, chunk_of[(k + 1) % len(chunk_of)])
 
     def _comm_table(self, s: int) -> dict[tuple[type, int], CommUse]:
         stage_of, last = self.layout.stage_of, self.layout.last

@@ -1,0 +1,122 @@
+"""`step_model(program)`: a program read once through the semantics, kept with the program.
+
+The validator (its comm and deadlock rules), the simulators and the drawings all read the same
+facts of a program: its tensor keys, its steps, each comm op's partner, the weight versions and
+one walk of the step model. A `Program` is immutable, so they are computed on first use and kept
+in the program's `__dict__`; `Program.evolve` carries them to a copy with the same schedule and
+stages (`STAGE_CACHES`), and a copy with others starts without them.
+
+[Note: the reference walk] Whether the step model completes does not depend on how long each
+step takes, so the deadlock rule walks it timed with the default costs (`UNIT_COSTS`: F = 1,
+B = 2, I = W = 1, comm and updates free, `CostModel()`'s) and keeps the walk: `simulate` under
+the default costs is then that walk, not a second one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Instruction
+from schedcc.semantics.channels import CommProblem, Partner, match_comm
+from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
+from schedcc.semantics.tensors import Tensors
+from schedcc.semantics.versions import versions_of
+
+__all__ = [
+    "STAGE_CACHES",
+    "UNIT_COSTS",
+    "StepModel",
+    "reference_walk",
+    "rule_versions",
+    "step_model",
+    "tensors_of",
+    "unit_durations",
+]
+
+#: The default duration of each compute (`CostModel()`'s); comm and updates take none.
+UNIT_COSTS: dict[type, float] = {
+    Forward: 1.0,
+    Backward: 2.0,
+    BackwardInput: 1.0,
+    BackwardWeight: 1.0,
+}
+
+_TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_step_model"
+_VERSIONS, _WALK = "_schedcc_versions", "_schedcc_reference_walk"
+#: The `__dict__` keys of what depends only on a program's schedule and stages.
+STAGE_CACHES = (_TENSORS, _MODEL, _VERSIONS, _WALK)
+
+
+@attrs.frozen(slots=True)
+class StepModel:
+    """A program's tensor keys, steps, comm partners and pairing problems (`match_comm`), and
+    each comm group's partner groups (`links_of`, what `walk` follows)."""
+
+    tensors: Tensors
+    steps: Steps
+    partner: Partner
+    problems: tuple[CommProblem, ...]
+    links: Links
+
+
+def tensors_of(program: Any) -> Tensors:
+    """The `Tensors` of `program.schedule`, made once per program."""
+    tensors = program.__dict__.get(_TENSORS)
+    if tensors is None:
+        tensors = program.__dict__[_TENSORS] = Tensors.of(program.schedule)
+    return tensors
+
+
+def step_model(program: Any) -> StepModel:
+    """The `StepModel` of `program` (a `Program`), made once per program.
+
+    >>> import schedcc
+    >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
+    >>> model = step_model(program)
+    >>> model.partner[0][1], model.problems, step_model(program) is model
+    ((1, 0), (), True)
+    """
+    model = program.__dict__.get(_MODEL)
+    if model is None:
+        tensors = tensors_of(program)
+        partner, problems = match_comm(program.stages, tensors)
+        steps = Steps.of(program.stages)
+        links = links_of(steps, partner)
+        model = StepModel(tensors, steps, partner, tuple(problems), links)
+        program.__dict__[_MODEL] = model
+    return model
+
+
+def rule_versions(program: Any) -> tuple[tuple[int | None, ...], ...]:
+    """`versions_of` every stage of `program`: the versions the weight-version rule gives (what
+    `assign_versions` records and `check_versions` checks), made once per program."""
+    versions = program.__dict__.get(_VERSIONS)
+    if versions is None:
+        schedule = program.schedule
+        m, delay = schedule.num_microbatches, schedule.weight_delay
+        versions = tuple(versions_of(ops, m, delay) for ops in program.stages)
+        program.__dict__[_VERSIONS] = versions
+    return versions
+
+
+def unit_durations(stages: Sequence[Sequence[Instruction]], steps: Steps) -> list[list[float]]:
+    """`durations[s][j]` of every step under `UNIT_COSTS` (what `walk` takes)."""
+    return [
+        [0.0 if group else UNIT_COSTS.get(type(ops[lo]), 0.0) for (lo, _), group in zip(b, g)]
+        for ops, b, g in zip(stages, steps.bounds, steps.is_group)
+    ]
+
+
+def reference_walk(program: Any) -> Walk:
+    """The walk of `program`'s step model timed with `UNIT_COSTS` (see [Note: the reference
+    walk]), made once per program."""
+    result = program.__dict__.get(_WALK)
+    if result is None:
+        model = step_model(program)
+        durations = unit_durations(program.stages, model.steps)
+        result = walk(model.steps, model.partner, durations, links=model.links)
+        program.__dict__[_WALK] = result
+    return result
