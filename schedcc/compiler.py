@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError
+from schedcc.ir import Forward, RecvActivation, SendActivation
 from schedcc.passes import PASSES, collect
 from schedcc.program import Program
 from schedcc.schedule import Schedule
 from schedcc.validate import validate as _validate
 
-__all__ = ["compile"]
+__all__ = ["compile", "normalize_tied"]
 
 
 def compile(
@@ -17,6 +20,8 @@ def compile(
     *,
     data_parallel: int = 1,
     zero: int = 0,
+    tied: Iterable[Iterable[int]] = (),
+    forward_only: bool = False,
     validate: bool = True,
     max_activations: int | None = None,
 ) -> Program:
@@ -27,11 +32,18 @@ def compile(
         data_parallel: pipeline replicas; above 1, gradients are reduced across them.
         zero: 0, 1 (ZeRO-1: reduce-scatter, sharded step, all-gather) or 2 (reduce-scatter
             after every backward).
+        tied: groups of segment indices whose segments share parameters (e.g. `[(0, 3)]` for an
+            LM head tied to the token embedding); each stage holding a segment of group `g` gets
+            a `ReduceTied(g)` per batch that sums the gradients of every copy before the step.
+        forward_only: keep only the schedule's forwards (and its activation comm, if it yields
+            comm): the program evaluation runs, with no backward and no update, every forward on
+            the live weights; compiled, validated and simulated like any other.
         validate: run the validator on the result (raises its `ScheduleError`).
         max_activations: with `validate`, also bound the microbatch activations per stage.
 
     Raises:
-        ScheduleConfigError: bad `data_parallel` or `zero`.
+        ScheduleConfigError: bad `data_parallel`, `zero` or `tied` (a group of fewer than two
+            segments, a segment out of range or in two groups).
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
@@ -51,10 +63,70 @@ def compile(
         )
     if type(zero) is not int or zero not in (0, 1, 2):
         raise ScheduleConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if type(forward_only) is not bool:
+        raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
+    groups = normalize_tied(tied, schedule.num_segments)
     with paused_gc():
         program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
+        if forward_only:
+            program = _forwards(program)
+        elif groups:  # a forward-only program has no gradients to tie
+            program = program.evolve(tied=groups)
         for lower in PASSES:
             program = lower(program)
         if validate:
             _validate(program, max_activations=max_activations)
     return program
+
+
+def _forwards(program: Program) -> Program:
+    """`program` with only its forwards and activation comm, marked forward-only."""
+    keep = (Forward, SendActivation, RecvActivation)
+    stages = tuple(tuple(op for op in ops if type(op) in keep) for ops in program.stages)
+    return program.evolve(stages=stages, forward_only=True)
+
+
+def normalize_tied(tied: Iterable[Iterable[int]], num_segments: int) -> tuple[tuple[int, ...], ...]:
+    """`tied` as a sorted tuple of sorted tuples of segment indices, checked.
+
+    Raises:
+        ScheduleConfigError: `tied` is not a collection of groups of ints, a group has fewer than
+            two segments, a segment is out of range, or a segment is in two groups.
+
+    >>> normalize_tied([[3, 0], (5, 1)], 6)
+    ((0, 3), (1, 5))
+    """
+    example = f"e.g. tied=[(0, {num_segments - 1})] for the first and last segment"
+    if isinstance(tied, (str, bytes)) or not isinstance(tied, Iterable):
+        raise ScheduleConfigError(
+            f"tied must be groups of segment indices, {example}; got {tied!r}"
+        )
+    groups = []
+    owner: dict[int, tuple[int, ...]] = {}
+    for group in tied:
+        if isinstance(group, (str, bytes)) or not isinstance(group, Iterable):
+            raise ScheduleConfigError(
+                f"each group in tied must be a tuple of segment indices, {example}; got {group!r}"
+            )
+        members = tuple(group)
+        bad = [k for k in members if type(k) is not int or not 0 <= k < num_segments]
+        if bad:
+            raise ScheduleConfigError(
+                f"tied group {members!r}: {bad[0]!r} is not a segment index in "
+                f"[0, {num_segments}) (the schedule has p*v = {num_segments} segments)"
+            )
+        members = tuple(sorted(set(members)))
+        if len(members) < 2:
+            raise ScheduleConfigError(
+                f"tied group {tuple(group)!r} names fewer than two segments; a group lists the "
+                f"segments that share parameters, {example}"
+            )
+        for k in members:
+            if k in owner:
+                raise ScheduleConfigError(
+                    f"segment {k} is in two tied groups, {owner[k]!r} and {members!r}: merge "
+                    "them into one group"
+                )
+            owner[k] = members
+        groups.append(members)
+    return tuple(sorted(groups))

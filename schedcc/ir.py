@@ -39,6 +39,7 @@ __all__ = [
     "RecvActivation",
     "RecvGrad",
     "ReduceGrads",
+    "ReduceTied",
     "SendActivation",
     "SendGrad",
     "Update",
@@ -191,9 +192,21 @@ class GatherParams(Update):
         return f"{self.code}.{self.chunk}" if self.chunk else self.code
 
 
+@attrs.frozen(slots=True)
+class ReduceTied(Update):
+    """Roughly: `grad[w] = sum of grad[copy] over every copy of w` for each parameter `w` that
+    the segments of `Program.tied[tie]` share (a collective among their stages)."""
+
+    code: ClassVar[str] = "Tied"
+    tie: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.code}{self.tie}"
+
+
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-UPDATE = (ReduceGrads, OptimizerStep, GatherParams)
+UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied)
 #: The computes that add to a chunk's weight gradients (`.grad`).
 WEIGHT_GRADIENT = (Backward, BackwardWeight)
 #: The computes that make a microbatch's input gradient (what `SendGrad` sends).
@@ -204,6 +217,7 @@ RECEIVES = (RecvActivation, RecvGrad)
 _BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
 _ON_MICROBATCH = re.compile(r"(F|B|I|W|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
 _ON_CHUNK = re.compile(r"(Reduce|Gather)(?:\.(\d+))?")
+_TIED = re.compile(r"Tied(\d+)")
 
 
 def parse(text: str) -> Instruction:
@@ -219,9 +233,11 @@ def parse(text: str) -> Instruction:
     if match := _ON_CHUNK.fullmatch(text):
         code, chunk = match.groups()
         return _BY_CODE[code](int(chunk or 0))
+    if match := _TIED.fullmatch(text):
+        return ReduceTied(int(match.group(1)))
     if text == OptimizerStep.code:
         return OptimizerStep()
     raise ValueError(
         f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, SA2, RA2, SG2, RG2, "
-        "Reduce, Reduce.1, Step, Gather.1"
+        "Reduce, Reduce.1, Step, Gather.1, Tied0"
     )

@@ -28,6 +28,10 @@ class Program:
         zero: 0 (plain all-reduce), 1 (ZeRO-1) or 2 (reduce-scatter after every backward).
         versions: `versions[s][pos]` is the weight version instruction `pos` of stage `s` uses
             (computes), or the version a step produces; None elsewhere. Set by `assign_versions`.
+        tied: groups of segments that share parameters, each a sorted tuple of segment indices
+            (`compile(..., tied=...)`); `ReduceTied(g)` sums the gradients of group `g`'s copies.
+        forward_only: the program only runs forwards (`compile(..., forward_only=True)`, for
+            evaluation): no backward, no update, and every forward uses the live weights.
     """
 
     schedule: Schedule
@@ -35,6 +39,8 @@ class Program:
     data_parallel: int = 1
     zero: int = 0
     versions: tuple[tuple[int | None, ...], ...] | None = None
+    tied: tuple[tuple[int, ...], ...] = ()
+    forward_only: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -52,11 +58,11 @@ class Program:
         return build_graph(self)
 
     def evolve(self, **changes) -> Program:
-        """A copy with some fields replaced. What the semantics read off the schedule and stages
-        (steps, partners, versions) is carried over when neither changes; the graph and the
-        validator's proof are not."""
+        """A copy with some fields replaced. What the semantics read off the schedule, stages
+        and tied groups (steps, partners, versions) is carried over when none of them changes;
+        the graph and the validator's proof are not."""
         copy = attrs.evolve(self, **changes)
-        if not {"schedule", "stages"} & changes.keys():
+        if not {"schedule", "stages", "tied"} & changes.keys():
             for key in STAGE_CACHES:
                 if key in self.__dict__:
                     copy.__dict__[key] = self.__dict__[key]

@@ -141,7 +141,10 @@ class Timeline:
     @cached_property
     def peak_activations(self) -> tuple[int, ...]:
         """Per stage, the most microbatch activations held at once: each from its F to its last
-        backward piece, B or W (`schedcc.semantics.memory`, the validator's count)."""
+        backward piece, B or W (`schedcc.semantics.memory`, the validator's count); none in a
+        forward-only program, whose forwards keep nothing for a backward."""
+        if self.program.forward_only:
+            return (0,) * self.num_stages
         return tuple(peak_activations(ops) for ops in self.program.stages)
 
     @cached_property
@@ -314,7 +317,8 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    spans = eager_spans(program.stages, tensors, cost)
+    meets = step_model(program).meets if program.tied else None
+    spans = eager_spans(program.stages, tensors, cost, meets=meets)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
     return [

@@ -12,6 +12,8 @@ order, each starting at the later of its stage's clock and its inputs' arrival; 
 its message's flight, from the producer's end to the arrival. A program that validates cannot
 get stuck this way (every wait of the rendezvous model is kept or dropped, none added), and no
 compute starts later than it would there (docs/design.md, "Rendezvous and eager").
+A `ReduceTied` is a collective: it starts once every member of it has reached it, as in the
+step model ([Note: tied collectives] in `schedcc.semantics.collectives`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ def eager_spans(
     stages: Sequence[Sequence[Instruction]],
     tensors: Tensors,
     cost: Callable[[int, Instruction], float],
+    *,
+    meets: Sequence[Sequence[tuple | None]] | None = None,
 ) -> list[list[tuple[float, float]]] | None:
     """`spans[s][pos] = (start, end)` of every instruction in the eager timeline (see the note
     above); None if the program gets stuck (it does not validate). Linear: a stage that waits for
-    a tensor is resumed once, when the tensor's producer has run."""
+    a tensor is resumed once, when the tensor's producer has run. `meets` is the step model's
+    (`StepModel.meets`): each `ReduceTied`'s other members."""
     plans, flight = _plans(stages, tensors, cost)
+    arrived = _collectives(plans, meets) if meets else []
     produced: dict[int, float] = {}  # tensor key -> when its producer ended
     spans: list[list[tuple[float, float] | None]] = [[None] * len(ops) for ops in stages]
     clock, at = [0.0] * len(stages), [0] * len(stages)
@@ -54,6 +60,14 @@ def eager_spans(
                         waiting.setdefault(need, []).append(s)
                         break
                     now = max(now, produced[need] + flight.get(need, 0.0))
+                elif need < -1:  # a collective: wait for every member (its key is `need`)
+                    members = arrived[-2 - need]
+                    members[s] = members.get(s, now)
+                    if len(members) <= members[None]:  # its count is under key None
+                        waiting.setdefault(need, []).append(s)
+                        break
+                    now = max(now, *(t for key, t in members.items() if key is not None))
+                    ready.extend(waiting.pop(need, ()))
                 row[pos] = (now, now + duration)
                 now += duration
                 if make >= 0:
@@ -91,6 +105,24 @@ def _plans(stages, tensors: Tensors, cost) -> tuple[_Plan, dict[int, float]]:
                 row.append((cost(s, op), -1, -1))
         plans.append(row)
     return plans, flight
+
+
+def _collectives(plans: _Plan, meets) -> list[dict]:
+    """Number each matched `ReduceTied` collective: its members' plan entries need `-2 - n`;
+    `arrived[n]` collects each member's arrival time, and `arrived[n][None]` is the count."""
+    arrived: list[dict] = []
+    index: dict[tuple[int, int], int] = {}
+    for s, row in enumerate(meets):
+        for pos, others in enumerate(row):
+            if others is None:
+                continue
+            key = min((s, pos), *others)
+            if key not in index:
+                index[key] = len(arrived)
+                arrived.append({None: len(others) + 1})
+            duration, _, make = plans[s][pos]
+            plans[s][pos] = (duration, -2 - index[key], make)
+    return arrived
 
 
 def _comm_spans(plan, row, produced, flight) -> list[tuple[float, float]]:

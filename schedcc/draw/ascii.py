@@ -29,6 +29,7 @@ from schedcc.ir import (
     GatherParams,
     OptimizerStep,
     ReduceGrads,
+    ReduceTied,
 )
 
 __all__ = ["render"]
@@ -42,6 +43,7 @@ _BACKGROUND = {
     ReduceGrads: 43,
     OptimizerStep: 43,
     GatherParams: 43,
+    ReduceTied: 43,
 }
 _RESET = "\x1b[0m"
 

@@ -24,6 +24,7 @@ from schedcc.ir import (
     GatherParams,
     OptimizerStep,
     ReduceGrads,
+    ReduceTied,
 )
 
 __all__ = ["save"]
@@ -37,6 +38,7 @@ _COLOR = {
     ReduceGrads: (0.55, 0.55, 0.55),
     OptimizerStep: (0.40, 0.40, 0.40),
     GatherParams: (0.65, 0.65, 0.65),
+    ReduceTied: (0.50, 0.50, 0.50),
 }
 _NAME = {
     Forward: "forward",
@@ -46,6 +48,7 @@ _NAME = {
     ReduceGrads: "reduce",
     OptimizerStep: "step",
     GatherParams: "gather",
+    ReduceTied: "tied reduce",
 }
 _FORMATS = {".png": "png", ".svg": "svg"}
 _MAX_LABELS = 4000  # beyond this many blocks, numbers would be unreadable anyway

@@ -6,9 +6,18 @@ reduction of early chunks overlap the drain; `OptimizerStep()` once every chunk 
 ZeRO-1 a `GatherParams(c)` per chunk after the step. `zero=2` reduce-scatters after every
 weight-gradient compute instead. Reductions are only inserted where there is something to
 reduce: `data_parallel > 1` or ZeRO.
+
+With tied segments (`program.tied`), every stage holding a segment of group g gets a
+`ReduceTied(g)` per batch after its last weight gradient of those chunks and before their
+`ReduceGrads` (which then follows it, once per batch even under ZeRO-2) and the step. The
+members are placed right after the earliest consistent cut of the step model that holds all
+their last weight gradients ([Note: tied collectives] in `schedcc.semantics.collectives`), so
+the collective closes no cycle; a stage whose groups all sit on it alone gets it before its step.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
 
 from schedcc.ir import (
     WEIGHT_GRADIENT,
@@ -17,43 +26,56 @@ from schedcc.ir import (
     Instruction,
     OptimizerStep,
     ReduceGrads,
+    ReduceTied,
     Update,
 )
 from schedcc.program import Program
+from schedcc.semantics import Layout, Steps, Tensors, match_comm
+from schedcc.semantics.collectives import earliest_cut, tie_chunks, tie_members
 
 __all__ = ["insert_updates"]
 
 
 def insert_updates(program: Program) -> Program:
-    """The program with its update instructions; unchanged if it already holds any."""
-    if any(isinstance(op, Update) for ops in program.stages for op in ops):
+    """The program with its update instructions; unchanged if it already holds any, or if it
+    is forward-only (nothing to update)."""
+    if program.forward_only or any(isinstance(op, Update) for ops in program.stages for op in ops):
         return program
     reduce = program.data_parallel > 1 or program.zero > 0
     schedule = program.schedule
+    m, v = schedule.num_microbatches, schedule.num_chunks
+    ties = _tie_points(program) if program.tied else {}
     stages = tuple(
-        _insert(ops, schedule.num_microbatches, schedule.num_chunks, reduce, program.zero)
-        for ops in program.stages
+        _insert(ops, m, v, reduce, program.zero, ties.get(s))
+        for s, ops in enumerate(program.stages)
     )
     return program.evolve(stages=stages)
 
 
-def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int):
+def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int, ties):
     # After which position does each update go? Keyed by position, in insertion order.
     after: dict[int, list[Instruction]] = {}
     last_grad: dict[tuple[int, int], int] = {}  # (batch, chunk) -> position of last weight-grad
+    groups, tied_chunks, tie_at = ties or ((), frozenset(), {})
     for pos, op in enumerate(ops):
         if isinstance(op, WEIGHT_GRADIENT):
             batch = op.microbatch // num_microbatches
             last_grad[batch, op.chunk] = pos
-            if zero == 2:
+            if zero == 2 and op.chunk not in tied_chunks:
                 after.setdefault(_past_comm(ops, pos), []).append(ReduceGrads(op.chunk))
     batches = sorted({batch for batch, _ in last_grad})
     for batch in batches:
         ends = {c: last_grad[batch, c] for c in range(num_chunks) if (batch, c) in last_grad}
         if reduce and zero != 2:
             for c, pos in sorted(ends.items(), key=lambda item: item[1]):
-                after.setdefault(_past_comm(ops, pos), []).append(ReduceGrads(c))
+                if c not in tied_chunks:
+                    after.setdefault(_past_comm(ops, pos), []).append(ReduceGrads(c))
         step_at = _past_comm(ops, max(ends.values()))
+        if groups:
+            at = min(tie_at.get(batch, step_at), step_at)
+            after.setdefault(at, []).extend(ReduceTied(g) for g in groups)
+            if reduce:
+                after[at].extend(ReduceGrads(c) for c in sorted(tied_chunks) if c in ends)
         after.setdefault(step_at, []).append(OptimizerStep())
         if zero >= 1:
             after[step_at].extend(GatherParams(c) for c in sorted(ends))
@@ -65,6 +87,83 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
         done = pos + 1
     out.extend(ops[done:])
     return tuple(out)
+
+
+def _tie_points(program: Program) -> dict[int, tuple]:
+    """Per stage holding tied segments: `(groups, tied chunks, {batch: position})`, each
+    `ReduceTied` of a batch going right after that position (absent: before the step).
+
+    A collective among several stages starts from its members' seeds: right after the last
+    tied weight gradient of the batch and the comm ops of that batch or earlier that follow it
+    (a comm group that also carries the next batch's tensors is split there). The seeds sit in a
+    provisional program with a marker after each; the earliest consistent cut holding them all
+    is then where every member goes ([Note: tied collectives]).
+    """
+    layout = Layout.of(program.schedule)
+    m = program.schedule.num_microbatches
+    members = tie_members(program.tied, layout)
+    shared = {s for group in members if len(group) > 1 for s in group}
+    out: dict[int, tuple] = {}
+    seeds: dict[int, dict[int, int]] = {}  # stage -> {batch: seed position}
+    for s, ops in enumerate(program.stages):
+        chunks_of = tie_chunks(program.tied, layout, s)
+        if not chunks_of:
+            continue
+        chunks = frozenset(c for group in chunks_of.values() for c in group)
+        out[s] = (tuple(sorted(chunks_of)), chunks, {})
+        if s in shared:
+            seeds[s] = _seeds(ops, chunks, m)
+    if not seeds:
+        return out
+    # markers: after each seed, and between comm ops of different batches (where a member may
+    # split a comm group); `mark[s]`: the positions after which a marker goes, ascending
+    marked, mark, markers = [list(ops) for ops in program.stages], {}, {}
+    for s, by_batch in seeds.items():
+        ops = program.stages[s]
+        splits = {
+            pos
+            for pos in range(len(ops) - 1)
+            if isinstance(ops[pos], Comm)
+            and isinstance(ops[pos + 1], Comm)
+            and ops[pos].microbatch // m < ops[pos + 1].microbatch // m
+        }
+        mark[s] = sorted(splits | set(by_batch.values()))
+        markers[s] = [pos + 1 + n for n, pos in enumerate(mark[s])]  # where they land
+        for pos in reversed(mark[s]):
+            marked[s].insert(pos + 1, OptimizerStep())
+    steps = Steps.of(marked)
+    partner, _ = match_comm(marked, Tensors.of(program.schedule))
+    prefix = [-1] * program.num_stages
+    for batch in sorted({b for by_batch in seeds.values() for b in by_batch}):
+        at = {
+            s: markers[s][mark[s].index(by_batch[batch])]
+            for s, by_batch in seeds.items()
+            if batch in by_batch
+        }
+        start = {s: steps.step_at[s][pos - 1] for s, pos in at.items()}
+        earliest_cut(steps.bounds, steps.step_at, partner, prefix, start)
+        for s, pos in at.items():
+            end = max(pos - 1, steps.bounds[s][prefix[s]][1] - 1)
+            out[s][2][batch] = end - bisect_right(markers[s], end)
+    return out
+
+
+def _seeds(ops, chunks: frozenset, num_microbatches: int) -> dict[int, int]:
+    """`{batch: position}`: the last weight gradient of `chunks` in each batch, with the comm
+    ops right after it that move tensors of that batch or an earlier one."""
+    last: dict[int, int] = {}
+    for pos, op in enumerate(ops):
+        if isinstance(op, WEIGHT_GRADIENT) and op.chunk in chunks:
+            last[op.microbatch // num_microbatches] = pos
+    for batch, pos in last.items():
+        while (
+            pos + 1 < len(ops)
+            and isinstance(ops[pos + 1], Comm)
+            and ops[pos + 1].microbatch // num_microbatches <= batch
+        ):
+            pos += 1
+        last[batch] = pos
+    return last
 
 
 def _past_comm(ops, pos: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from schedcc.errors import DeadlockError, UnmatchedCommError
-from schedcc.ir import SENDS
+from schedcc.ir import SENDS, ReduceTied
 from schedcc.rules import Context, Problem
 from schedcc.semantics import reference_walk
 
@@ -42,24 +42,19 @@ def check_comm(ctx: Context) -> Iterator[Problem]:
 
 def check_deadlock(ctx: Context) -> Iterator[Problem]:
     """The stages, each running its program in order with rendezvous comm groups, all finish."""
-    partner, problems = ctx.matching
-    if problems:  # unmatched comm is check_comm's to report; the step model needs pairs
+    _, problems = ctx.matching
+    if problems or ctx.model.tie_problems:  # check_comm's and check_tied's to report
         return
     stages, steps = ctx.stages, ctx.model.steps
     result = reference_walk(ctx.program)  # timed, for the simulator: [Note: the reference walk]
     if not result.stuck:
         return
     cycle = result.wait_for_cycle()
-    links = []
+    links, waiting = [], []
     for s in cycle:
         step, peer, peer_step = result.stuck[s]
-        lo, hi = steps.bounds[s][step]
-        waits = next(
-            pos
-            for pos in range(lo, hi)
-            if partner[s][pos] is not None and steps.step_at[peer][partner[s][pos][1]] == peer_step
-        )
-        peer_pos = partner[s][waits][1]
+        waits, peer_pos = _waiting_op(ctx, s, step, peer, peer_step)
+        waiting.append((s, waits))
         links.append(
             f"stage {s} waits at {stages[s][waits]} (position {waits}) for stage {peer}'s "
             f"{stages[peer][peer_pos]} (position {peer_pos})"
@@ -70,8 +65,31 @@ def check_deadlock(ctx: Context) -> Iterator[Problem]:
         DeadlockError,
         "deadlock (a wait-for cycle): "
         + "; ".join(links)
-        + f"; back to stage {first}. Reorder the comm so each send and its receive can be "
-        "reached together (or yield no comm and let the compiler insert it)",
+        + f"; back to stage {first}. "
+        + (
+            "Move the ReduceTied, or the comm that the group's other stages need before "
+            "theirs, so that every stage of the group reaches it without waiting for another's "
+            "later work"
+            if any(type(stages[s][pos]) is ReduceTied for s, pos in waiting)
+            else "Reorder the comm so each send and its receive can be reached together (or "
+            "yield no comm and let the compiler insert it)"
+        ),
         first,
         first_pos,
     )
+
+
+def _waiting_op(ctx: Context, s: int, step: int, peer: int, peer_step: int) -> tuple[int, int]:
+    """The position of the op in step `step` of stage `s` that waits for step `peer_step` of
+    stage `peer`, and the position of the op it waits for there (a comm partner, or a member
+    of a `ReduceTied` collective)."""
+    steps, partner, meets = ctx.model.steps, ctx.model.partner, ctx.model.meets
+    lo, hi = steps.bounds[s][step]
+    for pos in range(lo, hi):
+        others = [partner[s][pos]] if partner[s][pos] is not None else []
+        if meets and meets[s][pos]:
+            others = list(meets[s][pos])
+        for t, tpos in others:
+            if t == peer and steps.step_at[t][tpos] == peer_step:
+                return pos, tpos
+    raise AssertionError(f"stage {s} step {step} does not wait for stage {peer}")

@@ -21,6 +21,7 @@ import attrs
 
 from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Instruction
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
+from schedcc.semantics.collectives import Meets, TieProblem, tie_links
 from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
 from schedcc.semantics.tensors import Tensors
 from schedcc.semantics.versions import versions_of
@@ -60,6 +61,9 @@ class StepModel:
     partner: Partner
     problems: tuple[CommProblem, ...]
     links: Links
+    #: each `ReduceTied`'s other members (`match_collectives`) and those that meet nothing
+    meets: Meets = ()
+    tie_problems: tuple[TieProblem, ...] = ()
 
 
 def tensors_of(program: Any) -> Tensors:
@@ -85,7 +89,12 @@ def step_model(program: Any) -> StepModel:
         partner, problems = match_comm(program.stages, tensors)
         steps = Steps.of(program.stages)
         links = links_of(steps, partner)
-        model = StepModel(tensors, steps, partner, tuple(problems), links)
+        meets, tie_problems = [], []
+        if getattr(program, "tied", ()):  # see [Note: tied collectives]
+            links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
+        model = StepModel(
+            tensors, steps, partner, tuple(problems), links, meets, tuple(tie_problems)
+        )
         program.__dict__[_MODEL] = model
     return model
 
@@ -97,6 +106,8 @@ def rule_versions(program: Any) -> tuple[tuple[int | None, ...], ...]:
     if versions is None:
         schedule = program.schedule
         m, delay = schedule.num_microbatches, schedule.weight_delay
+        if getattr(program, "forward_only", False):  # no step: every forward uses version 0
+            delay = schedule.num_batches
         versions = tuple(versions_of(ops, m, delay) for ops in program.stages)
         program.__dict__[_VERSIONS] = versions
     return versions
