@@ -42,7 +42,7 @@ from schedcc.ir import (
     Instruction,
 )
 from schedcc.program import Program
-from schedcc.semantics import UNIT_COSTS, Steps, Tensors, unit_durations, wait_for_cycle, walk
+from schedcc.semantics import UNIT_COSTS, Tensors, wait_for_cycle
 
 __all__ = ["insert_comm"]
 
@@ -64,29 +64,17 @@ def insert_comm(program: Program) -> Program:
     tensors = Tensors.of(program.schedule)
     plan = _Plan(program, tensors)
     start = _simulate(program, plan)
-    stages, partner, exact = _lower(program, plan, start)
-    if not exact:  # see [Note: two lowerings]
-        first = _makespan(stages, partner)
-        if first > _ideal(start, plan):  # else no lowering can be faster
-            online, makespan = _lower_online(program, plan)
-            if makespan < first:
-                stages = online
+    stages, exact, first = _lower(program, plan, start)
+    if not exact and first > _ideal(start, plan):  # see [Note: two lowerings]
+        online, makespan = _lower_online(program, plan)
+        if makespan < first:
+            stages = online
     return program.evolve(stages=stages)
 
 
 def _ideal(start: list[list[int]], plan: _Plan) -> int:
     """The compute-only simulation's makespan: no lowering runs faster."""
     return max((row[-1] + costs[-1] for row, costs in zip(start, plan.costs) if row), default=0)
-
-
-def _makespan(stages, partner) -> float:
-    """The program's makespan under rendezvous with the default costs and free comm;
-    `partner[s][pos]` is each comm op's matched op (as `match_comm` gives it)."""
-    steps = Steps.of(stages)
-    result = walk(steps, partner, unit_durations(stages, steps))
-    if result.stuck:  # cannot happen for a walk-ordered lowering; never prefer such a program
-        return float("inf")
-    return max((row[-1] for row in result.end if row), default=0)
 
 
 class _Plan:
@@ -185,9 +173,10 @@ def _simulate(program: Program, plan: _Plan) -> list[list[int]]:
 def _lower(program: Program, plan: _Plan, start: list[list[int]]):
     """Walk the instructions by start time, putting each transfer at its meeting time.
 
-    Returns the stages, each comm op's partner (what `match_comm` would find: a send and its
-    receive are appended together) and whether every pair met where both stages were idle: then
-    the program replays the compute-only simulation exactly (see [Note: meeting time]).
+    Returns the stages, whether every pair met where both stages were idle (then the program
+    replays the compute-only simulation exactly, see [Note: meeting time]) and the makespan of
+    the step model on them with the default costs and free comm, timed as they are appended
+    ([Note: timing a walk-ordered lowering]).
     """
     stages = program.stages
     horizon = 1 + max(map(max, filter(None, start)), default=0)
@@ -211,17 +200,26 @@ def _lower(program: Program, plan: _Plan, start: list[list[int]]):
                     when, exact = start[s][pos], False
                 pairs[when].append((src, s, send, recv))
     out: list[list[Instruction]] = [[] for _ in stages]
-    partner: list[list[tuple[int, int] | None]] = [[] for _ in stages]
+    # [Note: timing a walk-ordered lowering] Appending in walk order visits the step model in a
+    # topological order, so it can be timed on the way: a stage's open comm group was posted at
+    # `posted[s]` (-1: none open) and is done at the latest posted time of its partner groups
+    # (`done[s]`), known once the stage's next compute closes it.
+    clock, posted, done = [0] * len(stages), [-1] * len(stages), [0] * len(stages)
     for moment, meeting in zip(slices, pairs):
         for src, dst, send, recv in meeting:
-            partner[src].append((dst, len(out[dst])))
-            partner[dst].append((src, len(out[src])))
+            for side in (src, dst):
+                if posted[side] < 0:
+                    posted[side] = done[side] = clock[side]
+            done[src], done[dst] = max(done[src], posted[dst]), max(done[dst], posted[src])
             out[src].append(send)
             out[dst].append(recv)
         for s, pos in moment:
+            if posted[s] >= 0:
+                clock[s], posted[s] = done[s], -1
+            clock[s] += plan.costs[s][pos]
             out[s].append(stages[s][pos])
-            partner[s].append(None)
-    return tuple(tuple(ops) for ops in out), partner, exact
+    makespan = max((done[s] if posted[s] >= 0 else clock[s] for s in range(len(stages))), default=0)
+    return tuple(tuple(ops) for ops in out), exact, makespan
 
 
 #: How many idle gaps `_meeting` looks through before settling for the consumer's start.

@@ -115,9 +115,9 @@ def rule_versions(program: Any) -> tuple[tuple[int | None, ...], ...]:
 
 def unit_durations(stages: Sequence[Sequence[Instruction]], steps: Steps) -> list[list[float]]:
     """`durations[s][j]` of every step under `UNIT_COSTS` (what `walk` takes)."""
+    get = UNIT_COSTS.get  # a comm group's first op is a comm op: it costs nothing here
     return [
-        [0.0 if group else UNIT_COSTS.get(type(ops[lo]), 0.0) for (lo, _), group in zip(b, g)]
-        for ops, b, g in zip(stages, steps.bounds, steps.is_group)
+        [get(type(ops[lo]), 0.0) for lo, _ in bounds] for ops, bounds in zip(stages, steps.bounds)
     ]
 
 
