@@ -17,13 +17,59 @@ schedule".
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import ClassVar
+from collections.abc import Callable, Iterable
+from typing import ClassVar, TypeVar
 
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import Instruction
 
-__all__ = ["Schedule"]
+__all__ = [
+    "Schedule",
+    "ScheduleCodeError",
+    "build_schedule",
+    "call_user_code",
+    "chunks_hint",
+    "describe",
+    "uses_chunks",
+]
+
+_T = TypeVar("_T")
+
+
+class ScheduleCodeError(ScheduleError):
+    """A schedule's own code failed or broke the `Schedule` contract: its constructor, `check()`,
+    `placement()` or `steps()` raised, or `steps()` returned or yielded something that is not an
+    instruction in range. The message names the class and the method; `__cause__` holds the
+    original exception where there was one.
+    """
+
+
+def describe(schedule: Schedule) -> str:
+    """`repr(schedule)`, or the base class's form if the schedule's own `__repr__` fails."""
+    try:
+        return repr(schedule)
+    except Exception:
+        return Schedule.__repr__(schedule)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def call_user_code(
+    owner: str, method: str, call: Callable[[], _T], *, where: str = "", hint: str = ""
+) -> _T:
+    """`call()`, with any exception but a `ScheduleError` raised as a `ScheduleCodeError` that
+    names `owner.method` (one line: `where`, the original message's first line, `hint`)."""
+    try:
+        return call()
+    except ScheduleError:
+        raise
+    except Exception as exc:
+        message = f"{where}: {owner}.{method}" if where else f"{owner}.{method}"
+        message += f" raised {_first_line(exc)}"
+        raise ScheduleCodeError(f"{message}; {hint}" if hint else message) from exc
 
 
 class Schedule:
@@ -64,7 +110,13 @@ class Schedule:
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
         self.num_batches = num_batches
-        self.check()
+        owner = type(self).__name__
+        call_user_code(owner, "check()", self.check, where=Schedule.__repr__(self))
+        delay = type(self).weight_delay
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise ScheduleConfigError(
+                f"{owner}.weight_delay must be an integer >= 0, got {delay!r}"
+            )
         self._segments = self._segment_table()
 
     # -- for subclasses -------------------------------------------------------------------------
@@ -119,15 +171,16 @@ class Schedule:
         p, v = self.num_stages, self.num_chunks
         table: list[list[int | None]] = [[None] * v for _ in range(p)]
         for segment in range(p * v):
-            placed = self.placement(segment)
-            stage, chunk = placed
-            if not (0 <= stage < p and 0 <= chunk < v) or table[stage][chunk] is not None:
+            placed = call_user_code(
+                type(self).__name__, f"placement({segment})", lambda k=segment: self.placement(k)
+            )
+            if not _is_place(placed, p, v) or table[placed[0]][placed[1]] is not None:
                 raise ScheduleConfigError(
                     f"{type(self).__name__}.placement({segment}) = {placed} is out of range or "
                     f"taken: placement must map the {p * v} segments one-to-one onto "
                     f"(stage < {p}, chunk < {v})"
                 )
-            table[stage][chunk] = segment
+            table[placed[0]][placed[1]] = segment
         return tuple(tuple(row) for row in table)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -137,3 +190,92 @@ class Schedule:
         if self.num_batches > 1:
             shape += f", batches={self.num_batches}"
         return f"{type(self).__name__}({shape})"
+
+
+def _is_place(placed: object, num_stages: int, num_chunks: int) -> bool:
+    """Whether `placed` is a `(stage, chunk)` pair of ints in range."""
+    if not isinstance(placed, (tuple, list)) or len(placed) != 2:
+        return False
+    bounds = (num_stages, num_chunks)
+    return all(
+        isinstance(index, int) and not isinstance(index, bool) and 0 <= index < bound
+        for index, bound in zip(placed, bounds)
+    )
+
+
+def build_schedule(
+    schedule_cls: type[Schedule],
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    num_chunks: int | None = None,
+    num_batches: int = 1,
+) -> Schedule:
+    """`schedule_cls` at this shape, where a failure of the class's own code is a typed error.
+
+    `num_chunks=None` keeps the class's own default (1, or 2 for ZB-V). Used wherever a class a
+    user named is built (the CLI, `schedcc.tune`, `schedcc.testing`).
+
+    Raises:
+        ScheduleConfigError: the schedule rejects the shape (its `check()` says why).
+        ScheduleCodeError: the constructor does not take the standard arguments, or raised
+            something else; the message names the class.
+
+    >>> from schedcc.registry import get_schedule
+    >>> build_schedule(get_schedule("zb-v"), 4, 8)
+    ZBV(p=4, m=8, v=2)
+    """
+    kwargs = {"num_stages": num_stages, "num_microbatches": num_microbatches}
+    if num_chunks is not None:
+        kwargs["num_chunks"] = num_chunks
+    kwargs["num_batches"] = num_batches
+    name = getattr(schedule_cls, "__name__", repr(schedule_cls))
+    shape = ", ".join(f"{key}={value}" for key, value in kwargs.items())
+    schedule = call_user_code(
+        name,
+        "__init__()",
+        lambda: schedule_cls(**kwargs),
+        where=f"{name}({shape})",
+        hint="a schedule's constructor takes (num_stages, num_microbatches, num_chunks=1, "
+        "num_batches=1), as schedcc.Schedule's does",
+    )
+    if not isinstance(schedule, Schedule):
+        raise ScheduleCodeError(f"{name}(...) made {schedule!r}, not a schedcc.Schedule")
+    return schedule
+
+
+#: Shapes (p, m) at which `uses_chunks` probes a schedule with two chunks per stage.
+_PROBE_SHAPES = ((2, 4), (1, 2), (4, 8), (2, 2), (4, 4), (8, 16))
+
+
+def uses_chunks(schedule_cls: type[Schedule]) -> bool:
+    """Whether `schedule_cls` uses a second chunk when it is given two per stage.
+
+    False when its constructor rejects `num_chunks=2` at every probed shape, and when it accepts
+    it but yields nothing on chunk 1 (a schedule written for one chunk per stage, like the
+    README's GPipe); the shape grids of `schedcc verify` and `schedcc.testing` then keep v = 1.
+    True otherwise, including when the probe fails (the grid will report why).
+
+    >>> from schedcc.registry import get_schedule
+    >>> uses_chunks(get_schedule("interleaved-1f1b")), uses_chunks(get_schedule("1f1b"))
+    (True, False)
+    """
+    from schedcc.passes.collect import collect  # the pass imports this module
+
+    for p, m in _PROBE_SHAPES:
+        try:
+            program = collect(build_schedule(schedule_cls, p, m, num_chunks=2))
+        except ScheduleConfigError:
+            continue
+        except ScheduleError:  # the schedule's own code fails: the grid says so, not the probe
+            return True
+        return any(op.chunk for ops in program.stages for op in ops if hasattr(op, "chunk"))
+    return False
+
+
+def chunks_hint(name: str, num_chunks: int) -> str:
+    """The hint for a schedule that passes with one chunk per stage but fails with more."""
+    return (
+        f"hint: {name} passes with v=1 but fails with v={num_chunks}; if it is written for one "
+        "chunk per stage, make its check() raise ScheduleConfigError when self.num_chunks != 1"
+    )

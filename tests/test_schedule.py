@@ -6,6 +6,7 @@ import pytest
 from _orders import OrderSchedule
 
 from schedcc import Forward, Schedule, ScheduleConfigError, get_schedule
+from schedcc.schedule import ScheduleCodeError, build_schedule, uses_chunks
 
 
 class _Plain(Schedule):
@@ -77,3 +78,68 @@ def test_steps_must_be_written():
     """The base class's steps() says the subclass must define it."""
     with pytest.raises(NotImplementedError, match="must define steps"):
         Schedule(1, 1).steps(0)
+
+
+class _CheckRaises(_Plain):
+    def check(self):
+        raise KeyError("num_chunks")
+
+
+class _PlacementRaises(_Plain):
+    def placement(self, segment):
+        raise IndexError("segment out of range")
+
+
+class _BadDelay(_Plain):
+    weight_delay = "1"
+
+
+class _TwoArgs(_Plain):
+    def __init__(self, stages, microbatches):
+        super().__init__(stages, microbatches)
+
+
+def test_check_raising_another_error_is_a_code_error():
+    """check() raising something other than ScheduleConfigError: ScheduleCodeError naming it."""
+    with pytest.raises(ScheduleCodeError, match=r"_CheckRaises\.check\(\) raised KeyError"):
+        _CheckRaises(2, 2)
+
+
+def test_placement_raising_is_a_code_error():
+    """placement() raising is a ScheduleCodeError naming the segment."""
+    with pytest.raises(ScheduleCodeError, match=r"placement\(0\) raised IndexError"):
+        _PlacementRaises(2, 2)
+
+
+def test_weight_delay_must_be_a_non_negative_int():
+    """A weight_delay that is not an int >= 0 is a ScheduleConfigError naming it."""
+    with pytest.raises(ScheduleConfigError, match="weight_delay"):
+        _BadDelay(2, 2)
+
+
+def test_build_schedule_names_a_constructor_with_another_signature():
+    """build_schedule turns a TypeError from the constructor into a one-line ScheduleCodeError."""
+    with pytest.raises(ScheduleCodeError, match=r"_TwoArgs\.__init__\(\) raised TypeError") as info:
+        build_schedule(_TwoArgs, 2, 2)
+    assert "num_stages, num_microbatches, num_chunks=1, num_batches=1" in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_build_schedule_keeps_the_class_default_chunks():
+    """num_chunks=None keeps the class's own default: ZB-V gets two chunks."""
+    assert build_schedule(get_schedule("zb-v"), 4, 8).num_chunks == 2
+    assert build_schedule(_Plain, 2, 2, num_chunks=3, num_batches=2).num_batches == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("gpipe", True), ("interleaved-1f1b", True), ("zb-v", True), ("1f1b", False)],
+)
+def test_uses_chunks_of_builtins(name, expected):
+    """Schedules that place work on a second chunk use chunks; 1F1B rejects v = 2."""
+    assert uses_chunks(get_schedule(name)) is expected
+
+
+def test_uses_chunks_is_false_for_a_one_chunk_schedule():
+    """A schedule that accepts v = 2 but never yields chunk 1 does not use chunks."""
+    assert uses_chunks(_Plain) is False

@@ -2,26 +2,41 @@
 
 from __future__ import annotations
 
-from schedcc.errors import ScheduleError
+from itertools import islice
+
 from schedcc.ir import COMM, COMPUTE, UPDATE
 from schedcc.program import Program
-from schedcc.schedule import Schedule
+from schedcc.schedule import Schedule, ScheduleCodeError, call_user_code, describe
 
-__all__ = ["collect"]
+__all__ = ["collect", "max_instructions"]
+
+#: [Note: the collect limit] A valid program has at most ~10 instructions per (microbatch,
+#: chunk) on a stage (F, I, W, R, four comm ops, a ZeRO-2 reduce) plus a few updates per
+#: (batch, chunk); a generator that yields more than this many is taken not to end.
+INSTRUCTIONS_PER_MICROBATCH_CHUNK = 64
+INSTRUCTIONS_SLACK = 1024
+
+
+def max_instructions(schedule: Schedule) -> int:
+    """The most instructions `collect` takes from one stage of `schedule` (see the Note)."""
+    shape = schedule.num_microbatches_total * schedule.num_chunks
+    return INSTRUCTIONS_PER_MICROBATCH_CHUNK * shape + INSTRUCTIONS_SLACK
 
 
 def collect(schedule: Schedule, *, data_parallel: int = 1, zero: int = 0) -> Program:
     """The program whose stage s runs exactly what `schedule.steps(s)` yields.
 
     Raises:
-        ScheduleError: something yielded is not an instruction, or its microbatch or chunk is
-            out of range; the message names the stage and position.
+        ScheduleCodeError: `steps()` raised, returned something that is not iterable, yielded
+            something that is not an instruction, or a microbatch or chunk out of range, or
+            more than `max_instructions(schedule)` instructions; the message names the class,
+            the stage and the position.
     """
     num_microbatches = schedule.num_microbatches_total
     num_chunks = schedule.num_chunks
     stages = []
     for stage in range(schedule.num_stages):
-        ops = tuple(schedule.steps(stage))
+        ops = _stage_ops(schedule, stage)
         for pos, op in enumerate(ops):
             if type(op) not in _CONCRETE:
                 _reject(schedule, stage, pos, op)
@@ -39,30 +54,71 @@ def collect(schedule: Schedule, *, data_parallel: int = 1, zero: int = 0) -> Pro
     return Program(schedule, tuple(stages), data_parallel=data_parallel, zero=zero)
 
 
+def _stage_ops(schedule: Schedule, stage: int) -> tuple:
+    """What `schedule.steps(stage)` yields, up to the limit; a failure names the method."""
+    owner, method, where = type(schedule).__name__, f"steps({stage})", describe(schedule)
+    if type(schedule).steps is Schedule.steps:
+        raise ScheduleCodeError(
+            f"{owner} does not define steps(stage): a schedule yields each stage's instructions "
+            "from it (see schedcc.Schedule)",
+            stage=stage,
+        )
+    returned = call_user_code(owner, method, lambda: schedule.steps(stage), where=where)
+    try:
+        iterator = iter(returned)
+    except TypeError:
+        raise ScheduleCodeError(
+            f"{where}: {owner}.{method} returned {returned!r}, which is not iterable; write "
+            "steps() as a generator that yields instructions",
+            stage=stage,
+        ) from None
+    limit = max_instructions(schedule)
+    ops = call_user_code(owner, method, lambda: tuple(islice(iterator, limit + 1)), where=where)
+    if len(ops) > limit:
+        raise ScheduleCodeError(
+            f"{where}: {owner}.{method} yielded more than {limit} instructions for stage "
+            f"{stage}, the limit for this shape ({INSTRUCTIONS_PER_MICROBATCH_CHUNK} per "
+            f"microbatch and chunk, plus {INSTRUCTIONS_SLACK}); does its generator end?",
+            stage=stage,
+        )
+    return ops
+
+
 def _reject(schedule: Schedule, stage: int, pos: int, op: object) -> None:
-    """Raise the ScheduleError that says what is wrong with `op` (kept off the hot path)."""
-    where = f"{schedule!r}, stage {stage}, position {pos}"
+    """Raise the error that says what is wrong with `op` (kept off the hot path)."""
+    where = f"{describe(schedule)}, stage {stage}, position {pos}"
+    method = f"{type(schedule).__name__}.steps({stage})"
     if type(op) not in _CONCRETE:  # a non-instruction, a base class or a subclass
-        raise ScheduleError(
-            f"{where}: yielded {op!r}, which is not a schedcc instruction "
+        raise ScheduleCodeError(
+            f"{where}: {method} yielded {op!r}, which is not a schedcc instruction "
             "(Forward, Backward, BackwardInput, BackwardWeight, a comm or an update one)",
             stage=stage,
             position=pos,
         )
     microbatch = getattr(op, "microbatch", 0)
     if not _is_index(microbatch, schedule.num_microbatches_total):
-        raise ScheduleError(
-            f"{where}: {op!r} has microbatch {microbatch!r}; it must be an int in "
-            f"[0, {schedule.num_microbatches_total}) (num_batches * num_microbatches)",
+        raise ScheduleCodeError(
+            f"{where}: {method} yielded {op!r}, with microbatch {microbatch!r}; it must be an int "
+            f"in [0, {schedule.num_microbatches_total}) (num_batches * num_microbatches)",
             stage=stage,
             position=pos,
         )
     chunk = getattr(op, "chunk", 0)
-    raise ScheduleError(
-        f"{where}: {op!r} has chunk {chunk!r}; it must be an int in [0, {schedule.num_chunks})",
+    raise ScheduleCodeError(
+        f"{where}: {method} yielded {op!r}, with chunk {chunk!r}; it must be an int in "
+        f"[0, {schedule.num_chunks})" + _chunk_hint(schedule),
         stage=stage,
         position=pos,
     )
+
+
+def _chunk_hint(schedule: Schedule) -> str:
+    if schedule.num_chunks == 1:
+        return (
+            " (num_chunks is 1: if the schedule needs more, raise ScheduleConfigError in "
+            "check() when num_chunks is not what it supports)"
+        )
+    return ""
 
 
 def _is_index(value: object, bound: int) -> bool:
