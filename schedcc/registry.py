@@ -18,7 +18,7 @@ from pathlib import Path
 from schedcc.errors import UnknownScheduleError
 from schedcc.schedule import Schedule
 
-__all__ = ["available_schedules", "get_schedule", "registered_schedules"]
+__all__ = ["available_schedules", "get_schedule", "registered_classes", "registered_schedules"]
 
 GROUP = "schedcc.schedules"
 
@@ -26,6 +26,28 @@ GROUP = "schedcc.schedules"
 def registered_schedules() -> dict[str, str]:
     """Every registered name (aliases included) mapped to its `module:Class` target."""
     return {ep.name: ep.value for ep in entry_points(group=GROUP)}
+
+
+def registered_classes() -> dict[str, type[Schedule]]:
+    """Each registered schedule class once, aliases folded, by its own name, sorted.
+
+    The name is the class's `name` where that is registered, else its first registered name.
+
+    Raises:
+        UnknownScheduleError: a registered entry does not load (e.g. a plugin that fails to
+            import); the message names it.
+
+    >>> "pipedream-flush" in registered_classes(), "1f1b" in registered_classes()
+    (False, True)
+    """
+    by_target: dict[str, list[str]] = {}
+    for name, target in sorted(registered_schedules().items()):
+        by_target.setdefault(target, []).append(name)
+    found = {}
+    for names in by_target.values():
+        cls = get_schedule(names[0])
+        found[cls.name if cls.name in names else names[0]] = cls
+    return dict(sorted(found.items()))
 
 
 def available_schedules() -> list[str]:

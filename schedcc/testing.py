@@ -37,7 +37,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from schedcc.compiler import compile as compile_schedule
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.program import Program
-from schedcc.schedule import Schedule
+from schedcc.schedule import Schedule, build_schedule, chunks_hint, uses_chunks
 
 __all__ = ["ScheduleCheckError", "Shape", "check_schedule", "schedules", "shapes"]
 
@@ -52,9 +52,14 @@ class Shape:
     num_batches: int = 1
 
     def build(self, schedule_cls: type[Schedule]) -> Schedule:
-        """`schedule_cls` at this shape (raises its `ScheduleConfigError` if it rejects it)."""
-        return schedule_cls(
-            self.num_stages, self.num_microbatches, self.num_chunks, self.num_batches
+        """`schedule_cls` at this shape (raises its `ScheduleConfigError` if it rejects it, a
+        `ScheduleCodeError` if its constructor fails otherwise)."""
+        return build_schedule(
+            schedule_cls,
+            self.num_stages,
+            self.num_microbatches,
+            num_chunks=self.num_chunks,
+            num_batches=self.num_batches,
         )
 
     def accepted_by(self, schedule_cls: type[Schedule]) -> bool:
@@ -81,20 +86,16 @@ class ScheduleCheckError(AssertionError):
         cause: the error the compiler or validator raised there.
     """
 
-    def __init__(self, schedule_cls: type[Schedule], shape: Shape, cause: BaseException):
+    def __init__(
+        self, schedule_cls: type[Schedule], shape: Shape, cause: BaseException, hint: str = ""
+    ):
         super().__init__(
             f"{schedule_cls.__name__} fails at {shape} (the smallest failing shape found): "
-            f"{type(cause).__name__}: {cause}"
+            f"{type(cause).__name__}: {cause}" + (f"\n{hint}" if hint else "")
         )
         self.schedule_cls = schedule_cls
         self.shape = shape
         self.cause = cause
-
-
-def _supports_chunks(schedule_cls: type[Schedule]) -> bool:
-    """Whether `schedule_cls` accepts `num_chunks=2` at any of a few ordinary shapes."""
-    probes = (Shape(p, m, 2) for p in (1, 2, 4) for m in (4, 8, 16))
-    return any(shape.accepted_by(schedule_cls) for shape in probes)
 
 
 def shapes(
@@ -107,8 +108,9 @@ def shapes(
 ) -> st.SearchStrategy[Shape]:
     """Shapes within the bounds that `schedule_cls`'s constructor accepts (all, if None).
 
-    `num_chunks` stays 1 for a schedule that never accepts `num_chunks=2` (1F1B, 2BW), so no
-    draw is wasted on it. Every field shrinks toward 1.
+    `num_chunks` stays 1 for a schedule that rejects `num_chunks=2` (1F1B, 2BW) or yields
+    nothing on a second chunk (written for one chunk per stage; see `schedcc.schedule.uses_chunks`),
+    so no draw is wasted on it. Every field shrinks toward 1.
 
     >>> from hypothesis import given
     >>> from schedcc.schedules.one_f_one_b import OneFOneB
@@ -117,7 +119,7 @@ def shapes(
     ...     assert shape.num_chunks == 1 and shape.num_stages <= 4
     >>> test_1f1b_shapes()
     """
-    if schedule_cls is not None and not _supports_chunks(schedule_cls):
+    if schedule_cls is not None and not uses_chunks(schedule_cls):
         max_chunks = 1
     strategy = st.builds(
         Shape,
@@ -247,7 +249,8 @@ def check_schedule(
             for check in checks:
                 check(schedule, program)
         except Exception as error:
-            raise ScheduleCheckError(schedule_cls, shape, error) from error
+            hint = _chunk_hint(schedule_cls, shape, checks, data_parallel, zero)
+            raise ScheduleCheckError(schedule_cls, shape, error, hint) from error
 
     try:
         check_one()
@@ -257,3 +260,18 @@ def check_schedule(
             f"within p <= {max_stages}, m <= {max_microbatches}, v <= {max_chunks}, "
             f"batches <= {max_batches}; widen the bounds"
         ) from error
+
+
+def _chunk_hint(schedule_cls, shape: Shape, checks, data_parallel: int, zero: int) -> str:
+    """A hint when `shape` fails with v > 1 but passes with v = 1, else ""."""
+    if shape.num_chunks == 1:
+        return ""
+    one = attrs.evolve(shape, num_chunks=1)
+    try:
+        schedule = one.build(schedule_cls)
+        program = compile_schedule(schedule, data_parallel=data_parallel, zero=zero)
+        for check in checks:
+            check(schedule, program)
+    except Exception:
+        return ""
+    return chunks_hint(schedule_cls.__name__, shape.num_chunks)

@@ -103,3 +103,15 @@ def test_a_name_that_is_not_a_string_is_an_unknown_schedule():
     """get_schedule(3) raises UnknownScheduleError saying a schedule is named by a string."""
     with pytest.raises(UnknownScheduleError, match="named by a string"):
         get_schedule(3)
+
+
+def test_registered_classes_fold_aliases():
+    """registered_classes maps each registered class once, under its own name, sorted."""
+    from schedcc.registry import registered_classes
+
+    classes = registered_classes()
+    assert list(classes) == sorted(classes)
+    assert classes["1f1b"] is OneFOneB
+    assert classes["gpipe"] is GPipe
+    assert "pipedream-flush" not in classes
+    assert len(set(classes.values())) == len(classes)

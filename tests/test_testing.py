@@ -129,3 +129,38 @@ def test_importing_testing_does_not_import_torch():
     """schedcc.testing is usable without torch: importing it does not import torch."""
     code = "import sys, schedcc.testing; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+class OneChunkGPipe(Schedule):
+    """README's GPipe: yields chunk 0 only, so it is written for one chunk per stage."""
+
+    def steps(self, stage):
+        for batch in range(self.num_batches):
+            mbs = self.microbatches(batch)
+            yield from (Forward(i) for i in mbs)
+            yield from (Backward(i) for i in reversed(mbs))
+
+
+class BackwardChunksInOrder(Schedule):
+    """Runs each microbatch's backwards chunk 0 first: right for v = 1 only."""
+
+    def steps(self, stage):
+        for batch in range(self.num_batches):
+            mbs = self.microbatches(batch)
+            for chunk in range(self.num_chunks):
+                yield from (Forward(i, chunk=chunk) for i in mbs)
+            for chunk in range(self.num_chunks):
+                yield from (Backward(i, chunk=chunk) for i in reversed(mbs))
+
+
+def test_check_schedule_passes_a_one_chunk_schedule():
+    """check_schedule keeps v = 1 for a schedule that never yields chunk 1 (README's GPipe)."""
+    check_schedule(OneChunkGPipe, max_examples=20)
+
+
+def test_check_schedule_hints_when_only_more_chunks_fail():
+    """A failure that goes away with v = 1 carries a hint to reject v != 1 in check()."""
+    with pytest.raises(ScheduleCheckError) as info:
+        check_schedule(BackwardChunksInOrder, max_examples=50)
+    assert info.value.shape.num_chunks > 1
+    assert "hint: BackwardChunksInOrder passes with v=1 but fails with v=" in str(info.value)
