@@ -17,7 +17,6 @@ from schedcc.errors import (
     ScheduleError,
     UnknownScheduleError,
     UnmatchedCommError,
-    UpdateOrderError,
     WeightVersionError,
 )
 from schedcc.ir import (
@@ -31,7 +30,6 @@ from schedcc.ir import (
     RecvActivation,
     RecvGrad,
     ReduceGrads,
-    ReduceTied,
     SendActivation,
     SendGrad,
 )
@@ -39,6 +37,7 @@ from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule
 from schedcc.simulate import CostModel, Timeline, simulate
+from schedcc.tune import tune
 from schedcc.validate import validate
 
 __version__ = "0.1.0"
@@ -61,7 +60,6 @@ __all__ = [
     "RecvActivation",
     "RecvGrad",
     "ReduceGrads",
-    "ReduceTied",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",
@@ -70,26 +68,21 @@ __all__ = [
     "Timeline",
     "UnknownScheduleError",
     "UnmatchedCommError",
-    "UpdateOrderError",
     "WeightVersionError",
     "available_schedules",
     "compile",
     "get_schedule",
     "simulate",
+    "tune",
     "validate",
 ]
 
 
 def __getattr__(name: str):
-    """`schedcc.partition` and `schedcc.split`, imported on first use (they need torch)."""
+    """`schedcc.partition`, imported on first use (it needs torch)."""
     if name == "partition":
         from schedcc.partitioning import partition
 
         globals()["partition"] = partition
         return partition
-    if name == "split":
-        from schedcc.splitting import split
-
-        globals()["split"] = split
-        return split
     raise AttributeError(f"module 'schedcc' has no attribute {name!r}")

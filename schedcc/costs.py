@@ -21,27 +21,27 @@ from types import MappingProxyType
 import attrs
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import COMM, COMPUTE, UPDATE, Comm, Instruction, parse
+from schedcc.ir import COMM, COMPUTE, UPDATE, Instruction, parse
 
-__all__ = ["ALL_KINDS", "CostModel", "kind_cost"]
+__all__ = ["ALL_KINDS", "FIELD_OF_CODE", "CostModel", "cost_fields", "kind_cost"]
 
-#: The cost field each instruction code reads.
+#: The cost field each instruction code reads (comm instructions all read `comm`).
 _FIELD = {
     "F": "forward",
     "B": "backward",
     "I": "backward_input",
     "W": "backward_weight",
     "Reduce": "reduce",
-    "Tied": "reduce",
     "Step": "step",
     "Gather": "gather",
 }
+FIELD_OF_CODE = MappingProxyType(_FIELD)
 ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
 
 
 def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
     """The field of `model` that instructions of class `cls` cost."""
-    return model.comm if issubclass(cls, Comm) else getattr(model, _FIELD[cls.code])
+    return model.comm if cls.group == "comm" else getattr(model, _FIELD[cls.code])
 
 
 def _non_negative(instance, attribute, value) -> None:
@@ -70,8 +70,7 @@ class CostModel:
     Args:
         forward, backward, backward_input, backward_weight: compute costs (F, B, I, W).
         comm: the cost of one comm group (a batched exchange), on top of waiting for the peer.
-        reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
-            (the all-reduce of a tied group's gradients, once its members are all there).
+        reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO).
         step: an `OptimizerStep`.
         gather: a `GatherParams` (ZeRO-1's all-gather).
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
@@ -186,8 +185,20 @@ def _kind_of(event: object) -> str | None:
         op = parse(str(event.get("name", "")))
     except ValueError:
         return None
-    return "comm" if isinstance(op, Comm) else _FIELD[op.code]
+    return "comm" if op.group == "comm" else _FIELD[op.code]
 
 
 def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:
     return {kind: float(statistics.median(values)) for kind, values in kinds.items()}
+
+
+def cost_fields() -> tuple[str, ...]:
+    """The names of `CostModel`'s duration fields, in order (all but the overrides).
+
+    >>> cost_fields()[:2]
+    ('forward', 'backward')
+    """
+    return tuple(f.name for f in attrs.fields(CostModel) if f.name not in _OVERRIDES)
+
+
+_OVERRIDES = ("per_stage", "per_chunk")

@@ -1,0 +1,306 @@
+"""`tune`: rank schedules by simulated time over a grid of shapes, under a memory limit.
+
+For each schedule and each (microbatch count m, chunk count v), `tune` builds, compiles and
+simulates the program. A shape the schedule's constructor rejects (`ScheduleConfigError`) is
+skipped; a program whose peak activations exceed `memory_limit` is set aside; the rest are ranked
+by simulated time per microbatch (`makespan / m`). A schedule that fails otherwise (its own code
+raises, or its program does not validate) is an error, not a silent drop.
+
+[Note: tune's units] Costs are for one stage's share of the model with v = 1; with v chunks per
+stage a chunk runs 1/v of that share, so its compute costs are divided by v (comm and update
+costs are not). Activation memory is counted the same way: a chunk's activations are 1/v of a
+stage's, so `peak_activations` is the peak number of held chunk activations divided by v, in
+microbatches of a whole stage (1F1B's stage 0 holds p). Ranking by `makespan / m` compares
+throughput at a fixed microbatch size, and equally step time at a fixed global batch when costs
+scale linearly with the microbatch size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from schedcc.compiler import compile
+from schedcc.costs import FIELD_OF_CODE, CostModel
+from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.ir import COMPUTE
+from schedcc.registry import get_schedule, registered_classes
+from schedcc.schedule import (
+    Schedule,
+    ScheduleCodeError,
+    build_schedule,
+    chunks_hint,
+    uses_chunks,
+)
+from schedcc.simulate import simulate
+
+__all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
+
+#: The cost fields a chunk pays 1/v of (see [Note: tune's units]).
+_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE)
+
+
+@attrs.frozen
+class Candidate:
+    """One schedule at one shape, simulated.
+
+    Attributes:
+        schedule: the name it was asked for by (or the class's own name).
+        num_microbatches, num_chunks: the shape (`m`, `v`; one batch).
+        makespan: simulated time of the whole program.
+        time_per_microbatch: `makespan / m`, the ranking key.
+        bubble: the idle fraction, 0..1.
+        peak_activations: the largest of `activations`.
+        activations: peak activations per stage, in whole-stage microbatches.
+        versions: peak weight versions held per stage.
+    """
+
+    schedule: str
+    num_microbatches: int
+    num_chunks: int
+    makespan: float
+    time_per_microbatch: float
+    bubble: float
+    peak_activations: float
+    activations: tuple[float, ...]
+    versions: tuple[int, ...]
+
+
+@attrs.frozen
+class Skipped:
+    """A shape a schedule's constructor rejects, and its reason."""
+
+    schedule: str
+    num_microbatches: int
+    num_chunks: int
+    reason: str
+
+
+@attrs.frozen
+class TuneResult:
+    """What `tune` found: the ranking, what went over the memory limit, and what was skipped."""
+
+    ranked: tuple[Candidate, ...]
+    over_limit: tuple[Candidate, ...]
+    skipped: tuple[Skipped, ...]
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest candidate within the memory limit, or None if none fits."""
+        return self.ranked[0] if self.ranked else None
+
+    def to_dict(self) -> dict:
+        """Plain lists and dicts (JSON-ready), the fields of each row as keys."""
+        return {
+            "ranked": [attrs.asdict(c) for c in self.ranked],
+            "over_limit": [attrs.asdict(c) for c in self.over_limit],
+            "skipped": [attrs.asdict(s) for s in self.skipped],
+        }
+
+
+def tune(
+    schedules: Iterable[str | type[Schedule]] | Mapping[str, type[Schedule]] | None = None,
+    *,
+    num_stages: int,
+    num_microbatches: int | Iterable[int] = 8,
+    num_chunks: int | Iterable[int] = (1, 2),
+    costs: CostModel | None = None,
+    memory_limit: float | None = None,
+    data_parallel: int = 1,
+    zero: int = 0,
+) -> TuneResult:
+    """Simulate each schedule at each (m, v) and rank those within `memory_limit` by time.
+
+    Args:
+        schedules: names (`"1f1b"`, `module:Class`, `file.py:Class`), classes, or a mapping
+            from the name to show to the class; None: every registered schedule, once per class.
+        num_stages: pipeline stages `p`.
+        num_microbatches, num_chunks: the values of m and v to try (an int or several).
+        costs: per-stage costs at v = 1 (default `CostModel()`); see [Note: tune's units].
+        memory_limit: drop programs whose peak activations exceed this many whole-stage
+            microbatches.
+        data_parallel, zero: as in `schedcc.compile` (adds the gradient reductions).
+
+    Returns:
+        A `TuneResult`: `ranked` fastest first (ties: less memory first), `over_limit`,
+        `skipped`.
+
+    Raises:
+        UnknownScheduleError: a name that resolves to no schedule, or a registered schedule
+            that does not load.
+        ScheduleConfigError: a bad argument, or costs so large the makespan overflows.
+        ScheduleError: a schedule fails at a shape it accepts (its code raises, or its program
+            does not validate); the message names the schedule and the shape.
+
+    >>> import schedcc
+    >>> result = schedcc.tune(["gpipe", "1f1b"], num_stages=2, num_microbatches=4, num_chunks=1)
+    >>> [(c.schedule, c.makespan, c.peak_activations) for c in result.ranked]
+    [('1f1b', 15.0, 2.0), ('gpipe', 15.0, 4.0)]
+    """
+    grid = _Grid.of(num_stages, num_microbatches, num_chunks, memory_limit)
+    costs = CostModel() if costs is None else costs
+    if not isinstance(costs, CostModel):
+        raise ScheduleConfigError(f"tune: costs must be a CostModel, got {costs!r}")
+    tuner = _Tuner(num_stages, costs, data_parallel, zero)
+    results = [
+        tuner.run(name, cls, m, v)
+        for name, cls in _resolve(schedules).items()
+        for m in grid.microbatches
+        for v in grid.chunks
+    ]
+    candidates = [r for r in results if isinstance(r, Candidate)]
+    fits = [memory_limit is None or c.peak_activations <= memory_limit for c in candidates]
+    ranked = sorted(
+        (c for c, ok in zip(candidates, fits) if ok),
+        key=lambda c: (c.time_per_microbatch, c.peak_activations, c.schedule),
+    )
+    return TuneResult(
+        ranked=tuple(ranked),
+        over_limit=tuple(c for c, ok in zip(candidates, fits) if not ok),
+        skipped=tuple(r for r in results if isinstance(r, Skipped)),
+    )
+
+
+@attrs.frozen
+class _Grid:
+    microbatches: tuple[int, ...]
+    chunks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, num_stages, num_microbatches, num_chunks, memory_limit) -> _Grid:
+        """The checked arguments of `tune` (raises `ScheduleConfigError` naming a bad one)."""
+        _positive_ints("num_stages", [num_stages])
+        ok = memory_limit is None or (
+            isinstance(memory_limit, (int, float))
+            and not isinstance(memory_limit, bool)
+            and 0 < memory_limit < math.inf
+        )
+        if not ok:
+            raise ScheduleConfigError(
+                f"tune: memory_limit must be a positive number or None, got {memory_limit!r}"
+            )
+        return cls(
+            _positive_ints("num_microbatches", num_microbatches),
+            _positive_ints("num_chunks", num_chunks),
+        )
+
+
+def _positive_ints(arg: str, values: int | Iterable[int]) -> tuple[int, ...]:
+    """`values` (one int or several) as a sorted tuple without repeats, each checked >= 1."""
+    items = [values] if isinstance(values, int) else list(values)
+    for value in items:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleConfigError(f"tune: {arg} must be positive integers, got {value!r}")
+    if not items:
+        raise ScheduleConfigError(f"tune: {arg} is empty; give at least one value")
+    return tuple(sorted(set(items)))
+
+
+def _resolve(
+    schedules: Iterable[str | type[Schedule]] | Mapping[str, type[Schedule]] | None,
+) -> dict[str, type[Schedule]]:
+    """The schedules to try, by the name to show."""
+    if schedules is None:
+        return registered_classes()
+    if isinstance(schedules, Mapping):
+        return dict(schedules)
+    if isinstance(schedules, (str, type)):
+        schedules = [schedules]
+    found: dict[str, type[Schedule]] = {}
+    for item in schedules:
+        if isinstance(item, str):
+            found[item] = get_schedule(item)
+        elif isinstance(item, type) and issubclass(item, Schedule):
+            found[item.name or item.__name__] = item
+        else:
+            raise ScheduleConfigError(
+                f"tune: a schedule is a name or a Schedule subclass, got {item!r}"
+            )
+    return found
+
+
+@attrs.frozen
+class _Tuner:
+    """What stays fixed over the grid; `run` tries one schedule at one (m, v)."""
+
+    num_stages: int
+    costs: CostModel
+    data_parallel: int
+    zero: int
+    _uses_chunks: dict[type[Schedule], bool] = attrs.field(factory=dict, init=False)
+
+    def run(self, name: str, cls: type[Schedule], m: int, v: int) -> Candidate | Skipped:
+        """The simulated candidate, or why the shape is skipped; a schedule's failure raises."""
+        try:
+            schedule = build_schedule(cls, self.num_stages, m, num_chunks=v)
+        except ScheduleConfigError as exc:
+            return Skipped(name, m, v, str(exc))
+        if v > 1 and not self._uses_chunks.setdefault(cls, uses_chunks(cls)):
+            reason = f"{cls.__name__} uses one chunk per stage (nothing on chunk 1 given two)"
+            return Skipped(name, m, v, reason)
+        try:
+            program = compile(schedule, data_parallel=self.data_parallel, zero=self.zero)
+        except ScheduleCodeError as exc:
+            raise type(exc)(f"{name}: {exc}{self._hint(cls, m, v)}") from exc
+        except ScheduleConfigError:
+            raise
+        except ScheduleError as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise type(exc)(
+                f"{name} at p={self.num_stages}, m={m}, v={v}: {type(exc).__name__}: {first} "
+                f"(schedcc verify --schedule {name} -p {self.num_stages} -m {m} -v {v} "
+                f"explains){self._hint(cls, m, v)}",
+                stage=exc.stage,
+                position=exc.position,
+            ) from exc
+        return _measure(name, program, _per_chunk(self.costs, v))
+
+    def _hint(self, cls: type[Schedule], m: int, v: int) -> str:
+        """ "; hint: ..." when the same shape compiles with v = 1, else ""."""
+        if v == 1:
+            return ""
+        try:
+            schedule = build_schedule(cls, self.num_stages, m, num_chunks=1)
+            compile(schedule, data_parallel=self.data_parallel, zero=self.zero)
+        except ScheduleError:
+            return ""
+        return f"; {chunks_hint(cls.__name__, v)}"
+
+
+def _measure(name: str, program, costs: CostModel) -> Candidate:
+    """Simulate `program` into a `Candidate` (see [Note: tune's units])."""
+    schedule = program.schedule
+    m, v = schedule.num_microbatches, schedule.num_chunks
+    timeline = simulate(program, costs)
+    if not math.isfinite(timeline.makespan):
+        raise ScheduleConfigError(
+            f"{name} at p={schedule.num_stages}, m={m}, v={v}: the simulated makespan "
+            f"overflows ({timeline.makespan}); give the costs in a larger unit (smaller numbers)"
+        )
+    activations = tuple(round(n / v, 3) for n in timeline.peak_activations)
+    return Candidate(
+        schedule=name,
+        num_microbatches=m,
+        num_chunks=v,
+        makespan=timeline.makespan,
+        time_per_microbatch=timeline.makespan / m,
+        bubble=round(timeline.bubble_fraction, 4),
+        peak_activations=max(activations),
+        activations=activations,
+        versions=tuple(timeline.peak_versions),
+    )
+
+
+def _per_chunk(costs: CostModel, num_chunks: int) -> CostModel:
+    """`costs` with compute costs divided by `num_chunks` (see [Note: tune's units])."""
+    if num_chunks == 1:
+        return costs
+    scaled = {name: getattr(costs, name) / num_chunks for name in _COMPUTE_FIELDS}
+    return attrs.evolve(
+        costs,
+        **scaled,
+        per_stage={s: _per_chunk(model, num_chunks) for s, model in costs.per_stage.items()},
+        per_chunk={c: _per_chunk(model, num_chunks) for c, model in costs.per_chunk.items()},
+    )
