@@ -224,3 +224,27 @@ def test_cli_verify_torch_passes_a_sound_schedule(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "pass: schedcc validates torch's order; makespan 51" in out
+
+
+def test_check_torch_schedule_reports_coverage_and_the_first_error():
+    """The library check behind `verify --torch`: rows, coverage lines, error, timeline."""
+    from schedcc.interop.torch_check import check_torch_schedule
+
+    report = check_torch_schedule("ScheduleZBVZeroBubble", 4, 8)
+    assert report.ok
+    assert report.timeline.makespan == 51
+    assert report.rows[0][0] == "0F0"
+    report = check_torch_schedule("Schedule1F1B", 4, 8)
+    if report.ok:
+        pytest.skip("this torch labels Schedule1F1B's last rank correctly")
+    assert report.coverage == (
+        "rank 3, segment 3: forwards of microbatches 1..8; expected 0..7, each once",
+    )
+    assert isinstance(report.error, ScheduleError)
+
+
+@pytest.mark.parametrize("name", ["PipelineScheduleSingle", "PipelineScheduleMulti"])
+def test_torch_base_classes_are_refused_by_name(name):
+    """A base class of torch's schedules is a ScheduleConfigError listing real schedules."""
+    with pytest.raises(ScheduleConfigError, match=f"{name} is a base class.*Schedule1F1B"):
+        torch_schedule(name, 4, 8)

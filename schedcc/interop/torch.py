@@ -300,10 +300,10 @@ def torch_schedule(
     stages = [_mock_stage(num_stages, chunks) for _ in range(chunks)]
     try:
         instance = cls(stages[0] if single else stages, num_microbatches)
-    except (ValueError, RuntimeError, AssertionError) as exc:
+    except Exception as exc:  # torch's own checks raise ValueError, RuntimeError, assert, ...
         raise ScheduleConfigError(
             f"torch's {cls.__name__} rejects p={num_stages}, m={num_microbatches}, "
-            f"v={chunks}: {exc}"
+            f"v={chunks}: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         ) from exc
     attribute = "pipeline_order_with_comms" if comms else "pipeline_order"
     order = getattr(instance, attribute, None)
@@ -314,18 +314,41 @@ def torch_schedule(
 
 
 def _torch_class(name: str) -> type:
+    """torch's schedule class `name` (or a short name torch accepts), if it builds an order."""
+    import inspect
+
     from torch.distributed.pipelining import schedules
 
-    cls = getattr(schedules, name, None)
-    if isinstance(cls, type) and issubclass(cls, schedules._PipelineSchedule):
-        return cls
-    try:
-        return schedules.get_schedule_class(name)
-    except ValueError as exc:
+    cls = getattr(schedules, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, schedules._PipelineSchedule)):
+        try:
+            cls = schedules.get_schedule_class(name)
+        except (ValueError, TypeError) as exc:
+            raise ScheduleConfigError(
+                f"unknown torch schedule {name!r}; one of {', '.join(_schedule_names())}"
+            ) from exc
+    if inspect.isabstract(cls) or not cls.__name__.startswith("Schedule"):
         raise ScheduleConfigError(
-            f"unknown torch schedule {name!r}; e.g. Schedule1F1B, ScheduleGPipe, "
-            "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble"
-        ) from exc
+            f"torch's {cls.__name__} is a base class, not a schedule with a per-rank order; "
+            f"name one of {', '.join(_schedule_names())}"
+        )
+    return cls
+
+
+def _schedule_names() -> list[str]:
+    """torch's concrete schedule classes (`Schedule1F1B`, ...), sorted."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    return sorted(
+        name
+        for name, cls in vars(schedules).items()
+        if name.startswith("Schedule")
+        and isinstance(cls, type)
+        and issubclass(cls, schedules._PipelineSchedule)
+        and not inspect.isabstract(cls)
+    )
 
 
 def _mock_stage(num_stages: int, num_chunks: int):
