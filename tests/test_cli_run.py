@@ -107,6 +107,34 @@ def test_bad_input_is_one_line_and_exit_2(args, env, message):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def _refused(*args: str) -> str:
+    """Run `schedcc run args`: it must end at once with one line on stderr, exit 2."""
+    result = _run("--steps", "1", *args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    return line
+
+
+def test_a_trace_path_that_is_a_directory_is_refused_before_training(tmp_path):
+    """--trace DIR (a directory, not a file) is one line, exit 2, before any rank starts."""
+    assert "is a directory" in _refused("--trace", str(tmp_path))
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path):
+    """--checkpoint where nothing can be written is one line from the command, not errors from
+    every rank after training."""
+    (tmp_path / "file").write_text("")
+    line = _refused("--checkpoint", str(tmp_path / "file" / "ckpt"))
+    assert "is not a directory" in line
+    if sys.platform.startswith("linux"):
+        assert "cannot write in /proc" in _refused("--checkpoint", "/proc/ckpt")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert "cannot write in" in _refused("--checkpoint", str(locked / "ckpt"))
+
+
 def test_two_torchrun_nodes_run_to_completion(tmp_path):
     """Two torchrun launchers (`--nnodes 2`, c10d rendezvous on 127.0.0.1) train together."""
     port = free_port()

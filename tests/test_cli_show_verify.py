@@ -159,17 +159,92 @@ def test_show_without_v_uses_the_schedules_own_chunks(capsys):
     assert "bubble 5.9%" in capsys.readouterr().out
 
 
-def test_long_shape_flags_are_spelled_both_ways(capsys):
-    """`--stages/--microbatches/--chunks` (as `run` spells them) work in `show` and `tune` too,
-    and `--num-stages/...` in `run`."""
+@pytest.mark.parametrize("command", ["show", "verify", "tune", "run"])
+def test_shared_flags_are_spelled_one_way(command, capsys):
+    """--schedule, -p/--num-stages, -m/--num-microbatches, -v/--num-chunks, --dp and --zero are
+    spelled the same in every command; --microbatches and --chunks are hidden aliases."""
     from schedcc.cli import build_parser
 
-    assert main(["show", "--schedule", "interleaved-1f1b", "-p", "2", "-m", "4", "-v", "2"]) == 0
-    short = capsys.readouterr().out
-    long = ["--stages", "2", "--microbatches", "4", "--chunks", "2"]
-    assert main(["show", "--schedule", "interleaved-1f1b", *long]) == 0
-    assert capsys.readouterr().out == short
     parser = build_parser()
-    args = parser.parse_args(["run", "--num-stages", "3", "--num-microbatches", "6"])
-    assert (args.stages, args.microbatches) == (3, 6)
-    assert parser.parse_args(["tune", "--stages", "4"]).num_stages == 4
+    long = ["--num-stages", "3", "--num-microbatches", "6", "--num-chunks", "2"]
+    args = parser.parse_args([command, "--schedule", "1f1b", *long, "--dp", "2", "--zero", "1"])
+    many = command == "tune"
+    assert args.num_stages == 3
+    assert args.num_microbatches == ([6] if many else 6)
+    assert args.num_chunks == ([2] if many else 2)
+    assert (args.dp, args.zero) == (2, 1)
+    alias = ["--schedule", "1f1b", "-p", "3", "--microbatches", "6", "--chunks", "2"]
+    args = parser.parse_args([command, *alias])
+    assert (args.num_microbatches, args.num_chunks) == (([6], [2]) if many else (6, 2))
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    usage = capsys.readouterr().out
+    assert "--num-microbatches" in usage
+    assert "--microbatches" not in usage.replace("--num-microbatches", "")
+    assert "--stages" not in usage.replace("--num-stages", "")
+
+
+ONE_CHUNK = '''
+from schedcc import Schedule, Forward, Backward
+
+class GPipe(Schedule):
+    """README's GPipe: yields Forward(i) and Backward(i), chunk 0 only."""
+    name = "my-gpipe"
+    def steps(self, stage):
+        for b in range(self.num_batches):
+            mbs = self.microbatches(b)
+            yield from (Forward(i) for i in mbs)
+            yield from (Backward(i) for i in reversed(mbs))
+
+class BackwardChunksInOrder(Schedule):
+    """Runs each microbatch's backwards chunk 0 first: right for v = 1 only."""
+    def steps(self, stage):
+        for b in range(self.num_batches):
+            mbs = self.microbatches(b)
+            for c in range(self.num_chunks):
+                yield from (Forward(i, chunk=c) for i in mbs)
+            for c in range(self.num_chunks):
+                yield from (Backward(i, chunk=c) for i in reversed(mbs))
+'''
+
+
+def test_verify_passes_a_one_chunk_schedule_with_no_flags(tmp_path, monkeypatch, capsys):
+    """README's GPipe (chunk 0 only) passes `verify` with no flags: its grid keeps v = 1."""
+    (tmp_path / "one_chunk.py").write_text(ONE_CHUNK)
+    monkeypatch.chdir(tmp_path)
+    assert main(["verify", "--schedule", "one_chunk.py:GPipe"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out
+    assert "v=1 only: GPipe uses one chunk per stage" in out
+
+
+def test_verify_hints_when_only_more_chunks_fail(tmp_path, monkeypatch, capsys):
+    """A schedule that fails only with v > 1: exit 1 and a hint to reject v != 1 in check()."""
+    (tmp_path / "one_chunk.py").write_text(ONE_CHUNK)
+    monkeypatch.chdir(tmp_path)
+    assert main(["verify", "--schedule", "one_chunk.py:BackwardChunksInOrder", "-p", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "hint: BackwardChunksInOrder passes with v=1 but fails with v=2" in out
+    assert "raise ScheduleConfigError when self.num_chunks != 1" in out
+
+
+def test_verify_takes_dp_and_zero(capsys):
+    """verify --dp 2 --zero 1 compiles every shape with the data-parallel updates."""
+    assert (
+        main(["verify", "--schedule", "1f1b", "-p", "2", "-m", "4", "--dp", "2", "--zero", "1"])
+        == 0
+    )
+    assert "2 of 2 shapes pass" in capsys.readouterr().out
+
+
+def test_every_cost_field_is_a_costs_key():
+    """--costs takes every duration field of CostModel by name, and the instruction codes."""
+    from schedcc.cli.args import parse_costs
+    from schedcc.costs import cost_fields
+
+    text = ",".join(f"{name}={n + 1}" for n, name in enumerate(cost_fields()))
+    model = parse_costs(text)
+    assert [getattr(model, name) for name in cost_fields()] == [
+        float(n + 1) for n in range(len(cost_fields()))
+    ]
+    assert parse_costs("F=3,W=0.5,Reduce=2").reduce == 2.0

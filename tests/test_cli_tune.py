@@ -6,10 +6,8 @@ import json
 
 import pytest
 
+from schedcc import CostModel, get_schedule, tune
 from schedcc.cli import main
-from schedcc.cli.tune import tune
-from schedcc.registry import get_schedule
-from schedcc.simulate import CostModel
 
 USER_SCHEDULE = """
 from schedcc import Schedule, Forward, Backward
@@ -30,20 +28,20 @@ def _json(capsys, *argv):
 
 def test_ranks_every_registered_schedule(capsys):
     """Every registered schedule appears once per shape it accepts, fastest per microbatch first."""
-    code, report = _json(capsys, "-p", "4", "--microbatches", "8,16")
+    code, report = _json(capsys, "-p", "4", "-m", "8,16")
     assert code == 0
     names = {row["schedule"] for row in report["ranked"]}
     assert {"gpipe", "1f1b", "zb-h1", "zb-v"} <= names
     assert "pipedream-flush" not in names  # aliases are not listed twice
     times = [row["time_per_microbatch"] for row in report["ranked"]]
     assert times == sorted(times)
-    assert ("zb-v", 1) in {(s["schedule"], s["v"]) for s in report["skipped"]}
+    assert ("zb-v", 1) in {(s["schedule"], s["num_chunks"]) for s in report["skipped"]}
 
 
 def test_zero_bubble_beats_1f1b_at_equal_memory(capsys):
     """With F = I = W = 1 and a memory limit of p, ZB-V then ZB-H1 rank above 1F1B."""
     limit = ["--memory-limit", "4", "--costs", "F=1,B=2,I=1,W=1"]
-    code, report = _json(capsys, "-p", "4", "--microbatches", "8", *limit)
+    code, report = _json(capsys, "-p", "4", "-m", "8", *limit)
     assert code == 0
     order = [row["schedule"] for row in report["ranked"]]
     assert order.index("zb-v") < order.index("zb-h1") < order.index("1f1b")
@@ -53,7 +51,7 @@ def test_zero_bubble_beats_1f1b_at_equal_memory(capsys):
 
 def test_memory_limit_drops_programs(capsys):
     """A limit below every program's peak leaves nothing ranked and exits 1 with a message."""
-    code = main(["tune", "-p", "4", "--microbatches", "8", "--memory-limit", "1"])
+    code = main(["tune", "-p", "4", "-m", "8", "--memory-limit", "1"])
     out = capsys.readouterr().out
     assert code == 1
     assert "no schedule fits" in out
@@ -62,7 +60,7 @@ def test_memory_limit_drops_programs(capsys):
 
 def test_table_lists_per_stage_numbers(capsys):
     """The table has one row per program with activations and weight versions per stage."""
-    code = main(["tune", "-p", "2", "--microbatches", "4", "--chunks", "1"])
+    code = main(["tune", "-p", "2", "-m", "4", "-v", "1"])
     out = capsys.readouterr().out
     assert code == 0
     header, *rows = out.splitlines()
@@ -77,7 +75,7 @@ def test_user_schedule_is_ranked(tmp_path, capsys):
     path = tmp_path / "mine.py"
     path.write_text(USER_SCHEDULE)
     spec = f"{path}:AllForwardsFirst"
-    code, report = _json(capsys, "-p", "2", "--microbatches", "4", "--schedule", spec)
+    code, report = _json(capsys, "-p", "2", "-m", "4", "--schedule", spec)
     assert code == 0
     assert spec in {row["schedule"] for row in report["ranked"]}
 
@@ -91,10 +89,10 @@ def test_costs_from_trace(tmp_path, capsys):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(events))
-    _, measured = _json(capsys, "-p", "2", "--microbatches", "4", "--costs-from", str(path))
-    _, unit = _json(capsys, "-p", "2", "--microbatches", "4")
-    mine = {(r["schedule"], r["v"]): r["makespan"] for r in measured["ranked"]}
-    base = {(r["schedule"], r["v"]): r["makespan"] for r in unit["ranked"]}
+    _, measured = _json(capsys, "-p", "2", "-m", "4", "--costs-from", str(path))
+    _, unit = _json(capsys, "-p", "2", "-m", "4")
+    mine = {(r["schedule"], r["num_chunks"]): r["makespan"] for r in measured["ranked"]}
+    base = {(r["schedule"], r["num_chunks"]): r["makespan"] for r in unit["ranked"]}
     fb_only = [key for key in base if not key[0].startswith("zb-")]  # I and W: not in the trace
     ratios = [mine[key] / base[key] for key in fb_only]
     assert ratios == pytest.approx([ratios[0]] * len(ratios))
@@ -104,9 +102,9 @@ def test_costs_from_trace(tmp_path, capsys):
 def test_chunks_share_the_stage_cost():
     """A chunk costs 1/v of a stage: interleaved 1F1B does the same work as 1F1B per stage."""
     schedules = {"interleaved-1f1b": get_schedule("interleaved-1f1b")}
-    report = tune(schedules, num_stages=2, microbatches=[4], chunks=[2], costs=CostModel())
-    (row,) = report["ranked"]
-    assert row["makespan"] * (1 - row["bubble"]) == pytest.approx(12.0, rel=1e-3)
+    result = tune(schedules, num_stages=2, num_microbatches=4, num_chunks=2, costs=CostModel())
+    (row,) = result.ranked
+    assert row.makespan * (1 - row.bubble) == pytest.approx(12.0, rel=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +112,7 @@ def test_chunks_share_the_stage_cost():
     [
         ["tune"],
         ["tune", "-p", "0"],
-        ["tune", "-p", "2", "--microbatches", "8,x"],
+        ["tune", "-p", "2", "-m", "8,x"],
         ["tune", "-p", "2", "--memory-limit", "-1"],
         ["tune", "-p", "2", "--costs", "F=fast"],
         ["tune", "-p", "2", "--schedule", "no-such-schedule"],

@@ -1,23 +1,25 @@
 """The `schedcc` command line: one module per subcommand, dispatched from `main`.
 
 Each subcommand module defines `register(subparsers)`, which adds its parser and sets
-`func=run` on it; `run(args) -> int` is the exit status. A user's mistake (a `ScheduleError`,
-a `ValueError`, a missing file) is printed as one line and exits 2, never as a traceback.
+`func=run` on it; `run(args) -> int` is the exit status. The arguments they share are defined
+once, in `schedcc.cli.args`. A user's mistake (a `ScheduleError`, a `ValueError`, a missing file)
+is printed as one line and exits 2, never as a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
+from schedcc.cli import list_, run, show, tune, verify
+from schedcc.cli.args import UsageError
 from schedcc.errors import ScheduleError
 
-__all__ = ["main"]
+__all__ = ["UsageError", "build_parser", "main"]
 
-#: Subcommand modules under schedcc.cli, in the order `--help` lists them.
-COMMANDS = ("list_", "show", "verify", "run", "tune")
+#: Subcommand modules, in the order `--help` lists them.
+COMMANDS = (list_, show, verify, run, tune)
 
 EPILOG = """examples:
   schedcc list
@@ -25,10 +27,6 @@ EPILOG = """examples:
   schedcc verify --schedule my_schedules.py:MySchedule -p 4 -m 8
   schedcc run --schedule 1f1b --steps 20
 """
-
-
-class UsageError(Exception):
-    """A bad command-line value; printed as one line, exit 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"schedcc.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"schedcc.cli.{name}":
-                raise
-            continue  # a subcommand not built yet
+    for module in COMMANDS:
         module.register(subparsers)
     one_line_errors(parser, "")
     for name, subparser in subparsers.choices.items():
@@ -83,14 +75,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"schedcc {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value

@@ -13,10 +13,13 @@ import argparse
 import dataclasses
 import math
 import os
+import tempfile
 
-from schedcc.cli import UsageError, positive_int
+from schedcc.cli import args as shared
+from schedcc.cli.args import UsageError, positive_int
 from schedcc.compiler import compile
 from schedcc.registry import get_schedule
+from schedcc.schedule import build_schedule
 
 __all__ = ["Config", "register", "run"]
 
@@ -76,21 +79,11 @@ def register(subparsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--schedule", default="1f1b", help="name, module:Class or file.py:Class")
-    # each long flag also has the spelling `show`, `verify` and `tune` use (--num-stages, ...)
-    parser.add_argument(
-        "-p", "--stages", "--num-stages", type=positive_int, default=2, help="pipeline stages"
-    )
-    parser.add_argument("-m", "--microbatches", "--num-microbatches", type=positive_int, default=8)
-    parser.add_argument(
-        "-v",
-        "--chunks",
-        "--num-chunks",
-        type=positive_int,
-        help="chunks per stage (default: the schedule's own)",
-    )
-    parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel replicas")
-    parser.add_argument("--zero", type=int, choices=(0, 1), default=0, help="ZeRO stage")
+    shared.add_schedule(parser, default="1f1b")
+    shared.add_stages(parser, default=2)
+    shared.add_microbatches(parser, default=8)
+    shared.add_chunks(parser)
+    shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1))
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
     parser.add_argument("--model", choices=("tiny-gpt", "mlp"), default="tiny-gpt")
     parser.add_argument(
@@ -165,7 +158,7 @@ def _config(args, under_torchrun: bool) -> Config:
     if not 0 < args.lr < math.inf:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     cls = get_schedule(args.schedule)
-    p, dp = args.stages, args.dp
+    p, dp = args.num_stages, args.dp
     if under_torchrun:
         world = int(os.environ["WORLD_SIZE"])
         if dp is None:
@@ -183,19 +176,22 @@ def _config(args, under_torchrun: bool) -> Config:
     dp = dp or 1
     batches_per_run = DELAYED_BATCHES_PER_RUN if cls.weight_delay else 1
     batches_per_run = min(batches_per_run, args.steps)
-    chunks = {} if args.chunks is None else {"num_chunks": args.chunks}
-    schedule = cls(p, args.microbatches, num_batches=batches_per_run, **chunks)
+    schedule = build_schedule(
+        cls,
+        p,
+        args.num_microbatches,
+        num_chunks=args.num_chunks,
+        num_batches=batches_per_run,
+    )
+    shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
     compile(schedule, data_parallel=dp, zero=args.zero)  # a bad program fails here, exit 2
-    if args.trace:
-        directory = os.path.dirname(os.path.abspath(args.trace))
-        if not os.path.isdir(directory):
-            raise UsageError(f"--trace: directory {directory} does not exist")
+    _check_trace(args.trace)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
     return Config(
         schedule=args.schedule,
         num_stages=p,
-        num_microbatches=args.microbatches,
+        num_microbatches=args.num_microbatches,
         num_chunks=schedule.num_chunks,
         num_batches=batches_per_run,
         data_parallel=dp,
@@ -226,5 +222,38 @@ def _check_checkpoint_args(args, batches_per_run: int) -> None:
         )
     if args.resume and args.check:
         raise UsageError("--check compares a whole run from step 0; it cannot follow --resume")
-    if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-        raise UsageError(f"--checkpoint {args.checkpoint} exists and is not a directory")
+    if args.checkpoint:
+        _check_writable_directory("--checkpoint", args.checkpoint)
+
+
+def _check_trace(trace: str | None) -> None:
+    """The trace file can be written: not a directory, in a directory that exists."""
+    if not trace:
+        return
+    if os.path.isdir(trace):
+        raise UsageError(f"--trace {trace} is a directory; give a file name, e.g. {trace}/run.json")
+    directory = os.path.dirname(os.path.abspath(trace))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--trace: directory {directory} does not exist")
+    _check_writable_directory("--trace", directory, made_by_run=False)
+
+
+def _check_writable_directory(flag: str, path: str, *, made_by_run: bool = True) -> None:
+    """`path` is a directory this process can write in, or one it can create (`made_by_run`).
+
+    Checked by writing a file there (as the run will), before any rank starts.
+    """
+    target = os.path.abspath(path)
+    existing = target
+    while made_by_run and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag} {path}: {existing} exists and is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"{flag} {path}: cannot write in {existing} ({exc.strerror or exc}); pick a "
+            "directory you can write to"
+        ) from None

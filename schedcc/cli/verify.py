@@ -2,8 +2,11 @@
 
 Each shape (p, m, v, batches) the schedule accepts is compiled and validated; the table shows
 pass or the failing rule, and the validator's explanation follows for each failure. Shapes the
-schedule itself rejects (its `check()` raises `ScheduleConfigError`) are skipped. Exit status 1
-when any shape fails, 0 when all pass, 2 for bad input.
+schedule itself rejects (its `check()` raises `ScheduleConfigError`) are skipped, and so are chunk
+counts above 1 for a schedule that yields nothing on a second chunk (written for one chunk per
+stage; see `schedcc.schedule.uses_chunks`). Exit status 1 when any shape fails, 0 when all pass,
+2 for bad input, including a schedule whose own code fails (`ScheduleCodeError`).
+`--torch CLASS` checks torch's own schedule instead (`schedcc.interop.torch_check`).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import itertools
 
 import attrs
 
-from schedcc.cli.show import add_shape_arguments
+from schedcc.cli import args as shared
 from schedcc.compiler import compile
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.registry import get_schedule
+from schedcc.schedule import ScheduleCodeError, build_schedule, chunks_hint, uses_chunks
 from schedcc.simulate import simulate
 from schedcc.validate import validate
 
@@ -35,7 +39,7 @@ EPILOG = """examples:
   schedcc verify --schedule 1f1b
   schedcc verify --schedule interleaved-1f1b -p 4 -v 2
   schedcc verify --schedule my_schedules.py:MySchedule -p 4 -m 8
-  schedcc verify --schedule my_package.schedules:MySchedule --batches 3
+  schedcc verify --schedule my_package.schedules:MySchedule --batches 3 --dp 2 --zero 1
   schedcc verify --torch Schedule1F1B -p 4 -m 8
 """
 
@@ -43,7 +47,7 @@ EPILOG = """examples:
 @attrs.frozen
 class _Result:
     shape: tuple[int, int, int, int]
-    error: BaseException | None = None
+    error: ScheduleError | None = None
     skipped: str | None = None
     summary: str = ""
 
@@ -60,7 +64,12 @@ def register(subparsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_shape_arguments(parser, required=False)
+    shared.add_schedule(parser)
+    shared.add_stages(parser)
+    shared.add_microbatches(parser)
+    shared.add_chunks(parser)
+    shared.add_batches(parser)
+    shared.add_parallel(parser)
     parser.add_argument(
         "--torch",
         metavar="CLASS",
@@ -72,23 +81,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    if args.torch is not None and args.schedule is not None:
-        raise ScheduleConfigError("give --schedule or --torch, not both")
     if args.torch is not None:
-        from schedcc.cli.verify_torch import run_torch
-
-        return run_torch(args)
+        return _run_torch(args)
     if args.schedule is None:
         raise ScheduleConfigError("give --schedule NAME (or --torch CLASS for a torch schedule)")
     cls = get_schedule(args.schedule)
-    given = {
-        "num_stages": args.num_stages,
-        "num_microbatches": args.num_microbatches,
-        "num_chunks": args.num_chunks,
-        "num_batches": args.batches,
-    }
-    axes = [(value,) if value is not None else GRID[key] for key, value in given.items()]
-    results = [_check(cls, shape) for shape in itertools.product(*axes)]
+    axes, note = _axes(cls, args)
+    shared.check_size(*(max(axis) for axis in axes))
+    results = [_check(cls, shape, args) for shape in itertools.product(*axes)]
     checked = [r for r in results if r.skipped is None]
     if not checked:
         reasons = sorted({r.skipped for r in results if r.skipped})
@@ -101,6 +101,7 @@ def run(args) -> int:
     print(
         f"\n{len(checked) - len(failed)} of {len(checked)} shapes pass"
         + (f" ({skipped} skipped: the schedule rejects them)" if skipped else "")
+        + note
     )
     for result in failed[:_MAX_EXPLAINED]:
         p, m, v, b = result.shape
@@ -108,26 +109,58 @@ def run(args) -> int:
         print(str(result.error).rstrip())
     if len(failed) > _MAX_EXPLAINED:
         print(f"\n... and {len(failed) - _MAX_EXPLAINED} more failing shapes")
+    if failed and (hint := _hint(cls, failed[0].shape, args)):
+        print(f"\n{hint}")
     return 1 if failed else 0
 
 
-def _check(cls, shape) -> _Result:
+def _axes(cls, args) -> tuple[list[tuple[int, ...]], str]:
+    """The values of p, m, v and batches to try, and a note when v is kept at 1."""
+    given = {
+        "num_stages": args.num_stages,
+        "num_microbatches": args.num_microbatches,
+        "num_chunks": args.num_chunks,
+        "num_batches": args.batches,
+    }
+    axes = [(value,) if value is not None else GRID[key] for key, value in given.items()]
+    if args.num_chunks is None and not uses_chunks(cls):
+        axes[2] = (1,)
+        return axes, f"; v=1 only: {cls.__name__} uses one chunk per stage (-v tries others)"
+    return axes, ""
+
+
+def _check(cls, shape, args) -> _Result:
+    """Build, compile, validate and simulate one shape; the schedule's own failures raise."""
     p, m, v, b = shape
     try:
-        schedule = cls(num_stages=p, num_microbatches=m, num_chunks=v, num_batches=b)
+        schedule = build_schedule(cls, p, m, num_chunks=v, num_batches=b)
     except ScheduleConfigError as exc:
         return _Result(shape, skipped=str(exc))
     try:
-        program = compile(schedule, validate=False)
+        program = compile(schedule, data_parallel=args.dp, zero=args.zero, validate=False)
         problems = validate(program, collect=True)
         if problems:
             return _Result(shape, error=problems[0])
         timeline = simulate(program)
-    except Exception as exc:  # a ScheduleError, or a user's steps() failing in any other way
+    except ScheduleCodeError as exc:
+        hint = _hint(cls, shape, args)
+        raise ScheduleCodeError(f"{exc}; {hint}" if hint else str(exc)) from exc
+    except ScheduleError as exc:
         return _Result(shape, error=exc)
     peaks = ",".join(str(n) for n in timeline.peak_activations)
-    summary = f"{timeline.bubble_fraction:6.1%}  [{peaks}]"
-    return _Result(shape, summary=summary)
+    return _Result(shape, summary=f"{timeline.bubble_fraction:6.1%}  [{peaks}]")
+
+
+def _hint(cls, shape, args) -> str:
+    """`chunks_hint` when `shape` has v > 1 and passes with v = 1, else ""."""
+    p, m, v, b = shape
+    if v == 1:
+        return ""
+    try:
+        one = _check(cls, (p, m, 1, b), args)
+    except ScheduleError:
+        return ""
+    return chunks_hint(cls.__name__, v) if one.skipped is None and one.error is None else ""
 
 
 def _table(cls, results: list[_Result]) -> str:
@@ -141,3 +174,30 @@ def _table(cls, results: list[_Result]) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
+
+
+def _run_torch(args) -> int:
+    """`--torch CLASS`: print torch's order and what schedcc's checks find in it."""
+    from schedcc.interop.torch import format_actions
+    from schedcc.interop.torch_check import check_torch_schedule
+
+    if args.schedule is not None:
+        raise ScheduleConfigError("give --schedule or --torch, not both")
+    if args.batches not in (None, 1) or args.dp != 1 or args.zero != 0:
+        raise ScheduleConfigError(
+            "--torch checks one batch of one pipeline: drop --batches, --dp and --zero"
+        )
+    report = check_torch_schedule(
+        args.torch, args.num_stages or 4, args.num_microbatches or 8, num_chunks=args.num_chunks
+    )
+    print(f"{report.schedule!r}: torch's per-rank order (computes; torch stage index = segment)")
+    print(format_actions(report.rows))
+    if report.ok:
+        print(f"\npass: schedcc validates torch's order; {report.timeline.summary()}")
+        return 0
+    print("\nFAIL")
+    for line in report.coverage:
+        print(f"  {line}")
+    if report.error is not None:
+        print(f"  {type(report.error).__name__}: {str(report.error).rstrip()}")
+    return 1

@@ -1,0 +1,205 @@
+"""The arguments the subcommands share, spelled one way in every command.
+
+`--schedule`, `-p/--num-stages`, `-m/--num-microbatches`, `-v/--num-chunks`, `--batches`, `--dp`,
+`--zero`, `--costs`. `--microbatches` and `--chunks` are kept as hidden aliases (older
+`schedcc tune` lines use them). Every count has a bound that keeps a command interactive, and a
+shape's size (`p * v * m * batches`) has one too (`check_size`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from schedcc.costs import FIELD_OF_CODE, CostModel, cost_fields
+from schedcc.errors import ScheduleConfigError
+
+__all__ = [
+    "COST_KEYS",
+    "MAX_SIZE",
+    "UsageError",
+    "add_batches",
+    "add_chunks",
+    "add_costs",
+    "add_microbatches",
+    "add_parallel",
+    "add_schedule",
+    "add_stages",
+    "check_size",
+    "int_list",
+    "parse_costs",
+    "positive_int",
+]
+
+#: The largest value each count may take on the command line.
+MAX_STAGES = 1024
+MAX_MICROBATCHES = 65536
+MAX_CHUNKS = 64
+MAX_BATCHES = 64
+#: The largest `p * v * m * batches` (segment-microbatches) one command compiles: ~25 s.
+MAX_SIZE = 2**18
+
+#: `--costs` keys: every duration field of `CostModel` and each instruction code that reads one.
+COST_KEYS = {
+    **{name: name for name in cost_fields()},
+    **{code: field for code, field in FIELD_OF_CODE.items() if field in cost_fields()},
+}
+
+
+class UsageError(Exception):
+    """A bad command-line value; printed as one line, exit 2."""
+
+
+def positive_int(text: str, *, limit: int | None = None, what: str = "") -> int:
+    """An argparse type: an integer >= 1 (and <= `limit`, a bound named by `what`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if limit is not None and value > limit:
+        raise argparse.ArgumentTypeError(
+            f"{value} is more than schedcc handles here: at most {limit} {what}"
+        )
+    return value
+
+
+def _bounded(limit: int, what: str):
+    def parse(text: str) -> int:
+        return positive_int(text, limit=limit, what=what)
+
+    parse.__name__ = "positive integer"  # argparse names the type in some messages
+    return parse
+
+
+def int_list(limit: int, what: str):
+    """An argparse type: a comma-separated list of integers in 1..limit, sorted, no repeats."""
+    one = _bounded(limit, what)
+
+    def parse(text: str) -> list[int]:
+        values = [one(part) for part in filter(None, (s.strip() for s in text.split(",")))]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a list like 8,16, got {text!r}")
+        return sorted(set(values))
+
+    parse.__name__ = "list of positive integers"
+    return parse
+
+
+def parse_costs(text: str) -> CostModel:
+    """An argparse type: `F=1,B=2,I=1,W=1,comm=0.1` (or the long field names) to a CostModel."""
+    fields: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        name = COST_KEYS.get(key.strip())
+        if not sep or name is None:
+            raise argparse.ArgumentTypeError(
+                f"bad cost {item!r}: expected KEY=NUMBER with KEY one of "
+                f"{', '.join(COST_KEYS)} (e.g. F=1,B=2,comm=0.1)"
+            )
+        try:
+            fields[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bad cost {item!r}: {value!r} is not a number"
+            ) from None
+    try:
+        return CostModel(**fields)
+    except ScheduleConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_schedule(parser, *, default: str | None = None, required=False, many=False) -> None:
+    """`--schedule NAME` (repeatable with `many`)."""
+    text = "a registered name (see `schedcc list`), module:Class or path/to/file.py:Class"
+    if many:
+        parser.add_argument(
+            "--schedule", action="append", default=[], metavar="NAME", help=f"{text}; repeatable"
+        )
+        return
+    parser.add_argument("--schedule", default=default, required=required, metavar="NAME", help=text)
+
+
+def add_stages(parser, *, default: int | None = None, required: bool = False) -> None:
+    """`-p/--num-stages P`."""
+    parser.add_argument(
+        "-p",
+        "--num-stages",
+        type=_bounded(MAX_STAGES, "stages"),
+        default=default,
+        required=required,
+        metavar="P",
+        help="pipeline stages",
+    )
+
+
+def add_microbatches(parser, *, default=None, many: bool = False) -> None:
+    """`-m/--num-microbatches M` (with `many`: `M,...`, a list to try)."""
+    kind = (int_list if many else _bounded)(MAX_MICROBATCHES, "microbatches")
+    metavar = "M,..." if many else "M"
+    text = "microbatch counts to try" if many else "microbatches per batch"
+    parser.add_argument(
+        "-m", "--num-microbatches", type=kind, default=default, metavar=metavar, help=text
+    )
+    _alias(parser, "--microbatches", "num_microbatches", kind)
+
+
+def add_chunks(parser, *, default=None, many: bool = False) -> None:
+    """`-v/--num-chunks V` (with `many`: `V,...`); None means the schedule's own."""
+    kind = (int_list if many else _bounded)(MAX_CHUNKS, "chunks per stage")
+    metavar = "V,..." if many else "V"
+    text = (
+        "chunks per stage to try; schedules skip counts they reject"
+        if many
+        else "chunks (virtual stages) per stage (default: the schedule's own, 1 for most)"
+    )
+    parser.add_argument(
+        "-v", "--num-chunks", type=kind, default=default, metavar=metavar, help=text
+    )
+    _alias(parser, "--chunks", "num_chunks", kind)
+
+
+def add_batches(parser, *, default: int | None = None) -> None:
+    """`--batches N`: optimizer steps one program covers."""
+    parser.add_argument(
+        "--batches",
+        type=_bounded(MAX_BATCHES, "batches"),
+        default=default,
+        metavar="N",
+        help="batches (optimizer steps) in one program",
+    )
+
+
+def add_parallel(parser, *, dp_default: int | None = 1, zero_choices=(0, 1, 2)) -> None:
+    """`--dp N` and `--zero Z`."""
+    parser.add_argument(
+        "--dp",
+        type=_bounded(MAX_STAGES, "data-parallel replicas"),
+        default=dp_default,
+        metavar="N",
+        help="data-parallel replicas (adds gradient reductions)",
+    )
+    parser.add_argument("--zero", type=int, choices=zero_choices, default=0, help="ZeRO stage")
+
+
+def add_costs(parser, *, default: CostModel | None, help: str) -> None:
+    """`--costs K=V,...`."""
+    parser.add_argument("--costs", type=parse_costs, default=default, metavar="K=V,...", help=help)
+
+
+def _alias(parser, flag: str, dest: str, kind) -> None:
+    """A hidden second spelling of a flag (not in --help, no default of its own)."""
+    parser.add_argument(
+        flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+
+
+def check_size(num_stages: int, num_microbatches: int, num_chunks: int, num_batches=1) -> None:
+    """Raise `UsageError` if the shape has more than `MAX_SIZE` segment-microbatches."""
+    size = num_stages * num_chunks * num_microbatches * num_batches
+    if size > MAX_SIZE:
+        raise UsageError(
+            f"p={num_stages}, m={num_microbatches}, v={num_chunks}, batches={num_batches} is "
+            f"{size:,} segment-microbatches; the command line compiles at most {MAX_SIZE:,} "
+            "(p * v * m * batches): use smaller values"
+        )
