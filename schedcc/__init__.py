@@ -30,6 +30,7 @@ from schedcc.ir import (
     RecvActivation,
     RecvGrad,
     ReduceGrads,
+    ReduceTied,
     SendActivation,
     SendGrad,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "RecvActivation",
     "RecvGrad",
     "ReduceGrads",
+    "ReduceTied",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",

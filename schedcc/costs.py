@@ -32,6 +32,7 @@ _FIELD = {
     "I": "backward_input",
     "W": "backward_weight",
     "Reduce": "reduce",
+    "Tied": "reduce",
     "Step": "step",
     "Gather": "gather",
 }
@@ -70,7 +71,8 @@ class CostModel:
     Args:
         forward, backward, backward_input, backward_weight: compute costs (F, B, I, W).
         comm: the cost of one comm group (a batched exchange), on top of waiting for the peer.
-        reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO).
+        reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
+            (the all-reduce of a tied group's gradients, once its members are all there).
         step: an `OptimizerStep`.
         gather: a `GatherParams` (ZeRO-1's all-gather).
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
