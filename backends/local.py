@@ -60,10 +60,18 @@ from schedcc.backends.engine import (
 )
 from schedcc.backends.runtime.collectives import Meeting, ThreadCollectives
 from schedcc.backends.runtime.stage import StageRuntime
+from schedcc.backends.runtime.tied import (
+    TieMeetings,
+    check_ties,
+    find_ties,
+    private_copies,
+    stage_ties,
+)
 from schedcc.errors import DeadlockError, ScheduleConfigError
-from schedcc.ir import Comm, Instruction
+from schedcc.ir import Comm, Instruction, ReduceTied
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route
+from schedcc.semantics.collectives import tie_members
 
 __all__ = ["Engine"]
 
@@ -105,6 +113,11 @@ class Engine(BaseEngine):
         super().__init__(program, loss_fn, optimizer)
         schedule = program.schedule
         segments = check_segments(schedule, segments)
+        # refuse segments that share a parameter the program does not tie, before anything runs
+        tied = program.tied
+        ties = check_ties(find_ties(dict(enumerate(segments))), tied, whole=range(len(tied)))
+        private = private_copies(ties, range(schedule.num_segments))
+        self._tie_members = tie_members(tied, Layout.of(schedule))
         self.segments = segments
         self._layout = layout = Layout.of(schedule)
         dp = program.data_parallel
@@ -119,6 +132,9 @@ class Engine(BaseEngine):
                     loss_fn,
                     optimizer,
                     collectives=ThreadCollectives(meetings[s], r) if dp > 1 else None,
+                    ties=stage_ties(
+                        ties, layout.segment[s], [replica[k] for k in layout.segment[s]], private
+                    ),
                 )
                 for s in range(schedule.num_stages)
             ]
@@ -248,7 +264,7 @@ class Engine(BaseEngine):
     def _run_replica(self, replica: int) -> None:
         """Run every stage of one replica in turns until all finish (see the note above)."""
         runtimes, all_ops = self.runtimes[replica], self._ops
-        mail = _Mailbox()
+        mail = _Mailbox(TieMeetings(self._tie_members))
         cursors = [_Cursor() for _ in all_ops]
         while True:
             moved = False
@@ -301,11 +317,12 @@ class _Mailbox:
     """The point-to-point of one run of one replica: what each posted send carries, and which
     receives are posted, by route (a route names one tensor of the run)."""
 
-    __slots__ = ("expected", "messages")
+    __slots__ = ("expected", "messages", "ties")
 
-    def __init__(self) -> None:
+    def __init__(self, ties: TieMeetings) -> None:
         self.messages: dict[tuple, torch.Tensor] = {}
         self.expected: set[tuple] = set()
+        self.ties = ties  # where the stages meet for ReduceTied
 
     def post(self, group: _CommGroup, runtime: StageRuntime) -> None:
         for op, route in group.sends:
@@ -342,6 +359,15 @@ class _Cursor:
                     break
                 for recv, route in op.recvs:
                     runtime.incoming(recv, mail.messages.pop(route))
+                self.posted = False
+            elif type(op) is ReduceTied:  # a collective of this replica's stages: rendezvous
+                if not self.posted:
+                    mail.ties.post(op.tie, runtime.stage, runtime.ties.parts(op.tie))
+                    self.posted = True
+                totals = mail.ties.take(op.tie, runtime.stage)
+                if totals is None:
+                    break
+                runtime.ties.apply(op.tie, totals)
                 self.posted = False
             else:
                 runtime.run(op)

@@ -60,9 +60,11 @@ from schedcc.backends.distributed.groups import (
     stage_ops,
 )
 from schedcc.backends.distributed.shapes import learn_shapes
+from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
 from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_pair, is_pair
 from schedcc.backends.runtime.stage import StageRuntime
+from schedcc.backends.runtime.tied import stage_ties
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
 from schedcc.program import Program
@@ -122,7 +124,13 @@ class Engine(BaseEngine):
         program: the compiled program (`schedcc.compile(schedule, data_parallel=dp, zero=z)`).
         segments: either the whole model cut into `p*v` segments (in model order; this rank
             keeps the ones its stage holds) or only this stage's `v` segments, indexed by chunk.
-            The kept modules are trained in place.
+            The kept modules are trained in place. Tied parameters (one `Parameter` object in
+            several segments) need all `p*v` segments: only then does every rank see a tie with
+            another rank's segments, refuse a program whose `tied` misses it, and check that the
+            copies start equal. Given only its own segments, a rank sees ties among those alone,
+            and a tie with another rank's segment must be declared (`schedcc.compile(...,
+            tied=[(0, 3)])`); the group's ranks then find the shared parameters by value (see
+            [Note: ties across ranks] in `backends.distributed.ties`).
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
         mesh: a `DeviceMesh` with dims ("dp", "pp"); default: one over the whole world.
@@ -174,8 +182,20 @@ class Engine(BaseEngine):
         modules = own_segments(schedule, self.stage, segments)
         self.device = device_of(modules)
         self.data_parallel = DataParallel(self.dp_group)
+        #: the process groups of the tied groups this stage holds ([Note: ties across ranks])
+        self.ties = TieGroups(program, self.stage, self.pp_group, timeout=self.timeout)
+        given = segments if isinstance(segments, Sequence) else modules
+        ties, private = plan_ties(program, self.stage, given, modules, self.ties)
+        held = [schedule.segment_of(self.stage, c) for c in range(len(modules))]
         self.runtime = StageRuntime(
-            program, self.stage, modules, loss_fn, optimizer, collectives=self.data_parallel
+            program,
+            self.stage,
+            modules,
+            loss_fn,
+            optimizer,
+            collectives=self.data_parallel,
+            ties=stage_ties(ties, held, modules, private),
+            tie_reduce=self.ties.all_reduce,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
@@ -324,7 +344,7 @@ class Engine(BaseEngine):
         try:
             self.runtime.run(op)
         except RuntimeError as exc:
-            if self.data_parallel.size == 1:
+            if self.data_parallel.size == 1 or isinstance(exc, RankFailure):
                 raise
             ranks = dist.get_process_group_ranks(self.dp_group)
             raise RankFailure(

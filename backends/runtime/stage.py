@@ -37,6 +37,7 @@ from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
 from schedcc.backends.runtime.memory import SavedBytes
+from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
@@ -51,6 +52,7 @@ from schedcc.ir import (
     RecvActivation,
     RecvGrad,
     ReduceGrads,
+    ReduceTied,
     SendActivation,
     SendGrad,
 )
@@ -83,6 +85,9 @@ class StageRuntime:
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
         collectives: data-parallel communication; None means `data_parallel == 1`.
+        ties: the tied parameters this stage holds (`backends.runtime.tied`); None for none.
+        tie_reduce: `tie_reduce(group, tensor)` sums a tensor over the stages of tied group
+            `group` in place, for `ReduceTied` (the distributed backend's).
 
     Raises:
         ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
@@ -102,6 +107,8 @@ class StageRuntime:
         optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer],
         *,
         collectives: Collectives | None = None,
+        ties: StageTies | None = None,
+        tie_reduce: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -126,11 +133,18 @@ class StageRuntime:
         self._last = schedule.num_segments - 1
         self._stage_of = [schedule.placement(k)[0] for k in range(schedule.num_segments)]
         self._names = [[n for n, _ in mod.named_parameters()] for mod in self.modules]
-        self._reducer = Reducer(self.modules, self.collectives, zero=self._zero)
+        #: the tied parameters this stage holds; the local backend meets its stages for a
+        #: `ReduceTied` itself, through `ties.parts` and `ties.apply`
+        self.ties, self._tie_reduce = ties, tie_reduce
+        #: what the stage trains, by chunk: the modules, with private copies of tied parameters
+        #: where another segment trains the caller's ([Note: copies of a tied parameter])
+        self._views = ties.views if ties is not None else self.modules
+        self._shadowed = [self.modules[c] for c in ties.shadowed] if ties is not None else []
+        self._reducer = Reducer(self._views, self.collectives, zero=self._zero)
         if self._zero:
             self.optimizer: torch.optim.Optimizer | None = optimizer(self._reducer.shards)
         else:
-            params = [p for mod in self.modules for p in mod.parameters()]
+            params = [p for mod in self._views for p in mod.parameters()]
             # A stage without parameters (e.g. a lone activation) has nothing to step.
             self.optimizer = optimizer(params) if params else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
@@ -141,6 +155,7 @@ class StageRuntime:
             ReduceGrads: self._reduce_grads,
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
+            ReduceTied: self._reduce_tied,
         }
         self.peak_activation_bytes = 0
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
@@ -161,7 +176,7 @@ class StageRuntime:
         self._to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self._handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # keyed by segment
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._versions = WeightVersions(self.program, self.stage, self.modules)
+        self._versions = WeightVersions(self.program, self.stage, self._views)
 
     @property
     def losses(self) -> dict[int, float]:
@@ -265,6 +280,8 @@ class StageRuntime:
         self.check_state(saved)
         for mod, state in zip(self.modules, saved[0]["modules"]):
             mod.load_state_dict(state)
+        if self.ties is not None:
+            self.ties.refresh()
         self._reducer.refresh_shards()
         if self.optimizer is None:
             return
@@ -301,7 +318,9 @@ class StageRuntime:
         return _Graph(out, x, list(params.values()), num_bytes)
 
     def _call(self, module: nn.Module, params, x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(module, params, (x,)) if self._delay else module(x)
+        if self._delay or module in self._shadowed:
+            return torch.func.functional_call(module, params, (x,))
+        return module(x)
 
     def _signature(self, c: int, k: int, i: int, x: torch.Tensor) -> tuple:
         """What the saved tensors of a forward depend on ([Note: activation bytes are measured
@@ -369,7 +388,7 @@ class StageRuntime:
             if x.requires_grad:
                 self._emit_input_grad(op, x, grads[0])
                 grads = grads[1:]
-            accumulate(self.modules[op.chunk].parameters(), grads)
+            accumulate(self._views[op.chunk].parameters(), grads)
         else:
             backward_into_grads(graph.output, grad_out)
             if x.requires_grad:
@@ -396,7 +415,7 @@ class StageRuntime:
         output, grad_out = graph.output
         if self._delay:
             grads = torch.autograd.grad(output, graph.params, grad_out, allow_unused=True)
-            accumulate(self.modules[op.chunk].parameters(), grads)
+            accumulate(self._views[op.chunk].parameters(), grads)
         else:
             backward_into_grads(output, grad_out, graph.params)
         self._free(op)
@@ -429,11 +448,20 @@ class StageRuntime:
     def _reduce_grads(self, op: ReduceGrads) -> None:
         self._reducer.reduce(op.chunk)
 
+    def _reduce_tied(self, op: ReduceTied) -> None:
+        if self.ties is None or self._tie_reduce is None:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} needs the tied parameters and a tie collective "
+                "(the engines give them for a program compiled with tied=...)",
+                stage=self.stage,
+            )
+        self.ties.reduce(op.tie, self._tie_reduce)
+
     def _optimizer_step(self, op: OptimizerStep) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        for mod in self.modules:
+        for mod in self._views:
             mod.zero_grad(set_to_none=True)
         self._versions.advance()
         if self._delay and not self._zero:

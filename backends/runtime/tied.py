@@ -1,0 +1,323 @@
+"""Tied parameters in the runtime: one parameter held by several segments (`head.weight =
+tok.weight`), and what `ReduceTied` does to them.
+
+[Note: copies of a tied parameter] Each segment trains its own copy of a tied parameter, as
+each rank of the distributed backend must: `ReduceTied(g)` sums the gradients of every copy of
+group g's parameters and gives the sum to each, so every copy takes the same step from the same
+optimizer state and the copies stay bitwise equal, exactly as non-pipelined training of the tied
+model steps its one parameter on the summed gradient. Where one process holds several segments
+of a tie (the local backend, or a stage holding both ends as zb-v's stage 0 does), they still
+share one `Parameter` object; the first segment that holds it trains the caller's object, and
+every later one a private copy, swapped in by `torch.func.functional_call`. So no stage's
+optimizer steps a parameter another stage's steps too (Adam would otherwise step it twice, with
+two states), zeroing one stage's gradients never clears another's, and the caller's parameter
+holds the trained weights. A checkpoint saves each segment's module state (the copies are equal
+at a step boundary) and a load refreshes the private copies from it.
+
+`find_ties` and `check_ties` find ties by object identity among the segments an engine is
+given and refuse a program whose `tied` groups do not cover them, before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import attrs
+import torch
+from torch import nn
+
+from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
+
+__all__ = [
+    "ChunkParams",
+    "StageTies",
+    "Tie",
+    "TieMeetings",
+    "check_ties",
+    "find_ties",
+    "private_copies",
+    "stage_ties",
+]
+
+
+@attrs.frozen
+class Tie:
+    """One parameter that segments of tied group `group` share.
+
+    `copies` lists `(segment, its name there)` for every segment that holds it, in segment
+    order; `name` is its name in the first of them (what messages say).
+    """
+
+    group: int
+    copies: tuple[tuple[int, str], ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.copies[0][1]
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        return tuple(k for k, _ in self.copies)
+
+
+def find_ties(segments: Mapping[int, nn.Module]) -> list[tuple[nn.Parameter, tuple]]:
+    """Each parameter object held by more than one of `segments` ({segment: module}), with its
+    `(segment, name)` copies in segment order; in order of first appearance."""
+    seen: dict[int, tuple[nn.Parameter, list[tuple[int, str]]]] = {}
+    for k in sorted(segments):
+        for name, param in segments[k].named_parameters():
+            seen.setdefault(id(param), (param, []))[1].append((k, name))
+    return [
+        (param, tuple(copies)) for param, copies in seen.values() if len({k for k, _ in copies}) > 1
+    ]
+
+
+def check_ties(
+    found: list[tuple[nn.Parameter, tuple]],
+    tied: Sequence[Sequence[int]],
+    *,
+    whole: Sequence[int] = (),
+) -> list[Tie]:
+    """The `Tie`s of `found` under the program's `tied` groups.
+
+    Args:
+        found: `find_ties`' result.
+        tied: `Program.tied`.
+        whole: the groups whose segments were all given (for them, every segment of the group
+            must share a parameter with another: a group that shares nothing is a mistake).
+
+    Raises:
+        ScheduleConfigError: a parameter is shared by segments that no one group holds (naming
+            it, its segments and the `tied=` to compile with), or a segment of a group in
+            `whole` shares nothing with the others.
+    """
+    group_of = {k: g for g, group in enumerate(tied) for k in group}
+    ties = []
+    for param, copies in found:
+        segments = sorted({k for k, _ in copies})
+        groups = {group_of.get(k) for k in segments}
+        if len(groups) != 1 or None in groups:
+            raise ScheduleConfigError(
+                f"parameter {copies[0][1]!r} of segment {segments[0]} is the same Parameter "
+                f"object in segments {segments}, but the program does not tie them (its tied "
+                f"groups: {[tuple(g) for g in tied]}): without a ReduceTied each copy would "
+                f"train on its own gradient alone. Compile with "
+                f"schedcc.compile(..., tied={_suggest(found, tied)})"
+            )
+        (g,) = groups
+        ties.append(Tie(g, tuple(copies), tuple(param.shape), param.dtype))
+    for g in whole:
+        shared = {k for tie in ties if tie.group == g for k in tie.segments}
+        alone = [k for k in tied[g] if k not in shared]
+        if alone:
+            raise ScheduleConfigError(
+                f"tied group {tuple(tied[g])}: segment(s) {alone} share no Parameter object "
+                "with the others of the group; tie only segments that hold the same Parameter "
+                "(a deepcopy of a segment makes new ones)"
+            )
+    return sorted(ties, key=lambda tie: (tie.group, tie.copies))
+
+
+def _suggest(found, tied) -> list[tuple[int, ...]]:
+    """The tied groups that would cover `found`: the program's, merged with every sharing."""
+    parent: dict[int, int] = {}
+
+    def root(k: int) -> int:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    for segments in [*(tuple(group) for group in tied), *((k for k, _ in c) for _, c in found)]:
+        segments = list(segments)
+        for k in segments[1:]:
+            parent[root(k)] = root(segments[0])
+    groups: dict[int, set[int]] = {}
+    for k in parent:
+        groups.setdefault(root(k), set()).add(k)
+    return sorted(tuple(sorted(group)) for group in groups.values() if len(group) > 1)
+
+
+def private_copies(ties: Sequence[Tie], held: Sequence[int]) -> set[tuple[int, str]]:
+    """The copies among segments `held` (those one process runs) that train a private copy:
+    every one but the first of each tie ([Note: copies of a tied parameter])."""
+    held = set(held)
+    private = set()
+    for tie in ties:
+        mine = [copy for copy in tie.copies if copy[0] in held]
+        private.update(mine[1:])
+    return private
+
+
+class ChunkParams:
+    """A chunk's parameters as its stage trains them: the module's own, with private copies in
+    place of the tied ones another segment trains ([Note: copies of a tied parameter])."""
+
+    def __init__(self, module: nn.Module, private: Mapping[str, nn.Parameter]) -> None:
+        self.module = module
+        self.private = dict(private)
+        self._named = [(n, self.private.get(n, p)) for n, p in module.named_parameters()]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._named)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self._named)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self._named:
+            p.grad = None
+
+    def refresh(self) -> None:
+        """Copy the module's values into the private copies (after a checkpoint is loaded)."""
+        with torch.no_grad():
+            for name, copy in self.private.items():
+                copy.copy_(self.module.get_parameter(name))
+
+
+class StageTies:
+    """The tied parameters one stage holds, and its side of `ReduceTied`.
+
+    Args:
+        segments: the stage's segment of each chunk.
+        modules: the stage's modules, by chunk.
+        ties: every tie of the program (also those this stage holds no copy of, for the shapes
+            of its part of a collective).
+        private: the `(segment, name)` copies that train a private copy (`private_copies`).
+        device: where a part is made for a tie this stage holds no copy of.
+    """
+
+    def __init__(
+        self,
+        segments: Sequence[int],
+        modules: Sequence[nn.Module],
+        ties: Sequence[Tie],
+        private: set[tuple[int, str]],
+        device: torch.device,
+    ) -> None:
+        chunk_of = {k: c for c, k in enumerate(segments)}
+        views: list[nn.Module | ChunkParams] = list(modules)
+        for c, (k, module) in enumerate(zip(segments, modules)):
+            mine = {name: _copy(module.get_parameter(name)) for j, name in private if j == k}
+            if mine:
+                views[c] = ChunkParams(module, mine)
+        #: per chunk, what its stage trains: the module, or a `ChunkParams` with private copies
+        self.views = views
+        #: the chunks that run on private copies (through `functional_call`)
+        self.shadowed = {c for c, view in enumerate(views) if isinstance(view, ChunkParams)}
+        #: per group this stage holds a segment of: per tie, (tie, this stage's copies)
+        self.groups: dict[int, list[tuple[Tie, list[nn.Parameter]]]] = {}
+        for tie in ties:
+            held = [
+                dict(views[chunk_of[k]].named_parameters())[name]
+                for k, name in tie.copies
+                if k in chunk_of
+            ]
+            self.groups.setdefault(tie.group, []).append((tie, held))
+        self._device = device
+
+    def parts(self, group: int) -> list[torch.Tensor]:
+        """This stage's part of `ReduceTied(group)`: per tie, the sum of its copies' gradients
+        here, flat, and one more element counting the copies that have a gradient."""
+        out = []
+        for tie, held in self.groups.get(group, ()):
+            total = torch.zeros(tie.shape, dtype=tie.dtype, device=self._device)
+            count = 0
+            for copy in held:
+                if copy.grad is not None:
+                    total = total + copy.grad
+                    count += 1
+            out.append(torch.cat([total.reshape(-1), total.new_full((1,), count)]))
+        return out
+
+    def apply(self, group: int, totals: Sequence[torch.Tensor]) -> None:
+        """Give every copy here its tie's summed gradient (`totals`: the parts, summed over the
+        group's stages); a tie no copy has a gradient of keeps none, as autograd would."""
+        for (tie, held), total in zip(self.groups.get(group, ()), totals):
+            if not total[-1].item():
+                continue
+            grad = total[:-1].view(tie.shape)
+            for copy in held:
+                copy.grad = grad.clone()
+
+    def reduce(self, group: int, all_reduce) -> None:
+        """`ReduceTied(group)` where the collective blocks: `all_reduce(group, tensor)` sums a
+        part over the group's stages in place."""
+        parts = self.parts(group)
+        for part in parts:
+            all_reduce(group, part)
+        self.apply(group, parts)
+
+    def refresh(self) -> None:
+        """Copy loaded module values into the private copies."""
+        for view in self.views:
+            if isinstance(view, ChunkParams):
+                view.refresh()
+
+
+def stage_ties(
+    ties: Sequence[Tie], segments: Sequence[int], modules: Sequence[nn.Module], private
+) -> StageTies | None:
+    """The `StageTies` of a stage holding `segments` (by chunk) in `modules`; None when the
+    program has no ties."""
+    if not ties:
+        return None
+    device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
+    return StageTies(segments, modules, ties, private, device)
+
+
+def _in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of `parts`, added in order (as the distributed backend adds them)."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    return total
+
+
+def _copy(param: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+
+
+class TieMeetings:
+    """Where the stages of one replica meet for `ReduceTied` on the local backend (its stages
+    run in turns in one thread, so a stage posts its part and waits, like a comm group).
+
+    Args:
+        members: per tied group, the stages that hold one of its segments, in order.
+    """
+
+    def __init__(self, members: Sequence[Sequence[int]]) -> None:
+        self._members = members
+        self._arrivals: dict[tuple[int, int], int] = {}  # (group, stage) -> posted so far
+        self._parts: dict[tuple[int, int], dict[int, list[torch.Tensor]]] = {}
+        self._totals: dict[tuple[int, int], tuple[list[torch.Tensor], set[int]]] = {}
+
+    def post(self, group: int, stage: int, parts: list[torch.Tensor]) -> None:
+        """Stage `stage` reached its next `ReduceTied(group)` with `parts`."""
+        n = self._arrivals.get((group, stage), 0)
+        self._arrivals[group, stage] = n + 1
+        self._parts.setdefault((group, n), {})[stage] = parts
+
+    def take(self, group: int, stage: int) -> list[torch.Tensor] | None:
+        """The summed parts of stage `stage`'s latest `ReduceTied(group)` once every member has
+        posted (in stage order), else None."""
+        n = self._arrivals.get((group, stage), 0) - 1
+        if n < 0:
+            raise RuntimeInstructionError(
+                f"stage {stage}: ReduceTied({group}) taken before it was posted", stage=stage
+            )
+        members = self._members[group]
+        key = (group, n)
+        if key not in self._totals:
+            parts = self._parts.get(key, {})
+            if len(parts) < len(members):
+                return None
+            totals = [_in_order(column) for column in zip(*(parts[s] for s in members))]
+            self._totals[key] = (totals, set())
+            del self._parts[key]
+        totals, taken = self._totals[key]
+        taken.add(stage)
+        if len(taken) == len(members):
+            del self._totals[key]
+        return totals
