@@ -93,7 +93,9 @@ class Engine(BaseEngine):
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, or
-            `loss_fn`/`optimizer` is not callable.
+            `loss_fn`/`optimizer` is not callable; or segments share a `Parameter` object
+            (a tied embedding and LM head) that the program's `tied` groups do not cover, or
+            a tied group's segments share none (`backends.runtime.tied`).
         ScheduleError: the program does not validate.
 
     A batch is `(inputs, targets)`, split along dim 0 into `m` microbatches. With

@@ -145,7 +145,9 @@ class Engine(BaseEngine):
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
             do not match `p * data_parallel`, the segments do not match the program, or
-            `loss_fn`/`optimizer` is not callable.
+            `loss_fn`/`optimizer` is not callable; or (on every rank) segments share a
+            `Parameter` the program's `tied` groups do not cover, a tied group's segments share
+            none, or the copies of a tied parameter start different on the group's ranks.
         ScheduleError: the program does not validate (it could deadlock or compute wrongly).
 
     The default process group must already exist (`dist.init_process_group`, e.g. under
