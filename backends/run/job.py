@@ -17,9 +17,11 @@ import torch._dynamo  # torch.optim imports it (seconds): import once, before fo
 import torch.distributed as dist
 
 from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
 from schedcc.compiler import compile
+from schedcc.errors import RankFailure
 from schedcc.program import Program
 from schedcc.registry import get_schedule
 
@@ -60,9 +62,7 @@ def main(rank: int, world_size: int, config) -> int:
         )
         code = _train(rank, config, device)
     except dist.DistError as exc:  # e.g. a peer exited while process groups were being made
-        from schedcc.errors import RankFailure
-
-        raise RankFailure(f"lost contact with a peer rank: {exc}") from None
+        raise RankFailure(f"rank {rank} lost contact with a peer rank: {first_line(exc)}") from None
     dist.destroy_process_group()
     return code
 
@@ -107,7 +107,13 @@ def _train(rank: int, config, device: torch.device) -> int:
         "state": _state(engine, schedule) if config.check and dp_index == 0 else None,
     }
     gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    try:
+        dist.gather_object(mine, gathered, dst=0)
+    except RuntimeError as exc:  # a peer died after training (see [Note: failures])
+        raise RankFailure(
+            f"rank {rank} (stage {engine.stage}) failed at gathering the measured times to "
+            f"rank 0, a collective over every rank: {first_line(exc)}"
+        ) from exc
     if rank != 0:
         return 0
     from schedcc.backends.run.report import check_line, summarize
