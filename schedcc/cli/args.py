@@ -138,6 +138,7 @@ def add_microbatches(parser, *, default=None, many: bool = False) -> None:
     kind = (int_list if many else _bounded)(MAX_MICROBATCHES, "microbatches")
     metavar = "M,..." if many else "M"
     text = "microbatch counts to try" if many else "microbatches per batch"
+    text += _default(default)
     parser.add_argument(
         "-m", "--num-microbatches", type=kind, default=default, metavar=metavar, help=text
     )
@@ -149,7 +150,7 @@ def add_chunks(parser, *, default=None, many: bool = False) -> None:
     kind = (int_list if many else _bounded)(MAX_CHUNKS, "chunks per stage")
     metavar = "V,..." if many else "V"
     text = (
-        "chunks per stage to try; schedules skip counts they reject"
+        "chunks per stage to try; schedules skip counts they reject" + _default(default)
         if many
         else "chunks (virtual stages) per stage (default: the schedule's own, 1 for most)"
     )
@@ -185,6 +186,13 @@ def add_parallel(parser, *, dp_default: int | None = 1, zero_choices=(0, 1, 2)) 
 def add_costs(parser, *, default: CostModel | None, help: str) -> None:
     """`--costs K=V,...`."""
     parser.add_argument("--costs", type=parse_costs, default=default, metavar="K=V,...", help=help)
+
+
+def _default(value) -> str:
+    """` (default 1,2)` for a help text, or "" when there is no default."""
+    if value is None:
+        return ""
+    return f" (default {','.join(map(str, value)) if isinstance(value, list) else value})"
 
 
 def _alias(parser, flag: str, dest: str, kind) -> None:
