@@ -178,12 +178,11 @@ def _lower(program: Program, plan: _Plan, start: list[list[int]]):
     the step model on them with the default costs and free comm, timed as they are appended
     ([Note: timing a walk-ordered lowering]).
     """
-    stages = program.stages
     horizon = 1 + max(map(max, filter(None, start)), default=0)
     ends = [[t + c for t, c in zip(row, costs)] for row, costs in zip(start, plan.costs)]
     slices: list[list[tuple[int, int]]] = [[] for _ in range(horizon)]
-    pairs: list[list[tuple[int, int, Instruction, Instruction]]] = [[] for _ in range(horizon)]
-    producer, producer_pos, make = plan.producer, plan.producer_pos, _Maker()
+    pairs: list[list[tuple[int, int, int]]] = [[] for _ in range(horizon)]  # (src, dst, key)
+    producer, producer_pos = plan.producer, plan.producer_pos
     exact = True
     for s, row in enumerate(start):
         for pos, t in enumerate(row):
@@ -194,32 +193,46 @@ def _lower(program: Program, plan: _Plan, start: list[list[int]]):
                 src = producer[key]
                 if src < 0:  # nobody computes it: _simulate has reported it
                     continue
-                send, recv = _pair(key, plan, make)
                 when = _meeting(start, ends, src, producer_pos[key], s, start[s][pos])
                 if when < 0:  # no common idle moment: meet at the consumer's start
                     when, exact = start[s][pos], False
-                pairs[when].append((src, s, send, recv))
+                pairs[when].append((src, s, key))
+    stages, makespan = _emit(program, plan, slices, pairs)
+    return stages, exact, makespan
+
+
+def _emit(program: Program, plan: _Plan, slices, pairs):
+    """The stages from the walk's moments (at each, its transfers, then its computes), and
+    their makespan in the step model with the default costs and free comm.
+
+    [Note: timing a walk-ordered lowering] Appending in walk order visits the step model in a
+    topological order, so it can be timed on the way: a stage's open comm group was posted at
+    `posted[s]` (-1: none open) and is done at the latest posted time of its partner groups
+    (`done[s]`), known once the stage's next compute closes it.
+    """
+    stages, pair = program.stages, _Maker(plan).pair
     out: list[list[Instruction]] = [[] for _ in stages]
-    # [Note: timing a walk-ordered lowering] Appending in walk order visits the step model in a
-    # topological order, so it can be timed on the way: a stage's open comm group was posted at
-    # `posted[s]` (-1: none open) and is done at the latest posted time of its partner groups
-    # (`done[s]`), known once the stage's next compute closes it.
     clock, posted, done = [0] * len(stages), [-1] * len(stages), [0] * len(stages)
     for moment, meeting in zip(slices, pairs):
-        for src, dst, send, recv in meeting:
-            for side in (src, dst):
-                if posted[side] < 0:
-                    posted[side] = done[side] = clock[side]
-            done[src], done[dst] = max(done[src], posted[dst]), max(done[dst], posted[src])
+        for src, dst, key in meeting:
+            send, recv = pair(key)
             out[src].append(send)
             out[dst].append(recv)
+            if posted[src] < 0:
+                posted[src] = done[src] = clock[src]
+            if posted[dst] < 0:
+                posted[dst] = done[dst] = clock[dst]
+            if posted[dst] > done[src]:
+                done[src] = posted[dst]
+            if posted[src] > done[dst]:
+                done[dst] = posted[src]
         for s, pos in moment:
             if posted[s] >= 0:
                 clock[s], posted[s] = done[s], -1
             clock[s] += plan.costs[s][pos]
             out[s].append(stages[s][pos])
     makespan = max((done[s] if posted[s] >= 0 else clock[s] for s in range(len(stages))), default=0)
-    return tuple(tuple(ops) for ops in out), exact, makespan
+    return tuple(tuple(ops) for ops in out), makespan
 
 
 #: How many idle gaps `_meeting` looks through before settling for the consumer's start.
@@ -256,19 +269,29 @@ def _meeting(start, ends, src: int, pos: int, dst: int, deadline: int) -> int:
     return -1
 
 
-class _Maker(dict):
-    """`make(cls, microbatch, chunk)`: one shared instance per value (instructions are frozen).
+class _Maker:
+    """`pair(key)`: the send and the receive that move tensor `key`, one shared instance per
+    value (instructions are frozen).
 
     Every stage of a pipeline holds the same few comm values (e.g. `SA3` on each stage); making
     each once saves most of the lowering's allocation.
     """
 
-    def __call__(self, cls: type, microbatch: int, chunk: int) -> Instruction:
-        key = (cls, microbatch, chunk)
-        op = self.get(key)
-        if op is None:
-            op = self[key] = cls(microbatch, chunk)
-        return op
+    def __init__(self, plan: _Plan):
+        self._span, self._table = plan.span, plan.pairs
+        self._made: dict[tuple[type, int, int], Instruction] = {}
+
+    def pair(self, key: int) -> tuple[Instruction, Instruction]:
+        microbatch, rest = divmod(key, self._span)
+        send_cls, send_chunk, recv_cls, recv_chunk = self._table[rest]
+        made = self._made
+        send = made.get((send_cls, microbatch, send_chunk))
+        if send is None:
+            send = made[send_cls, microbatch, send_chunk] = send_cls(microbatch, send_chunk)
+        recv = made.get((recv_cls, microbatch, recv_chunk))
+        if recv is None:
+            recv = made[recv_cls, microbatch, recv_chunk] = recv_cls(microbatch, recv_chunk)
+        return send, recv
 
 
 def _explain_stuck(program: Program, plan: _Plan, cursor: list[int], blocked: dict[int, int]):
@@ -324,7 +347,7 @@ def _lower_online(program: Program, plan: _Plan) -> tuple[tuple[tuple[Instructio
     done = [-1] * len(plan.producer)
     delivered = bytearray(len(plan.producer))
     out: list[list[Instruction]] = [[] for _ in stages]
-    producer, make = plan.producer, _Maker()
+    producer, pair = plan.producer, _Maker(plan).pair
     t = 0
     while True:
         idle = [s for s in range(num_stages) if busy_until[s] <= t]
@@ -337,7 +360,7 @@ def _lower_online(program: Program, plan: _Plan) -> tuple[tuple[tuple[Instructio
             for key in wants[s][pos] if pos < len(ops) else ():
                 src = producer[key]
                 if src != s and not delivered[key] and 0 <= done[key] <= t >= busy_until[src]:
-                    send, recv = _pair(key, plan, make)
+                    send, recv = pair(key)
                     out[src].append(send)
                     out[s].append(recv)
                     delivered[key] = 1
@@ -358,10 +381,3 @@ def _lower_online(program: Program, plan: _Plan) -> tuple[tuple[tuple[Instructio
             assert all(cursor[s] == len(stages[s]) for s in range(num_stages)), "lowering stuck"
             return tuple(tuple(ops) for ops in out), t
         t = min(later)
-
-
-def _pair(key: int, plan: _Plan, make) -> tuple[Instruction, Instruction]:
-    """The send and the receive that move tensor `key`, one shared instance of each."""
-    microbatch, rest = divmod(key, plan.span)
-    send, send_chunk, recv, recv_chunk = plan.pairs[rest]
-    return make(send, microbatch, send_chunk), make(recv, microbatch, recv_chunk)
