@@ -103,12 +103,16 @@ class _Plan:
             for op in ops:
                 out = -1
                 if isinstance(op, Compute):
-                    use = table[type(op), op.chunk]
+                    needs, makes, far = table[type(op), op.chunk]
                     base = op.microbatch * span
-                    wants.append(tuple(base + offset for offset in use.needs))
-                    remote.append(tuple(base + offset for offset in use.remote))
-                    if use.makes >= 0:
-                        out = base + use.makes
+                    # a compute needs at most two tensors, at most one from another stage
+                    if len(needs) == 2:
+                        wants.append((base + needs[0], base + needs[1]))
+                    else:
+                        wants.append((base + needs[0],) if needs else ())
+                    remote.append((base + far[0],) if far else ())
+                    if makes >= 0:
+                        out = base + makes
                 else:
                     wants.append(None)
                     remote.append(())
