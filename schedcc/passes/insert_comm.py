@@ -36,15 +36,13 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from schedcc.errors import DeadlockError, DependencyError, IncompleteScheduleError
-from schedcc.ir import (
-    Comm,
-    Compute,
-    Instruction,
-)
+from schedcc.ir import COMM, Compute, Instruction
 from schedcc.program import Program
 from schedcc.semantics import UNIT_COSTS, Tensors, wait_for_cycle
 
 __all__ = ["insert_comm"]
+
+_COMM = frozenset(COMM)
 
 # The default costs in whole units, so start times are exact ints (and index buckets).
 _COST = {cls: int(cost) for cls, cost in UNIT_COSTS.items()}
@@ -59,7 +57,7 @@ def insert_comm(program: Program) -> Program:
     A program that already holds any comm instruction is returned unchanged: its author owns
     the communication, and the validator checks it.
     """
-    if any(isinstance(op, Comm) for ops in program.stages for op in ops):
+    if any(not _COMM.isdisjoint(map(type, ops)) for ops in program.stages):
         return program
     tensors = Tensors.of(program.schedule)
     plan = _Plan(program, tensors)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from schedcc.ir import (
+    UPDATE,
     WEIGHT_GRADIENT,
     Comm,
     GatherParams,
@@ -27,7 +28,6 @@ from schedcc.ir import (
     OptimizerStep,
     ReduceGrads,
     ReduceTied,
-    Update,
 )
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, Tensors, match_comm
@@ -35,11 +35,14 @@ from schedcc.semantics.collectives import earliest_cut, tie_chunks, tie_members
 
 __all__ = ["insert_updates"]
 
+_UPDATE = frozenset(UPDATE)
+
 
 def insert_updates(program: Program) -> Program:
     """The program with its update instructions; unchanged if it already holds any, or if it
     is forward-only (nothing to update)."""
-    if program.forward_only or any(isinstance(op, Update) for ops in program.stages for op in ops):
+    owned = any(not _UPDATE.isdisjoint(map(type, ops)) for ops in program.stages)
+    if program.forward_only or owned:
         return program
     reduce = program.data_parallel > 1 or program.zero > 0
     schedule = program.schedule
