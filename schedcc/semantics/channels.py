@@ -10,13 +10,15 @@ from collections.abc import Sequence
 
 import attrs
 
-from schedcc.ir import Comm, Instruction
+from schedcc.ir import COMM, Instruction
 from schedcc.semantics.tensors import Tensors
 
 __all__ = ["CommProblem", "Partner", "match_comm"]
 
 #: `partner[s][pos]`: the `(stage, position)` of the op matched with comm op `pos` of stage `s`.
 Partner = list[list[tuple[int, int] | None]]
+
+_COMM = frozenset(COMM)
 
 
 @attrs.frozen(slots=True)
@@ -53,20 +55,19 @@ def match_comm(
     problems: list[CommProblem] = []
     span = tensors.span
     for s, ops in enumerate(stages):
-        table = tensors.comm_table(s)
+        # (class, chunk) -> (the queue of its channel and direction, the tensor's offset)
+        queues = {
+            kind: ((sends if kind[0].is_send else recvs).setdefault((src, dst), []), carries)
+            for kind, (src, dst, carries) in tensors.comm_table(s).items()
+        }
         for pos, op in enumerate(ops):
-            if not isinstance(op, Comm):
+            if type(op) not in _COMM:
                 continue
-            use = table.get((type(op), op.chunk))
-            if use is None:
+            found = queues.get((type(op), op.chunk))
+            if found is None:
                 problems.append(CommProblem("nowhere", s, pos))
                 continue
-            channel = (use.src, use.dst)
-            side = sends if op.is_send else recvs
-            queue = side.get(channel)
-            if queue is None:
-                side[channel] = queue = []
-            queue.append((op.microbatch * span + use.carries, pos))
+            found[0].append((op.microbatch * span + found[1], pos))
     seen: set[int] = set()
     for channel in sorted(sends.keys() | recvs.keys()):
         src, dst = channel
