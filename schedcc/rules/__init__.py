@@ -14,10 +14,13 @@ from functools import cached_property
 import attrs
 
 from schedcc.errors import ScheduleError
+from schedcc.ir import COMM, Instruction
 from schedcc.program import Program
 from schedcc.semantics import CommProblem, StepModel, step_model, tensors_of
 
 __all__ = ["Context", "Problem", "Rule", "short"]
+
+_COMM = frozenset(COMM)
 
 
 @attrs.frozen
@@ -50,6 +53,15 @@ class Context:
     def matching(self) -> tuple[list[list[tuple[int, int] | None]], tuple[CommProblem, ...]]:
         """`match_comm`'s `(partner, problems)` for the program."""
         return self.model.partner, self.model.problems
+
+    @cached_property
+    def computes_and_updates(self) -> list[list[tuple[int, Instruction]]]:
+        """Per stage, `(position, instruction)` of its computes and updates (no comm), for the
+        rules that read only those."""
+        return [
+            [(pos, op) for pos, op in enumerate(ops) if type(op) not in _COMM]
+            for ops in self.stages
+        ]
 
     def where(self, stage: int, pos: int) -> str:
         return f"stage {stage}, position {pos} ({self.stages[stage][pos]})"

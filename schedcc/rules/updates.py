@@ -59,9 +59,9 @@ def check_step_order(ctx: Context) -> Iterator[Problem]:
     before any of batch n + 1."""
     m = ctx.schedule.num_microbatches
     expected = m * ctx.schedule.num_chunks  # weight gradients per batch on a stage
-    for s, ops in enumerate(ctx.stages):
+    for s, ops in enumerate(ctx.computes_and_updates):
         steps, grads = 0, 0  # steps so far; weight gradients of batch `steps` so far
-        for pos, op in enumerate(ops):
+        for pos, op in ops:
             if isinstance(op, WEIGHT_GRADIENT):
                 batch = op.microbatch // m
                 if batch == steps:
@@ -95,9 +95,9 @@ def check_reductions(ctx: Context) -> Iterator[Problem]:
     program, v = ctx.program, ctx.schedule.num_chunks
     must_reduce = program.data_parallel > 1 or program.zero > 0
     once = must_reduce and program.zero < 2
-    for s, ops in enumerate(ctx.stages):
+    for s, ops in enumerate(ctx.computes_and_updates):
         unreduced, reduced = [0] * v, [0] * v
-        for pos, op in enumerate(ops):
+        for pos, op in ops:
             if isinstance(op, WEIGHT_GRADIENT):
                 unreduced[op.chunk] += 1
                 if once and reduced[op.chunk]:
@@ -137,10 +137,10 @@ def check_gathers(ctx: Context) -> Iterator[Problem]:
     """GatherParams only under ZeRO; under ZeRO, after every OptimizerStep each chunk's
     GatherParams comes before that chunk's next compute and before the program ends."""
     zero, v = ctx.program.zero, ctx.schedule.num_chunks
-    for s, ops in enumerate(ctx.stages):
+    for s, ops in enumerate(ctx.computes_and_updates):
         stale = [False] * v
         last_step = -1
-        for pos, op in enumerate(ops):
+        for pos, op in ops:
             if type(op) is GatherParams:
                 if zero < 1:
                     yield Problem(
@@ -219,9 +219,9 @@ def check_update_window(ctx: Context) -> Iterator[Problem]:
     if stashes(ctx.schedule.weight_delay):
         return
     v = ctx.schedule.num_chunks
-    for s, ops in enumerate(ctx.stages):
+    for s, ops in enumerate(ctx.computes_and_updates):
         open_: list[dict[int, None]] = [{} for _ in range(v)]  # forwarded, not yet done, in order
-        for pos, op in enumerate(ops):
+        for pos, op in ops:
             if isinstance(op, Compute):
                 if type(op) is Forward:
                     open_[op.chunk][op.microbatch] = None
