@@ -24,6 +24,7 @@ EPILOG = """examples:
   schedcc show --schedule 1f1b -p 4 -m 8
   schedcc show --schedule interleaved-1f1b -p 4 -m 8 -v 2 --costs F=1,B=2,comm=0.1
   schedcc show --schedule gpipe -p 4 -m 8 --format svg -o gpipe.svg
+  schedcc show --schedule 1f1b -p 4 -m 8 --forward-only
   schedcc show --schedule my_schedules.py:MySchedule -p 4 -m 8 --format chrome -o trace.json
 """
 
@@ -53,6 +54,11 @@ def register(subparsers) -> None:
         action="store_true",
         help="time it with sends that never wait, as the distributed engine runs over gloo "
         "(default: every exchange a rendezvous, as the validator proves and NCCL needs)",
+    )
+    parser.add_argument(
+        "--forward-only",
+        action="store_true",
+        help="draw the forward-only program evaluation runs (compile(..., forward_only=True))",
     )
     parser.add_argument(
         "--format",
@@ -91,7 +97,9 @@ def build(args):
 
 def run(args) -> int:
     schedule = build(args)
-    program = compile(schedule, data_parallel=args.dp, zero=args.zero)
+    program = compile(
+        schedule, data_parallel=args.dp, zero=args.zero, forward_only=args.forward_only
+    )
     timeline = simulate(program, args.costs, eager=args.eager)
     if not math.isfinite(timeline.makespan):
         raise ScheduleConfigError(

@@ -25,7 +25,8 @@ _COLUMN = {Forward: 0, Backward: 1, BackwardInput: 2, BackwardWeight: 3}
 
 def check_complete(ctx: Context) -> Iterator[Problem]:
     """Each (microbatch, segment) is forwarded once and backwarded once (B, or I then W); each
-    stage has one OptimizerStep per batch."""
+    stage has one OptimizerStep per batch. A forward-only program has no backward and no step."""
+    forward_only = ctx.program.forward_only
     # counts[4 * (i * num_segments + k) + n]: how often class n of _COLUMN runs (i, k).
     num_segments = ctx.layout.num_segments
     counts = [0] * (4 * num_segments * ctx.schedule.num_microbatches_total)
@@ -37,7 +38,9 @@ def check_complete(ctx: Context) -> Iterator[Problem]:
     stage_of, chunk_of = ctx.layout.stage_of, ctx.layout.chunk_of
     quads = zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])
     for index, (f, b, inp, w) in enumerate(quads):
-        backward_once = (b, inp, w) == (1, 0, 0) or (b, inp, w) == (0, 1, 1)
+        backward_once = (b, inp, w) in ((1, 0, 0), (0, 1, 1))
+        if forward_only:
+            backward_once = (b, inp, w) == (0, 0, 0)
         if f == 1 and backward_once:
             continue
         i, k = divmod(index, num_segments)
@@ -50,7 +53,13 @@ def check_complete(ctx: Context) -> Iterator[Problem]:
                 "exactly once",
                 s,
             )
-        if not backward_once:
+        if not backward_once and forward_only:
+            yield Problem(
+                IncompleteScheduleError,
+                f"{what} has a backward in a forward-only program; remove it",
+                s,
+            )
+        elif not backward_once:
             yield Problem(
                 IncompleteScheduleError,
                 f"{what} has {b} Backward, {inp} BackwardInput and {w} BackwardWeight; stage "
@@ -58,7 +67,7 @@ def check_complete(ctx: Context) -> Iterator[Problem]:
                 f"BackwardInput({i}, chunk={c}) and BackwardWeight({i}, chunk={c}) once each",
                 s,
             )
-    num_batches = ctx.schedule.num_batches
+    num_batches = 0 if forward_only else ctx.schedule.num_batches
     for s, ops in enumerate(ctx.stages):
         steps = sum(1 for op in ops if type(op) is OptimizerStep)
         if steps != num_batches:
@@ -127,7 +136,7 @@ def check_memory(ctx: Context) -> Iterator[Problem]:
     """No stage holds more than `max_activations` microbatch activations at once (each held
     from its forward to its last backward piece, see `schedcc.semantics.memory`)."""
     limit = ctx.max_activations
-    if limit is None:
+    if limit is None or ctx.program.forward_only:  # a forward-only program holds none
         return
     for s, ops in enumerate(ctx.stages):
         over = first_over(ops, limit)
