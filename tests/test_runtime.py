@@ -92,7 +92,7 @@ def test_received_activations_produce_an_input_gradient(program):
     rt.incoming(schedcc.RecvActivation(0), sent)
     rt.run(Forward(0))
     rt.run(Backward(0))
-    grad = rt.outgoing(schedcc.SendGrad(0))
+    ((grad,),) = rt.outgoing(schedcc.SendGrad(0)).value()  # the message (grads,)
     assert grad.shape == sent.shape
     assert grad.abs().sum() > 0
     assert not sent.requires_grad  # the caller's tensor is not touched

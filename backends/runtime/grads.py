@@ -21,12 +21,15 @@ __all__ = ["accumulate", "backward_into_grads"]
 
 
 def backward_into_grads(
-    output: torch.Tensor, grad_out: torch.Tensor | None, leaves: list[torch.Tensor] | None = None
+    output: torch.Tensor | tuple[torch.Tensor, ...],
+    grad_out: torch.Tensor | tuple | None,
+    leaves: list[torch.Tensor] | None = None,
 ) -> None:
     """Accumulate d output / d leaf into each leaf's `.grad`: every leaf the graph reaches that
-    needs a gradient (as `loss.backward()`), or only `leaves`."""
+    needs a gradient (as `loss.backward()`), or only `leaves`. `output` may be a tuple of
+    tensors that each need a gradient, with a tuple of `grad_out`."""
     if leaves is None:
-        if output.requires_grad:
+        if isinstance(output, tuple) or output.requires_grad:
             torch.autograd.backward(output, grad_out)
         return
     wrt = [t for t in leaves if t.requires_grad]

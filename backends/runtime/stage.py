@@ -1,24 +1,30 @@
 """`StageRuntime`: what each instruction does to tensors on one stage (shared by every backend).
 
-A backend owns communication only: it feeds received tensors in through `incoming`, takes the
-tensors to send from `outgoing`, and hands every compute and update instruction to `run`. Data
+A backend owns communication only: it feeds received messages in through `incoming`, takes the
+messages to send from `outgoing` (a boundary value as flat tensors, spec and meta:
+`backends.runtime.boundary`), and hands every compute and update instruction to `run`. Data
 parallelism reaches the runtime through a `Collectives` object (all-reduce, reduce-scatter,
 all-gather over this stage's data-parallel group; `backends.runtime.collectives`).
 
 Helpers it delegates to: `backends.runtime.versions` (the stashed weight versions),
 `backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.runtime.grads`
 (gradients into `.grad`), `backends.runtime.memory` (the activation bytes a forward saves),
-`backends.checkpoint.restore` (loading a checkpoint's state). The file stays over ~400 lines on
-purpose: one short handler per instruction, in one class, so what each does reads in one place.
+`backends.runtime.ports` (the values at the segments' boundaries), `backends.runtime.losses`
+(what `loss_fn` returns), `backends.checkpoint.restore` (loading a checkpoint's state). The file
+stays over ~400 lines on purpose: one short handler per instruction, in one class, so what each
+does reads in one place.
 
-[Note: what the runtime keeps] Per (microbatch, chunk): the input of the segment (received, handed
-over from a segment on this stage, or the microbatch itself on segment 0), the graph of its forward
-(output, input, the parameter tensors it ran with) until its backward is done, the input gradient
-to send, and the output gradient received. Per chunk: the live parameters (the module's own, the
+[Note: what the runtime keeps] Per (microbatch, chunk): the input value of the segment (received,
+handed over from a segment on this stage, or the microbatch itself on segment 0), the graph of its
+forward (the output tensors that take a gradient, the input's leaves that do, the parameter
+tensors it ran with) until its backward is done, the input gradients to send, and the output
+gradients received. Per chunk: the live parameters (the module's own, the
 latest version), the weight versions in-flight forwards still need (weight_delay >= 1, weight
 stashing), and under ZeRO a flat shard parameter that the optimizer steps.
 
-[Note: exactness] The last segment scales its loss by 1/(m * dp), gradients are accumulated into
+[Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
+is divided by the batch's count at the step instead: [Note: the count divides at the step] in
+`backends.runtime.losses`), gradients are accumulated into
 the live parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed
 weights under weight stashing: [Note: autograd accumulates] in `backends.runtime.grads`), and the
 reductions sum in rank order, so a pipelined step equals a non-pipelined step on the concatenated
@@ -27,17 +33,28 @@ global batch up to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
+from schedcc.backends.runtime.boundary import (
+    Message,
+    activation,
+    grad_roots,
+    gradients,
+    joined,
+    read_gradients,
+)
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
+from schedcc.backends.runtime.losses import LossBook, LossRecord, count_carriers, divide_grads
 from schedcc.backends.runtime.memory import SavedBytes
+from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.tied import StageTies
+from schedcc.backends.runtime.values import call, flatten
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
@@ -49,12 +66,8 @@ from schedcc.ir import (
     GatherParams,
     Instruction,
     OptimizerStep,
-    RecvActivation,
-    RecvGrad,
     ReduceGrads,
     ReduceTied,
-    SendActivation,
-    SendGrad,
 )
 
 if TYPE_CHECKING:
@@ -64,15 +77,18 @@ __all__ = ["StageRuntime"]
 
 
 class _Graph:
-    """What a forward leaves for its backward: output, input and the parameter tensors used."""
+    """What a forward leaves for its backward: the output tensors a gradient comes back for
+    (`roots`; the scaled loss on the last segment), the input's grad-requiring leaves, the
+    parameter tensors it ran with, and once `BackwardInput` ran, the roots' gradients."""
 
-    __slots__ = ("input", "num_bytes", "output", "params")
+    __slots__ = ("grads", "leaves", "num_bytes", "params", "roots")
 
-    def __init__(self, output, input, params, num_bytes):
-        self.output = output
-        self.input = input
+    def __init__(self, roots, leaves, params, num_bytes):
+        self.roots = roots
+        self.leaves = leaves
         self.params = params
         self.num_bytes = num_bytes
+        self.grads: list | None = None
 
 
 class StageRuntime:
@@ -161,53 +177,55 @@ class StageRuntime:
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
         #: measured once])
         self._saved_bytes = SavedBytes()
+        #: a run's losses, and each batch's count ([Note: the count divides at the step])
+        self._book = LossBook(self._m, self.collectives.size)
+        self._carriers = count_carriers(program)
+        self._ports = Ports(stage, self._stage_of, self._m)
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------
 
-    def reset(self) -> None:
-        """Start a new run of the program: clear per-run state; the live weights are version 0."""
-        self._loss_parts: dict[int, list[torch.Tensor]] = {}
+    def reset(self, *, forward_only: bool = False) -> None:
+        """Start a new run of the program: clear per-run state; the live weights are version 0.
+
+        `forward_only`: the run is a forward-only program (evaluation): forwards run without
+        autograd and keep nothing for a backward; the last segment records the losses of the
+        batches given targets and keeps the outputs (`outputs`) of the others.
+        """
+        self.forward_only = forward_only
         self.activation_bytes = 0
-        self._batch_inputs: dict[int, Sequence[torch.Tensor]] = {}
-        self._batch_targets: dict[int, Sequence[torch.Tensor]] = {}
-        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._output_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self._to_send: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # keyed by segment
+        self._book.reset()
+        self._ports.reset()
+        #: forward-only runs: the last segment's output per microbatch, where no targets came
+        self.outputs: dict[int, Any] = {}
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
 
     @property
     def losses(self) -> dict[int, float]:
-        """`losses[batch]`: the batch's loss, the mean over its microbatches (last stage only).
+        """`losses[batch]`: the batch's loss on this replica (last stage only): the mean of its
+        microbatches' losses, or its summed loss over its count (`backends.runtime.losses`).
 
         The microbatch losses stay tensors until read here, so a forward never waits for the
         device to hand a number back (no sync per microbatch on CUDA).
         """
-        means = {}
-        for batch, parts in self._loss_parts.items():
-            total = 0.0
-            for part in parts:  # in forward order, as a running float sum
-                total = total + part.item() / self._m
-            means[batch] = total
-        return means
+        return {
+            b: r.total / r.count if r.count else float("nan") for b, r in self.loss_records.items()
+        }
 
-    def load_batch(
-        self,
-        batch: int,
-        inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
-    ) -> None:
-        """Give the runtime the `m` microbatches of `batch` (an index within the program).
+    @property
+    def loss_records(self) -> dict[int, LossRecord]:
+        """Per batch of the run, this replica's `LossRecord` (last stage only)."""
+        return self._book.records()
+
+    def load_batch(self, batch: int, inputs: Sequence[Any] | None, targets: Sequence[Any] | None):
+        """Give the runtime the `m` microbatches of `batch` (an index within the program), each
+        a boundary value (`backends.runtime.values`).
 
         `inputs` is read only on the stage holding segment 0, `targets` only on the stage
         holding the last segment; other stages may pass None.
         """
-        if inputs is not None:  # detached: a backward stops at the batch (no graph behind it)
-            self._batch_inputs[batch] = [x.detach() for x in inputs]
-        if targets is not None:
-            self._batch_targets[batch] = list(targets)
+        self._ports.load_batch(batch, inputs, targets)
 
     def run(self, op: Instruction) -> None:
         """Execute a compute or update instruction."""
@@ -219,40 +237,20 @@ class StageRuntime:
                 "outgoing()/incoming()",
                 stage=self.stage,
             )
-        handler(op)
+        try:
+            handler(op)
+        except Exception as exc:
+            exc.add_note(f"(while stage {self.stage} ran {op})")
+            raise
 
-    def outgoing(self, op: Instruction) -> torch.Tensor:
-        """The tensor a `SendActivation` or `SendGrad` sends (contiguous, detached)."""
-        if type(op) is SendActivation:
-            key = ("A", op.microbatch, op.chunk)
-        elif type(op) is SendGrad:
-            key = ("G", op.microbatch, op.chunk)
-        else:
-            raise RuntimeInstructionError(
-                f"StageRuntime.outgoing (stage {self.stage}) got {op}: only SendActivation and "
-                "SendGrad send a tensor",
-                stage=self.stage,
-            )
-        if key not in self._to_send:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} has nothing to send yet (its compute has not run)",
-                stage=self.stage,
-            )
-        return self._to_send.pop(key)
+    def outgoing(self, op: Instruction) -> Message:
+        """The message a `SendActivation` or `SendGrad` sends (`backends.runtime.boundary`)."""
+        return self._ports.outgoing(op)
 
-    def incoming(self, op: Instruction, tensor: torch.Tensor) -> None:
-        """Take the tensor a `RecvActivation` or `RecvGrad` received."""
-        key = (op.microbatch, op.chunk)  # type: ignore[attr-defined]
-        if type(op) is RecvActivation:
-            self._inputs[key] = tensor.detach().requires_grad_(True)
-        elif type(op) is RecvGrad:
-            self._output_grads[key] = tensor.detach()
-        else:
-            raise RuntimeInstructionError(
-                f"StageRuntime.incoming (stage {self.stage}) got {op}: only RecvActivation and "
-                "RecvGrad receive a tensor",
-                stage=self.stage,
-            )
+    def incoming(self, op: Instruction, message: Message | Any) -> None:
+        """Take the `Message` a `RecvActivation` or `RecvGrad` received (or a bare activation
+        value, whose floating tensors then all take a gradient)."""
+        self._ports.incoming(op, message)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -262,14 +260,17 @@ class StageRuntime:
             "modules": [mod.state_dict() for mod in self.modules],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "zero": self._zero,
+            "stage": self.stage,
+            "segments": list(self._segment),
             "rank": self.collectives.rank,
             "data_parallel": self.collectives.size,
             "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
         }
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
-        """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits."""
-        check_saved(self.stage, self.modules, saved)
+        """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
+        whole, so that `load_state_dict` cannot fail half-way; nothing is changed."""
+        check_saved(self, saved)
 
     def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
         """Restore from every old data-parallel rank's state of this stage (in rank order).
@@ -295,129 +296,125 @@ class StageRuntime:
     def _forward(self, op: Forward) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
-        x = self._forward_input(i, c, k)
+        value, leaves = self._ports.input_of(i, c, k)
+        if self.forward_only:
+            with torch.no_grad():
+                out = call(self.modules[c], value)
+            if k < self._last:
+                self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
+            elif self._ports.has_targets(i):
+                self._loss(i, out)
+            else:
+                self.outputs[i] = out
+            return
         params = self._versions.params_for(c, self._versions.version_of(i))
-        graph = self._run_segment(c, k, i, x, params)
+        graph, message = self._run_segment(c, k, i, value, leaves, params)
         self._graphs[i, c] = graph
         self.activation_bytes += graph.num_bytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
-        if k < self._last:
-            out = graph.output.detach()
-            if self._stage_of[k + 1] == self.stage:
-                self._handoff["A", i, k] = out
-            else:
-                self._to_send["A", i, c] = out.contiguous()
+        if message is not None:
+            self._ports.hand_on(i, c, k, message)
 
-    def _run_segment(self, c, k, i, x, params) -> _Graph:
-        def forward() -> torch.Tensor:
-            out = self._call(self.modules[c], params, x)
-            return self._loss(i, out) if k == self._last else out
+    def _run_segment(self, c, k, i, value, leaves, params) -> tuple[_Graph, Message | None]:
+        sent: list[Message] = []
 
-        signature = self._signature(c, k, i, x)
-        out, num_bytes = self._saved_bytes.run(signature, params.values(), forward)
-        return _Graph(out, x, list(params.values()), num_bytes)
+        def forward() -> list[torch.Tensor]:
+            out = self._call(self.modules[c], params, value)
+            if k == self._last:
+                return [self._loss(i, out)]
+            message, roots = activation(out, segment=k)
+            sent.append(message)
+            return roots
 
-    def _call(self, module: nn.Module, params, x: torch.Tensor) -> torch.Tensor:
-        if self._delay or module in self._shadowed:
-            return torch.func.functional_call(module, params, (x,))
-        return module(x)
+        signature = self._signature(c, k, i, value)
+        roots, num_bytes = self._saved_bytes.run(signature, params.values(), forward)
+        graph = _Graph(roots, leaves, list(params.values()), num_bytes)
+        return graph, (sent[0] if sent else None)
 
-    def _signature(self, c: int, k: int, i: int, x: torch.Tensor) -> tuple:
+    def _call(self, module: nn.Module, params, value: Any) -> Any:
+        if not self._delay and module not in self._shadowed:
+            return call(module, value)
+
+        def stashed(*args, **kwargs):  # the module on the stashed weights
+            return torch.func.functional_call(module, params, args, kwargs)
+
+        return call(stashed, value)
+
+    def _signature(self, c: int, k: int, i: int, value: Any) -> tuple:
         """What the saved tensors of a forward depend on ([Note: activation bytes are measured
         once] in `backends.runtime.memory`)."""
         target = None
         if k == self._last:
-            batch, local = divmod(i, self._m)
-            t = self._batch_targets[batch][local]
-            target = (t.shape, t.dtype, t.stride())
+            target = _layout(self._ports.target(i))
         training = self.modules[c].training
-        grad_mode = torch.is_grad_enabled()
-        return (c, x.shape, x.dtype, x.stride(), x.requires_grad, target, training, grad_mode)
+        return (c, _layout(value), target, training, torch.is_grad_enabled())
 
-    def _loss(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        batch, local = divmod(i, self._m)
-        target = self._batch_targets[batch][local]
+    def _loss(self, i: int, out: Any) -> torch.Tensor:
+        """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`)."""
+        target = self._ports.target(i)
         try:
-            loss = self.loss_fn(out, target)
-        except (RuntimeError, ValueError) as error:
+            result = self.loss_fn(out, target)
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
             raise ScheduleConfigError(
-                f"loss_fn(output of shape {tuple(out.shape)}, target of shape "
-                f"{tuple(target.shape)}) failed: {error}; check the targets' shape"
+                f"loss_fn(output {_described(out)}, target {_described(target)}) failed: "
+                f"{error}; check the targets' shape"
             ) from error
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ScheduleConfigError(
-                f"loss_fn must return a scalar tensor (a mean over the microbatch), got {shape}: "
-                "reduce it, e.g. with reduction='mean'"
-            )
-        self._loss_parts.setdefault(batch, []).append(loss.detach())  # read once, see `losses`
-        return loss / (self._m * self.collectives.size)
+        return self._book.objective(i // self._m, result, where=f"loss_fn on microbatch {i}")
 
-    def _forward_input(self, i: int, c: int, k: int) -> torch.Tensor:
-        if k == 0:
-            batch, local = divmod(i, self._m)
-            return self._batch_inputs[batch][local]
-        if self._stage_of[k - 1] == self.stage:
-            return self._handoff.pop(("A", i, k - 1)).requires_grad_(True)
-        return self._take(self._inputs, (i, c), "activation", i, c)
-
-    def _output_grad(self, i: int, c: int) -> torch.Tensor | None:
+    def _output_grads(self, op) -> list[torch.Tensor | None]:
+        """The gradients of the roots of op's graph (None for the loss on the last segment)."""
+        i, c = op.microbatch, op.chunk
         k = self._segment[c]
+        roots = self._graph(op).roots
         if k == self._last:
-            return None
-        if self._stage_of[k + 1] == self.stage:
-            return self._handoff.pop(("G", i, k + 1))
-        return self._take(self._output_grads, (i, c), "gradient", i, c)
-
-    def _take(self, store, key, what, i, c) -> torch.Tensor:
-        if key not in store:
+            return [None] * len(roots)
+        read = read_gradients(self._ports.gradient_of(i, c, k), roots)
+        if isinstance(read, str):
             raise RuntimeInstructionError(
-                f"stage {self.stage}: microbatch {i} chunk {c} needs a received {what} that has "
-                "not arrived; the program must receive it before the compute",
+                f"stage {self.stage}: {op} got a gradient from segment {k + 1} that does not fit "
+                f"segment {k}'s output: {read}",
                 stage=self.stage,
             )
-        return store.pop(key)
+        grads, count = read
+        if count is not None:  # see [Note: the count divides at the step]
+            self._book.normaliser[i // self._m] = count
+        return grads
 
     def _backward(self, op: Backward) -> None:
         graph = self._graph(op)
-        grad_out = self._output_grad(op.microbatch, op.chunk)
-        x = graph.input
+        grads = self._output_grads(op)
+        leaves = graph.leaves
         if self._delay:  # the graph ran on stashed weights: their gradients go to the live ones
-            wrt = ([x] if x.requires_grad else []) + graph.params
-            grads = torch.autograd.grad(graph.output, wrt, grad_out, allow_unused=True)
-            if x.requires_grad:
-                self._emit_input_grad(op, x, grads[0])
-                grads = grads[1:]
-            accumulate(self._views[op.chunk].parameters(), grads)
+            got = grad_roots(graph.roots, grads, leaves + graph.params)
+            self._emit_input_grad(op, leaves, got[: len(leaves)])
+            accumulate(self._views[op.chunk].parameters(), got[len(leaves) :])
         else:
-            backward_into_grads(graph.output, grad_out)
-            if x.requires_grad:
-                self._emit_input_grad(op, x, x.grad)
+            live = joined(graph.roots, grads)
+            if live is not None:
+                backward_into_grads(*live)
+            self._emit_input_grad(op, leaves, [leaf.grad for leaf in leaves])
         self._free(op)
 
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graph(op)
-        grad_out = self._output_grad(op.microbatch, op.chunk)
-        graph.output = (graph.output, grad_out)  # what BackwardWeight differentiates
-        if graph.input.requires_grad:
-            (grad,) = torch.autograd.grad(
-                graph.output[0], [graph.input], grad_out, retain_graph=True, allow_unused=True
-            )
-            self._emit_input_grad(op, graph.input, grad)
+        graph.grads = self._output_grads(op)  # what BackwardWeight differentiates
+        got = grad_roots(graph.roots, graph.grads, graph.leaves, retain_graph=True)
+        self._emit_input_grad(op, graph.leaves, got)
 
     def _backward_weight(self, op: BackwardWeight) -> None:
         graph = self._graph(op)
-        if not isinstance(graph.output, tuple):
+        if graph.grads is None:
             raise RuntimeInstructionError(
                 f"stage {self.stage}: {op} runs before its BackwardInput",
                 stage=self.stage,
             )
-        output, grad_out = graph.output
         if self._delay:
-            grads = torch.autograd.grad(output, graph.params, grad_out, allow_unused=True)
-            accumulate(self._views[op.chunk].parameters(), grads)
+            got = grad_roots(graph.roots, graph.grads, graph.params)
+            accumulate(self._views[op.chunk].parameters(), got)
         else:
-            backward_into_grads(output, grad_out, graph.params)
+            live = joined(graph.roots, graph.grads)
+            if live is not None:
+                backward_into_grads(*live, graph.params)
         self._free(op)
 
     def _graph(self, op) -> _Graph:
@@ -434,14 +431,17 @@ class StageRuntime:
         graph = self._graphs.pop((op.microbatch, op.chunk))
         self.activation_bytes -= graph.num_bytes
 
-    def _emit_input_grad(self, op, x: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
-        grad = torch.zeros_like(x) if grad is None else grad.detach()
-        if self._stage_of[k - 1] == self.stage:
-            self._handoff["G", i, k] = grad
-        else:
-            self._to_send["G", i, c] = grad.contiguous()
+        if k == 0:
+            return  # the batch's inputs take no gradient
+        batch, count = i // self._m, None
+        if self._carriers.get(batch) == i:  # see [Note: the count divides at the step]
+            if k == self._last:
+                self._book.close(batch)
+            count = self._book.normaliser.get(batch)
+        self._ports.hand_back(i, c, k, gradients(leaves, grads, count))
 
     # -- updates --------------------------------------------------------------------------------
 
@@ -458,6 +458,7 @@ class StageRuntime:
         self.ties.reduce(op.tie, self._tie_reduce)
 
     def _optimizer_step(self, op: OptimizerStep) -> None:
+        self._divide_by_count(self._versions.version)  # the n-th step applies batch n
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -478,3 +479,34 @@ class StageRuntime:
         self._reducer.gather(c)
         if self._delay:
             self._versions.snapshot(c, self._versions.version)
+
+    def _divide_by_count(self, batch: int) -> None:
+        """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed
+        over the replicas ([Note: the count divides at the step] in `backends.runtime.losses`)."""
+        if self._stage_of[self._last] == self.stage:
+            self._book.close(batch)
+        count = self._book.normaliser.get(batch)
+        if count is None:
+            return
+        if self.collectives.size > 1:
+            count = count.clone()
+            self.collectives.all_reduce(count)
+        if self._zero:
+            divide_grads(self._reducer.shards, count)
+        else:
+            divide_grads((p for mod in self._views for p in mod.parameters()), count)
+
+
+def _layout(value: Any) -> Hashable:
+    """A value's structure and its tensors' shapes, dtypes, strides and grad flags."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.stride(), value.requires_grad)
+    tensors, spec = flatten(value)
+    return (spec, tuple((t.shape, t.dtype, t.stride(), t.requires_grad) for t in tensors))
+
+
+def _described(value: Any) -> str:
+    """`of shape (4, 3)` for a tensor, `of type tuple` for anything else (for messages)."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {tuple(value.shape)}"
+    return f"of type {type(value).__name__}"

@@ -1,0 +1,199 @@
+"""What `loss_fn` returns, what the last segment backpropagates, and what a batch's loss is.
+
+`loss_fn(output, targets)` runs on the last segment, once per microbatch, and returns one of:
+
+- a scalar tensor, the mean over the microbatch (`MEAN`). A batch's loss is the mean of its
+  microbatches' (and data-parallel replicas') losses; the last segment backpropagates
+  `loss / (m * dp)`.
+- `(loss_sum, count)` (`RATIO`): a summed loss and how many items it sums (tokens that are not
+  padding, say; a tensor or a number). A batch's loss is its total sum over its total count, over
+  every microbatch and every data-parallel replica, and so is the gradient, however unevenly the
+  items fall into microbatches ([Note: the count divides at the step]).
+- a dict of named scalars, each a mean over the microbatch (`PARTS`, e.g. a language-model loss
+  and an auxiliary one): their sum is optimised as a `MEAN` loss is, and each is reported.
+
+[Note: the count divides at the step] A batch's total count is known only once its last forward
+has run on the last segment, and under 1F1B the first backwards run before that. So the last
+segment backpropagates each `loss_sum` as it is: every stage accumulates the gradient of the
+batch's *sum*, and divides it by the count `N` right before its optimizer step, which is exact
+(the gradient is linear in the loss) up to rounding. `N` reaches every stage without a new
+message: the last input-backward (B or I) of a batch on the last segment (`count_carriers`) runs
+after every forward of that batch there (each forward precedes its own backward), so the
+gradient it sends carries the replica's count; each earlier segment's backward of that same
+microbatch needs that gradient, and passes the count on with its own. Every stage's step follows
+its backward of that microbatch, so it knows `N` by then. With data parallelism each step first
+sums `N` over the stage's replicas (one scalar all-reduce, at a place every replica reaches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from schedcc.errors import ScheduleConfigError
+from schedcc.ir import Backward, BackwardInput
+
+if TYPE_CHECKING:
+    from schedcc.program import Program
+
+__all__ = [
+    "MEAN",
+    "PARTS",
+    "RATIO",
+    "LossBook",
+    "LossRecord",
+    "count_carriers",
+    "divide_grads",
+    "interpret",
+]
+
+MEAN, RATIO, PARTS = "mean", "(sum, count)", "dict"
+
+
+class LossRecord(NamedTuple):
+    """One batch's loss on one replica: `total / count`, and each named part's `total / count`.
+
+    `total` sums the microbatches' losses (their means, or their sums under `RATIO`); `count` is
+    what divides it (`m`, or the batch's count under `RATIO`); `parts` sums each named loss.
+    """
+
+    total: float
+    count: float
+    parts: dict[str, float]
+
+
+class LossBook:
+    """The losses of one run on the last segment's stage, and each batch's count on every stage.
+
+    Args:
+        num_microbatches: `m`, the microbatches of a batch.
+        data_parallel: the replicas a `MEAN` loss is averaged over.
+    """
+
+    def __init__(self, num_microbatches: int, data_parallel: int) -> None:
+        self._m = num_microbatches
+        self._dp = data_parallel
+        self.reset()
+
+    def reset(self) -> None:
+        """A new run: no losses, no counts."""
+        self.mode: str | None = None
+        self._values: dict[int, list[torch.Tensor]] = {}
+        self._counts: dict[int, list[torch.Tensor]] = {}
+        self._parts: dict[int, dict[str, list[torch.Tensor]]] = {}
+        #: Per batch, this replica's count under `RATIO` (float64, on the device), once known.
+        self.normaliser: dict[int, torch.Tensor] = {}
+
+    def objective(self, batch: int, result: Any, *, where: str) -> torch.Tensor:
+        """Record `loss_fn`'s `result` for a microbatch of `batch`; what to backpropagate.
+
+        Raises:
+            ScheduleConfigError: a result that is none of the three forms, or another form than
+                the earlier microbatches' (`where` says which call).
+        """
+        mode, value, count, parts = interpret(result, where)
+        if self.mode is None:
+            self.mode = mode
+        elif mode != self.mode:
+            raise ScheduleConfigError(
+                f"{where} returned a {mode} loss after a {self.mode} one: return the same form "
+                "for every microbatch"
+            )
+        self._values.setdefault(batch, []).append(value.detach())
+        if mode == RATIO:
+            self._counts.setdefault(batch, []).append(count)
+            return value
+        if mode == PARTS:
+            book = self._parts.setdefault(batch, {})
+            for name, part in parts.items():
+                book.setdefault(name, []).append(part.detach())
+        return value / (self._m * self._dp)
+
+    def close(self, batch: int) -> None:
+        """Every forward of `batch` has run here (the last segment): fix its count (`RATIO`)."""
+        counts = self._counts.get(batch)
+        if counts is not None and batch not in self.normaliser:
+            self.normaliser[batch] = torch.stack(counts).sum()
+
+    def records(self) -> dict[int, LossRecord]:
+        """Per batch of this run, its `LossRecord` (reads the tensors: one sync per run)."""
+        out = {}
+        for batch, values in self._values.items():
+            total = _sum(values)
+            if self.mode == RATIO:
+                count = float(torch.stack(self._counts[batch]).sum().item())
+            else:
+                count = float(len(values))
+            parts = {name: _sum(v) for name, v in self._parts.get(batch, {}).items()}
+            out[batch] = LossRecord(total, count, parts)
+        return out
+
+
+def _sum(values: Iterable[torch.Tensor]) -> float:
+    total = 0.0
+    for value in values:  # in forward order, as a running float sum
+        total = total + float(value.item())
+    return total
+
+
+def interpret(result: Any, where: str) -> tuple[str, torch.Tensor, Any, dict]:
+    """`(mode, value, count, parts)` of what `loss_fn` returned: `value` is the loss (the sum
+    under `RATIO`, the parts' sum under `PARTS`), `count` a float64 tensor under `RATIO`.
+
+    Raises:
+        ScheduleConfigError: none of the three forms; `where` names the call.
+    """
+    if _is_scalar(result):
+        return MEAN, result, None, {}
+    if type(result) in (tuple, list) and len(result) == 2 and _is_scalar(result[0]):
+        count = result[1]
+        if _is_scalar(count, floating=False) or type(count) in (int, float):
+            count = torch.as_tensor(count, device=result[0].device).to(torch.float64)
+            return RATIO, result[0], count, {}
+    if (
+        isinstance(result, dict)
+        and result
+        and all(isinstance(name, str) and _is_scalar(v) for name, v in result.items())
+    ):
+        return PARTS, _total(result.values()), None, result
+    got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+    raise ScheduleConfigError(
+        f"{where}: loss_fn must return a scalar tensor (a mean over the microbatch), a "
+        f"(loss_sum, count) pair or a dict of named scalar tensors, got {got}: reduce it, e.g. "
+        "with reduction='mean'"
+    )
+
+
+def _total(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    total = None
+    for part in parts:  # in the dict's order
+        total = part if total is None else total + part
+    return total  # type: ignore[return-value]
+
+
+def _is_scalar(value: Any, *, floating: bool = True) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        return False
+    return value.is_floating_point() or not floating
+
+
+def count_carriers(program: Program) -> dict[int, int]:
+    """`{batch: microbatch}`: the last input-backward (B or I) of each batch on the last segment,
+    whose gradient message carries the batch's count ([Note: the count divides at the step])."""
+    schedule = program.schedule
+    stage, chunk = schedule.placement(schedule.num_segments - 1)
+    m = schedule.num_microbatches
+    carriers: dict[int, int] = {}
+    for op in program.stages[stage]:
+        if type(op) in (Backward, BackwardInput) and op.chunk == chunk:
+            carriers[op.microbatch // m] = op.microbatch
+    return carriers
+
+
+def divide_grads(params: Iterable[torch.Tensor], count: torch.Tensor) -> None:
+    """Divide every gradient among `params` by the batch's `count`, in place."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(count.to(p.grad.device))
