@@ -10,11 +10,16 @@ how tensors travel between them. What a user sees is written here once, so the t
   raised before anything runs;
 - `train(batches)` takes batches `num_batches` at a time (one run of the program each) and
   `train_step(inputs, targets)` runs one flush step; `steps` counts optimizer steps taken;
+  `last_metrics` holds the named parts of the last batch's loss;
+- `evaluate(inputs, targets)` and `predict(inputs)` run a forward-only program
+  (`schedcc.compile(..., forward_only=True)`) with the segments in eval mode, under a copy of
+  the RNG state, and change no parameter, gradient, optimizer or RNG state;
 - `save(path) -> Path` (the manifest) and `load(path)`; `peak_activation_bytes` per stage.
 
 An engine supplies `_prepare` (check and split one run's batches, raising before anything runs),
-`_run` (run the program once, returning each batch's loss), `_runtimes` (the stage runtimes it
-holds), `save` and `load`.
+`_run` (run the program once, returning each batch's loss and named parts), `_forward_run` (the
+forward-only program on one batch), `_runtimes` (the stage runtimes it holds), `_held_modules`,
+`save` and `load`. Batches are checked and split by `backends.batches`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from schedcc.backends.batches import is_pair
 from schedcc.errors import ScheduleConfigError
 from schedcc.program import Program
 from schedcc.validate import validate
@@ -37,10 +44,11 @@ if TYPE_CHECKING:
     from schedcc.backends.runtime.stage import StageRuntime
     from schedcc.schedule import Schedule
 
-__all__ = ["BaseEngine", "LossFn", "OptimizerFactory", "check_pair", "check_segments", "is_pair"]
+__all__ = ["BaseEngine", "LossFn", "OptimizerFactory", "check_segments", "is_pair"]
 
-#: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: `loss_fn(output, targets)`: a scalar mean over the microbatch, a `(loss_sum, count)` pair or a
+#: dict of named scalars (`backends.runtime.losses`).
+LossFn = Callable[[Any, Any], Any]
 #: A callable from an iterable of parameters to a `torch.optim.Optimizer`.
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
@@ -80,6 +88,10 @@ class BaseEngine(abc.ABC):
         self.program = program
         #: Optimizer steps taken so far (batches trained); saved in checkpoints.
         self.steps = 0
+        #: The named parts of the last batch's loss that `train` yielded (a dict loss's parts,
+        #: else `{"loss": ...}`); on the distributed engine, every part only on the last stage.
+        self.last_metrics: dict[str, float] = {}
+        self._forward_only: Program | None = None
 
     # -- training -------------------------------------------------------------------------------
 
@@ -107,7 +119,9 @@ class BaseEngine(abc.ABC):
             losses = self._run(self._prepare(group, first))
             first += per_run
             self.steps += per_run  # the run took them all, whether or not each loss is read
-            yield from losses
+            for loss, parts in losses:
+                self.last_metrics = parts
+                yield loss
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One optimizer step on one batch, for flush schedules; returns its loss.
@@ -123,9 +137,75 @@ class BaseEngine(abc.ABC):
                 f"{schedule.weight_delay} and num_batches={schedule.num_batches}: use "
                 "train(batches), which runs the program once per num_batches batches"
             )
-        (loss,) = self._run(self._prepare([(inputs, targets)], 0))
+        ((loss, parts),) = self._run(self._prepare([(inputs, targets)], 0))
         self.steps += 1
+        self.last_metrics = parts
         return loss
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """The loss of one batch under the current weights, without training.
+
+        A forward-only program (`schedcc.compile(schedule, forward_only=True)`) runs the batch
+        through the pipeline, split into `num_batches * m` microbatches, with every segment in
+        eval mode (restored after) and under a copy of the RNG state; no parameter, gradient,
+        optimizer or RNG state changes. The loss is what `train` would report: the mean of the
+        microbatch losses, or the total sum over the total count for a `(loss_sum, count)` loss
+        (over the data-parallel replicas too).
+
+        Raises:
+            ScheduleConfigError: a bad batch, as for `train`.
+        """
+        with self._evaluating():
+            loss, _ = self._forward_run(inputs, targets)
+        return loss  # type: ignore[return-value]
+
+    def predict(self, inputs: Any) -> Any:
+        """The last segment's outputs for one batch of `inputs`, joined along dim 0
+        (`backends.runtime.values.concat`), computed as `evaluate` computes the loss.
+
+        On the distributed engine, the outputs of this rank's local batch, returned on the
+        last stage's ranks; None on the others.
+        """
+        with self._evaluating():
+            _, outputs = self._forward_run(inputs, None)
+        return outputs
+
+    @property
+    def forward_only_program(self) -> Program:
+        """The forward-only program `evaluate` and `predict` run, compiled on first use."""
+        if self._forward_only is None:
+            from schedcc.compiler import compile
+
+            self._forward_only = compile(
+                self.program.schedule,
+                data_parallel=self.program.data_parallel,
+                forward_only=True,
+            )
+        return self._forward_only
+
+    @contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """Every held module in eval mode, and the RNG state put back, for the duration."""
+        modules = [sub for module in self._held_modules() for sub in module.modules()]
+        flags = [sub.training for sub in modules]
+        devices = sorted(
+            {
+                p.device.index or 0
+                for m in modules
+                for p in m.parameters(recurse=False)
+                if p.device.type == "cuda"
+            }
+        )
+        with torch.random.fork_rng(devices=devices):
+            for sub in modules:
+                sub.training = False
+            try:
+                yield
+            finally:
+                for sub, flag in zip(modules, flags):
+                    sub.training = flag
 
     @property
     def peak_activation_bytes(self) -> list[int | None]:
@@ -155,8 +235,16 @@ class BaseEngine(abc.ABC):
         messages); raise `ScheduleConfigError` before anything runs."""
 
     @abc.abstractmethod
-    def _run(self, prepared: Any) -> list[float]:
-        """Run the program once on what `_prepare` returned; each batch's loss."""
+    def _run(self, prepared: Any) -> list[tuple[float, dict[str, float]]]:
+        """Run the program once on what `_prepare` returned; each batch's loss and parts."""
+
+    @abc.abstractmethod
+    def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
+        """Run `forward_only_program` on one batch (no targets: None); `(loss, outputs)`."""
+
+    @abc.abstractmethod
+    def _held_modules(self) -> list[nn.Module]:
+        """Every segment module this engine holds (all its replicas')."""
 
     @abc.abstractmethod
     def _runtimes(self) -> list[StageRuntime]:
@@ -195,39 +283,3 @@ def check_segments(
                 f"segment {k} is a {type(segment).__name__}, not a torch.nn.Module"
             )
     return segments
-
-
-# -- batches ------------------------------------------------------------------------------------
-
-
-def is_pair(batch: Any) -> bool:
-    """Whether `batch` is one `(inputs, targets)` pair of tensors."""
-    return (
-        isinstance(batch, (tuple, list))
-        and len(batch) == 2
-        and all(isinstance(t, torch.Tensor) for t in batch)
-    )
-
-
-def check_pair(
-    inputs: Any, targets: Any, index: int, m: int | None = None, *, where: str = ""
-) -> None:
-    """Raise `ScheduleConfigError` unless `inputs` and `targets` are tensors with a batch
-    dimension of the same size, and that size is a multiple of `m` (when given). The message
-    names batch `index`, followed by `where` (e.g. " (replica 1)")."""
-    for name, t in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise ScheduleConfigError(
-                f"batch {index}{where}: {name} must be a tensor with a batch dimension, got "
-                f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else ' scalar'}"
-            )
-    if inputs.shape[0] != targets.shape[0]:
-        raise ScheduleConfigError(
-            f"batch {index}{where}: inputs hold {inputs.shape[0]} samples but targets hold "
-            f"{targets.shape[0]}: targets must have the same batch size (dim 0)"
-        )
-    if m is not None and inputs.shape[0] % m:
-        raise ScheduleConfigError(
-            f"batch {index}{where}: {inputs.shape[0]} samples cannot be split into m={m} equal "
-            f"microbatches; make the batch size a multiple of {m}"
-        )

@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
+from schedcc.backends.batches import local_batches, same_sizes, split_pair
 from schedcc.backends.checkpoint.files import (
     load_stage_states,
     program_meta,
@@ -50,14 +50,8 @@ from schedcc.backends.checkpoint.files import (
     write_shard,
 )
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
-from schedcc.backends.engine import (
-    BaseEngine,
-    LossFn,
-    OptimizerFactory,
-    check_pair,
-    check_segments,
-    is_pair,
-)
+from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_segments
+from schedcc.backends.runtime.boundary import Message
 from schedcc.backends.runtime.collectives import Meeting, ThreadCollectives
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import (
@@ -67,7 +61,8 @@ from schedcc.backends.runtime.tied import (
     private_copies,
     stage_ties,
 )
-from schedcc.errors import DeadlockError, ScheduleConfigError
+from schedcc.backends.runtime.values import concat
+from schedcc.errors import DeadlockError
 from schedcc.ir import Comm, Instruction, ReduceTied
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route
@@ -76,7 +71,7 @@ from schedcc.semantics.collectives import tie_members
 __all__ = ["Engine"]
 
 #: Per batch of a run, per replica: the microbatches of the inputs and of the targets.
-Microbatches = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+Microbatches = list[tuple[list[Any], list[Any]]]
 
 
 class Engine(BaseEngine):
@@ -88,7 +83,8 @@ class Engine(BaseEngine):
         segments: the model cut into `p * v` modules, in model order (see `schedcc.partition`).
             They are trained in place. With `data_parallel > 1` they are replica 0; the other
             replicas are deep copies and hold the same weights after every step.
-        loss_fn: `loss_fn(output, target)`, a scalar mean over the microbatch.
+        loss_fn: `loss_fn(output, targets)`: a scalar mean over the microbatch, a
+            `(loss_sum, count)` pair or a dict of named scalars (`backends.runtime.losses`).
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
 
     Raises:
@@ -98,11 +94,13 @@ class Engine(BaseEngine):
             a tied group's segments share none (`backends.runtime.tied`).
         ScheduleError: the program does not validate.
 
-    A batch is `(inputs, targets)`, split along dim 0 into `m` microbatches. With
+    A batch is `(inputs, targets)`, each a tensor or any nesting of tuple, list and dict of
+    tensors and constants, split along dim 0 into `m` microbatches (`backends.batches`). With
     `data_parallel = dp > 1` a batch is either a sequence of `dp` local batches (one per
     replica, in data-parallel order) or one `(inputs, targets)` global batch that is split into
     `dp` equal local batches; a step equals non-pipelined training on their concatenation.
-    `train`, `train_step`, `steps` and `peak_activation_bytes` are `BaseEngine`'s.
+    `train`, `train_step`, `evaluate`, `predict`, `steps` and `peak_activation_bytes` are
+    `BaseEngine`'s.
     """
 
     def __init__(
@@ -146,6 +144,7 @@ class Engine(BaseEngine):
         #: Per stage, its program as this engine runs it: compute and update instructions, and
         #: each comm group as one `_CommGroup`.
         self._ops = [_stage_ops(program, s, layout) for s in range(schedule.num_stages)]
+        self._forward_ops: list[list[Instruction | _CommGroup]] | None = None
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -190,63 +189,87 @@ class Engine(BaseEngine):
     def _prepare(self, group: list[Any], first: int) -> list[Microbatches]:
         return [self._split(batch, first + j) for j, batch in enumerate(group)]
 
-    def _split(self, batch: Any, index: int) -> Microbatches:
+    def _split(self, batch: Any, index: int, m: int | None = None) -> Microbatches:
         """Per replica, the microbatches of inputs and targets; checks everything first."""
-        dp, m = self.program.data_parallel, self.program.schedule.num_microbatches
-        if is_pair(batch):
-            inputs, targets = batch
-            check_pair(inputs, targets, index)
-            if dp > 1 and inputs.shape[0] % dp:
-                raise ScheduleConfigError(
-                    f"batch {index}: {inputs.shape[0]} samples cannot be split into "
-                    f"data_parallel={dp} equal local batches"
-                )
-            local = list(zip(inputs.chunk(dp), targets.chunk(dp))) if dp > 1 else [batch]
-        elif isinstance(batch, Sequence) and len(batch) == dp and all(map(is_pair, batch)):
-            local = list(batch)
-        else:
-            raise ScheduleConfigError(
-                f"batch {index} must be (inputs, targets) tensors"
-                + (f" or a sequence of {dp} such local batches" if dp > 1 else "")
-            )
-        for r, (x, y) in enumerate(local):
-            check_pair(x, y, index, where=f" (replica {r})" if dp > 1 else "")
-        sizes = {x.shape[0] for x, _ in local}
-        if len(sizes) > 1:
-            raise ScheduleConfigError(
-                f"batch {index}: the local batches hold {sorted(sizes)} samples; every "
-                "data-parallel replica needs the same local batch size"
-            )
-        for r, (x, y) in enumerate(local):
-            check_pair(x, y, index, m, where=f" (replica {r})" if dp > 1 else "")
-        return [(list(x.chunk(m)), list(y.chunk(m))) for x, y in local]
+        dp, m = self.program.data_parallel, m or self.program.schedule.num_microbatches
+        local = local_batches(batch, index, dp)
+        same_sizes(local, index)
+        where = [f"batch {index}" + (f" (replica {r})" if dp > 1 else "") for r in range(dp)]
+        return [split_pair(x, y, m, where=w) for (x, y), w in zip(local, where)]
+
+    def _held_modules(self) -> list[nn.Module]:
+        return [mod for runtimes in self.runtimes for rt in runtimes for mod in rt.modules]
 
     # -- running --------------------------------------------------------------------------------
 
-    def _run(self, batches: list[Microbatches]) -> list[float]:
+    def _run(self, batches: list[Microbatches]) -> list[tuple[float, dict[str, float]]]:
         """Run the program once over `batches` (per batch, per replica microbatches)."""
+        self._load(batches, forward_only=False)
+        return self._losses(len(batches))
+
+    def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
+        """The forward-only program on one batch, split into `num_batches * m` microbatches."""
+        schedule = self.program.schedule
+        m, num_batches = schedule.num_microbatches, schedule.num_batches
+        replicas = self._split((inputs, targets), 0, m * num_batches)
+        batches = [
+            [(xs[b * m : (b + 1) * m], ys[b * m : (b + 1) * m]) for xs, ys in replicas]
+            for b in range(num_batches)
+        ]
+        if self._forward_ops is None:
+            program = self.forward_only_program
+            self._forward_ops = [
+                _stage_ops(program, s, self._layout) for s in range(schedule.num_stages)
+            ]
+        self._load(batches, forward_only=True, targets=targets is not None)
+        if targets is not None:
+            return self._losses(num_batches, whole=True)[0][0], None
+        last = self._layout.stage_of[-1]
+        outputs = [
+            runtimes[last].outputs[i] for runtimes in self.runtimes for i in range(m * num_batches)
+        ]
+        return None, concat(outputs)
+
+    def _load(self, batches: list[Microbatches], *, forward_only: bool, targets: bool = True):
+        """Load `batches` into every runtime and run the program (or the forward-only one)."""
         first, last = self._layout.stage_of[0], self._layout.stage_of[-1]
         for r, runtimes in enumerate(self.runtimes):
             for s, rt in enumerate(runtimes):
-                rt.reset()
+                rt.reset(forward_only=forward_only)
                 for b, local in enumerate(batches):
-                    inputs, targets = local[r]
-                    rt.load_batch(b, inputs if s == first else None, targets if s == last else None)
+                    inputs, target = local[r]
+                    target = target if s == last and targets else None
+                    rt.load_batch(b, inputs if s == first else None, target)
+        ops = self._forward_ops if forward_only else self._ops
         if len(self.runtimes) == 1:
-            self._run_replica(0)
+            self._run_replica(0, ops)
         else:
-            self._run_threads()
-        return [
-            sum(runtimes[last].losses[b] for runtimes in self.runtimes) / len(self.runtimes)
-            for b in range(len(batches))
-        ]
+            self._run_threads(ops)
 
-    def _run_threads(self) -> None:
+    def _losses(self, count: int, *, whole: bool = False) -> list[tuple[float, dict[str, float]]]:
+        """Each batch's loss (over every replica) and named parts; `whole`: of all batches as
+        one (the forward-only program's batch)."""
+        last = self._layout.stage_of[-1]
+        records = [runtimes[last].loss_records for runtimes in self.runtimes]
+        groups = [list(range(count))] if whole else [[b] for b in range(count)]
+        out = []
+        for group in groups:
+            parts = [rec[b] for rec in records for b in group]
+            total = sum(r.total for r in parts)
+            number = sum(r.count for r in parts)
+            loss = total / number if number else float("nan")
+            named = {"loss": loss}
+            for name in parts[0].parts if parts else ():  # a dict loss: each named part
+                named[name] = sum(r.parts[name] for r in parts) / number
+            out.append((loss, named))
+        return out
+
+    def _run_threads(self, ops) -> None:
         errors: list[BaseException] = []
 
         def body(r: int) -> None:
             try:
-                self._run_replica(r)
+                self._run_replica(r, ops)
             except BaseException as error:
                 errors.append(error)
                 for meeting in self._meetings:
@@ -263,9 +286,9 @@ class Engine(BaseEngine):
             broken = (threading.BrokenBarrierError,)
             raise next((e for e in errors if not isinstance(e, broken)), errors[0])
 
-    def _run_replica(self, replica: int) -> None:
+    def _run_replica(self, replica: int, all_ops) -> None:
         """Run every stage of one replica in turns until all finish (see the note above)."""
-        runtimes, all_ops = self.runtimes[replica], self._ops
+        runtimes = self.runtimes[replica]
         mail = _Mailbox(TieMeetings(self._tie_members))
         cursors = [_Cursor() for _ in all_ops]
         while True:
@@ -322,7 +345,7 @@ class _Mailbox:
     __slots__ = ("expected", "messages", "ties")
 
     def __init__(self, ties: TieMeetings) -> None:
-        self.messages: dict[tuple, torch.Tensor] = {}
+        self.messages: dict[tuple, Message] = {}
         self.expected: set[tuple] = set()
         self.ties = ties  # where the stages meet for ReduceTied
 

@@ -1,10 +1,12 @@
 """Non-pipelined reference training: what every pipelined run must equal.
 
-`train_reference` trains the segments as one `nn.Sequential` on whole global batches, one
-optimizer step per batch; with `weight_delay = d` it applies the PipeDream-2BW rule
-`W[b+1] = W[b] - lr * grad(loss_b at W[b-d])`. `assert_matches_reference` runs a program on the
-local backend and the reference side by side on copies of the same segments and checks that
-losses and weights agree.
+`train_reference` trains the segments chained as one model (each called on what the previous
+returned, `backends.runtime.values.call`) on whole batches, one optimizer step per batch; with
+`weight_delay = d` it applies the PipeDream-2BW rule `W[b+1] = W[b] - lr * grad(loss_b at
+W[b-d])`. A batch's loss is what the engines report: a scalar loss's mean over the local
+batches, a `(loss_sum, count)` loss's total sum over its total count, a dict's parts summed.
+`assert_matches_reference` runs a program on the local backend and the reference side by side on
+copies of the same segments and checks that losses and weights agree.
 
     >>> import torch, schedcc
     >>> from schedcc.backends.reference import assert_matches_reference
@@ -26,16 +28,50 @@ from typing import Any
 import torch
 from torch import nn
 
+from schedcc.backends.runtime.losses import MEAN, PARTS, RATIO, interpret
+from schedcc.backends.runtime.values import call, concat
 from schedcc.program import Program
 
-__all__ = ["assert_matches_reference", "global_batch", "train_reference"]
+__all__ = ["Chain", "assert_matches_reference", "global_batch", "reference_loss", "train_reference"]
 
 
-def global_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(inputs, targets)` of a batch, concatenating per-replica local batches in order."""
-    if len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+class Chain(nn.Module):
+    """The segments as one model: each called on what the previous returned."""
+
+    def __init__(self, segments: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.segments = nn.ModuleList(segments)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        value: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+        for segment in self.segments:
+            value = call(segment, value)
+        return value
+
+
+def global_batch(batch: Any) -> tuple[Any, Any]:
+    """`(inputs, targets)` of a batch, joining per-replica local batches in order."""
+    if len(batch) == 2 and not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batch):
         return batch[0], batch[1]
-    return torch.cat([x for x, _ in batch]), torch.cat([y for _, y in batch])
+    return concat([x for x, _ in batch], name="inputs"), concat(
+        [y for _, y in batch], name="targets"
+    )
+
+
+def reference_loss(
+    model: Callable[..., Any], loss_fn: Callable[[Any, Any], Any], locals_: Sequence[tuple]
+) -> torch.Tensor:
+    """One batch's loss through `model`, from its local batches: the mean of a scalar loss over
+    them, a `(loss_sum, count)` loss's total sum over its total count, a dict's parts summed."""
+    mode, values, counts = None, [], []
+    for inputs, targets in locals_:
+        mode, value, count, _ = interpret(loss_fn(call(model, inputs), targets), "loss_fn")
+        values.append(value)
+        counts.append(count)
+    if mode == RATIO:
+        return torch.stack(values).sum() / torch.stack(counts).sum()
+    assert mode in (MEAN, PARTS)
+    return torch.stack(values).sum() / len(values)
 
 
 def train_reference(
@@ -51,40 +87,52 @@ def train_reference(
 
     Args:
         segments: the model's segments, in order (run as one `nn.Sequential`).
-        loss_fn: `loss_fn(output, target)`, a mean over the batch.
+        loss_fn: `loss_fn(output, targets)`: a mean over the batch, a `(loss_sum, count)` pair
+            or a dict of named scalars.
         optimizer: a callable from parameters to a `torch.optim.Optimizer`.
         batches: `(inputs, targets)` global batches, or sequences of per-replica local batches
-            (concatenated in order).
+            (each run through the model on its own; `reference_loss` combines them).
         weight_delay: `d`; batch b's gradient is taken at the weights of `max(0, b - d)` steps.
         batches_per_run: with a delay, the versions restart every this many batches (the local
             backend's `train` drains the pipeline after each run of the program).
     """
-    model = nn.Sequential(*segments)
+    model = Chain(segments)
     opt = optimizer(model.parameters())
     names = [name for name, _ in model.named_parameters()]
     history: list[dict[str, torch.Tensor]] = []
     losses = []
     for b, batch in enumerate(batches):
-        inputs, targets = global_batch(batch)
+        locals_ = _locals(batch)
         local = b % batches_per_run if batches_per_run else b
         if local == 0:
             history = []
         opt.zero_grad(set_to_none=True)
         if not weight_delay:
-            loss = loss_fn(model(inputs), targets)
+            loss = reference_loss(model, loss_fn, locals_)
             loss.backward()
         else:
             history.append(
                 {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
             )
             params = history[max(0, local - weight_delay)]
-            loss = loss_fn(torch.func.functional_call(model, params, (inputs,)), targets)
+
+            def stashed(*args, params=params, **kwargs):  # the model on version b - d
+                return torch.func.functional_call(model, params, args, kwargs)
+
+            loss = reference_loss(stashed, loss_fn, locals_)
             grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
             for p, g in zip(model.parameters(), grads):
                 p.grad = None if g is None else g
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def _locals(batch: Any) -> list[tuple[Any, Any]]:
+    """A batch's local batches: per-replica ones as given, or the one global batch."""
+    if len(batch) == 2 and not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batch):
+        return [(batch[0], batch[1])]
+    return [(x, y) for x, y in batch]
 
 
 def assert_matches_reference(

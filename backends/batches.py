@@ -1,0 +1,144 @@
+"""How a batch becomes microbatches, alike on both engines.
+
+A batch is `(inputs, targets)`: each a boundary value (`backends.runtime.values`: a tensor, or
+any nesting of tuple, list and dict of tensors and constants). Every tensor in it is split along
+dim 0 into `m` equal microbatches, constants are repeated, and every check raises a
+`ScheduleConfigError` that names the batch (and the replica) before anything runs.
+
+With data parallelism the local engine also takes one global batch, split into `dp` equal local
+batches in order, or the `dp` local batches themselves: a sequence of `dp` items that are each a
+two-item tuple or list. (A global batch whose inputs and targets are both two-item sequences
+reads as local batches when `dp == 2`: pass it as a list of local batches instead.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from schedcc.backends.runtime.values import flatten, split, unflatten
+from schedcc.errors import ScheduleConfigError
+
+__all__ = [
+    "batch_size",
+    "is_pair",
+    "local_batches",
+    "same_sizes",
+    "split_pair",
+    "to_device",
+]
+
+
+def is_pair(batch: Any) -> bool:
+    """Whether `batch` is one `(inputs, targets)` pair: a tuple or list of two values."""
+    return isinstance(batch, (tuple, list)) and len(batch) == 2
+
+
+def batch_size(value: Any, name: str, where: str) -> int | None:
+    """Dim 0 of the first tensor in `value` (None: it holds no tensor).
+
+    Raises:
+        ScheduleConfigError: that tensor has no dim 0; `where` starts the message.
+    """
+    try:
+        tensors, _ = flatten(value, name=name)
+    except ScheduleConfigError as exc:
+        raise ScheduleConfigError(f"{where}: {exc}") from None
+    if not tensors:
+        return None
+    if tensors[0].dim() == 0:
+        got = "Tensor scalar" if isinstance(value, torch.Tensor) else "a 0-dim tensor first"
+        raise ScheduleConfigError(
+            f"{where}: {name} must be a tensor with a batch dimension (or a tuple, list or dict "
+            f"of them), got {got}"
+        )
+    return tensors[0].shape[0]
+
+
+def split_pair(
+    inputs: Any, targets: Any, m: int, *, where: str, need_inputs: bool = True
+) -> tuple[list[Any], list[Any]]:
+    """The `m` microbatches of `inputs` and of `targets` (`where` starts every message, e.g.
+    "batch 0 (replica 1)").
+
+    Raises:
+        ScheduleConfigError: inputs without a tensor (when `need_inputs`), targets with another
+            batch size than the inputs, a batch size that `m` does not divide, or a tensor
+            whose dim 0 differs from its value's batch size (named by its path).
+    """
+    size = batch_size(inputs, "inputs", where)
+    if size is None and need_inputs:
+        raise ScheduleConfigError(
+            f"{where}: inputs hold no tensor; a batch's inputs must hold at least one tensor "
+            "with a batch dimension"
+        )
+    target_size = batch_size(targets, "targets", where)
+    if size is not None and target_size is not None and size != target_size:
+        raise ScheduleConfigError(
+            f"{where}: inputs hold {size} samples but targets hold {target_size}: targets must "
+            "have the same batch size (dim 0)"
+        )
+    size = size if size is not None else target_size
+    if size is not None and size % m:
+        raise ScheduleConfigError(
+            f"{where}: {size} samples cannot be split into m={m} equal microbatches; make the "
+            f"batch size a multiple of {m}"
+        )
+    try:
+        return split(inputs, m, name="inputs"), split(targets, m, name="targets")
+    except ScheduleConfigError as exc:
+        raise ScheduleConfigError(f"{where}: {exc}") from None
+
+
+def local_batches(batch: Any, index: int, data_parallel: int) -> list[tuple[Any, Any]]:
+    """The `(inputs, targets)` of each data-parallel replica (see the module docstring).
+
+    Raises:
+        ScheduleConfigError: `batch` is neither form, or a global batch does not split into
+            `data_parallel` equal local batches.
+    """
+    dp = data_parallel
+    if (
+        dp > 1
+        and isinstance(batch, (tuple, list))
+        and len(batch) == dp
+        and all(map(is_pair, batch))
+    ):
+        return [tuple(local) for local in batch]  # type: ignore[misc]
+    if not is_pair(batch):
+        raise ScheduleConfigError(
+            f"batch {index} must be (inputs, targets) tensors or values"
+            + (f", or a sequence of {dp} such local batches" if dp > 1 else "")
+        )
+    inputs, targets = batch
+    if dp == 1:
+        return [(inputs, targets)]
+    size = batch_size(inputs, "inputs", f"batch {index}")
+    if size is None or size % dp:
+        raise ScheduleConfigError(
+            f"batch {index}: {size or 0} samples cannot be split into data_parallel={dp} equal "
+            "local batches"
+        )
+    return list(zip(split(inputs, dp, name="inputs"), split(targets, dp, name="targets")))
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """`value` with every tensor on `device` (the value itself when all are there)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    tensors, spec = flatten(value)
+    if all(t.device == device for t in tensors):
+        return value
+    return unflatten([t.to(device) for t in tensors], spec)
+
+
+def same_sizes(locals_: Sequence[tuple[Any, Any]], index: int) -> None:
+    """Raise unless every replica's local batch holds the same number of samples."""
+    sizes = {batch_size(x, "inputs", f"batch {index}") for x, _ in locals_}
+    if len(sizes) > 1:
+        raise ScheduleConfigError(
+            f"batch {index}: the local batches hold {sorted(sizes, key=str)} samples; every "
+            "data-parallel replica needs the same local batch size"
+        )
