@@ -19,22 +19,30 @@ Backend: NCCL for CUDA tensors, gloo for CPU (the caller initialises the default
     >>> engine = Engine(program, segments, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1))
     >>> for loss in engine.train(batches): ...
 
-[Note: shapes are learnt once] is in `backends.distributed.shapes`, with the shape pass it
-explains; [Note: sends complete lazily] in `backends.distributed.transfers`, with the
+[Note: a header only when it changes] is in `backends.distributed.streams` (a message's spec and
+meta travel only when they change, so shapes may change from batch to batch and microbatch to
+microbatch); [Note: sends complete lazily] in `backends.distributed.transfers`, with the
 point-to-point. What both engines share (argument and batch checks, `train`, `train_step`,
 `steps`, `save`/`load`, `peak_activation_bytes`) is `backends.engine.BaseEngine`.
 
-[Note: failures] Every wait has the engine's `timeout`. A peer that dies closes its sockets (gloo's
-and the shared-memory links') and the waiting rank raises `RankFailure` naming its stage, the
-instruction it waited on and the peer ranks of that group; a wait that times out says the same. The
-launcher (`backends.run.launch` or torchrun) then ends the other ranks, so no rank hangs.
+[Note: failures] Every wait has the engine's `timeout`: point-to-point waits are given it, and the
+process groups the engine makes itself (the mesh's) take it as their own, for every collective on
+them (torch's default for a new group is 30 minutes); the default group keeps the timeout it was
+made with (`schedcc run` makes it with `--timeout`), as do groups the caller passes. A peer that
+dies closes its sockets (gloo's and the shared-memory links') and the waiting rank raises
+`RankFailure` naming its stage, the instruction or collective it waited on and the ranks it waited
+with, in one line; a wait that times out says the same. That holds in a collective too (a
+checkpoint's save or load, the loss reduction, ReduceGrads), never a raw gloo traceback. The
+launcher (`backends.run.launch` or torchrun) then ends the other ranks (a stopped one at once), so
+no rank hangs.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from schedcc.backends.batches import is_pair, split_pair, to_device
 from schedcc.backends.checkpoint.files import (
     MANIFEST,
     load_stage_states,
@@ -59,12 +68,12 @@ from schedcc.backends.distributed.groups import (
     process_groups,
     stage_ops,
 )
-from schedcc.backends.distributed.shapes import learn_shapes
 from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
-from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_pair, is_pair
+from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import stage_ties
+from schedcc.backends.runtime.values import concat
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
 from schedcc.program import Program
@@ -179,6 +188,8 @@ class Engine(BaseEngine):
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
         self.stage = dist.get_rank(self.pp_group)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        if mesh is None and pp_group is None:  # groups made here: see [Note: failures]
+            _bound_waits(self.timeout, self.pp_group, self.dp_group)
         self.reduce_loss = reduce_loss
         schedule = program.schedule
         modules = own_segments(schedule, self.stage, segments)
@@ -211,6 +222,7 @@ class Engine(BaseEngine):
         self._transfers = Transfers(
             ops,
             self.runtime,
+            program=program,
             pp_group=self.pp_group,
             global_peer=self._global_peer,
             device=self.device,
@@ -225,7 +237,10 @@ class Engine(BaseEngine):
             for index, op in enumerate(ops)
             if self._transfers.eager is None or type(op) is not CommGroup
         ]
-        self._learnt = False
+        self._shared_memory = shared_memory
+        self._connected = False
+        #: the forward-only program's steps, visited steps and transfers, made on first use
+        self._forward: tuple[list, list[int], Transfers] | None = None
         self._at: int | None = None
         self._clock0 = 0.0
         #: Per run of the program: (start, end) seconds of each of `_ops` (a step of the step
@@ -252,51 +267,127 @@ class Engine(BaseEngine):
     def _runtimes(self) -> list[StageRuntime]:
         return [self.runtime]
 
+    def _held_modules(self) -> list[nn.Module]:
+        return list(self.runtime.modules)
+
     def _prepare(self, group: list[Any], first: int) -> list[tuple[Any, Any]]:
         """Every rank checks the batches (so all raise alike, before any exchange); only the
-        stages that read the inputs or the targets split them."""
-        m, layout, device = self.program.schedule.num_microbatches, self._layout, self.device
-        reads = [layout.stage_of[k] == self.stage for k in (0, layout.last)]
+        stages that read the inputs or the targets keep them."""
+        m = self.program.schedule.num_microbatches
         split = []
         for index, batch in enumerate(group, first):
             if not is_pair(batch):
-                raise ScheduleConfigError(f"batch {index} must be (inputs, targets) tensors")
-            check_pair(*batch, index, m)
-            inputs, targets = (
-                list(t.to(device).chunk(m)) if r else None for t, r in zip(batch, reads)
-            )
-            split.append((inputs, targets))
+                raise ScheduleConfigError(
+                    f"batch {index} must be (inputs, targets) tensors or values"
+                )
+            inputs, targets = split_pair(*batch, m, where=f"batch {index}")
+            split.append(self._own(inputs, targets))
         return split
 
-    def _run(self, split: list[tuple[Any, Any]]) -> list[float]:
-        runtime = self.runtime
-        transfers = self._transfers
-        if not self._learnt:
-            self._learn_shapes(split[0][0])
-            transfers.connect()
-            self._learnt = True
-        runtime.reset()
-        for batch, (inputs, targets) in enumerate(split):
-            runtime.load_batch(batch, inputs, targets)
-        ops, clock, clock0 = self._ops, time.perf_counter, self._clock0
-        times = [(0.0, 0.0)] * len(ops)  # a comm group not visited: its waits', from `finish`
-        for index in self._visit:
-            op = ops[index]
-            self._at = index
-            transfers.before(index)
-            start = clock()
-            if type(op) is CommGroup:
-                transfers.exchange(op)
-            elif isinstance(op, Update):
-                self._update(op)
-            else:
-                runtime.run(op)
-            times[index] = (start - clock0, clock() - clock0)
-            transfers.after(index)
-        self._at = None
-        transfers.finish(times, self._clock0)
+    def _own(self, inputs: list[Any], targets: list[Any] | None) -> tuple[Any, Any]:
+        """The microbatches this stage reads, on its device: the inputs on segment 0's stage,
+        the targets on the last segment's."""
+        layout, device = self._layout, self.device
+        first, last = (layout.stage_of[k] == self.stage for k in (0, layout.last))
+        return (
+            [to_device(x, device) for x in inputs] if first else None,
+            [to_device(y, device) for y in targets] if last and targets is not None else None,
+        )
+
+    def _run(self, split: list[tuple[Any, Any]]) -> list[tuple[float, dict[str, float]]]:
+        self._connect()
+        times = self._execute(self._ops, self._visit, self._transfers, split)
         self.step_times.append(times)
         return self._losses(len(split))
+
+    def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
+        """The forward-only program on this rank's batch, split into `num_batches * m`."""
+        schedule = self.program.schedule
+        m, num_batches = schedule.num_microbatches, schedule.num_batches
+        xs, ys = split_pair(inputs, targets, m * num_batches, where="the batch")
+        split = [
+            self._own(
+                xs[b * m : (b + 1) * m], ys[b * m : (b + 1) * m] if targets is not None else None
+            )
+            for b in range(num_batches)
+        ]
+        ops, visit, transfers = self._forward_steps()
+        self._execute(ops, visit, transfers, split, forward_only=True)
+        if targets is not None:
+            return self._losses(num_batches, whole=True, reduce=True)[0][0], None
+        if self.stage != self._layout.stage_of[self._layout.last]:
+            return None, None
+        outputs = self.runtime.outputs
+        return None, concat([outputs[i] for i in range(m * num_batches)])
+
+    def _connect(self) -> None:
+        """Link the stages on first use (collective over the pipeline process group)."""
+        if not self._connected:
+            with self._collective("linking the stages", self.pp_group):
+                dist.barrier(group=self.pp_group)  # every rank's groups are made
+            self._transfers.connect()
+            self._connected = True
+            self._clock0 = time.perf_counter()
+
+    def _forward_steps(self) -> tuple[list, list[int], Transfers]:
+        """The forward-only program's steps, visited steps and transfers (sharing the training
+        program's links), made on first use."""
+        if self._forward is None:
+            self._connect()
+            program = self.forward_only_program
+            ops = stage_ops(program, self.stage, self._layout)
+            transfers = Transfers(
+                ops,
+                self.runtime,
+                program=program,
+                pp_group=self.pp_group,
+                global_peer=self._global_peer,
+                device=self.device,
+                timeout=self.timeout,
+                shared_memory=self._shared_memory,
+            )
+            transfers.connect(linked=self._transfers)
+            eager = transfers.eager is not None
+            visit = [n for n, op in enumerate(ops) if not eager or type(op) is not CommGroup]
+            self._forward = (ops, visit, transfers)
+        return self._forward
+
+    def _execute(self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False):
+        """Run a program's steps once on `split` (per batch, this stage's microbatches); the
+        (start, end) of each step. A failure tells the peers first ([Note: failures])."""
+        runtime = self.runtime
+        runtime.reset(forward_only=forward_only)
+        for batch, (inputs, targets) in enumerate(split):
+            runtime.load_batch(batch, inputs, targets)
+        clock, clock0 = time.perf_counter, self._clock0
+        times = [(0.0, 0.0)] * len(ops)  # a comm group not visited: its waits', from `finish`
+        try:
+            for index in visit:
+                op = ops[index]
+                self._at = None if forward_only else index
+                transfers.before(index)
+                start = clock()
+                if type(op) is CommGroup:
+                    transfers.exchange(op)
+                elif isinstance(op, Update):
+                    self._update(op)
+                else:
+                    runtime.run(op)
+                times[index] = (start - clock0, clock() - clock0)
+                transfers.after(index)
+            self._at = None
+            transfers.finish(times, clock0)
+        except BaseException as exc:
+            transfers.abort(self._reason(exc, ops[index] if visit else None))
+            raise
+        return times
+
+    def _reason(self, exc: BaseException, op: Any) -> str:
+        """One line for the peers: what failed here, and where."""
+        if isinstance(exc, RankFailure):
+            return first_line(exc)
+        where = f" at {op}" if op is not None else ""
+        return f"rank {self.rank} (stage {self.stage}) failed{where}: {first_line(exc)}"
 
     # -- checkpoints (collective: every rank of the default group calls them) ------------------
 
@@ -311,11 +402,14 @@ class Engine(BaseEngine):
         state = self.runtime.state_dict()
         state["rng"] = rng_state()
         name = shard_name(self.stage, self.data_parallel.rank)
+        entry = write_shard(path, name, state)
         entries: list = [None] * dist.get_world_size()
-        dist.all_gather_object(entries, (name, write_shard(path, name, state)))
+        with self._collective("the checkpoint save"):
+            dist.all_gather_object(entries, (name, entry))
         if dist.get_rank() == 0:
             write_manifest(path, program_meta(self.program), self.steps, dict(entries))
-        dist.barrier()
+        with self._collective("the checkpoint save"):
+            dist.barrier()
         return Path(path) / MANIFEST
 
     def load(self, path: str | os.PathLike) -> None:
@@ -333,7 +427,8 @@ class Engine(BaseEngine):
         except CheckpointError as exc:
             problem = f"rank {self.rank} (stage {self.stage}): {exc}"
         problems: list = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
+        with self._collective("the checkpoint load"):
+            dist.all_gather_object(problems, problem)
         first = next((text for text in problems if text), None)
         if first is not None:
             raise CheckpointError(first)
@@ -354,37 +449,63 @@ class Engine(BaseEngine):
                 f"data-parallel ranks {ranks}: {first_line(exc)}"
             ) from exc
 
-    def _losses(self, count: int) -> list[float]:
-        last = self._layout.stage_of[self._layout.last]
-        losses = self.runtime.losses
-        values = [losses.get(b, float("nan")) for b in range(count)]
-        if not self.reduce_loss:
-            return values
-        tensor = torch.tensor(
-            values if self.stage == last else [0.0] * count,
-            dtype=torch.float64,
-            device=self.device,
-        )
-        dist.all_reduce(tensor, group=self.pp_group)
-        if self.data_parallel.size > 1:
-            dist.all_reduce(tensor, group=self.dp_group)
-            tensor /= self.data_parallel.size
-        return tensor.tolist()
+    def _losses(
+        self, count: int, *, whole: bool = False, reduce: bool | None = None
+    ) -> list[tuple[float, dict[str, float]]]:
+        """Each batch's loss over every replica, and its named parts (on the last stage's ranks);
+        `whole`: of all `count` batches as one (the forward-only program's batch)."""
+        last = self._layout.stage_of[self._layout.last] == self.stage
+        records = self.runtime.loss_records if last else {}
+        groups = [list(range(count))] if whole else [[b] for b in range(count)]
+        sums = [
+            [sum(records[b].total for b in group if b in records) for group in groups],
+            [sum(records[b].count for b in group if b in records) for group in groups],
+        ]
+        if self.reduce_loss if reduce is None else reduce:
+            tensor = torch.tensor(sums, dtype=torch.float64, device=self.device)
+            with self._collective("the loss reduction", self.pp_group):
+                dist.all_reduce(tensor, group=self.pp_group)
+            if self.data_parallel.size > 1:
+                with self._collective("the loss reduction", self.dp_group):
+                    dist.all_reduce(tensor, group=self.dp_group)
+            sums = tensor.tolist()
+        elif not last:
+            sums = [[float("nan")] * len(groups), [1.0] * len(groups)]
+        out = []
+        for n, group in enumerate(groups):
+            total, number = sums[0][n], sums[1][n]
+            loss = total / number if number else float("nan")
+            out.append((loss, {"loss": loss, **self._parts(records, group, number)}))
+        return out
 
-    def _learn_shapes(self, first_inputs: Sequence[torch.Tensor] | None) -> None:
-        """See [Note: shapes are learnt once] in `backends.distributed.shapes`."""
-        self._transfers.shapes.update(
-            learn_shapes(
-                self._layout,
-                self.stage,
-                self.runtime.modules,
-                first_inputs,
-                peer=self._global_peer,
-                pp_group=self.pp_group,
-                device=self.device,
-            )
-        )
-        self._clock0 = time.perf_counter()
+    def _parts(self, records, group: list[int], number: float) -> dict[str, float]:
+        """A dict loss's parts for the batches `group` (the last stage's ranks only), summed
+        over the data-parallel replicas and divided like the loss."""
+        names = sorted(records[group[0]].parts) if records and group[0] in records else []
+        if not names or not number:
+            return {}
+        values = [sum(records[b].parts[name] for b in group) for name in names]
+        if self.data_parallel.size > 1:
+            tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+            with self._collective("the loss reduction", self.dp_group):
+                dist.all_reduce(tensor, group=self.dp_group)
+            values = tensor.tolist()
+        return {name: value / number for name, value in zip(names, values)}
+
+    @contextmanager
+    def _collective(self, what: str, group=None) -> Iterator[None]:
+        """Around one collective over `group` (default: every rank): a peer's failure or the
+        timeout becomes `RankFailure` naming this rank, `what` and the group's ranks."""
+        try:
+            yield
+        except RankFailure:
+            raise
+        except RuntimeError as exc:  # gloo's errors, and torch's DistError
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            raise RankFailure(
+                f"rank {self.rank} (stage {self.stage}) failed at {what}, a collective over "
+                f"ranks {ranks}: {first_line(exc)}"
+            ) from exc
 
     @property
     def point_to_point(self) -> str:
@@ -399,3 +520,16 @@ class Engine(BaseEngine):
             return None
         lo, hi = self._bounds[self._at]
         return " ".join(str(op) for op in self.program.stages[self.stage][lo:hi])
+
+
+def _bound_waits(timeout: timedelta, *groups) -> None:
+    """Give process groups the engine made the engine's timeout for every wait on them (see
+    [Note: failures]); the default group, which a mesh dimension over the world reuses, keeps
+    its own."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # as torchtitan does
+    if set_timeout is None:
+        return
+    world = dist.group.WORLD.group_name  # type: ignore[union-attr]
+    for group in groups:
+        if group.group_name != world and dist.get_world_size(group) > 1:
+            set_timeout(timeout, group)

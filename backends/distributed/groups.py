@@ -3,6 +3,12 @@
 `stage_ops` gives the stage's program as the engine runs it, one item per step of the step model:
 single compute and update instructions, and each comm group as one `CommGroup` (posted together
 under NCCL by `Transfers.exchange`; op by op under gloo, see [Note: eager point-to-point]).
+
+Each comm op moves one message on a *channel*: `("A", k)` the activations out of segment k,
+`("G", k)` the input gradients out of segment k, and `("C", k)` those of them that carry their
+batch's count ([Note: the count divides at the step] in `backends.runtime.losses`). A message is
+compared with an earlier one of its channel to decide whether it needs a header
+(`backends.distributed.streams`).
 """
 
 from __future__ import annotations
@@ -14,24 +20,29 @@ import torch.distributed as dist
 from torch import nn
 
 from schedcc.backends.engine import check_segments
+from schedcc.backends.runtime.losses import count_carriers
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route, decode
 
-__all__ = ["CommGroup", "device_of", "own_segments", "process_groups", "stage_ops"]
+__all__ = ["Channel", "CommGroup", "device_of", "own_segments", "process_groups", "stage_ops"]
+
+#: `(kind, segment)`: "A" activations out of the segment, "G" its input gradients, "C" those of
+#: them that carry a batch's count.
+Channel = tuple[str, int]
 
 
 class CommGroup:
     """One comm group of the program, ready to post.
 
-    `items` are `(op, is_send, peer stage, shape key)` in program order; `sends` and `recvs` the
-    same split by direction (a receive's shape key says what buffer it needs).
+    `items` are `(op, is_send, peer stage, channel)` in program order; `sends` and `recvs` the
+    same split by direction.
     """
 
     __slots__ = ("items", "peers", "recvs", "sends")
 
-    def __init__(self, items: list[tuple[Instruction, bool, int, tuple[str, int]]]):
+    def __init__(self, items: list[tuple[Instruction, bool, int, Channel]]):
         self.items = items
         self.peers = sorted({peer for _, _, peer, _ in items})
         self.sends = [(op, peer, key) for op, is_send, peer, key in items if is_send]
@@ -89,6 +100,7 @@ def stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction 
     """The stage's program as the engine runs it: compute/update instructions and comm groups."""
     ops = program.stages[stage]
     steps = Steps.of([ops])
+    carriers = set(count_carriers(program).values())
     items: list[Instruction | CommGroup] = []
     for (lo, hi), is_group in zip(steps.bounds[0], steps.is_group[0]):
         if not is_group:
@@ -97,10 +109,8 @@ def stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction 
         comms = []
         for op in ops[lo:hi]:
             src, dst, tensor = comm_route(layout, stage, op)  # type: ignore[misc]
-            is_gradient, _, k = decode(tensor, layout.num_segments)
-            # the tensor is an activation out of segment k, or the gradient of the activation
-            # out of segment k - 1: either way its shape is learnt under ("A", segment)
-            key = ("A", k - 1 if is_gradient else k)
-            comms.append((op, op.is_send, dst if op.is_send else src, key))
+            is_gradient, i, k = decode(tensor, layout.num_segments)
+            kind = ("C" if i in carriers else "G") if is_gradient else "A"
+            comms.append((op, op.is_send, dst if op.is_send else src, (kind, k)))
         items.append(CommGroup(comms))
     return items

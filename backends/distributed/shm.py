@@ -80,11 +80,26 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShmLinks", "host_key"]
+__all__ = ["PeerAborted", "ShmLinks", "host_key"]
+
+
+class PeerAborted(ConnectionError):
+    """The peer stage failed and said why (its one-line reason is the message)."""
+
+
+class _Header:
+    """A header record read ahead of its message (int64 words)."""
+
+    __slots__ = ("words",)
+
+    def __init__(self, words: torch.Tensor):
+        self.words = words
+
 
 _RECORD = struct.Struct("<BxxxIQ")  # kind, slot, bytes (DATA: the tensor's; NEW: the slot's)
 _HELLO, _DATA, _NEW, _ACK, _INLINE = 0, 1, 2, 3, 4  # NEW: a slot, its fd with it; INLINE: the
 # tensor follows in the record (slot unused); HELLO: who connects
+_HEADER, _ABORT = 5, 6  # a message header (int64 words) follows; the peer failed (its reason)
 #: The largest tensor (bytes) sent inside its record rather than through a slot; see [Note: small
 #: tensors inline]. A pair whose sockets take smaller records agrees on less.
 INLINE = 64 * 1024
@@ -317,7 +332,7 @@ class ShmLinks:
             try:
                 link.data.send(_inline_header(nbytes), None, _memory(tensor))
             except OSError as exc:
-                raise _lost(link, exc) from exc
+                raise self._why_lost(link, exc) from exc
             return
         slot = _fitting(link, nbytes)
         if slot is None:  # take back what the peer has acknowledged since (only now: a syscall)
@@ -343,7 +358,7 @@ class ShmLinks:
                 link.data.send(*new)
             link.data.send(_RECORD.pack(_DATA, slot, nbytes))
         except OSError as exc:
-            raise _lost(link, exc) from exc
+            raise self._why_lost(link, exc) from exc
 
     def recv(self, peer: int, number: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """The `number`-th tensor `peer` sends this stage (0-based), waiting for it if need be."""
@@ -375,6 +390,62 @@ class ShmLinks:
         if len(link.unacked) >= ACK_BATCH:
             self._acknowledge(link)
         return out
+
+    def send_header(self, peer: int, words: torch.Tensor) -> None:
+        """Send a message header (int64 words, at most the inline limit) in order with the
+        tensors; `recv_header` reads it."""
+        link = self._links[peer]
+        if words.nbytes > link.inline:
+            raise ValueError(
+                f"a message header of {words.nbytes} bytes is over the {link.inline}-byte limit "
+                "of a record: send fewer tensors and constants between two stages"
+            )
+        try:
+            link.data.send(_RECORD.pack(_HEADER, 0, words.nbytes), None, _memory(words))
+        except OSError as exc:
+            raise self._why_lost(link, exc) from exc
+
+    def recv_header(self, peer: int, number: int) -> torch.Tensor | None:
+        """The header that is record `number` from `peer`, or None if that record holds a
+        tensor (left for `recv`); waits for the record."""
+        link = self._links[peer]
+        deadline = None
+        while True:
+            got = link.arrived.get(number)
+            if got is not None:
+                if type(got) is not _Header:
+                    return None
+                del link.arrived[number]
+                return got.words
+            if link.read == number:
+                kind = _peek(link)
+                if kind is not None and kind not in (_HEADER, _NEW, _ABORT):
+                    return None  # a tensor: `recv` reads it into its own buffer
+            if not self._read(link, None):
+                if deadline is None:
+                    deadline = time.monotonic() + self._timeout
+                self._wait(link, deadline)
+
+    def _why_lost(self, link: _Link, exc: OSError) -> ConnectionError:
+        """A send failed: the peer's reason if it left one before it closed, else the loss."""
+        try:
+            while self._read(link, None):
+                pass
+        except PeerAborted as aborted:
+            return aborted
+        except (OSError, ValueError):
+            pass
+        return _lost(link, exc)
+
+    def abort(self, reason: str) -> None:
+        """Tell every linked peer that this stage failed, and why (never waits), and close the
+        links: a peer reading from its link raises `PeerAborted` with `reason`."""
+        data = reason.encode()[:1024]
+        for link in self._links.values():
+            with contextlib.suppress(OSError):
+                record = _RECORD.pack(_ABORT, 0, len(data)) + data
+                link.data.sock.send(record, socket.MSG_DONTWAIT)
+        self.close()
 
     def close(self) -> None:
         """Close every link (the peers read end-of-file); mappings go with their last tensor."""
@@ -434,7 +505,7 @@ class ShmLinks:
                     tensor, buffers = spares[-1]
             else:  # a record ahead of its receive: its header says how large a tensor it holds
                 head = sock.recv(_RECORD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                if len(head) == _RECORD.size and head[0] == _INLINE:
+                if len(head) == _RECORD.size and head[0] in (_INLINE, _HEADER, _ABORT):
                     tensor = torch.empty(_RECORD.unpack(head)[2], dtype=torch.uint8)
                     buffers = [link.head, _memory(tensor)]
             if tensor is None:
@@ -467,6 +538,14 @@ class ShmLinks:
         elif kind == _DATA:
             link.arrived[link.read] = (slot, nbytes)
             link.read += 1
+        elif kind == _HEADER and want is None:
+            link.arrived[link.read] = _Header(tensor.view(torch.int64))  # type: ignore[union-attr]
+            link.read += 1
+        elif kind == _HEADER:  # read where a tensor was expected
+            raise self._disagree(link, _nbytes(*want), nbytes)
+        elif kind == _ABORT and tensor is not None:
+            raw = tensor.reshape(-1).view(torch.uint8)[:nbytes].tolist()
+            raise PeerAborted(bytes(raw).decode(errors="replace"))
         else:
             raise ConnectionError(f"stage {link.peer} sent a record of unknown kind {kind}")
         return True
@@ -509,6 +588,19 @@ def _send(sock: socket.socket, record: bytes, fd: int | None, flags: int, payloa
         return
     sock.sendmsg([record], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], flags)
     os.close(fd)  # the peer holds its own copy now; our mapping stays
+
+
+def _peek(link: _Link) -> int | None:
+    """The kind of the next record on `link`'s data socket, or None if none is there yet."""
+    try:
+        head = link.data.sock.recv(_RECORD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        raise _lost(link, exc) from exc
+    if not head:
+        raise _lost(link, None)
+    return head[0]
 
 
 def _top_up(link: _Link, want: tuple, spares: list) -> None:

@@ -21,6 +21,7 @@ place.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -30,22 +31,27 @@ import torch.distributed as dist
 
 from schedcc.backends.distributed.eager import EagerPlan, Transfer
 from schedcc.backends.distributed.groups import CommGroup
-from schedcc.backends.distributed.shapes import Shapes
+from schedcc.backends.distributed.peers import GlooPeer, ShmPeer, Side, exchange_nccl
 from schedcc.backends.distributed.shm import ShmLinks
+from schedcc.backends.distributed.streams import GLOO, NCCL, SHM, receive_streams, send_streams
+from schedcc.backends.runtime.boundary import Message
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import RankFailure
 from schedcc.ir import Instruction
+from schedcc.program import Program
+from schedcc.semantics import Layout
 
 __all__ = ["Transfers", "first_line"]
 
 
 class Transfers:
-    """Moves one stage's tensors to and from its peers, step by step of its program.
+    """Moves one stage's messages to and from its peers, step by step of its program.
 
     The engine calls `before(i)`, runs step `i` (calling `exchange(step)` for a comm group), then
-    `after(i)`; `finish(times)` ends a run. `shapes` must hold every transferred tensor's shape
-    and dtype (the engine's shape pass fills it) before the first run, and `connect()` must have
-    been called on every rank of the pipeline process group `pp_group`.
+    `after(i)`; `finish(times)` ends a run. `connect()` must have been called on every rank of
+    the pipeline process group `pp_group` before the first run. Each message's spec and meta
+    travel in a header only when they changed ([Note: a header only when it changes] in
+    `backends.distributed.streams`).
     """
 
     def __init__(
@@ -53,6 +59,7 @@ class Transfers:
         steps: Sequence[Instruction | CommGroup],
         runtime: StageRuntime,
         *,
+        program: Program,
         pp_group,
         global_peer: Mapping[int, int],
         device: torch.device,
@@ -61,13 +68,13 @@ class Transfers:
     ):
         self.steps = steps
         self.runtime = runtime
+        self.program = program
         self.pp_group = pp_group
         self.stage = dist.get_rank(pp_group)
         self.rank = dist.get_rank()
         self.global_peer = global_peer
         self.device = device
         self.timeout = timeout
-        self.shapes: Shapes = {}
         self._peers = {peer for step in steps if type(step) is CommGroup for peer in step.peers}
         # see [Note: eager point-to-point]
         eager = dist.get_backend(pp_group) == "gloo"
@@ -78,31 +85,49 @@ class Transfers:
         self._links: ShmLinks | None = None
         #: The peer stages this stage exchanges with through shared memory (after `connect`).
         self.shm_peers: frozenset[int] = frozenset()
-        self._recv_number, self._recvs_per_run = _number_receives(steps)
+        self._io: dict[int, ShmPeer | GlooPeer] = {}
+        self._out: dict[int, Side] = {}
+        self._in: dict[int, Side] = {}
         self._runs = 0
-        self._posted: dict[Instruction, tuple[torch.Tensor, object]] = {}
         self._sending: list[tuple[object, torch.Tensor, CommGroup]] = []
         self._spans: dict[int, tuple[float, float]] = {}
 
-    def connect(self) -> None:
+    def connect(self, *, linked: Transfers | None = None) -> None:
         """Link this stage with its same-host peers (collective over the pipeline process
-        group)."""
-        if self.eager is None:  # NCCL: every pair stays on batch_isend_irecv
-            return
-        try:
-            self._links = ShmLinks.connect(
-                self.pp_group,
-                self._peers,
-                timeout=self.timeout.total_seconds(),
-                enabled=self._shared_memory,
-            )
-        except (RuntimeError, OSError) as exc:
-            raise RankFailure(
-                f"rank {self.rank} (stage {self.stage}) could not link with its peers on this "
-                f"machine: {first_line(exc)}"
-            ) from exc
-        self.shm_peers = shm = self._links.peers
-        self._to_post = [[t for t in ts if t[1] not in shm] for ts in self.eager.post_before]
+        group), or use the links of `linked` (connected, same stage, runs never interleaved:
+        the forward-only program's transfers share the training program's), and number the
+        messages of every stream."""
+        if linked is not None:
+            self._links, self.shm_peers = linked._links, linked.shm_peers
+            self._to_post = [[t for t in ts if t[1] not in self.shm_peers] for ts in self._to_post]
+            self._io = {peer: linked._io[peer] for peer in self._peers}
+        elif self.eager is not None:  # NCCL: every pair stays on batch_isend_irecv
+            try:
+                self._links = ShmLinks.connect(
+                    self.pp_group,
+                    self._peers,
+                    timeout=self.timeout.total_seconds(),
+                    enabled=self._shared_memory,
+                )
+            except (RuntimeError, OSError) as exc:
+                raise RankFailure(
+                    f"rank {self.rank} (stage {self.stage}) could not link with its peers on "
+                    f"this machine: {first_line(exc)}"
+                ) from exc
+            self.shm_peers = shm = self._links.peers
+            self._to_post = [[t for t in ts if t[1] not in shm] for ts in self.eager.post_before]
+            for peer in self._peers:
+                io = ShmPeer(self._links, peer) if peer in shm else None
+                self._io[peer] = io or GlooPeer(self.pp_group, peer, self.device)
+        kinds = {
+            peer: NCCL if self.eager is None else SHM if peer in self.shm_peers else GLOO
+            for peer in self._peers
+        }
+        layout = Layout.of(self.program.schedule)
+        sends = send_streams(self.program, layout, self.stage, kinds)
+        receives = receive_streams(self.program, layout, self.stage, kinds)
+        self._out = {peer: Side(stream) for peer, stream in sends.items()}
+        self._in = {peer: Side(stream) for peer, stream in receives.items()}
 
     def describe(self) -> str:
         """How this stage's tensors travel; see `Engine.point_to_point`."""
@@ -114,6 +139,12 @@ class Transfers:
             return "shared memory"
         return "shared memory + gloo" if self.shm_peers else "gloo"
 
+    def abort(self, reason: str) -> None:
+        """This stage failed mid-run: tell the peers linked by shared memory why (they raise
+        it at once), and close the links; the others learn it when this process ends."""
+        if self._links is not None:
+            self._links.abort(reason)
+
     # -- one run --------------------------------------------------------------------------------
 
     def before(self, index: int) -> None:
@@ -122,58 +153,42 @@ class Transfers:
         if eager is None:
             return
         clock = time.perf_counter
-        shm = self.shm_peers
-        for op, peer, key, group in self._to_post[index]:
-            shape, dtype = self.shapes[key]
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        for op, peer, _, group in self._to_post[index]:
+            side = self._in[peer]
+            number = side.number(op, self._runs)
             try:
-                work = self.pp_group.recv([buffer], peer, 0)
+                self._io[peer].post(number, side.known(number))  # type: ignore[union-attr]
             except RuntimeError as exc:
                 raise self._failure(group, exc) from exc
-            self._posted[op] = (buffer, work)
-        for op, peer, key, group in eager.wait_before[index]:
+        for op, peer, _, group in eager.wait_before[index]:
             start = clock()
-            try:
-                if peer in shm:
-                    number = self._runs * self._recvs_per_run[peer] + self._recv_number[op]
-                    buffer = self._links.recv(peer, number, *self.shapes[key])  # type: ignore[union-attr]
-                else:
-                    buffer, work = self._posted.pop(op)
-                    work.wait(self.timeout)
-            except (RuntimeError, OSError) as exc:
-                raise self._failure(group, exc) from exc
-            self.runtime.incoming(op, buffer)
+            self.runtime.incoming(op, self._take(op, peer, group))
             self._span(group, start, clock())
 
     def exchange(self, step: CommGroup) -> None:
-        """NCCL: the comm group as one `batch_isend_irecv` (a coalesced batch, waited whole)."""
+        """NCCL: the comm group as `batch_isend_irecv` rounds (`peers.exchange_nccl`)."""
         if self.eager is not None:
             return  # gloo: the comm group's ops are posted by `before` and `after`
-        ops, received = [], []
-        for op, is_send, peer, key in step.items:
-            if is_send:
-                tensor = self._outgoing(op, key)
-                ops.append(dist.P2POp(dist.isend, tensor, self.global_peer[peer], self.pp_group))
+        items, receives = [], []
+        for op, is_send, peer, _ in step.items:
+            side = (self._out if is_send else self._in)[peer]
+            number = side.number(op, self._runs)
+            known = side.known(number)
+            message = self.runtime.outgoing(op) if is_send else None
+            if message is not None:
+                side.record(number, message)
             else:
-                shape, dtype = self.shapes[key]
-                buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, self.global_peer[peer], self.pp_group))
-                received.append((op, buffer))
+                receives.append((op, peer, number))
+            items.append((self.global_peer[peer], number, message, known))
         try:
-            works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):  # coalesced (NCCL): one handle for the whole group
-                for work in works:
-                    work.wait(self.timeout)
-            else:
-                for work, p2p in zip(works, ops):
-                    if p2p.op is dist.isend:  # see [Note: sends complete lazily]
-                        self._sending.append((work, p2p.tensor, step))
-                    else:
-                        work.wait(self.timeout)
+            got = exchange_nccl(items, self.pp_group, self.device, self.timeout)
+        except ValueError as exc:
+            raise self._disagree(step.items[0][0], step.peers[0], exc) from exc
         except RuntimeError as exc:
             raise RankFailure(self._message(step, exc)) from exc
-        for op, buffer in received:
-            self.runtime.incoming(op, buffer)
+        for op, peer, number in receives:
+            self._in[peer].record(number, got[number])
+            self.runtime.incoming(op, got[number])
 
     def after(self, index: int) -> None:
         """Gloo: post the sends whose tensors step `index` computed."""
@@ -187,7 +202,6 @@ class Transfers:
         for index, (start, end) in self._spans.items():
             times[index] = (start - clock0, end - clock0)
         self._spans.clear()
-        self._posted.clear()
         sending, self._sending = self._sending, []
         for work, _tensor, step in sending:
             try:
@@ -195,19 +209,48 @@ class Transfers:
             except RuntimeError as exc:
                 raise RankFailure(self._message(step, exc)) from exc
         self._runs += 1
+        for side in (*self._out.values(), *self._in.values()):  # a basis is at most a run back
+            side.forget_before((self._runs - 1) * len(side.stream.ops))
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _take(self, op: Instruction, peer: int, group: int) -> Message:
+        """The message `op` receives from `peer`, processing the stream in order up to it."""
+        side, io = self._in[peer], self._io[peer]
+        number = side.number(op, self._runs)
+        while side.processed <= number:
+            n = side.processed
+            try:
+                if type(io) is GlooPeer:
+                    message = io.process(n, side.known(n), self.timeout)
+                else:
+                    message = io.process(n, side.known(n))  # type: ignore[call-arg]
+            except ValueError as exc:
+                raise self._disagree(side.stream.ops[n % len(side.stream.ops)], peer, exc) from exc
+            except (RuntimeError, OSError) as exc:
+                raise self._failure(group, exc) from exc
+            side.record(n, message)
+            side.ready[n] = message
+            side.processed += 1
+        return side.ready.pop(number)
+
     def _send(self, send: Transfer) -> None:
-        op, peer, key, group = send
+        op, peer, _, group = send
         start = time.perf_counter()
-        tensor = self._outgoing(op, key)
+        message = self.runtime.outgoing(op)
+        side = self._out[peer]
+        number = side.number(op, self._runs)
+        known = side.known(number)
+        side.record(number, message)
+        io = self._io[peer]
         try:
-            if peer in self.shm_peers:
-                self._links.send(peer, tensor)  # type: ignore[union-attr]  # copied: done
+            if type(io) is GlooPeer:
+                for work, tensor in io.send(number, message, known):
+                    self._sending.append((work, tensor, self.steps[group]))  # see [Note: sends]
             else:
-                work = self.pp_group.send([tensor], peer, 0)
-                self._sending.append((work, tensor, self.steps[group]))  # see [Note: sends ...]
+                io.send(number, message, known)  # copied: done
+        except ValueError as exc:
+            raise self._disagree(op, peer, exc) from exc
         except (RuntimeError, OSError) as exc:
             raise self._failure(group, exc) from exc
         if not self.steps[group].recvs:  # a group with receives spans their waits
@@ -222,15 +265,12 @@ class Transfers:
         else:
             spans[group] = (start, end)
 
-    def _outgoing(self, op: Instruction, key: tuple[str, int]) -> torch.Tensor:
-        tensor = self.runtime.outgoing(op)
-        expected = self.shapes[key][0]
-        if tensor.shape != expected:
-            raise ValueError(
-                f"{op} sends shape {tuple(tensor.shape)} but the first batch's was {expected}; "
-                "the distributed backend learns shapes once: keep every batch the same size"
-            )
-        return tensor
+    def _disagree(self, op: Instruction, peer: int, exc: BaseException) -> RankFailure:
+        return RankFailure(
+            f"rank {self.rank} (stage {self.stage}) failed at {op}: the message from rank "
+            f"{self.global_peer[peer]} (stage {peer}) disagrees with what this stage expects: "
+            f"{first_line(exc)}"
+        )
 
     def _failure(self, group: int, exc: BaseException) -> RankFailure:
         return RankFailure(self._message(self.steps[group], exc))  # type: ignore[arg-type]
@@ -244,23 +284,12 @@ class Transfers:
         )
 
 
-def _number_receives(steps) -> tuple[dict[Instruction, int], dict[int, int]]:
-    """Each receive's place among this stage's receives from its peer, in program order; and
-    how many there are per peer in one run."""
-    number: dict[Instruction, int] = {}
-    count: dict[int, int] = {}
-    for step in steps:
-        if type(step) is CommGroup:
-            for op, peer, _ in step.recvs:
-                number[op] = count.get(peer, 0)
-                count[peer] = number[op] + 1
-    return number, count
-
-
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, without gloo's generic advice."""
+    """The first line of an exception's message, without gloo's source location and generic
+    advice (`[.../pair.cc:537] Read error ...: Connection reset by peer. This is typically ...`).
+    """
     text = str(exc).strip()
     if not text:
         return type(exc).__name__
-    text = text.splitlines()[0]
+    text = re.sub(r"^\[[^\]\s]+:\d+\] ", "", text.splitlines()[0])
     return text.split(". This is typically", 1)[0]
