@@ -1,10 +1,89 @@
-"""Hypothesis strategies shared by the project's tests; the shape ones are schedcc.testing's."""
+"""Hypothesis strategies shared by the project's tests; the shape ones are schedcc.testing's,
+the boundary-value ones (nestings of tensors and constants) are here."""
 
 from __future__ import annotations
 
+import math
+
+import torch
+from hypothesis import strategies as st
+
 from schedcc.testing import Shape, schedules, shapes
 
-__all__ = ["BUILTIN_SCHEDULES", "Shape", "schedules", "shapes"]
+__all__ = [
+    "BUILTIN_SCHEDULES",
+    "Shape",
+    "assert_same",
+    "boundary_values",
+    "constants",
+    "keys",
+    "nestings",
+    "schedules",
+    "shapes",
+    "tensors",
+]
 
 #: The built-in schedule names (one per class; aliases left out).
 BUILTIN_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "2bw")
+
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+
+constants = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.lists(st.integers(0, 9), max_size=3).map(torch.Size),
+)
+keys = st.one_of(st.text(max_size=6), st.integers(-3, 3), st.booleans(), st.none())
+
+
+@st.composite
+def tensors(draw, batch_size: int | None = None):
+    """A small tensor of a random dtype; dim 0 is `batch_size` when given."""
+    dtype = draw(st.sampled_from(_DTYPES))
+    rest = draw(st.lists(st.integers(0, 3), max_size=2))
+    shape = rest if batch_size is None else [batch_size, *rest]
+    seed = draw(st.integers(0, 2**16))
+    data = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (data * 10).to(dtype)
+
+
+def nestings(leaves):
+    """Random nestings of tuples, lists and dicts over `leaves`."""
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3).map(tuple),
+            st.lists(inner, max_size=3),
+            st.dictionaries(keys, inner, max_size=3),
+        ),
+        max_leaves=8,
+    )
+
+
+def assert_same(a, b):
+    """`a` and `b` are the same value: same types, constants bit-equal, tensors equal."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape)
+        assert torch.equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for x, y in zip(a.values(), b.values()):
+            assert_same(x, y)
+    elif isinstance(a, float):
+        assert a.hex() == b.hex() or (math.isnan(a) and math.isnan(b))
+    else:
+        assert a == b
+
+
+def boundary_values():
+    """Random boundary values: nestings of tuples, lists and dicts of tensors and constants."""
+    return nestings(st.one_of(tensors(), constants))
