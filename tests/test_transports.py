@@ -14,13 +14,14 @@ from strategies import assert_same, boundary_values
 from torch import nn
 
 import schedcc
-from schedcc.backends.distributed.peers import GlooPeer, ShmPeer, Side
+from schedcc.backends.distributed.peers import GlooPeer, ShmPeer, Side, exchange_nccl
 from schedcc.backends.distributed.shm import ShmLinks
 from schedcc.backends.distributed.streams import Stream, stream_bases
 from schedcc.backends.local import Engine
 from schedcc.backends.run.launch import spawn
 from schedcc.backends.runtime.boundary import activation
 
+CPU = torch.device("cpu")
 #: Each value is sent twice in a row: the second time it repeats its spec and meta.
 messages = st.lists(boundary_values(), min_size=1, max_size=4).map(
     lambda values: [v for v in values for _ in range(2)]
@@ -156,14 +157,43 @@ def _gloo_round_trips(rank: int) -> None:
     round_trip()
 
 
+def _group_round_trips(rank: int) -> None:
+    """The comm-group exchange NCCL runs (`exchange_nccl`), here over gloo's
+    `batch_isend_irecv`: each group sends one value each way; both ranks draw the same
+    examples."""
+    timeout = timedelta(seconds=20)
+    peer = 1 - rank
+
+    @settings(
+        derandomize=True, database=None, max_examples=30, deadline=None, phases=[Phase.generate]
+    )
+    @given(messages, messages)
+    def round_trip(first, second):
+        mine, theirs = (first, second) if rank == 0 else (second, first)
+        count = min(len(mine), len(theirs))
+        stream = _stream(count, lookahead=0)  # a group waits what it posts: the previous one
+        out, into = Side(stream), Side(stream)
+        for n in range(count):
+            message = activation(mine[n], segment=0)[0]
+            items = [(peer, n, message, out.known(n)), (peer, n, None, into.known(n))]
+            got = exchange_nccl(items if rank == 0 else items[::-1], dist.group.WORLD, CPU, timeout)
+            out.record(n, message)
+            into.record(n, got[n])
+            assert_same(got[n].value(), theirs[n])
+
+    round_trip()
+
+
 def _gloo_worker(rank: int, world_size: int) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
     _gloo_round_trips(rank)
+    _group_round_trips(rank)
     return 0
 
 
 def test_values_round_trip_through_gloo_point_to_point():
     """Over gloo, with receives posted ahead shaped like their basis, each value comes back
-    unchanged; a message that repeats its basis sends its tensors and nothing else."""
+    unchanged; a message that repeats its basis sends its tensors and nothing else. The comm
+    group exchange of the NCCL path round-trips them too (run here on gloo's CPU tensors)."""
     assert spawn(_gloo_worker, 2, grace=30, threads=1) == 0
