@@ -21,7 +21,7 @@ from types import MappingProxyType
 import attrs
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import COMM, COMPUTE, UPDATE, Instruction, parse
+from schedcc.ir import COMM, COMPUTE, UPDATE, Comm, Instruction, parse
 
 __all__ = ["ALL_KINDS", "FIELD_OF_CODE", "CostModel", "cost_fields", "kind_cost"]
 
@@ -42,7 +42,7 @@ ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
 
 def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
     """The field of `model` that instructions of class `cls` cost."""
-    return model.comm if cls.group == "comm" else getattr(model, _FIELD[cls.code])
+    return model.comm if issubclass(cls, Comm) else getattr(model, _FIELD[cls.code])
 
 
 def _non_negative(instance, attribute, value) -> None:
@@ -187,7 +187,7 @@ def _kind_of(event: object) -> str | None:
         op = parse(str(event.get("name", "")))
     except ValueError:
         return None
-    return "comm" if op.group == "comm" else _FIELD[op.code]
+    return "comm" if isinstance(op, Comm) else _FIELD[op.code]
 
 
 def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:
