@@ -17,6 +17,7 @@ from schedcc.errors import (
     ScheduleError,
     UnknownScheduleError,
     UnmatchedCommError,
+    UpdateOrderError,
     WeightVersionError,
 )
 from schedcc.ir import (
@@ -70,6 +71,7 @@ __all__ = [
     "Timeline",
     "UnknownScheduleError",
     "UnmatchedCommError",
+    "UpdateOrderError",
     "WeightVersionError",
     "available_schedules",
     "compile",
