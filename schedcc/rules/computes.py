@@ -12,6 +12,7 @@ from schedcc.ir import (
     Comm,
     Compute,
     Forward,
+    OnMicrobatch,
     OptimizerStep,
     SendActivation,
 )
@@ -82,35 +83,39 @@ def check_complete(ctx: Context) -> Iterator[Problem]:
 def check_dependencies(ctx: Context) -> Iterator[Problem]:
     """On its own stage, each compute comes after the tensors it needs (made on this stage or
     received), and each send after the compute that makes what it sends."""
-    tensors, span = ctx.tensors, ctx.tensors.span
+    span = ctx.tensors.span
     # have[key] == s: key was made or received on stage s so far (stages run one after another)
     have = [-1] * (span * ctx.schedule.num_microbatches_total)
     for s, ops in enumerate(ctx.stages):
-        computes, comms = tensors.compute_table(s), tensors.comm_table(s)
+        table = _needs_and_makes(ctx, s)
         for pos, op in enumerate(ops):
-            if isinstance(op, Compute):
-                use = computes[type(op), op.chunk]
-                base = op.microbatch * span
-                for offset in use.needs:
-                    if have[base + offset] != s:
-                        text = _needs(ctx, s, op, base + offset)
-                        yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {text}", s, pos)
-                        break
-                if use.makes >= 0:
-                    have[base + use.makes] = s
-            elif isinstance(op, Comm):
-                route = comms.get((type(op), op.chunk))
-                if route is None:  # nothing to move: check_comm reports it
-                    continue
-                key = op.microbatch * span + route.carries
-                if not op.is_send:
-                    have[key] = s
-                elif have[key] != s:
-                    text = _needs(ctx, s, op, key)
+            if not isinstance(op, OnMicrobatch):  # an update
+                continue
+            entry = table.get((type(op), op.chunk))
+            if entry is None:  # a comm op with nothing to move: check_comm reports it
+                continue
+            needs, makes = entry
+            base = op.microbatch * span
+            for offset in needs:
+                if have[base + offset] != s:
+                    text = _needs(ctx, s, op, base + offset)
                     yield Problem(DependencyError, f"{ctx.where(s, pos)} needs {text}", s, pos)
+                    break
+            if makes >= 0:
+                have[base + makes] = s
 
 
-def _needs(ctx: Context, s: int, op: Compute | Comm, key: int) -> str:
+def _needs_and_makes(ctx: Context, s: int) -> dict[tuple[type, int], tuple[tuple[int, ...], int]]:
+    """`(class, chunk) -> (offsets needed before it, offset it makes or -1)` on stage `s`: a
+    compute's tensors, a send's tensor (needed), a receive's (made here, as far as the stage
+    is concerned)."""
+    table = {kind: (use.needs, use.makes) for kind, use in ctx.tensors.compute_table(s).items()}
+    for kind, use in ctx.tensors.comm_table(s).items():
+        table[kind] = ((use.carries,), -1) if kind[0].is_send else ((), use.carries)
+    return table
+
+
+def _needs(ctx: Context, s: int, op: OnMicrobatch, key: int) -> str:
     """What `op` on stage `s` needed before it: the tensor `key`, as the instruction to add."""
     is_gradient, i, k = ctx.tensors.decode(key)
     c, chunk_of = op.chunk, ctx.layout.chunk_of
