@@ -83,10 +83,15 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """`schedcc.partition`, imported on first use (it needs torch)."""
+    """`schedcc.partition` and `schedcc.split`, imported on first use (they need torch)."""
     if name == "partition":
         from schedcc.partitioning import partition
 
         globals()["partition"] = partition
         return partition
+    if name == "split":
+        from schedcc.splitting import split
+
+        globals()["split"] = split
+        return split
     raise AttributeError(f"module 'schedcc' has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """The `Schedule` base class a pipeline schedule is written against.
 
 A schedule says, for each stage, the order of its compute instructions; the compiler derives the
-communication, the data-parallel updates and the weight versions. See DESIGN.md, "Writing a
-schedule".
+communication, the data-parallel updates and the weight versions. docs/schedules.md is the guide
+to writing one; docs/design.md says what the compiler does with it.
 
     >>> from schedcc import Schedule, Forward, Backward
     >>> class GPipe(Schedule):

@@ -5,7 +5,7 @@ placement, optionally split backward I + W) and one random interleaving of the c
 respects the data dependencies, as a `Schedule` whose `steps(stage)` returns that order. It is
 built by simulating the stages: at every moment some computes are ready (their inputs exist, and
 on their stage the optimizer steps they need have their gradients); pick a random one, run it,
-release what it unblocks. DESIGN.md's core claim is that every such order compiles and validates.
+release what it unblocks. The compiler's core claim (docs/design.md): every such order validates.
 
 Ordering rules between batches on one stage (the compiler places the step of batch b after the
 stage's last weight gradient of batch b):

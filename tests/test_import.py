@@ -1,4 +1,4 @@
-"""`import schedcc` stays light: no torch, and the public names DESIGN.md lists are there."""
+"""`import schedcc` stays light: no torch, and the public names docs/design.md lists are there."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_import_does_not_import_torch():
 
 
 def test_public_names():
-    """The top level exports the names DESIGN.md promises, and `__all__` lists only real names."""
+    """The top level exports the names docs/design.md promises; `__all__` lists only real names."""
     for name in (
         "Schedule",
         "Forward",
