@@ -16,8 +16,10 @@ __all__ = [
     "DependencyError",
     "IncompleteScheduleError",
     "MemoryBoundError",
+    "PartitionError",
     "RankFailure",
     "RuntimeInstructionError",
+    "ScheduleCodeError",
     "ScheduleConfigError",
     "ScheduleError",
     "UnknownScheduleError",
@@ -104,3 +106,15 @@ class UpdateOrderError(DependencyError):
     gathered before its next compute or the end of the program. A subclass of `DependencyError`
     (what these problems raised before they had their own rules).
     """
+
+
+class ScheduleCodeError(ScheduleError):
+    """A schedule's own code failed or broke the `Schedule` contract: its constructor, `check()`,
+    `placement()` or `steps()` raised, or `steps()` returned or yielded something that is not an
+    instruction in range. The message names the class and the method; `__cause__` holds the
+    original exception where there was one.
+    """
+
+
+class PartitionError(ScheduleConfigError):
+    """A model that cannot be cut as asked (too few layers, bad boundaries, unknown method)."""

@@ -12,16 +12,12 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import PartitionError, ScheduleConfigError
 
 if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["PartitionError", "partition", "segment_bounds"]
-
-
-class PartitionError(ScheduleConfigError):
-    """A model that cannot be cut as asked (too few layers, bad boundaries, unknown method)."""
 
 
 def partition(

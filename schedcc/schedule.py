@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import ClassVar, TypeVar
 
-from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.errors import ScheduleCodeError, ScheduleConfigError, ScheduleError
 from schedcc.ir import Instruction
 
 __all__ = [
@@ -34,14 +34,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-
-class ScheduleCodeError(ScheduleError):
-    """A schedule's own code failed or broke the `Schedule` contract: its constructor, `check()`,
-    `placement()` or `steps()` raised, or `steps()` returned or yielded something that is not an
-    instruction in range. The message names the class and the method; `__cause__` holds the
-    original exception where there was one.
-    """
 
 
 def describe(schedule: Schedule) -> str:
