@@ -5,8 +5,8 @@ path) and `BackwardWeight` (W: the gradient for its weights, needed only by the 
 Stage s runs 1F1B's `p - s - 1` warm-up forwards, then one forward and one input-backward at a
 time; its weight-backwards start `s` iterations late, so every stage keeps the same number of
 microbatches in flight (forwarded, weight gradient not yet taken), and the deferred W fill the
-cool-down that 1F1B leaves idle. An I frees the microbatch's activations, so the peak activations
-per stage are 1F1B's, `min(p - s, m)`.
+cool-down that 1F1B leaves idle. A microbatch's activations are held until its W (the weight
+gradient needs the saved inputs), so every stage peaks at `min(p, m)`: 1F1B's stage-0 peak.
 
 Properties (no comm cost, m >= p, W <= min(F, I)): makespan `m(F + I + W) + (p - 1)(F + I - W)`,
 the paper's ZB-H1 bubble `(p - 1)(F + I - W)`; with F = I = W = 1 that is 3m + p - 1, a bubble a

@@ -28,6 +28,7 @@ from schedcc.backends.distributed.groups import CommGroup
 from schedcc.ir import (
     Backward,
     BackwardInput,
+    Comm,
     Forward,
     Instruction,
     RecvActivation,
@@ -104,14 +105,14 @@ class EagerPlan:
 
 
 def _compute_key(op: Instruction) -> tuple[str, int, int] | None:
-    if type(op) is Forward:
+    if isinstance(op, Forward):
         return ("F", op.microbatch, op.chunk)
-    if type(op) in (Backward, BackwardInput):
-        return ("B", op.microbatch, op.chunk)  # type: ignore[attr-defined]
+    if isinstance(op, (Backward, BackwardInput)):
+        return ("B", op.microbatch, op.chunk)
     return None
 
 
-def _data_key(op: Instruction) -> tuple[str, int, int]:
+def _data_key(op: Comm) -> tuple[str, int, int]:
     """The compute that produces (send) or consumes (receive) the tensor of a comm op."""
-    kind = "F" if type(op) in (SendActivation, RecvActivation) else "B"
-    return (kind, op.microbatch, op.chunk)  # type: ignore[attr-defined]
+    kind = "F" if isinstance(op, (SendActivation, RecvActivation)) else "B"
+    return (kind, op.microbatch, op.chunk)

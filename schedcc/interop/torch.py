@@ -29,8 +29,10 @@ from schedcc.ir import (
     Backward,
     BackwardInput,
     BackwardWeight,
+    Comm,
     Forward,
     Instruction,
+    OnMicrobatch,
     RecvActivation,
     RecvGrad,
     SendActivation,
@@ -91,10 +93,12 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
         backwards: dict[int, int] = {}
         for op in ops:
             code = _TO_TORCH.get(type(op))
-            if code is None or (not comms and op.group == "comm"):
+            if code is None or not isinstance(op, OnMicrobatch):
                 continue
-            segment = schedule.segment_of(stage, op.chunk)  # type: ignore[attr-defined]
-            row.append(f"{segment}{code}{op.microbatch}")  # type: ignore[attr-defined]
+            if not comms and isinstance(op, Comm):
+                continue
+            segment = schedule.segment_of(stage, op.chunk)
+            row.append(f"{segment}{code}{op.microbatch}")
             if comms and type(op) in (Backward, BackwardWeight):  # a weight gradient is done
                 backwards[segment] = backwards.get(segment, 0) + 1
                 if backwards[segment] == schedule.num_microbatches:
