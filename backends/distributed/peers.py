@@ -96,7 +96,9 @@ class ShmPeer:
                 tensor of another size).
         """
         links, peer = self._links, self._peer
-        words = links.recv_header(peer, self._record)
+        first = known[1][0] if known is not None and known[1] else None
+        want = None if first is None else (first.shape, first.dtype)  # read at once if it is
+        words = links.recv_header(peer, self._record, want)
         if words is not None:
             self._record += 1
             spec, meta = read_header(words, number)

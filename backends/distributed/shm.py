@@ -203,6 +203,7 @@ class _Link:
         "in_views",
         "inline",
         "out_views",
+        "overflow",
         "peer",
         "read",
         "slots",
@@ -215,6 +216,8 @@ class _Link:
         self.peer = peer
         self.inline = inline  # the largest tensor sent in its record, both ways (bytes)
         self.head = bytearray(_RECORD.size)  # where each record's header is read
+        # where a message header lands when it comes in place of an expected tensor
+        self.overflow = bytearray(inline + 8)
         # (shape, dtype) -> empty tensors (with the buffers to read into them) for inline ones
         self.spares: dict[tuple, list[tuple[torch.Tensor, list]]] = {}
         self.data = _Channel(data)  # DATA and NEW records, both ways; a waiting rank sleeps here
@@ -405,9 +408,10 @@ class ShmLinks:
         except OSError as exc:
             raise self._why_lost(link, exc) from exc
 
-    def recv_header(self, peer: int, number: int) -> torch.Tensor | None:
+    def recv_header(self, peer: int, number: int, want: tuple | None = None):
         """The header that is record `number` from `peer`, or None if that record holds a
-        tensor (left for `recv`); waits for the record."""
+        tensor (left for `recv`, read already if it is the `(shape, dtype)` `want` expects);
+        waits for the record."""
         link = self._links[peer]
         deadline = None
         while True:
@@ -417,11 +421,11 @@ class ShmLinks:
                     return None
                 del link.arrived[number]
                 return got.words
-            if link.read == number:
+            if link.read == number and want is None:
                 kind = _peek(link)
                 if kind is not None and kind not in (_HEADER, _NEW, _ABORT):
                     return None  # a tensor: `recv` reads it into its own buffer
-            if not self._read(link, None):
+            if not self._read(link, want if link.read == number else None):
                 if deadline is None:
                     deadline = time.monotonic() + self._timeout
                 self._wait(link, deadline)
@@ -503,12 +507,14 @@ class ShmLinks:
                     if not spares:  # a few at once: one allocation alone, cold, costs more
                         _top_up(link, want, spares)
                     tensor, buffers = spares[-1]
+                else:  # a tensor through a slot is expected: a header may come instead
+                    buffers = [link.head, link.overflow]
             else:  # a record ahead of its receive: its header says how large a tensor it holds
                 head = sock.recv(_RECORD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 if len(head) == _RECORD.size and head[0] in (_INLINE, _HEADER, _ABORT):
                     tensor = torch.empty(_RECORD.unpack(head)[2], dtype=torch.uint8)
                     buffers = [link.head, _memory(tensor)]
-            if tensor is None:
+            if tensor is None and want is None:
                 buffers = [link.head]
             size, anc, _, _ = sock.recvmsg_into(buffers, _FDS, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -538,14 +544,13 @@ class ShmLinks:
         elif kind == _DATA:
             link.arrived[link.read] = (slot, nbytes)
             link.read += 1
-        elif kind == _HEADER and want is None:
-            link.arrived[link.read] = _Header(tensor.view(torch.int64))  # type: ignore[union-attr]
+        elif kind == _HEADER:  # read ahead, or in place of the tensor `want` expected
+            words = _payload(link, tensor, nbytes, ahead=want is None)
+            link.arrived[link.read] = _Header(torch.frombuffer(words, dtype=torch.int64))
             link.read += 1
-        elif kind == _HEADER:  # read where a tensor was expected
-            raise self._disagree(link, _nbytes(*want), nbytes)
-        elif kind == _ABORT and tensor is not None:
-            raw = tensor.reshape(-1).view(torch.uint8)[:nbytes].tolist()
-            raise PeerAborted(bytes(raw).decode(errors="replace"))
+        elif kind == _ABORT:
+            text = _payload(link, tensor, nbytes, ahead=want is None)
+            raise PeerAborted(bytes(text).decode(errors="replace"))
         else:
             raise ConnectionError(f"stage {link.peer} sent a record of unknown kind {kind}")
         return True
@@ -590,6 +595,15 @@ def _send(sock: socket.socket, record: bytes, fd: int | None, flags: int, payloa
     os.close(fd)  # the peer holds its own copy now; our mapping stays
 
 
+def _payload(link: _Link, tensor: torch.Tensor | None, nbytes: int, *, ahead: bool) -> bytearray:
+    """The `nbytes` of a header or abort record: read ahead into `tensor`, or spread over the
+    tensor expected in its place and the link's overflow buffer."""
+    if ahead:
+        return bytearray(bytes(_memory(tensor)))  # type: ignore[arg-type]
+    first = bytes(_memory(tensor)) if tensor is not None else b""
+    return bytearray((first + bytes(link.overflow))[:nbytes])
+
+
 def _peek(link: _Link) -> int | None:
     """The kind of the next record on `link`'s data socket, or None if none is there yet."""
     try:
@@ -606,7 +620,7 @@ def _peek(link: _Link) -> int | None:
 def _top_up(link: _Link, want: tuple, spares: list) -> None:
     """Fill `spares` (of `link`, for tensors shaped `want`) back up to `SPARES`."""
     empties = [torch.empty(want[0], dtype=want[1]) for _ in range(SPARES - len(spares))]
-    spares[:0] = [(empty, [link.head, _memory(empty)]) for empty in empties]
+    spares[:0] = [(empty, [link.head, _memory(empty), link.overflow]) for empty in empties]
 
 
 def _memory(tensor: torch.Tensor):

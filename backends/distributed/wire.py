@@ -96,7 +96,8 @@ def marker(meta: TensorMeta, device: torch.device) -> torch.Tensor:
 
 def is_marker(buffer: torch.Tensor) -> bool:
     """Whether a buffer from `expecting` received a marker rather than data."""
-    return not torch.equal(buffer[-8:].cpu(), SENTINEL)
+    tail = buffer[-8:]
+    return not torch.equal(tail if tail.device.type == "cpu" else tail.cpu(), SENTINEL)
 
 
 def first_tensor(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:

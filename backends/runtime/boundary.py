@@ -23,6 +23,7 @@ A gradient message's value is `(grads,)`, the input gradient of each grad-requir
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -46,6 +47,17 @@ __all__ = [
     "read_gradients",
     "receive",
 ]
+
+
+#: The spec of a value that is one tensor.
+_TENSOR = flatten(torch.empty(0))[1]
+
+
+@functools.cache
+def _gradient_spec(count: int, carries: bool) -> Spec:
+    """The spec of a gradient message: `(grads,)`, or `(grads, count)` when it `carries`."""
+    grads = tuple(torch.empty(0) for _ in range(count))
+    return flatten((grads, torch.empty(0)) if carries else (grads,))[1]
 
 
 class Message(NamedTuple):
@@ -72,6 +84,11 @@ def activation(output: Any, *, segment: int) -> tuple[Message, list[torch.Tensor
         ScheduleConfigError: the output holds something that cannot cross a stage (named by its
             path).
     """
+    if type(output) is torch.Tensor:  # the common case, without the walk
+        takes = output.requires_grad and output.is_floating_point()
+        meta = (TensorMeta(output.dtype, tuple(output.shape), takes),)
+        message = Message([output.detach().contiguous()], _TENSOR, meta)
+        return message, ([output] if takes else [])
     tensors, spec = flatten(output, name=f"the output of segment {segment}")
     meta = tensor_meta(tensors)
     roots = [t for t, m in zip(tensors, meta) if m.requires_grad]
@@ -83,6 +100,9 @@ def receive(message: Message) -> tuple[Any, list[torch.Tensor]]:
 
     The message's tensors become the leaves (detached aliases: the sender's are not touched).
     """
+    if message.spec == _TENSOR:  # the common case, without the walk
+        leaf = message.tensors[0].detach().requires_grad_(message.meta[0].requires_grad)
+        return leaf, ([leaf] if leaf.requires_grad else [])
     leaves = [
         t.detach().requires_grad_(m.requires_grad) for t, m in zip(message.tensors, message.meta)
     ]
@@ -103,26 +123,30 @@ def gradients(
     count: torch.Tensor | None = None,
 ) -> Message:
     """The gradient message for `leaves` (zeros where a gradient is None), with `count`."""
-    flat = [
+    tensors = [
         torch.zeros_like(leaf) if g is None else g.detach().contiguous()
         for leaf, g in zip(leaves, grads)
     ]
-    value: tuple = (tuple(flat),) if count is None else (tuple(flat), count.reshape(()))
-    tensors, spec = flatten(value, name="gradients")
-    return Message(tensors, spec, tensor_meta(tensors))
+    if count is not None:
+        tensors.append(count.reshape(()))
+    return Message(tensors, _gradient_spec(len(leaves), count is not None), tensor_meta(tensors))
 
 
 def read_gradients(
     message: Message, roots: Sequence[torch.Tensor]
 ) -> tuple[list[torch.Tensor], torch.Tensor | None] | str:
     """`(grads for roots, count or None)` from a gradient message, or what disagrees (a text)."""
-    value = message.value()
-    if type(value) is not tuple or len(value) not in (1, 2) or type(value[0]) is not tuple:
-        return "it is not a gradient message"
-    grads = list(value[0])
-    if len(grads) != len(roots):
+    tensors, count = message.tensors, len(roots)
+    if message.spec == _gradient_spec(count, False):
+        grads, carried = tensors, None
+    elif message.spec == _gradient_spec(count, True):
+        grads, carried = tensors[:count], tensors[count]
+    else:
+        value = message.value()
+        if type(value) is not tuple or len(value) not in (1, 2) or type(value[0]) is not tuple:
+            return "it is not a gradient message"
         return (
-            f"it holds {len(grads)} gradient(s) but the output sent {len(roots)} tensor(s) that "
+            f"it holds {len(value[0])} gradient(s) but the output sent {count} tensor(s) that "
             "take one"
         )
     for n, (g, root) in enumerate(zip(grads, roots)):
@@ -131,11 +155,13 @@ def read_gradients(
                 f"gradient {n} is {g.dtype} {tuple(g.shape)} but the output's tensor is "
                 f"{root.dtype} {tuple(root.shape)}"
             )
-    return grads, (value[1] if len(value) == 2 else None)
+    return list(grads), carried
 
 
 def _live(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> tuple:
     """The roots that reach a graph, and their gradients (None: the loss, implicitly 1)."""
+    if len(roots) == 1:
+        return ((roots[0],), (grads[0],)) if roots[0].requires_grad else ((), ())
     pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
     return tuple(r for r, _ in pairs), tuple(g for _, g in pairs)
 

@@ -297,9 +297,10 @@ class StageRuntime:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         value, leaves = self._ports.input_of(i, c, k)
-        if self.forward_only:
+        if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
-                out = call(self.modules[c], value)
+                live = dict(self._views[c].named_parameters())
+                out = self._call(self.modules[c], live, value)
             if k < self._last:
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
             elif self._ports.has_targets(i):
