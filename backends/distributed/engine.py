@@ -1,5 +1,8 @@
 """The `torch.distributed` backend: one process per (data-parallel rank, stage).
 
+Longer than the project's ~400-line habit on purpose: the per-rank driver (its run loop,
+evaluation, the checkpoint collectives and naming a failure) shares one engine's state.
+
 `Engine` runs one stage's program on its rank: compute and update instructions go to the shared
 `StageRuntime`. Under NCCL each comm group is posted whole, as ONE
 `torch.distributed.batch_isend_irecv`, and its receives are waited before the next instruction (the
@@ -63,6 +66,8 @@ from schedcc.backends.checkpoint.files import (
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.distributed.groups import (
     CommGroup,
+    DataParallel,
+    bound_waits,
     device_of,
     own_segments,
     process_groups,
@@ -79,51 +84,7 @@ from schedcc.ir import Instruction, Update
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps
 
-__all__ = ["DataParallel", "Engine"]
-
-
-class DataParallel:
-    """`Collectives` over one stage's data-parallel process group (see
-    `backends.runtime.collectives`).
-
-    Gloo has no reduce-scatter: there it all-reduces a copy and keeps this rank's slice.
-    """
-
-    def __init__(self, dp_group, *, timeout: timedelta | None = None):
-        self.dp_group = dp_group
-        self.rank = dist.get_rank(dp_group)
-        self.size = dist.get_world_size(dp_group)
-        self._native = dist.get_backend(dp_group) != "gloo"
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """In-place SUM over the group."""
-        if self.size > 1:
-            dist.all_reduce(tensor, group=self.dp_group)
-
-    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """SUM of `flat` (length `size * shard`) over the group; this rank's shard."""
-        shard = flat.numel() // self.size
-        if self.size == 1:
-            return flat.clone()
-        if self._native:
-            out = flat.new_empty(shard)
-            dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.dp_group)
-            return out
-        total = flat.clone()
-        dist.all_reduce(total, group=self.dp_group)
-        return total[self.rank * shard : (self.rank + 1) * shard].clone()
-
-    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The rank-ordered concatenation of every rank's `shard`."""
-        if self.size == 1:
-            return shard.clone()
-        if self._native:
-            out = shard.new_empty(shard.numel() * self.size)
-            dist.all_gather_into_tensor(out, shard.contiguous(), group=self.dp_group)
-            return out
-        parts = [torch.empty_like(shard) for _ in range(self.size)]
-        dist.all_gather(parts, shard.contiguous(), group=self.dp_group)
-        return torch.cat(parts)
+__all__ = ["Engine"]
 
 
 class Engine(BaseEngine):
@@ -189,7 +150,7 @@ class Engine(BaseEngine):
         self.stage = dist.get_rank(self.pp_group)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         if mesh is None and pp_group is None:  # groups made here: see [Note: failures]
-            _bound_waits(self.timeout, self.pp_group, self.dp_group)
+            bound_waits(self.timeout, self.pp_group, self.dp_group)
         self.reduce_loss = reduce_loss
         schedule = program.schedule
         modules = own_segments(schedule, self.stage, segments)
@@ -520,16 +481,3 @@ class Engine(BaseEngine):
             return None
         lo, hi = self._bounds[self._at]
         return " ".join(str(op) for op in self.program.stages[self.stage][lo:hi])
-
-
-def _bound_waits(timeout: timedelta, *groups) -> None:
-    """Give process groups the engine made the engine's timeout for every wait on them (see
-    [Note: failures]); the default group, which a mesh dimension over the world reuses, keeps
-    its own."""
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # as torchtitan does
-    if set_timeout is None:
-        return
-    world = dist.group.WORLD.group_name  # type: ignore[union-attr]
-    for group in groups:
-        if group.group_name != world and dist.get_world_size(group) > 1:
-            set_timeout(timeout, group)

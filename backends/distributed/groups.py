@@ -1,5 +1,8 @@
 """Setting up the distributed `Engine`: process groups, this stage's segments, its program.
 
+`process_groups` makes the pipeline and data-parallel process groups, `bound_waits` gives the ones
+the engine made its timeout, and `DataParallel` runs the runtime's collectives over one.
+
 `stage_ops` gives the stage's program as the engine runs it, one item per step of the step model:
 single compute and update instructions, and each comm group as one `CommGroup` (posted together
 under NCCL by `Transfers.exchange`; op by op under gloo, see [Note: eager point-to-point]).
@@ -14,6 +17,7 @@ compared with an earlier one of its channel to decide whether it needs a header
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,7 +30,16 @@ from schedcc.ir import Instruction
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route, decode
 
-__all__ = ["Channel", "CommGroup", "device_of", "own_segments", "process_groups", "stage_ops"]
+__all__ = [
+    "Channel",
+    "CommGroup",
+    "DataParallel",
+    "bound_waits",
+    "device_of",
+    "own_segments",
+    "process_groups",
+    "stage_ops",
+]
 
 #: `(kind, segment)`: "A" activations out of the segment, "G" its input gradients, "C" those of
 #: them that carry a batch's count.
@@ -114,3 +127,60 @@ def stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction 
             comms.append((op, op.is_send, dst if op.is_send else src, (kind, k)))
         items.append(CommGroup(comms))
     return items
+
+
+class DataParallel:
+    """`Collectives` over one stage's data-parallel process group (see
+    `backends.runtime.collectives`).
+
+    Gloo has no reduce-scatter: there it all-reduces a copy and keeps this rank's slice.
+    """
+
+    def __init__(self, dp_group, *, timeout: timedelta | None = None):
+        self.dp_group = dp_group
+        self.rank = dist.get_rank(dp_group)
+        self.size = dist.get_world_size(dp_group)
+        self._native = dist.get_backend(dp_group) != "gloo"
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """In-place SUM over the group."""
+        if self.size > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+
+    def reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """SUM of `flat` (length `size * shard`) over the group; this rank's shard."""
+        shard = flat.numel() // self.size
+        if self.size == 1:
+            return flat.clone()
+        if self._native:
+            out = flat.new_empty(shard)
+            dist.reduce_scatter_tensor(out, flat.contiguous(), group=self.dp_group)
+            return out
+        total = flat.clone()
+        dist.all_reduce(total, group=self.dp_group)
+        return total[self.rank * shard : (self.rank + 1) * shard].clone()
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The rank-ordered concatenation of every rank's `shard`."""
+        if self.size == 1:
+            return shard.clone()
+        if self._native:
+            out = shard.new_empty(shard.numel() * self.size)
+            dist.all_gather_into_tensor(out, shard.contiguous(), group=self.dp_group)
+            return out
+        parts = [torch.empty_like(shard) for _ in range(self.size)]
+        dist.all_gather(parts, shard.contiguous(), group=self.dp_group)
+        return torch.cat(parts)
+
+
+def bound_waits(timeout: timedelta, *groups) -> None:
+    """Give process groups the engine made the engine's timeout for every wait on them (see
+    [Note: failures]); the default group, which a mesh dimension over the world reuses, keeps
+    its own."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # as torchtitan does
+    if set_timeout is None:
+        return
+    world = dist.group.WORLD.group_name  # type: ignore[union-attr]
+    for group in groups:
+        if group.group_name != world and dist.get_world_size(group) > 1:
+            set_timeout(timeout, group)

@@ -1,5 +1,8 @@
 """Point-to-point between stages on the same machine, through shared memory.
 
+Longer than the project's ~400-line habit on purpose: one transport whose records, slots,
+acknowledgements and inline messages form one protocol, checked by reading it whole.
+
 [Note: same-host point-to-point] Under gloo, a message between two processes on one machine goes
 through TCP on loopback, with gloo's I/O thread woken on both ends. Measured on 2 cores
 (`benchmarks/p2p_latency.py`), a 128 KiB activation takes 275-690 us one-way in a ping-pong and

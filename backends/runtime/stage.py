@@ -1,5 +1,8 @@
 """`StageRuntime`: what each instruction does to tensors on one stage (shared by every backend).
 
+Longer than the project's ~400-line habit on purpose: the table of one handler per instruction
+is the runtime's contract, and it reads best whole.
+
 A backend owns communication only: it feeds received messages in through `incoming`, takes the
 messages to send from `outgoing` (a boundary value as flat tensors, spec and meta:
 `backends.runtime.boundary`), and hands every compute and update instruction to `run`. Data

@@ -1,5 +1,8 @@
 """Boundary values: what crosses a stage, what a batch holds, and how a segment is called.
 
+Longer than the project's ~400-line habit on purpose: the value vocabulary and its wire
+encoding are one format, and a change to one is a change to the other.
+
 A *value* is any nesting of tuple, list and dict of tensors (any dtype) and constants (None,
 bool, int, float, str, torch.Size). A transport moves it as a flat list of tensors plus two small
 descriptions: the *spec* (the nesting and the constants, hashable and picklable) and the *meta*
