@@ -4,7 +4,9 @@ last projects back with the same `W` (transposed). Boundaries are single float t
 
 from __future__ import annotations
 
+import _models
 import torch
+from _models import mse
 from torch import nn
 
 __all__ = ["WIDTH", "Embed", "Head", "adam", "batches", "mse", "tied_segments"]
@@ -50,20 +52,8 @@ def tied_segments(num_segments: int, *, seed: int = 0, width: int = WIDTH) -> li
 
 
 def batches(num_batches: int, batch_size: int, *, seed: int = 1, width: int = WIDTH):
-    """`num_batches` (inputs, targets) pairs of float64 data."""
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(batch_size, width, generator=gen, dtype=torch.float64),
-            torch.randn(batch_size, width, generator=gen, dtype=torch.float64),
-        )
-        for _ in range(num_batches)
-    ]
-
-
-def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error (a mean over the microbatch)."""
-    return torch.nn.functional.mse_loss(output, target)
+    """`num_batches` (inputs, targets) pairs of float64 data of this model's width."""
+    return _models.batches(num_batches, batch_size, seed=seed, width=width)
 
 
 def adam(params):
