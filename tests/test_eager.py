@@ -16,20 +16,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import schedcc
-from schedcc.backends.distributed.eager import RECV_LOOKAHEAD, EagerPlan, _compute_key, _data_key
+from schedcc.backends.distributed.eager import RECV_LOOKAHEAD, EagerPlan
 from schedcc.backends.distributed.groups import CommGroup, stage_ops
-from schedcc.semantics import Layout, comm_route
+from schedcc.semantics import Layout, comm_route, tensors_of
 
 
 def _run_relaxed(program, lookahead: int) -> None:
     layout = Layout.of(program.schedule)
     p = program.num_stages
     steps = [stage_ops(program, s, layout) for s in range(p)]
-    plans = [EagerPlan(steps[s], lookahead) for s in range(p)]
+    tensors = tensors_of(program)
+    plans = [EagerPlan(steps[s], tensors, s, lookahead) for s in range(p)]
     sent: dict[tuple[int, int], list] = {}  # channel -> payloads, in posting order
     posted: dict[tuple[int, int], list] = {}  # channel -> receive payloads, in posting order
     where: list[dict] = [{} for _ in range(p)]  # receive op -> (channel, index), per stage
-    done: list[set] = [set() for _ in range(p)]  # computes run, per stage
+    done: list[set] = [set() for _ in range(p)]  # tensors made, per stage
     cursor, pre = [0] * p, [False] * p
 
     def route(s, op):
@@ -59,11 +60,9 @@ def _run_relaxed(program, lookahead: int) -> None:
                 if any(len(sent.get(c, [])) <= k for c, k in (where[s][op] for op, *_ in waits)):
                     break  # blocked on a peer
                 step = steps[s][index]
-                key = _compute_key(step)
-                if key is not None:
-                    done[s].add(key)
+                done[s].add(tensors.makes(s, step))
                 for op, *_ in plans[s].sends_after[index]:
-                    assert _data_key(op) in done[s], f"{op} posted before its compute"
+                    assert tensors.route(s, op).tensor in done[s], f"{op} posted before its compute"
                     channel, payload = route(s, op)
                     sent.setdefault(channel, []).append(payload)
                 cursor[s] += 1
@@ -99,7 +98,7 @@ def test_sends_leave_right_after_their_compute():
     """Interleaved 1F1B on 2 stages: stage 1's SA2 goes right after F2, not after B0 too."""
     program = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(2, 8, 2))
     steps = stage_ops(program, 1, Layout.of(program.schedule))
-    eager = EagerPlan(steps)
+    eager = EagerPlan(steps, tensors_of(program), 1)
     after = {
         str(steps[i]): [str(op) for op, *_ in sends]
         for i, sends in enumerate(eager.sends_after)
@@ -120,7 +119,7 @@ def test_receive_buffers_waiting_at_once_stay_bounded(name, p, m, v):
     program = schedcc.compile(schedcc.get_schedule(name)(p, m, v))
     layout = Layout.of(program.schedule)
     for stage in range(p):
-        eager = EagerPlan(stage_ops(program, stage, layout))
+        eager = EagerPlan(stage_ops(program, stage, layout), tensors_of(program), stage)
         waiting = most = 0
         for posts, waits in zip(eager.post_before, eager.wait_before):
             waiting += len(posts)

@@ -25,15 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedcc.backends.distributed.groups import CommGroup
-from schedcc.ir import (
-    Backward,
-    BackwardInput,
-    Comm,
-    Forward,
-    Instruction,
-    RecvActivation,
-    SendActivation,
-)
+from schedcc.ir import Instruction
+from schedcc.semantics import Tensors
 
 __all__ = ["RECV_LOOKAHEAD", "EagerPlan", "Transfer"]
 
@@ -55,17 +48,27 @@ class EagerPlan:
 
     __slots__ = ("post_before", "sends_after", "wait_before")
 
-    def __init__(self, steps: Sequence[Instruction | CommGroup], lookahead: int = RECV_LOOKAHEAD):
+    def __init__(
+        self,
+        steps: Sequence[Instruction | CommGroup],
+        tensors: Tensors,
+        stage: int,
+        lookahead: int = RECV_LOOKAHEAD,
+    ):
         n = len(steps)
         self.post_before: list[list[Transfer]] = [[] for _ in range(n)]
         self.wait_before: list[list[Transfer]] = [[] for _ in range(n)]
         self.sends_after: list[list[Transfer]] = [[] for _ in range(n)]
         computes = [i for i, step in enumerate(steps) if type(step) is not CommGroup]
-        position = {}  # ("F" | "B", microbatch, chunk) -> step index of its first compute
+        # tensor key -> step index of the first compute that makes or needs it: a sent tensor's
+        # producer, a received tensor's consumer (`schedcc.semantics.tensors`)
+        position: dict[int, int] = {}
         for index in computes:
-            key = _compute_key(steps[index])  # type: ignore[arg-type]
-            if key is not None:
-                position.setdefault(key, index)
+            op = steps[index]
+            assert type(op) is not CommGroup
+            for key in (tensors.makes(stage, op), *tensors.needs(stage, op)):
+                if key is not None:
+                    position.setdefault(key, index)
         sends: list[tuple[int, Transfer]] = []  # (producer step, send), program order
         recvs: list[tuple[int, Transfer]] = []  # (consumer step, receive), program order
         for g, step in enumerate(steps):
@@ -74,9 +77,9 @@ class EagerPlan:
             # a validated program (the Engine refuses any other) computes what every comm op
             # sends or receives on this stage
             for op, peer, key in step.sends:
-                sends.append((position[_data_key(op)], (op, peer, key, g)))
+                sends.append((position[_carried(tensors, stage, op)], (op, peer, key, g)))
             for op, peer, key in step.recvs:
-                recvs.append((position[_data_key(op)], (op, peer, key, g)))
+                recvs.append((position[_carried(tensors, stage, op)], (op, peer, key, g)))
         self._place_sends(sends)
         self._place_recvs(recvs, computes, lookahead)
 
@@ -104,15 +107,8 @@ class EagerPlan:
             self.wait_before[consumer].append(recv)
 
 
-def _compute_key(op: Instruction) -> tuple[str, int, int] | None:
-    if isinstance(op, Forward):
-        return ("F", op.microbatch, op.chunk)
-    if isinstance(op, (Backward, BackwardInput)):
-        return ("B", op.microbatch, op.chunk)
-    return None
-
-
-def _data_key(op: Comm) -> tuple[str, int, int]:
-    """The compute that produces (send) or consumes (receive) the tensor of a comm op."""
-    kind = "F" if isinstance(op, (SendActivation, RecvActivation)) else "B"
-    return (kind, op.microbatch, op.chunk)
+def _carried(tensors: Tensors, stage: int, op: Instruction) -> int:
+    """The key of the tensor a comm op moves (a validated program has one for every comm op)."""
+    route = tensors.route(stage, op)
+    assert route is not None, op
+    return route.tensor

@@ -33,7 +33,7 @@ from schedcc.backends.distributed.eager import EagerPlan
 from schedcc.backends.distributed.groups import Channel, CommGroup, stage_ops
 from schedcc.ir import Instruction
 from schedcc.program import Program
-from schedcc.semantics import Layout
+from schedcc.semantics import Layout, tensors_of
 
 __all__ = ["SHM", "GLOO", "NCCL", "Stream", "receive_streams", "send_streams", "stream_bases"]
 
@@ -114,7 +114,7 @@ def _receives(
         return ops, channels, [_LATER] * len(ops), [float(w) for w in where]
     if kind == NCCL:
         return ops, channels, [float(w) for w in where], [float(w) for w in where]
-    plan = EagerPlan(steps)
+    plan = EagerPlan(steps, tensors_of(program), receiver)
     posted: dict[Instruction, float] = {}
     waited: dict[Instruction, float] = {}
     for index in range(len(steps)):

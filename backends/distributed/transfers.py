@@ -39,7 +39,7 @@ from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import RankFailure
 from schedcc.ir import Instruction
 from schedcc.program import Program
-from schedcc.semantics import Layout
+from schedcc.semantics import Layout, tensors_of
 
 __all__ = ["Transfers", "first_line"]
 
@@ -78,7 +78,7 @@ class Transfers:
         self._peers = {peer for step in steps if type(step) is CommGroup for peer in step.peers}
         # see [Note: eager point-to-point]
         eager = dist.get_backend(pp_group) == "gloo"
-        self.eager = EagerPlan(steps) if eager else None
+        self.eager = EagerPlan(steps, tensors_of(program), self.stage) if eager else None
         #: Per step, the receives to post over gloo first (the shared-memory ones need none).
         self._to_post = self.eager.post_before if self.eager else []
         self._shared_memory = eager and shared_memory and device.type == "cpu"  # CPU tensors
