@@ -83,6 +83,21 @@ def test_sending_before_the_compute_is_an_error(program):
         _runtime(program).outgoing(schedcc.SendActivation(0))
 
 
+def test_a_compute_whose_input_never_arrived_names_the_tensor(program):
+    """A forward on stage 1 with no RecvActivation first names the missing tensor by its key."""
+    rt = _runtime(program, stage=1)
+    rt.load_batch(0, None, list(batches(1, 2)[0][1].chunk(2)))
+    missing = "activation of microbatch 0 out of segment 0"
+    with pytest.raises(RuntimeInstructionError, match=missing):
+        rt.run(Forward(0))
+
+
+def test_a_receive_from_no_peer_is_refused(program):
+    """incoming() on stage 0 of a RecvActivation (segment 0 has no producer) is refused."""
+    with pytest.raises(RuntimeInstructionError, match="from another stage"):
+        _runtime(program).incoming(schedcc.RecvActivation(0), batches(1, 1)[0][0])
+
+
 def test_received_activations_produce_an_input_gradient(program):
     """A received activation is a grad-requiring leaf whose gradient the backward sends."""
     rt = _runtime(program, stage=1)

@@ -2,9 +2,9 @@
 
 Per microbatch: the batch's inputs (segment 0) and targets (the last segment), the messages
 received (`incoming`) and those waiting to be sent (`outgoing`), and the messages handed from one
-segment to the next on the same stage, which never leave it. Keys: `("A", i, c)` is the
-activation out of chunk c's segment, `("G", i, c)` the gradient out of it; hand-overs are keyed
-by segment instead, since both ends are on this stage.
+segment to the next on the same stage, which never leave it. Each is keyed by the tensor's one
+name, its key in `schedcc.semantics.tensors` (the activation or input gradient of a microbatch
+out of a segment), the name the compiler and the validator pair sends and receives by.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from schedcc.backends.runtime.boundary import Message, detached, receive
 from schedcc.backends.runtime.values import TensorMeta, flatten
 from schedcc.errors import RuntimeInstructionError
 from schedcc.ir import Instruction, RecvActivation, RecvGrad, SendActivation, SendGrad
+from schedcc.semantics import Tensors
 
 __all__ = ["Ports"]
 
@@ -27,13 +28,14 @@ class Ports:
 
     Args:
         stage: the stage.
-        stage_of: the stage of each segment (`Layout.stage_of`).
+        tensors: the program's tensor keys (`schedcc.semantics.tensors_of(program)`).
         num_microbatches: `m`.
     """
 
-    def __init__(self, stage: int, stage_of: Sequence[int], num_microbatches: int) -> None:
+    def __init__(self, stage: int, tensors: Tensors, num_microbatches: int) -> None:
         self.stage = stage
-        self._stage_of = stage_of
+        self._tensors = tensors
+        self._stage_of = tensors.layout.stage_of
         self._m = num_microbatches
         self.reset()
 
@@ -41,9 +43,9 @@ class Ports:
         """A new run: nothing held."""
         self._batch_inputs: dict[int, Sequence[Any]] = {}
         self._batch_targets: dict[int, Sequence[Any]] = {}
-        self._received: dict[tuple[str, int, int], Any] = {}
-        self._to_send: dict[tuple[str, int, int], Message] = {}
-        self._handoff: dict[tuple[str, int, int], Message] = {}
+        self._received: dict[int, Any] = {}
+        self._to_send: dict[int, Message] = {}
+        self._handoff: dict[int, Message] = {}
 
     # -- the batch ------------------------------------------------------------------------------
 
@@ -67,16 +69,14 @@ class Ports:
 
     def outgoing(self, op: Instruction) -> Message:
         """The message a `SendActivation` or `SendGrad` sends."""
-        if type(op) is SendActivation:
-            key = ("A", op.microbatch, op.chunk)
-        elif type(op) is SendGrad:
-            key = ("G", op.microbatch, op.chunk)
-        else:
+        route = self._tensors.route(self.stage, op)
+        if type(op) not in (SendActivation, SendGrad) or route is None:
             raise RuntimeInstructionError(
-                f"StageRuntime.outgoing (stage {self.stage}) got {op}: only SendActivation and "
-                "SendGrad send a tensor",
+                f"StageRuntime.outgoing (stage {self.stage}) got {op}: only a SendActivation or "
+                "SendGrad to another stage sends a tensor",
                 stage=self.stage,
             )
+        key = route.tensor
         if key not in self._to_send:
             raise RuntimeInstructionError(
                 f"stage {self.stage}: {op} has nothing to send yet (its compute has not run)",
@@ -87,10 +87,11 @@ class Ports:
     def incoming(self, op: Instruction, message: Message | Any) -> None:
         """Take what a `RecvActivation` or `RecvGrad` received: a `Message`, or a bare value
         (whose floating tensors then all take a gradient)."""
-        if type(op) not in (RecvActivation, RecvGrad):
+        route = self._tensors.route(self.stage, op)
+        if type(op) not in (RecvActivation, RecvGrad) or route is None:
             raise RuntimeInstructionError(
-                f"StageRuntime.incoming (stage {self.stage}) got {op}: only RecvActivation and "
-                "RecvGrad receive a tensor",
+                f"StageRuntime.incoming (stage {self.stage}) got {op}: only a RecvActivation or "
+                "RecvGrad from another stage receives a tensor",
                 stage=self.stage,
             )
         if not isinstance(message, Message):
@@ -99,9 +100,9 @@ class Ports:
             meta = tuple(TensorMeta(t.dtype, tuple(t.shape), g) for t, g in zip(tensors, takes))
             message = Message(tensors, spec, meta)
         if type(op) is RecvActivation:
-            self._received["A", op.microbatch, op.chunk] = receive(message)
+            self._received[route.tensor] = receive(message)
         else:
-            self._received["G", op.microbatch, op.chunk] = message
+            self._received[route.tensor] = message
 
     # -- the runtime's side ---------------------------------------------------------------------
 
@@ -111,36 +112,33 @@ class Ports:
         if k == 0:
             batch, local = divmod(i, self._m)
             return self._batch_inputs[batch][local], []
+        key = self._tensors.activation(i, k - 1)
         if self._stage_of[k - 1] == self.stage:
-            return receive(self._handoff.pop(("A", i, k - 1)))
-        return self._take(("A", i, c), "activation")
+            return receive(self._handoff.pop(key))
+        return self._take(key)
 
     def hand_on(self, i: int, c: int, k: int, message: Message) -> None:
         """Segment k's output for microbatch i: to the next segment here, or to send."""
-        if self._stage_of[k + 1] == self.stage:
-            self._handoff["A", i, k] = message
-        else:
-            self._to_send["A", i, c] = message
+        held = self._handoff if self._stage_of[k + 1] == self.stage else self._to_send
+        held[self._tensors.activation(i, k)] = message
 
     def gradient_of(self, i: int, c: int, k: int) -> Message:
         """The gradient message for segment k's output (from segment k + 1)."""
+        key = self._tensors.gradient(i, k + 1)
         if self._stage_of[k + 1] == self.stage:
-            return self._handoff.pop(("G", i, k + 1))
-        return self._take(("G", i, c), "gradient")
+            return self._handoff.pop(key)
+        return self._take(key)
 
     def hand_back(self, i: int, c: int, k: int, message: Message) -> None:
         """Segment k's input gradient for microbatch i: to segment k - 1 here, or to send."""
-        if self._stage_of[k - 1] == self.stage:
-            self._handoff["G", i, k] = message
-        else:
-            self._to_send["G", i, c] = message
+        held = self._handoff if self._stage_of[k - 1] == self.stage else self._to_send
+        held[self._tensors.gradient(i, k)] = message
 
-    def _take(self, key: tuple[str, int, int], what: str) -> Any:
+    def _take(self, key: int) -> Any:
         if key not in self._received:
-            _, i, c = key
             raise RuntimeInstructionError(
-                f"stage {self.stage}: microbatch {i} chunk {c} needs a received {what} that has "
-                "not arrived; the program must receive it before the compute",
+                f"stage {self.stage}: the {self._tensors.describe(key)} has not arrived; the "
+                "program must receive it before the compute that needs it",
                 stage=self.stage,
             )
         return self._received.pop(key)

@@ -72,6 +72,7 @@ from schedcc.ir import (
     ReduceGrads,
     ReduceTied,
 )
+from schedcc.semantics import tensors_of
 
 if TYPE_CHECKING:
     from schedcc.program import Program
@@ -183,7 +184,7 @@ class StageRuntime:
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
         self._book = LossBook(self._m, self.collectives.size)
         self._carriers = count_carriers(program)
-        self._ports = Ports(stage, self._stage_of, self._m)
+        self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------
