@@ -180,16 +180,8 @@ class Engine(BaseEngine):
             s: dist.get_global_rank(self.pp_group, s) for s in range(program.num_stages)
         }
         self._bounds = Steps.of([program.stages[self.stage]]).bounds[0]
-        self._transfers = Transfers(
-            ops,
-            self.runtime,
-            program=program,
-            pp_group=self.pp_group,
-            global_peer=self._global_peer,
-            device=self.device,
-            timeout=self.timeout,
-            shared_memory=shared_memory,
-        )
+        self._shared_memory = shared_memory
+        self._transfers = self._transfers_for(program, ops)
         #: The indices of `_ops` that `_run` visits. Under gloo a comm group does nothing where
         #: it stands (its ops are posted and waited around the computes: [Note: eager
         #: point-to-point]), so only the computes are visited; under NCCL, every one.
@@ -198,7 +190,6 @@ class Engine(BaseEngine):
             for index, op in enumerate(ops)
             if self._transfers.eager is None or type(op) is not CommGroup
         ]
-        self._shared_memory = shared_memory
         self._connected = False
         #: the forward-only program's steps, visited steps and transfers, made on first use
         self._forward: tuple[list, list[int], Transfers] | None = None
@@ -290,6 +281,19 @@ class Engine(BaseEngine):
             self._connected = True
             self._clock0 = time.perf_counter()
 
+    def _transfers_for(self, program: Program, ops: list) -> Transfers:
+        """The point-to-point of `program` (training or forward-only) on this rank."""
+        return Transfers(
+            ops,
+            self.runtime,
+            program=program,
+            pp_group=self.pp_group,
+            global_peer=self._global_peer,
+            device=self.device,
+            timeout=self.timeout,
+            shared_memory=self._shared_memory,
+        )
+
     def _forward_steps(self) -> tuple[list, list[int], Transfers]:
         """The forward-only program's steps, visited steps and transfers (sharing the training
         program's links), made on first use."""
@@ -297,16 +301,7 @@ class Engine(BaseEngine):
             self._connect()
             program = self.forward_only_program
             ops = stage_ops(program, self.stage, self._layout)
-            transfers = Transfers(
-                ops,
-                self.runtime,
-                program=program,
-                pp_group=self.pp_group,
-                global_peer=self._global_peer,
-                device=self.device,
-                timeout=self.timeout,
-                shared_memory=self._shared_memory,
-            )
+            transfers = self._transfers_for(program, ops)
             transfers.connect(linked=self._transfers)
             eager = transfers.eager is not None
             visit = [n for n, op in enumerate(ops) if not eager or type(op) is not CommGroup]
