@@ -493,6 +493,20 @@ class ShmLinks:
             link.free.extend(array.array("I", data[_ACK_RECORD.size :]))
 
     def _read(self, link: _Link, want: tuple | None) -> bool:
+        """`_read_once`, read again once if the peer's close was reported ahead of its records.
+
+        Linux reports a peer that closed with records of ours unread as one ECONNRESET, ahead of
+        the records it sent before closing (its abort record among them); the next read gets
+        those.
+        """
+        try:
+            return self._read_once(link, want)
+        except ConnectionError as lost:
+            if not isinstance(lost.__cause__, ConnectionResetError):
+                raise
+            return self._read_once(link, want)
+
+    def _read_once(self, link: _Link, want: tuple | None) -> bool:
         """Read one record from `link`'s data socket if one is there (never waits).
 
         `want`: the `(shape, dtype)` of the next message if known; a tensor that comes inline is
@@ -608,13 +622,19 @@ def _payload(link: _Link, tensor: torch.Tensor | None, nbytes: int, *, ahead: bo
 
 
 def _peek(link: _Link) -> int | None:
-    """The kind of the next record on `link`'s data socket, or None if none is there yet."""
-    try:
-        head = link.data.sock.recv(_RECORD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return None
-    except OSError as exc:
-        raise _lost(link, exc) from exc
+    """The kind of the next record on `link`'s data socket, or None if none is there yet (a
+    reset is read past once, as `ShmLinks._read` does)."""
+    for attempt in (0, 1):
+        try:
+            head = link.data.sock.recv(_RECORD.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            break
+        except BlockingIOError:
+            return None
+        except ConnectionResetError as exc:
+            if attempt:
+                raise _lost(link, exc) from exc
+        except OSError as exc:
+            raise _lost(link, exc) from exc
     if not head:
         raise _lost(link, None)
     return head[0]
