@@ -131,20 +131,20 @@ def test_a_closed_peer_ends_the_wait_at_once():
     assert time.monotonic() - start < 5
 
 
-def test_a_peer_that_aborts_with_our_records_unread_gives_its_reason():
+@pytest.mark.parametrize("path", ["recv", "send"])
+def test_a_peer_that_aborts_with_our_records_unread_gives_its_reason(path):
     """A peer that fails with records of ours unread, and says why before it closes: the reason
-    arrives on both the receive and the send paths, not the kernel's reset reported ahead of it."""
-    for path in ("recv", "send"):
-        a, b = ShmLinks.pair(timeout=5)
-        b.send(0, torch.tensor([1.0]))  # never read by stage 0: its close is then a reset
-        a.abort("stage 0 failed at RA3: a shape disagrees")
-        then = (
-            (lambda: b.recv(0, 0, (1,), torch.float32))
-            if path == "recv"
-            else (lambda: b.send(0, torch.tensor([2.0])))
-        )
-        with pytest.raises(_shm.PeerAborted, match="failed at RA3"):
-            then()
+    arrives on the receive and the send path, not the kernel's reset reported ahead of it."""
+    a, b = ShmLinks.pair(timeout=5)
+    b.send(0, torch.tensor([1.0]))  # never read by stage 0: its close is then a reset
+    a.abort("stage 0 failed at RA3: a shape disagrees")
+    then = (
+        (lambda: b.recv(0, 0, (1,), torch.float32))
+        if path == "recv"
+        else (lambda: b.send(0, torch.tensor([2.0])))
+    )
+    with pytest.raises(_shm.PeerAborted, match="failed at RA3"):
+        then()
 
 
 def test_a_wait_past_the_timeout_raises(monkeypatch):
