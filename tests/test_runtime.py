@@ -145,6 +145,37 @@ def test_measured_activation_peaks_follow_the_simulator():
     assert sum(ofob_bytes) < sum(gpipe_bytes)
 
 
+_BUILTINS = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("2bw", 1),
+    ("zb-h1", 1),
+    ("zb-h2", 1),
+    ("zb-v", 2),
+    ("looped-bfs", 2),
+    ("interleaved-zb", 2),
+]
+
+
+@pytest.mark.parametrize(("name", "v"), _BUILTINS)
+def test_measured_activation_bytes_stay_within_the_simulated_peak(name, v):
+    """Every built-in's measured peak bytes per stage are at most its simulated peak count times
+    what one microbatch holds on that stage (gpipe at m = 1 measures it: every chunk's)."""
+    p, m = 3, 6
+    one = schedcc.compile(schedcc.get_schedule("gpipe")(p, 1, v))
+    per_microbatch = Engine(one, make_segments(p * v), mse, sgd)
+    list(per_microbatch.train(batches(1, 1)))
+    program = schedcc.compile(schedcc.get_schedule(name)(p, m, v))
+    engine = Engine(program, make_segments(p * v), mse, sgd)
+    list(engine.train(batches(program.schedule.num_batches, m)))
+    peaks = schedcc.simulate(program).peak_activations
+    for s in range(p):
+        assert engine.peak_activation_bytes[s] > 0, (name, s)
+        bound = peaks[s] * per_microbatch.peak_activation_bytes[s]
+        assert engine.peak_activation_bytes[s] <= bound, (name, s, peaks)
+
+
 def test_activation_bytes_return_to_zero_after_a_step():
     """Every saved activation is released by the end of the program."""
     program = schedcc.compile(SplitGPipe(2, 2, w_order="reverse"))
