@@ -46,18 +46,12 @@ p = 4, m = 8, v = 2, compute order per stage (`F3.1` is microbatch 3 on chunk 1)
 [Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the step model the
 validator proves and `simulate` times by default, and Megatron-LM's own blocking
 `send_forward_recv_backward`), Megatron-LM's order (torch's too) idles beyond the ideal makespan
-`(F + B) * (v * m + p - 1)` once m is a multiple of p above p: v = 2, m = 8 take 57 time units
-against 51 (F = 1, B = 2, no comm cost), and the gap grows with m and v (m = 16, v = 4: 237 against
-195). The idling is the rendezvous's, not the order's: with sends that never wait (`simulate(...,
-eager=True)`, which is how the distributed engine runs over gloo, and how torch posts its sends),
-the same order takes exactly the ideal (tested for m even up to 24, 2 <= v <= 4, B/F from 1 to 3).
-Under rendezvous, one warm-up forward fewer on stage 0 also reaches the ideal and holds one chunk
-activation fewer there; eagerly it gains nothing, and measured on 2 CPU ranks (the step-time
-benchmark's model, the two orders taking turns in the same processes) it was no faster (0.3% faster
-to 4% slower, m = 4 and 8; -0.6% to +0.8% with kept memory). Groups of four microbatches rather
-than two reach the ideal either way (v = 2, m = 8: 51 units) and keep slack against each hop's
-latency, at two more chunk activations per stage: 2% faster in two runs measured the same way. The
-built-in keeps Megatron-LM's and torch's groups of p.
+`(F + B) * (v * m + p - 1)` once m is a multiple of p above p (v = 2, m = 8: 57 time units against
+51 at F = 1, B = 2). The idling is the rendezvous's, not the order's: with sends that never wait
+(`simulate(..., eager=True)`, how the distributed engine runs over gloo and torch posts its sends)
+the same order takes exactly the ideal (tested). One warm-up forward fewer on stage 0, or groups of
+four microbatches, also reach the ideal under rendezvous, but gain nothing eagerly that outweighs
+their cost (docs/performance.md); the built-in keeps Megatron-LM's and torch's groups of p.
 """
 
 from __future__ import annotations

@@ -30,10 +30,9 @@ from schedcc.semantics import Tensors
 
 __all__ = ["RECV_LOOKAHEAD", "EagerPlan", "Transfer"]
 
-#: Computes ahead of its consumer that a receive is posted (its buffer exists that long). Measured
-#: on 2 cores, steps alternating in the same processes: 4 was 2-4% faster than 2 (1F1B and
-#: interleaved, m=8); posting every receive at the start was faster still for interleaved, but
-#: holds a buffer per microbatch, which defeats 1F1B's memory bound.
+#: Computes ahead of its consumer that a receive is posted (its buffer exists that long): enough
+#: for gloo to move the data while this stage computes (docs/performance.md); posting every
+#: receive at the start would hold a buffer per microbatch, which defeats 1F1B's memory bound.
 RECV_LOOKAHEAD = 4
 
 #: One point-to-point op: `(op, peer stage, shape key, index of its comm group in the steps)`.

@@ -4,11 +4,10 @@ Longer than the project's ~400-line habit on purpose: one transport whose record
 acknowledgements and inline messages form one protocol, checked by reading it whole.
 
 [Note: same-host point-to-point] Under gloo, a message between two processes on one machine goes
-through TCP on loopback, with gloo's I/O thread woken on both ends. Measured on 2 cores
-(`benchmarks/p2p_latency.py`), a 128 KiB activation takes 275-690 us one-way in a ping-pong and
-350-810 us of CPU on the two ranks together; on a pipeline that shares its cores with its compute,
-that is most of what separates a step from the ideal. Stages on one machine therefore exchange
-tensors through shared memory, as NCCL's SHM transport does:
+through TCP on loopback, with gloo's I/O thread woken on both ends; on a pipeline that shares its
+cores with its compute, that is most of what separates a step from the ideal
+(`benchmarks/p2p_latency.py`; numbers in docs/performance.md). Stages on one machine therefore
+exchange tensors through shared memory, as NCCL's SHM transport does:
 
 - each pair of stages holds two connected `SOCK_SEQPACKET` Unix sockets (abstract namespace, so
   nothing is left in the filesystem), which carry small records in order: one for data, one for
@@ -22,8 +21,7 @@ tensors through shared memory, as NCCL's SHM transport does:
   on the other socket: `ACK_BATCH` slots per record, or all it holds when it is about to wait. A
   rank sleeps only on the data socket and takes ACKs back only when it has no free slot or is
   about to wait, so an ACK never wakes anyone: on a virtual machine a wake-up across cores is
-  what costs most. Measured in the same processes on 2 cores, batching ACKs and caching each
-  slot's typed view (one torch call per copy) made 1f1b and interleaved m=8 steps 4-9% faster.
+  what costs most.
 
 [Note: small tensors inline] A small tensor (an activation of 16 KiB, say) goes through the data
 socket itself, in one record after its header: the sender's one system call copies it in, the
@@ -31,15 +29,10 @@ receiver's one copies it straight into the tensor it returns. No slot, no copy i
 and none out, no acknowledgement. The receiver learns a record's size from its header, and reads
 the next record straight into the tensor of the receive it is waiting for; only a record read
 ahead of its receive (one whose shape it does not yet know) is peeked at first. The limit is agreed
-per pair (a record must fit the socket's send buffer). Measured on 2 cores, interleaved m=8
-(16 KiB activations), steps taking turns in the same processes: a send took 30-32 us of CPU
-against 42-45 us through a slot; a receive took as long as before until its empty tensors were
-allocated `SPARES` at a time (one `torch.empty` right after a compute took 13-15 us). Steps were
-0.1-4.3% faster than through slots (three runs, each the median of per-round ratios).
+per pair (a record must fit the socket's send buffer). Receives read into empty tensors allocated
+`SPARES` at a time: one allocation right after a compute costs more than the send saves.
 
-The same ping-pong takes 52-56 us one-way and about 105 us of CPU, the waiting rank's checks (see
-below) included. This keeps the relaxed model of
-[Note: eager point-to-point] exactly:
+This transport keeps the relaxed model of [Note: eager point-to-point] exactly:
 
 - a send never blocks. When every slot for that peer is in use a new one is made, so a pool grows
   to the most messages ever in flight. A record the socket cannot take now goes to a backlog that
@@ -52,9 +45,8 @@ below) included. This keeps the relaxed model of
 [Note: waiting without sleeping] A receive whose data has not arrived checks again for up to
 `SPIN` seconds, calling `sched_yield` between checks, before it sleeps in `poll`. A rank that owns
 its core loses nothing by this (the core has nothing else to run), and a rank that shares one
-hands it to whoever else is runnable at each check. Measured on 2 cores (ranks bound, steps of
-the step-time benchmark taking turns in the same processes), sleeping instead costs 2-5%: each
-sleep and wake-up across cores is slow on a virtual machine.
+hands it to whoever else is runnable at each check; a sleep and a wake-up across cores is slow on
+a virtual machine (docs/performance.md measures it).
 
 A peer that dies closes its socket: a rank waiting on it reads end-of-file at once and raises
 `ConnectionError`; a wait longer than the timeout raises `TimeoutError`. Only stages whose

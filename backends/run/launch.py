@@ -19,9 +19,7 @@ of the first rank that failed (1 for a rank killed by a signal).
 engine's timeout (every wait has it, see [Note: failures] in `backends.distributed.engine`) and
 exit naming what they waited on; the watcher then ends the stopped rank at once (a SIGTERM would
 stay pending until it is continued) rather than after the grace, and every rank is gone within
-the timeout plus a second or two: with `--timeout 20`, from the SIGSTOP to every rank ended took
-54.5 s before (20 s, then the 30 s grace, then 3 s for a SIGTERM a stopped rank never takes) and
-21.5-23.1 s after, on the loaded 2-core machine.
+the timeout plus a second or two (docs/performance.md, "Failures").
 """
 
 from __future__ import annotations
@@ -127,15 +125,11 @@ def keep_freed_memory() -> bool:
     [Note: keeping freed memory] A training step frees and allocates the same sizes every
     time, but glibc returns heap memory to the kernel once the free space on top passes a
     threshold it keeps moving, and serves blocks above another from fresh mappings; every page of
-    memory handed back is faulted in again on its next use, about 2.5 us a page on the 2-core
-    machine. A pipeline holds more activations at once than plain training, so its heap rises and
-    falls more. On the step-time benchmark's interleaved 1F1B (m = 8), stage 0 faulted in about
-    1,800 pages a step (4-5 ms of a 25-30 ms step) against the floor's 700-1,000; with both
-    thresholds fixed (blocks up to 32 MiB from the heap, which is never trimmed) neither faults.
-    The floor and torch run in the same processes and gain too, so the benchmark's ratios did not
-    move beyond their noise; its absolute times fell (interleaved m = 8: 28.3 to 25.9 ms, the
-    floor 22.7 to 21.5, in back-to-back runs). The process keeps its peak heap, as PyTorch's
-    CUDA caching allocator keeps its peak on the GPU.
+    memory handed back is faulted in again on its next use. A pipeline holds more activations at
+    once than plain training, so its heap rises and falls more, and it faults in more pages a
+    step (docs/performance.md). With both thresholds fixed (blocks up to 32 MiB from the heap,
+    which is never trimmed) nothing is faulted in again; the process keeps its peak heap, as
+    PyTorch's CUDA caching allocator keeps its peak on the GPU.
 
     Nothing is changed where the allocator is not glibc's, or where the user set either threshold
     through the environment (`MALLOC_TRIM_THRESHOLD_`, `MALLOC_MMAP_THRESHOLD_`).
