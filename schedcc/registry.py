@@ -18,7 +18,13 @@ from pathlib import Path
 from schedcc.errors import UnknownScheduleError
 from schedcc.schedule import Schedule
 
-__all__ = ["available_schedules", "get_schedule", "registered_classes", "registered_schedules"]
+__all__ = [
+    "available_schedules",
+    "get_schedule",
+    "load_object",
+    "registered_classes",
+    "registered_schedules",
+]
 
 GROUP = "schedcc.schedules"
 
@@ -83,31 +89,52 @@ def get_schedule(name: str) -> type[Schedule]:
 
 
 def _load(target: str, name: str) -> type[Schedule]:
-    where, _, attr = target.rpartition(":")
-    if not where or not attr:
-        raise UnknownScheduleError(f"schedule {name!r}: expected module:Class or file.py:Class")
-    try:
-        module = _import_file(where) if where.endswith(".py") else importlib.import_module(where)
-    except UnknownScheduleError:
-        raise
-    except Exception as exc:  # a user's module may fail in any way; say which and why
-        raise UnknownScheduleError(
-            f"schedule {name!r}: cannot import {where}: {type(exc).__name__}: {exc}"
-        ) from exc
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise UnknownScheduleError(f"schedule {name!r}: {where} has no attribute {attr!r}")
+    cls = load_object(target, what=f"schedule {name!r}", kind="Class")
     if not (isinstance(cls, type) and issubclass(cls, Schedule)):
         raise UnknownScheduleError(
-            f"schedule {name!r}: {where}:{attr} is not a subclass of schedcc.Schedule"
+            f"schedule {name!r}: {target} is not a subclass of schedcc.Schedule"
         )
     return cls
 
 
-def _import_file(path: str):
+def load_object(target: str, *, what: str, kind: str = "name", error=UnknownScheduleError):
+    """The object `target` names: `module:attr` or `path/to/file.py:attr`.
+
+    Args:
+        target: where the object is.
+        what: names it at the start of every message (e.g. `"schedule 'x'"`).
+        kind: what `attr` is called in the message for a target without a colon.
+        error: the exception class raised.
+
+    Raises:
+        error: no colon, a module or file that does not import (the reason in one line), or
+            no such attribute.
+
+    >>> load_object("schedcc.registry:load_object", what="test").__name__
+    'load_object'
+    """
+    where, _, attr = target.rpartition(":")
+    if not where or not attr:
+        raise error(f"{what}: expected module:{kind} or path/to/file.py:{kind}")
+    try:
+        if where.endswith(".py"):
+            module = _import_file(where, what, error)
+        else:
+            module = importlib.import_module(where)
+    except error:
+        raise
+    except Exception as exc:  # a user's module may fail in any way; say which and why
+        raise error(f"{what}: cannot import {where}: {type(exc).__name__}: {exc}") from exc
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise error(f"{what}: {where} has no attribute {attr!r}")
+    return obj
+
+
+def _import_file(path: str, what: str, error):
     file = Path(path)
     if not file.is_file():
-        raise UnknownScheduleError(f"schedule file {path!r} does not exist")
+        raise error(f"{what}: file {path!r} does not exist")
     module_name = f"_schedcc_user_{abs(hash(str(file.resolve())))}"
     if module_name in sys.modules:
         return sys.modules[module_name]

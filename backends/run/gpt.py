@@ -38,6 +38,7 @@ __all__ = [
     "gpt_segments",
     "mean_token_loss",
     "position_ids",
+    "real_tokens",
     "token_loss",
 ]
 
@@ -226,7 +227,9 @@ class PaddedBigramData:
     in `[min_len, max_len]` (so shapes change from batch to batch), gives each row a length in
     `[min_len, that]` (at least one row full), and returns `((tokens, pad_mask), targets)`:
     int64 tokens (0 at padding), a bool mask (True at padding), int64 next-token targets
-    (`IGNORE_INDEX` at padding).
+    (`IGNORE_INDEX` at padding). A row starts from the chain's stationary distribution, so every
+    position has the same marginal and `entropy` is the best mean loss over real targets any
+    model can reach, whatever the lengths.
 
     >>> (tokens, pad_mask), targets = PaddedBigramData(max_len=6, seed=1).batch(4, step=2)
     >>> bool(((targets == IGNORE_INDEX) == pad_mask).all())
@@ -247,7 +250,18 @@ class PaddedBigramData:
         gen = torch.Generator().manual_seed(seed)
         logits = torch.randn(vocab, vocab, generator=gen, dtype=torch.float64) * sharpness
         self.transition = logits.softmax(dim=-1)
+        self.stationary = _stationary(self.transition)
         self.vocab, self.max_len, self.min_len, self.seed = vocab, max_len, min_len, seed
+
+    @property
+    def entropy(self) -> float:
+        """The bigram conditional entropy in nats: the floor of the next-token loss.
+
+        >>> 0 < PaddedBigramData(vocab=16).entropy < math.log(16)
+        True
+        """
+        row_entropy = -(self.transition * self.transition.log()).sum(dim=-1)
+        return float((self.stationary * row_entropy).sum())
 
     def batch(self, batch_size: int, step: int):
         """`((tokens, pad_mask), targets)` for one batch; see the class docstring."""
@@ -256,7 +270,7 @@ class PaddedBigramData:
         lengths = torch.randint(self.min_len, seq + 1, (batch_size,), generator=gen)
         lengths[int(torch.randint(batch_size, (), generator=gen))] = seq
         chain = torch.empty(batch_size, seq + 1, dtype=torch.long)
-        chain[:, 0] = torch.randint(self.vocab, (batch_size,), generator=gen)
+        chain[:, 0] = torch.multinomial(self.stationary, batch_size, True, generator=gen)
         for t in range(seq):
             rows = self.transition[chain[:, t]]
             chain[:, t + 1] = torch.multinomial(rows, 1, generator=gen).squeeze(1)
@@ -264,3 +278,19 @@ class PaddedBigramData:
         tokens = chain[:, :-1].masked_fill(pad_mask, 0)
         targets = chain[:, 1:].masked_fill(pad_mask, IGNORE_INDEX)
         return (tokens, pad_mask), targets
+
+
+def real_tokens(inputs, targets: torch.Tensor) -> int:
+    """The targets of a batch that are not padding: what a tokens/s figure counts."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def _stationary(transition: torch.Tensor) -> torch.Tensor:
+    """The stationary distribution of a Markov chain's row-stochastic `transition` matrix."""
+    pi = torch.full((transition.shape[0],), 1.0 / transition.shape[0], dtype=transition.dtype)
+    for _ in range(1000):
+        nxt = pi @ transition
+        if torch.allclose(nxt, pi, atol=1e-15, rtol=0):
+            break
+        pi = nxt
+    return pi / pi.sum()

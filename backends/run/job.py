@@ -1,7 +1,9 @@
 """What one rank of `schedcc run` does: set up torch.distributed, train, report on rank 0.
 
 `main(rank, world_size, config)` is called by `backends.run.launch.spawn` in each local process, or
-directly under torchrun. Rank 0 shows the progress bar, gathers every rank's measured instruction
+directly under torchrun. Each rank builds the whole model (`--model`'s factory, see
+`backends.run.models`), compiles the program with the ties it finds among the segments, and
+trains its own stage. Rank 0 shows the progress bar, gathers every rank's measured instruction
 times, and prints the summary (and, with `--check`, compares against non-pipelined training).
 """
 
@@ -16,19 +18,31 @@ import torch
 import torch._dynamo  # torch.optim imports it (seconds): import once, before forking ranks
 import torch.distributed as dist
 
+from schedcc.backends.batches import local_batches
 from schedcc.backends.distributed.engine import Engine
 from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
+from schedcc.backends.run.models import RunModel
+from schedcc.backends.runtime.tied import tied_groups
 from schedcc.compiler import compile
 from schedcc.errors import RankFailure
 from schedcc.program import Program
 from schedcc.registry import get_schedule
 
-__all__ = ["CHECK_TOLERANCE", "check_devices", "main"]
+__all__ = [
+    "CHECK_TOLERANCE",
+    "DEFAULT_LR",
+    "check_devices",
+    "global_batch_size",
+    "main",
+    "optimizer_of",
+]
 
 #: Largest parameter difference `--check` accepts (float64).
 CHECK_TOLERANCE = 1e-9
+#: The learning rate of the default optimizer (Adam) when `--lr` is not given.
+DEFAULT_LR = 1e-2
 
 
 def check_devices(num_local_ranks: int) -> None:
@@ -42,8 +56,12 @@ def check_devices(num_local_ranks: int) -> None:
         )
 
 
-def main(rank: int, world_size: int, config) -> int:
-    """Train as `rank` of `world_size`; returns the exit code (0, or 1 for a failed check)."""
+def main(rank: int, world_size: int, config, model: RunModel | None = None) -> int:
+    """Train as `rank` of `world_size`; returns the exit code (0, or 1 for a failed check).
+
+    `model` is the run's model already built in this process (under torchrun, where the command
+    checked it), else None: it is built here.
+    """
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     keep_freed_memory()  # see [Note: keeping freed memory]
     if torch.cuda.is_available():
@@ -60,32 +78,34 @@ def main(rank: int, world_size: int, config) -> int:
             timeout=timedelta(seconds=config.timeout),
             device_id=device if device.type == "cuda" else None,
         )
-        code = _train(rank, config, device)
+        code = _train(rank, config, device, model)
     except dist.DistError as exc:  # e.g. a peer exited while process groups were being made
         raise RankFailure(f"rank {rank} lost contact with a peer rank: {first_line(exc)}") from None
     dist.destroy_process_group()
     return code
 
 
-def _train(rank: int, config, device: torch.device) -> int:
+def _train(rank: int, config, device: torch.device, model: RunModel | None) -> int:
     if config.check:
         torch.set_default_dtype(torch.float64)
     schedule = get_schedule(config.schedule)(
         config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches
     )
-    program = compile(schedule, data_parallel=config.data_parallel, zero=config.zero)
-    built = models.build(config.model, schedule.num_segments, seed=config.seed)
-    initial = copy.deepcopy(built.segments) if config.check and rank == 0 else None
-    lr = config.lr
-
-    def optimizer(params):
-        return torch.optim.Adam(params, lr=lr)
-
-    segments = [segment.to(device) for segment in built.segments]
+    if model is None:
+        model = models.build(config.model, schedule.num_segments, seed=config.seed)
+    program = compile(
+        schedule,
+        data_parallel=config.data_parallel,
+        zero=config.zero,
+        tied=tied_groups(model.segments),
+    )
+    initial = copy.deepcopy(list(model.segments)) if config.check and rank == 0 else None
+    optimizer = optimizer_of(model, config)
+    segments = [segment.to(device) for segment in model.segments]
     engine = Engine(
         program,
         segments,
-        built.loss_fn,
+        model.loss_fn,
         optimizer,
         timeout=config.timeout,
         shared_memory=config.shared_memory,
@@ -97,7 +117,7 @@ def _train(rank: int, config, device: torch.device) -> int:
         if rank == 0:
             print(f"the checkpoint is at step {engine.steps}: nothing left to train", flush=True)
         return 0
-    losses = _loop(engine, built, config, dp_index, show=rank == 0 and config.progress)
+    losses, sizes = _loop(engine, model, config, dp_index, show=rank == 0 and config.progress)
     mine = {
         "stage": engine.stage,
         "dp": dp_index,
@@ -118,18 +138,34 @@ def _train(rank: int, config, device: torch.device) -> int:
         return 0
     from schedcc.backends.run.report import check_line, summarize
 
-    summarize(program, config, built, losses, gathered)
+    summarize(program, config, model, losses, sizes, gathered)
     if not config.check:
         return 0
-    worst = _check(program, config, built, initial, gathered)
+    worst = _check(program, config, model, initial, gathered)
     print(check_line(worst, CHECK_TOLERANCE), flush=True)
     return 0 if worst <= CHECK_TOLERANCE else 1
 
 
-def _global_batches(built, config, start: int = 0):
-    local = config.num_microbatches * config.microbatch_size
+def optimizer_of(model: RunModel, config):
+    """The model's optimizer factory, or Adam at `--lr`."""
+    if model.optimizer is not None:
+        return model.optimizer
+    lr = config.lr or DEFAULT_LR
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=lr)
+
+    return adam
+
+
+def global_batch_size(config) -> int:
+    """Samples in one optimizer step's batch, over every data-parallel replica."""
+    return config.num_microbatches * config.microbatch_size * config.data_parallel
+
+
+def _global_batches(model: RunModel, config, start: int = 0):
     for step in range(start, config.steps):
-        yield built.data.batch(local * config.data_parallel, step)
+        yield model.batch(global_batch_size(config), step)
 
 
 def _resume(engine: Engine, config, rank: int) -> None:
@@ -146,24 +182,31 @@ def _resume(engine: Engine, config, rank: int) -> None:
         print(f"resumed from {path} (step {engine.steps})", flush=True)
 
 
-def _loop(engine: Engine, built, config, dp_index: int, *, show: bool) -> list[float]:
+def _loop(
+    engine: Engine, model: RunModel, config, dp_index: int, *, show: bool
+) -> tuple[list[float], list[int]]:
+    """Train to `config.steps`; each step's loss and what its global batch counts for."""
     from schedcc.backends.checkpoint.files import step_dir
     from schedcc.backends.run.report import Progress
 
-    dp = config.data_parallel
-    batches = _global_batches(built, config, engine.steps)
-    local = ((x.chunk(dp)[dp_index], y.chunk(dp)[dp_index]) for x, y in batches)
+    sizes: list[int] = []
+
+    def local():
+        for step, batch in enumerate(_global_batches(model, config, engine.steps), engine.steps):
+            sizes.append(model.size(*batch))
+            yield local_batches(batch, step, config.data_parallel)[dp_index]
+
     losses: list[float] = []
     with Progress(config.steps, enabled=show, completed=engine.steps) as progress:
         last = time.perf_counter()
-        for loss in engine.train(local):
+        for loss in engine.train(local()):
             now = time.perf_counter()
             losses.append(loss)
             progress.advance(loss, now - last)
             if config.checkpoint and config.every and engine.steps % config.every == 0:
                 engine.save(step_dir(config.checkpoint, engine.steps))
             last = time.perf_counter()
-    return losses
+    return losses, sizes
 
 
 def _state(engine: Engine, schedule) -> dict[int, dict[str, torch.Tensor]]:
@@ -175,15 +218,14 @@ def _state(engine: Engine, schedule) -> dict[int, dict[str, torch.Tensor]]:
     }
 
 
-def _check(program: Program, config, built, initial, gathered) -> float:
+def _check(program: Program, config, model: RunModel, initial, gathered) -> float:
     from schedcc.backends.reference import train_reference
 
-    lr = config.lr
     train_reference(
         initial,
-        built.loss_fn,
-        lambda params: torch.optim.Adam(params, lr=lr),
-        _global_batches(built, config),
+        model.loss_fn,
+        optimizer_of(model, config),
+        _global_batches(model, config),
         weight_delay=program.schedule.weight_delay,
         batches_per_run=program.schedule.num_batches,
     )

@@ -1,77 +1,265 @@
-"""Built-in models and data for `schedcc run`: a tiny GPT, an MLP, and seeded synthetic data.
+"""The models `schedcc run` trains: the `--model` factory contract, the built-ins, and loading.
 
-The GPT learns token sequences drawn from a fixed random bigram model, so the best loss any model
-can reach is known exactly: the bigram conditional entropy (`BigramData.entropy`). The MLP learns
-a fixed random linear teacher plus Gaussian noise, whose floor is the noise variance. Both models
-come already cut into segments (`num_segments` modules in model order): the embedding sits in the
-first segment, the head in the last, the blocks spread evenly between.
+`schedcc run --model NAME` trains what a factory builds. NAME is a built-in (`tiny-gpt`, the
+default: the GPT of `backends/run/gpt.py`; `mlp`), `package.module:make` or
+`path/to/file.py:make`, where `make` is
 
-    >>> data = BigramData(vocab=16, seq_len=8, seed=0)
-    >>> inputs, targets = data.batch(4, step=0)
-    >>> tuple(inputs.shape), round(data.entropy, 3) < math.log(16)
-    ((4, 8), True)
+    def make(num_segments: int, *, seed: int) -> RunModel
+
+It builds the model cut into `num_segments` (`p * v`) segments in model order and returns them
+with the loss and the data (`RunModel`). What the run does with it:
+
+- it calls `make` once in the launching process, to check what comes back and to find the ties
+  before any rank starts, and once on every rank; so `make` must build the same model every
+  time for a given `seed` (seed the parameters itself);
+- a Parameter object held by several segments (`head.weight = tok.weight`) is a tie: the run
+  compiles with `tied=` covering every such sharing (`tied_groups`), and each rank keeps its own
+  stage's segments out of the `num_segments`;
+- the segments are built in `torch.get_default_dtype()`: `--check` sets float64 before calling
+  `make` and compares with non-pipelined training of a copy of the same segments, so training must
+  be deterministic (no dropout);
+- `batch(batch_size, step)` gives the global batch of optimizer step `step` (`batch_size` is
+  `m * --microbatch-size * dp`); every rank draws it and keeps its data-parallel share, so it must
+  be a pure function of `step` (`--check` and `--resume` replay it too).
+
+A bad NAME, a `make` that raises, or a return value that breaks the contract is one line naming
+`--model NAME` (`UserError`), before any rank starts.
+
+    >>> model = build("mlp", 2)
+    >>> len(model.segments), model.unit
+    (2, 'samples')
+    >>> build("no-such-model", 2)
+    Traceback (most recent call last):
+    ...
+    schedcc.errors.UserError: --model 'no-such-model': not a built-in model (tiny-gpt, mlp), \
+module:make or path/to/file.py:make
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from schedcc.backends.batches import local_batches, split_pair
+from schedcc.backends.run.gpt import GPT, GPTConfig, PaddedBigramData, gpt_segments, real_tokens
+from schedcc.backends.run.gpt import token_loss as gpt_loss
+from schedcc.errors import ScheduleConfigError, UserError
+from schedcc.registry import load_object
+
 __all__ = [
-    "MODELS",
-    "BigramData",
-    "Built",
+    "BUILT_IN",
+    "RunModel",
     "TeacherData",
     "build",
-    "lm_loss",
+    "check_batch",
+    "mlp",
     "mlp_segments",
     "split_evenly",
-    "tiny_gpt_segments",
+    "tiny_gpt",
 ]
 
 
-# -- data ----------------------------------------------------------------------------------------
-
-
-class BigramData:
-    """Token sequences from a seeded random bigram model; `entropy` is the best achievable loss.
-
-    The first token of each sequence is drawn from the chain's stationary distribution, so every
-    position has the same marginal and the floor is `sum_a pi(a) * H(next | a)` nats per token.
+@dataclass(frozen=True)
+class RunModel:
+    """What a `--model` factory returns: a model cut into segments, its loss and its data.
 
     Args:
-        vocab: number of tokens.
-        seq_len: tokens per input sequence (targets are the inputs shifted by one).
-        seed: fixes the transition table; `batch(n, step)` is a pure function of (seed, step).
-        sharpness: scale of the random transition logits (higher: peakier, lower entropy).
+        segments: the `num_segments` modules asked for, in model order; what a segment returns
+            is what the next one takes (a tuple as positional arguments, a dict as keyword
+            arguments), the first takes a batch's inputs, the last's output goes to `loss_fn`.
+        loss_fn: `loss_fn(output, targets)`: a scalar mean over the microbatch, a
+            `(loss_sum, count)` pair (normalised over the whole batch) or a dict of named scalars.
+        batch: `batch(batch_size, step) -> (inputs, targets)`, a pure function of `step`;
+            each may be a tensor or any nesting of tuple, list and dict of tensors and constants,
+            and every tensor is split along dim 0 into microbatches.
+        optimizer: a callable from parameters to a `torch.optim.Optimizer`; default
+            `torch.optim.Adam(params, lr=--lr)`.
+        floor: a loss no model can beat (an entropy, a noise variance), shown beside the final
+            loss; None shows none.
+        floor_name: what the summary calls it.
+        count: `count(inputs, targets) -> int`, how many `unit`s a batch holds (e.g. its real
+            tokens), for the throughput; default: its samples.
+        unit: what `count` counts ("tokens").
+
+    Raises:
+        TypeError: a field of the wrong kind (a callable that is not, a floor that is no number).
+
+    Example (a file `my_model.py`, run as `schedcc run --model my_model.py:make`):
+
+        def make(num_segments, *, seed):
+            torch.manual_seed(seed)
+            segments = [nn.Linear(8, 8) for _ in range(num_segments)]
+            def batch(batch_size, step):
+                gen = torch.Generator().manual_seed(step)
+                x = torch.randn(batch_size, 8, generator=gen)
+                return x, x.flip(1)
+            return RunModel(segments, F.mse_loss, batch)
     """
 
-    def __init__(self, vocab: int = 64, seq_len: int = 32, seed: int = 0, sharpness: float = 2.5):
-        gen = torch.Generator().manual_seed(seed)
-        logits = torch.randn(vocab, vocab, generator=gen, dtype=torch.float64) * sharpness
-        self.transition = logits.softmax(dim=-1)
-        self.stationary = _stationary(self.transition)
-        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+    segments: Sequence[nn.Module]
+    loss_fn: Callable[[Any, Any], Any]
+    batch: Callable[[int, int], tuple[Any, Any]]
+    optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None
+    floor: float | None = None
+    floor_name: str = "floor"
+    count: Callable[[Any, Any], int] | None = None
+    unit: str = "samples"
 
-    @property
-    def entropy(self) -> float:
-        """The bigram conditional entropy in nats: the loss floor of next-token prediction."""
-        row_entropy = -(self.transition * self.transition.log()).sum(dim=-1)
-        return float((self.stationary * row_entropy).sum())
+    def __post_init__(self) -> None:
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "RunModel.optimizer must be a callable from parameters to an optimizer, not an "
+                "optimizer: pass e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)"
+            )
+        for field in ("loss_fn", "batch"):
+            _need(callable(getattr(self, field)), field, "a callable")
+        for field in ("optimizer", "count"):
+            value = getattr(self, field)
+            _need(value is None or callable(value), field, "None or a callable")
+        floor = self.floor
+        _need(floor is None or isinstance(floor, numbers.Real), "floor", "None or a number")
+        for field in ("floor_name", "unit"):
+            _need(isinstance(getattr(self, field), str), field, "a str")
 
-    def batch(self, batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(inputs, targets)` of shape `(batch_size, seq_len)`, a pure function of `step`."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        tokens = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long)
-        tokens[:, 0] = torch.multinomial(self.stationary, batch_size, True, generator=gen)
-        for t in range(self.seq_len):
-            rows = self.transition[tokens[:, t]]
-            tokens[:, t + 1] = torch.multinomial(rows, 1, generator=gen).squeeze(1)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    def size(self, inputs: Any, targets: Any) -> int:
+        """What one batch counts for in the throughput: `count`'s, or its samples."""
+        if self.count is not None:
+            return int(self.count(inputs, targets))
+        for value in (inputs, targets):
+            tensors = [t for t in _tensors(value) if t.dim()]
+            if tensors:
+                return tensors[0].shape[0]
+        return 0
+
+
+def _need(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        raise TypeError(f"RunModel.{field} must be {what}")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    from schedcc.backends.runtime.values import flatten
+
+    return flatten(value)[0]
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def factory(name: str) -> Callable[..., RunModel]:
+    """The factory `--model name` names: a built-in, `module:make` or `path/to/file.py:make`.
+
+    Raises:
+        UserError: nothing by that name, a module that does not import, not a callable.
+    """
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    if ":" not in name:
+        raise UserError(
+            f"--model {name!r}: not a built-in model ({', '.join(BUILT_IN)}), module:make or "
+            "path/to/file.py:make"
+        )
+    make = load_object(name, what=f"--model {name}", kind="make", error=UserError)
+    if not callable(make):
+        raise UserError(
+            f"--model {name}: names an object of type {type(make).__name__!r}, not a "
+            "function make(num_segments, *, seed) -> RunModel"
+        )
+    return make
+
+
+def build(name: str, num_segments: int, *, seed: int = 0) -> RunModel:
+    """`--model name`'s factory called for `num_segments` segments, its result checked.
+
+    Raises:
+        UserError: see `factory`; the factory raised (its exception's first line), returned
+            something other than a `RunModel`, or another number of segments or a segment
+            that is not a module.
+    """
+    make = factory(name)
+    call = f"{getattr(make, '__name__', 'make')}({num_segments}, seed={seed})"
+    try:
+        model = make(num_segments, seed=seed)
+    except Exception as exc:  # the user's code may fail in any way: one line saying how
+        raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
+    if not isinstance(model, RunModel):
+        raise UserError(
+            f"--model {name}: {call} returned a {type(model).__name__}, not a RunModel "
+            "(from schedcc.backends.run.models import RunModel)"
+        )
+    segments = model.segments
+    if not isinstance(segments, Sequence) or len(segments) != num_segments:
+        got = f"{len(segments)}" if isinstance(segments, Sequence) else "no sequence of"
+        raise UserError(
+            f"--model {name}: {call} returned {got} segment(s); the schedule needs p*v = "
+            f"{num_segments}, in model order"
+        )
+    for k, segment in enumerate(segments):
+        if not isinstance(segment, nn.Module):
+            raise UserError(
+                f"--model {name}: segment {k} is a {type(segment).__name__}, not a torch.nn.Module"
+            )
+    return model
+
+
+def check_batch(
+    model: RunModel, name: str, *, batch_size: int, num_microbatches: int, data_parallel: int
+) -> None:
+    """Draw step 0's batch and split it as the engines will; raise `UserError` if that fails."""
+    call = f"batch({batch_size}, 0)"
+    try:
+        batch = model.batch(batch_size, 0)
+    except Exception as exc:
+        raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
+    try:
+        for r, (inputs, targets) in enumerate(local_batches(batch, 0, data_parallel)):
+            where = f"{call} (replica {r})" if data_parallel > 1 else call
+            split_pair(inputs, targets, num_microbatches, where=where)
+    except ScheduleConfigError as exc:
+        raise UserError(f"--model {name}: {exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+# -- built-in models -----------------------------------------------------------------------------
+
+
+def tiny_gpt(num_segments: int, *, seed: int = 0) -> RunModel:
+    """The GPT of `backends/run/gpt.py` (32 wide, `max(4, num_segments)` blocks, LM head tied to
+    the token embedding) on padded bigram sequences of 8 to 32 tokens (the length varies); the
+    boundary value is `(x, pad_mask, pos_ids)` and the floor is the chain's entropy."""
+    data = PaddedBigramData(vocab=64, max_len=32, min_len=8, seed=seed)
+    config = GPTConfig(vocab=data.vocab, max_len=data.max_len, num_blocks=max(4, num_segments))
+    model = GPT(config, seed=seed)
+    return RunModel(
+        gpt_segments(model, num_segments),
+        gpt_loss,
+        data.batch,
+        floor=data.entropy,
+        floor_name="entropy floor",
+        count=real_tokens,
+        unit="tokens",
+    )
+
+
+def mlp(num_segments: int, *, seed: int = 0) -> RunModel:
+    """`mlp_segments` learning `TeacherData` (MSE); the floor is the noise variance."""
+    data = TeacherData(seed=seed)
+    segments = mlp_segments(num_segments, width=data.width, seed=seed)
+    return RunModel(segments, F.mse_loss, data.batch, floor=data.entropy, floor_name="noise floor")
+
+
+#: The models `--model` knows by name.
+BUILT_IN: dict[str, Callable[..., RunModel]] = {"tiny-gpt": tiny_gpt, "mlp": mlp}
 
 
 class TeacherData:
@@ -97,69 +285,6 @@ class TeacherData:
         return x.to(dtype), y.to(dtype)
 
 
-def _stationary(transition: torch.Tensor) -> torch.Tensor:
-    pi = torch.full((transition.shape[0],), 1.0 / transition.shape[0], dtype=transition.dtype)
-    for _ in range(1000):
-        nxt = pi @ transition
-        if torch.allclose(nxt, pi, atol=1e-15, rtol=0):
-            break
-        pi = nxt
-    return pi / pi.sum()
-
-
-# -- models --------------------------------------------------------------------------------------
-
-
-class Embedding(nn.Module):
-    """Token plus learned position embedding: `(batch, seq) -> (batch, seq, d_model)`."""
-
-    def __init__(self, vocab: int, seq_len: int, d_model: int):
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, d_model)
-        self.positions = nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tokens(tokens) + self.positions[: tokens.shape[1]]
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention then an MLP, both residual."""
-
-    def __init__(self, d_model: int, num_heads: int):
-        super().__init__()
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
-        shape = (batch, seq, self.num_heads, width // self.num_heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(shape[-1])
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
-        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, width))
-        return x + self.mlp(self.norm2(x))
-
-
-class Head(nn.Module):
-    """Final layer norm and the vocabulary projection: `(b, s, d) -> (b, s, vocab)` logits."""
-
-    def __init__(self, d_model: int, vocab: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(d_model)
-        self.out = nn.Linear(d_model, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
-
-
 def split_evenly(layers: list[nn.Module], num_segments: int) -> list[nn.Module]:
     """`layers` cut into `num_segments` contiguous `nn.Sequential`s, sizes differing by <= 1.
 
@@ -180,29 +305,6 @@ def split_evenly(layers: list[nn.Module], num_segments: int) -> list[nn.Module]:
     return out
 
 
-def tiny_gpt_segments(
-    num_segments: int,
-    *,
-    vocab: int = 64,
-    seq_len: int = 32,
-    d_model: int = 64,
-    num_heads: int = 4,
-    num_blocks: int | None = None,
-    seed: int = 0,
-) -> list[nn.Module]:
-    """A small GPT cut into `num_segments` segments (embedding first, head last).
-
-    `num_blocks` defaults to `max(4, num_segments)` so every segment holds at least one block;
-    the embedding joins the first block's segment and the head the last one's.
-    """
-    torch.manual_seed(seed)
-    num_blocks = num_blocks or max(4, num_segments)
-    blocks: list[nn.Module] = [Block(d_model, num_heads) for _ in range(num_blocks)]
-    blocks[0] = nn.Sequential(Embedding(vocab, seq_len, d_model), blocks[0])
-    blocks[-1] = nn.Sequential(blocks[-1], Head(d_model, vocab))
-    return split_evenly(blocks, num_segments)
-
-
 def mlp_segments(
     num_segments: int, *, width: int = 32, num_layers: int | None = None, seed: int = 0
 ) -> list[nn.Module]:
@@ -215,38 +317,3 @@ def mlp_segments(
         linear = nn.Linear(width, width)
         layers.append(linear if last else nn.Sequential(linear, nn.Tanh()))
     return split_evenly(layers, num_segments)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over a microbatch of `(b, s, vocab)` logits."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-class Built:
-    """A built-in model ready to train: `segments`, `loss_fn`, `data` (with `entropy`), sizes."""
-
-    def __init__(self, segments, loss_fn, data, tokens_per_sample: int):
-        self.segments: list[nn.Module] = segments
-        self.loss_fn: Callable = loss_fn
-        self.data = data
-        self.tokens_per_sample = tokens_per_sample
-
-
-def build(name: str, num_segments: int, *, seed: int = 0) -> Built:
-    """The built-in model `name` ("tiny-gpt" or "mlp") cut into `num_segments` segments.
-
-    Raises:
-        ValueError: an unknown name, or more segments than the model has layers.
-    """
-    if name == "tiny-gpt":
-        data = BigramData(seed=seed)
-        segments = tiny_gpt_segments(num_segments, vocab=data.vocab, seq_len=data.seq_len)
-        return Built(segments, lm_loss, data, data.seq_len)
-    if name == "mlp":
-        data = TeacherData(seed=seed)
-        segments = mlp_segments(num_segments, width=data.width)
-        return Built(segments, F.mse_loss, data, 1)
-    raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
-
-
-MODELS = ("tiny-gpt", "mlp")

@@ -1,7 +1,8 @@
 """What `schedcc run` shows: a progress bar while training and the summary table at the end.
 
 The summary reads the measured instruction times every rank gathered to rank 0: the median step
-time (the slowest rank's, barrier-aligned clocks), tokens per second, the measured bubble
+time (the slowest rank's, barrier-aligned clocks), the throughput (what the timed steps' batches
+count for, tokens or samples, over their time), the measured bubble
 (`Timeline.bubble_fraction` of the measured events) against the simulated one (`schedcc.simulate`
 with `CostModel.from_trace` of the same run, timed as the engine ran it: eagerly over gloo, where
 sends never wait, with rendezvous exchanges under NCCL; see [Note: eager simulation]), and each
@@ -89,8 +90,14 @@ def _run_seconds(gathered: Sequence[dict], run: int) -> float:
     return max(ends) - min(starts)
 
 
-def summarize(program: Program, config, built, losses: list[float], gathered) -> None:
-    """Print the summary table (and write the trace) on rank 0."""
+def summarize(
+    program: Program, config, model, losses: list[float], sizes: list[int], gathered
+) -> None:
+    """Print the summary table (and write the trace) on rank 0.
+
+    `model` is the run's `RunModel`; `losses` and `sizes` hold, per step this process trained,
+    its loss and what its global batch counts for (`RunModel.size`).
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -99,12 +106,8 @@ def summarize(program: Program, config, built, losses: list[float], gathered) ->
     per_run = config.num_batches
     run_seconds = statistics.median(_run_seconds(gathered, r) for r in steady)
     step_seconds = run_seconds / per_run
-    tokens = (
-        config.num_microbatches
-        * config.microbatch_size
-        * config.data_parallel
-        * built.tokens_per_sample
-    )
+    counted = sum(sizes[r * per_run + b] for r in steady for b in range(per_run))
+    rate = counted / sum(_run_seconds(gathered, r) for r in steady)
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
     simulated = _simulated_bubble(
         program, [e for r in steady for e in runs[r]], eager=_ran_eagerly(gathered)
@@ -125,16 +128,17 @@ def summarize(program: Program, config, built, losses: list[float], gathered) ->
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
-    floor_name = "entropy floor" if config.model == "tiny-gpt" else "noise floor"
     table.add_row("steps", str(len(losses)))
     table.add_row("loss: first -> final", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
-    table.add_row(f"loss {floor_name}", f"{built.data.entropy:.4f}")
+    if model.floor is not None:
+        table.add_row(f"loss {model.floor_name}", f"{model.floor:.4f}")
     table.add_row("median step time", f"{step_seconds * 1e3:.2f} ms")
-    table.add_row(
-        "tokens/s" if built.tokens_per_sample > 1 else "samples/s", f"{tokens / step_seconds:,.0f}"
-    )
+    table.add_row(f"{model.unit}/s", f"{rate:,.0f}")
     table.add_row("bubble: measured / simulated", f"{measured:.1%} / {simulated:.1%}")
     table.add_row("point-to-point", _transports(gathered))
+    if program.tied:
+        groups = ", ".join(str(group) for group in program.tied)
+        table.add_row("tied segments (ReduceTied)", groups)
     for stage in sorted(peaks):
         table.add_row(f"peak activations, stage {stage}", f"{peaks[stage] / 2**20:.2f} MB")
     if config.trace:

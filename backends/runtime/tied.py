@@ -15,7 +15,8 @@ holds the trained weights. A checkpoint saves each segment's module state (the c
 at a step boundary) and a load refreshes the private copies from it.
 
 `find_ties` and `check_ties` find ties by object identity among the segments an engine is
-given and refuse a program whose `tied` groups do not cover them, before anything runs.
+given and refuse a program whose `tied` groups do not cover them, before anything runs;
+`tied_groups` is the `tied=` that covers them (what `schedcc run` compiles with).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "find_ties",
     "private_copies",
     "stage_ties",
+    "tied_groups",
 ]
 
 
@@ -137,6 +139,17 @@ def _suggest(found, tied) -> list[tuple[int, ...]]:
     for k in parent:
         groups.setdefault(root(k), set()).add(k)
     return sorted(tuple(sorted(group)) for group in groups.values() if len(group) > 1)
+
+
+def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
+    """The `tied=` that covers every Parameter object `segments` (a model's, in order) share:
+    groups of segment indices, merged where they overlap; `[]` when nothing is shared.
+
+    >>> from schedcc.backends.run.gpt import GPT, GPTConfig, gpt_segments
+    >>> tied_groups(gpt_segments(GPT(GPTConfig(num_blocks=3)), 3))  # tok.weight is head.weight
+    [(0, 2)]
+    """
+    return _suggest(find_ties(dict(enumerate(segments))), ())
 
 
 def private_copies(ties: Sequence[Tie], held: Sequence[int]) -> set[tuple[int, str]]:

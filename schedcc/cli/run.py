@@ -1,10 +1,12 @@
 """`schedcc run`: train a model with a pipeline schedule on `torch.distributed`.
 
-With no flags it trains the built-in tiny GPT on generated bigram data with 1F1B over 2 local
+With no flags it trains the built-in tiny GPT (tied LM head, padding mask and position ids
+crossing every stage, variable-length batches) on generated bigram data with 1F1B over 2 local
 processes (gloo on CPU; NCCL and one process per GPU when CUDA is there), shows progress, and ends
 with a summary: final loss against the entropy floor, step time, tokens/s, measured against
-simulated bubble, and peak activation memory per stage. Under `torchrun` it uses the launcher's
-ranks instead of spawning. torch is imported only when a run starts.
+simulated bubble, and peak activation memory per stage. `--model file.py:make` trains a model of
+one's own (the contract is `schedcc.backends.run.models`). Under `torchrun` it uses the
+launcher's ranks instead of spawning. torch is imported only when a run starts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ EPILOG = """examples:
   schedcc run --schedule interleaved-1f1b -p 2 -v 2 -m 8 --steps 50 --trace run.json
   schedcc run --dp 2 --zero 1 --check
   schedcc run --schedule my_schedules.py:MySchedule --model mlp
+  schedcc run --model examples/char_lm.py:make -p 4 --check
   schedcc run --steps 100 --checkpoint ckpt --every 10      (then add --resume after a crash)
   torchrun --nproc-per-node 4 -m schedcc run -p 2          (dp = world / p)
 """
@@ -50,7 +53,7 @@ class Config:
     steps: int
     model: str
     microbatch_size: int
-    lr: float
+    lr: float | None
     seed: int
     trace: str | None
     check: bool
@@ -85,11 +88,19 @@ def register(subparsers) -> None:
     shared.add_chunks(parser)
     shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1))
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
-    parser.add_argument("--model", choices=("tiny-gpt", "mlp"), default="tiny-gpt")
+    parser.add_argument(
+        "--model",
+        default="tiny-gpt",
+        metavar="NAME",
+        help="tiny-gpt (default), mlp, or your factory: module:make or path/to/file.py:make "
+        "(make(num_segments, *, seed) -> schedcc.backends.run.models.RunModel)",
+    )
     parser.add_argument(
         "--microbatch-size", type=positive_int, default=2, help="samples per microbatch"
     )
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument(
+        "--lr", type=float, help="learning rate of the default optimizer, Adam (default 0.01)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="write the measured Chrome trace here")
     parser.add_argument(
@@ -131,12 +142,14 @@ def run(args) -> int:
     """Validate the request, then train on spawned processes or on torchrun's ranks."""
     from schedcc.backends.run import launch
 
-    config = _config(args, launch.in_torchrun())
+    config, schedule = _config(args, launch.in_torchrun())
     from schedcc.backends.run import job  # imports torch
 
+    model = _model(config, schedule)
     if launch.in_torchrun():
         rank = int(os.environ["RANK"])
-        return launch.run_rank(job.main, rank, config.world_size, config)
+        return launch.run_rank(job.main, rank, config.world_size, config, model)
+    del model  # each spawned rank builds its own
     try:
         job.check_devices(config.world_size)
     except launch.UserError as exc:
@@ -152,10 +165,57 @@ def run(args) -> int:
     )
 
 
-def _config(args, under_torchrun: bool) -> Config:
+def _model(config: Config, schedule):
+    """`--model` built here, before any rank starts, with the program compiled for its ties:
+    a bad factory, model, batch or program is one line (exit 2), not one from every rank.
+
+    Under torchrun this process is a rank and trains the model returned; a launching process
+    builds it only to check it (on one thread, so no thread pool exists when it forks the ranks).
+    """
+    import torch
+
+    from schedcc.backends.run import job, models
+    from schedcc.backends.runtime.tied import tied_groups
+    from schedcc.errors import UserError
+
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    torch.set_num_threads(1)  # no thread pool started before the ranks are forked
+    if config.check:
+        torch.set_default_dtype(torch.float64)  # what the ranks build in
+    try:
+        model = models.build(config.model, schedule.num_segments, seed=config.seed)
+        models.check_batch(
+            model,
+            config.model,
+            batch_size=job.global_batch_size(config),
+            num_microbatches=config.num_microbatches,
+            data_parallel=config.data_parallel,
+        )
+    except UserError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+    if model.optimizer is not None and config.lr is not None:
+        raise UsageError(
+            f"--lr sets the default optimizer's learning rate, but --model {config.model} brings "
+            "its own optimizer: set the rate there, or drop --lr"
+        )
+    # a bad program fails here, exit 2
+    compile(
+        schedule,
+        data_parallel=config.data_parallel,
+        zero=config.zero,
+        tied=tied_groups(model.segments),
+    )
+    return model
+
+
+def _config(args, under_torchrun: bool) -> tuple[Config, object]:
+    """The run's `Config` and its schedule, every flag checked (`UsageError`)."""
     if not 0 < args.timeout < math.inf:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    if not 0 < args.lr < math.inf:
+    if args.lr is not None and not 0 < args.lr < math.inf:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
@@ -184,11 +244,10 @@ def _config(args, under_torchrun: bool) -> Config:
         num_batches=batches_per_run,
     )
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
-    compile(schedule, data_parallel=dp, zero=args.zero)  # a bad program fails here, exit 2
     _check_trace(args.trace)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
-    return Config(
+    config = Config(
         schedule=args.schedule,
         num_stages=p,
         num_microbatches=args.num_microbatches,
@@ -210,6 +269,7 @@ def _config(args, under_torchrun: bool) -> Config:
         every=args.every or 0,
         resume=args.resume,
     )
+    return config, schedule
 
 
 def _check_checkpoint_args(args, batches_per_run: int) -> None:

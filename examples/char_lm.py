@@ -1,0 +1,90 @@
+"""Your own model in `schedcc run`: a small character-level language model.
+
+    schedcc run --model examples/char_lm.py:make
+    schedcc run --model examples/char_lm.py:make -p 4 --steps 100
+    schedcc run --model examples/char_lm.py:make --schedule interleaved-1f1b -v 2 --check
+
+`make(num_segments, *, seed)` builds the model, cuts it into `num_segments` segments with
+`schedcc.split` and returns them with the loss, the data and an optimizer as a `RunModel`. The
+LM head's weight is the embedding's, so the first and the last segment hold the same Parameter:
+the run finds that tie and compiles with `tied=` by itself. The contract is in
+`schedcc.backends.run.models`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import schedcc
+from schedcc.backends.run.models import RunModel
+from schedcc.splitting import even_points
+
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
+    "age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the "
+    "season of Light, it was the season of Darkness, it was the spring of hope, it was the winter "
+    "of despair."
+)
+CHARS = sorted(set(TEXT))
+IDS = torch.tensor([CHARS.index(c) for c in TEXT])
+WINDOW = 24
+
+
+class Block(nn.Module):
+    """Residual: each position mixes itself with the two before it, then an MLP."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(3 * width, width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        past = F.pad(h, (0, 0, 2, 0))  # two zero positions in front of the sequence
+        x = x + self.mix(torch.cat((h, past[:, 1:-1], past[:, :-2]), dim=-1))
+        return x + self.mlp(x)
+
+
+class CharLM(nn.Module):
+    def __init__(self, vocab: int, width: int = 32, depth: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        nn.init.normal_(self.embed.weight, std=0.1)
+
+    def forward(self, chars: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(chars))))
+
+
+def batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_size` windows of the text and the characters that follow: a pure function of step."""
+    gen = torch.Generator().manual_seed(step)
+    starts = torch.randint(len(IDS) - WINDOW, (batch_size,), generator=gen)
+    windows = torch.stack([IDS[s : s + WINDOW + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make(num_segments: int, *, seed: int) -> RunModel:
+    torch.manual_seed(seed)
+    model = CharLM(len(CHARS), depth=max(4, num_segments))
+    segments = schedcc.split(model, even_points(model, num_segments, container="blocks"))
+    return RunModel(
+        segments,
+        loss,
+        batch,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+        count=lambda chars, targets: targets.numel(),
+        unit="characters",
+    )
