@@ -1,26 +1,35 @@
 """Step time of schedcc's distributed backend against torch.distributed.pipelining (a benchmark).
 
-8 x [Linear(512, 512) + ReLU] split evenly over 2 stages (2 chunks each for interleaved), batch 64,
-MSE, SGD, one thread per process, gloo on 127.0.0.1. A step is timed barrier to barrier on every
-rank and the slowest rank counts; each row takes turns in rounds: schedcc, schedcc with gloo
-point-to-point (`shared_memory=False`: what the same executor does without its same-host
-transport), torch, the floor (one step per turn by default, so all see the same machine load; the
-order rotates from round to round, since whichever runner follows the floor measures 8-10% slower),
-and reports the median over all timed steps. The *floor* is every rank running only its own
-segments' forward and backward for all microbatches plus its optimizer step, at the same time, with
-no pipeline communication; `floor / (1 - bubble)` (the analytic bubble of the schedule) is what a
-perfect executor would take. Overhead is the gap to that, per instruction of the busiest stage. The
-CPU column (each rank's own CPU time for the step, slowest rank) is robust to a loaded machine: it
-shows what each executor costs apart from waiting (but schedcc's receives check for their data for
-up to 2 ms before they sleep, and that checking counts as CPU).
+Two models, each split evenly over 2 stages (2 chunks each for interleaved), SGD, one thread per
+process, gloo on 127.0.0.1:
+
+- `mlp`: 8 x [Linear(512, 512) + ReLU], batch 64, MSE;
+- `gpt`: the GPT of `backends/run/gpt.py` (4 blocks, 128 wide, 4 heads, vocab 256), batch 16 of
+  32 tokens with padding, the mean token loss. The boundary value is the tuple
+  `(x, pad_mask, pos_ids)` (a float, a bool and an int64 tensor), and the LM head is tied to
+  the token embedding: schedcc compiles with `tied=` (a `ReduceTied` per step); torch, which
+  has no tied parameters across stages, sums the two copies' gradients with an all-reduce
+  before its optimizer step, as Megatron-LM does.
+
+A step is timed barrier to barrier on every rank and the slowest rank counts; each row takes turns
+in rounds: schedcc, schedcc with gloo point-to-point (`shared_memory=False`: what the same executor
+does without its same-host transport), torch, the floor (one step per turn by default, so all see
+the same machine load; the order rotates from round to round, since whichever runner follows the
+floor measures 8-10% slower), and reports the median over all timed steps. The *floor* is every rank
+running only its own segments' forward and backward for all microbatches plus its optimizer step, at
+the same time, with no pipeline communication; `floor / (1 - bubble)` (the analytic bubble of the
+schedule) is what a perfect executor would take. Overhead is the gap to that, per instruction of the
+busiest stage. The CPU column (each rank's own CPU time for the step, slowest rank) is robust to a
+loaded machine: it shows what each executor costs apart from waiting (but schedcc's receives check
+for their data for up to 2 ms before they sleep, and that checking counts as CPU).
 
 Each rank is bound to its own core and keeps the memory it frees for reuse, as `schedcc run`'s
 ranks do (`--no-bind`: left free; `--default-malloc`: glibc's default trimming; see [Note: keeping
 freed memory] in `backends/run/launch.py`).
 
     python benchmarks/step_time.py [--rounds 30] [--steps-per-round 1] [--warmup 5]
-        [--schedules gpipe 1f1b interleaved-1f1b] [--microbatches 4 8] [--no-bind]
-        [--default-malloc]
+        [--models mlp gpt] [--schedules gpipe 1f1b interleaved-1f1b] [--microbatches 4 8]
+        [--no-bind] [--default-malloc]
 """
 
 from __future__ import annotations
@@ -44,11 +53,14 @@ from torch.distributed import pipelining as tpp
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.run import gpt
 from schedcc.backends.run.launch import keep_freed_memory, spawn
+from schedcc.backends.runtime.tied import find_ties, tied_groups
+from schedcc.backends.runtime.values import call, flatten, grad_tensors, split
 from schedcc.costs import CostModel
 from schedcc.simulate import simulate
 
-WIDTH, LAYERS, BATCH, NUM_STAGES = 512, 8, 64, 2
+NUM_STAGES = 2
 
 #: (schedcc schedule, torch schedule class, chunks per stage)
 ROWS = [
@@ -59,11 +71,42 @@ ROWS = [
 MICROBATCHES = (4, 8)
 
 
-def _segments(num_segments: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)]
-    per = LAYERS // num_segments
-    return [nn.Sequential(*layers[k * per : (k + 1) * per]) for k in range(num_segments)]
+class MLP:
+    """8 x [Linear(512, 512) + ReLU], batch 64, MSE: one tensor crosses each boundary."""
+
+    name, loss_fn = "mlp", staticmethod(F.mse_loss)
+    width, layers, batch = 512, 8, 64
+
+    def segments(self, num_segments: int) -> list[nn.Module]:
+        torch.manual_seed(0)
+        width = self.width
+        layers = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(self.layers)]
+        per = self.layers // num_segments
+        return [nn.Sequential(*layers[k * per : (k + 1) * per]) for k in range(num_segments)]
+
+    def data(self):
+        torch.manual_seed(1)
+        return torch.randn(self.batch, self.width), torch.randn(self.batch, self.width)
+
+
+class TiedGPT:
+    """The GPT with its head tied to the token embedding; `(x, pad_mask, pos_ids)` crosses."""
+
+    name, loss_fn = "gpt", staticmethod(gpt.mean_token_loss)
+    config = gpt.GPTConfig(vocab=256, max_len=32, d_model=128, num_heads=4, num_blocks=4)
+    batch = 16
+
+    def segments(self, num_segments: int) -> list[nn.Module]:
+        return gpt.gpt_segments(gpt.GPT(self.config, seed=0), num_segments)
+
+    def data(self):
+        # one length for the whole run (torch's stages learn their shapes once), rows padded
+        data = gpt.PaddedBigramData(self.config.vocab, self.config.max_len, min_len=24, seed=1)
+        step = next(s for s in range(100) if data.batch(1, s)[0][0].shape[1] == data.max_len)
+        return data.batch(self.batch, step)
+
+
+MODELS = {model.name: model for model in (MLP(), TiedGPT())}
 
 
 def _sgd(params):
@@ -81,12 +124,14 @@ def _timed(step) -> tuple[float, float]:
 
 
 class _Schedcc:
-    def __init__(self, name: str, m: int, v: int, data, *, shared_memory: bool = True):
-        program = schedcc.compile(schedcc.get_schedule(name)(NUM_STAGES, m, v))
+    def __init__(self, model, name: str, m: int, v: int, data, *, shared_memory: bool = True):
+        segments = model.segments(NUM_STAGES * v)
+        schedule = schedcc.get_schedule(name)(NUM_STAGES, m, v)
+        program = schedcc.compile(schedule, tied=tied_groups(segments))
         self.engine = Engine(
             program,
-            _segments(NUM_STAGES * v),
-            F.mse_loss,
+            segments,
+            model.loss_fn,
             _sgd,
             reduce_loss=False,
             shared_memory=shared_memory,
@@ -99,36 +144,55 @@ class _Schedcc:
 
 
 class _Torch:
-    def __init__(self, cls, m: int, v: int, data, rank: int):
-        segments = _segments(NUM_STAGES * v)
+    def __init__(self, model, cls, m: int, v: int, data, rank: int):
+        segments = model.segments(NUM_STAGES * v)
         mine = [rank + NUM_STAGES * c for c in range(v)]  # looped placement, as schedcc's
         self.stages = [
             tpp.PipelineStage(segments[k], k, NUM_STAGES * v, torch.device("cpu")) for k in mine
         ]
         stage = self.stages if v > 1 else self.stages[0]
-        self.schedule = cls(stage, m, loss_fn=F.mse_loss)
-        self.optimizer = _sgd([p for k in mine for p in segments[k].parameters()])
-        self.x, self.y = data
+        self.schedule = cls(stage, m, loss_fn=model.loss_fn)
+        params = {id(p): p for k in mine for p in segments[k].parameters()}
+        self.optimizer = _sgd(params.values())
+        # a tie's copies live on both ranks (segments 0 and p*v - 1): its gradients are summed
+        self.tied = [p for p, _ in find_ties(dict(enumerate(segments))) if id(p) in params]
+        inputs, self.y = data
+        self.x = inputs if isinstance(inputs, tuple) else (inputs,)
         self.rank = rank
 
     def step(self) -> None:
         if self.rank == 0:
-            self.schedule.step(self.x)
+            self.schedule.step(*self.x)
         else:
             self.schedule.step(target=self.y, losses=[])
+        for param in self.tied:
+            dist.all_reduce(param.grad)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
 
 class _Floor:
-    """Only this rank's own segments, forward + backward for every microbatch, then its step."""
+    """Only this rank's own segments, forward + backward for every microbatch, then its step.
 
-    def __init__(self, m: int, v: int, data, rank: int):
-        segments = _segments(NUM_STAGES * v)
-        self.mine = [segments[rank + NUM_STAGES * c] for c in range(v)]
-        self.optimizer = _sgd([p for s in self.mine for p in s.parameters()])
-        x, y = data
-        self.xs, self.ys = x.chunk(m), y.chunk(m)
+    Each segment's inputs are what the model computes for it (the chain run once, untimed); a
+    segment other than the last backpropagates ones from its floating outputs."""
+
+    def __init__(self, model, m: int, v: int, data, rank: int):
+        segments = model.segments(NUM_STAGES * v)
+        mine = [rank + NUM_STAGES * c for c in range(v)]
+        self.mine = [segments[k] for k in mine]
+        params = {id(p): p for s in self.mine for p in s.parameters()}
+        self.optimizer = _sgd(params.values())
+        inputs, targets = data
+        self.inputs: list[list] = [[] for _ in mine]  # by chunk, by microbatch
+        with torch.no_grad():
+            for value in split(inputs, m):
+                for k, segment in enumerate(segments):
+                    if k in mine:
+                        self.inputs[mine.index(k)].append(value)
+                    value = call(segment, value)
+        self.ys = split(targets, m)
+        self.loss_fn, self.m = model.loss_fn, m
         self.last = rank == NUM_STAGES - 1
         #: Per step: (forward seconds per chunk, backward seconds per chunk, optimizer seconds).
         self.spent: list[tuple[list[float], list[float], float]] = []
@@ -136,18 +200,17 @@ class _Floor:
     def step(self) -> None:
         clock = time.perf_counter
         forward, backward = [0.0] * len(self.mine), [0.0] * len(self.mine)
-        for x, y in zip(self.xs, self.ys):
+        for i, y in enumerate(self.ys):
             for c, segment in enumerate(self.mine):
                 start = clock()
-                x_in = x.detach().requires_grad_(True)
-                out = segment(x_in)
-                if self.last and segment is self.mine[-1]:
-                    out = F.mse_loss(out, y) / len(self.xs)
-                    grad = None
+                out = call(segment, _fresh(self.inputs[c][i]))
+                if self.last and c == len(self.mine) - 1:
+                    outs, grads = [self.loss_fn(out, y) / self.m], None
                 else:
-                    grad = torch.ones_like(out)
+                    outs = grad_tensors(flatten(out)[0])
+                    grads = [torch.ones_like(t) for t in outs]
                 middle = clock()
-                out.backward(grad)
+                torch.autograd.backward(outs, grads)
                 forward[c] += middle - start
                 backward[c] += clock() - middle
         start = clock()
@@ -165,6 +228,15 @@ class _Floor:
             for c in range(len(self.mine))
         ]
         return per_chunk, statistics.median(t for _, _, t in self.spent)
+
+
+def _fresh(value):
+    """A segment's input as a stage receives it: floating tensors detached, requiring grad."""
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value
 
 
 def _cost_model(stages: list[tuple[list[tuple[float, float]], float]]) -> CostModel:
@@ -185,15 +257,14 @@ def _slowest(times: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
-    torch.manual_seed(1)
-    data = (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
-    ours = _Schedcc(name, m, v, data)
+def _row(rank: int, model, name: str, cls, v: int, m: int, opts) -> dict:
+    data = model.data()
+    ours = _Schedcc(model, name, m, v, data)
     runners = {
         "schedcc": ours,
-        "gloo": _Schedcc(name, m, v, data, shared_memory=False),
-        "torch": _Torch(cls, m, v, data, rank),
-        "floor": _Floor(m, v, data, rank),
+        "gloo": _Schedcc(model, name, m, v, data, shared_memory=False),
+        "torch": _Torch(model, cls, m, v, data, rank),
+        "floor": _Floor(model, m, v, data, rank),
     }
     for runner in runners.values():
         for _ in range(opts.warmup):
@@ -227,7 +298,7 @@ def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
     work = max(m * sum(f + b for f, b in chunks) + step for chunks, step in stage_costs)
     simulated = medians["floor"] * makespan / work
     return {
-        "row": f"{name} m={m}" + (f" v={v}" if v > 1 else ""),
+        "row": f"{model.name} {name} m={m}" + (f" v={v}" if v > 1 else ""),
         **medians,
         "bubble": bubble,
         "ideal": ideal,
@@ -243,7 +314,8 @@ def _worker(rank: int, world_size: int, opts) -> int:
         keep_freed_memory()  # every runner's: they share the process
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(60))
     rows = [
-        _row(rank, name, cls, v, m, opts)
+        _row(rank, MODELS[model], name, cls, v, m, opts)
+        for model in opts.models
         for name, cls, v in ROWS
         if name in opts.schedules
         for m in opts.microbatches
@@ -282,6 +354,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30, help="turns per runner per row")
     parser.add_argument("--steps-per-round", type=int, default=1, help="timed steps per turn")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per runner")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=list(MODELS),
+        help="models to run (default: all)",
+    )
     parser.add_argument(
         "--schedules",
         nargs="+",

@@ -2,9 +2,10 @@
 
 `main(rank, world_size, config)` is called by `backends.run.launch.spawn` in each local process, or
 directly under torchrun. Each rank builds the whole model (`--model`'s factory, see
-`backends.run.models`), compiles the program with the ties it finds among the segments, and
-trains its own stage. Rank 0 shows the progress bar, gathers every rank's measured instruction
-times, and prints the summary (and, with `--check`, compares against non-pipelined training).
+`backends.run.models`), compiles the program with the ties the command found in it (`config.tied`;
+the engine refuses segments whose sharing differs), and trains its own stage. Rank 0 shows the
+progress bar, gathers every rank's measured instruction times, and prints the summary (and, with
+`--check`, compares against non-pipelined training).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
 from schedcc.backends.run.models import RunModel
-from schedcc.backends.runtime.tied import tied_groups
 from schedcc.compiler import compile
 from schedcc.errors import RankFailure
 from schedcc.program import Program
@@ -94,10 +94,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
     if model is None:
         model = models.build(config.model, schedule.num_segments, seed=config.seed)
     program = compile(
-        schedule,
-        data_parallel=config.data_parallel,
-        zero=config.zero,
-        tied=tied_groups(model.segments),
+        schedule, data_parallel=config.data_parallel, zero=config.zero, tied=config.tied
     )
     initial = copy.deepcopy(list(model.segments)) if config.check and rank == 0 else None
     optimizer = optimizer_of(model, config)

@@ -63,6 +63,8 @@ class Config:
     checkpoint: str | None = None
     every: int = 0
     resume: bool = False
+    #: The groups of segments that share parameters, found in the model `--model` builds.
+    tied: tuple[tuple[int, ...], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -145,7 +147,8 @@ def run(args) -> int:
     config, schedule = _config(args, launch.in_torchrun())
     from schedcc.backends.run import job  # imports torch
 
-    model = _model(config, schedule)
+    model, tied = _model(config, schedule)
+    config = dataclasses.replace(config, tied=tied)
     if launch.in_torchrun():
         rank = int(os.environ["RANK"])
         return launch.run_rank(job.main, rank, config.world_size, config, model)
@@ -166,8 +169,8 @@ def run(args) -> int:
 
 
 def _model(config: Config, schedule):
-    """`--model` built here, before any rank starts, with the program compiled for its ties:
-    a bad factory, model, batch or program is one line (exit 2), not one from every rank.
+    """`--model` built here, before any rank starts, and its ties, the program compiled with
+    them: a bad factory, model, batch or program is one line (exit 2), not one from every rank.
 
     Under torchrun this process is a rank and trains the model returned; a launching process
     builds it only to check it (on one thread, so no thread pool exists when it forks the ranks).
@@ -201,14 +204,9 @@ def _model(config: Config, schedule):
             f"--lr sets the default optimizer's learning rate, but --model {config.model} brings "
             "its own optimizer: set the rate there, or drop --lr"
         )
-    # a bad program fails here, exit 2
-    compile(
-        schedule,
-        data_parallel=config.data_parallel,
-        zero=config.zero,
-        tied=tied_groups(model.segments),
-    )
-    return model
+    tied = tuple(tied_groups(model.segments))
+    compile(schedule, data_parallel=config.data_parallel, zero=config.zero, tied=tied)  # exit 2
+    return model, tied
 
 
 def _config(args, under_torchrun: bool) -> tuple[Config, object]:
