@@ -147,7 +147,7 @@ def optimizer_of(model: RunModel, config):
     """The model's optimizer factory, or Adam at `--lr`."""
     if model.optimizer is not None:
         return model.optimizer
-    lr = config.lr or DEFAULT_LR
+    lr = DEFAULT_LR if config.lr is None else config.lr
 
     def adam(params):
         return torch.optim.Adam(params, lr=lr)
