@@ -13,8 +13,8 @@ with the loss and the data (`RunModel`). What the run does with it:
   before any rank starts, and once on every rank; so `make` must build the same model every
   time for a given `seed` (seed the parameters itself);
 - a Parameter object held by several segments (`head.weight = tok.weight`) is a tie: the run
-  compiles with `tied=` covering every such sharing (`tied_groups`), and each rank keeps its own
-  stage's segments out of the `num_segments`;
+  compiles with `tied=` covering every such sharing (`tied_groups`), and each rank trains its
+  own stage's share of the segments;
 - the segments are built in `torch.get_default_dtype()`: `--check` sets float64 before calling
   `make` and compares with non-pipelined training of a copy of the same segments, so training must
   be deterministic (no dropout);
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from schedcc.backends.batches import local_batches, split_pair
+from schedcc.backends.batches import batch_size, local_batches, split_pair
 from schedcc.backends.run.gpt import GPT, GPTConfig, PaddedBigramData, gpt_segments, real_tokens
 from schedcc.backends.run.gpt import token_loss as gpt_loss
 from schedcc.errors import ScheduleConfigError, UserError
@@ -131,22 +131,12 @@ class RunModel:
         """What one batch counts for in the throughput: `count`'s, or its samples."""
         if self.count is not None:
             return int(self.count(inputs, targets))
-        for value in (inputs, targets):
-            tensors = [t for t in _tensors(value) if t.dim()]
-            if tensors:
-                return tensors[0].shape[0]
-        return 0
+        return batch_size(inputs, "inputs", "a batch") or 0
 
 
 def _need(ok: bool, field: str, what: str) -> None:
     if not ok:
         raise TypeError(f"RunModel.{field} must be {what}")
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    from schedcc.backends.runtime.values import flatten
-
-    return flatten(value)[0]
 
 
 # -- loading -------------------------------------------------------------------------------------
