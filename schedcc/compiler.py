@@ -8,6 +8,7 @@ from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Forward, RecvActivation, SendActivation
 from schedcc.passes import PASSES, collect
+from schedcc.passes.insert_recompute import Policy, insert_recompute, recompute_policy
 from schedcc.program import Program
 from schedcc.schedule import Schedule
 from schedcc.validate import validate as _validate
@@ -22,6 +23,7 @@ def compile(
     zero: int = 0,
     tied: Iterable[Iterable[int]] = (),
     forward_only: bool = False,
+    recompute: bool | Iterable | Policy = False,
     validate: bool = True,
     max_activations: int | None = None,
 ) -> Program:
@@ -38,12 +40,16 @@ def compile(
         forward_only: keep only the schedule's forwards (and its activation comm, if it yields
             comm): the program evaluation runs, with no backward and no update, every forward on
             the live weights; compiled, validated and simulated like any other.
+        recompute: which forwards keep only their inputs and are recomputed right before their
+            backward (a `Recompute` placed by `schedcc.passes.insert_recompute`): False (only
+            those the schedule yields itself), True (all: full activation recomputation), a
+            collection of stages or of `(stage, chunk)` pairs, or `policy(stage, chunk) -> bool`.
         validate: run the validator on the result (raises its `ScheduleError`).
         max_activations: with `validate`, also bound the microbatch activations per stage.
 
     Raises:
-        ScheduleConfigError: bad `data_parallel`, `zero` or `tied` (a group of fewer than two
-            segments, a segment out of range or in two groups).
+        ScheduleConfigError: bad `data_parallel`, `zero`, `recompute` or `tied` (a group of
+            fewer than two segments, a segment out of range or in two groups).
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
@@ -66,8 +72,11 @@ def compile(
     if type(forward_only) is not bool:
         raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
     groups = normalize_tied(tied, schedule.num_segments)
+    policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
     with paused_gc():
         program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
+        if policy is not None and not forward_only:
+            program = insert_recompute(program, policy)
         if forward_only:
             program = _forwards(program)
         elif groups:  # a forward-only program has no gradients to tie

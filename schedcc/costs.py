@@ -21,7 +21,7 @@ from types import MappingProxyType
 import attrs
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import COMM, COMPUTE, UPDATE, Comm, Instruction, parse
+from schedcc.ir import COMM, COMPUTE, UPDATE, Comm, Instruction, Recompute, parse
 
 __all__ = ["ALL_KINDS", "FIELD_OF_CODE", "CostModel", "cost_fields", "kind_cost"]
 
@@ -31,6 +31,7 @@ _FIELD = {
     "B": "backward",
     "I": "backward_input",
     "W": "backward_weight",
+    "R": "recompute",
     "Reduce": "reduce",
     "Tied": "reduce",
     "Step": "step",
@@ -41,8 +42,13 @@ ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
 
 
 def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
-    """The field of `model` that instructions of class `cls` cost."""
-    return model.comm if issubclass(cls, Comm) else getattr(model, _FIELD[cls.code])
+    """The field of `model` that instructions of class `cls` cost (a `Recompute` without its
+    own cost costs a forward)."""
+    if issubclass(cls, Comm):
+        return model.comm
+    if cls is Recompute and model.recompute is None:
+        return model.forward
+    return getattr(model, _FIELD[cls.code])
 
 
 def _non_negative(instance, attribute, value) -> None:
@@ -50,6 +56,11 @@ def _non_negative(instance, attribute, value) -> None:
         raise ScheduleConfigError(
             f"CostModel.{attribute.name} must be a finite non-negative number, got {value!r}"
         )
+
+
+def _optional(instance, attribute, value) -> None:
+    if value is not None:
+        _non_negative(instance, attribute, value)
 
 
 def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
@@ -75,6 +86,7 @@ class CostModel:
             (the all-reduce of a tied group's gradients, once its members are all there).
         step: an `OptimizerStep`.
         gather: a `GatherParams` (ZeRO-1's all-gather).
+        recompute: a `Recompute` (None: the same as this model's `forward`).
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
 
@@ -97,6 +109,7 @@ class CostModel:
     reduce: float = attrs.field(default=0.0, validator=_non_negative)
     step: float = attrs.field(default=0.0, validator=_non_negative)
     gather: float = attrs.field(default=0.0, validator=_non_negative)
+    recompute: float | None = attrs.field(default=None, validator=_optional)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
 

@@ -18,6 +18,7 @@ __all__ = [
     "MemoryBoundError",
     "PartitionError",
     "RankFailure",
+    "RecomputeError",
     "RuntimeInstructionError",
     "ScheduleCodeError",
     "ScheduleConfigError",
@@ -114,6 +115,11 @@ class ScheduleCodeError(ScheduleError):
     instruction in range. The message names the class and the method; `__cause__` holds the
     original exception where there was one.
     """
+
+
+class RecomputeError(DependencyError):
+    """A `Recompute` out of place: before its forward, after its microbatch's first backward
+    piece on that chunk, or a second time (see `schedcc.rules.recompute`)."""
 
 
 class PartitionError(ScheduleConfigError):

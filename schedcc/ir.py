@@ -37,6 +37,7 @@ __all__ = [
     "OnMicrobatch",
     "OptimizerStep",
     "RecvActivation",
+    "Recompute",
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
@@ -129,6 +130,18 @@ class BackwardWeight(Compute):
 
 
 @attrs.frozen(slots=True)
+class Recompute(Compute):
+    """Roughly: `graph[i, c] = segment[c](inputs[i, c])` again, on the RNG state its forward used.
+
+    Its presence declares that the forward of microbatch i on chunk c keeps only its input (it
+    saves nothing for a backward); `R` rebuilds the graph, and the microbatch's activations are
+    held from `R` to its last backward piece (see [Note: recomputation] in docs/design.md).
+    """
+
+    code: ClassVar[str] = "R"
+
+
+@attrs.frozen(slots=True)
 class SendActivation(Comm):
     """Roughly: `send(outputs[i, c], to=stage of segment k + 1)`."""
 
@@ -204,7 +217,7 @@ class ReduceTied(Update):
         return f"{self.code}{self.tie}"
 
 
-COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, Recompute)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
 UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied)
 #: The computes that add to a chunk's weight gradients (`.grad`).
@@ -215,7 +228,7 @@ SENDS = (SendActivation, SendGrad)
 RECEIVES = (RecvActivation, RecvGrad)
 
 _BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
-_ON_MICROBATCH = re.compile(r"(F|B|I|W|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
+_ON_MICROBATCH = re.compile(r"(F|B|I|W|R|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
 _ON_CHUNK = re.compile(r"(Reduce|Gather)(?:\.(\d+))?")
 _TIED = re.compile(r"Tied(\d+)")
 
@@ -238,6 +251,6 @@ def parse(text: str) -> Instruction:
     if text == OptimizerStep.code:
         return OptimizerStep()
     raise ValueError(
-        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, SA2, RA2, SG2, RG2, "
-        "Reduce, Reduce.1, Step, Gather.1, Tied0"
+        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, SA2, RA2, SG2, "
+        "RG2, Reduce, Reduce.1, Step, Gather.1, Tied0"
     )

@@ -297,7 +297,11 @@ def _per_chunk(costs: CostModel, num_chunks: int) -> CostModel:
     """`costs` with compute costs divided by `num_chunks` (see [Note: tune's units])."""
     if num_chunks == 1:
         return costs
-    scaled = {name: getattr(costs, name) / num_chunks for name in _COMPUTE_FIELDS}
+    scaled = {
+        name: getattr(costs, name) / num_chunks
+        for name in _COMPUTE_FIELDS
+        if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
+    }
     return attrs.evolve(
         costs,
         **scaled,

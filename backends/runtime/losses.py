@@ -86,8 +86,12 @@ class LossBook:
         #: Per batch, this replica's count under `RATIO` (float64, on the device), once known.
         self.normaliser: dict[int, torch.Tensor] = {}
 
-    def objective(self, batch: int, result: Any, *, where: str) -> torch.Tensor:
+    def objective(
+        self, batch: int, result: Any, *, where: str, record: bool = True
+    ) -> torch.Tensor:
         """Record `loss_fn`'s `result` for a microbatch of `batch`; what to backpropagate.
+
+        `record=False` (a `Recompute` of the forward) only returns what to backpropagate.
 
         Raises:
             ScheduleConfigError: a result that is none of the three forms, or another form than
@@ -101,6 +105,8 @@ class LossBook:
                 f"{where} returned a {mode} loss after a {self.mode} one: return the same form "
                 "for every microbatch"
             )
+        if not record:
+            return value if mode == RATIO else value / (self._m * self._dp)
         self._values.setdefault(batch, []).append(value.detach())
         if mode == RATIO:
             self._counts.setdefault(batch, []).append(count)

@@ -56,6 +56,7 @@ from schedcc.backends.runtime.grads import accumulate, backward_into_grads
 from schedcc.backends.runtime.losses import LossBook, LossRecord, count_carriers, divide_grads
 from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.ports import Ports
+from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
 from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.values import call, flatten
 from schedcc.backends.runtime.versions import WeightVersions
@@ -69,10 +70,11 @@ from schedcc.ir import (
     GatherParams,
     Instruction,
     OptimizerStep,
+    Recompute,
     ReduceGrads,
     ReduceTied,
 )
-from schedcc.semantics import tensors_of
+from schedcc.semantics import recomputed, tensors_of
 
 if TYPE_CHECKING:
     from schedcc.program import Program
@@ -172,12 +174,15 @@ class StageRuntime:
             Backward: self._backward,
             BackwardInput: self._backward_input,
             BackwardWeight: self._backward_weight,
+            Recompute: self._recompute,
             ReduceGrads: self._reduce_grads,
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
             ReduceTied: self._reduce_tied,
         }
         self.peak_activation_bytes = 0
+        #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
+        self._recomputed = recomputed(program.stages[stage])
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
         #: measured once])
         self._saved_bytes = SavedBytes()
@@ -203,6 +208,7 @@ class StageRuntime:
         #: forward-only runs: the last segment's output per microbatch, where no targets came
         self.outputs: dict[int, Any] = {}
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._kept: dict[tuple[int, int], KeptInput] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
 
     @property
@@ -313,20 +319,55 @@ class StageRuntime:
                 self.outputs[i] = out
             return
         params = self._versions.params_for(c, self._versions.version_of(i))
+        if (i, c) in self._recomputed:
+            self._forward_keeping_input(c, k, i, value, leaves, params)
+            return
         graph, message = self._run_segment(c, k, i, value, leaves, params)
-        self._graphs[i, c] = graph
-        self.activation_bytes += graph.num_bytes
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        self._hold(i, c, graph)
         if message is not None:
             self._ports.hand_on(i, c, k, message)
 
-    def _run_segment(self, c, k, i, value, leaves, params) -> tuple[_Graph, Message | None]:
+    def _forward_keeping_input(self, c, k, i, value, leaves, params) -> None:
+        """A forward that saves nothing for its backward; its `Recompute` runs it again
+        ([Note: recomputation] in `backends.runtime.recompute`)."""
+        rng = RngState.of(params.values(), value)
+        with keeping_nothing():
+            out = self._call(self.modules[c], params, value)
+            if k == self._last:
+                self._loss(i, out)  # recorded and reported here; R only rebuilds the graph
+            else:
+                self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
+        self._kept[i, c] = KeptInput(value, leaves, params, rng)
+
+    def _recompute(self, op: Recompute) -> None:
+        i, c = op.microbatch, op.chunk
+        kept = self._kept.pop((i, c), None)
+        if kept is None:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} has no kept input (its forward has not run, did not "
+                "run as a recomputed forward, or was already recomputed)",
+                stage=self.stage,
+            )
+        with replaying(kept.rng):
+            graph, _ = self._run_segment(
+                c, self._segment[c], i, kept.value, kept.leaves, kept.params, record=False
+            )
+        self._hold(i, c, graph)
+
+    def _hold(self, i: int, c: int, graph: _Graph) -> None:
+        self._graphs[i, c] = graph
+        self.activation_bytes += graph.num_bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+
+    def _run_segment(
+        self, c, k, i, value, leaves, params, *, record: bool = True
+    ) -> tuple[_Graph, Message | None]:
         sent: list[Message] = []
 
         def forward() -> list[torch.Tensor]:
             out = self._call(self.modules[c], params, value)
             if k == self._last:
-                return [self._loss(i, out)]
+                return [self._loss(i, out, record=record)]
             message, roots = activation(out, segment=k)
             sent.append(message)
             return roots
@@ -354,8 +395,9 @@ class StageRuntime:
         training = self.modules[c].training
         return (c, _layout(value), target, training, torch.is_grad_enabled())
 
-    def _loss(self, i: int, out: Any) -> torch.Tensor:
-        """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`)."""
+    def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
+        """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
+        `record=False` for a recompute, whose forward already recorded it)."""
         target = self._ports.target(i)
         try:
             result = self.loss_fn(out, target)
@@ -364,7 +406,9 @@ class StageRuntime:
                 f"loss_fn(output {_described(out)}, target {_described(target)}) failed: "
                 f"{error}; check the targets' shape"
             ) from error
-        return self._book.objective(i // self._m, result, where=f"loss_fn on microbatch {i}")
+        return self._book.objective(
+            i // self._m, result, where=f"loss_fn on microbatch {i}", record=record
+        )
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""

@@ -34,7 +34,7 @@ def check_complete(ctx: Context) -> Iterator[Problem]:
     for s, ops in enumerate(ctx.stages):
         seg = ctx.layout.segment[s]
         for op in ops:
-            if isinstance(op, Compute):
+            if isinstance(op, Compute) and type(op) in _COLUMN:  # Recompute: rules.recompute
                 counts[4 * (op.microbatch * num_segments + seg[op.chunk]) + _COLUMN[type(op)]] += 1
     stage_of, chunk_of = ctx.layout.stage_of, ctx.layout.chunk_of
     quads = zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])

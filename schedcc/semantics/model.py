@@ -8,7 +8,7 @@ stages (`STAGE_CACHES`), and a copy with others starts without them.
 
 [Note: the reference walk] Whether the step model completes does not depend on how long each
 step takes, so the deadlock rule walks it timed with the default costs (`UNIT_COSTS`: F = 1,
-B = 2, I = W = 1, comm and updates free, `CostModel()`'s) and keeps the walk: `simulate` under
+B = 2, I = W = R = 1, comm and updates free, `CostModel()`'s) and keeps the walk: `simulate` under
 the default costs is then that walk, not a second one.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Instruction
+from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Instruction, Recompute
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
 from schedcc.semantics.collectives import Meets, TieProblem, tie_links
 from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
@@ -43,6 +43,7 @@ UNIT_COSTS: dict[type, float] = {
     Backward: 2.0,
     BackwardInput: 1.0,
     BackwardWeight: 1.0,
+    Recompute: 1.0,
 }
 
 _TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_step_model"

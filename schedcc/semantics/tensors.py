@@ -10,7 +10,8 @@ stage, a table from `(class, chunk)` to offsets: one dict lookup per instruction
   of k;
 - `Backward` and `BackwardInput` need their forward's activation and the gradient out of k + 1
   (k < last) and make the gradient out of k; `BackwardWeight` needs that gradient (its
-  `BackwardInput` has run);
+  `BackwardInput` has run); `Recompute` needs and makes none (it reruns its forward on the input
+  that forward kept);
 - a send carries what its stage made, a receive what its peer made: `SendActivation` the
   activation out of k, `RecvActivation` the one out of k - 1, `SendGrad` the gradient out of k,
   `RecvGrad` the one out of k + 1. A send and a receive match when they carry the same key.
@@ -28,6 +29,7 @@ from schedcc.ir import (
     Forward,
     Instruction,
     OnMicrobatch,
+    Recompute,
     RecvActivation,
     RecvGrad,
     SendActivation,
@@ -188,6 +190,9 @@ class Tensors:
             ):
                 remote = tuple(o for o in needs if stage_of[o >> 1] != s)
                 table[cls, c] = ComputeUse(needs, makes, remote)
+            # a recompute reruns its forward on the input that forward kept: it needs and makes
+            # no tensor another instruction moves (its place is `schedcc.rules.recompute`'s)
+            table[Recompute, c] = ComputeUse((), -1, ())
         return table
 
     def _pair_entry(self, rest: int) -> tuple[type, int, type, int]:
