@@ -22,6 +22,7 @@ import attrs
 
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import COMM, COMPUTE, UPDATE, Comm, Instruction, Recompute, parse
+from schedcc.memory import MemoryModel
 
 __all__ = ["ALL_KINDS", "FIELD_OF_CODE", "CostModel", "cost_fields", "kind_cost"]
 
@@ -63,6 +64,11 @@ def _optional(instance, attribute, value) -> None:
         _non_negative(instance, attribute, value)
 
 
+def _memory_model(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, MemoryModel):
+        raise ScheduleConfigError(f"CostModel.memory must be a MemoryModel, got {value!r}")
+
+
 def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
     table = dict(value or {})
     for key, model in table.items():
@@ -87,6 +93,8 @@ class CostModel:
         step: an `OptimizerStep`.
         gather: a `GatherParams` (ZeRO-1's all-gather).
         recompute: a `Recompute` (None: the same as this model's `forward`).
+        memory: bytes per segment (`schedcc.memory.MemoryModel`), for `Timeline.peak_bytes`
+            and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
 
@@ -110,6 +118,7 @@ class CostModel:
     step: float = attrs.field(default=0.0, validator=_non_negative)
     gather: float = attrs.field(default=0.0, validator=_non_negative)
     recompute: float | None = attrs.field(default=None, validator=_optional)
+    memory: MemoryModel | None = attrs.field(default=None, validator=_memory_model)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
 
@@ -208,7 +217,8 @@ def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:
 
 
 def cost_fields() -> tuple[str, ...]:
-    """The names of `CostModel`'s duration fields, in order (all but the overrides).
+    """The names of `CostModel`'s duration fields, in order (all but the overrides and the
+    memory model).
 
     >>> cost_fields()[:2]
     ('forward', 'backward')
@@ -216,4 +226,4 @@ def cost_fields() -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(CostModel) if f.name not in _OVERRIDES)
 
 
-_OVERRIDES = ("per_stage", "per_chunk")
+_OVERRIDES = ("per_stage", "per_chunk", "memory")

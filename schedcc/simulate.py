@@ -31,11 +31,13 @@ from schedcc._gc import paused_gc
 from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
+from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, static_bytes
 from schedcc.program import Program
 from schedcc.semantics import (
     Steps,
     Tensors,
     Walk,
+    held_bytes,
     peak_activations,
     reference_walk,
     step_model,
@@ -146,6 +148,57 @@ class Timeline:
         if self.program.forward_only:
             return (0,) * self.num_stages
         return tuple(peak_activations(ops) for ops in self.program.stages)
+
+    @cached_property
+    def peak_activation_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most activation bytes held at once: `peak_activations` weighted by
+        each segment's `costs.memory.activations`, plus the inputs recomputed forwards keep
+        until their `Recompute` (what the engines' `peak_activation_bytes` measure; [Note:
+        bytes per stage] in `schedcc.memory`).
+
+        Raises:
+            ScheduleConfigError: the cost model has no `memory`.
+        """
+        memory = self._memory()
+        if self.program.forward_only:
+            return (0.0,) * self.num_stages
+        peaks = []
+        for s, ops in enumerate(self.program.stages):
+            sizes = chunk_sizes(self.program, memory, s, "activations")
+            inputs = chunk_sizes(self.program, memory, s, "inputs")
+            peaks.append(max(held_bytes(ops, sizes, inputs), default=0.0))
+        return tuple(peaks)
+
+    @cached_property
+    def stage_bytes(self) -> tuple[StageBytes, ...]:
+        """Per stage, the bytes it holds at its peak, by kind (`schedcc.memory.StageBytes`):
+        activations (as `peak_activation_bytes`), parameters, 2BW's stashed weight copies,
+        gradients and optimizer state, sharded under ZeRO.
+
+        Raises:
+            ScheduleConfigError: the cost model has no `memory`.
+        """
+        memory = self._memory()
+        return tuple(
+            attrs.evolve(static_bytes(self.program, memory, s, versions), activations=act)
+            for s, (act, versions) in enumerate(zip(self.peak_activation_bytes, self.peak_versions))
+        )
+
+    @property
+    def peak_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most bytes held at once: the total of `stage_bytes`."""
+        return tuple(b.total for b in self.stage_bytes)
+
+    def _memory(self) -> MemoryModel:
+        memory = self.costs.memory if self.costs is not None else None
+        if memory is None:
+            raise ScheduleConfigError(
+                "bytes need a memory model: simulate(program, CostModel(memory=MemoryModel("
+                "activations=..., parameters=..., optimizer=...))), e.g. measured with "
+                "schedcc.backends.runtime.memory.measure_memory"
+            )
+        memory.check(self.program.schedule.num_segments)
+        return memory
 
     @cached_property
     def peak_versions(self) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ import torch
 from schedcc.backends.runtime.values import flatten
 from schedcc.errors import RuntimeInstructionError
 
-__all__ = ["KeptInput", "RngState", "keeping_nothing", "replaying"]
+__all__ = ["KeptInput", "RngState", "input_bytes", "keeping_nothing", "replaying"]
 
 
 class RngState:
@@ -44,10 +44,19 @@ class RngState:
 class KeptInput:
     """What a forward that keeps only its input leaves for its `Recompute`."""
 
-    __slots__ = ("leaves", "params", "rng", "value")
+    __slots__ = ("leaves", "num_bytes", "params", "rng", "value")
 
     def __init__(self, value: Any, leaves: list, params: dict, rng: RngState) -> None:
         self.value, self.leaves, self.params, self.rng = value, leaves, params, rng
+        #: the bytes of the input's tensors (a view counts its own bytes, as saved tensors do)
+        self.num_bytes = input_bytes(value)
+
+
+def input_bytes(value: Any) -> int:
+    """The bytes of the tensors in a boundary value (each distinct tensor once)."""
+    tensors, _ = flatten(value)
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values())
 
 
 def _keep_nothing(tensor: torch.Tensor) -> None:

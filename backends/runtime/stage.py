@@ -337,7 +337,9 @@ class StageRuntime:
                 self._loss(i, out)  # recorded and reported here; R only rebuilds the graph
             else:
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
-        self._kept[i, c] = KeptInput(value, leaves, params, rng)
+        kept = self._kept[i, c] = KeptInput(value, leaves, params, rng)
+        self.activation_bytes += kept.num_bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
 
     def _recompute(self, op: Recompute) -> None:
         i, c = op.microbatch, op.chunk
@@ -352,6 +354,7 @@ class StageRuntime:
             graph, _ = self._run_segment(
                 c, self._segment[c], i, kept.value, kept.leaves, kept.params, record=False
             )
+        self.activation_bytes -= kept.num_bytes  # the graph now holds what it needs of it
         self._hold(i, c, graph)
 
     def _hold(self, i: int, c: int, graph: _Graph) -> None:

@@ -21,6 +21,7 @@ from schedcc.semantics.layout import Layout
 from schedcc.semantics.memory import (
     HELD,
     first_over,
+    held_bytes,
     held_changes,
     peak_activations,
     recomputed,
@@ -64,6 +65,7 @@ __all__ = [
     "comm_route",
     "decode",
     "first_over",
+    "held_bytes",
     "held_changes",
     "kept_versions",
     "match_comm",

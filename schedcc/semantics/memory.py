@@ -14,7 +14,14 @@ from collections.abc import Sequence
 
 from schedcc.ir import Backward, BackwardWeight, Forward, Instruction, Recompute
 
-__all__ = ["HELD", "first_over", "held_changes", "peak_activations", "recomputed"]
+__all__ = [
+    "HELD",
+    "first_over",
+    "held_bytes",
+    "held_changes",
+    "peak_activations",
+    "recomputed",
+]
 
 #: How each instruction class changes the activations a stage holds (absent: no change), for a
 #: program without `Recompute` (with one, see `held_changes`).
@@ -79,3 +86,35 @@ def first_over(ops: Sequence[Instruction], limit: int) -> tuple[int, int] | None
         if held > limit:
             return pos, held
     return None
+
+
+def held_bytes(
+    ops: Sequence[Instruction],
+    per_chunk: Sequence[float],
+    inputs: Sequence[float] | None = None,
+) -> list[float]:
+    """Per position of one stage's program, the activation bytes held after it runs, when one
+    microbatch's activations on chunk c take `per_chunk[c]` bytes and its input `inputs[c]`
+    (what a forward that is recomputed keeps until its `Recompute`; 0 if not given).
+
+    >>> from schedcc.ir import parse
+    >>> held_bytes([parse(op) for op in "F0 F0.1 R0.1 B0.1 B0".split()], [10.0, 100.0], [1, 2])
+    [10.0, 12.0, 110.0, 10.0, 0.0]
+    """
+    kept = recomputed(ops)
+    held, out = 0.0, []
+    for op in ops:
+        kind = type(op)
+        if kind is Forward:
+            c = op.chunk  # type: ignore[attr-defined]
+            if kept and (op.microbatch, c) in kept:  # type: ignore[attr-defined]
+                held += inputs[c] if inputs is not None else 0.0
+            else:
+                held += per_chunk[c]
+        elif kind is Recompute:
+            c = op.chunk  # type: ignore[attr-defined]
+            held += per_chunk[c] - (inputs[c] if inputs is not None else 0.0)
+        elif kind is Backward or kind is BackwardWeight:
+            held -= per_chunk[op.chunk]  # type: ignore[attr-defined]
+        out.append(held)
+    return out
