@@ -212,7 +212,7 @@ class Timeline:
         if versions is None:
             m, delay = program.schedule.num_microbatches, program.schedule.weight_delay
             versions = tuple(versions_of(ops, m, delay) for ops in program.stages)
-        return tuple(_peak_live(ops, row) for ops, row in zip(program.stages, versions))
+        return tuple(peak_live_versions(ops, row) for ops, row in zip(program.stages, versions))
 
     @cached_property
     def critical_path(self) -> tuple[Event, ...]:
@@ -255,7 +255,9 @@ class Timeline:
         return write_chrome_trace(self.events, path, flows=flows, metadata=_meta(self))
 
 
-def _peak_live(ops, row) -> int:
+def peak_live_versions(ops, row) -> int:
+    """The most weight versions one stage holds at once (`Timeline.peak_versions`), from its
+    program and the version of each position (`row`)."""
     born = {0: -1}
     last_use: dict[int, int] = {}
     for pos, op in enumerate(ops):

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.memory import MemoryModel, parse_size
 from schedcc.program import Program
 from schedcc.rules import Context, Problem, Rule
+from schedcc.rules.bytes import check_bytes
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
 from schedcc.rules.recompute import check_recompute
@@ -46,6 +48,7 @@ RULES: tuple[Rule, ...] = (
     check_versions,
     check_update_window,
     check_memory,
+    check_bytes,
 )
 
 #: Set on a program (in its `__dict__`) once a validation found nothing wrong with it.
@@ -53,7 +56,12 @@ _PROVED = "_schedcc_proved"
 
 
 def validate(
-    program: Program, *, collect: bool = False, max_activations: int | None = None
+    program: Program,
+    *,
+    collect: bool = False,
+    max_activations: int | None = None,
+    max_bytes: float | str | None = None,
+    memory: MemoryModel | None = None,
 ) -> list[ScheduleError] | None:
     """Prove `program` safe, or say what is wrong.
 
@@ -61,11 +69,15 @@ def validate(
         program: a compiled program.
         collect: return every problem as a list (empty when valid) instead of raising the first.
         max_activations: also check that no stage holds more microbatch activations than this.
+        max_bytes: also check that no stage holds more bytes than this (a number or a size
+            such as "12GiB"), counted with `memory` ([Note: bytes per stage] in
+            `schedcc.memory`).
+        memory: the `MemoryModel` that `max_bytes` counts with.
 
     Raises:
         ScheduleError: the subclass of the first failing rule (unless `collect`).
-        ScheduleConfigError: `program` is not a compiled `Program`, or `max_activations` is not
-            a positive integer.
+        ScheduleConfigError: `program` is not a compiled `Program`, `max_activations` is not
+            a positive integer, or `max_bytes` is not a size or comes without `memory`.
     """
     if not isinstance(program, Program):
         raise ScheduleConfigError(f"validate() needs a compiled Program, got {program!r}")
@@ -77,9 +89,10 @@ def validate(
         raise ScheduleConfigError(
             f"max_activations must be a positive integer (or None), got {max_activations!r}"
         )
+    limit = _byte_limit(program, max_bytes, memory)
     found: list[ScheduleError] = []
     with paused_gc():
-        ctx = Context(program, max_activations)
+        ctx = Context(program, max_activations, max_bytes=limit, memory=memory)
         for rule in RULES:
             for problem in rule(ctx):
                 error = _as_error(program, problem)
@@ -91,6 +104,22 @@ def validate(
     if not found:
         program.__dict__[_PROVED] = True
     return found if collect else None
+
+
+def _byte_limit(program: Program, max_bytes, memory) -> float | None:
+    """`max_bytes` as a number of bytes (None: no limit), checked with its memory model."""
+    if max_bytes is None:
+        return None
+    if not isinstance(memory, MemoryModel):
+        raise ScheduleConfigError(
+            f"max_bytes needs memory=MemoryModel(activations=..., parameters=..., ...) to count "
+            f"bytes with, got memory={memory!r}"
+        )
+    memory.check(program.schedule.num_segments)
+    limit = parse_size(max_bytes)
+    if limit <= 0:
+        raise ScheduleConfigError(f"max_bytes must be positive, got {max_bytes!r}")
+    return float(limit)
 
 
 def ensure_valid(program: Program) -> None:
