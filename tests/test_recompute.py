@@ -272,3 +272,18 @@ def test_distributed_recompute_equals_local():
     from schedcc.backends.run.launch import spawn
 
     assert spawn(_distributed_worker, 2, grace=60, threads=1) == 0
+
+
+def test_a_recomputing_engine_evaluates_and_export_to_torch_is_refused():
+    """An engine on a recomputing program still evaluates and predicts (forward-only runs keep
+    nothing); exporting it as torch actions is refused, torch having no recompute."""
+    from schedcc.interop.torch import to_torch_actions
+
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), recompute=True)
+    engine = Engine(program, make_segments(2), mse, sgd)
+    x, y = batches(1, 8)[0]
+    engine.train_step(x, y)
+    assert engine.evaluate(x, y) == engine.train_step(x, y)
+    assert engine.predict(x).shape == x.shape
+    with pytest.raises(ScheduleConfigError, match="no recompute"):
+        to_torch_actions(program)

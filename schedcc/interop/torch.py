@@ -33,6 +33,7 @@ from schedcc.ir import (
     Forward,
     Instruction,
     OnMicrobatch,
+    Recompute,
     RecvActivation,
     RecvGrad,
     SendActivation,
@@ -80,12 +81,17 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
     Update instructions (Step, Reduce, Gather) are left out: the caller steps the optimizer.
 
     Raises:
-        ScheduleConfigError: the program covers more than one batch (torch runs one per step).
+        ScheduleConfigError: the program covers more than one batch (torch runs one per step),
+            or recomputes (torch's actions have no recompute).
     """
     schedule = program.schedule
     if schedule.num_batches != 1:
         raise ScheduleConfigError(
             f"torch runs one batch per step; compile {schedule!r} with num_batches=1 to export it"
+        )
+    if any(type(op) is Recompute for ops in program.stages for op in ops):
+        raise ScheduleConfigError(
+            "torch's pipeline actions have no recompute (R): compile without recompute to export"
         )
     rows = []
     for stage, ops in enumerate(program.stages):
