@@ -12,6 +12,7 @@ all-gather over this stage's data-parallel group; `backends.runtime.collectives`
 Helpers it delegates to: `backends.runtime.versions` (the stashed weight versions),
 `backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.runtime.grads`
 (gradients into `.grad`), `backends.runtime.memory` (the activation bytes a forward saves),
+`backends.runtime.recompute` (what a recomputed forward keeps: its input and RNG states),
 `backends.runtime.ports` (the values at the segments' boundaries), `backends.runtime.losses`
 (what `loss_fn` returns), `backends.checkpoint.restore` (loading a checkpoint's state). The file
 stays over ~400 lines on purpose: one short handler per instruction, in one class, so what each
@@ -19,11 +20,12 @@ does reads in one place.
 
 [Note: what the runtime keeps] Per (microbatch, chunk): the input value of the segment (received,
 handed over from a segment on this stage, or the microbatch itself on segment 0), the graph of its
-forward (the output tensors that take a gradient, the input's leaves that do, the parameter
-tensors it ran with) until its backward is done, the input gradients to send, and the output
-gradients received. Per chunk: the live parameters (the module's own, the
-latest version), the weight versions in-flight forwards still need (weight_delay >= 1, weight
-stashing), and under ZeRO a flat shard parameter that the optimizer steps.
+forward (the output tensors that take a gradient, the input's leaves that do, the parameter tensors
+it ran with) until its backward is done (for a forward its stage recomputes, only its input and RNG
+states until the `Recompute` builds that graph: [Note: recomputation]), the input gradients to send,
+and the output gradients received. Per chunk: the live parameters (the module's own, the latest
+version), the weight versions in-flight forwards still need (weight_delay >= 1, weight stashing),
+and under ZeRO a flat shard parameter that the optimizer steps.
 
 [Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
 is divided by the batch's count at the step instead: [Note: the count divides at the step] in
