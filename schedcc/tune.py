@@ -10,7 +10,8 @@ raises, or its program does not validate) is an error, not a silent drop.
 stage a chunk runs 1/v of that share, so its compute costs are divided by v (comm and update
 costs are not). Activation memory is counted the same way: a chunk's activations are 1/v of a
 stage's, so `peak_activations` is the peak number of held chunk activations divided by v, in
-microbatches of a whole stage (1F1B's stage 0 holds p). Ranking by `makespan / m` compares
+microbatches of a whole stage (1F1B's stage 0 holds p); a `MemoryModel` in the costs is likewise
+a stage's sizes at v = 1, each chunk holding 1/v of them. Ranking by `makespan / m` compares
 throughput at a fixed microbatch size, and equally step time at a fixed global batch when costs
 scale linearly with the microbatch size.
 """
