@@ -8,7 +8,12 @@ from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Forward, RecvActivation, SendActivation
 from schedcc.passes import PASSES, collect
-from schedcc.passes.insert_recompute import Policy, insert_recompute, recompute_policy
+from schedcc.passes.insert_recompute import (
+    OverLimit,
+    Policy,
+    insert_recompute,
+    recompute_policy,
+)
 from schedcc.program import Program
 from schedcc.schedule import Schedule
 from schedcc.validate import validate as _validate
@@ -23,7 +28,7 @@ def compile(
     zero: int = 0,
     tied: Iterable[Iterable[int]] = (),
     forward_only: bool = False,
-    recompute: bool | Iterable | Policy = False,
+    recompute: bool | Iterable | Policy | OverLimit = False,
     validate: bool = True,
     max_activations: int | None = None,
 ) -> Program:
@@ -43,7 +48,8 @@ def compile(
         recompute: which forwards keep only their inputs and are recomputed right before their
             backward (a `Recompute` placed by `schedcc.passes.insert_recompute`): False (only
             those the schedule yields itself), True (all: full activation recomputation), a
-            collection of stages or of `(stage, chunk)` pairs, or `policy(stage, chunk) -> bool`.
+            collection of stages or of `(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, or
+            `OverLimit(n)` (`schedcc.passes.insert_recompute`: the stages holding over `n`).
         validate: run the validator on the result (raises its `ScheduleError`).
         max_activations: with `validate`, also bound the microbatch activations per stage.
 

@@ -170,6 +170,23 @@ def test_recompute_policies_pick_stages_and_chunks():
             schedcc.compile(schedule, recompute=bad)
 
 
+def test_over_limit_recomputes_only_the_stages_that_need_it():
+    """`OverLimit(n)` recomputes the stages that would hold more than n activations; the program
+    then fits `max_activations=n` and trains exactly."""
+    from schedcc.passes.insert_recompute import OverLimit
+
+    schedule = schedcc.get_schedule("1f1b")(4, 8)
+    program = schedcc.compile(schedule, recompute=OverLimit(2), max_activations=2)
+    recomputing = {
+        s for s, ops in enumerate(program.stages) if any(type(op) is Recompute for op in ops)
+    }
+    assert recomputing == {0, 1}
+    assert schedcc.simulate(program).peak_activations == (1, 1, 2, 1)
+    assert_matches_reference(program, make_segments(4), mse, sgd, batches(1, 16))
+    with pytest.raises(ScheduleConfigError, match="positive integer"):
+        OverLimit(0)
+
+
 def test_recompute_cost_defaults_to_the_forward_cost():
     """`CostModel(recompute=None)` prices an `R` like an `F`; a given cost is used as is."""
     program = schedcc.compile(schedcc.get_schedule("gpipe")(1, 2), recompute=True)

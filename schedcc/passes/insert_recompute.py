@@ -8,23 +8,56 @@ backward is split), unless the schedule already placed its own. It runs before c
 so a receive of the output gradient lands after the `R` and the recompute overlaps the wait.
 
 A policy says where to recompute: `True` (everywhere), a collection of stages (`{0, 1}`) or of
-`(stage, chunk)` pairs (`{(0, 0), (1, 1)}`), or a callable `policy(stage, chunk) -> bool`.
+`(stage, chunk)` pairs (`{(0, 0), (1, 1)}`), a callable `policy(stage, chunk) -> bool`, or
+`OverLimit(max_activations)`: only the stages that would hold more microbatch activations than
+that without recomputation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import attrs
+
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Backward, BackwardInput, Instruction, Recompute
 from schedcc.program import Program
+from schedcc.semantics import peak_activations
 
-__all__ = ["Policy", "insert_recompute", "recompute_policy"]
+__all__ = ["OverLimit", "Policy", "insert_recompute", "recompute_policy"]
 
 #: `policy(stage, chunk)`: whether that chunk's forwards keep only their inputs.
 Policy = Callable[[int, int], bool]
 
 _FIRST_BACKWARD = (Backward, BackwardInput)
+
+
+@attrs.frozen
+class OverLimit:
+    """Recompute every forward of the stages whose compute order, as the schedule yields it,
+    holds more than `max_activations` microbatch activations at once (full recomputation holds
+    one); the others keep theirs.
+
+    >>> import schedcc
+    >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(4, 8), recompute=OverLimit(2))
+    >>> schedcc.simulate(program).peak_activations
+    (1, 1, 2, 1)
+    """
+
+    max_activations: int = attrs.field()
+
+    @max_activations.validator
+    def _positive(self, attribute, value) -> None:
+        if type(value) is not int or value < 1:
+            raise ScheduleConfigError(
+                f"OverLimit(max_activations) must be a positive integer, got {value!r}"
+            )
+
+    def for_program(self, program: Program) -> Policy:
+        """The stages of `program` over the limit, as a `Policy`."""
+        limit = self.max_activations
+        over = {s for s, ops in enumerate(program.stages) if peak_activations(ops) > limit}
+        return lambda stage, chunk: stage in over
 
 
 def recompute_policy(recompute: object, num_stages: int, num_chunks: int) -> Policy | None:
@@ -42,6 +75,8 @@ def recompute_policy(recompute: object, num_stages: int, num_chunks: int) -> Pol
         return None
     if recompute is True:
         return lambda stage, chunk: True
+    if isinstance(recompute, OverLimit):
+        return recompute  # type: ignore[return-value]  # resolved by insert_recompute
     if callable(recompute):
         return recompute  # type: ignore[return-value]
     example = "e.g. recompute=True, recompute={0, 1} (stages) or recompute={(0, 1)} (stage, chunk)"
@@ -70,7 +105,7 @@ def recompute_policy(recompute: object, num_stages: int, num_chunks: int) -> Pol
     return lambda stage, chunk: (stage, chunk) in chosen
 
 
-def insert_recompute(program: Program, policy: Policy) -> Program:
+def insert_recompute(program: Program, policy: Policy | OverLimit) -> Program:
     """`program` with an `R` before the first backward piece of every forward `policy` picks.
 
     >>> import schedcc
@@ -79,6 +114,8 @@ def insert_recompute(program: Program, policy: Policy) -> Program:
     >>> " ".join(map(str, insert_recompute(program, lambda s, c: True).stages[0]))
     'F0 F1 R1 B1 R0 B0'
     """
+    if isinstance(policy, OverLimit):
+        policy = policy.for_program(program)
     stages = []
     for s, ops in enumerate(program.stages):
         wanted: dict[int, bool] = {}
