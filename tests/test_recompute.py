@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from _models import batches, make_segments, mse, sgd
 from hypothesis import given
 from hypothesis import strategies as st
+from test_mutation import accepted, mutate, mutations, trains_exactly
 from torch import nn
 
 import schedcc
@@ -304,3 +305,25 @@ def test_a_recomputing_engine_evaluates_and_export_to_torch_is_refused():
     assert engine.predict(x).shape == x.shape
     with pytest.raises(ScheduleConfigError, match="no recompute"):
         to_torch_actions(program)
+
+
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "2bw"]),
+    p=st.integers(1, 3),
+    m=st.integers(1, 3),
+    parallel=st.sampled_from([(1, 0), (2, 1)]),
+    edits=mutations(),
+)
+def test_a_mutated_recomputing_program_is_rejected_or_trains_exactly(name, p, m, parallel, edits):
+    """Drop, duplicate, swap or move instructions of a recomputing program (its `R`s included):
+    the validator raises a `ScheduleError`, or the result trains exactly on the local backend."""
+    cls = schedcc.get_schedule(name)
+    try:
+        schedule = cls(p, m, 2 if name == "interleaved-1f1b" else 1)
+    except ScheduleConfigError:
+        return
+    data_parallel, zero = parallel
+    program = schedcc.compile(schedule, data_parallel=data_parallel, zero=zero, recompute=True)
+    mutated = program.evolve(stages=mutate(program.stages, edits, schedule.num_chunks))
+    if accepted(mutated):
+        trains_exactly(mutated)
