@@ -33,8 +33,10 @@ from schedcc.ir import (
     RecvGrad,
     ReduceGrads,
     ReduceTied,
+    Reshard,
     SendActivation,
     SendGrad,
+    Unshard,
 )
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
@@ -64,6 +66,7 @@ __all__ = [
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
+    "Reshard",
     "Schedule",
     "ScheduleCodeError",
     "ScheduleConfigError",
@@ -73,6 +76,7 @@ __all__ = [
     "Timeline",
     "UnknownScheduleError",
     "UnmatchedCommError",
+    "Unshard",
     "UpdateOrderError",
     "WeightVersionError",
     "available_schedules",

@@ -35,6 +35,8 @@ _FIELD = {
     "Tied": "reduce",
     "Step": "step",
     "Gather": "gather",
+    "Unshard": "gather",
+    "Reshard": "release",
 }
 FIELD_OF_CODE = MappingProxyType(_FIELD)
 ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
@@ -74,7 +76,8 @@ class CostModel:
         reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
             (the all-reduce of a tied group's gradients, once its members are all there).
         step: an `OptimizerStep`.
-        gather: a `GatherParams` (ZeRO-1's all-gather).
+        gather: a `GatherParams` (ZeRO-1's all-gather) or an `Unshard` (ZeRO-3's).
+        release: a `Reshard` (ZeRO-3 dropping a chunk's gathered parameters).
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
 
@@ -97,6 +100,7 @@ class CostModel:
     reduce: float = attrs.field(default=0.0, validator=_non_negative)
     step: float = attrs.field(default=0.0, validator=_non_negative)
     gather: float = attrs.field(default=0.0, validator=_non_negative)
+    release: float = attrs.field(default=0.0, validator=_non_negative)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
 

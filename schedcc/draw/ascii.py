@@ -30,6 +30,8 @@ from schedcc.ir import (
     OptimizerStep,
     ReduceGrads,
     ReduceTied,
+    Reshard,
+    Unshard,
 )
 
 __all__ = ["render"]
@@ -44,6 +46,8 @@ _BACKGROUND = {
     OptimizerStep: 43,
     GatherParams: 43,
     ReduceTied: 43,
+    Unshard: 43,
+    Reshard: 43,
 }
 _RESET = "\x1b[0m"
 
