@@ -1,0 +1,181 @@
+"""ZeRO-3 in the compiler, the validator and the simulators: `Unshard`/`Reshard` placement,
+the sharding rule, the gather cost, and random built-in shapes end to end."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import schedcc
+from schedcc import CostModel, simulate
+from schedcc.errors import ScheduleConfigError, ScheduleError, ShardingError
+from schedcc.ir import SHARDING, Compute, OptimizerStep, Reshard, Unshard, parse
+from schedcc.program import Program
+from schedcc.testing import shapes
+
+#: Built-ins without a weight delay (ZeRO-3 refuses one).
+FLUSHED = [
+    name
+    for name in schedcc.available_schedules()
+    if not schedcc.get_schedule(name)(2, 2).weight_delay
+]
+
+
+def _program(name: str = "1f1b", p: int = 2, m: int = 4, v: int = 1, **kwargs) -> Program:
+    schedule = schedcc.get_schedule(name)(p, m, num_chunks=v, **kwargs)
+    return schedcc.compile(schedule, data_parallel=2, zero=3)
+
+
+def _with(program: Program, stage: int, ops) -> Program:
+    stages = list(program.stages)
+    stages[stage] = tuple(ops)
+    return program.evolve(stages=tuple(stages))
+
+
+def test_unshard_and_reshard_print_and_parse():
+    """`Unshard.1` / `Reshard` print short and `parse` inverts them."""
+    for op in (Unshard(), Unshard(1), Reshard(), Reshard(2)):
+        assert parse(str(op)) == op
+    assert [str(op) for op in (Unshard(1), Reshard())] == ["Unshard.1", "Reshard"]
+
+
+def test_each_chunk_is_whole_exactly_around_its_computes_of_a_batch():
+    """Per stage, batch and chunk: one Unshard before its first compute, one Reshard after its
+    last, and the chunk released at every step."""
+    program = _program("interleaved-1f1b", 2, 4, 2, num_batches=2)
+    m = 4
+    for ops in program.stages:
+        whole: set[int] = set()
+        seen: dict[tuple[int, int], int] = {}
+        for op in ops:
+            if type(op) is Unshard:
+                assert op.chunk not in whole
+                whole.add(op.chunk)
+            elif type(op) is Reshard:
+                whole.remove(op.chunk)
+            elif isinstance(op, Compute):
+                assert op.chunk in whole
+                seen[op.microbatch // m, op.chunk] = 1
+            elif type(op) is OptimizerStep:
+                assert not whole
+        assert sum(type(op) is Unshard for op in ops) == len(seen) == 4
+
+
+def test_the_gather_is_prefetched_one_compute_early_where_the_schedule_allows():
+    """Interleaved stage 0: chunk 1 is gathered before the compute ahead of its first forward;
+    a chunk's first gather of a later batch waits for the step (it fetches the update)."""
+    ops = _program("interleaved-1f1b", 2, 4, 2).stages[0]
+    first = next(pos for pos, op in enumerate(ops) if isinstance(op, Compute) and op.chunk == 1)
+    ahead = max(pos for pos in range(first) if isinstance(ops[pos], Compute))
+    assert ops[ahead] == parse("F1")
+    assert ops.index(Unshard(1)) == ahead - 1
+    two = _program("1f1b", 2, 2, num_batches=2).stages[0]
+    step = two.index(OptimizerStep())
+    assert two[step + 1] == Unshard(0)
+
+
+def test_the_validator_rejects_a_compute_on_a_released_chunk():
+    """Dropping the first Unshard, or moving a Reshard before the chunk's last compute, is a
+    ShardingError that names the compute."""
+    program = _program()
+    ops = list(program.stages[1])
+    dropped = _with(program, 1, ops[1:])
+    with pytest.raises(ShardingError, match="computes on chunk 0, whose parameters are released"):
+        schedcc.validate(dropped)
+    moved = [op for op in ops if type(op) is not Reshard]
+    last = max(pos for pos, op in enumerate(moved) if isinstance(op, Compute))
+    moved.insert(last, Reshard())
+    errors = schedcc.validate(_with(program, 1, moved), collect=True)
+    assert any(isinstance(e, ShardingError) and "released" in str(e) for e in errors)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda ops: [Unshard(), *ops], "already whole"),
+        (lambda ops: [op for op in ops if type(op) is not Reshard], "whole; every Unshard"),
+        (lambda ops: [Reshard(), *ops], "not whole"),
+    ],
+)
+def test_unmatched_gathers_and_releases_are_rejected(edit, message):
+    """A second Unshard, a missing Reshard, or a Reshard of a released chunk is refused."""
+    program = _program()
+    errors = schedcc.validate(_with(program, 0, edit(list(program.stages[0]))), collect=True)
+    assert any(isinstance(e, ShardingError) and message in str(e) for e in errors), errors
+
+
+def test_a_release_before_the_gradients_are_reduced_is_rejected():
+    """A Reshard between a backward and its ReduceGrads would lose the gradients."""
+    program = _program("gpipe", 2, 2)
+    ops = [op for op in program.stages[0] if type(op) is not Reshard]
+    last_reduce = max(pos for pos, op in enumerate(ops) if str(op) == "Reduce")
+    ops.insert(last_reduce, Reshard())
+    with pytest.raises(ShardingError, match="before its gradients are reduced"):
+        schedcc.validate(_with(program, 0, ops))
+
+
+def test_sharding_instructions_need_zero3():
+    """Unshard/Reshard in a zero=2 program, and ZeRO-1's gather in a zero=3 one, are refused."""
+    two = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=2, zero=2)
+    with pytest.raises(ShardingError, match="compile with zero=3"):
+        schedcc.validate(_with(two, 0, [Unshard(), *two.stages[0]]))
+    three = _program()
+    with pytest.raises(ShardingError, match="ZeRO-1's gather"):
+        schedcc.validate(_with(three, 0, [*three.stages[0], parse("Gather")]))
+
+
+def test_zero3_refuses_a_weight_delay_and_tied_segments():
+    """2BW keeps whole stashed copies, tied gradients sum whole copies: typed errors."""
+    with pytest.raises(ScheduleConfigError, match="weight delay"):
+        schedcc.compile(schedcc.get_schedule("2bw")(2, 2), data_parallel=2, zero=3)
+    with pytest.raises(ScheduleConfigError, match="tied segments"):
+        schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=2, zero=3, tied=[(0, 1)])
+
+
+def test_the_simulator_costs_each_gather():
+    """With `gather=0.5` every Unshard lasts 0.5 and `release=` prices each Reshard; a 1F1B
+    stage that cannot hide its gather behind compute finishes that much later."""
+    program = _program()
+    base = simulate(program).makespan
+    timeline = simulate(program, CostModel(gather=0.5, release=0.25))
+    spans = {
+        type(e.instruction): e.end - e.start
+        for e in timeline.events
+        if type(e.instruction) in SHARDING
+    }
+    assert spans == {Unshard: 0.5, Reshard: 0.25}
+    assert timeline.makespan > base
+    eager = simulate(program, CostModel(gather=0.5), eager=True)
+    assert eager.makespan > simulate(program, eager=True).makespan
+
+
+@settings(max_examples=10)
+@given(st.data())
+def test_random_built_in_shapes_with_zero3_compile_validate_simulate_and_train(data):
+    """Any flushed built-in at a random shape compiles with zero=3 at dp=2, validates, simulates
+    (a gather costs time) and trains to non-pipelined training on the local backend."""
+    from schedcc.testing import _check_numerics
+
+    name = data.draw(st.sampled_from(FLUSHED))
+    cls = schedcc.get_schedule(name)
+    shape = data.draw(shapes(cls, max_stages=3, max_microbatches=4, max_chunks=2, max_batches=2))
+    schedule = shape.build(cls)
+    program = schedcc.compile(schedule, data_parallel=2, zero=3)
+    assert schedcc.validate(program, collect=True) == []
+    costly = simulate(program, CostModel(gather=1.0)).makespan
+    assert costly > simulate(program).makespan
+    _check_numerics(schedule, program)
+
+
+@settings(max_examples=15)
+@given(st.data())
+def test_dropping_any_sharding_instruction_is_a_schedule_error(data):
+    """Removing one Unshard or Reshard from a valid zero=3 program never validates."""
+    program = _program(data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])), 2, 3)
+    stage = data.draw(st.integers(0, program.num_stages - 1))
+    ops = list(program.stages[stage])
+    where = [pos for pos, op in enumerate(ops) if type(op) in SHARDING]
+    pos = data.draw(st.sampled_from(where))
+    with pytest.raises(ScheduleError):
+        schedcc.validate(_with(program, stage, ops[:pos] + ops[pos + 1 :]))
