@@ -117,7 +117,7 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _zero_worker(rank: int, world_size: int) -> int:
+def _zero_worker(rank: int, world_size: int, directory: str) -> int:
     _init(rank, world_size)
     p, dp, m, steps = 2, 2, 4, 2
     for zero in (2, 3):
@@ -160,11 +160,64 @@ def _zero_worker(rank: int, world_size: int) -> int:
             ):
                 assert torch.allclose(got, want, rtol=0, atol=1e-12), where
                 assert torch.allclose(got, ref, rtol=0, atol=1e-9), where
+    engine.save(directory)  # zero=3: each rank writes its shards
+    dist.barrier()
+    if rank == 0:  # the shards load whole into one local pipeline without ZeRO
+        restored = models.mlp_segments(p, width=8, seed=9)
+        single = schedcc.compile(schedcc.get_schedule("1f1b")(p, m))
+        LocalEngine(single, restored, F.mse_loss, _optimizer).load(directory)
+        for got, want in zip(restored, plain):
+            for a, b in zip(got.parameters(), want.parameters()):
+                assert torch.allclose(a, b, rtol=0, atol=1e-9)
     return 0
 
 
-def test_distributed_zero_2_and_3_equal_local_and_non_pipelined_training():
+def test_distributed_zero_2_and_3_equal_local_and_non_pipelined_training(tmp_path):
     """On 4 gloo ranks (dp=2 x p=2, 1f1b), ZeRO-2 and ZeRO-3 train to the local backend's
-    numbers (1e-12) and to non-pipelined training (1e-9); under ZeRO-3 a rank holds only its
-    shard (half the stage's values) between batches and before each Unshard."""
-    assert spawn(_zero_worker, 4, grace=60, threads=1) == 0
+    numbers (1e-12) and to non-pipelined training (1e-9); a reduce-scatter leaves a rank only
+    its gradient shard; under ZeRO-3 a rank holds only its parameter shard (half the stage's
+    values) between batches and before each Unshard, and its checkpoint loads whole locally."""
+    assert spawn(_zero_worker, 4, (str(tmp_path / "ckpt"),), grace=60, threads=1) == 0
+
+
+def _adam_engine(dp: int, zero: int, seed: int):
+    torch.manual_seed(seed)
+    segments = [
+        torch.nn.Sequential(torch.nn.Linear(5, 5, dtype=torch.float64), torch.nn.Tanh())
+        for _ in range(2)
+    ]
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=dp, zero=zero)
+    engine = LocalEngine(program, segments, mse, lambda ps: torch.optim.Adam(ps, lr=0.01))
+    return engine, segments
+
+
+def test_zero3_checkpoints_reshard_to_zero_0_and_1_and_back(tmp_path):
+    """A zero=3 dp=2 checkpoint (each rank saves its shard) loads at dp=1 without ZeRO with the
+    trained weights whole, is saved again, loads at zero=1 and then back at zero=3 (Adam state
+    re-sharded each time), and training on equals the uninterrupted zero=3 run."""
+    data = batches(4, 8, width=5)
+    whole, whole_segments = _adam_engine(2, 3, seed=0)
+    list(whole.train(data))
+
+    first, first_segments = _adam_engine(2, 3, seed=0)
+    list(first.train(data[:2]))
+    first.save(tmp_path / "a")
+    single, single_segments = _adam_engine(1, 0, seed=5)
+    single.load(tmp_path / "a")
+    with first.unsharded():
+        for a, b in zip(first_segments, single_segments):
+            for x, y in zip(a.parameters(), b.parameters()):
+                assert torch.equal(x, y)
+    single.save(tmp_path / "b")
+    one, _ = _adam_engine(2, 1, seed=6)
+    one.load(tmp_path / "b")
+    one.save(tmp_path / "c")
+    again, again_segments = _adam_engine(2, 3, seed=7)
+    again.load(tmp_path / "c")
+    assert _held(again_segments) == 0  # loaded as shards
+    list(again.train(data[2:]))
+
+    with whole.unsharded(), again.unsharded():
+        for a, b in zip(whole_segments, again_segments):
+            for x, y in zip(a.parameters(), b.parameters()):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
