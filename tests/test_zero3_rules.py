@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_mutation import accepted, mutate, mutations, trains_exactly
 
 import schedcc
 from schedcc import CostModel, simulate
@@ -179,3 +180,30 @@ def test_dropping_any_sharding_instruction_is_a_schedule_error(data):
     pos = data.draw(st.sampled_from(where))
     with pytest.raises(ScheduleError):
         schedcc.validate(_with(program, stage, ops[:pos] + ops[pos + 1 :]))
+
+
+@settings(max_examples=40)
+@given(
+    st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.data(),
+)
+def test_a_mutated_zero3_program_is_rejected_or_trains_exactly(name, p, m, data):
+    """Drop, duplicate, swap or move instructions of a zero=3 program, or insert an Unshard or
+    Reshard anywhere: the validator raises a ScheduleError, or the local backend trains the
+    result to the numbers of non-pipelined training."""
+    v = 2 if name in ("interleaved-1f1b", "zb-v") else 1
+    try:
+        schedule = schedcc.get_schedule(name)(p, m, v)
+    except ScheduleConfigError:
+        return
+    program = schedcc.compile(schedule, data_parallel=2, zero=3)
+    stages = [list(ops) for ops in mutate(program.stages, data.draw(mutations(2)), v)]
+    if data.draw(st.booleans()):
+        ops = stages[data.draw(st.integers(0, len(stages) - 1))]
+        op = data.draw(st.sampled_from([Unshard, Reshard]))(data.draw(st.integers(0, v - 1)))
+        ops.insert(data.draw(st.integers(0, len(ops))), op)
+    mutated = program.evolve(stages=tuple(map(tuple, stages)))
+    if accepted(mutated):
+        trains_exactly(mutated)
