@@ -207,3 +207,22 @@ def test_a_mutated_zero3_program_is_rejected_or_trains_exactly(name, p, m, data)
     mutated = program.evolve(stages=tuple(map(tuple, stages)))
     if accepted(mutated):
         trains_exactly(mutated)
+
+
+def test_tune_with_zero3_skips_weight_delayed_schedules_and_prices_gathers():
+    """`tune(..., zero=3)` ranks the flushed schedules with their gathers' cost and skips 2BW
+    (which ZeRO-3 cannot run) with the reason."""
+    result = schedcc.tune(
+        ["1f1b", "2bw"],
+        num_stages=2,
+        num_microbatches=4,
+        num_chunks=1,
+        data_parallel=2,
+        zero=3,
+        costs=CostModel(gather=0.5),
+    )
+    assert [c.schedule for c in result.ranked] == ["1f1b"]
+    assert [s.schedule for s in result.skipped] == ["2bw"]
+    assert "zero=3" in result.skipped[0].reason
+    plain = schedcc.tune(["1f1b"], num_stages=2, num_microbatches=4, num_chunks=1)
+    assert result.ranked[0].makespan > plain.ranked[0].makespan
