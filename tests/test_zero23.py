@@ -58,6 +58,15 @@ def test_local_zero_2_and_3_equal_non_pipelined_training(name, v, zero):
     assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, local)
 
 
+def test_zero_with_one_replica_keeps_training_exactly():
+    """zero=2 and zero=3 with data_parallel=1 compile and train as before: the one shard is
+    the whole chunk."""
+    schedule = schedcc.get_schedule("1f1b")(2, 4, num_batches=2)
+    for zero in (2, 3):
+        program = schedcc.compile(schedule, zero=zero)
+        assert_matches_reference(program, make_segments(2), mse, sgd, batches(2, 4))
+
+
 def test_local_zero3_holds_a_shard_between_uses():
     """Under ZeRO-3 (dp=2) each stage holds no whole parameters between runs and before each
     Unshard; only its shard, half the chunk's values; whole from Unshard to Reshard."""
