@@ -196,7 +196,7 @@ class Engine(BaseEngine):
             replicas = [runtimes[s] for runtimes in self.runtimes]
             full = [torch.cat(shards) for shards in zip(*(rt.shards for rt in replicas))]
             for rt in replicas:
-                rt.unshard_all(full)
+                rt.unshard_all([flat.clone() for flat in full])
 
     def _prepare(self, group: list[Any], first: int) -> list[Microbatches]:
         return [self._split(batch, first + j) for j, batch in enumerate(group)]

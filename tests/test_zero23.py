@@ -21,7 +21,7 @@ from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.reference import assert_matches_reference, train_reference
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import spawn
-from schedcc.ir import ReduceGrads, Reshard, Unshard
+from schedcc.ir import OptimizerStep, ReduceGrads, Reshard, Unshard
 
 
 def _held(modules) -> int:
@@ -100,6 +100,34 @@ def test_local_zero3_holds_a_shard_between_uses():
     assert _held(segments) == 0
 
 
+def _stored(runtime) -> int:
+    """Bytes of the distinct storages behind a runtime's parameters and shards."""
+    tensors = [p for mod in runtime.modules for p in mod.parameters()] + runtime.shards
+    return sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    )
+
+
+def test_zero3_keeps_one_copy_of_a_whole_chunk():
+    """While a chunk is whole its shard is a slice of the gathered buffer (whole size held,
+    not whole + shard); after the Reshard only the shard's bytes stay."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), data_parallel=2, zero=3)
+    engine = LocalEngine(program, make_segments(2, width=8), mse, sgd)
+    runtime = engine.runtimes[0][0]
+    after: list = []
+    run = runtime.run
+
+    def watched(op):
+        run(op)
+        after.append((type(op), _stored(runtime)))
+
+    runtime.run = watched
+    engine.train_step(*batches(1, 8, width=8)[0])
+    whole = (8 * 8 + 8) * 8  # one segment in float64
+    assert (Unshard, whole) in after
+    assert after[-2:] == [(Reshard, whole // 2), (OptimizerStep, whole // 2)]
+
+
 def test_zero3_forward_only_runs_on_sharded_weights():
     """`evaluate` under ZeRO-3 gathers and releases around its forwards: the loss is the
     non-pipelined one and nothing stays whole."""
@@ -129,7 +157,8 @@ def _optimizer(params):
 def _zero_worker(rank: int, world_size: int, directory: str) -> int:
     _init(rank, world_size)
     p, dp, m, steps = 2, 2, 4, 2
-    for zero in (2, 3):
+    # ZeRO-2; ZeRO-3 over gloo point-to-point (the eager plan); ZeRO-3 over shared memory
+    for zero, shared_memory in ((2, True), (3, False), (3, True)):
         schedule = schedcc.get_schedule("1f1b")(p, m)
         program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
         segments = models.mlp_segments(p, width=8, seed=1)
@@ -137,7 +166,9 @@ def _zero_worker(rank: int, world_size: int, directory: str) -> int:
         data = models.TeacherData(width=8, seed=2)
         global_batches = [data.batch(2 * m * dp, step) for step in range(steps)]
         replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in global_batches]
-        engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=60)
+        engine = Engine(
+            program, segments, F.mse_loss, _optimizer, timeout=60, shared_memory=shared_memory
+        )
         record: list = []
         grads: list = []
         _watch(engine.runtime, record, grads)
@@ -145,7 +176,7 @@ def _zero_worker(rank: int, world_size: int, directory: str) -> int:
         oracle_engine = LocalEngine(program, oracle, F.mse_loss, _optimizer)
         local = list(oracle_engine.train(replicas))
         reference = train_reference(plain, F.mse_loss, _optimizer, replicas)
-        where = f"zero={zero} rank {rank}"
+        where = f"zero={zero} shm={shared_memory} rank {rank}"
         assert max(abs(a - b) for a, b in zip(losses, local)) < 1e-12, where
         assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-9, where
         mine = segments[engine.stage]

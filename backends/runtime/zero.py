@@ -9,7 +9,8 @@ the module's parameters.
 Under ZeRO-3 (`release=True`) the module's parameters hold no data between uses: `release`
 points each one at an empty tensor (the Parameter objects stay, so autograd and the caller's
 references see the same parameters), and `unshard` all-gathers the shards into one flat buffer
-that the parameters view. The shapes are recorded once, so sizes never depend on what is held.
+that the parameters (and, until the release, this rank's shard) view. The shapes are recorded
+once, so sizes never depend on what is held.
 """
 
 from __future__ import annotations
@@ -86,11 +87,17 @@ class Reducer:
                 p.copy_(full[offset : offset + n].view_as(p))
                 offset += n
 
-    def unshard(self, c: int, full: torch.Tensor | None = None) -> None:
+    def unshard(self, c: int, full: torch.Tensor | None = None, *, alias: bool = True) -> None:
         """ZeRO-3: make chunk c's parameters whole again from every rank's shard (`full`: their
-        rank-ordered concatenation, when the caller has it; else an all-gather)."""
+        rank-ordered concatenation, when the caller has it; else an all-gather). `alias`: the
+        shard becomes its slice of the gathered buffer until the release (no second copy while
+        whole), so the parameters and the shard must not be written meanwhile."""
+        shard = self.shards[c]
         if full is None:
-            full = self._collectives.all_gather(self.shards[c].detach())
+            full = self._collectives.all_gather(shard.detach())
+        if alias:
+            size, rank = shard.numel(), self._collectives.rank
+            shard.data = full[rank * size : (rank + 1) * size]
         offset = 0
         for p, shape in zip(self._modules[c].parameters(), self.shapes[c]):
             n = shape.numel()
@@ -100,6 +107,8 @@ class Reducer:
 
     def release(self, c: int) -> None:
         """ZeRO-3: drop chunk c's whole parameters; this rank keeps only its shard."""
+        if self.whole[c] and self.shards:
+            self.shards[c].data = self.shards[c].data.clone()  # out of the gathered buffer
         for p in self._modules[c].parameters():
             p.data = p.data.new_empty(0)
         self.whole[c] = False
