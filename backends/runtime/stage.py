@@ -294,9 +294,12 @@ class StageRuntime:
             "segments": list(self._segment),
             "rank": self.collectives.rank,
             "data_parallel": self.collectives.size,
-            "numels": [[shape.numel() for shape in shapes] for shapes in self._reducer.shapes],
+            "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
         }
         if self._zero == 3:  # the parameters are only this rank's shards: `checkpoint.sharded`
+            state["numels"] = [
+                [shape.numel() for shape in shapes] for shapes in self._reducer.shapes
+            ]
             state["shards"] = [shard.detach().clone() for shard in self._reducer.shards]
             state["shapes"] = [
                 [(name, list(shape)) for name, shape in zip(names, shapes)]
