@@ -4,12 +4,14 @@ the sharding rule, the gather cost, and random built-in shapes end to end."""
 from __future__ import annotations
 
 import pytest
+from _models import batches, make_segments, mse, sgd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_mutation import accepted, mutate, mutations, trains_exactly
 
 import schedcc
 from schedcc import CostModel, simulate
+from schedcc.backends.reference import assert_matches_reference
 from schedcc.errors import ScheduleConfigError, ScheduleError, ShardingError
 from schedcc.ir import SHARDING, Compute, OptimizerStep, Reshard, Unshard, parse
 from schedcc.program import Program
@@ -156,8 +158,6 @@ def test_the_simulator_costs_each_gather():
 def test_random_built_in_shapes_with_zero3_compile_validate_simulate_and_train(data):
     """Any flushed built-in at a random shape compiles with zero=3 at dp=2, validates, simulates
     (a gather costs time) and trains to non-pipelined training on the local backend."""
-    from schedcc.testing import _check_numerics
-
     name = data.draw(st.sampled_from(FLUSHED))
     cls = schedcc.get_schedule(name)
     shape = data.draw(shapes(cls, max_stages=3, max_microbatches=4, max_chunks=2, max_batches=2))
@@ -166,7 +166,8 @@ def test_random_built_in_shapes_with_zero3_compile_validate_simulate_and_train(d
     assert schedcc.validate(program, collect=True) == []
     costly = simulate(program, CostModel(gather=1.0)).makespan
     assert costly > simulate(program).makespan
-    _check_numerics(schedule, program)
+    data = batches(schedule.num_batches, 2 * schedule.num_microbatches)  # global batches
+    assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, data)
 
 
 @settings(max_examples=15)
