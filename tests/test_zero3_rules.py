@@ -227,3 +227,23 @@ def test_tune_with_zero3_skips_weight_delayed_schedules_and_prices_gathers():
     assert "zero=3" in result.skipped[0].reason
     plain = schedcc.tune(["1f1b"], num_stages=2, num_microbatches=4, num_chunks=1)
     assert result.ranked[0].makespan > plain.ranked[0].makespan
+
+
+def test_a_zero3_program_exports_torch_unshard_and_reshard():
+    """With comms, a zero=3 program exports its gathers and releases as torch's FSDP actions
+    (`0UNSHARD` ... `0RESHARD`), each a valid torch `_Action`, and imports back to the same
+    computes and comm."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    from schedcc.interop.torch import from_torch_actions, to_torch_actions
+
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=2, zero=3)
+    rows = to_torch_actions(program)
+    assert rows[0][0] == "0UNSHARD"
+    assert rows[0][-1] == "0RESHARD"
+    assert rows[1].index("1RESHARD") > rows[1].index("1REDUCE_GRAD")
+    assert all(str(_Action.from_str(action)) == action for row in rows for action in row)
+    back = schedcc.compile(from_torch_actions(rows, 2))
+    for mine, theirs in zip(program.stages, back.stages):
+        keep = ("comm", "compute")
+        assert [op for op in mine if op.group in keep] == [op for op in theirs if op.group in keep]
