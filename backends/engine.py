@@ -181,6 +181,7 @@ class BaseEngine(abc.ABC):
             self._forward_only = compile(
                 self.program.schedule,
                 data_parallel=self.program.data_parallel,
+                zero=self.program.zero,
                 forward_only=True,
             )
         return self._forward_only
@@ -218,6 +219,28 @@ class BaseEngine(abc.ABC):
             for s in range(self.program.num_stages)
         ]
 
+    @contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Under ZeRO-3, the held segments' parameters whole for the duration; a no-op otherwise.
+
+        Between runs a ZeRO-3 engine's modules hold no parameter data (each rank keeps only its
+        shard of each chunk); inside this block they hold the current weights, to read or
+        export. What is written to them there is not kept. On the distributed engine every rank
+        enters it (an all-gather over each stage's data-parallel group).
+
+        >>> # with engine.unsharded():
+        >>> #     torch.save(segments[0].state_dict(), "segment0.pt")
+        """
+        if self.program.zero != 3:
+            yield
+            return
+        self._unshard_all()
+        try:
+            yield
+        finally:
+            for runtime in self._all_runtimes():
+                runtime.release_all()
+
     # -- what each engine supplies -------------------------------------------------------------
 
     @abc.abstractmethod
@@ -249,6 +272,15 @@ class BaseEngine(abc.ABC):
     @abc.abstractmethod
     def _runtimes(self) -> list[StageRuntime]:
         """The stage runtimes this engine holds (its first data-parallel replica's)."""
+
+    def _all_runtimes(self) -> list[StageRuntime]:
+        """Every stage runtime this engine holds, of every replica."""
+        return self._runtimes()
+
+    def _unshard_all(self) -> None:
+        """ZeRO-3: make every held runtime's parameters whole (`unsharded`)."""
+        for runtime in self._all_runtimes():
+            runtime.unshard_all()
 
 
 # -- arguments ----------------------------------------------------------------------------------

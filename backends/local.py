@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from schedcc.backends.batches import local_batches, same_sizes, split_pair
@@ -185,6 +186,17 @@ class Engine(BaseEngine):
 
     def _runtimes(self) -> list[StageRuntime]:
         return self.runtimes[0]
+
+    def _all_runtimes(self) -> list[StageRuntime]:
+        return [rt for runtimes in self.runtimes for rt in runtimes]
+
+    def _unshard_all(self) -> None:
+        # every replica is here: concatenate their shards instead of meeting in a collective
+        for s in range(self.program.num_stages):
+            replicas = [runtimes[s] for runtimes in self.runtimes]
+            full = [torch.cat(shards) for shards in zip(*(rt.shards for rt in replicas))]
+            for rt in replicas:
+                rt.unshard_all([flat.clone() for flat in full])
 
     def _prepare(self, group: list[Any], first: int) -> list[Microbatches]:
         return [self._split(batch, first + j) for j, batch in enumerate(group)]

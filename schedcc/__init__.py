@@ -35,8 +35,10 @@ from schedcc.ir import (
     RecvGrad,
     ReduceGrads,
     ReduceTied,
+    Reshard,
     SendActivation,
     SendGrad,
+    Unshard,
 )
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
@@ -68,6 +70,7 @@ __all__ = [
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
+    "Reshard",
     "Schedule",
     "ScheduleCodeError",
     "ScheduleConfigError",
@@ -77,6 +80,7 @@ __all__ = [
     "Timeline",
     "UnknownScheduleError",
     "UnmatchedCommError",
+    "Unshard",
     "UpdateOrderError",
     "WeightVersionError",
     "available_schedules",

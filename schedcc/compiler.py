@@ -37,8 +37,9 @@ def compile(
     Args:
         schedule: a `Schedule` instance (shape given).
         data_parallel: pipeline replicas; above 1, gradients are reduced across them.
-        zero: 0, 1 (ZeRO-1: reduce-scatter, sharded step, all-gather) or 2 (reduce-scatter
-            after every backward).
+        zero: 0, 1 (ZeRO-1: reduce-scatter, sharded step, all-gather), 2 (reduce-scatter
+            after every backward) or 3 (as 2, and each chunk's parameters stay sharded between
+            uses: `Unshard` before its first compute of a batch, `Reshard` after its last).
         tied: groups of segment indices whose segments share parameters (e.g. `[(0, 3)]` for an
             LM head tied to the token embedding); each stage holding a segment of group `g` gets
             a `ReduceTied(g)` per batch that sums the gradients of every copy before the step.
@@ -55,7 +56,8 @@ def compile(
 
     Raises:
         ScheduleConfigError: bad `data_parallel`, `zero`, `recompute` or `tied` (a group of
-            fewer than two segments, a segment out of range or in two groups).
+            fewer than two segments, a segment out of range or in two groups), or `zero=3` with
+            tied segments or a weight delay (2BW).
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
@@ -73,12 +75,14 @@ def compile(
         raise ScheduleConfigError(
             f"data_parallel must be a positive integer, got {data_parallel!r}"
         )
-    if type(zero) is not int or zero not in (0, 1, 2):
-        raise ScheduleConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if type(zero) is not int or zero not in (0, 1, 2, 3):
+        raise ScheduleConfigError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if type(forward_only) is not bool:
         raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
     groups = normalize_tied(tied, schedule.num_segments)
     policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
+    if zero == 3:
+        _check_zero3(schedule, groups)
     with paused_gc():
         program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
         if policy is not None and not forward_only:
@@ -92,6 +96,21 @@ def compile(
         if validate:
             _validate(program, max_activations=max_activations)
     return program
+
+
+def _check_zero3(schedule: Schedule, groups) -> None:
+    """ZeRO-3 keeps one whole copy of a chunk's weights at most, for one batch at a time."""
+    if schedule.weight_delay:
+        raise ScheduleConfigError(
+            f"zero=3 cannot run {schedule!r}: its weight delay ({schedule.weight_delay}) keeps "
+            "stashed whole copies of the weights, which ZeRO-3 releases; use zero=2 or a "
+            "schedule without a weight delay"
+        )
+    if groups:
+        raise ScheduleConfigError(
+            "zero=3 cannot run with tied segments: a tied gradient is summed over whole copies "
+            "of the parameter; use zero=2 with tied=..."
+        )
 
 
 def _forwards(program: Program) -> Program:

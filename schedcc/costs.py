@@ -37,6 +37,8 @@ _FIELD = {
     "Tied": "reduce",
     "Step": "step",
     "Gather": "gather",
+    "Unshard": "gather",
+    "Reshard": "release",
 }
 FIELD_OF_CODE = MappingProxyType(_FIELD)
 ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
@@ -91,7 +93,8 @@ class CostModel:
         reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
             (the all-reduce of a tied group's gradients, once its members are all there).
         step: an `OptimizerStep`.
-        gather: a `GatherParams` (ZeRO-1's all-gather).
+        gather: a `GatherParams` (ZeRO-1's all-gather) or an `Unshard` (ZeRO-3's).
+        release: a `Reshard` (ZeRO-3 dropping a chunk's gathered parameters).
         recompute: a `Recompute` (None: the same as this model's `forward`).
         memory: bytes per segment (`schedcc.memory.MemoryModel`), for `Timeline.peak_bytes`
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
@@ -117,6 +120,7 @@ class CostModel:
     reduce: float = attrs.field(default=0.0, validator=_non_negative)
     step: float = attrs.field(default=0.0, validator=_non_negative)
     gather: float = attrs.field(default=0.0, validator=_non_negative)
+    release: float = attrs.field(default=0.0, validator=_non_negative)
     recompute: float | None = attrs.field(default=None, validator=_optional)
     memory: MemoryModel | None = attrs.field(default=None, validator=_memory_model)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)

@@ -23,6 +23,7 @@ __all__ = [
     "ScheduleCodeError",
     "ScheduleConfigError",
     "ScheduleError",
+    "ShardingError",
     "UnknownScheduleError",
     "UnmatchedCommError",
     "UpdateOrderError",
@@ -124,3 +125,10 @@ class RecomputeError(DependencyError):
 
 class PartitionError(ScheduleConfigError):
     """A model that cannot be cut as asked (too few layers, bad boundaries, unknown method)."""
+
+
+class ShardingError(DependencyError):
+    """ZeRO-3's `Unshard`/`Reshard` out of place on a stage: a compute on a chunk whose
+    parameters are released, an `Unshard` of a chunk already whole or a `Reshard` of one that is
+    not (or whose gradients are not yet reduced), a chunk left whole across a step or at the end
+    of the program, or either instruction in a program not compiled with `zero=3`."""

@@ -24,6 +24,7 @@ __all__ = [
     "INPUT_GRADIENT",
     "RECEIVES",
     "SENDS",
+    "SHARDING",
     "UPDATE",
     "WEIGHT_GRADIENT",
     "Backward",
@@ -41,8 +42,10 @@ __all__ = [
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
+    "Reshard",
     "SendActivation",
     "SendGrad",
+    "Unshard",
     "Update",
     "parse",
 ]
@@ -217,9 +220,35 @@ class ReduceTied(Update):
         return f"{self.code}{self.tie}"
 
 
+@attrs.frozen(slots=True)
+class Unshard(Update):
+    """Roughly: `weights[c] = all_gather(every rank's shard of weights[c])` (ZeRO-3: the chunk's
+    parameters are whole from here until its `Reshard`)."""
+
+    code: ClassVar[str] = "Unshard"
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.code}.{self.chunk}" if self.chunk else self.code
+
+
+@attrs.frozen(slots=True)
+class Reshard(Update):
+    """Roughly: `del weights[c]` but this rank's shard (ZeRO-3: no compute on chunk c until the
+    next `Unshard`)."""
+
+    code: ClassVar[str] = "Reshard"
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.code}.{self.chunk}" if self.chunk else self.code
+
+
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, Recompute)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied)
+UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, Unshard, Reshard)
+#: ZeRO-3's instructions that make a chunk's parameters whole and release them again.
+SHARDING = (Unshard, Reshard)
 #: The computes that add to a chunk's weight gradients (`.grad`).
 WEIGHT_GRADIENT = (Backward, BackwardWeight)
 #: The computes that make a microbatch's input gradient (what `SendGrad` sends).
@@ -229,7 +258,7 @@ RECEIVES = (RecvActivation, RecvGrad)
 
 _BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
 _ON_MICROBATCH = re.compile(r"(F|B|I|W|R|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
-_ON_CHUNK = re.compile(r"(Reduce|Gather)(?:\.(\d+))?")
+_ON_CHUNK = re.compile(r"(Reduce|Gather|Unshard|Reshard)(?:\.(\d+))?")
 _TIED = re.compile(r"Tied(\d+)")
 
 
@@ -252,5 +281,5 @@ def parse(text: str) -> Instruction:
         return OptimizerStep()
     raise ValueError(
         f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, SA2, RA2, SG2, "
-        "RG2, Reduce, Reduce.1, Step, Gather.1, Tied0"
+        "RG2, Reduce, Reduce.1, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
     )

@@ -21,6 +21,7 @@ from schedcc.rules.bytes import check_bytes
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
 from schedcc.rules.recompute import check_recompute
+from schedcc.rules.sharding import check_sharding
 from schedcc.rules.tied import check_tied
 from schedcc.rules.updates import (
     check_gathers,
@@ -42,6 +43,7 @@ RULES: tuple[Rule, ...] = (
     check_step_order,
     check_reductions,
     check_gathers,
+    check_sharding,
     check_tied,
     check_comm,
     check_deadlock,

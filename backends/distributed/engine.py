@@ -393,6 +393,10 @@ class Engine(BaseEngine):
         set_rng_state(saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"])
         self.steps = manifest["step"]
 
+    def _unshard_all(self) -> None:
+        with self._collective("gathering the ZeRO-3 parameter shards", self.dp_group):
+            self.runtime.unshard_all()
+
     def _update(self, op: Instruction) -> None:
         try:
             self.runtime.run(op)

@@ -98,13 +98,17 @@ def _train(rank: int, config, device: torch.device) -> int:
             print(f"the checkpoint is at step {engine.steps}: nothing left to train", flush=True)
         return 0
     losses = _loop(engine, built, config, dp_index, show=rank == 0 and config.progress)
+    state = None
+    if config.check:
+        with engine.unsharded():  # ZeRO-3: every replica gathers, the first one reports
+            state = _state(engine, schedule) if dp_index == 0 else None
     mine = {
         "stage": engine.stage,
         "dp": dp_index,
         "times": engine.step_times,
         "peak": engine.runtime.peak_activation_bytes,
         "p2p": engine.point_to_point,
-        "state": _state(engine, schedule) if config.check and dp_index == 0 else None,
+        "state": state,
     }
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     try:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
+from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.runtime.boundary import (
     Message,
     activation,
@@ -75,6 +76,8 @@ from schedcc.ir import (
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reshard,
+    Unshard,
 )
 from schedcc.semantics import recomputed, tensors_of
 
@@ -164,7 +167,9 @@ class StageRuntime:
         #: where another segment trains the caller's ([Note: copies of a tied parameter])
         self._views = ties.views if ties is not None else self.modules
         self._shadowed = [self.modules[c] for c in ties.shadowed] if ties is not None else []
-        self._reducer = Reducer(self._views, self.collectives, zero=self._zero)
+        self._reducer = Reducer(
+            self._views, self.collectives, zero=bool(self._zero), release=self._zero == 3
+        )
         if self._zero:
             self.optimizer: torch.optim.Optimizer | None = optimizer(self._reducer.shards)
         else:
@@ -181,6 +186,8 @@ class StageRuntime:
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
             ReduceTied: self._reduce_tied,
+            Unshard: self._unshard,
+            Reshard: self._reshard,
         }
         self.peak_activation_bytes = 0
         #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
@@ -264,11 +271,30 @@ class StageRuntime:
         value, whose floating tensors then all take a gradient)."""
         self._ports.incoming(op, message)
 
+    # -- ZeRO-3 between runs ---------------------------------------------------------------------
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """Under ZeRO, this rank's flat shard of each chunk's parameters (what the optimizer
+        steps); empty otherwise."""
+        return [shard.detach() for shard in self._reducer.shards]
+
+    def unshard_all(self, full: Sequence[torch.Tensor] | None = None) -> None:
+        """ZeRO-3: make every chunk's parameters whole (`full[c]`: chunk c's shards of every
+        rank concatenated in rank order, when the caller has them; else an all-gather each)."""
+        for c in range(len(self.modules)):  # the shard keeps its own copy: writes are not kept
+            self._reducer.unshard(c, None if full is None else full[c], alias=False)
+
+    def release_all(self) -> None:
+        """ZeRO-3: release every chunk's whole parameters again (only the shards stay)."""
+        for c in range(len(self.modules)):
+            self._reducer.release(c)
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this stage between runs (see `backends.checkpoint.state`)."""
-        return {
+        state = {
             "modules": [mod.state_dict() for mod in self.modules],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "zero": self._zero,
@@ -278,11 +304,23 @@ class StageRuntime:
             "data_parallel": self.collectives.size,
             "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
         }
+        if self._zero == 3:  # the parameters are only this rank's shards: `checkpoint.sharded`
+            state["numels"] = [
+                [shape.numel() for shape in shapes] for shapes in self._reducer.shapes
+            ]
+            state["shards"] = [shard.detach().clone() for shard in self._reducer.shards]
+            state["shapes"] = [
+                [(name, list(shape)) for name, shape in zip(names, shapes)]
+                for names, shapes in zip(self._names, self._reducer.shapes)
+            ]
+        return state
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
         """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
         whole, so that `load_state_dict` cannot fail half-way; nothing is changed."""
-        check_saved(self, saved)
+        saved = whole_states(saved)
+        with self._reducer.placeholders():  # ZeRO-3: checked against the whole shapes
+            check_saved(self, saved)
 
     def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
         """Restore from every old data-parallel rank's state of this stage (in rank order).
@@ -291,17 +329,19 @@ class StageRuntime:
         re-sharded (exact for elementwise optimizers such as SGD and Adam).
         """
         self.check_state(saved)
-        for mod, state in zip(self.modules, saved[0]["modules"]):
-            mod.load_state_dict(state)
-        if self.ties is not None:
-            self.ties.refresh()
-        self._reducer.refresh_shards()
-        if self.optimizer is None:
-            return
-        coll = self.collectives
-        load_optimizer(
-            self.optimizer, saved, self.modules, zero=self._zero, rank=coll.rank, size=coll.size
-        )
+        saved = whole_states(saved)
+        with self._reducer.placeholders():  # ZeRO-3: loaded whole, kept as this rank's shard
+            for mod, state in zip(self.modules, saved[0]["modules"]):
+                mod.load_state_dict(state)
+            if self.ties is not None:
+                self.ties.refresh()
+            self._reducer.refresh_shards()
+            if self.optimizer is None:
+                return
+            coll = self.collectives
+            load_optimizer(
+                self.optimizer, saved, self.modules, zero=self._zero, rank=coll.rank, size=coll.size
+            )
 
     # -- compute --------------------------------------------------------------------------------
 
@@ -533,6 +573,19 @@ class StageRuntime:
         self._reducer.gather(c)
         if self._delay:
             self._versions.snapshot(c, self._versions.version)
+
+    def _unshard(self, op: Unshard) -> None:
+        self._sharded(op).unshard(op.chunk)
+
+    def _reshard(self, op: Reshard) -> None:
+        self._sharded(op).release(op.chunk)
+
+    def _sharded(self, op) -> Reducer:
+        if self._zero != 3:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} needs ZeRO-3 (compile with zero=3)", stage=self.stage
+            )
+        return self._reducer
 
     def _divide_by_count(self, batch: int) -> None:
         """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed

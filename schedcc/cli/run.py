@@ -83,7 +83,7 @@ def register(subparsers) -> None:
     shared.add_stages(parser, default=2)
     shared.add_microbatches(parser, default=8)
     shared.add_chunks(parser)
-    shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1))
+    shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1, 2, 3))
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
     parser.add_argument("--model", choices=("tiny-gpt", "mlp"), default="tiny-gpt")
     parser.add_argument(

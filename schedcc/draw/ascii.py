@@ -31,6 +31,8 @@ from schedcc.ir import (
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reshard,
+    Unshard,
 )
 
 __all__ = ["render"]
@@ -46,6 +48,8 @@ _BACKGROUND = {
     OptimizerStep: 43,
     GatherParams: 43,
     ReduceTied: 43,
+    Unshard: 43,
+    Reshard: 43,
 }
 _RESET = "\x1b[0m"
 

@@ -26,6 +26,8 @@ from schedcc.ir import (
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reshard,
+    Unshard,
 )
 
 __all__ = ["save"]
@@ -41,6 +43,8 @@ _COLOR = {
     OptimizerStep: (0.40, 0.40, 0.40),
     GatherParams: (0.65, 0.65, 0.65),
     ReduceTied: (0.50, 0.50, 0.50),
+    Unshard: (0.75, 0.75, 0.75),
+    Reshard: (0.85, 0.85, 0.85),
 }
 _NAME = {
     Forward: "forward",
@@ -52,6 +56,8 @@ _NAME = {
     OptimizerStep: "step",
     GatherParams: "gather",
     ReduceTied: "tied reduce",
+    Unshard: "unshard",
+    Reshard: "reshard",
 }
 _FORMATS = {".png": "png", ".svg": "svg"}
 _MAX_LABELS = 4000  # beyond this many blocks, numbers would be unreadable anyway

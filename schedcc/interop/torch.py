@@ -36,8 +36,10 @@ from schedcc.ir import (
     Recompute,
     RecvActivation,
     RecvGrad,
+    Reshard,
     SendActivation,
     SendGrad,
+    Unshard,
 )
 from schedcc.program import Program
 from schedcc.schedule import Schedule
@@ -64,6 +66,8 @@ _TO_TORCH: dict[type[Instruction], str] = {
     RecvGrad: "RECV_B",
 }
 _FROM_TORCH = {code: cls for cls, code in _TO_TORCH.items()}
+#: ZeRO-3's gather and release, exported as torch's FSDP actions on the segment.
+_SHARDING_TO_TORCH: dict[type[Instruction], str] = {Unshard: "UNSHARD", Reshard: "RESHARD"}
 #: torch actions with no schedcc meaning on a single pipeline (FSDP, DP reduction): skipped.
 _SKIPPED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
 _ACTION = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD|F|B|I|W)(\d*)")
@@ -78,7 +82,9 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
     With `comms` (torch's "compute_comms" format) the rows hold schedcc's own sends and receives
     and a `REDUCE_GRAD` after each segment's last backward (where torch's runtime scales the
     gradients by 1/m); without, only the computes ("compute_only": torch inserts the rest).
-    Update instructions (Step, Reduce, Gather) are left out: the caller steps the optimizer.
+    With `comms`, a `zero=3` program's `Unshard`/`Reshard` are torch's `UNSHARD`/`RESHARD` of
+    the segment (for FSDP-wrapped stage modules), where schedcc placed and proved them. Other
+    update instructions (Step, Reduce, Gather) are left out: the caller steps the optimizer.
 
     Raises:
         ScheduleConfigError: the program covers more than one batch (torch runs one per step),
@@ -98,6 +104,10 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
         row: list[str] = []
         backwards: dict[int, int] = {}
         for op in ops:
+            if comms and type(op) in _SHARDING_TO_TORCH:
+                segment = schedule.segment_of(stage, op.chunk)
+                row.append(f"{segment}{_SHARDING_TO_TORCH[type(op)]}")
+                continue
             code = _TO_TORCH.get(type(op))
             if code is None or not isinstance(op, OnMicrobatch):
                 continue

@@ -134,8 +134,9 @@ def check_reductions(ctx: Context) -> Iterator[Problem]:
 
 
 def check_gathers(ctx: Context) -> Iterator[Problem]:
-    """GatherParams only under ZeRO; under ZeRO, after every OptimizerStep each chunk's
-    GatherParams comes before that chunk's next compute and before the program ends."""
+    """GatherParams only under ZeRO; under ZeRO-1 and ZeRO-2, after every OptimizerStep each
+    chunk's GatherParams comes before that chunk's next compute and before the program ends
+    (ZeRO-3 gathers with `Unshard` instead: `schedcc.rules.sharding`)."""
     zero, v = ctx.program.zero, ctx.schedule.num_chunks
     for s, ops in enumerate(ctx.computes_and_updates):
         stale = [False] * v
@@ -154,7 +155,7 @@ def check_gathers(ctx: Context) -> Iterator[Problem]:
                 stale[op.chunk] = False
             elif type(op) is OptimizerStep:
                 last_step = pos
-                if zero >= 1:
+                if 1 <= zero <= 2:
                     stale = [True] * v
             elif isinstance(op, Compute) and stale[op.chunk]:
                 yield Problem(
