@@ -21,7 +21,7 @@ from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.reference import assert_matches_reference, train_reference
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import spawn
-from schedcc.ir import OptimizerStep, ReduceGrads, Reshard, Unshard
+from schedcc.ir import OptimizerStep, Recompute, ReduceGrads, Reshard, Unshard
 
 
 def _held(modules) -> int:
@@ -54,6 +54,17 @@ def test_local_zero_2_and_3_equal_non_pipelined_training(name, v, zero):
     """dp=2 with ZeRO-2 or ZeRO-3 on the local backend equals non-pipelined training to 1e-10."""
     schedule = schedcc.get_schedule(name)(2, 4, num_chunks=v, num_batches=2)
     program = schedcc.compile(schedule, data_parallel=2, zero=zero)
+    local = list(zip(batches(2, 4, seed=1), batches(2, 4, seed=2)))
+    assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, local)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_local_zero3_with_recompute_equals_non_pipelined_training(name):
+    """Every forward recomputed before its backward, on weights gathered again by that chunk's
+    `Unshard`: still non-pipelined training to 1e-10, with an `R` inside each whole window."""
+    schedule = schedcc.get_schedule(name)(2, 4, num_batches=2)
+    program = schedcc.compile(schedule, data_parallel=2, zero=3, recompute=True)
+    assert any(type(op) is Recompute for op in program.stages[0])
     local = list(zip(batches(2, 4, seed=1), batches(2, 4, seed=2)))
     assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, local)
 
@@ -157,10 +168,16 @@ def _optimizer(params):
 def _zero_worker(rank: int, world_size: int, directory: str) -> int:
     _init(rank, world_size)
     p, dp, m, steps = 2, 2, 4, 2
-    # ZeRO-2; ZeRO-3 over gloo point-to-point (the eager plan); ZeRO-3 over shared memory
-    for zero, shared_memory in ((2, True), (3, False), (3, True)):
+    # ZeRO-2; ZeRO-3 over gloo point-to-point (the eager plan); ZeRO-3 over shared memory, and
+    # again with every forward recomputed before its backward
+    for zero, shared_memory, recompute in (
+        (2, True, False),
+        (3, False, False),
+        (3, True, False),
+        (3, True, True),
+    ):
         schedule = schedcc.get_schedule("1f1b")(p, m)
-        program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
+        program = schedcc.compile(schedule, data_parallel=dp, zero=zero, recompute=recompute)
         segments = models.mlp_segments(p, width=8, seed=1)
         oracle, plain = copy.deepcopy(segments), copy.deepcopy(segments)
         data = models.TeacherData(width=8, seed=2)
@@ -176,7 +193,7 @@ def _zero_worker(rank: int, world_size: int, directory: str) -> int:
         oracle_engine = LocalEngine(program, oracle, F.mse_loss, _optimizer)
         local = list(oracle_engine.train(replicas))
         reference = train_reference(plain, F.mse_loss, _optimizer, replicas)
-        where = f"zero={zero} shm={shared_memory} rank {rank}"
+        where = f"zero={zero} shm={shared_memory} recompute={recompute} rank {rank}"
         assert max(abs(a - b) for a, b in zip(losses, local)) < 1e-12, where
         assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-9, where
         mine = segments[engine.stage]
