@@ -22,6 +22,7 @@ def compile(
     zero: int = 0,
     tied: Iterable[Iterable[int]] = (),
     forward_only: bool = False,
+    grad_norm: bool = False,
     validate: bool = True,
     max_activations: int | None = None,
 ) -> Program:
@@ -38,6 +39,10 @@ def compile(
         forward_only: keep only the schedule's forwards (and its activation comm, if it yields
             comm): the program evaluation runs, with no backward and no update, every forward on
             the live weights; compiled, validated and simulated like any other.
+        grad_norm: put a `GradNorm` before every stage's step: one scalar all-reduce over all
+            stages that gives the whole model's gradient norm, which an engine needs for
+            `max_grad_norm` clipping, fp16 loss scaling, and for skipping a step whose gradients
+            are not finite on every stage alike.
         validate: run the validator on the result (raises its `ScheduleError`).
         max_activations: with `validate`, also bound the microbatch activations per stage.
 
@@ -65,13 +70,15 @@ def compile(
         raise ScheduleConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
     if type(forward_only) is not bool:
         raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
+    if type(grad_norm) is not bool:
+        raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
     groups = normalize_tied(tied, schedule.num_segments)
     with paused_gc():
         program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
         if forward_only:
             program = _forwards(program)
-        elif groups:  # a forward-only program has no gradients to tie
-            program = program.evolve(tied=groups)
+        else:  # a forward-only program has no gradients to tie or clip
+            program = program.evolve(tied=groups, grad_norm=grad_norm)
         for lower in PASSES:
             program = lower(program)
         if validate:

@@ -33,6 +33,7 @@ _FIELD = {
     "W": "backward_weight",
     "Reduce": "reduce",
     "Tied": "reduce",
+    "Norm": "norm",
     "Step": "step",
     "Gather": "gather",
 }
@@ -73,6 +74,8 @@ class CostModel:
         comm: the cost of one comm group (a batched exchange), on top of waiting for the peer.
         reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
             (the all-reduce of a tied group's gradients, once its members are all there).
+        norm: a `GradNorm` (one scalar all-reduce over every stage, once they are all there:
+            the optimizer's synchronisation that global gradient clipping needs).
         step: an `OptimizerStep`.
         gather: a `GatherParams` (ZeRO-1's all-gather).
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
@@ -96,6 +99,7 @@ class CostModel:
     comm: float = attrs.field(default=0.0, validator=_non_negative)
     reduce: float = attrs.field(default=0.0, validator=_non_negative)
     step: float = attrs.field(default=0.0, validator=_non_negative)
+    norm: float = attrs.field(default=0.0, validator=_non_negative)
     gather: float = attrs.field(default=0.0, validator=_non_negative)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)

@@ -33,6 +33,7 @@ __all__ = [
     "Compute",
     "Forward",
     "GatherParams",
+    "GradNorm",
     "Instruction",
     "OnMicrobatch",
     "OptimizerStep",
@@ -204,9 +205,20 @@ class ReduceTied(Update):
         return f"{self.code}{self.tie}"
 
 
+@attrs.frozen(slots=True)
+class GradNorm(Update):
+    """Roughly: `norm = sqrt(sum over every stage and shard of |grad|^2)`; clip the gradients by
+    it, or mark the step skipped when it is not finite (a collective among all stages)."""
+
+    code: ClassVar[str] = "Norm"
+
+    def __str__(self) -> str:
+        return self.code
+
+
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied)
+UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, GradNorm)
 #: The computes that add to a chunk's weight gradients (`.grad`).
 WEIGHT_GRADIENT = (Backward, BackwardWeight)
 #: The computes that make a microbatch's input gradient (what `SendGrad` sends).
@@ -237,7 +249,9 @@ def parse(text: str) -> Instruction:
         return ReduceTied(int(match.group(1)))
     if text == OptimizerStep.code:
         return OptimizerStep()
+    if text == GradNorm.code:
+        return GradNorm()
     raise ValueError(
         f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, SA2, RA2, SG2, RG2, "
-        "Reduce, Reduce.1, Step, Gather.1, Tied0"
+        "Reduce, Reduce.1, Norm, Step, Gather.1, Tied0"
     )

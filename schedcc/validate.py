@@ -18,6 +18,7 @@ from schedcc.program import Program
 from schedcc.rules import Context, Problem, Rule
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
+from schedcc.rules.norm import check_norm
 from schedcc.rules.tied import check_tied
 from schedcc.rules.updates import (
     check_gathers,
@@ -39,6 +40,7 @@ RULES: tuple[Rule, ...] = (
     check_reductions,
     check_gathers,
     check_tied,
+    check_norm,
     check_comm,
     check_deadlock,
     check_versions,

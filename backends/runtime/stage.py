@@ -51,11 +51,13 @@ from schedcc.backends.runtime.boundary import (
     joined,
     read_gradients,
 )
+from schedcc.backends.runtime.clipping import LossScaler, StageNorm, shard_mask
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
 from schedcc.backends.runtime.losses import LossBook, LossRecord, count_carriers, divide_grads
 from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.ports import Ports
+from schedcc.backends.runtime.precision import Precision
 from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.values import call, flatten
 from schedcc.backends.runtime.versions import WeightVersions
@@ -67,6 +69,7 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     GatherParams,
+    GradNorm,
     Instruction,
     OptimizerStep,
     ReduceGrads,
@@ -108,6 +111,13 @@ class StageRuntime:
         ties: the tied parameters this stage holds (`backends.runtime.tied`); None for none.
         tie_reduce: `tie_reduce(group, tensor)` sums a tensor over the stages of tied group
             `group` in place, for `ReduceTied` (the distributed backend's).
+        norm_reduce: `norm_reduce(tensor)` sums a scalar over the replica's stages in place, in
+            stage order, for `GradNorm` (the distributed backend's; the local backend meets
+            its stages itself through `norm_part` and `apply_norm`).
+        max_grad_norm: clip the whole model's gradient to this norm at `GradNorm`.
+        mixed_precision: None, `torch.bfloat16` or `torch.float16` (with dynamic loss scaling):
+            compute and boundary tensors in that dtype, parameters, gradients and optimizer
+            state in the parameters' own (`backends.runtime.precision`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
@@ -129,6 +139,9 @@ class StageRuntime:
         collectives: Collectives | None = None,
         ties: StageTies | None = None,
         tie_reduce: Callable[[int, torch.Tensor], None] | None = None,
+        norm_reduce: Callable[[torch.Tensor], None] | None = None,
+        max_grad_norm: float | None = None,
+        mixed_precision: torch.dtype | None = None,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -176,7 +189,17 @@ class StageRuntime:
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
             ReduceTied: self._reduce_tied,
+            GradNorm: self._grad_norm,
         }
+        device = next((p.device for m in self.modules for p in m.parameters()), None)
+        self.precision = Precision(mixed_precision, device)
+        scaler = LossScaler() if mixed_precision == torch.float16 else None
+        #: the stage's side of `GradNorm` (`backends.runtime.clipping`)
+        self.norm = StageNorm(max_grad_norm, scaler)
+        self._norm_reduce = norm_reduce
+        self._divided = False  # the batch's count already divided (at its GradNorm)
+        #: steps skipped because the gradients were not finite
+        self.skipped_steps = 0
         self.peak_activation_bytes = 0
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
         #: measured once])
@@ -304,7 +327,9 @@ class StageRuntime:
         if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
                 live = dict(self._views[c].named_parameters())
-                out = self._call(self.modules[c], live, value)
+                with self.precision.compute():
+                    out = self._call(self.modules[c], live, value)
+                out = self.precision.boundary(out, last=k == self._last)
             if k < self._last:
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
             elif self._ports.has_targets(i):
@@ -324,7 +349,9 @@ class StageRuntime:
         sent: list[Message] = []
 
         def forward() -> list[torch.Tensor]:
-            out = self._call(self.modules[c], params, value)
+            with self.precision.compute():
+                out = self._call(self.modules[c], params, value)
+            out = self.precision.boundary(out, last=k == self._last)
             if k == self._last:
                 return [self._loss(i, out)]
             message, roots = activation(out, segment=k)
@@ -364,7 +391,10 @@ class StageRuntime:
                 f"loss_fn(output {_described(out)}, target {_described(target)}) failed: "
                 f"{error}; check the targets' shape"
             ) from error
-        return self._book.objective(i // self._m, result, where=f"loss_fn on microbatch {i}")
+        objective = self._book.objective(i // self._m, result, where=f"loss_fn on microbatch {i}")
+        if self.norm.scaler is not None:  # float16: backpropagate the scaled loss
+            objective = objective * self.norm.scaler.scale
+        return objective
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
@@ -462,10 +492,66 @@ class StageRuntime:
             )
         self.ties.reduce(op.tie, self._tie_reduce)
 
+    def _grad_norm(self, op: GradNorm) -> None:
+        if self._norm_reduce is None:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} needs a collective over the stages (the engines "
+                "give it for a program compiled with grad_norm=True)",
+                stage=self.stage,
+            )
+        part = self.norm_part()
+        self._norm_reduce(part)
+        self.apply_norm(part)
+
+    def norm_part(self) -> torch.Tensor:
+        """This stage's part of `GradNorm` ([Note: one norm, every stage alike]): the batch's
+        gradients made final, unscaled under float16, and their squares summed (under ZeRO
+        over the data-parallel replicas too)."""
+        self._divide_by_count(self._versions.version)
+        self._divided = True
+        if self._zero:
+            skipped = self.ties.later_copies if self.ties is not None else set()
+            coll = self.collectives
+            measured = [
+                (
+                    shard.grad,
+                    shard_mask(
+                        list(view.parameters()), skipped, shard.numel(), coll.size, coll.rank
+                    ),
+                )
+                for view, shard in zip(self._views, self._reducer.shards)
+                if shard.grad is not None
+            ]
+        else:
+            skipped = self.ties.later_copies if self.ties is not None else set()
+            measured = [(g, None) for p, g in self._grads() if id(p) not in skipped]
+        device = self.precision.device or torch.device("cpu")
+        part = self.norm.part([g for _, g in self._grads()], measured, device)
+        if self._zero and self.collectives.size > 1:
+            self.collectives.all_reduce(part)
+        return part
+
+    def apply_norm(self, total: torch.Tensor) -> None:
+        """Given every stage's part summed: clip, or mark the step skipped."""
+        self.norm.apply(total, [g for _, g in self._grads()])
+
+    def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(parameter, gradient)` of what the stage's optimizer steps (the shards under ZeRO)."""
+        if self._zero:
+            params = list(self._reducer.shards)
+        else:
+            params = [p for mod in self._views for p in mod.parameters()]
+        return [(p, p.grad) for p in params if p.grad is not None]
+
     def _optimizer_step(self, op: OptimizerStep) -> None:
-        self._divide_by_count(self._versions.version)  # the n-th step applies batch n
+        if not self._divided:  # the n-th step applies batch n
+            self._divide_by_count(self._versions.version)
+        self._divided = False
+        skip, self.norm.skip = self.norm.skip, False
+        self.skipped_steps += skip
         if self.optimizer is not None:
-            self.optimizer.step()
+            if not skip:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self._views:
             mod.zero_grad(set_to_none=True)

@@ -27,6 +27,7 @@ from schedcc.ir import (
     Compute,
     Forward,
     GatherParams,
+    GradNorm,
     OptimizerStep,
     ReduceGrads,
     ReduceTied,
@@ -44,6 +45,7 @@ _BACKGROUND = {
     OptimizerStep: 43,
     GatherParams: 43,
     ReduceTied: 43,
+    GradNorm: 43,
 }
 _RESET = "\x1b[0m"
 

@@ -22,6 +22,7 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     GatherParams,
+    GradNorm,
     OptimizerStep,
     ReduceGrads,
     ReduceTied,
@@ -39,6 +40,7 @@ _COLOR = {
     OptimizerStep: (0.40, 0.40, 0.40),
     GatherParams: (0.65, 0.65, 0.65),
     ReduceTied: (0.50, 0.50, 0.50),
+    GradNorm: (0.45, 0.45, 0.45),
 }
 _NAME = {
     Forward: "forward",
@@ -49,6 +51,7 @@ _NAME = {
     OptimizerStep: "step",
     GatherParams: "gather",
     ReduceTied: "tied reduce",
+    GradNorm: "grad norm",
 }
 _FORMATS = {".png": "png", ".svg": "svg"}
 _MAX_LABELS = 4000  # beyond this many blocks, numbers would be unreadable anyway
