@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["LossScaler", "StageNorm", "shard_mask"]
+__all__ = ["LossScaler", "NormMeeting", "StageNorm", "shard_mask"]
 
 
 class LossScaler:
@@ -116,3 +116,33 @@ def shard_mask(
             full[offset : offset + p.numel()] = 0.0
         offset += p.numel()
     return full[rank * shard : (rank + 1) * shard]
+
+
+class NormMeeting:
+    """Where the stages of one replica meet for `GradNorm` on the local backend: each posts its
+    part, and once all have, each takes the sum in stage order (as the distributed backend adds
+    them)."""
+
+    def __init__(self, num_stages: int) -> None:
+        self._num_stages = num_stages
+        self._parts: dict[int, list[torch.Tensor | None]] = {}  # n-th GradNorm -> parts
+        self._arrivals = [0] * num_stages
+        self._taken: dict[int, int] = {}
+
+    def post(self, stage: int, part: torch.Tensor) -> None:
+        n = self._arrivals[stage]
+        self._arrivals[stage] = n + 1
+        self._parts.setdefault(n, [None] * self._num_stages)[stage] = part
+
+    def take(self, stage: int) -> torch.Tensor | None:
+        n = self._arrivals[stage] - 1
+        parts = self._parts[n]
+        if any(part is None for part in parts):
+            return None
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part.to(total.device))
+        self._taken[n] = self._taken.get(n, 0) + 1
+        if self._taken[n] == self._num_stages:
+            del self._parts[n], self._taken[n]
+        return total
