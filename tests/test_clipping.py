@@ -54,7 +54,8 @@ def test_compile_places_one_norm_before_every_step():
     program = schedcc.compile(schedule, data_parallel=2, zero=1, grad_norm=True)
     for ops in program.stages:
         at = [pos for pos, op in enumerate(ops) if type(op) is GradNorm]
-        assert len(at) == 1 and type(ops[at[0] + 1]) is OptimizerStep
+        assert len(at) == 1
+        assert type(ops[at[0] + 1]) is OptimizerStep
         assert str(ops[at[0] - 1]).startswith("Reduce")
     assert parse("Norm") == GradNorm()
     assert "Norm" not in schedcc.compile(schedule).to_text()
