@@ -125,3 +125,23 @@ def test_clipping_counts_a_tied_parameter_once():
         data = tied_batches(3, 8)
         replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in data] if dp > 1 else None
         _check_local(program, tied_segments(4), mse, adam, data, replicas)
+
+
+def test_a_token_loss_is_divided_by_the_batch_count_before_the_norm():
+    """A `(loss_sum, count)` GPT loss with very uneven valid tokens per microbatch, dp = 2:
+    the clipped gradient is that of sum / count over the whole batch, as non-pipelined."""
+    from schedcc.backends.run.gpt import GPT, GPTConfig, PaddedBigramData, gpt_segments, token_loss
+
+    config = GPTConfig(vocab=16, max_len=12, d_model=16, num_heads=2, num_blocks=2)
+    model = GPT(config, seed=0).double()
+    model.head.weight = torch.nn.Parameter(model.tok.weight.detach().clone())  # untied
+    data = PaddedBigramData(config.vocab, config.max_len, seed=3)
+    local = []
+    for step in range(4):
+        inputs, targets = data.batch(4, step)
+        targets = targets.clone()
+        targets[: 1 + step % 2, 1:] = -100  # one microbatch keeps a token per row, others all
+        local.append((inputs, targets))
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=2, grad_norm=True)
+    pairs = [[local[0], local[1]], [local[2], local[3]]]
+    _check_local(program, gpt_segments(model, 2), token_loss, adam, pairs)
