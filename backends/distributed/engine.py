@@ -73,9 +73,11 @@ from schedcc.backends.distributed.groups import (
     process_groups,
     stage_ops,
 )
+from schedcc.backends.distributed.norms import NormGroup
+from schedcc.backends.distributed.pairs import BroadcastPairs, p2p_mode
 from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
-from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory
+from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_precision
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat
@@ -111,6 +113,12 @@ class Engine(BaseEngine):
             run); otherwise only the last stage knows it and the others yield NaN.
         shared_memory: under gloo, move tensors between stages on the same machine through
             shared memory rather than gloo (see [Note: same-host point-to-point]).
+        p2p: how tensors travel between stages: "shm" (the default under gloo: shared memory
+            between same-host stages, gloo send/recv otherwise), "gloo" (send/recv only: as
+            `shared_memory=False`), or "broadcast" (`dist.broadcast` within a two-rank group
+            per neighbouring pair of stages, as DeepSpeed's first pipeline engine did).
+        max_grad_norm, mixed_precision: as the local `Engine`'s (clipping by the whole model's
+            gradient norm; bfloat16 or float16 compute with float32 master weights).
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -139,6 +147,9 @@ class Engine(BaseEngine):
         timeout: float | timedelta = 60.0,
         reduce_loss: bool = True,
         shared_memory: bool = True,
+        p2p: str | None = None,
+        max_grad_norm: float | None = None,
+        mixed_precision: torch.dtype | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
@@ -146,6 +157,8 @@ class Engine(BaseEngine):
                 "dist.init_process_group(...) first (torchrun sets the environment for it)"
             )
         super().__init__(program, loss_fn, optimizer)
+        check_precision(program, max_grad_norm, mixed_precision)
+        shared_memory, self.p2p = p2p_mode(p2p, shared_memory)
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
         self.stage = dist.get_rank(self.pp_group)
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
@@ -158,6 +171,16 @@ class Engine(BaseEngine):
         self.data_parallel = DataParallel(self.dp_group)
         #: the process groups of the tied groups this stage holds ([Note: ties across ranks])
         self.ties = TieGroups(program, self.stage, self.pp_group, timeout=self.timeout)
+        #: the replica's stages as one group, for `GradNorm`
+        self.norms = NormGroup(program, self.stage, self.pp_group, timeout=self.timeout)
+        self._pairs = None
+        if self.p2p == "broadcast":  # see [Note: broadcast pairs]
+            if dist.get_backend(self.pp_group) != "gloo":
+                raise ScheduleConfigError(
+                    "p2p='broadcast' moves tensors by gloo broadcasts; under "
+                    f"{dist.get_backend(self.pp_group)} use the default p2p"
+                )
+            self._pairs = BroadcastPairs(program, self.stage, self.pp_group, timeout=self.timeout)
         given = segments if isinstance(segments, Sequence) else modules
         ties, private = plan_ties(program, self.stage, given, modules, self.ties)
         held = [schedule.segment_of(self.stage, c) for c in range(len(modules))]
@@ -170,6 +193,9 @@ class Engine(BaseEngine):
             collectives=self.data_parallel,
             ties=stage_ties(ties, held, modules, private),
             tie_reduce=self.ties.all_reduce,
+            norm_reduce=self.norms.all_reduce,
+            max_grad_norm=max_grad_norm,
+            mixed_precision=mixed_precision,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
@@ -292,6 +318,7 @@ class Engine(BaseEngine):
             device=self.device,
             timeout=self.timeout,
             shared_memory=self._shared_memory,
+            pairs=self._pairs,
         )
 
     def _forward_steps(self) -> tuple[list, list[int], Transfers]:
