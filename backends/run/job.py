@@ -42,6 +42,10 @@ def check_devices(num_local_ranks: int) -> None:
         )
 
 
+#: `--precision` to the engine's `mixed_precision`.
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def main(rank: int, world_size: int, config) -> int:
     """Train as `rank` of `world_size`; returns the exit code (0, or 1 for a failed check)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
@@ -73,7 +77,9 @@ def _train(rank: int, config, device: torch.device) -> int:
     schedule = get_schedule(config.schedule)(
         config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches
     )
-    program = compile(schedule, data_parallel=config.data_parallel, zero=config.zero)
+    program = compile(
+        schedule, data_parallel=config.data_parallel, zero=config.zero, grad_norm=config.grad_norm
+    )
     built = models.build(config.model, schedule.num_segments, seed=config.seed)
     initial = copy.deepcopy(built.segments) if config.check and rank == 0 else None
     lr = config.lr
@@ -88,7 +94,9 @@ def _train(rank: int, config, device: torch.device) -> int:
         built.loss_fn,
         optimizer,
         timeout=config.timeout,
-        shared_memory=config.shared_memory,
+        p2p=config.p2p,
+        max_grad_norm=config.max_grad_norm,
+        mixed_precision=PRECISIONS[config.precision],
     )
     dp_index = dist.get_rank(engine.dp_group)
     if config.resume:
@@ -104,6 +112,9 @@ def _train(rank: int, config, device: torch.device) -> int:
         "times": engine.step_times,
         "peak": engine.runtime.peak_activation_bytes,
         "p2p": engine.point_to_point,
+        "skipped": engine.skipped_steps,
+        "norm": engine.last_grad_norm,
+        "metrics": dict(engine.last_metrics),
         "state": _state(engine, schedule) if config.check and dp_index == 0 else None,
     }
     gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -159,7 +170,7 @@ def _loop(engine: Engine, built, config, dp_index: int, *, show: bool) -> list[f
         for loss in engine.train(local):
             now = time.perf_counter()
             losses.append(loss)
-            progress.advance(loss, now - last)
+            progress.advance(loss, now - last, skipped=engine.skipped_steps)
             if config.checkpoint and config.every and engine.steps % config.every == 0:
                 engine.save(step_dir(config.checkpoint, engine.steps))
             last = time.perf_counter()
@@ -186,6 +197,8 @@ def _check(program: Program, config, built, initial, gathered) -> float:
         _global_batches(built, config),
         weight_delay=program.schedule.weight_delay,
         batches_per_run=program.schedule.num_batches,
+        max_grad_norm=config.max_grad_norm,
+        skip_nonfinite=config.grad_norm,
     )
     pipelined: dict[int, dict[str, torch.Tensor]] = {}
     for payload in gathered:

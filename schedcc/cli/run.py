@@ -18,6 +18,7 @@ import tempfile
 from schedcc.cli import args as shared
 from schedcc.cli.args import UsageError, positive_int
 from schedcc.compiler import compile
+from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule
 from schedcc.schedule import build_schedule
 
@@ -60,6 +61,10 @@ class Config:
     checkpoint: str | None = None
     every: int = 0
     resume: bool = False
+    p2p: str = "shm"
+    max_grad_norm: float | None = None
+    precision: str = "fp32"
+    grad_norm: bool = False
 
     @property
     def world_size(self) -> int:
@@ -103,10 +108,23 @@ def register(subparsers) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--p2p",
-        choices=("shm", "gloo"),
+        choices=("shm", "gloo", "broadcast"),
         default="shm",
-        help="under gloo, how stages on the same machine exchange tensors: shared memory "
-        "(default) or gloo's own point-to-point",
+        help="under gloo, how stages exchange tensors: shared memory on the same machine "
+        "(default), gloo's send/recv, or broadcasts within two-rank groups",
+    )
+    parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="X",
+        help="clip the whole model's gradient norm to X before each step",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="compute and stage-to-stage tensors in bf16 or fp16 (dynamic loss scaling); "
+        "weights and optimizer state stay fp32",
     )
     parser.add_argument(
         "--no-bind",
@@ -184,7 +202,7 @@ def _config(args, under_torchrun: bool) -> Config:
         num_batches=batches_per_run,
     )
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
-    compile(schedule, data_parallel=dp, zero=args.zero)  # a bad program fails here, exit 2
+    grad_norm = _grad_norm(args, schedule, dp)  # a bad program fails here, exit 2
     _check_trace(args.trace)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
@@ -206,10 +224,32 @@ def _config(args, under_torchrun: bool) -> Config:
         timeout=args.timeout,
         progress=not args.no_progress,
         shared_memory=args.p2p == "shm",
+        p2p=args.p2p,
+        max_grad_norm=args.max_grad_norm,
+        precision=args.precision,
+        grad_norm=grad_norm,
         checkpoint=args.checkpoint,
         every=args.every or 0,
         resume=args.resume,
     )
+
+
+def _grad_norm(args, schedule, dp: int) -> bool:
+    """Compile the program to check it; whether it carries `GradNorm` (clipping, fp16, and
+    skipping non-finite steps need it; a schedule that cannot host it runs without, unless one
+    of those was asked for)."""
+    if args.max_grad_norm is not None and not 0 < args.max_grad_norm < math.inf:
+        raise UsageError(f"--max-grad-norm must be a positive number, got {args.max_grad_norm:g}")
+    if args.check and args.precision != "fp32":
+        raise UsageError("--check compares float64 training; it cannot run with --precision")
+    try:
+        compile(schedule, data_parallel=dp, zero=args.zero, grad_norm=True)
+    except ScheduleConfigError:
+        if args.max_grad_norm is not None or args.precision == "fp16":
+            raise
+        compile(schedule, data_parallel=dp, zero=args.zero)
+        return False
+    return True
 
 
 def _check_checkpoint_args(args, batches_per_run: int) -> None:
