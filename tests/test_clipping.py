@@ -8,8 +8,10 @@ import copy
 import pytest
 import torch
 from _models import batches, make_segments, mse
+from _orders import random_orders
 from _tied_models import adam, tied_segments
 from _tied_models import batches as tied_batches
+from hypothesis import given, settings
 
 import schedcc
 from schedcc.backends.local import Engine
@@ -145,3 +147,29 @@ def test_a_token_loss_is_divided_by_the_batch_count_before_the_norm():
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=2, grad_norm=True)
     pairs = [[local[0], local[1]], [local[2], local[3]]]
     _check_local(program, gpt_segments(model, 2), token_loss, adam, pairs)
+
+
+@settings(max_examples=10)
+@given(random_orders(max_stages=3, max_microbatches=3, max_chunks=2))
+def test_random_orders_with_a_norm_validate_and_clip_exactly(schedule):
+    """Every dependency-respecting compute order, with its ends tied, compiles with grad_norm
+    (or is refused with a ScheduleConfigError that names grad_norm), and the program clips
+    exactly as clip_grad_norm_ on the non-pipelined model, batch by batch."""
+    n = schedule.num_segments
+    if n < 2:
+        return
+    try:
+        program = schedcc.compile(schedule, tied=[(0, n - 1)], grad_norm=True)
+    except ScheduleConfigError as error:
+        refused = str(error)
+        assert "grad_norm" in refused
+        return
+    m, runs = schedule.num_microbatches, schedule.num_batches
+    piped, plain = tied_segments(n), tied_segments(n)
+    data = tied_batches(runs, 2 * m)
+    got = list(Engine(program, piped, mse, adam, max_grad_norm=MAX_NORM).train(data))
+    want = train_reference(plain, mse, adam, data, max_grad_norm=MAX_NORM)
+    assert got == pytest.approx(want, abs=1e-10, rel=1e-10)
+    for mine, theirs in zip(piped, plain):
+        for p, q in zip(mine.parameters(), theirs.parameters()):
+            assert torch.allclose(p, q, atol=1e-10, rtol=1e-10)
