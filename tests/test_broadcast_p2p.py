@@ -42,11 +42,23 @@ def _broadcast_worker(rank: int, world_size: int) -> int:
         assert torch.allclose(got, want, atol=1e-10, rtol=0)
     with pytest.raises(ScheduleConfigError, match="p2p must be one of"):
         Engine(program, segments, mse, adam, timeout=60, p2p="carrier-pigeon")
+    # bfloat16 over gloo equals the local engine's bfloat16 (same casts, same order)
+    low = [segment.float() for segment in make_segments(2)]
+    oracle = copy.deepcopy(low)
+    data = [(x.float(), y.float()) for x, y in data]
+    engine = Engine(program, low, mse, adam, timeout=60, mixed_precision=torch.bfloat16)
+    losses = list(engine.train(data))
+    local = LocalEngine(program, oracle, mse, adam, mixed_precision=torch.bfloat16)
+    assert losses == list(local.train(data))
+    for got, want in zip(low[rank].parameters(), oracle[rank].parameters()):
+        assert got.dtype == torch.float32
+        assert torch.equal(got, want)
     return 0
 
 
 def test_broadcast_pairs_train_1f1b_as_the_reference():
-    """gloo, 1f1b p=2, p2p="broadcast": losses and weights equal non-pipelined training."""
+    """gloo, 1f1b p=2, p2p="broadcast": losses and weights equal non-pipelined training; then
+    bfloat16 over gloo equals the local engine's bfloat16 bitwise."""
     assert spawn(_broadcast_worker, 2, grace=60, threads=1) == 0
 
 

@@ -61,9 +61,10 @@ def test_low_precision_trains_close_to_float32_with_float32_master_weights(dtype
     assert (engine.loss_scale is None) == (dtype == torch.bfloat16)
 
 
-def test_float16_overflow_skips_the_step_and_halves_the_scale():
+def test_float16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
     """A loss scale so large that the float16 gradients overflow: the step is skipped on every
-    stage (weights unchanged), the scale halves, and the next step trains."""
+    stage (weights unchanged), the scale halves (a checkpoint keeps it and the skipped count),
+    and the next step trains."""
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), grad_norm=True)
     segments = _float32_model(2)
     engine = Engine(program, segments, mse, _adam, mixed_precision=torch.float16)
@@ -74,6 +75,10 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
     list(engine.train(data[:1]))
     assert engine.skipped_steps == 1
     assert engine.loss_scale == 2.0**99
+    engine.save(tmp_path)
+    restored = Engine(program, _float32_model(2), mse, _adam, mixed_precision=torch.float16)
+    restored.load(tmp_path)
+    assert (restored.loss_scale, restored.skipped_steps) == (2.0**99, 1)
     assert all(
         torch.equal(a, p) for a, p in zip(before, (p for s in segments for p in s.parameters()))
     )

@@ -49,7 +49,11 @@ class LossScaler:
             self._good = 0
 
     def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps: the scale and the finite steps since it last changed."""
         return {"scale": self.scale, "good": self._good}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self._good = float(state["scale"]), int(state["good"])
 
 
 class StageNorm:

@@ -292,6 +292,8 @@ class StageRuntime:
             "rank": self.collectives.rank,
             "data_parallel": self.collectives.size,
             "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.norm.scaler.state_dict() if self.norm.scaler is not None else None,
         }
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
@@ -311,6 +313,9 @@ class StageRuntime:
         if self.ties is not None:
             self.ties.refresh()
         self._reducer.refresh_shards()
+        self.skipped_steps = saved[0].get("skipped_steps", 0)
+        if self.norm.scaler is not None and saved[0].get("loss_scale"):
+            self.norm.scaler.load_state_dict(saved[0]["loss_scale"])
         if self.optimizer is None:
             return
         coll = self.collectives
