@@ -57,7 +57,7 @@ from schedcc.backends.runtime.grads import accumulate, backward_into_grads
 from schedcc.backends.runtime.losses import LossBook, LossRecord, count_carriers, divide_grads
 from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.ports import Ports
-from schedcc.backends.runtime.precision import Precision
+from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.values import call, flatten
 from schedcc.backends.runtime.versions import WeightVersions
@@ -192,7 +192,8 @@ class StageRuntime:
             GradNorm: self._grad_norm,
         }
         device = next((p.device for m in self.modules for p in m.parameters()), None)
-        self.precision = Precision(mixed_precision, device)
+        low = mixed_precision if mixed_precision in LOW_PRECISION else None  # float32: none
+        self.precision = Precision(low, device)
         scaler = LossScaler() if mixed_precision == torch.float16 else None
         #: the stage's side of `GradNorm` (`backends.runtime.clipping`)
         self.norm = StageNorm(max_grad_norm, scaler)
