@@ -72,6 +72,7 @@ from schedcc.backends.distributed.groups import (
     own_segments,
     process_groups,
     stage_ops,
+    tensor_group,
 )
 from schedcc.backends.distributed.norms import NormGroup
 from schedcc.backends.distributed.pairs import BroadcastPairs, p2p_mode
@@ -105,9 +106,13 @@ class Engine(BaseEngine):
             [Note: ties across ranks] in `backends.distributed.ties`).
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
-        mesh: a `DeviceMesh` with dims ("dp", "pp"); default: one over the whole world.
+        mesh: a `DeviceMesh` with dims ("dp", "pp"), or ("dp", "pp", "tp") when each stage is a
+            tensor-parallel group running the user's own tensor-parallel layers ([Note: the
+            user's tensor parallelism] in `backends.tensor_parallel`); default: ("dp", "pp")
+            over the whole world.
         pp_group, dp_group: the pipeline and data-parallel process groups to use instead of
-            a mesh (both or neither).
+            a mesh (both or neither); `tp_group` beside them for tensor parallelism (the
+            pipeline group then joins one tensor-parallel index of every stage).
         timeout: the longest any wait may take (seconds or a timedelta).
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
             run); otherwise only the last stage knows it and the others yield NaN.
@@ -144,6 +149,7 @@ class Engine(BaseEngine):
         mesh=None,
         pp_group=None,
         dp_group=None,
+        tp_group=None,
         timeout: float | timedelta = 60.0,
         reduce_loss: bool = True,
         shared_memory: bool = True,
@@ -161,6 +167,9 @@ class Engine(BaseEngine):
         shared_memory, self.p2p = p2p_mode(p2p, shared_memory)
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
         self.stage = dist.get_rank(self.pp_group)
+        #: the tensor-parallel group of this stage, or None
+        self.tp_group = tensor_group(mesh, tp_group)
+        self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else None
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         if mesh is None and pp_group is None:  # groups made here: see [Note: failures]
             bound_waits(self.timeout, self.pp_group, self.dp_group)
@@ -193,9 +202,10 @@ class Engine(BaseEngine):
             collectives=self.data_parallel,
             ties=stage_ties(ties, held, modules, private),
             tie_reduce=self.ties.all_reduce,
-            norm_reduce=self.norms.all_reduce,
+            norm_reduce=self._norm_reduce,
             max_grad_norm=max_grad_norm,
             mixed_precision=mixed_precision,
+            tp_rank=self.tp_rank or 0,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
@@ -239,6 +249,13 @@ class Engine(BaseEngine):
         for (lo, hi), (start, end) in zip(self._bounds, self.step_times[run]):
             events.extend((self.stage, ops[pos], start, end) for pos in range(lo, hi))
         return events
+
+    def _norm_reduce(self, part: torch.Tensor) -> None:
+        """`GradNorm`'s sum: over this stage's tensor-parallel ranks, then over the stages."""
+        if self.tp_group is not None:
+            with self._collective("GradNorm", self.tp_group):
+                dist.all_reduce(part, group=self.tp_group)
+        self.norms.all_reduce(part)
 
     # -- one run of the program -----------------------------------------------------------------
 
@@ -384,7 +401,7 @@ class Engine(BaseEngine):
         """
         state = self.runtime.state_dict()
         state["rng"] = rng_state()
-        name = shard_name(self.stage, self.data_parallel.rank)
+        name = shard_name(self.stage, self.data_parallel.rank, self.tp_rank)
         entry = write_shard(path, name, state)
         entries: list = [None] * dist.get_world_size()
         with self._collective("the checkpoint save"):
@@ -405,7 +422,9 @@ class Engine(BaseEngine):
         """
         problem = None
         try:
-            manifest, states = load_stage_states(path, self.program, [self.stage])
+            manifest, states = load_stage_states(
+                path, self.program, [self.stage], tp_rank=self.tp_rank
+            )
             self.runtime.check_state(states[self.stage])
         except CheckpointError as exc:
             problem = f"rank {self.rank} (stage {self.stage}): {exc}"

@@ -118,6 +118,9 @@ class StageRuntime:
         mixed_precision: None, `torch.bfloat16` or `torch.float16` (with dynamic loss scaling):
             compute and boundary tensors in that dtype, parameters, gradients and optimizer
             state in the parameters' own (`backends.runtime.precision`).
+        tp_rank: this rank's index in its tensor-parallel group: the norm counts a parameter
+            not marked `tensor_model_parallel` (replicated) only on index 0 ([Note: the user's
+            tensor parallelism] in `backends.tensor_parallel`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
@@ -142,6 +145,7 @@ class StageRuntime:
         norm_reduce: Callable[[torch.Tensor], None] | None = None,
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
+        tp_rank: int = 0,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -199,6 +203,7 @@ class StageRuntime:
         self.norm = StageNorm(max_grad_norm, scaler)
         self._norm_reduce = norm_reduce
         self._divided = False  # the batch's count already divided (at its GradNorm)
+        self._tp_rank = tp_rank
         #: steps skipped because the gradients were not finite
         self.skipped_steps = 0
         self.peak_activation_bytes = 0
@@ -515,8 +520,11 @@ class StageRuntime:
         over the data-parallel replicas too)."""
         self._divide_by_count(self._versions.version)
         self._divided = True
+        skipped = set(self.ties.later_copies) if self.ties is not None else set()
+        if self._tp_rank:  # replicated over the tensor-parallel group: counted on rank 0
+            params = (p for mod in self._views for p in mod.parameters())
+            skipped |= {id(p) for p in params if not getattr(p, "tensor_model_parallel", False)}
         if self._zero:
-            skipped = self.ties.later_copies if self.ties is not None else set()
             coll = self.collectives
             measured = [
                 (
@@ -529,7 +537,6 @@ class StageRuntime:
                 if shard.grad is not None
             ]
         else:
-            skipped = self.ties.later_copies if self.ties is not None else set()
             measured = [(g, None) for p, g in self._grads() if id(p) not in skipped]
         device = self.precision.device or torch.device("cpu")
         part = self.norm.part([g for _, g in self._grads()], measured, device)
