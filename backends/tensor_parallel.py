@@ -15,8 +15,9 @@ block of the output; `RowParallelLinear` keeps a block of columns (input feature
 matching block of the input and all-reduces the partial products, adding its replicated bias
 after. `ParallelMLP` is the two in a row, with `tanh` between, as Megatron's MLP is.
 
-    >>> # on every rank, with tp_group the ranks of this stage  # doctest: +SKIP
-    >>> block = ParallelMLP.from_dense(dense_first, dense_second, tp_group)
+On every rank, with `tp_group` the ranks of its stage:
+
+    >>> block = ParallelMLP.from_dense(dense_first, dense_second, tp_group)  # doctest: +SKIP
 """
 
 from __future__ import annotations
