@@ -13,7 +13,8 @@ counts any other (replicated) once; checkpoints write one file per (stage, dp, t
 `ColumnParallelLinear` keeps a block of rows of the full weight (output features) and returns its
 block of the output; `RowParallelLinear` keeps a block of columns (input features), takes the
 matching block of the input and all-reduces the partial products, adding its replicated bias
-after. `ParallelMLP` is the two in a row, with `tanh` between, as Megatron's MLP is.
+after. `ParallelMLP` is the two in a row, an activation between, as Megatron's MLP is;
+`shard_layers` turns such runs of a stack of layers into it (`schedcc run --tp`).
 
 On every rank, with `tp_group` the ranks of its stage:
 
@@ -22,11 +23,16 @@ On every rank, with `tp_group` the ranks of its stage:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "ParallelMLP", "RowParallelLinear", "shard_layers"]
+
+#: The elementwise activations `shard_layers` finds between two linear layers.
+_ELEMENTWISE = (nn.Tanh, nn.GELU, nn.ReLU)
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -58,8 +64,14 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
-def _shard(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+def _place(group, rank: int | None, size: int | None) -> tuple[int, int]:
+    """This rank's index and the group's size (given, for a shard made without a group)."""
+    if rank is not None and size is not None:
+        return rank, size
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _shard(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     if tensor.shape[dim] % size:
         raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split {size} ways")
     return tensor.detach().chunk(size, dim=dim)[rank].clone()
@@ -78,10 +90,11 @@ class ColumnParallelLinear(nn.Module):
             self.bias.tensor_model_parallel = True
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group) -> ColumnParallelLinear:
-        """This rank's shard of a full `nn.Linear`."""
-        bias = None if linear.bias is None else _shard(linear.bias, 0, group)
-        return cls(_shard(linear.weight, 0, group), bias, group)
+    def from_dense(cls, linear: nn.Linear, group, *, rank=None, size=None) -> ColumnParallelLinear:
+        """This rank's shard of a full `nn.Linear` (`rank`/`size` in place of a group's)."""
+        rank, size = _place(group, rank, size)
+        bias = None if linear.bias is None else _shard(linear.bias, 0, rank, size)
+        return cls(_shard(linear.weight, 0, rank, size), bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(_CopyToGroup.apply(x, self.group), self.weight, self.bias)
@@ -98,10 +111,11 @@ class RowParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group) -> RowParallelLinear:
+    def from_dense(cls, linear: nn.Linear, group, *, rank=None, size=None) -> RowParallelLinear:
         """This rank's shard of a full `nn.Linear` (the whole bias)."""
+        rank, size = _place(group, rank, size)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(_shard(linear.weight, 1, group), bias, group)
+        return cls(_shard(linear.weight, 1, rank, size), bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _ReduceFromGroup.apply(nn.functional.linear(x, self.weight), self.group)
@@ -109,19 +123,67 @@ class RowParallelLinear(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """`row(tanh(column(x)))`: Megatron's MLP over the tensor-parallel group."""
+    """`row(activation(column(x)))`: Megatron's MLP over the tensor-parallel group."""
 
-    def __init__(self, column: ColumnParallelLinear, row: RowParallelLinear) -> None:
+    def __init__(
+        self,
+        column: ColumnParallelLinear,
+        row: RowParallelLinear,
+        activation: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.column, self.row = column, row
+        self.activation = activation if activation is not None else nn.Tanh()
 
     @classmethod
-    def from_dense(cls, first: nn.Linear, second: nn.Linear, group) -> ParallelMLP:
-        """This rank's shard of `second(tanh(first(x)))`."""
+    def from_dense(
+        cls, first: nn.Linear, second: nn.Linear, group, activation=None, *, rank=None, size=None
+    ) -> ParallelMLP:
+        """This rank's shard of `second(activation(first(x)))` (default activation: tanh)."""
         return cls(
-            ColumnParallelLinear.from_dense(first, group),
-            RowParallelLinear.from_dense(second, group),
+            ColumnParallelLinear.from_dense(first, group, rank=rank, size=size),
+            RowParallelLinear.from_dense(second, group, rank=rank, size=size),
+            copy.deepcopy(activation),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.row(torch.tanh(self.column(x)))
+        return self.row(self.activation(self.column(x)))
+
+
+def shard_layers(module: nn.Module, group, *, rank=None, size=None) -> nn.Sequential:
+    """This rank's tensor-parallel version of a stack of layers: `module`'s leaf layers in order
+    (through nested `nn.Sequential`s), each run `Linear, activation, Linear` (tanh, GELU or ReLU)
+    as a `ParallelMLP`, anything else a replicated copy. `rank` and `size` stand in for the
+    group's to make a shard without one (to compare with the trained shards).
+
+    Raises:
+        ValueError: a paired linear layer's features do not split `size` ways.
+    """
+    leaves = list(_leaves(module))
+    out: list[nn.Module] = []
+    i = 0
+    while i < len(leaves):
+        run = leaves[i : i + 3]
+        if (
+            len(run) == 3
+            and isinstance(run[0], nn.Linear)
+            and isinstance(run[1], _ELEMENTWISE)
+            and isinstance(run[2], nn.Linear)
+        ):
+            first, activation, second = run
+            out.append(
+                ParallelMLP.from_dense(first, second, group, activation, rank=rank, size=size)
+            )
+            i += 3
+        else:
+            out.append(copy.deepcopy(leaves[i]))
+            i += 1
+    return nn.Sequential(*out)
+
+
+def _leaves(module: nn.Module):
+    if isinstance(module, nn.Sequential):
+        for child in module:
+            yield from _leaves(child)
+    else:
+        yield module

@@ -1,5 +1,6 @@
-"""`schedcc run --max-grad-norm`, `--precision` and `--p2p broadcast`: they train, `--check`
-holds with clipping, and the summary shows the norm, the skipped steps and the precision."""
+"""`schedcc run --max-grad-norm`, `--precision`, `--p2p broadcast` and `--tp`: they train,
+`--check` holds with clipping and tensor parallelism, and the summary shows the norm, the skipped
+steps and the precision."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_run_clips_over_broadcast_pairs_and_checks_equal_to_non_pipelined():
-    """`--max-grad-norm 0.1 --p2p broadcast --check`: clipped like clip_grad_norm_ on the
-    whole model, through broadcasts, and the summary names both."""
-    result = _run("--steps", "2", "--max-grad-norm", "0.1", "--p2p", "broadcast", "--check")
+def test_run_clips_tensor_parallel_stages_over_broadcast_pairs_as_non_pipelined():
+    """`--tp 2 --model mlp --max-grad-norm 0.1 --p2p broadcast --check` (4 processes): every
+    shard of the Megatron-split MLP equals that shard of dense non-pipelined training clipped by
+    clip_grad_norm_, through broadcasts; the summary names the norm and the transport."""
+    flags = ("--tp", "2", "--model", "mlp", "--max-grad-norm", "0.1", "--p2p", "broadcast")
+    result = _run("--steps", "2", *flags, "--check")
     assert result.returncode == 0, result.stderr
     assert ": ok" in result.stdout
     assert re.search(r"grad norm: last\s*│\s*[\d.]+ \(max 0.1\)", result.stdout), result.stdout
@@ -37,9 +40,9 @@ def test_run_clips_over_broadcast_pairs_and_checks_equal_to_non_pipelined():
 
 
 def test_bad_engine_flags_are_one_line_and_exit_2():
-    """A negative norm, or --check with bf16 (it compares float64 training), is one readable
-    line and exit 2, before any rank starts."""
-    for bad in (["--max-grad-norm", "-1"], ["--precision", "bf16", "--check"]):
+    """A negative norm, --check with bf16 (it compares float64 training), or --tp with the GPT
+    (only the MLP model is split) is one readable line and exit 2, before any rank starts."""
+    for bad in (["--max-grad-norm", "-1"], ["--precision", "bf16", "--check"], ["--tp", "2"]):
         result = _run("--steps", "1", *bad)
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -20,6 +20,7 @@ from schedcc.backends.distributed.engine import Engine
 from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
+from schedcc.backends.tensor_parallel import shard_layers
 from schedcc.compiler import compile
 from schedcc.errors import RankFailure
 from schedcc.program import Program
@@ -88,11 +89,19 @@ def _train(rank: int, config, device: torch.device) -> int:
         return torch.optim.Adam(params, lr=lr)
 
     segments = [segment.to(device) for segment in built.segments]
+    mesh = None
+    if config.tp > 1:  # see [Note: the user's tensor parallelism]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (config.data_parallel, config.num_stages, config.tp)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
+        segments = [shard_layers(segment, mesh.get_group("tp")) for segment in segments]
     engine = Engine(
         program,
         segments,
         built.loss_fn,
         optimizer,
+        mesh=mesh,
         timeout=config.timeout,
         p2p=config.p2p,
         max_grad_norm=config.max_grad_norm,
@@ -116,6 +125,7 @@ def _train(rank: int, config, device: torch.device) -> int:
         "norm": engine.last_grad_norm,
         "metrics": dict(engine.last_metrics),
         "state": _state(engine, schedule) if config.check and dp_index == 0 else None,
+        "tp": engine.tp_rank or 0,
     }
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     try:
@@ -129,7 +139,7 @@ def _train(rank: int, config, device: torch.device) -> int:
         return 0
     from schedcc.backends.run.report import check_line, summarize
 
-    summarize(program, config, built, losses, gathered)
+    summarize(program, config, built, losses, [g for g in gathered if g["tp"] == 0])
     if not config.check:
         return 0
     worst = _check(program, config, built, initial, gathered)
@@ -200,12 +210,16 @@ def _check(program: Program, config, built, initial, gathered) -> float:
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.grad_norm,
     )
-    pipelined: dict[int, dict[str, torch.Tensor]] = {}
+    pipelined: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for payload in gathered:
-        pipelined.update(payload["state"] or {})
+        for k, state in (payload["state"] or {}).items():
+            pipelined[k, payload["tp"]] = state
     worst = 0.0
     for k, module in enumerate(initial):
-        for name, expected in module.state_dict().items():
-            got = pipelined[k][name]
-            worst = max(worst, float((got - expected.cpu()).abs().max()))
+        for t in range(config.tp):
+            if config.tp > 1:  # the same shard of the non-pipelined, dense result
+                module = shard_layers(initial[k], None, rank=t, size=config.tp)
+            for name, expected in module.state_dict().items():
+                got = pipelined[k, t][name]
+                worst = max(worst, float((got - expected.cpu()).abs().max()))
     return worst

@@ -127,7 +127,7 @@ def summarize(program: Program, config, built, losses: list[float], gathered) ->
         )
     table = Table(
         title=f"schedcc run: {program.schedule!r}, dp={config.data_parallel}, "
-        f"zero={config.zero}, {config.model}"
+        f"zero={config.zero}, " + (f"tp={config.tp}, " if config.tp > 1 else "") + config.model
     )
     table.add_column("metric")
     table.add_column("value", justify="right")

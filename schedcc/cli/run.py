@@ -65,14 +65,18 @@ class Config:
     max_grad_norm: float | None = None
     precision: str = "fp32"
     grad_norm: bool = False
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.data_parallel
+        return self.num_stages * self.data_parallel * self.tp
 
     def describe(self, rank: int) -> str:
-        """`rank 3 (stage 1, dp 1)`: global rank = dp_index * p + stage."""
-        dp_index, stage = divmod(rank, self.num_stages)
+        """`rank 3 (stage 1, dp 1)`: global rank = (dp_index * p + stage) * tp + tp_index."""
+        rank_tp, tp_index = divmod(rank, self.tp)
+        dp_index, stage = divmod(rank_tp, self.num_stages)
+        if self.tp > 1:
+            return f"rank {rank} (stage {stage}, dp {dp_index}, tp {tp_index})"
         return f"rank {rank} (stage {stage}, dp {dp_index})"
 
 
@@ -118,6 +122,12 @@ def register(subparsers) -> None:
         type=float,
         metavar="X",
         help="clip the whole model's gradient norm to X before each step",
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per stage (--model mlp: its linear pairs split Megatron-style)",
     )
     parser.add_argument(
         "--precision",
@@ -177,8 +187,13 @@ def _config(args, under_torchrun: bool) -> Config:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
+    if args.tp > 1 and args.model != "mlp":
+        raise UsageError(
+            f"--tp {args.tp} splits the MLP model's linear pairs over tensor-parallel ranks: "
+            "add --model mlp"
+        )
     if under_torchrun:
-        world = int(os.environ["WORLD_SIZE"])
+        world = int(os.environ["WORLD_SIZE"]) // args.tp
         if dp is None:
             if world % p:
                 raise UsageError(
@@ -228,6 +243,7 @@ def _config(args, under_torchrun: bool) -> Config:
         max_grad_norm=args.max_grad_norm,
         precision=args.precision,
         grad_norm=grad_norm,
+        tp=args.tp,
         checkpoint=args.checkpoint,
         every=args.every or 0,
         resume=args.resume,
