@@ -14,7 +14,8 @@ counts any other (replicated) once; checkpoints write one file per (stage, dp, t
 block of the output; `RowParallelLinear` keeps a block of columns (input features), takes the
 matching block of the input and all-reduces the partial products, adding its replicated bias
 after. `ParallelMLP` is the two in a row, an activation between, as Megatron's MLP is;
-`shard_layers` turns such runs of a stack of layers into it (`schedcc run --tp`).
+`ParallelBlock` splits a transformer block's attention by heads; `shard_layers` turns a stack
+of layers into these (`schedcc run --tp`).
 
 On every rank, with `tp_group` the ranks of its stage:
 
@@ -24,12 +25,19 @@ On every rank, with `tp_group` the ranks of its stage:
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "RowParallelLinear", "shard_layers"]
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelBlock",
+    "ParallelMLP",
+    "RowParallelLinear",
+    "shard_layers",
+]
 
 #: The elementwise activations `shard_layers` finds between two linear layers.
 _ELEMENTWISE = (nn.Tanh, nn.GELU, nn.ReLU)
@@ -150,10 +158,53 @@ class ParallelMLP(nn.Module):
         return self.row(self.activation(self.column(x)))
 
 
+class ParallelBlock(nn.Module):
+    """A pre-norm transformer block (`backends.run.models.Block`'s math) over the tensor-parallel
+    group: attention by blocks of heads (q, k and v column-parallel by head, the output
+    projection row-parallel) and a `ParallelMLP`; the layer norms replicated."""
+
+    def __init__(self, block: nn.Module, group, *, rank=None, size=None) -> None:
+        super().__init__()
+        rank, size = _place(group, rank, size)
+        if block.num_heads % size:
+            raise ValueError(f"{block.num_heads} attention heads do not split {size} ways")
+        self.group = group
+        self.num_heads = block.num_heads // size
+        self.norm1, self.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
+        width = block.qkv.in_features
+        q, k, v = (t.detach() for t in block.qkv.weight.split(width, dim=0))
+        bq, bk, bv = (t.detach() for t in block.qkv.bias.split(width, dim=0))
+        weight = torch.cat([_shard(t, 0, rank, size) for t in (q, k, v)])
+        bias = torch.cat([_shard(t, 0, rank, size) for t in (bq, bk, bv)])
+        self.qkv = ColumnParallelLinear(weight, bias, group)
+        self.proj = RowParallelLinear.from_dense(block.proj, group, rank=rank, size=size)
+        first, activation, second = block.mlp
+        self.mlp = ParallelMLP.from_dense(first, second, group, activation, rank=rank, size=size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        local = q.shape[-1]
+        shape = (batch, seq, self.num_heads, local // self.num_heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(shape[-1])
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, local))
+        return x + self.mlp(self.norm2(x))
+
+
+def _is_block(module: nn.Module) -> bool:
+    """A pre-norm attention block as `backends.run.models.Block` is made."""
+    names = ("norm1", "qkv", "proj", "norm2", "mlp", "num_heads")
+    return all(hasattr(module, name) for name in names) and len(getattr(module, "mlp", ())) == 3
+
+
 def shard_layers(module: nn.Module, group, *, rank=None, size=None) -> nn.Sequential:
     """This rank's tensor-parallel version of a stack of layers: `module`'s leaf layers in order
     (through nested `nn.Sequential`s), each run `Linear, activation, Linear` (tanh, GELU or ReLU)
-    as a `ParallelMLP`, anything else a replicated copy. `rank` and `size` stand in for the
+    as a `ParallelMLP`, each attention block (`backends.run.models.Block`) as a `ParallelBlock`,
+    anything else a replicated copy. `rank` and `size` stand in for the
     group's to make a shard without one (to compare with the trained shards).
 
     Raises:
@@ -175,6 +226,9 @@ def shard_layers(module: nn.Module, group, *, rank=None, size=None) -> nn.Sequen
                 ParallelMLP.from_dense(first, second, group, activation, rank=rank, size=size)
             )
             i += 3
+        elif _is_block(leaves[i]):
+            out.append(ParallelBlock(leaves[i], group, rank=rank, size=size))
+            i += 1
         else:
             out.append(copy.deepcopy(leaves[i]))
             i += 1

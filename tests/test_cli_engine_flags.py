@@ -25,11 +25,12 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_run_clips_tensor_parallel_stages_over_broadcast_pairs_as_non_pipelined():
-    """`--tp 2 --model mlp --max-grad-norm 0.1 --p2p broadcast --check` (4 processes): every
-    shard of the Megatron-split MLP equals that shard of dense non-pipelined training clipped by
-    clip_grad_norm_, through broadcasts; the summary names the norm and the transport."""
-    flags = ("--tp", "2", "--model", "mlp", "--max-grad-norm", "0.1", "--p2p", "broadcast")
+def test_run_clips_a_tensor_parallel_gpt_over_broadcast_pairs_as_non_pipelined():
+    """`--tp 2 --max-grad-norm 0.1 --p2p broadcast --check` (4 processes): every shard of the
+    tiny GPT split Megatron-style (attention by heads, MLPs by columns and rows) equals that shard
+    of dense non-pipelined training clipped by clip_grad_norm_, through broadcasts; the summary
+    names the norm and the transport."""
+    flags = ("--tp", "2", "--max-grad-norm", "0.1", "--p2p", "broadcast")
     result = _run("--steps", "2", *flags, "--check")
     assert result.returncode == 0, result.stderr
     assert ": ok" in result.stdout
@@ -40,9 +41,9 @@ def test_run_clips_tensor_parallel_stages_over_broadcast_pairs_as_non_pipelined(
 
 
 def test_bad_engine_flags_are_one_line_and_exit_2():
-    """A negative norm, --check with bf16 (it compares float64 training), or --tp with the GPT
-    (only the MLP model is split) is one readable line and exit 2, before any rank starts."""
-    for bad in (["--max-grad-norm", "-1"], ["--precision", "bf16", "--check"], ["--tp", "2"]):
+    """A negative norm, --check with bf16 (it compares float64 training), or --tp 3 (the GPT's
+    4 heads do not split 3 ways) is one readable line and exit 2, before any rank starts."""
+    for bad in (["--max-grad-norm", "-1"], ["--precision", "bf16", "--check"], ["--tp", "3"]):
         result = _run("--steps", "1", *bad)
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -127,7 +127,7 @@ def register(subparsers) -> None:
         "--tp",
         type=positive_int,
         default=1,
-        help="tensor-parallel ranks per stage (--model mlp: its linear pairs split Megatron-style)",
+        help="tensor-parallel ranks per stage (attention heads and MLPs split Megatron-style)",
     )
     parser.add_argument(
         "--precision",
@@ -187,10 +187,10 @@ def _config(args, under_torchrun: bool) -> Config:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
-    if args.tp > 1 and args.model != "mlp":
+    if args.tp not in (1, 2, 4):
         raise UsageError(
-            f"--tp {args.tp} splits the MLP model's linear pairs over tensor-parallel ranks: "
-            "add --model mlp"
+            f"--tp {args.tp}: the built-in models split their 4 attention heads and their "
+            "linear layers over 1, 2 or 4 tensor-parallel ranks"
         )
     if under_torchrun:
         world = int(os.environ["WORLD_SIZE"]) // args.tp
