@@ -51,8 +51,15 @@ from schedcc.backends.checkpoint.files import (
     write_shard,
 )
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
-from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_segments
+from schedcc.backends.engine import (
+    BaseEngine,
+    LossFn,
+    OptimizerFactory,
+    check_precision,
+    check_segments,
+)
 from schedcc.backends.runtime.boundary import Message
+from schedcc.backends.runtime.clipping import NormMeeting
 from schedcc.backends.runtime.collectives import Meeting, ThreadCollectives
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import (
@@ -64,7 +71,7 @@ from schedcc.backends.runtime.tied import (
 )
 from schedcc.backends.runtime.values import concat
 from schedcc.errors import DeadlockError
-from schedcc.ir import Comm, Instruction, ReduceTied
+from schedcc.ir import Comm, GradNorm, Instruction, ReduceTied
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route
 from schedcc.semantics.collectives import tie_members
@@ -87,6 +94,14 @@ class Engine(BaseEngine):
         loss_fn: `loss_fn(output, targets)`: a scalar mean over the microbatch, a
             `(loss_sum, count)` pair or a dict of named scalars (`backends.runtime.losses`).
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
+        max_grad_norm: clip the whole model's gradient to this norm before each step, exactly
+            as `torch.nn.utils.clip_grad_norm_` on the non-pipelined model; needs a program
+            compiled with `grad_norm=True`, which also skips any step whose gradients are not
+            finite (`skipped_steps`, `last_grad_norm`).
+        mixed_precision: `torch.bfloat16` or `torch.float16` (dynamic loss scaling; needs
+            `grad_norm=True`): compute and boundary tensors in that dtype, float32 master
+            weights and optimizer state ([Note: mixed precision] in
+            `backends.runtime.precision`).
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, or
@@ -110,8 +125,12 @@ class Engine(BaseEngine):
         segments: Sequence[nn.Module],
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
+        *,
+        max_grad_norm: float | None = None,
+        mixed_precision: torch.dtype | None = None,
     ) -> None:
         super().__init__(program, loss_fn, optimizer)
+        check_precision(program, max_grad_norm, mixed_precision)
         schedule = program.schedule
         segments = check_segments(schedule, segments)
         # refuse segments that share a parameter the program does not tie, before anything runs
@@ -136,6 +155,8 @@ class Engine(BaseEngine):
                     ties=stage_ties(
                         ties, layout.segment[s], [replica[k] for k in layout.segment[s]], private
                     ),
+                    max_grad_norm=max_grad_norm,
+                    mixed_precision=mixed_precision,
                 )
                 for s in range(schedule.num_stages)
             ]
@@ -301,7 +322,7 @@ class Engine(BaseEngine):
     def _run_replica(self, replica: int, all_ops) -> None:
         """Run every stage of one replica in turns until all finish (see the note above)."""
         runtimes = self.runtimes[replica]
-        mail = _Mailbox(TieMeetings(self._tie_members))
+        mail = _Mailbox(TieMeetings(self._tie_members), NormMeeting(len(runtimes)))
         cursors = [_Cursor() for _ in all_ops]
         while True:
             moved = False
@@ -354,12 +375,13 @@ class _Mailbox:
     """The point-to-point of one run of one replica: what each posted send carries, and which
     receives are posted, by route (a route names one tensor of the run)."""
 
-    __slots__ = ("expected", "messages", "ties")
+    __slots__ = ("expected", "messages", "norms", "ties")
 
-    def __init__(self, ties: TieMeetings) -> None:
+    def __init__(self, ties: TieMeetings, norms: NormMeeting) -> None:
         self.messages: dict[tuple, Message] = {}
         self.expected: set[tuple] = set()
         self.ties = ties  # where the stages meet for ReduceTied
+        self.norms = norms  # and for GradNorm
 
     def post(self, group: _CommGroup, runtime: StageRuntime) -> None:
         for op, route in group.sends:
@@ -405,6 +427,15 @@ class _Cursor:
                 if totals is None:
                     break
                 runtime.ties.apply(op.tie, totals)
+                self.posted = False
+            elif type(op) is GradNorm:  # a collective of all this replica's stages
+                if not self.posted:
+                    mail.norms.post(runtime.stage, runtime.norm_part())
+                    self.posted = True
+                total = mail.norms.take(runtime.stage)
+                if total is None:
+                    break
+                runtime.apply_norm(total)
                 self.posted = False
             else:
                 runtime.run(op)

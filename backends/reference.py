@@ -22,6 +22,7 @@ copies of the same segments and checks that losses and weights agree.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -82,6 +83,9 @@ def train_reference(
     *,
     weight_delay: int = 0,
     batches_per_run: int | None = None,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
+    grad_norms: list[float] | None = None,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -95,6 +99,9 @@ def train_reference(
         weight_delay: `d`; batch b's gradient is taken at the weights of `max(0, b - d)` steps.
         batches_per_run: with a delay, the versions restart every this many batches (the local
             backend's `train` drains the pipeline after each run of the program).
+        max_grad_norm: clip with `torch.nn.utils.clip_grad_norm_` before each step.
+        skip_nonfinite: skip the step of a batch whose gradient norm is inf or NaN.
+        grad_norms: if given, each batch's gradient norm (before clipping) is appended to it.
     """
     model = Chain(segments)
     opt = optimizer(model.parameters())
@@ -123,6 +130,14 @@ def train_reference(
             grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
             for p, g in zip(model.parameters(), grads):
                 p.grad = None if g is None else g
+        if max_grad_norm is not None or skip_nonfinite or grad_norms is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+            if grad_norms is not None:
+                grad_norms.append(norm.item())
+            if skip_nonfinite and not math.isfinite(norm.item()):
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                continue
         opt.step()
         losses.append(loss.item())
     return losses
@@ -144,6 +159,7 @@ def assert_matches_reference(
     *,
     atol: float = 1e-10,
     rtol: float = 1e-10,
+    max_grad_norm: float | None = None,
 ) -> float:
     """Run `program` on the local backend and the reference on copies of `segments`; compare.
 
@@ -157,7 +173,7 @@ def assert_matches_reference(
 
     schedule = program.schedule
     piped, plain = copy.deepcopy(list(segments)), copy.deepcopy(list(segments))
-    engine = Engine(program, piped, loss_fn, optimizer)
+    engine = Engine(program, piped, loss_fn, optimizer, max_grad_norm=max_grad_norm)
     losses = list(engine.train(batches))
     expected = train_reference(
         plain,
@@ -166,6 +182,7 @@ def assert_matches_reference(
         batches,
         weight_delay=schedule.weight_delay,
         batches_per_run=schedule.num_batches,
+        max_grad_norm=max_grad_norm,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):

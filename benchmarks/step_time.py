@@ -3,9 +3,11 @@
 8 x [Linear(512, 512) + ReLU] split evenly over 2 stages (2 chunks each for interleaved), batch 64,
 MSE, SGD, one thread per process, gloo on 127.0.0.1. A step is timed barrier to barrier on every
 rank and the slowest rank counts; each row takes turns in rounds: schedcc, schedcc with gloo
-point-to-point (`shared_memory=False`: what the same executor does without its same-host
-transport), torch, the floor (one step per turn by default, so all see the same machine load; the
-order rotates from round to round, since whichever runner follows the floor measures 8-10% slower),
+point-to-point (`p2p="gloo"`: what the same executor does without its same-host transport),
+schedcc with broadcast pairs (`p2p="broadcast"`), schedcc in bfloat16 (`mixed_precision`, with
+the bytes each step sends), torch, the floor (one step per turn by default, so all see the same
+machine load; the order rotates from round to round, since whichever runner follows the floor
+measures 8-10% slower),
 and reports the median over all timed steps. The *floor* is every rank running only its own
 segments' forward and backward for all microbatches plus its optimizer step, at the same time, with
 no pipeline communication; `floor / (1 - bubble)` (the analytic bubble of the schedule) is what a
@@ -81,18 +83,26 @@ def _timed(step) -> tuple[float, float]:
 
 
 class _Schedcc:
-    def __init__(self, name: str, m: int, v: int, data, *, shared_memory: bool = True):
+    """schedcc's engine; `options` go to it (`p2p`, `mixed_precision`). `sent` counts the bytes
+    of the tensors this rank sends to other stages."""
+
+    def __init__(self, name: str, m: int, v: int, data, **options):
         program = schedcc.compile(schedcc.get_schedule(name)(NUM_STAGES, m, v))
         self.engine = Engine(
-            program,
-            _segments(NUM_STAGES * v),
-            F.mse_loss,
-            _sgd,
-            reduce_loss=False,
-            shared_memory=shared_memory,
+            program, _segments(NUM_STAGES * v), F.mse_loss, _sgd, reduce_loss=False, **options
         )
         self.x, self.y = data
         self.instructions = max(len(ops) for ops in program.stages)
+        self.sent = 0
+        runtime = self.engine.runtime
+        outgoing = runtime.outgoing
+
+        def counted(op):
+            message = outgoing(op)
+            self.sent += sum(t.numel() * t.element_size() for t in message.tensors)
+            return message
+
+        runtime.outgoing = counted
 
     def step(self) -> None:
         self.engine.train_step(self.x, self.y)
@@ -191,7 +201,9 @@ def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
     ours = _Schedcc(name, m, v, data)
     runners = {
         "schedcc": ours,
-        "gloo": _Schedcc(name, m, v, data, shared_memory=False),
+        "gloo": _Schedcc(name, m, v, data, p2p="gloo"),
+        "broadcast": _Schedcc(name, m, v, data, p2p="broadcast"),
+        "bf16": _Schedcc(name, m, v, data, mixed_precision=torch.bfloat16),
         "torch": _Torch(cls, m, v, data, rank),
         "floor": _Floor(m, v, data, rank),
     }
@@ -226,8 +238,11 @@ def _row(rank: int, name: str, cls, v: int, m: int, opts) -> dict:
     makespan = simulate(ours.engine.program, _cost_model(stage_costs), eager=True).makespan
     work = max(m * sum(f + b for f, b in chunks) + step for chunks, step in stage_costs)
     simulated = medians["floor"] * makespan / work
+    steps = opts.warmup + opts.rounds * opts.steps_per_round
+    sent = {label: runners[label].sent / steps for label in ("schedcc", "bf16")}
     return {
         "row": f"{name} m={m}" + (f" v={v}" if v > 1 else ""),
+        "sent": sent,
         **medians,
         "bubble": bubble,
         "ideal": ideal,
@@ -259,7 +274,8 @@ def _print(rows: list[dict]) -> None:
         "| schedule | schedcc ms | torch ms | torch/schedcc | floor ms | analytic bubble | "
         "floor/(1-bubble) ms | schedcc/ideal | simulated ms | schedcc/simulated | "
         "overhead us/instr | schedcc gloo-p2p ms | "
-        "CPU ms schedcc/gloo-p2p/torch/floor |"
+        "CPU ms schedcc/gloo-p2p/torch/floor | broadcast-p2p ms | bf16 ms | "
+        "KiB sent per step, rank 0: fp32 / bf16 |"
     )
     print(stamp("step_time"))
     print(header)
@@ -272,7 +288,9 @@ def _print(rows: list[dict]) -> None:
             f"{r['simulated'] * 1e3:.2f} | {r['schedcc'] / r['simulated']:.2f} | "
             f"{r['overhead_us']:.0f} | {r['gloo'] * 1e3:.2f} | {r['cpu']['schedcc'] * 1e3:.1f} / "
             f"{r['cpu']['gloo'] * 1e3:.1f} / {r['cpu']['torch'] * 1e3:.1f} / "
-            f"{r['cpu']['floor'] * 1e3:.1f} |",
+            f"{r['cpu']['floor'] * 1e3:.1f} | {r['broadcast'] * 1e3:.2f} | "
+            f"{r['bf16'] * 1e3:.2f} | {r['sent']['schedcc'] / 1024:.0f} / "
+            f"{r['sent']['bf16'] / 1024:.0f} |",
             flush=True,
         )
 

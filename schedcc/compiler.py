@@ -29,6 +29,7 @@ def compile(
     tied: Iterable[Iterable[int]] = (),
     forward_only: bool = False,
     recompute: bool | Iterable | Policy | OverLimit = False,
+    grad_norm: bool = False,
     validate: bool = True,
     max_activations: int | None = None,
 ) -> Program:
@@ -51,6 +52,10 @@ def compile(
             those the schedule yields itself), True (all: full activation recomputation), a
             collection of stages or of `(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, or
             `OverLimit(n)` (`schedcc.passes.insert_recompute`: the stages holding over `n`).
+        grad_norm: put a `GradNorm` before every stage's step: one scalar all-reduce over all
+            stages that gives the whole model's gradient norm, which an engine needs for
+            `max_grad_norm` clipping, fp16 loss scaling, and for skipping a step whose gradients
+            are not finite on every stage alike.
         validate: run the validator on the result (raises its `ScheduleError`).
         max_activations: with `validate`, also bound the microbatch activations per stage.
 
@@ -79,6 +84,8 @@ def compile(
         raise ScheduleConfigError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if type(forward_only) is not bool:
         raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
+    if type(grad_norm) is not bool:
+        raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
     groups = normalize_tied(tied, schedule.num_segments)
     policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
     if zero == 3:
@@ -89,8 +96,8 @@ def compile(
             program = insert_recompute(program, policy)
         if forward_only:
             program = _forwards(program)
-        elif groups:  # a forward-only program has no gradients to tie
-            program = program.evolve(tied=groups)
+        else:  # a forward-only program has no gradients to tie or clip
+            program = program.evolve(tied=groups, grad_norm=grad_norm)
         for lower in PASSES:
             program = lower(program)
         if validate:

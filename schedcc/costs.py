@@ -35,6 +35,7 @@ _FIELD = {
     "R": "recompute",
     "Reduce": "reduce",
     "Tied": "reduce",
+    "Norm": "norm",
     "Step": "step",
     "Gather": "gather",
     "Unshard": "gather",
@@ -92,6 +93,8 @@ class CostModel:
         comm: the cost of one comm group (a batched exchange), on top of waiting for the peer.
         reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
             (the all-reduce of a tied group's gradients, once its members are all there).
+        norm: a `GradNorm` (one scalar all-reduce over every stage, once they are all there:
+            the optimizer's synchronisation that global gradient clipping needs).
         step: an `OptimizerStep`.
         gather: a `GatherParams` (ZeRO-1's all-gather) or an `Unshard` (ZeRO-3's).
         release: a `Reshard` (ZeRO-3 dropping a chunk's gathered parameters).
@@ -119,6 +122,7 @@ class CostModel:
     comm: float = attrs.field(default=0.0, validator=_non_negative)
     reduce: float = attrs.field(default=0.0, validator=_non_negative)
     step: float = attrs.field(default=0.0, validator=_non_negative)
+    norm: float = attrs.field(default=0.0, validator=_non_negative)
     gather: float = attrs.field(default=0.0, validator=_non_negative)
     release: float = attrs.field(default=0.0, validator=_non_negative)
     recompute: float | None = attrs.field(default=None, validator=_optional)

@@ -34,6 +34,7 @@ __all__ = [
     "Compute",
     "Forward",
     "GatherParams",
+    "GradNorm",
     "Instruction",
     "OnMicrobatch",
     "OptimizerStep",
@@ -221,6 +222,17 @@ class ReduceTied(Update):
 
 
 @attrs.frozen(slots=True)
+class GradNorm(Update):
+    """Roughly: `norm = sqrt(sum over every stage and shard of |grad|^2)`; clip the gradients by
+    it, or mark the step skipped when it is not finite (a collective among all stages)."""
+
+    code: ClassVar[str] = "Norm"
+
+    def __str__(self) -> str:
+        return self.code
+
+
+@attrs.frozen(slots=True)
 class Unshard(Update):
     """Roughly: `weights[c] = all_gather(every rank's shard of weights[c])` (ZeRO-3: the chunk's
     parameters are whole from here until its `Reshard`)."""
@@ -246,7 +258,7 @@ class Reshard(Update):
 
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, Recompute)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, Unshard, Reshard)
+UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, GradNorm, Unshard, Reshard)
 #: ZeRO-3's instructions that make a chunk's parameters whole and release them again.
 SHARDING = (Unshard, Reshard)
 #: The computes that add to a chunk's weight gradients (`.grad`).
@@ -279,7 +291,9 @@ def parse(text: str) -> Instruction:
         return ReduceTied(int(match.group(1)))
     if text == OptimizerStep.code:
         return OptimizerStep()
+    if text == GradNorm.code:
+        return GradNorm()
     raise ValueError(
         f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, SA2, RA2, SG2, "
-        "RG2, Reduce, Reduce.1, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
+        "RG2, Reduce, Reduce.1, Norm, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
     )

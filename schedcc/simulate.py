@@ -372,7 +372,7 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    meets = step_model(program).meets if program.tied else None
+    meets = step_model(program).meets or None  # ReduceTied and GradNorm collectives
     spans = eager_spans(program.stages, tensors, cost, meets=meets)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")

@@ -20,6 +20,7 @@ from schedcc.rules import Context, Problem, Rule
 from schedcc.rules.bytes import check_bytes
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
+from schedcc.rules.norm import check_norm
 from schedcc.rules.recompute import check_recompute
 from schedcc.rules.sharding import check_sharding
 from schedcc.rules.tied import check_tied
@@ -45,6 +46,7 @@ RULES: tuple[Rule, ...] = (
     check_gathers,
     check_sharding,
     check_tied,
+    check_norm,
     check_comm,
     check_deadlock,
     check_versions,

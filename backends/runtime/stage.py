@@ -54,11 +54,13 @@ from schedcc.backends.runtime.boundary import (
     joined,
     read_gradients,
 )
+from schedcc.backends.runtime.clipping import LossScaler, StageNorm, shard_mask
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
 from schedcc.backends.runtime.losses import LossBook, LossRecord, count_carriers, divide_grads
 from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.ports import Ports
+from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
 from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.values import call, flatten
@@ -71,6 +73,7 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     GatherParams,
+    GradNorm,
     Instruction,
     OptimizerStep,
     Recompute,
@@ -115,6 +118,16 @@ class StageRuntime:
         ties: the tied parameters this stage holds (`backends.runtime.tied`); None for none.
         tie_reduce: `tie_reduce(group, tensor)` sums a tensor over the stages of tied group
             `group` in place, for `ReduceTied` (the distributed backend's).
+        norm_reduce: `norm_reduce(tensor)` sums a scalar over the replica's stages in place, in
+            stage order, for `GradNorm` (the distributed backend's; the local backend meets
+            its stages itself through `norm_part` and `apply_norm`).
+        max_grad_norm: clip the whole model's gradient to this norm at `GradNorm`.
+        mixed_precision: None, `torch.bfloat16` or `torch.float16` (with dynamic loss scaling):
+            compute and boundary tensors in that dtype, parameters, gradients and optimizer
+            state in the parameters' own (`backends.runtime.precision`).
+        tp_rank: this rank's index in its tensor-parallel group: the norm counts a parameter
+            not marked `tensor_model_parallel` (replicated) only on index 0 ([Note: the user's
+            tensor parallelism] in `backends.tensor_parallel`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
@@ -136,6 +149,10 @@ class StageRuntime:
         collectives: Collectives | None = None,
         ties: StageTies | None = None,
         tie_reduce: Callable[[int, torch.Tensor], None] | None = None,
+        norm_reduce: Callable[[torch.Tensor], None] | None = None,
+        max_grad_norm: float | None = None,
+        mixed_precision: torch.dtype | None = None,
+        tp_rank: int = 0,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -188,7 +205,19 @@ class StageRuntime:
             ReduceTied: self._reduce_tied,
             Unshard: self._unshard,
             Reshard: self._reshard,
+            GradNorm: self._grad_norm,
         }
+        device = next((p.device for m in self.modules for p in m.parameters()), None)
+        low = mixed_precision if mixed_precision in LOW_PRECISION else None  # float32: none
+        self.precision = Precision(low, device)
+        scaler = LossScaler() if mixed_precision == torch.float16 else None
+        #: the stage's side of `GradNorm` (`backends.runtime.clipping`)
+        self.norm = StageNorm(max_grad_norm, scaler)
+        self._norm_reduce = norm_reduce
+        self._divided = False  # the batch's count already divided (at its GradNorm)
+        self._tp_rank = tp_rank
+        #: steps skipped because the gradients were not finite
+        self.skipped_steps = 0
         self.peak_activation_bytes = 0
         #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
         self._recomputed = recomputed(program.stages[stage])
@@ -303,6 +332,8 @@ class StageRuntime:
             "rank": self.collectives.rank,
             "data_parallel": self.collectives.size,
             "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.norm.scaler.state_dict() if self.norm.scaler is not None else None,
         }
         if self._zero == 3:  # the parameters are only this rank's shards: `checkpoint.sharded`
             state["numels"] = [
@@ -336,6 +367,9 @@ class StageRuntime:
             if self.ties is not None:
                 self.ties.refresh()
             self._reducer.refresh_shards()
+            self.skipped_steps = saved[0].get("skipped_steps", 0)
+            if self.norm.scaler is not None and saved[0].get("loss_scale"):
+                self.norm.scaler.load_state_dict(saved[0]["loss_scale"])
             if self.optimizer is None:
                 return
             coll = self.collectives
@@ -352,7 +386,9 @@ class StageRuntime:
         if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
                 live = dict(self._views[c].named_parameters())
-                out = self._call(self.modules[c], live, value)
+                with self.precision.compute():
+                    out = self._call(self.modules[c], live, value)
+                out = self.precision.boundary(out, last=k == self._last)
             if k < self._last:
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
             elif self._ports.has_targets(i):
@@ -374,7 +410,9 @@ class StageRuntime:
         ([Note: recomputation] in `backends.runtime.recompute`)."""
         rng = RngState.of(params.values(), value)
         with keeping_nothing():
-            out = self._call(self.modules[c], params, value)
+            with self.precision.compute():  # as `_run_segment` runs it again at the `R`
+                out = self._call(self.modules[c], params, value)
+            out = self.precision.boundary(out, last=k == self._last)
             if k == self._last:
                 self._loss(i, out)  # recorded and reported here; R only rebuilds the graph
             else:
@@ -410,7 +448,9 @@ class StageRuntime:
         sent: list[Message] = []
 
         def forward() -> list[torch.Tensor]:
-            out = self._call(self.modules[c], params, value)
+            with self.precision.compute():
+                out = self._call(self.modules[c], params, value)
+            out = self.precision.boundary(out, last=k == self._last)
             if k == self._last:
                 return [self._loss(i, out, record=record)]
             message, roots = activation(out, segment=k)
@@ -451,9 +491,12 @@ class StageRuntime:
                 f"loss_fn(output {_described(out)}, target {_described(target)}) failed: "
                 f"{error}; check the targets' shape"
             ) from error
-        return self._book.objective(
+        objective = self._book.objective(
             i // self._m, result, where=f"loss_fn on microbatch {i}", record=record
         )
+        if self.norm.scaler is not None:  # float16: backpropagate the scaled loss
+            objective = objective * self.norm.scaler.scale
+        return objective
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
@@ -551,10 +594,68 @@ class StageRuntime:
             )
         self.ties.reduce(op.tie, self._tie_reduce)
 
+    def _grad_norm(self, op: GradNorm) -> None:
+        if self._norm_reduce is None:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} needs a collective over the stages (the engines "
+                "give it for a program compiled with grad_norm=True)",
+                stage=self.stage,
+            )
+        part = self.norm_part()
+        self._norm_reduce(part)
+        self.apply_norm(part)
+
+    def norm_part(self) -> torch.Tensor:
+        """This stage's part of `GradNorm` ([Note: one norm, every stage alike]): the batch's
+        gradients made final, unscaled under float16, and their squares summed (under ZeRO
+        over the data-parallel replicas too)."""
+        self._divide_by_count(self._versions.version)
+        self._divided = True
+        skipped = set(self.ties.later_copies) if self.ties is not None else set()
+        if self._tp_rank:  # replicated over the tensor-parallel group: counted on rank 0
+            params = (p for mod in self._views for p in mod.parameters())
+            skipped |= {id(p) for p in params if not getattr(p, "tensor_model_parallel", False)}
+        if self._zero:
+            coll = self.collectives
+            measured = [
+                (
+                    shard.grad,
+                    shard_mask(
+                        list(view.parameters()), skipped, shard.numel(), coll.size, coll.rank
+                    ),
+                )
+                for view, shard in zip(self._views, self._reducer.shards)
+                if shard.grad is not None
+            ]
+        else:
+            measured = [(g, None) for p, g in self._grads() if id(p) not in skipped]
+        device = self.precision.device or torch.device("cpu")
+        part = self.norm.part([g for _, g in self._grads()], measured, device)
+        if self._zero and self.collectives.size > 1:
+            self.collectives.all_reduce(part)
+        return part
+
+    def apply_norm(self, total: torch.Tensor) -> None:
+        """Given every stage's part summed: clip, or mark the step skipped."""
+        self.norm.apply(total, [g for _, g in self._grads()])
+
+    def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(parameter, gradient)` of what the stage's optimizer steps (the shards under ZeRO)."""
+        if self._zero:
+            params = list(self._reducer.shards)
+        else:
+            params = [p for mod in self._views for p in mod.parameters()]
+        return [(p, p.grad) for p in params if p.grad is not None]
+
     def _optimizer_step(self, op: OptimizerStep) -> None:
-        self._divide_by_count(self._versions.version)  # the n-th step applies batch n
+        if not self._divided:  # the n-th step applies batch n
+            self._divide_by_count(self._versions.version)
+        self._divided = False
+        skip, self.norm.skip = self.norm.skip, False
+        self.skipped_steps += skip
         if self.optimizer is not None:
-            self.optimizer.step()
+            if not skip:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self._views:
             mod.zero_grad(set_to_none=True)

@@ -18,6 +18,7 @@ import tempfile
 from schedcc.cli import args as shared
 from schedcc.cli.args import UsageError, positive_int
 from schedcc.compiler import compile
+from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule
 from schedcc.schedule import build_schedule
 
@@ -60,14 +61,22 @@ class Config:
     checkpoint: str | None = None
     every: int = 0
     resume: bool = False
+    p2p: str = "shm"
+    max_grad_norm: float | None = None
+    precision: str = "fp32"
+    grad_norm: bool = False
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.data_parallel
+        return self.num_stages * self.data_parallel * self.tp
 
     def describe(self, rank: int) -> str:
-        """`rank 3 (stage 1, dp 1)`: global rank = dp_index * p + stage."""
-        dp_index, stage = divmod(rank, self.num_stages)
+        """`rank 3 (stage 1, dp 1)`: global rank = (dp_index * p + stage) * tp + tp_index."""
+        rank_tp, tp_index = divmod(rank, self.tp)
+        dp_index, stage = divmod(rank_tp, self.num_stages)
+        if self.tp > 1:
+            return f"rank {rank} (stage {stage}, dp {dp_index}, tp {tp_index})"
         return f"rank {rank} (stage {stage}, dp {dp_index})"
 
 
@@ -103,10 +112,29 @@ def register(subparsers) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--p2p",
-        choices=("shm", "gloo"),
+        choices=("shm", "gloo", "broadcast"),
         default="shm",
-        help="under gloo, how stages on the same machine exchange tensors: shared memory "
-        "(default) or gloo's own point-to-point",
+        help="under gloo, how stages exchange tensors: shared memory on the same machine "
+        "(default), gloo's send/recv, or broadcasts within two-rank groups",
+    )
+    parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="X",
+        help="clip the whole model's gradient norm to X before each step",
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per stage (attention heads and MLPs split Megatron-style)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="compute and stage-to-stage tensors in bf16 or fp16 (dynamic loss scaling); "
+        "weights and optimizer state stay fp32",
     )
     parser.add_argument(
         "--no-bind",
@@ -159,8 +187,13 @@ def _config(args, under_torchrun: bool) -> Config:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
+    if args.tp not in (1, 2, 4):
+        raise UsageError(
+            f"--tp {args.tp}: the built-in models split their 4 attention heads and their "
+            "linear layers over 1, 2 or 4 tensor-parallel ranks"
+        )
     if under_torchrun:
-        world = int(os.environ["WORLD_SIZE"])
+        world = int(os.environ["WORLD_SIZE"]) // args.tp
         if dp is None:
             if world % p:
                 raise UsageError(
@@ -184,7 +217,7 @@ def _config(args, under_torchrun: bool) -> Config:
         num_batches=batches_per_run,
     )
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
-    compile(schedule, data_parallel=dp, zero=args.zero)  # a bad program fails here, exit 2
+    grad_norm = _grad_norm(args, schedule, dp)  # a bad program fails here, exit 2
     _check_trace(args.trace)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
@@ -206,10 +239,33 @@ def _config(args, under_torchrun: bool) -> Config:
         timeout=args.timeout,
         progress=not args.no_progress,
         shared_memory=args.p2p == "shm",
+        p2p=args.p2p,
+        max_grad_norm=args.max_grad_norm,
+        precision=args.precision,
+        grad_norm=grad_norm,
+        tp=args.tp,
         checkpoint=args.checkpoint,
         every=args.every or 0,
         resume=args.resume,
     )
+
+
+def _grad_norm(args, schedule, dp: int) -> bool:
+    """Compile the program to check it; whether it carries `GradNorm` (clipping, fp16, and
+    skipping non-finite steps need it; a schedule that cannot host it runs without, unless one
+    of those was asked for)."""
+    if args.max_grad_norm is not None and not 0 < args.max_grad_norm < math.inf:
+        raise UsageError(f"--max-grad-norm must be a positive number, got {args.max_grad_norm:g}")
+    if args.check and args.precision != "fp32":
+        raise UsageError("--check compares float64 training; it cannot run with --precision")
+    try:
+        compile(schedule, data_parallel=dp, zero=args.zero, grad_norm=True)
+    except ScheduleConfigError:
+        if args.max_grad_norm is not None or args.precision == "fp16":
+            raise
+        compile(schedule, data_parallel=dp, zero=args.zero)
+        return False
+    return True
 
 
 def _check_checkpoint_args(args, batches_per_run: int) -> None:

@@ -27,6 +27,7 @@ from schedcc.ir import (
     Compute,
     Forward,
     GatherParams,
+    GradNorm,
     OptimizerStep,
     Recompute,
     ReduceGrads,
@@ -50,6 +51,7 @@ _BACKGROUND = {
     ReduceTied: 43,
     Unshard: 43,
     Reshard: 43,
+    GradNorm: 43,
 }
 _RESET = "\x1b[0m"
 

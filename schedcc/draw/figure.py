@@ -22,6 +22,7 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     GatherParams,
+    GradNorm,
     OptimizerStep,
     Recompute,
     ReduceGrads,
@@ -45,6 +46,7 @@ _COLOR = {
     ReduceTied: (0.50, 0.50, 0.50),
     Unshard: (0.75, 0.75, 0.75),
     Reshard: (0.85, 0.85, 0.85),
+    GradNorm: (0.45, 0.45, 0.45),
 }
 _NAME = {
     Forward: "forward",
@@ -58,6 +60,7 @@ _NAME = {
     ReduceTied: "tied reduce",
     Unshard: "unshard",
     Reshard: "reshard",
+    GradNorm: "grad norm",
 }
 _FORMATS = {".png": "png", ".svg": "svg"}
 _MAX_LABELS = 4000  # beyond this many blocks, numbers would be unreadable anyway

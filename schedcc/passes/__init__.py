@@ -6,6 +6,7 @@ Each pass is a pure function from `Program` to `Program` (collect starts from th
 from schedcc.passes.assign_versions import assign_versions
 from schedcc.passes.collect import collect
 from schedcc.passes.insert_comm import insert_comm
+from schedcc.passes.insert_norm import insert_norm
 from schedcc.passes.insert_recompute import insert_recompute
 from schedcc.passes.insert_sharding import insert_sharding
 from schedcc.passes.insert_updates import insert_updates
@@ -17,6 +18,7 @@ __all__ = [
     "build_graph",
     "collect",
     "insert_comm",
+    "insert_norm",
     "insert_recompute",
     "insert_sharding",
     "insert_updates",
@@ -25,4 +27,4 @@ __all__ = [
 #: The lowering passes after `collect` (and `insert_recompute`, which takes the recompute
 #: policy), in order. `build_graph` (in `schedcc.semantics.graph`) runs when `Program.graph`
 #: is read.
-PASSES = (insert_comm, insert_updates, insert_sharding, assign_versions)
+PASSES = (insert_comm, insert_updates, insert_sharding, insert_norm, assign_versions)

@@ -19,9 +19,18 @@ from typing import Any
 
 import attrs
 
-from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Instruction, Recompute
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    GradNorm,
+    Instruction,
+    Recompute,
+)
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
 from schedcc.semantics.collectives import Meets, TieProblem, tie_links
+from schedcc.semantics.norms import NormProblem, norm_links
 from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
 from schedcc.semantics.tensors import Tensors
 from schedcc.semantics.versions import versions_of
@@ -65,6 +74,8 @@ class StepModel:
     #: each `ReduceTied`'s other members (`match_collectives`) and those that meet nothing
     meets: Meets = ()
     tie_problems: tuple[TieProblem, ...] = ()
+    #: the `GradNorm`s that meet nothing ([Note: the norm collective])
+    norm_problems: tuple[NormProblem, ...] = ()
 
 
 def tensors_of(program: Any) -> Tensors:
@@ -93,8 +104,18 @@ def step_model(program: Any) -> StepModel:
         meets, tie_problems = [], []
         if getattr(program, "tied", ()):  # see [Note: tied collectives]
             links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
+        norm_problems = []
+        if any(type(op) is GradNorm for ops in program.stages for op in ops):
+            links, meets, norm_problems = norm_links(program.stages, steps, links, meets)
         model = StepModel(
-            tensors, steps, partner, tuple(problems), links, meets, tuple(tie_problems)
+            tensors,
+            steps,
+            partner,
+            tuple(problems),
+            links,
+            meets,
+            tuple(tie_problems),
+            tuple(norm_problems),
         )
         program.__dict__[_MODEL] = model
     return model

@@ -1,0 +1,65 @@
+"""insert_norm: a `GradNorm` before every optimizer step, on every stage.
+
+When the program asks for it (`Program.grad_norm`, from `compile(..., grad_norm=True)`), each
+stage's n-th `OptimizerStep` gets a `GradNorm` right before it: after the batch's last weight
+gradient, `ReduceGrads` and `ReduceTied` on that stage (all of which `insert_updates` puts before
+the step), so the norm sees the final gradients. The n-th `GradNorm`s of all stages form one
+collective ([Note: the norm collective] in `schedcc.semantics.norms`); it can close no cycle
+when the cut "every stage up to just before its n-th step" is consistent, that is when nothing
+before one stage's step waits for anything after another stage's step. That is the earliest cut
+holding those steps (`earliest_cut`); a schedule where it reaches past some stage's step (a
+stage must run work of the next batch before another can step) is refused.
+"""
+
+from __future__ import annotations
+
+from schedcc.errors import ScheduleConfigError
+from schedcc.ir import GradNorm, Instruction, OptimizerStep
+from schedcc.program import Program
+from schedcc.semantics import step_model
+from schedcc.semantics.collectives import earliest_cut
+
+__all__ = ["insert_norm"]
+
+
+def insert_norm(program: Program) -> Program:
+    """The program with a `GradNorm` before each step of every stage; unchanged unless
+    `program.grad_norm`, or if it is forward-only or already holds a `GradNorm`.
+
+    Raises:
+        ScheduleConfigError: some stage can reach its n-th step only after another stage has
+            passed its own n-th step, so no all-stage collective fits before the steps.
+
+    >>> import schedcc
+    >>> schedcc.compile(schedcc.get_schedule("gpipe")(2, 1), grad_norm=True).to_text()
+    'stage 0: F0 SA0 RG0 B0 Norm Step\\nstage 1: RA0 F0 B0 SG0 Norm Step'
+    """
+    stages = program.stages
+    present = any(type(op) is GradNorm for ops in stages for op in ops)
+    if not program.grad_norm or program.forward_only or present:
+        return program
+    steps_at = [[pos for pos, op in enumerate(ops) if type(op) is OptimizerStep] for ops in stages]
+    model = step_model(program)
+    prefix = [-1] * len(stages)
+    for n in range(min(map(len, steps_at), default=0)):
+        seeds = {s: model.steps.step_at[s][row[n]] - 1 for s, row in enumerate(steps_at)}
+        earliest_cut(model.steps.bounds, model.steps.step_at, model.partner, prefix, seeds)
+        late = [s for s, j in seeds.items() if prefix[s] > j]
+        if late:
+            raise ScheduleConfigError(
+                f"grad_norm: in {program.schedule.name}, stage {late[0]} must run past its "
+                f"step of batch {n} before every other stage can reach its own, so no gradient "
+                "norm over all stages fits before the steps; compile without grad_norm (no "
+                "global clipping or non-finite skipping) or use a flush schedule"
+            )
+    out = []
+    for ops, row in zip(stages, steps_at):
+        new: list[Instruction] = []
+        done = 0
+        for pos in row:
+            new.extend(ops[done:pos])
+            new.append(GradNorm())
+            done = pos
+        new.extend(ops[done:])
+        out.append(tuple(new))
+    return program.evolve(stages=tuple(out))
