@@ -43,9 +43,10 @@ def _check_local(program, segments, loss_fn, optimizer, data, replicas=None):
     assert got == pytest.approx(want, abs=1e-10, rel=1e-10)
     assert norms == pytest.approx(want_norms, abs=1e-10, rel=1e-10)
     assert min(want_norms) > MAX_NORM  # clipping acted on every step
-    for mine, theirs in zip(piped, plain):
-        for p, q in zip(mine.parameters(), theirs.parameters()):
-            assert torch.allclose(p, q, atol=1e-10, rtol=1e-10)
+    with engine.unsharded():  # ZeRO-3: the weights are whole only inside
+        for mine, theirs in zip(piped, plain):
+            for p, q in zip(mine.parameters(), theirs.parameters()):
+                assert torch.allclose(p, q, atol=1e-10, rtol=1e-10)
     return engine
 
 
@@ -107,10 +108,12 @@ def test_clipping_equals_clip_grad_norm_on_the_whole_model(name, p, v):
     _check_local(program, make_segments(p * v), mse, _sgd, batches(3, 8))
 
 
-def test_clipping_with_data_parallel_zero_counts_every_shard_once():
-    """dp=2 under ZeRO-1: the norm sums the shards of both replicas, after averaging."""
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_clipping_with_data_parallel_zero_counts_every_shard_once(zero):
+    """dp=2 under ZeRO-1, 2 and 3: the norm sums the shards of both replicas, after averaging
+    (under ZeRO-2 and 3 the whole gradients are gone by then: only the shards are left)."""
     schedule = schedcc.get_schedule("1f1b")(2, 4)
-    program = schedcc.compile(schedule, data_parallel=2, zero=1, grad_norm=True)
+    program = schedcc.compile(schedule, data_parallel=2, zero=zero, grad_norm=True)
     data = batches(3, 8)
     replicas = [list(zip(x.chunk(2), y.chunk(2))) for x, y in data]
     _check_local(program, make_segments(2), mse, _sgd, data, replicas)
@@ -120,7 +123,7 @@ def test_clipping_counts_a_tied_parameter_once():
     """A tied embedding and head (segments 0 and 3 on stages 0 and 1 of interleaved-1f1b,
     ZeRO-1 over two replicas): the norm counts the shared weight once, as the model has it."""
     schedule = schedcc.get_schedule("interleaved-1f1b")(2, 4, 2)
-    for dp, zero in ((1, 0), (2, 1)):
+    for dp, zero in ((1, 0), (2, 1), (2, 2)):
         program = schedcc.compile(
             schedule, tied=[(0, 3)], grad_norm=True, data_parallel=dp, zero=zero
         )

@@ -28,19 +28,27 @@ def _poisoned(batch, replica_rows):
 def _state(engine):
     """Every stage's weights and optimizer state, cloned."""
     out = []
-    for runtimes in engine.runtimes:
-        for rt in runtimes:
-            out.append([p.detach().clone() for mod in rt.modules for p in mod.parameters()])
-            state = rt.optimizer.state_dict()["state"] if rt.optimizer is not None else {}
-            out.append(
-                [v.clone() for s in state.values() for v in s.values() if torch.is_tensor(v)]
-            )
+    with engine.unsharded():  # ZeRO-3: the weights whole, not the empty placeholders
+        for runtimes in engine.runtimes:
+            for rt in runtimes:
+                out.append([p.detach().clone() for mod in rt.modules for p in mod.parameters()])
+                state = rt.optimizer.state_dict()["state"] if rt.optimizer is not None else {}
+                out.append(
+                    [v.clone() for s in state.values() for v in s.values() if torch.is_tensor(v)]
+                )
+    assert all(t.numel() for t in out[0])
     return out
 
 
 @pytest.mark.parametrize(
     ("name", "p", "v", "dp", "zero"),
-    [("1f1b", 3, 1, 1, 0), ("interleaved-1f1b", 2, 2, 2, 0), ("1f1b", 2, 1, 2, 1)],
+    [
+        ("1f1b", 3, 1, 1, 0),
+        ("interleaved-1f1b", 2, 2, 2, 0),
+        ("1f1b", 2, 1, 2, 1),
+        ("1f1b", 2, 1, 2, 2),
+        ("1f1b", 2, 1, 2, 3),
+    ],
 )
 def test_a_batch_with_an_inf_is_skipped_everywhere_and_training_goes_on(name, p, v, dp, zero):
     """The inf sits in one replica's rows only: no weight or optimizer state changes on any
@@ -48,8 +56,8 @@ def test_a_batch_with_an_inf_is_skipped_everywhere_and_training_goes_on(name, p,
     schedule = schedcc.get_schedule(name)(p, 4, v)
     program = schedcc.compile(schedule, data_parallel=dp, zero=zero, grad_norm=True)
     segments = make_segments(p * v)
-    skipping, clean = Engine(program, segments, mse, _adam), None
-    clean = Engine(program, copy.deepcopy(segments), mse, _adam)
+    copied = copy.deepcopy(segments)  # before ZeRO-3 keeps only shards in the modules
+    skipping, clean = Engine(program, segments, mse, _adam), Engine(program, copied, mse, _adam)
     good = batches(3, 8)
     bad = _poisoned(batches(1, 8, seed=9)[0], [0])
     list(skipping.train(good[:1]))
