@@ -39,7 +39,7 @@ from schedcc.simulate import simulate
 __all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
 
 #: The cost fields a chunk pays 1/v of (see [Note: tune's units]).
-_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE)
+_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE)
 
 
 @attrs.frozen

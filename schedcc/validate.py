@@ -18,6 +18,7 @@ from schedcc.program import Program
 from schedcc.rules import Context, Problem, Rule
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
+from schedcc.rules.overlap import check_overlaps
 from schedcc.rules.tied import check_tied
 from schedcc.rules.updates import (
     check_gathers,
@@ -35,6 +36,7 @@ RULES: tuple[Rule, ...] = (
     check_replicas,
     check_complete,
     check_dependencies,
+    check_overlaps,
     check_step_order,
     check_reductions,
     check_gathers,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import Backward, BackwardInput
+from schedcc.ir import INPUT_GRADIENT
 
 if TYPE_CHECKING:
     from schedcc.program import Program
@@ -187,7 +187,7 @@ def count_carriers(program: Program) -> dict[int, int]:
     m = schedule.num_microbatches
     carriers: dict[int, int] = {}
     for op in program.stages[stage]:
-        if type(op) in (Backward, BackwardInput) and op.chunk == chunk:
+        if type(op) in INPUT_GRADIENT and op.chunk == chunk:
             carriers[op.microbatch // m] = op.microbatch
     return carriers
 

@@ -69,6 +69,7 @@ from schedcc.ir import (
     GatherParams,
     Instruction,
     OptimizerStep,
+    OverlappedBackward,
     ReduceGrads,
     ReduceTied,
 )
@@ -172,6 +173,7 @@ class StageRuntime:
             Backward: self._backward,
             BackwardInput: self._backward_input,
             BackwardWeight: self._backward_weight,
+            OverlappedBackward: self._overlapped_backward,
             ReduceGrads: self._reduce_grads,
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
@@ -399,6 +401,11 @@ class StageRuntime:
                 backward_into_grads(*live)
             self._emit_input_grad(op, leaves, [leaf.grad for leaf in leaves])
         self._free(op)
+
+    def _overlapped_backward(self, op: OverlappedBackward) -> None:
+        """The backward half of an overlapped pair (`F3.1 +B1`): its forward ran just before
+        it, so on one device the pair runs in order, forward then backward."""
+        self._backward(op)
 
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graph(op)

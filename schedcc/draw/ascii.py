@@ -28,6 +28,7 @@ from schedcc.ir import (
     Forward,
     GatherParams,
     OptimizerStep,
+    OverlappedBackward,
     ReduceGrads,
     ReduceTied,
 )
@@ -40,6 +41,7 @@ _BACKGROUND = {
     Backward: 42,
     BackwardInput: 46,
     BackwardWeight: 45,
+    OverlappedBackward: 42,
     ReduceGrads: 43,
     OptimizerStep: 43,
     GatherParams: 43,

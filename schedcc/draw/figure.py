@@ -23,6 +23,7 @@ from schedcc.ir import (
     Forward,
     GatherParams,
     OptimizerStep,
+    OverlappedBackward,
     ReduceGrads,
     ReduceTied,
 )
@@ -35,6 +36,7 @@ _COLOR = {
     Backward: (0.22, 0.62, 0.30),
     BackwardInput: (0.10, 0.60, 0.62),
     BackwardWeight: (0.55, 0.33, 0.70),
+    OverlappedBackward: (0.45, 0.70, 0.25),
     ReduceGrads: (0.55, 0.55, 0.55),
     OptimizerStep: (0.40, 0.40, 0.40),
     GatherParams: (0.65, 0.65, 0.65),
@@ -45,6 +47,7 @@ _NAME = {
     Backward: "backward",
     BackwardInput: "input grad",
     BackwardWeight: "weight grad",
+    OverlappedBackward: "overlapped backward",
     ReduceGrads: "reduce",
     OptimizerStep: "step",
     GatherParams: "gather",

@@ -14,6 +14,7 @@ from schedcc.ir import (
     Forward,
     OnMicrobatch,
     OptimizerStep,
+    OverlappedBackward,
     SendActivation,
 )
 from schedcc.rules import Context, Problem, short
@@ -21,7 +22,8 @@ from schedcc.semantics import first_over
 
 __all__ = ["check_complete", "check_dependencies", "check_memory"]
 
-_COLUMN = {Forward: 0, Backward: 1, BackwardInput: 2, BackwardWeight: 3}
+# an overlapped backward is a backward (see [Note: overlapped pairs] in schedcc.rules.overlap)
+_COLUMN = {Forward: 0, Backward: 1, BackwardInput: 2, BackwardWeight: 3, OverlappedBackward: 1}
 
 
 def check_complete(ctx: Context) -> Iterator[Problem]:

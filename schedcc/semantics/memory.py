@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedcc.ir import Backward, BackwardWeight, Forward, Instruction
+from schedcc.ir import Backward, BackwardWeight, Forward, Instruction, OverlappedBackward
 
 __all__ = ["HELD", "first_over", "peak_activations"]
 
 #: How each instruction class changes the activations a stage holds (absent: no change).
-HELD: dict[type, int] = {Forward: 1, Backward: -1, BackwardWeight: -1}
+HELD: dict[type, int] = {Forward: 1, Backward: -1, BackwardWeight: -1, OverlappedBackward: -1}
 
 
 def peak_activations(ops: Sequence[Instruction]) -> int:

@@ -19,7 +19,14 @@ from typing import Any
 
 import attrs
 
-from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Instruction
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Instruction,
+    OverlappedBackward,
+)
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
 from schedcc.semantics.collectives import Meets, TieProblem, tie_links
 from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
@@ -43,6 +50,7 @@ UNIT_COSTS: dict[type, float] = {
     Backward: 2.0,
     BackwardInput: 1.0,
     BackwardWeight: 1.0,
+    OverlappedBackward: 1.5,  # `CostModel()`'s pair, 2.5, less its forward (`overlapped_pair`)
 }
 
 _TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_step_model"

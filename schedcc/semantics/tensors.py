@@ -28,6 +28,7 @@ from schedcc.ir import (
     Forward,
     Instruction,
     OnMicrobatch,
+    OverlappedBackward,
     RecvActivation,
     RecvGrad,
     SendActivation,
@@ -184,6 +185,7 @@ class Tensors:
                 (Forward, forward_needs, act),
                 (Backward, backward_needs, grad),
                 (BackwardInput, backward_needs, grad),
+                (OverlappedBackward, backward_needs, grad),
                 (BackwardWeight, (grad,), -1),
             ):
                 remote = tuple(o for o in needs if stage_of[o >> 1] != s)
