@@ -155,6 +155,7 @@ _BUILTINS = [
     ("zb-v", 2),
     ("looped-bfs", 2),
     ("interleaved-zb", 2),
+    ("dualpipe-v", 2),
 ]
 
 
