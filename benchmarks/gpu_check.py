@@ -34,6 +34,8 @@ SHAPES = {
     "looped-bfs": (2, 4, 2, 1),
     "interleaved-zb": (2, 4, 2, 1),
     "dualpipe-v": (2, 4, 2, 1),
+    "v-half": (2, 4, 2, 1),
+    "v-min": (2, 4, 2, 1),
 }
 
 

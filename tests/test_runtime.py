@@ -156,6 +156,8 @@ _BUILTINS = [
     ("looped-bfs", 2),
     ("interleaved-zb", 2),
     ("dualpipe-v", 2),
+    ("v-half", 2),
+    ("v-min", 2),
 ]
 
 
