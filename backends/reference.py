@@ -148,6 +148,8 @@ def assert_matches_reference(
     """Run `program` on the local backend and the reference on copies of `segments`; compare.
 
     The caller's `segments` are not changed. Returns the largest absolute difference seen.
+    With model replicas (DualPipe) `segments` holds each replica (the same modules again, say
+    `parts + parts`) and the reference trains the first replica's segments.
 
     Raises:
         AssertionError: a loss or a parameter differs beyond the tolerance (names which).
@@ -158,8 +160,9 @@ def assert_matches_reference(
     schedule = program.schedule
     piped, plain = copy.deepcopy(list(segments)), copy.deepcopy(list(segments))
     losses = list(Engine(program, piped, loss_fn, optimizer).train(batches))
+    length = schedule.num_segments // type(schedule).num_replicas
     expected = train_reference(
-        plain,
+        plain[:length],
         loss_fn,
         optimizer,
         batches,

@@ -12,7 +12,8 @@ costs are not). Activation memory is counted the same way: a chunk's activations
 stage's, so `peak_activations` is the peak number of held chunk activations divided by v, in
 microbatches of a whole stage (1F1B's stage 0 holds p). Ranking by `makespan / m` compares
 throughput at a fixed microbatch size, and equally step time at a fixed global batch when costs
-scale linearly with the microbatch size.
+scale linearly with the microbatch size. A schedule with R model replicas (DualPipe, [Note:
+replicas]) holds v / R chunks of one replica per stage, so each chunk runs R/v of the share.
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ class _Tuner:
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
-        return _measure(name, program, _per_chunk(self.costs, v))
+        share = v // type(schedule).num_replicas  # the chunks of one model replica per stage
+        return _measure(name, program, _per_chunk(self.costs, share), share)
 
     def _hint(self, cls: type[Schedule], m: int, v: int) -> str:
         """ "; hint: ..." when the same shape compiles with v = 1, else ""."""
@@ -269,8 +271,9 @@ class _Tuner:
         return f"; {chunks_hint(cls.__name__, v)}"
 
 
-def _measure(name: str, program, costs: CostModel) -> Candidate:
-    """Simulate `program` into a `Candidate` (see [Note: tune's units])."""
+def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
+    """Simulate `program` into a `Candidate` (see [Note: tune's units]); `share` is how many
+    chunks a stage's share of the model is cut into."""
     schedule = program.schedule
     m, v = schedule.num_microbatches, schedule.num_chunks
     timeline = simulate(program, costs)
@@ -279,7 +282,7 @@ def _measure(name: str, program, costs: CostModel) -> Candidate:
             f"{name} at p={schedule.num_stages}, m={m}, v={v}: the simulated makespan "
             f"overflows ({timeline.makespan}); give the costs in a larger unit (smaller numbers)"
         )
-    activations = tuple(round(n / v, 3) for n in timeline.peak_activations)
+    activations = tuple(round(n / share, 3) for n in timeline.peak_activations)
     return Candidate(
         schedule=name,
         num_microbatches=m,

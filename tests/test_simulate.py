@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import schedcc
@@ -229,6 +229,7 @@ costs_ = st.builds(
 
 
 @pytest.mark.parametrize("cls", BUILT_INS, ids=lambda cls: cls.name)
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data(), costs=costs_)
 def test_eager_timing_is_the_earliest_the_data_allows(cls, data, costs):
     """Every compute starts exactly when its stage is free and its inputs from other stages have

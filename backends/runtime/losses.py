@@ -70,11 +70,17 @@ class LossBook:
     Args:
         num_microbatches: `m`, the microbatches of a batch.
         data_parallel: the replicas a `MEAN` loss is averaged over.
+        replicated: the program holds several model replicas (DualPipe), whose last segments
+            each see only their own microbatches: a `(loss_sum, count)` loss is refused there,
+            since no one stage knows the batch's count.
     """
 
-    def __init__(self, num_microbatches: int, data_parallel: int) -> None:
+    def __init__(
+        self, num_microbatches: int, data_parallel: int, *, replicated: bool = False
+    ) -> None:
         self._m = num_microbatches
         self._dp = data_parallel
+        self._replicated = replicated
         self.reset()
 
     def reset(self) -> None:
@@ -100,6 +106,12 @@ class LossBook:
             raise ScheduleConfigError(
                 f"{where} returned a {mode} loss after a {self.mode} one: return the same form "
                 "for every microbatch"
+            )
+        if mode == RATIO and self._replicated:
+            raise ScheduleConfigError(
+                f"{where} returned a (loss_sum, count) loss, but the program runs several model "
+                "replicas (DualPipe), whose last segments never meet: return a mean over the "
+                "microbatch, or use a schedule with one replica"
             )
         self._values.setdefault(batch, []).append(value.detach())
         if mode == RATIO:

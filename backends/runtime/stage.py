@@ -151,8 +151,8 @@ class StageRuntime:
         self._delay = schedule.weight_delay
         self._zero = program.zero
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
-        self._last = schedule.num_segments - 1
-        self._stage_of = [schedule.placement(k)[0] for k in range(schedule.num_segments)]
+        #: which segments start and end a model replica ([Note: replicas]): inputs and loss
+        self._layout = tensors_of(program).layout
         self._names = [[n for n, _ in mod.named_parameters()] for mod in self.modules]
         #: the tied parameters this stage holds; the local backend meets its stages for a
         #: `ReduceTied` itself, through `ties.parts` and `ties.apply`
@@ -184,7 +184,9 @@ class StageRuntime:
         #: measured once])
         self._saved_bytes = SavedBytes()
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
-        self._book = LossBook(self._m, self.collectives.size)
+        self._book = LossBook(
+            self._m, self.collectives.size, replicated=self._layout.num_replicas > 1
+        )
         self._carriers = count_carriers(program)
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
@@ -307,7 +309,7 @@ class StageRuntime:
             with torch.no_grad():
                 live = dict(self._views[c].named_parameters())
                 out = self._call(self.modules[c], live, value)
-            if k < self._last:
+            if not self._layout.is_last(k):
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
             elif self._ports.has_targets(i):
                 self._loss(i, out)
@@ -327,7 +329,7 @@ class StageRuntime:
 
         def forward() -> list[torch.Tensor]:
             out = self._call(self.modules[c], params, value)
-            if k == self._last:
+            if self._layout.is_last(k):
                 return [self._loss(i, out)]
             message, roots = activation(out, segment=k)
             sent.append(message)
@@ -351,7 +353,7 @@ class StageRuntime:
         """What the saved tensors of a forward depend on ([Note: activation bytes are measured
         once] in `backends.runtime.memory`)."""
         target = None
-        if k == self._last:
+        if self._layout.is_last(k):
             target = _layout(self._ports.target(i))
         training = self.modules[c].training
         return (c, _layout(value), target, training, torch.is_grad_enabled())
@@ -373,7 +375,7 @@ class StageRuntime:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         roots = self._graph(op).roots
-        if k == self._last:
+        if self._layout.is_last(k):
             return [None] * len(roots)
         read = read_gradients(self._ports.gradient_of(i, c, k), roots)
         if isinstance(read, str):
@@ -446,11 +448,11 @@ class StageRuntime:
     def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
-        if k == 0:
+        if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
         batch, count = i // self._m, None
         if self._carriers.get(batch) == i:  # see [Note: the count divides at the step]
-            if k == self._last:
+            if self._layout.is_last(k):
                 self._book.close(batch)
             count = self._book.normaliser.get(batch)
         self._ports.hand_back(i, c, k, gradients(leaves, grads, count))
@@ -495,7 +497,7 @@ class StageRuntime:
     def _divide_by_count(self, batch: int) -> None:
         """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed
         over the replicas ([Note: the count divides at the step] in `backends.runtime.losses`)."""
-        if self._stage_of[self._last] == self.stage:
+        if any(self._layout.is_last(k) for k in self._segment):
             self._book.close(batch)
         count = self._book.normaliser.get(batch)
         if count is None:
