@@ -25,7 +25,13 @@ activations under V-Half and 2*floor((p + 1)/3) + 2 under V-Min, against 2p for 
 1F1B (p microbatches of two chunks); p = 8: 10 and 8 against 16. The price is bubble: p = 4,
 m = 8 takes 60 (V-Half) and 59 (V-Min) against zb-v's 51.
 
-p = 4, m = 8, compute order per stage (`.1` marks chunk 1), V-Half:
+p = 4, m = 8 (`COLUMNS=100 schedcc show --schedule v-half -p 4 -m 8 -v 2`, one unit per column,
+then the compute order per stage; `.1` marks chunk 1), V-Half:
+
+    stage 0 |FF.....FFIWFFIW.FF.IIWFWFIIWFWFIIWFWFIIWFW.IIWFWIIWW.IW...IW|
+    stage 1 |.FF...F..FFIWF.FIWIWFFIWIWFFIWIWFFIWIWFFIWIWFIWIW.IWIW...IW.|
+    stage 2 |..F..FF..FF.IWFFIIWFWFIIWFWFIIWFWFIIWFWFIIWFW.IIWW.IIWW.IW..|
+    stage 3 |...FF..FF..FFIWIWFFIWIWFFIWIWFFIWIWFFIWIWFFIWIW.IWIW.IWIW...|
 
     stage 0: F0 F1 F0.1 F2 I0.1 W0.1 F1.1 F3 I1.1 W1.1 F2.1 F4 I0 I2.1 W2.1 F3.1 W0 F5 I1 I3.1
              W3.1 F4.1 W1 F6 I2 I4.1 W4.1 F5.1 W2 F7 I3 I5.1 W5.1 F6.1 W3 I4 I6.1 W6.1 F7.1 W4
@@ -41,6 +47,11 @@ p = 4, m = 8, compute order per stage (`.1` marks chunk 1), V-Half:
              W6.1 I6 W6 I7.1 W7.1 I7 W7
 
 and V-Min:
+
+    stage 0 |FF.....FIWF..FIIWWFFIIWWFFIIWWFFIIWWFFIIWWFFIIWW.FIIWW...IW|
+    stage 1 |.F....FF.IW.FFIIWWFFIIWWFFIIWWFFIIWWFFIIWWFFIIWWF.IIWW..IW.|
+    stage 2 |..F..F..F.IFWIFWIFWIFWIFWIFWIFWIFWIFWIFWIFWIFWIFWIW.IW.IW..|
+    stage 3 |...FF....FFIIWWFFIIWWFFIIWWFFIIWWFFIIWWFFIIWWFFIIWW..IIWW..|
 
     stage 0: F0 F1 F0.1 I0.1 W0.1 F2 F1.1 I1.1 I0 W1.1 W0 F3 F2.1 I2.1 I1 W2.1 W1 F4 F3.1 I3.1
              I2 W3.1 W2 F5 F4.1 I4.1 I3 W4.1 W3 F6 F5.1 I5.1 I4 W5.1 W4 F7 F6.1 I6.1 I5 W6.1 W5

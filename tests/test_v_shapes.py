@@ -78,12 +78,17 @@ def test_less_memory_than_zb_v_for_some_bubble(p):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_docstring_orders_are_the_schedules(name):
-    """The per-stage orders in the module docstring are what the schedules yield at p=4, m=8."""
+    """The drawings in the module docstring are `schedcc show`'s at 100 columns and the per-stage
+    orders there are what the schedules yield, at p = 4, m = 8."""
     from schedcc.schedules import v_shapes
 
     part = v_shapes.__doc__.split("V-Half:\n", 1)[1].split("and V-Min:", 1)
-    drawn = " ".join(part[0 if name == "v-half" else 1].split())
+    text = part[0 if name == "v-half" else 1]
+    drawn = " ".join(text.split())
     schedule = schedcc.get_schedule(name)(4, 8)
+    timeline = schedcc.simulate(schedcc.compile(schedule))
+    for line in timeline.to_ascii(width=86, color=False).splitlines()[1:]:
+        assert f"    {line}\n" in text
     for stage in range(4):
         assert f"stage {stage}: " + " ".join(map(str, schedule.steps(stage))) in drawn
 
