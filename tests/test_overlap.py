@@ -5,11 +5,23 @@ and written to torch's `OVERLAP_F_B` actions."""
 from __future__ import annotations
 
 import pytest
+from _orders import random_orders
+from hypothesis import given
+from hypothesis import strategies as st
 
 import schedcc
-from schedcc import CostModel, OverlapError, OverlappedBackward, Schedule, ScheduleConfigError
+from schedcc import (
+    Backward,
+    CostModel,
+    Forward,
+    OverlapError,
+    OverlappedBackward,
+    Schedule,
+    ScheduleConfigError,
+    ScheduleError,
+)
 from schedcc.costs import overlapped_pair
-from schedcc.ir import COMM, Forward, parse
+from schedcc.ir import COMM, parse
 
 
 class Written(Schedule):
@@ -109,3 +121,35 @@ def test_torch_overlap_actions_round_trip():
     assert rows[0] == ["0F0", "(0F1;0B0)OVERLAP_F_B", "0B1"]
     back = from_torch_actions(rows, 2)
     assert list(back.steps(0)) == list(program.schedule.steps(0))
+
+
+@given(schedule=random_orders(max_stages=4, max_microbatches=6), data=st.data())
+def test_random_orders_with_pairs_validate_or_are_refused_and_train_exactly(schedule, data):
+    """Any dependency-respecting order with some plain backwards made overlapped with the forward
+    right before them either compiles (then it trains exactly like non-pipelined training, and the
+    eager timeline is no slower than the rendezvous one) or is refused with a `ScheduleError`
+    (pairing a forward with a backward that waits for it can close a cycle), never anything else."""
+    pytest.importorskip("torch")
+    from _models import batches, make_segments, mse, sgd
+
+    from schedcc.backends.reference import assert_matches_reference
+
+    paired = []
+    for ops in schedule.orders:
+        ops = list(ops)
+        for pos in range(1, len(ops)):
+            before, op = ops[pos - 1], ops[pos]
+            eligible = type(op) is Backward and type(before) is Forward
+            own = (before.microbatch, before.chunk) == (op.microbatch, op.chunk)
+            if eligible and not own and data.draw(st.integers(0, 3)):  # 3 in 4 paired
+                ops[pos] = OverlappedBackward(op.microbatch, op.chunk)
+        paired.append(ops)
+    schedule.orders = paired
+    try:
+        program = schedcc.compile(schedule)
+    except ScheduleError:
+        return
+    assert schedcc.simulate(program, eager=True).makespan <= schedcc.simulate(program).makespan
+    segments = make_segments(schedule.num_segments)
+    data_ = batches(schedule.num_batches, schedule.num_microbatches)
+    assert assert_matches_reference(program, segments, mse, sgd, data_) < 1e-10
