@@ -257,22 +257,28 @@ class Engine(BaseEngine):
         self._load(batches, forward_only=True, targets=targets is not None)
         if targets is not None:
             return self._losses(num_batches, whole=True)[0][0], None
-        last = self._layout.stage_of[-1]
+        lasts = self._ends(self._layout.lasts)  # a replica's outputs are on its last stage
         outputs = [
-            runtimes[last].outputs[i] for runtimes in self.runtimes for i in range(m * num_batches)
+            next(runtimes[s].outputs[i] for s in lasts if i in runtimes[s].outputs)
+            for runtimes in self.runtimes
+            for i in range(m * num_batches)
         ]
         return None, concat(outputs)
 
+    def _ends(self, segments: tuple[int, ...]) -> list[int]:
+        """The stages holding `segments` (the replicas' first or last ones)."""
+        return sorted({self._layout.stage_of[k] for k in segments})
+
     def _load(self, batches: list[Microbatches], *, forward_only: bool, targets: bool = True):
         """Load `batches` into every runtime and run the program (or the forward-only one)."""
-        first, last = self._layout.stage_of[0], self._layout.stage_of[-1]
+        firsts, lasts = self._ends(self._layout.firsts), self._ends(self._layout.lasts)
         for r, runtimes in enumerate(self.runtimes):
             for s, rt in enumerate(runtimes):
                 rt.reset(forward_only=forward_only)
                 for b, local in enumerate(batches):
                     inputs, target = local[r]
-                    target = target if s == last and targets else None
-                    rt.load_batch(b, inputs if s == first else None, target)
+                    target = target if s in lasts and targets else None
+                    rt.load_batch(b, inputs if s in firsts else None, target)
         ops = self._forward_ops if forward_only else self._ops
         if len(self.runtimes) == 1:
             self._run_replica(0, ops)
@@ -282,12 +288,15 @@ class Engine(BaseEngine):
     def _losses(self, count: int, *, whole: bool = False) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss (over every replica) and named parts; `whole`: of all batches as
         one (the forward-only program's batch)."""
-        last = self._layout.stage_of[-1]
-        records = [runtimes[last].loss_records for runtimes in self.runtimes]
+        records = [
+            runtimes[s].loss_records
+            for runtimes in self.runtimes
+            for s in self._ends(self._layout.lasts)
+        ]
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
         out = []
         for group in groups:
-            parts = [rec[b] for rec in records for b in group]
+            parts = [rec[b] for rec in records for b in group if b in rec]
             total = sum(r.total for r in parts)
             number = sum(r.count for r in parts)
             loss = total / number if number else float("nan")

@@ -164,6 +164,8 @@ def assert_matches_reference(
     """Run `program` on the local backend and the reference on copies of `segments`; compare.
 
     The caller's `segments` are not changed. Returns the largest absolute difference seen.
+    With model replicas (DualPipe) `segments` holds each replica (the same modules again, say
+    `parts + parts`) and the reference trains the first replica's segments.
 
     Raises:
         AssertionError: a loss or a parameter differs beyond the tolerance (names which).
@@ -175,8 +177,9 @@ def assert_matches_reference(
     piped, plain = copy.deepcopy(list(segments)), copy.deepcopy(list(segments))
     engine = Engine(program, piped, loss_fn, optimizer, max_grad_norm=max_grad_norm)
     losses = list(engine.train(batches))
+    length = schedule.num_segments // type(schedule).num_replicas
     expected = train_reference(
-        plain,
+        plain[:length],
         loss_fn,
         optimizer,
         batches,

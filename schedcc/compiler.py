@@ -18,7 +18,7 @@ from schedcc.program import Program
 from schedcc.schedule import Schedule
 from schedcc.validate import validate as _validate
 
-__all__ = ["compile", "normalize_tied"]
+__all__ = ["compile", "normalize_tied", "with_replicas"]
 
 
 def compile(
@@ -44,6 +44,8 @@ def compile(
         tied: groups of segment indices whose segments share parameters (e.g. `[(0, 3)]` for an
             LM head tied to the token embedding); each stage holding a segment of group `g` gets
             a `ReduceTied(g)` per batch that sums the gradients of every copy before the step.
+            A schedule with model replicas (DualPipe) ties each segment to its copies itself,
+            joined with these groups (see [Note: replicas] in `schedcc.semantics.layout`).
         forward_only: keep only the schedule's forwards (and its activation comm, if it yields
             comm): the program evaluation runs, with no backward and no update, every forward on
             the live weights; compiled, validated and simulated like any other.
@@ -86,7 +88,7 @@ def compile(
         raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
     if type(grad_norm) is not bool:
         raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
-    groups = normalize_tied(tied, schedule.num_segments)
+    groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
     policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
     if zero == 3:
         _check_zero3(schedule, groups)
@@ -125,6 +127,39 @@ def _forwards(program: Program) -> Program:
     keep = (Forward, SendActivation, RecvActivation)
     stages = tuple(tuple(op for op in ops if type(op) in keep) for ops in program.stages)
     return program.evolve(stages=stages, forward_only=True)
+
+
+def with_replicas(
+    groups: tuple[tuple[int, ...], ...], schedule: Schedule
+) -> tuple[tuple[int, ...], ...]:
+    """`groups` joined with the ties between each segment and its copies in the other model
+    replicas (none for one replica): overlapping groups merge into one.
+
+    >>> from schedcc.schedules.dualpipe import DualPipe
+    >>> with_replicas(((0, 3),), DualPipe(2, 4))
+    ((0, 1, 2, 3),)
+    >>> with_replicas((), DualPipe(4, 8))
+    ((0, 4), (1, 5), (2, 6), (3, 7))
+    """
+    replicas = type(schedule).num_replicas
+    if replicas == 1:
+        return groups
+    length = schedule.num_segments // replicas
+    parent = list(range(schedule.num_segments))
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            k = parent[k]
+        return k
+
+    copies = [tuple(range(j, schedule.num_segments, length)) for j in range(length)]
+    for group in (*groups, *copies):
+        for k in group[1:]:
+            parent[root(k)] = root(group[0])
+    merged: dict[int, list[int]] = {}
+    for k in range(schedule.num_segments):
+        merged.setdefault(root(k), []).append(k)
+    return tuple(sorted(tuple(g) for g in merged.values() if len(g) > 1))
 
 
 def normalize_tied(tied: Iterable[Iterable[int]], num_segments: int) -> tuple[tuple[int, ...], ...]:

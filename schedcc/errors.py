@@ -16,6 +16,7 @@ __all__ = [
     "DependencyError",
     "IncompleteScheduleError",
     "MemoryBoundError",
+    "OverlapError",
     "PartitionError",
     "RankFailure",
     "RecomputeError",
@@ -108,6 +109,11 @@ class UpdateOrderError(DependencyError):
     gathered before its next compute or the end of the program. A subclass of `DependencyError`
     (what these problems raised before they had their own rules).
     """
+
+
+class OverlapError(DependencyError):
+    """An overlapped backward (`+B1`) that does not directly follow, on its stage, a forward it
+    can overlap: one that makes nothing the backward needs (see [Note: overlapped pairs])."""
 
 
 class ScheduleCodeError(ScheduleError):

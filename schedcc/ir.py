@@ -38,6 +38,7 @@ __all__ = [
     "Instruction",
     "OnMicrobatch",
     "OptimizerStep",
+    "OverlappedBackward",
     "RecvActivation",
     "Recompute",
     "RecvGrad",
@@ -143,6 +144,24 @@ class Recompute(Compute):
     """
 
     code: ClassVar[str] = "R"
+
+
+@attrs.frozen(slots=True)
+class OverlappedBackward(Backward):
+    """Roughly: `Backward(i, c)` run overlapped with the `Forward` just before it on its stage.
+
+    The pair is the overlapped forward/backward of DualPipe-style schedules: a stage reads
+    `F3.1 +B1`, the forward of microbatch 3 on chunk 1 overlapped with the backward of
+    microbatch 1 on chunk 0. It means what the two mean in order (the CPU backends run them in
+    order); the compiler puts the pair's receives before the forward and its sends after the
+    backward, and the simulator prices the pair as `CostModel.overlap` says (see [Note:
+    overlapped pairs] in `schedcc.rules.overlap`).
+
+    >>> str(OverlappedBackward(1)), parse("+B1.2")
+    ('+B1', OverlappedBackward(microbatch=1, chunk=2))
+    """
+
+    code: ClassVar[str] = "+B"
 
 
 @attrs.frozen(slots=True)
@@ -256,20 +275,27 @@ class Reshard(Update):
         return f"{self.code}.{self.chunk}" if self.chunk else self.code
 
 
-COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight, Recompute)
+COMPUTE = (
+    Forward,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Recompute,
+    OverlappedBackward,
+)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
 UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, GradNorm, Unshard, Reshard)
 #: ZeRO-3's instructions that make a chunk's parameters whole and release them again.
 SHARDING = (Unshard, Reshard)
 #: The computes that add to a chunk's weight gradients (`.grad`).
-WEIGHT_GRADIENT = (Backward, BackwardWeight)
+WEIGHT_GRADIENT = (Backward, BackwardWeight, OverlappedBackward)
 #: The computes that make a microbatch's input gradient (what `SendGrad` sends).
-INPUT_GRADIENT = (Backward, BackwardInput)
+INPUT_GRADIENT = (Backward, BackwardInput, OverlappedBackward)
 SENDS = (SendActivation, SendGrad)
 RECEIVES = (RecvActivation, RecvGrad)
 
 _BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
-_ON_MICROBATCH = re.compile(r"(F|B|I|W|R|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
+_ON_MICROBATCH = re.compile(r"(F|B|I|W|R|\+B|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
 _ON_CHUNK = re.compile(r"(Reduce|Gather|Unshard|Reshard)(?:\.(\d+))?")
 _TIED = re.compile(r"Tied(\d+)")
 
@@ -294,6 +320,6 @@ def parse(text: str) -> Instruction:
     if text == GradNorm.code:
         return GradNorm()
     raise ValueError(
-        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, SA2, RA2, SG2, "
-        "RG2, Reduce, Reduce.1, Norm, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
+        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, +B1, SA2, RA2, "
+        "SG2, RG2, Reduce, Reduce.1, Norm, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
     )

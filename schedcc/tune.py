@@ -13,7 +13,8 @@ stage's, so `peak_activations` is the peak number of held chunk activations divi
 microbatches of a whole stage (1F1B's stage 0 holds p); a `MemoryModel` in the costs is likewise
 a stage's sizes at v = 1, each chunk holding 1/v of them. Ranking by `makespan / m` compares
 throughput at a fixed microbatch size, and equally step time at a fixed global batch when costs
-scale linearly with the microbatch size.
+scale linearly with the microbatch size. A schedule with R model replicas (DualPipe, [Note:
+replicas]) holds v / R chunks of one replica per stage, so each chunk runs R/v of the share.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from schedcc.simulate import simulate
 __all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
 
 #: The cost fields a chunk pays 1/v of (see [Note: tune's units]).
-_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE)
+_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE)
 
 
 @attrs.frozen
@@ -292,7 +293,8 @@ class _Tuner:
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
-        return _measure(name, program, _per_chunk(self.costs, v))
+        share = v // type(schedule).num_replicas  # the chunks of one model replica per stage
+        return _measure(name, program, _per_chunk(self.costs, share), share)
 
     def _hint(self, cls: type[Schedule], m: int, v: int) -> str:
         """ "; hint: ..." when the same shape compiles with v = 1, else ""."""
@@ -306,8 +308,9 @@ class _Tuner:
         return f"; {chunks_hint(cls.__name__, v)}"
 
 
-def _measure(name: str, program, costs: CostModel) -> Candidate:
-    """Simulate `program` into a `Candidate` (see [Note: tune's units])."""
+def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
+    """Simulate `program` into a `Candidate` (see [Note: tune's units]); `share` is how many
+    chunks a stage's share of the model is cut into."""
     schedule = program.schedule
     m, v = schedule.num_microbatches, schedule.num_chunks
     timeline = simulate(program, costs)
@@ -316,7 +319,7 @@ def _measure(name: str, program, costs: CostModel) -> Candidate:
             f"{name} at p={schedule.num_stages}, m={m}, v={v}: the simulated makespan "
             f"overflows ({timeline.makespan}); give the costs in a larger unit (smaller numbers)"
         )
-    activations = tuple(round(n / v, 3) for n in timeline.peak_activations)
+    activations = tuple(round(n / share, 3) for n in timeline.peak_activations)
     held = timeline.peak_bytes if costs.memory is not None else ()
     return Candidate(
         schedule=name,

@@ -115,7 +115,8 @@ class Engine(BaseEngine):
             pipeline group then joins one tensor-parallel index of every stage).
         timeout: the longest any wait may take (seconds or a timedelta).
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
-            run); otherwise only the last stage knows it and the others yield NaN.
+            run); otherwise only the last stage knows it and the others yield NaN. Always on
+            for a program with model replicas (DualPipe), whose last stages each hold part.
         shared_memory: under gloo, move tensors between stages on the same machine through
             shared memory rather than gloo (see [Note: same-host point-to-point]).
         p2p: how tensors travel between stages: "shm" (the default under gloo: shared memory
@@ -279,11 +280,15 @@ class Engine(BaseEngine):
             split.append(self._own(inputs, targets))
         return split
 
+    def _holds(self, segments: tuple[int, ...]) -> bool:
+        """Whether this rank's stage holds one of `segments` (the replicas' first or last)."""
+        return any(self._layout.stage_of[k] == self.stage for k in segments)
+
     def _own(self, inputs: list[Any], targets: list[Any] | None) -> tuple[Any, Any]:
-        """The microbatches this stage reads, on its device: the inputs on segment 0's stage,
-        the targets on the last segment's."""
+        """The microbatches this stage reads, on its device: the inputs where a model replica
+        starts (segment 0's stage), the targets where one ends (the last segment's)."""
         layout, device = self._layout, self.device
-        first, last = (layout.stage_of[k] == self.stage for k in (0, layout.last))
+        first, last = (self._holds(layout.firsts), self._holds(layout.lasts))
         return (
             [to_device(x, device) for x in inputs] if first else None,
             [to_device(y, device) for y in targets] if last and targets is not None else None,
@@ -310,6 +315,12 @@ class Engine(BaseEngine):
         self._execute(ops, visit, transfers, split, forward_only=True)
         if targets is not None:
             return self._losses(num_batches, whole=True, reduce=True)[0][0], None
+        if self._layout.num_replicas > 1:
+            raise ScheduleConfigError(
+                "predict() on the distributed engine returns the last segment's outputs from one "
+                "rank, but this program's model replicas end on several; use evaluate(), or the "
+                "local engine's predict()"
+            )
         if self.stage != self._layout.stage_of[self._layout.last]:
             return None, None
         outputs = self.runtime.outputs
@@ -460,14 +471,16 @@ class Engine(BaseEngine):
     ) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss over every replica, and its named parts (on the last stage's ranks);
         `whole`: of all `count` batches as one (the forward-only program's batch)."""
-        last = self._layout.stage_of[self._layout.last] == self.stage
+        last = self._holds(self._layout.lasts)
         records = self.runtime.loss_records if last else {}
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
         sums = [
             [sum(records[b].total for b in group if b in records) for group in groups],
             [sum(records[b].count for b in group if b in records) for group in groups],
         ]
-        if self.reduce_loss if reduce is None else reduce:
+        if reduce is None:  # the replicas' last segments each hold part of a batch's loss
+            reduce = self.reduce_loss or self._layout.num_replicas > 1
+        if reduce:
             tensor = torch.tensor(sums, dtype=torch.float64, device=self.device)
             with self._collective("the loss reduction", self.pp_group):
                 dist.all_reduce(tensor, group=self.pp_group)

@@ -81,7 +81,9 @@ def _train(rank: int, config, device: torch.device) -> int:
     program = compile(
         schedule, data_parallel=config.data_parallel, zero=config.zero, grad_norm=config.grad_norm
     )
-    built = models.build(config.model, schedule.num_segments, seed=config.seed)
+    replicas = type(schedule).num_replicas  # DualPipe: each replica holds the same modules
+    built = models.build(config.model, schedule.num_segments // replicas, seed=config.seed)
+    built.segments = built.segments * replicas
     initial = copy.deepcopy(built.segments) if config.check and rank == 0 else None
     lr = config.lr
 
@@ -211,7 +213,7 @@ def _check(program: Program, config, built, initial, gathered) -> float:
 
     lr = config.lr
     train_reference(
-        initial,
+        initial[: len(initial) // type(program.schedule).num_replicas],  # one model replica
         built.loss_fn,
         lambda params: torch.optim.Adam(params, lr=lr),
         _global_batches(built, config),

@@ -76,6 +76,7 @@ from schedcc.ir import (
     GradNorm,
     Instruction,
     OptimizerStep,
+    OverlappedBackward,
     Recompute,
     ReduceGrads,
     ReduceTied,
@@ -174,8 +175,8 @@ class StageRuntime:
         self._delay = schedule.weight_delay
         self._zero = program.zero
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
-        self._last = schedule.num_segments - 1
-        self._stage_of = [schedule.placement(k)[0] for k in range(schedule.num_segments)]
+        #: which segments start and end a model replica ([Note: replicas]): inputs and loss
+        self._layout = tensors_of(program).layout
         self._names = [[n for n, _ in mod.named_parameters()] for mod in self.modules]
         #: the tied parameters this stage holds; the local backend meets its stages for a
         #: `ReduceTied` itself, through `ties.parts` and `ties.apply`
@@ -199,6 +200,7 @@ class StageRuntime:
             BackwardInput: self._backward_input,
             BackwardWeight: self._backward_weight,
             Recompute: self._recompute,
+            OverlappedBackward: self._overlapped_backward,
             ReduceGrads: self._reduce_grads,
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
@@ -225,7 +227,9 @@ class StageRuntime:
         #: measured once])
         self._saved_bytes = SavedBytes()
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
-        self._book = LossBook(self._m, self.collectives.size)
+        self._book = LossBook(
+            self._m, self.collectives.size, replicated=self._layout.num_replicas > 1
+        )
         self._carriers = count_carriers(program)
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
@@ -388,8 +392,8 @@ class StageRuntime:
                 live = dict(self._views[c].named_parameters())
                 with self.precision.compute():
                     out = self._call(self.modules[c], live, value)
-                out = self.precision.boundary(out, last=k == self._last)
-            if k < self._last:
+                out = self.precision.boundary(out, last=self._layout.is_last(k))
+            if not self._layout.is_last(k):
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
             elif self._ports.has_targets(i):
                 self._loss(i, out)
@@ -412,8 +416,8 @@ class StageRuntime:
         with keeping_nothing():
             with self.precision.compute():  # as `_run_segment` runs it again at the `R`
                 out = self._call(self.modules[c], params, value)
-            out = self.precision.boundary(out, last=k == self._last)
-            if k == self._last:
+            out = self.precision.boundary(out, last=self._layout.is_last(k))
+            if self._layout.is_last(k):
                 self._loss(i, out)  # recorded and reported here; R only rebuilds the graph
             else:
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
@@ -450,8 +454,8 @@ class StageRuntime:
         def forward() -> list[torch.Tensor]:
             with self.precision.compute():
                 out = self._call(self.modules[c], params, value)
-            out = self.precision.boundary(out, last=k == self._last)
-            if k == self._last:
+            out = self.precision.boundary(out, last=self._layout.is_last(k))
+            if self._layout.is_last(k):
                 return [self._loss(i, out, record=record)]
             message, roots = activation(out, segment=k)
             sent.append(message)
@@ -475,7 +479,7 @@ class StageRuntime:
         """What the saved tensors of a forward depend on ([Note: activation bytes are measured
         once] in `backends.runtime.memory`)."""
         target = None
-        if k == self._last:
+        if self._layout.is_last(k):
             target = _layout(self._ports.target(i))
         training = self.modules[c].training
         return (c, _layout(value), target, training, torch.is_grad_enabled())
@@ -503,7 +507,7 @@ class StageRuntime:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         roots = self._graph(op).roots
-        if k == self._last:
+        if self._layout.is_last(k):
             return [None] * len(roots)
         read = read_gradients(self._ports.gradient_of(i, c, k), roots)
         if isinstance(read, str):
@@ -531,6 +535,11 @@ class StageRuntime:
                 backward_into_grads(*live)
             self._emit_input_grad(op, leaves, [leaf.grad for leaf in leaves])
         self._free(op)
+
+    def _overlapped_backward(self, op: OverlappedBackward) -> None:
+        """The backward half of an overlapped pair (`F3.1 +B1`): its forward ran just before
+        it, so on one device the pair runs in order, forward then backward."""
+        self._backward(op)
 
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graph(op)
@@ -571,11 +580,11 @@ class StageRuntime:
     def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
-        if k == 0:
+        if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
         batch, count = i // self._m, None
         if self._carriers.get(batch) == i:  # see [Note: the count divides at the step]
-            if k == self._last:
+            if self._layout.is_last(k):
                 self._book.close(batch)
             count = self._book.normaliser.get(batch)
         self._ports.hand_back(i, c, k, gradients(leaves, grads, count))
@@ -691,7 +700,7 @@ class StageRuntime:
     def _divide_by_count(self, batch: int) -> None:
         """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed
         over the replicas ([Note: the count divides at the step] in `backends.runtime.losses`)."""
-        if self._stage_of[self._last] == self.stage:
+        if any(self._layout.is_last(k) for k in self._segment):
             self._book.close(batch)
         count = self._book.normaliser.get(batch)
         if count is None:

@@ -57,9 +57,9 @@ def check_replicas(ctx: Context) -> Iterator[Problem]:
 def check_step_order(ctx: Context) -> Iterator[Problem]:
     """The n-th OptimizerStep of a stage comes after every weight gradient of batch n on it and
     before any of batch n + 1."""
-    m = ctx.schedule.num_microbatches
-    expected = m * ctx.schedule.num_chunks  # weight gradients per batch on a stage
+    m, layout = ctx.schedule.num_microbatches, ctx.layout
     for s, ops in enumerate(ctx.computes_and_updates):
+        expected = sum(map(layout.runs_per_batch, layout.segment[s]))  # weight gradients a batch
         steps, grads = 0, 0  # steps so far; weight gradients of batch `steps` so far
         for pos, op in ops:
             if isinstance(op, WEIGHT_GRADIENT):

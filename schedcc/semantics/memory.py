@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedcc.ir import Backward, BackwardWeight, Forward, Instruction, Recompute
+from schedcc.ir import (
+    Backward,
+    BackwardWeight,
+    Forward,
+    Instruction,
+    OverlappedBackward,
+    Recompute,
+)
 
 __all__ = [
     "HELD",
@@ -25,7 +32,13 @@ __all__ = [
 
 #: How each instruction class changes the activations a stage holds (absent: no change), for a
 #: program without `Recompute` (with one, see `held_changes`).
-HELD: dict[type, int] = {Forward: 1, Backward: -1, BackwardWeight: -1, Recompute: 1}
+HELD: dict[type, int] = {
+    Forward: 1,
+    Backward: -1,
+    BackwardWeight: -1,
+    OverlappedBackward: -1,
+    Recompute: 1,
+}
 
 
 def recomputed(ops: Sequence[Instruction]) -> frozenset[tuple[int, int]]:

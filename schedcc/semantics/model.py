@@ -26,6 +26,7 @@ from schedcc.ir import (
     Forward,
     GradNorm,
     Instruction,
+    OverlappedBackward,
     Recompute,
 )
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
@@ -53,6 +54,7 @@ UNIT_COSTS: dict[type, float] = {
     BackwardInput: 1.0,
     BackwardWeight: 1.0,
     Recompute: 1.0,
+    OverlappedBackward: 1.5,  # `CostModel()`'s pair, 2.5, less its forward (`overlapped_pair`)
 }
 
 _TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_step_model"
