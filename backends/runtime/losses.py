@@ -205,7 +205,7 @@ def count_carriers(program: Program) -> dict[int, int]:
     m = schedule.num_microbatches
     carriers: dict[int, int] = {}
     for op in program.stages[stage]:
-        if type(op) in INPUT_GRADIENT and op.chunk == chunk:
+        if isinstance(op, INPUT_GRADIENT) and op.chunk == chunk:  # `+B` too
             carriers[op.microbatch // m] = op.microbatch
     return carriers
 

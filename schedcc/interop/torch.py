@@ -120,7 +120,7 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
                 row[-1] = f"({row[-1]};{segment}{code}{op.microbatch})OVERLAP_F_B"
             else:
                 row.append(f"{segment}{code}{op.microbatch}")
-            if comms and type(op) in (Backward, BackwardWeight):  # a weight gradient is done
+            if comms and isinstance(op, (Backward, BackwardWeight)):  # a weight gradient is done
                 backwards[segment] = backwards.get(segment, 0) + 1
                 if backwards[segment] == schedule.num_microbatches:
                     row.append(f"{segment}REDUCE_GRAD")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import Backward, BackwardInput, Instruction, Recompute
+from schedcc.ir import Backward, BackwardInput, Instruction, OverlappedBackward, Recompute
 from schedcc.program import Program
 from schedcc.semantics import peak_activations
 
@@ -122,12 +122,14 @@ def insert_recompute(program: Program, policy: Policy | OverLimit) -> Program:
         placed = {(op.microbatch, op.chunk) for op in ops if type(op) is Recompute}
         row: list[Instruction] = []
         for op in ops:
-            if type(op) in _FIRST_BACKWARD and (op.microbatch, op.chunk) not in placed:
+            if isinstance(op, _FIRST_BACKWARD) and (op.microbatch, op.chunk) not in placed:
                 chunk = op.chunk
                 if chunk not in wanted:
                     wanted[chunk] = _ask(policy, s, chunk)
                 if wanted[chunk]:
-                    row.append(Recompute(op.microbatch, chunk))
+                    # an overlapped pair `F +B` stays together: its `R` goes before the `F`
+                    at = len(row) - 1 if type(op) is OverlappedBackward else len(row)
+                    row.insert(at, Recompute(op.microbatch, chunk))
                     placed.add((op.microbatch, chunk))
             row.append(op)
         stages.append(tuple(row))

@@ -24,6 +24,7 @@ from schedcc.ir import (
     Compute,
     Instruction,
     OptimizerStep,
+    OverlappedBackward,
     ReduceGrads,
     Reshard,
     Unshard,
@@ -68,6 +69,8 @@ def _insert(ops: tuple[Instruction, ...], num_microbatches: int) -> tuple[Instru
         earliest = max(released_at.get(c, 0), max((s + 1 for s in steps if s < begin), default=0))
         before = [pos for pos in computes if pos < begin]
         at = before[-1] if before and before[-1] >= earliest else earliest
+        if at < len(ops) and type(ops[at]) is OverlappedBackward:  # keep `F +B` together
+            at -= 1
         gaps.setdefault(at, []).append((1, Unshard(c)))
         end = _release_point(ops, last[key])
         gaps.setdefault(end, []).append((0, Reshard(c)))

@@ -33,7 +33,7 @@ def check_recompute(ctx: Context) -> Iterator[Problem]:
             kind = type(op)
             if kind is Forward:
                 forwarded.add((op.microbatch, op.chunk))
-            elif kind in _BACKWARD:
+            elif issubclass(kind, _BACKWARD):  # `+B` is a Backward
                 backwarded.add((op.microbatch, op.chunk))
             elif kind is Recompute:
                 key = (op.microbatch, op.chunk)

@@ -57,7 +57,7 @@ def check_sharding(ctx: Context) -> Iterator[Problem]:
                         f"released (ZeRO-3 holds only a shard); put Unshard({op.chunk}) before it",
                     )
                     whole[op.chunk] = True  # reported once
-                if kind in WEIGHT_GRADIENT:
+                if issubclass(kind, WEIGHT_GRADIENT):  # `+B` is a Backward
                     unreduced[op.chunk] = True
             elif kind is ReduceGrads:
                 unreduced[op.chunk] = False

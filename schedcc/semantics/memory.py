@@ -127,7 +127,7 @@ def held_bytes(
         elif kind is Recompute:
             c = op.chunk  # type: ignore[attr-defined]
             held += per_chunk[c] - (inputs[c] if inputs is not None else 0.0)
-        elif kind is Backward or kind is BackwardWeight:
+        elif issubclass(kind, (Backward, BackwardWeight)):  # `+B` is a Backward
             held -= per_chunk[op.chunk]  # type: ignore[attr-defined]
         out.append(held)
     return out
