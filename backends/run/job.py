@@ -73,7 +73,12 @@ def _train(rank: int, config, device: torch.device) -> int:
     schedule = get_schedule(config.schedule)(
         config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches
     )
-    program = compile(schedule, data_parallel=config.data_parallel, zero=config.zero)
+    program = compile(
+        schedule,
+        data_parallel=config.data_parallel,
+        zero=config.zero,
+        recompute=config.recompute,
+    )
     built = models.build(config.model, schedule.num_segments, seed=config.seed)
     initial = copy.deepcopy(built.segments) if config.check and rank == 0 else None
     lr = config.lr

@@ -60,6 +60,7 @@ class Config:
     checkpoint: str | None = None
     every: int = 0
     resume: bool = False
+    recompute: bool = False
 
     @property
     def world_size(self) -> int:
@@ -124,6 +125,11 @@ def register(subparsers) -> None:
         action="store_true",
         help="continue from the newest complete checkpoint in --checkpoint (if any)",
     )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute every forward before its backward (compile(..., recompute=True))",
+    )
     parser.set_defaults(func=run)
 
 
@@ -184,7 +190,8 @@ def _config(args, under_torchrun: bool) -> Config:
         num_batches=batches_per_run,
     )
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
-    compile(schedule, data_parallel=dp, zero=args.zero)  # a bad program fails here, exit 2
+    # a bad program fails here, exit 2
+    compile(schedule, data_parallel=dp, zero=args.zero, recompute=args.recompute)
     _check_trace(args.trace)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
@@ -209,6 +216,7 @@ def _config(args, under_torchrun: bool) -> Config:
         checkpoint=args.checkpoint,
         every=args.every or 0,
         resume=args.resume,
+        recompute=args.recompute,
     )
 
 
