@@ -15,8 +15,8 @@ k (chunk c):
 - parameters (`parameters[k]`): whole without ZeRO; under ZeRO-1 and 2 whole plus this rank's
   flat shard that the optimizer steps (`parameters[k] / dp` more); under ZeRO-3 whole from the
   chunk's `Unshard` to its `Reshard` (the shard is then a slice of the gathered buffer) and only
-  the shard, `parameters[k] / dp`, otherwise (`held_parameter_bytes`); plus one stashed copy per
-  extra weight version alive under 2BW (`Timeline.peak_versions`);
+  the shard, `parameters[k] / dp`, otherwise (`held_parameter_bytes`); under a weight delay
+  (2BW) also a copy per weight version that computes still use (`held_stash_bytes`);
 - gradients (`gradients[k]`, `parameters[k]` if not given): whole from the chunk's first
   weight-gradient compute (B or W) until its `ReduceGrads` under ZeRO >= 1 (which
   reduce-scatters them into this rank's shard, `gradients[k] / dp`, kept until the step) or
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import attrs
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import WEIGHT_GRADIENT, OptimizerStep, ReduceGrads, Reshard, Unshard
+from schedcc.ir import COMPUTE, WEIGHT_GRADIENT, OptimizerStep, ReduceGrads, Reshard, Unshard
 
 __all__ = [
     "MemoryModel",
@@ -49,6 +49,7 @@ __all__ = [
     "format_size",
     "held_gradient_bytes",
     "held_parameter_bytes",
+    "held_stash_bytes",
     "parse_size",
     "resident_parameters",
     "stage_peak",
@@ -288,20 +289,62 @@ def chunk_sizes(program, memory: MemoryModel, stage: int, field: str) -> list[fl
     return [memory.at(field, schedule.segment_of(stage, c)) for c in range(schedule.num_chunks)]
 
 
+def held_stash_bytes(
+    ops: Sequence, row: Sequence[int | None], per_chunk: Sequence[float], weight_delay: int
+) -> tuple[float, list[float]]:
+    """`(before, after)`: the bytes of stashed weight copies one stage's program holds before
+    its first instruction and after each, under a weight delay (2BW; none without one).
+
+    The engines run every forward of a delayed program on a copy of its version's weights
+    (the live ones are the optimizer's): chunk c's copy of version k is taken at the start
+    (k = 0) or at the step that makes k, if a compute of chunk c uses k, and is held until the
+    last such compute (the graph keeps it until its last backward piece). `row` is the
+    version of each position (`schedcc.semantics.versions_of`).
+
+    >>> from schedcc.ir import parse
+    >>> from schedcc.semantics import versions_of
+    >>> ops = [parse(op) for op in "F0 B0 Step F1 B1 Step F2 B2".split()]
+    >>> held_stash_bytes(ops, versions_of(ops, 1, 1), [10.0], 1)
+    (10.0, [10.0, 10.0, 20.0, 20.0, 10.0, 10.0, 10.0, 0.0])
+    """
+    if not weight_delay:
+        return 0.0, [0.0] * len(ops)
+    born = {0: -1}
+    last: dict[tuple[int, int], int] = {}
+    for pos, op in enumerate(ops):
+        if type(op) is OptimizerStep:
+            born.setdefault(row[pos], pos)
+        elif isinstance(op, COMPUTE):
+            last[op.chunk, row[pos]] = pos
+    changes = [0.0] * (len(ops) + 1)  # changes[pos + 1]: after the instruction at pos
+    for (c, version), end in last.items():
+        start = born.get(version, -1)
+        if start < end:
+            changes[start + 1] += per_chunk[c]
+            changes[end + 1] -= per_chunk[c]
+    held, out = changes[0], []
+    for change in changes[1:]:
+        held += change
+        out.append(held)
+    return changes[0], out
+
+
 def stage_held(
-    program, memory: MemoryModel, stage: int, ops: Sequence, versions: int
+    program, memory: MemoryModel, stage: int, ops: Sequence, row: Sequence[int | None]
 ) -> tuple[float, list[float], StageBytes]:
     """`(before, after, peak)` for one stage's program `ops`: the bytes it holds before its
     first instruction (parameters, stashed copies and optimizer state), after each
-    instruction, and its peak by kind (`StageBytes`), with `versions` weight versions alive at
-    most (2BW)."""
+    instruction, and its peak by kind (`StageBytes`); `row` is the weight version of each
+    position (`schedcc.semantics.rule_versions`), for 2BW's stashed copies."""
     from schedcc.semantics.memory import held_bytes
 
     dp, zero = program.data_parallel, program.zero
     params = chunk_sizes(program, memory, stage, "parameters")
-    if program.forward_only:
+    delay = program.schedule.weight_delay
+    if program.forward_only:  # no stash, no graph, no gradient
         activations = [0.0] * len(ops)
         gradients = [0.0] * len(ops)
+        delay = 0
     else:
         sizes = chunk_sizes(program, memory, stage, "activations")
         inputs = chunk_sizes(program, memory, stage, "inputs")
@@ -309,15 +352,17 @@ def stage_held(
         grads = chunk_sizes(program, memory, stage, "gradients")
         gradients = held_gradient_bytes(ops, grads, zero=zero, data_parallel=dp)
     start, parameters = held_parameter_bytes(ops, params, zero=zero, data_parallel=dp)
-    stashed = max(0, versions - 1) * sum(params)
+    stash_start, stashed = held_stash_bytes(ops, row, params, delay)
     state = sum(chunk_sizes(program, memory, stage, "optimizer"))
     optimizer = state / dp if zero >= 1 else state
-    before = start + stashed + optimizer
-    after = [a + p + g + stashed + optimizer for a, p, g in zip(activations, parameters, gradients)]
+    before = start + stash_start + optimizer
+    after = [
+        a + p + w + g + optimizer for a, p, w, g in zip(activations, parameters, stashed, gradients)
+    ]
     peak = StageBytes(
         activations=max(activations, default=0.0),
         parameters=max([start, *parameters]),
-        stashed=stashed,
+        stashed=max([stash_start, *stashed]),
         gradients=max(gradients, default=0.0),
         optimizer=optimizer,
         total=max([before, *after]),
@@ -325,6 +370,9 @@ def stage_held(
     return before, after, peak
 
 
-def stage_peak(program, memory: MemoryModel, stage: int, versions: int = 1) -> StageBytes:
+def stage_peak(program, memory: MemoryModel, stage: int) -> StageBytes:
     """The peak bytes of `program`'s `stage` by kind (`StageBytes`; see `stage_held`)."""
-    return stage_held(program, memory, stage, program.stages[stage], versions)[2]
+    from schedcc.semantics import rule_versions
+
+    row = rule_versions(program)[stage]
+    return stage_held(program, memory, stage, program.stages[stage], row)[2]

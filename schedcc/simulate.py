@@ -40,6 +40,7 @@ from schedcc.semantics import (
     held_bytes,
     peak_activations,
     reference_walk,
+    rule_versions,
     step_model,
     tensors_of,
     versions_of,
@@ -174,16 +175,18 @@ class Timeline:
         """Per stage, the bytes it holds by kind (`schedcc.memory.StageBytes`): the most
         activations (as `peak_activation_bytes`), parameters (whole, or ZeRO shards: under
         ZeRO-3 whole only from a chunk's `Unshard` to its `Reshard`), 2BW's stashed weight
-        copies, gradients (shards after a ZeRO reduce-scatter) and optimizer state held at once,
-        and the most of all of them at once (`total`).
+        copies (one per version its computes still use), gradients (shards after a ZeRO
+        reduce-scatter) and optimizer state held at once, and the most of all of them at once
+        (`total`).
 
         Raises:
             ScheduleConfigError: the cost model has no `memory`.
         """
         memory = self._memory()
+        rows = rule_versions(self.program)
         return tuple(
-            stage_held(self.program, memory, s, ops, versions)[2]
-            for s, (ops, versions) in enumerate(zip(self.program.stages, self.peak_versions))
+            stage_held(self.program, memory, s, ops, row)[2]
+            for s, (ops, row) in enumerate(zip(self.program.stages, rows))
         )
 
     @property

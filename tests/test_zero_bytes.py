@@ -16,6 +16,7 @@ from schedcc.backends.runtime.memory import measure_memory
 from schedcc.costs import CostModel
 from schedcc.ir import COMM
 from schedcc.memory import chunk_sizes, held_gradient_bytes, held_parameter_bytes, stage_held
+from schedcc.semantics import rule_versions
 
 WIDTH = 8  # one segment: 72 float64 values, split evenly in two shards
 
@@ -75,7 +76,7 @@ def test_simulated_bytes_equal_measured_under_zero(name, v, zero):
         grads = chunk_sizes(program, memory, s, "gradients")
         _, simulated_params = held_parameter_bytes(ops, params, zero=zero, data_parallel=2)
         simulated_grads = held_gradient_bytes(ops, grads, zero=zero, data_parallel=2)
-        _, simulated_total, peak = stage_held(program, memory, s, ops, 1)
+        _, simulated_total, peak = stage_held(program, memory, s, ops, rule_versions(program)[s])
         assert [simulated_params[pos] for pos in at] == [p for _, p, _, _ in record], s
         assert [simulated_grads[pos] for pos in at] == [g for _, _, g, _ in record], s
         assert [simulated_total[pos] for pos in at] == [p + g + a for _, p, g, a in record], s

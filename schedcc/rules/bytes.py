@@ -24,12 +24,10 @@ def check_bytes(ctx: Context) -> Iterator[Problem]:
     limit, memory = ctx.max_bytes, ctx.memory
     if limit is None or memory is None:
         return
-    from schedcc.simulate import peak_live_versions  # the simulator imports the validator
-
     program = ctx.program
     versions = rule_versions(program)
     for s, ops in enumerate(ctx.stages):
-        before, after, _ = stage_held(program, memory, s, ops, peak_live_versions(ops, versions[s]))
+        before, after, _ = stage_held(program, memory, s, ops, versions[s])
         if before > limit:
             yield Problem(
                 MemoryBoundError,
