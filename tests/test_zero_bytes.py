@@ -8,6 +8,7 @@ holds then: its parameters' and shards' storages, its gradients' and its activat
 from __future__ import annotations
 
 import pytest
+import torch
 from _models import batches, make_segments, mse, sgd
 
 import schedcc
@@ -15,7 +16,13 @@ from schedcc.backends.local import Engine
 from schedcc.backends.runtime.memory import measure_memory
 from schedcc.costs import CostModel
 from schedcc.ir import COMM
-from schedcc.memory import chunk_sizes, held_gradient_bytes, held_parameter_bytes, stage_held
+from schedcc.memory import (
+    chunk_sizes,
+    held_gradient_bytes,
+    held_parameter_bytes,
+    held_stash_bytes,
+    stage_held,
+)
 from schedcc.semantics import rule_versions
 
 WIDTH = 8  # one segment: 72 float64 values, split evenly in two shards
@@ -88,3 +95,65 @@ def test_simulated_bytes_equal_measured_under_zero(name, v, zero):
         assert peak.parameters == {0: whole, 1: 1.5 * whole, 2: 1.5 * whole, 3: whole}[zero]
         if zero == 3:  # only the shards before the first Unshard and after the last Reshard
             assert record[-1][1] == whole / 2
+
+
+def test_simulated_stash_equals_measured_under_2bw():
+    """2BW over three batches (the third runs on version 1): after every instruction the
+    simulated bytes of stashed weight copies (`held_stash_bytes`) equal the storages of the
+    copies the runtime or its graphs still hold, two versions at once around the step."""
+    schedule = schedcc.get_schedule("2bw")(2, 4, num_batches=3)
+    program = schedcc.compile(schedule)
+    engine = Engine(program, make_segments(2, width=WIDTH), mse, sgd)
+    records = []
+    for runtime in engine.runtimes[0]:
+        record: list = []
+        records.append(record)
+        _measure_stash(runtime, record)
+    list(engine.train(batches(3, 8, width=WIDTH)))
+    memory = measure_memory(make_segments(2, width=WIDTH), *batches(1, 2, width=WIDTH)[0], mse)
+    rows = rule_versions(program)
+    for s, (ops, record) in enumerate(zip(program.stages, records)):
+        at = [pos for pos, op in enumerate(ops) if not isinstance(op, COMM)]
+        assert [op for op, _ in record] == [ops[pos] for pos in at]
+        params = chunk_sizes(program, memory, s, "parameters")
+        _, simulated = held_stash_bytes(ops, rows[s], params, schedule.weight_delay)
+        assert [simulated[pos] for pos in at] == [held for _, held in record], s
+        assert max(simulated) == 2 * sum(params)
+
+
+def _measure_stash(runtime, record: list) -> None:
+    """Append (instruction, bytes of stashed weight copies alive) after each instruction of
+    the next run; a copy is followed by a weak reference to its storage (a graph may keep it
+    after the runtime has dropped the tensor)."""
+    alive: dict[int, tuple[int, int]] = {}
+
+    def follow(tensors) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            alive[storage.data_ptr()] = (storage._weak_ref(), storage.nbytes())
+
+    reset, run = runtime.reset, runtime.run
+
+    def resetting(**kwargs) -> None:  # a run starts on new versions, version 0 stashed
+        reset(**kwargs)
+        versions = runtime._versions
+        for stash in versions._stash:
+            for params in stash.values():
+                follow(params.values())
+        snapshot = versions.snapshot
+
+        def stashing(c: int, version: int) -> None:
+            snapshot(c, version)
+            follow(versions._stash[c].get(version, {}).values())
+
+        versions.snapshot = stashing
+
+    def measured(op) -> None:
+        run(op)
+        for ptr, (ref, _) in list(alive.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del alive[ptr]
+        record.append((op, sum(nbytes for _, nbytes in alive.values())))
+
+    runtime.reset, runtime.run = resetting, measured
