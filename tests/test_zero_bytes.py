@@ -61,7 +61,8 @@ def test_simulated_bytes_equal_measured_under_zero(name, v, zero):
     """dp=2, p=2, m=4, one batch: per instruction the simulated parameter bytes (ZeRO-1/2:
     whole + the stepped shard; ZeRO-3: the shard, whole from Unshard to Reshard), gradient
     bytes (shards after each reduce-scatter) and totals equal the measured ones, and so do the
-    timeline's peaks; ZeRO-3 holds fewer parameter bytes at its peak than ZeRO-0."""
+    timeline's peaks: 1.5x the whole parameters under ZeRO-1/2, the whole under ZeRO-0/3, and
+    under ZeRO-3 only the shard once the last Reshard has run."""
     schedule = schedcc.get_schedule(name)(2, 4, num_chunks=v)
     program = schedcc.compile(schedule, data_parallel=2, zero=zero)
     (x, y) = batches(1, 8, width=WIDTH)[0]
