@@ -31,7 +31,7 @@ from schedcc._gc import paused_gc
 from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
-from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, static_bytes
+from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, stage_held
 from schedcc.program import Program
 from schedcc.semantics import (
     Steps,
@@ -40,6 +40,7 @@ from schedcc.semantics import (
     held_bytes,
     peak_activations,
     reference_walk,
+    rule_versions,
     step_model,
     tensors_of,
     versions_of,
@@ -171,22 +172,26 @@ class Timeline:
 
     @cached_property
     def stage_bytes(self) -> tuple[StageBytes, ...]:
-        """Per stage, the bytes it holds at its peak, by kind (`schedcc.memory.StageBytes`):
-        activations (as `peak_activation_bytes`), parameters, 2BW's stashed weight copies,
-        gradients and optimizer state, sharded under ZeRO.
+        """Per stage, the bytes it holds by kind (`schedcc.memory.StageBytes`): the most
+        activations (as `peak_activation_bytes`), parameters (whole, or ZeRO shards: under
+        ZeRO-3 whole only from a chunk's `Unshard` to its `Reshard`), 2BW's stashed weight
+        copies (one per version its computes still use), gradients (shards after a ZeRO
+        reduce-scatter) and optimizer state held at once, and the most of all of them at once
+        (`total`).
 
         Raises:
             ScheduleConfigError: the cost model has no `memory`.
         """
         memory = self._memory()
+        rows = rule_versions(self.program)
         return tuple(
-            attrs.evolve(static_bytes(self.program, memory, s, versions), activations=act)
-            for s, (act, versions) in enumerate(zip(self.peak_activation_bytes, self.peak_versions))
+            stage_held(self.program, memory, s, ops, row)[2]
+            for s, (ops, row) in enumerate(zip(self.program.stages, rows))
         )
 
     @property
     def peak_bytes(self) -> tuple[float, ...]:
-        """Per stage, the most bytes held at once: the total of `stage_bytes`."""
+        """Per stage, the most bytes held at once (`stage_bytes`' `total`)."""
         return tuple(b.total for b in self.stage_bytes)
 
     def _memory(self) -> MemoryModel:

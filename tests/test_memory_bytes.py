@@ -91,7 +91,8 @@ def _timeline(name, memory, *, num_batches=1, **compile_args):
 def test_peak_bytes_count_stashes_shards_and_recompute():
     """Peak bytes add parameters, gradients and optimizer state to the activations; 2BW holds a
     stashed copy of the parameters; ZeRO-1 shards the optimizer state and ZeRO-2 also the
-    gradients over dp; recomputation holds one microbatch's activations plus kept inputs."""
+    gradients after each reduce-scatter (ZeRO-3 also the parameters between uses);
+    recomputation holds one microbatch's activations plus kept inputs."""
     memory = MemoryModel(activations="1MiB", parameters="4MiB", optimizer="8MiB", inputs="0.25MiB")
     plain = _timeline("1f1b", memory)
     assert plain.peak_activation_bytes == (2 * MiB, 1 * MiB)
@@ -101,8 +102,12 @@ def test_peak_bytes_count_stashes_shards_and_recompute():
     zero1 = _timeline("1f1b", memory, data_parallel=2, zero=1)
     assert zero1.stage_bytes[0].optimizer == 4 * MiB
     assert zero1.stage_bytes[0].gradients == 4 * MiB
+    assert zero1.stage_bytes[0].parameters == (4 + 2) * MiB  # whole + the stepped shard
     zero2 = _timeline("1f1b", memory, data_parallel=2, zero=2)
-    assert zero2.stage_bytes[0].gradients == 2 * MiB
+    assert zero2.stage_bytes[0].gradients == (4 + 2) * MiB  # one backward's whole + the shard
+    zero3 = _timeline("1f1b", memory, data_parallel=2, zero=3)
+    assert zero3.stage_bytes[0].parameters == 4 * MiB  # whole from Unshard to Reshard
+    assert zero3.stage_bytes[0].total < zero2.stage_bytes[0].total
     recomputed = _timeline("1f1b", memory, recompute=True)
     assert recomputed.peak_activation_bytes == (1.25 * MiB, 1 * MiB)  # F1's input, then R0
 
@@ -124,13 +129,17 @@ def test_validate_bounds_bytes():
     full recomputation makes the same schedule fit."""
     memory = MemoryModel(activations="1MiB", parameters="1MiB")
     program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 8))
-    with pytest.raises(MemoryBoundError, match=r"hold 6.00 MiB .*over the limit of 5.00 MiB"):
+    with pytest.raises(
+        MemoryBoundError, match=r"F4\) makes stage 0 hold 6.00 MiB, over the limit of 5.00 MiB"
+    ):
         schedcc.validate(program, max_bytes="5MiB", memory=memory)
     schedcc.validate(program, max_bytes="10MiB", memory=memory)
     recomputed = schedcc.compile(schedcc.get_schedule("gpipe")(2, 8), recompute=True)
     schedcc.validate(recomputed, max_bytes="3MiB", memory=memory)
+    with pytest.raises(MemoryBoundError, match=r"R7\) makes stage 0 hold 2.00 MiB"):
+        schedcc.validate(recomputed, max_bytes="1MiB", memory=memory)  # parameters + R7
     with pytest.raises(MemoryBoundError, match="before any activation"):
-        schedcc.validate(recomputed, max_bytes="1MiB", memory=memory)
+        schedcc.validate(recomputed, max_bytes="0.5MiB", memory=memory)
     with pytest.raises(ScheduleConfigError, match="needs memory"):
         schedcc.validate(program, max_bytes="5MiB")
 

@@ -79,7 +79,11 @@ def _train(rank: int, config, device: torch.device) -> int:
         config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches
     )
     program = compile(
-        schedule, data_parallel=config.data_parallel, zero=config.zero, grad_norm=config.grad_norm
+        schedule,
+        data_parallel=config.data_parallel,
+        zero=config.zero,
+        grad_norm=config.grad_norm,
+        recompute=config.recompute,
     )
     replicas = type(schedule).num_replicas  # DualPipe: each replica holds the same modules
     built = models.build(config.model, schedule.num_segments // replicas, seed=config.seed)

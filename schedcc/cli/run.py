@@ -66,6 +66,7 @@ class Config:
     precision: str = "fp32"
     grad_norm: bool = False
     tp: int = 1
+    recompute: bool = False
 
     @property
     def world_size(self) -> int:
@@ -151,6 +152,11 @@ def register(subparsers) -> None:
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --checkpoint (if any)",
+    )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute every forward before its backward (compile(..., recompute=True))",
     )
     parser.set_defaults(func=run)
 
@@ -247,6 +253,7 @@ def _config(args, under_torchrun: bool) -> Config:
         checkpoint=args.checkpoint,
         every=args.every or 0,
         resume=args.resume,
+        recompute=args.recompute,
     )
 
 
@@ -258,12 +265,13 @@ def _grad_norm(args, schedule, dp: int) -> bool:
         raise UsageError(f"--max-grad-norm must be a positive number, got {args.max_grad_norm:g}")
     if args.check and args.precision != "fp32":
         raise UsageError("--check compares float64 training; it cannot run with --precision")
+    recompute = args.recompute
     try:
-        compile(schedule, data_parallel=dp, zero=args.zero, grad_norm=True)
+        compile(schedule, data_parallel=dp, zero=args.zero, recompute=recompute, grad_norm=True)
     except ScheduleConfigError:
         if args.max_grad_norm is not None or args.precision == "fp16":
             raise
-        compile(schedule, data_parallel=dp, zero=args.zero)
+        compile(schedule, data_parallel=dp, zero=args.zero, recompute=recompute)
         return False
     return True
 
