@@ -40,7 +40,7 @@ from schedcc.backends.runtime.memory import measure_memory
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import registered_classes
-from schedcc.schedule import uses_chunks
+from schedcc.schedule import build_schedule, uses_chunks
 
 WIDTH, LAYERS, ROWS, NUM_STAGES = 512, 8, 8, 4
 MICROBATCHES = (8, 16)
@@ -133,8 +133,13 @@ class _Meter:
 
 
 def _row(name: str, cls, m: int, recompute: bool, dp: int, zero: int) -> tuple | None:
-    v = 2 if name in TWO_CHUNKS and uses_chunks(cls) else 1
-    schedule = cls(NUM_STAGES, m, v)
+    v = 2 if name in TWO_CHUNKS and uses_chunks(cls) else None  # None: the class's default
+    try:
+        schedule = build_schedule(cls, NUM_STAGES, m, num_chunks=v)
+    except ScheduleConfigError:  # e.g. dualpipe's m >= 2p
+        return None
+    v = schedule.num_chunks
+    replicas = type(schedule).num_replicas  # DualPipe: the same modules again
     try:
         program = schedcc.compile(schedule, data_parallel=dp, zero=zero, recompute=recompute)
     except ScheduleConfigError:  # e.g. ZeRO-3 with 2BW's weight delay
@@ -142,8 +147,9 @@ def _row(name: str, cls, m: int, recompute: bool, dp: int, zero: int) -> tuple |
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(dp * m * ROWS, WIDTH, generator=gen)
     y = torch.randn(dp * m * ROWS, WIDTH, generator=gen)
-    memory = measure_memory(_segments(NUM_STAGES * v), x[:ROWS], y[:ROWS], F.mse_loss, _sgd)
-    engine = Engine(program, _segments(NUM_STAGES * v), F.mse_loss, _sgd)
+    parts = NUM_STAGES * v // replicas
+    memory = measure_memory(_segments(parts), x[:ROWS], y[:ROWS], F.mse_loss, _sgd)
+    engine = Engine(program, _segments(parts) * replicas, F.mse_loss, _sgd)
     meters = [_Meter(runtime) for runtime in engine.runtimes[0]]
     list(engine.train([(x, y)] * (2 * schedule.num_batches)))  # the 2nd with optimizer state
     measured = [meter.peak for meter in meters]

@@ -239,14 +239,17 @@ class MemoryModel:
         if value is None:  # gradients: as large as the parameters
             value = self.parameters
         if isinstance(value, tuple):
-            return value[segment]
+            return value[segment % len(value)]  # one replica's sizes stand for every copy
         return value
 
-    def check(self, num_segments: int) -> None:
-        """Raise `ScheduleConfigError` unless every per-segment list has `num_segments` sizes."""
+    def check(self, num_segments: int, num_replicas: int = 1) -> None:
+        """Raise `ScheduleConfigError` unless every per-segment list has `num_segments` sizes,
+        or, with model replicas (DualPipe), one replica's `num_segments / num_replicas`: segment
+        `r * L + j` is a copy of segment `j` and has its sizes."""
+        allowed = {num_segments, num_segments // num_replicas}
         for field in ("activations", "parameters", "optimizer", "inputs", "gradients"):
             value = getattr(self, field)
-            if isinstance(value, tuple) and len(value) != num_segments:
+            if isinstance(value, tuple) and len(value) not in allowed:
                 raise ScheduleConfigError(
                     f"MemoryModel.{field} has {len(value)} sizes but the program has "
                     f"{num_segments} segments (p * v): give one per segment, or one for all"

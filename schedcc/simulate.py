@@ -202,7 +202,8 @@ class Timeline:
                 "activations=..., parameters=..., optimizer=...))), e.g. measured with "
                 "schedcc.backends.runtime.memory.measure_memory"
             )
-        memory.check(self.program.schedule.num_segments)
+        schedule = self.program.schedule
+        memory.check(schedule.num_segments, type(schedule).num_replicas)
         return memory
 
     @cached_property

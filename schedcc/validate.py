@@ -121,7 +121,7 @@ def _byte_limit(program: Program, max_bytes, memory) -> float | None:
             f"max_bytes needs memory=MemoryModel(activations=..., parameters=..., ...) to count "
             f"bytes with, got memory={memory!r}"
         )
-    memory.check(program.schedule.num_segments)
+    memory.check(program.schedule.num_segments, type(program.schedule).num_replicas)
     limit = parse_size(max_bytes)
     if limit <= 0:
         raise ScheduleConfigError(f"max_bytes must be positive, got {max_bytes!r}")
