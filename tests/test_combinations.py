@@ -95,3 +95,22 @@ def test_every_built_in_clips_exactly_over_several_batches_per_run(name):
         program, parts * replicas, mse, sgd, batches(4, 8), max_grad_norm=0.05
     )
     assert worst < 1e-10
+
+
+def test_a_memory_model_of_one_replica_prices_dualpipe_s_copies():
+    """`measure_memory` on the parts gives one replica's sizes; the simulator reads them for
+    every copy, and its activation bytes equal what the engine holds on every stage."""
+    from schedcc.backends.local import Engine
+    from schedcc.backends.runtime.memory import measure_memory
+
+    schedule = schedcc.get_schedule("dualpipe")(2, 4)
+    program = schedcc.compile(schedule)
+    parts = make_segments(2)
+    ((x, y),) = batches(1, 8)
+    memory = measure_memory(parts, x[:2], y[:2], mse, sgd)
+    engine = Engine(program, parts + parts, mse, sgd)
+    list(engine.train([(x, y)]))
+    timeline = schedcc.simulate(program, schedcc.CostModel(memory=memory))
+    measured = [rt.peak_activation_bytes for rt in engine.runtimes[0]]
+    assert list(timeline.peak_activation_bytes) == measured
+    assert min(measured) > 0
