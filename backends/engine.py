@@ -25,6 +25,7 @@ forward-only program on one batch), `_runtimes` (the stage runtimes it holds), `
 from __future__ import annotations
 
 import abc
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,7 +37,9 @@ import torch
 from torch import nn
 
 from schedcc.backends.batches import is_pair
+from schedcc.backends.runtime.precision import LOW_PRECISION
 from schedcc.errors import ScheduleConfigError
+from schedcc.ir import GradNorm
 from schedcc.program import Program
 from schedcc.validate import validate
 
@@ -44,7 +47,14 @@ if TYPE_CHECKING:
     from schedcc.backends.runtime.stage import StageRuntime
     from schedcc.schedule import Schedule
 
-__all__ = ["BaseEngine", "LossFn", "OptimizerFactory", "check_segments", "is_pair"]
+__all__ = [
+    "BaseEngine",
+    "LossFn",
+    "OptimizerFactory",
+    "check_precision",
+    "check_segments",
+    "is_pair",
+]
 
 #: `loss_fn(output, targets)`: a scalar mean over the microbatch, a `(loss_sum, count)` pair or a
 #: dict of named scalars (`backends.runtime.losses`).
@@ -181,6 +191,7 @@ class BaseEngine(abc.ABC):
             self._forward_only = compile(
                 self.program.schedule,
                 data_parallel=self.program.data_parallel,
+                zero=self.program.zero,
                 forward_only=True,
             )
         return self._forward_only
@@ -208,6 +219,26 @@ class BaseEngine(abc.ABC):
                     sub.training = flag
 
     @property
+    def last_grad_norm(self) -> float | None:
+        """The whole model's gradient norm (before clipping) at the last step: what
+        `torch.nn.utils.clip_grad_norm_` returns on the non-pipelined model; None before the
+        first step or for a program without `GradNorm` (`compile(..., grad_norm=True)`)."""
+        return self._runtimes()[0].norm.last
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some gradient was inf or NaN (on any stage or replica): every
+        rank skipped them alike, leaving weights and optimizer state unchanged. Needs a program
+        with `GradNorm`; without one, no step is ever skipped."""
+        return self._runtimes()[0].skipped_steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The dynamic loss scale under `mixed_precision=torch.float16`, else None."""
+        scaler = self._runtimes()[0].norm.scaler
+        return scaler.scale if scaler is not None else None
+
+    @property
     def peak_activation_bytes(self) -> list[int | None]:
         """Per stage of the program, the most bytes of saved activations it held at once (its
         first data-parallel replica); None for a stage this engine does not run (on the
@@ -217,6 +248,28 @@ class BaseEngine(abc.ABC):
             held[s].peak_activation_bytes if s in held else None
             for s in range(self.program.num_stages)
         ]
+
+    @contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Under ZeRO-3, the held segments' parameters whole for the duration; a no-op otherwise.
+
+        Between runs a ZeRO-3 engine's modules hold no parameter data (each rank keeps only its
+        shard of each chunk); inside this block they hold the current weights, to read or
+        export. What is written to them there is not kept. On the distributed engine every rank
+        enters it (an all-gather over each stage's data-parallel group).
+
+        >>> # with engine.unsharded():
+        >>> #     torch.save(segments[0].state_dict(), "segment0.pt")
+        """
+        if self.program.zero != 3:
+            yield
+            return
+        self._unshard_all()
+        try:
+            yield
+        finally:
+            for runtime in self._all_runtimes():
+                runtime.release_all()
 
     # -- what each engine supplies -------------------------------------------------------------
 
@@ -250,8 +303,53 @@ class BaseEngine(abc.ABC):
     def _runtimes(self) -> list[StageRuntime]:
         """The stage runtimes this engine holds (its first data-parallel replica's)."""
 
+    def _all_runtimes(self) -> list[StageRuntime]:
+        """Every stage runtime this engine holds, of every replica."""
+        return self._runtimes()
+
+    def _unshard_all(self) -> None:
+        """ZeRO-3: make every held runtime's parameters whole (`unsharded`)."""
+        for runtime in self._all_runtimes():
+            runtime.unshard_all()
+
 
 # -- arguments ----------------------------------------------------------------------------------
+
+
+def check_precision(
+    program: Program, max_grad_norm: float | None, mixed_precision: torch.dtype | None
+) -> None:
+    """Refuse `max_grad_norm` and `mixed_precision` values an engine cannot honour.
+
+    Raises:
+        ScheduleConfigError: `max_grad_norm` is not a positive number, `mixed_precision` is not
+            None, `torch.bfloat16`, `torch.float16` or `torch.float32`, or clipping or float16
+            is asked of a program without `GradNorm` (compile it with `grad_norm=True`).
+    """
+    has_norm = any(type(op) is GradNorm for ops in program.stages for op in ops)
+    if max_grad_norm is not None:
+        bad = isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+        if bad or not 0 < max_grad_norm < math.inf:
+            raise ScheduleConfigError(
+                f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}"
+            )
+        if not has_norm:
+            raise ScheduleConfigError(
+                "max_grad_norm clips by the whole model's gradient norm, a collective over every "
+                "stage that this program lacks: compile with schedcc.compile(..., "
+                "grad_norm=True)"
+            )
+    if mixed_precision not in (None, torch.float32, *LOW_PRECISION):
+        raise ScheduleConfigError(
+            f"mixed_precision must be None, torch.bfloat16 or torch.float16, got "
+            f"{mixed_precision!r}"
+        )
+    if mixed_precision == torch.float16 and not has_norm:
+        raise ScheduleConfigError(
+            "mixed_precision=torch.float16 scales the loss and skips the steps that overflow, "
+            "which needs the all-stage gradient norm: compile with schedcc.compile(..., "
+            "grad_norm=True) (or use torch.bfloat16, which needs no loss scaling)"
+        )
 
 
 def check_segments(

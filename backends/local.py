@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from schedcc.backends.batches import local_batches, same_sizes, split_pair
@@ -50,8 +51,15 @@ from schedcc.backends.checkpoint.files import (
     write_shard,
 )
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
-from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_segments
+from schedcc.backends.engine import (
+    BaseEngine,
+    LossFn,
+    OptimizerFactory,
+    check_precision,
+    check_segments,
+)
 from schedcc.backends.runtime.boundary import Message
+from schedcc.backends.runtime.clipping import NormMeeting
 from schedcc.backends.runtime.collectives import Meeting, ThreadCollectives
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import (
@@ -63,7 +71,7 @@ from schedcc.backends.runtime.tied import (
 )
 from schedcc.backends.runtime.values import concat
 from schedcc.errors import DeadlockError
-from schedcc.ir import Comm, Instruction, ReduceTied
+from schedcc.ir import Comm, GradNorm, Instruction, ReduceTied
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route
 from schedcc.semantics.collectives import tie_members
@@ -86,6 +94,14 @@ class Engine(BaseEngine):
         loss_fn: `loss_fn(output, targets)`: a scalar mean over the microbatch, a
             `(loss_sum, count)` pair or a dict of named scalars (`backends.runtime.losses`).
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
+        max_grad_norm: clip the whole model's gradient to this norm before each step, exactly
+            as `torch.nn.utils.clip_grad_norm_` on the non-pipelined model; needs a program
+            compiled with `grad_norm=True`, which also skips any step whose gradients are not
+            finite (`skipped_steps`, `last_grad_norm`).
+        mixed_precision: `torch.bfloat16` or `torch.float16` (dynamic loss scaling; needs
+            `grad_norm=True`): compute and boundary tensors in that dtype, float32 master
+            weights and optimizer state ([Note: mixed precision] in
+            `backends.runtime.precision`).
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, or
@@ -109,8 +125,12 @@ class Engine(BaseEngine):
         segments: Sequence[nn.Module],
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
+        *,
+        max_grad_norm: float | None = None,
+        mixed_precision: torch.dtype | None = None,
     ) -> None:
         super().__init__(program, loss_fn, optimizer)
+        check_precision(program, max_grad_norm, mixed_precision)
         schedule = program.schedule
         segments = check_segments(schedule, segments)
         # refuse segments that share a parameter the program does not tie, before anything runs
@@ -135,6 +155,8 @@ class Engine(BaseEngine):
                     ties=stage_ties(
                         ties, layout.segment[s], [replica[k] for k in layout.segment[s]], private
                     ),
+                    max_grad_norm=max_grad_norm,
+                    mixed_precision=mixed_precision,
                 )
                 for s in range(schedule.num_stages)
             ]
@@ -186,6 +208,17 @@ class Engine(BaseEngine):
     def _runtimes(self) -> list[StageRuntime]:
         return self.runtimes[0]
 
+    def _all_runtimes(self) -> list[StageRuntime]:
+        return [rt for runtimes in self.runtimes for rt in runtimes]
+
+    def _unshard_all(self) -> None:
+        # every replica is here: concatenate their shards instead of meeting in a collective
+        for s in range(self.program.num_stages):
+            replicas = [runtimes[s] for runtimes in self.runtimes]
+            full = [torch.cat(shards) for shards in zip(*(rt.shards for rt in replicas))]
+            for rt in replicas:
+                rt.unshard_all([flat.clone() for flat in full])
+
     def _prepare(self, group: list[Any], first: int) -> list[Microbatches]:
         return [self._split(batch, first + j) for j, batch in enumerate(group)]
 
@@ -224,22 +257,28 @@ class Engine(BaseEngine):
         self._load(batches, forward_only=True, targets=targets is not None)
         if targets is not None:
             return self._losses(num_batches, whole=True)[0][0], None
-        last = self._layout.stage_of[-1]
+        lasts = self._ends(self._layout.lasts)  # a replica's outputs are on its last stage
         outputs = [
-            runtimes[last].outputs[i] for runtimes in self.runtimes for i in range(m * num_batches)
+            next(runtimes[s].outputs[i] for s in lasts if i in runtimes[s].outputs)
+            for runtimes in self.runtimes
+            for i in range(m * num_batches)
         ]
         return None, concat(outputs)
 
+    def _ends(self, segments: tuple[int, ...]) -> list[int]:
+        """The stages holding `segments` (the replicas' first or last ones)."""
+        return sorted({self._layout.stage_of[k] for k in segments})
+
     def _load(self, batches: list[Microbatches], *, forward_only: bool, targets: bool = True):
         """Load `batches` into every runtime and run the program (or the forward-only one)."""
-        first, last = self._layout.stage_of[0], self._layout.stage_of[-1]
+        firsts, lasts = self._ends(self._layout.firsts), self._ends(self._layout.lasts)
         for r, runtimes in enumerate(self.runtimes):
             for s, rt in enumerate(runtimes):
                 rt.reset(forward_only=forward_only)
                 for b, local in enumerate(batches):
                     inputs, target = local[r]
-                    target = target if s == last and targets else None
-                    rt.load_batch(b, inputs if s == first else None, target)
+                    target = target if s in lasts and targets else None
+                    rt.load_batch(b, inputs if s in firsts else None, target)
         ops = self._forward_ops if forward_only else self._ops
         if len(self.runtimes) == 1:
             self._run_replica(0, ops)
@@ -249,12 +288,15 @@ class Engine(BaseEngine):
     def _losses(self, count: int, *, whole: bool = False) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss (over every replica) and named parts; `whole`: of all batches as
         one (the forward-only program's batch)."""
-        last = self._layout.stage_of[-1]
-        records = [runtimes[last].loss_records for runtimes in self.runtimes]
+        records = [
+            runtimes[s].loss_records
+            for runtimes in self.runtimes
+            for s in self._ends(self._layout.lasts)
+        ]
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
         out = []
         for group in groups:
-            parts = [rec[b] for rec in records for b in group]
+            parts = [rec[b] for rec in records for b in group if b in rec]
             total = sum(r.total for r in parts)
             number = sum(r.count for r in parts)
             loss = total / number if number else float("nan")
@@ -289,7 +331,7 @@ class Engine(BaseEngine):
     def _run_replica(self, replica: int, all_ops) -> None:
         """Run every stage of one replica in turns until all finish (see the note above)."""
         runtimes = self.runtimes[replica]
-        mail = _Mailbox(TieMeetings(self._tie_members))
+        mail = _Mailbox(TieMeetings(self._tie_members), NormMeeting(len(runtimes)))
         cursors = [_Cursor() for _ in all_ops]
         while True:
             moved = False
@@ -342,12 +384,13 @@ class _Mailbox:
     """The point-to-point of one run of one replica: what each posted send carries, and which
     receives are posted, by route (a route names one tensor of the run)."""
 
-    __slots__ = ("expected", "messages", "ties")
+    __slots__ = ("expected", "messages", "norms", "ties")
 
-    def __init__(self, ties: TieMeetings) -> None:
+    def __init__(self, ties: TieMeetings, norms: NormMeeting) -> None:
         self.messages: dict[tuple, Message] = {}
         self.expected: set[tuple] = set()
         self.ties = ties  # where the stages meet for ReduceTied
+        self.norms = norms  # and for GradNorm
 
     def post(self, group: _CommGroup, runtime: StageRuntime) -> None:
         for op, route in group.sends:
@@ -393,6 +436,15 @@ class _Cursor:
                 if totals is None:
                     break
                 runtime.ties.apply(op.tie, totals)
+                self.posted = False
+            elif type(op) is GradNorm:  # a collective of all this replica's stages
+                if not self.posted:
+                    mail.norms.post(runtime.stage, runtime.norm_part())
+                    self.posted = True
+                total = mail.norms.take(runtime.stage)
+                if total is None:
+                    break
+                runtime.apply_norm(total)
                 self.posted = False
             else:
                 runtime.run(op)

@@ -22,6 +22,7 @@ copies of the same segments and checks that losses and weights agree.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -82,6 +83,9 @@ def train_reference(
     *,
     weight_delay: int = 0,
     batches_per_run: int | None = None,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
+    grad_norms: list[float] | None = None,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -95,6 +99,9 @@ def train_reference(
         weight_delay: `d`; batch b's gradient is taken at the weights of `max(0, b - d)` steps.
         batches_per_run: with a delay, the versions restart every this many batches (the local
             backend's `train` drains the pipeline after each run of the program).
+        max_grad_norm: clip with `torch.nn.utils.clip_grad_norm_` before each step.
+        skip_nonfinite: skip the step of a batch whose gradient norm is inf or NaN.
+        grad_norms: if given, each batch's gradient norm (before clipping) is appended to it.
     """
     model = Chain(segments)
     opt = optimizer(model.parameters())
@@ -123,6 +130,14 @@ def train_reference(
             grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
             for p, g in zip(model.parameters(), grads):
                 p.grad = None if g is None else g
+        if max_grad_norm is not None or skip_nonfinite or grad_norms is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+            if grad_norms is not None:
+                grad_norms.append(norm.item())
+            if skip_nonfinite and not math.isfinite(norm.item()):
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                continue
         opt.step()
         losses.append(loss.item())
     return losses
@@ -144,10 +159,13 @@ def assert_matches_reference(
     *,
     atol: float = 1e-10,
     rtol: float = 1e-10,
+    max_grad_norm: float | None = None,
 ) -> float:
     """Run `program` on the local backend and the reference on copies of `segments`; compare.
 
     The caller's `segments` are not changed. Returns the largest absolute difference seen.
+    With model replicas (DualPipe) `segments` holds each replica (the same modules again, say
+    `parts + parts`) and the reference trains the first replica's segments.
 
     Raises:
         AssertionError: a loss or a parameter differs beyond the tolerance (names which).
@@ -157,27 +175,32 @@ def assert_matches_reference(
 
     schedule = program.schedule
     piped, plain = copy.deepcopy(list(segments)), copy.deepcopy(list(segments))
-    losses = list(Engine(program, piped, loss_fn, optimizer).train(batches))
+    engine = Engine(program, piped, loss_fn, optimizer, max_grad_norm=max_grad_norm)
+    losses = list(engine.train(batches))
+    length = schedule.num_segments // type(schedule).num_replicas
     expected = train_reference(
-        plain,
+        plain[:length],
         loss_fn,
         optimizer,
         batches,
         weight_delay=schedule.weight_delay,
         batches_per_run=schedule.num_batches,
+        max_grad_norm=max_grad_norm,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):
         if abs(got - want) > atol + rtol * abs(want):
             raise AssertionError(f"{schedule!r}: loss of batch {b} is {got!r}, expected {want!r}")
         worst = max(worst, abs(got - want))
-    for k, (mine, theirs) in enumerate(zip(piped, plain)):
-        for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
-            diff = (p.detach() - q.detach()).abs().max().item() if p.numel() else 0.0
-            if not torch.allclose(p, q, atol=atol, rtol=rtol):
-                raise AssertionError(
-                    f"{schedule!r} (data_parallel={program.data_parallel}, zero={program.zero}): "
-                    f"segment {k} parameter {name!r} differs from non-pipelined training by {diff}"
-                )
-            worst = max(worst, diff)
+    with engine.unsharded():  # ZeRO-3 holds only shards between runs
+        for k, (mine, theirs) in enumerate(zip(piped, plain)):
+            for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
+                diff = (p.detach() - q.detach()).abs().max().item() if p.numel() else 0.0
+                if not torch.allclose(p, q, atol=atol, rtol=rtol):
+                    raise AssertionError(
+                        f"{schedule!r} (data_parallel={program.data_parallel}, "
+                        f"zero={program.zero}): segment {k} parameter {name!r} differs from "
+                        f"non-pipelined training by {diff}"
+                    )
+                worst = max(worst, diff)
     return worst

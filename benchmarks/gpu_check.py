@@ -30,6 +30,13 @@ SHAPES = {
     "2bw": (2, 4, 1, 2),
     "zb-h1": (2, 4, 1, 1),
     "zb-v": (2, 4, 2, 1),
+    "zb-h2": (2, 4, 1, 1),
+    "looped-bfs": (2, 4, 2, 1),
+    "interleaved-zb": (2, 4, 2, 1),
+    "dualpipe-v": (2, 4, 2, 1),
+    "v-half": (2, 4, 2, 1),
+    "v-min": (2, 4, 2, 1),
+    "dualpipe": (2, 4, 2, 1),
 }
 
 
@@ -44,8 +51,9 @@ def local_on_cuda() -> float:
     worst = 0.0
     for name, (p, m, v, per_run) in SHAPES.items():
         program = schedcc.compile(schedcc.get_schedule(name)(p, m, v, per_run))
-        segments = models.mlp_segments(p * v, width=32, seed=0)
-        segments = [s.double() for s in segments]
+        replicas = schedcc.get_schedule(name).num_replicas  # dualpipe: the same modules twice
+        segments = models.mlp_segments(p * v // replicas, width=32, seed=0)
+        segments = [s.double() for s in segments] * replicas
         data = models.TeacherData(width=32, seed=1)
         batches = [tuple(t.double() for t in data.batch(16, step)) for step in range(2 * per_run)]
         cpu_losses, cpu_params = _train(program, segments, batches, "cpu")

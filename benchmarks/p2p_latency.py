@@ -1,7 +1,10 @@
-"""One message between two local ranks: gloo send/recv against shared memory (a benchmark).
+"""One message between two local ranks: gloo send/recv, gloo broadcast in a two-rank group, and
+shared memory (a benchmark).
 
 Two processes, each bound to its own core, one thread each, ping-pong a float32 tensor of the given
-size N times, first through gloo (`dist.send`/`dist.recv` on 127.0.0.1), then through `ShmLinks`
+size N times, first through gloo (`dist.send`/`dist.recv` on 127.0.0.1), then as `dist.broadcast`
+in a group of the two ranks (the engine's `p2p="broadcast"`, DeepSpeed's first transport: see
+[Note: broadcast pairs] in backends/distributed/pairs.py), then through `ShmLinks`
 (backends/distributed/shm.py). Prints, per one-way message, the wall time and the CPU time of both
 processes together (gloo's I/O threads included), and their ratio.
 
@@ -37,6 +40,18 @@ def _gloo(rank: int, tensor: torch.Tensor, buffer: torch.Tensor, n: int) -> None
             dist.send(tensor, peer)
 
 
+def _broadcast(rank: int, tensor: torch.Tensor, buffer: torch.Tensor, n: int, groups) -> None:
+    """One group per direction, as the engine makes them (sender first, then receiver)."""
+    there, back = groups
+    for _ in range(n):
+        if rank == 0:
+            dist.broadcast(tensor, 0, group=there)
+            dist.broadcast(buffer, 1, group=back)
+        else:
+            dist.broadcast(buffer, 0, group=there)
+            dist.broadcast(tensor, 1, group=back)
+
+
 def _shm(rank: int, tensor: torch.Tensor, links: ShmLinks, n: int, first: int) -> None:
     peer, shape, dtype = 1 - rank, tuple(tensor.shape), tensor.dtype
     for i in range(first, first + n):
@@ -68,10 +83,13 @@ def _worker(rank: int, world_size: int, opts) -> int:
     links = ShmLinks.connect(dist.group.WORLD, [1 - rank], timeout=60)
     if links.peers != {1 - rank}:
         raise SystemExit("the two ranks could not link through shared memory here")
+    groups = (dist.new_group([0, 1]), dist.new_group([0, 1]))
     n, warm = opts.messages, 100
     _gloo(rank, tensor, buffer, warm)
+    _broadcast(rank, tensor, buffer, warm, groups)
     _shm(rank, tensor, links, warm, 0)
     gloo = _timed(lambda: _gloo(rank, tensor, buffer, n))
+    broadcast = _timed(lambda: _broadcast(rank, tensor, buffer, n, groups))
     shm = _timed(lambda: _shm(rank, tensor, links, n, warm))
     if rank == 0:
         per = 2 * n  # one-way messages
@@ -79,9 +97,12 @@ def _worker(rank: int, world_size: int, opts) -> int:
         print(f"{opts.kib} KiB, {n} round trips, ranks bound, per one-way message:")
         print("| transport | wall us | CPU us (both ranks) |")
         print("|---|---|---|")
-        for name, (wall, cpu) in (("gloo", gloo), ("shared memory", shm)):
+        rows = [("gloo send/recv", gloo), ("gloo broadcast pair", broadcast)]
+        rows.append(("shared memory", shm))
+        for name, (wall, cpu) in rows:
             print(f"| {name} | {wall / per * 1e6:.1f} | {cpu / per * 1e6:.1f} |")
         print(f"gloo / shared memory: wall {gloo[0] / shm[0]:.1f}x, CPU {gloo[1] / shm[1]:.1f}x")
+        print(f"broadcast / send-recv: wall {broadcast[0] / gloo[0]:.2f}x")
     links.close()
     dist.barrier()
     return 0

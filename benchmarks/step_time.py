@@ -12,15 +12,17 @@ process, gloo on 127.0.0.1:
   before its optimizer step, as Megatron-LM does.
 
 A step is timed barrier to barrier on every rank and the slowest rank counts; each row takes turns
-in rounds: schedcc, schedcc with gloo point-to-point (`shared_memory=False`: what the same executor
-does without its same-host transport), torch, the floor (one step per turn by default, so all see
-the same machine load; the order rotates from round to round, since whichever runner follows the
-floor measures 8-10% slower), and reports the median over all timed steps. The *floor* is every rank
-running only its own segments' forward and backward for all microbatches plus its optimizer step, at
-the same time, with no pipeline communication; `floor / (1 - bubble)` (the analytic bubble of the
-schedule) is what a perfect executor would take. Overhead is the gap to that, per instruction of the
-busiest stage. The CPU column (each rank's own CPU time for the step, slowest rank) is robust to a
-loaded machine: it shows what each executor costs apart from waiting (but schedcc's receives check
+in rounds: schedcc, schedcc with gloo point-to-point (`p2p="gloo"`: what the same executor does
+without its same-host transport), schedcc with broadcast pairs (`p2p="broadcast"`), schedcc in
+bfloat16 (`mixed_precision`, with the bytes each step sends), torch, the floor (one step per turn
+by default, so all see the same machine load; the order rotates from round to round, since
+whichever runner follows the floor measures 8-10% slower), and reports the median over all timed
+steps. The *floor* is every rank running only its own segments' forward and backward for all
+microbatches plus its optimizer step, at the same time, with no pipeline communication;
+`floor / (1 - bubble)` (the analytic bubble of the schedule) is what a perfect executor would
+take. Overhead is the gap to that, per instruction of the busiest stage. The CPU column (each
+rank's own CPU time for the step, slowest rank) is robust to a loaded machine: it shows what each
+executor costs apart from waiting (but schedcc's receives check
 for their data for up to 2 ms before they sleep, and that checking counts as CPU).
 
 Each rank is bound to its own core and keeps the memory it frees for reuse, as `schedcc run`'s
@@ -124,20 +126,28 @@ def _timed(step) -> tuple[float, float]:
 
 
 class _Schedcc:
-    def __init__(self, model, name: str, m: int, v: int, data, *, shared_memory: bool = True):
+    """schedcc's engine; `options` go to it (`p2p`, `mixed_precision`). `sent` counts the bytes
+    of the tensors this rank sends to other stages."""
+
+    def __init__(self, model, name: str, m: int, v: int, data, **options):
         segments = model.segments(NUM_STAGES * v)
         schedule = schedcc.get_schedule(name)(NUM_STAGES, m, v)
         program = schedcc.compile(schedule, tied=tied_groups(segments))
         self.engine = Engine(
-            program,
-            segments,
-            model.loss_fn,
-            _sgd,
-            reduce_loss=False,
-            shared_memory=shared_memory,
+            program, segments, model.loss_fn, _sgd, reduce_loss=False, **options
         )
         self.x, self.y = data
         self.instructions = max(len(ops) for ops in program.stages)
+        self.sent = 0
+        runtime = self.engine.runtime
+        outgoing = runtime.outgoing
+
+        def counted(op):
+            message = outgoing(op)
+            self.sent += sum(t.numel() * t.element_size() for t in message.tensors)
+            return message
+
+        runtime.outgoing = counted
 
     def step(self) -> None:
         self.engine.train_step(self.x, self.y)
@@ -262,7 +272,9 @@ def _row(rank: int, model, name: str, cls, v: int, m: int, opts) -> dict:
     ours = _Schedcc(model, name, m, v, data)
     runners = {
         "schedcc": ours,
-        "gloo": _Schedcc(model, name, m, v, data, shared_memory=False),
+        "gloo": _Schedcc(model, name, m, v, data, p2p="gloo"),
+        "broadcast": _Schedcc(model, name, m, v, data, p2p="broadcast"),
+        "bf16": _Schedcc(model, name, m, v, data, mixed_precision=torch.bfloat16),
         "torch": _Torch(model, cls, m, v, data, rank),
         "floor": _Floor(model, m, v, data, rank),
     }
@@ -297,8 +309,11 @@ def _row(rank: int, model, name: str, cls, v: int, m: int, opts) -> dict:
     makespan = simulate(ours.engine.program, _cost_model(stage_costs), eager=True).makespan
     work = max(m * sum(f + b for f, b in chunks) + step for chunks, step in stage_costs)
     simulated = medians["floor"] * makespan / work
+    steps = opts.warmup + opts.rounds * opts.steps_per_round
+    sent = {label: runners[label].sent / steps for label in ("schedcc", "bf16")}
     return {
         "row": f"{model.name} {name} m={m}" + (f" v={v}" if v > 1 else ""),
+        "sent": sent,
         **medians,
         "bubble": bubble,
         "ideal": ideal,
@@ -331,7 +346,8 @@ def _print(rows: list[dict]) -> None:
         "| schedule | schedcc ms | torch ms | torch/schedcc | floor ms | analytic bubble | "
         "floor/(1-bubble) ms | schedcc/ideal | simulated ms | schedcc/simulated | "
         "overhead us/instr | schedcc gloo-p2p ms | "
-        "CPU ms schedcc/gloo-p2p/torch/floor |"
+        "CPU ms schedcc/gloo-p2p/torch/floor | broadcast-p2p ms | bf16 ms | "
+        "KiB sent per step, rank 0: fp32 / bf16 |"
     )
     print(stamp("step_time"))
     print(header)
@@ -344,7 +360,9 @@ def _print(rows: list[dict]) -> None:
             f"{r['simulated'] * 1e3:.2f} | {r['schedcc'] / r['simulated']:.2f} | "
             f"{r['overhead_us']:.0f} | {r['gloo'] * 1e3:.2f} | {r['cpu']['schedcc'] * 1e3:.1f} / "
             f"{r['cpu']['gloo'] * 1e3:.1f} / {r['cpu']['torch'] * 1e3:.1f} / "
-            f"{r['cpu']['floor'] * 1e3:.1f} |",
+            f"{r['cpu']['floor'] * 1e3:.1f} | {r['broadcast'] * 1e3:.2f} | "
+            f"{r['bf16'] * 1e3:.2f} | {r['sent']['schedcc'] / 1024:.0f} / "
+            f"{r['sent']['bf16'] / 1024:.0f} |",
             flush=True,
         )
 

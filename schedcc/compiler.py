@@ -8,11 +8,17 @@ from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Forward, RecvActivation, SendActivation
 from schedcc.passes import PASSES, collect
+from schedcc.passes.insert_recompute import (
+    OverLimit,
+    Policy,
+    insert_recompute,
+    recompute_policy,
+)
 from schedcc.program import Program
 from schedcc.schedule import Schedule
 from schedcc.validate import validate as _validate
 
-__all__ = ["compile", "normalize_tied"]
+__all__ = ["compile", "normalize_tied", "with_replicas"]
 
 
 def compile(
@@ -22,6 +28,8 @@ def compile(
     zero: int = 0,
     tied: Iterable[Iterable[int]] = (),
     forward_only: bool = False,
+    recompute: bool | Iterable | Policy | OverLimit = False,
+    grad_norm: bool = False,
     validate: bool = True,
     max_activations: int | None = None,
 ) -> Program:
@@ -30,20 +38,33 @@ def compile(
     Args:
         schedule: a `Schedule` instance (shape given).
         data_parallel: pipeline replicas; above 1, gradients are reduced across them.
-        zero: 0, 1 (ZeRO-1: reduce-scatter, sharded step, all-gather) or 2 (reduce-scatter
-            after every backward).
+        zero: 0, 1 (ZeRO-1: reduce-scatter, sharded step, all-gather), 2 (reduce-scatter
+            after every backward) or 3 (as 2, and each chunk's parameters stay sharded between
+            uses: `Unshard` before its first compute of a batch, `Reshard` after its last).
         tied: groups of segment indices whose segments share parameters (e.g. `[(0, 3)]` for an
             LM head tied to the token embedding); each stage holding a segment of group `g` gets
             a `ReduceTied(g)` per batch that sums the gradients of every copy before the step.
+            A schedule with model replicas (DualPipe) ties each segment to its copies itself,
+            joined with these groups (see [Note: replicas] in `schedcc.semantics.layout`).
         forward_only: keep only the schedule's forwards (and its activation comm, if it yields
             comm): the program evaluation runs, with no backward and no update, every forward on
             the live weights; compiled, validated and simulated like any other.
+        recompute: which forwards keep only their inputs and are recomputed right before their
+            backward (a `Recompute` placed by `schedcc.passes.insert_recompute`): False (only
+            those the schedule yields itself), True (all: full activation recomputation), a
+            collection of stages or of `(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, or
+            `OverLimit(n)` (`schedcc.passes.insert_recompute`: the stages holding over `n`).
+        grad_norm: put a `GradNorm` before every stage's step: one scalar all-reduce over all
+            stages that gives the whole model's gradient norm, which an engine needs for
+            `max_grad_norm` clipping, fp16 loss scaling, and for skipping a step whose gradients
+            are not finite on every stage alike.
         validate: run the validator on the result (raises its `ScheduleError`).
         max_activations: with `validate`, also bound the microbatch activations per stage.
 
     Raises:
-        ScheduleConfigError: bad `data_parallel`, `zero` or `tied` (a group of fewer than two
-            segments, a segment out of range or in two groups).
+        ScheduleConfigError: bad `data_parallel`, `zero`, `recompute` or `tied` (a group of
+            fewer than two segments, a segment out of range or in two groups), or `zero=3` with
+            tied segments or a weight delay (2BW).
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
@@ -61,17 +82,24 @@ def compile(
         raise ScheduleConfigError(
             f"data_parallel must be a positive integer, got {data_parallel!r}"
         )
-    if type(zero) is not int or zero not in (0, 1, 2):
-        raise ScheduleConfigError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if type(zero) is not int or zero not in (0, 1, 2, 3):
+        raise ScheduleConfigError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if type(forward_only) is not bool:
         raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
-    groups = normalize_tied(tied, schedule.num_segments)
+    if type(grad_norm) is not bool:
+        raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
+    groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
+    policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
+    if zero == 3:
+        _check_zero3(schedule, groups)
     with paused_gc():
         program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
+        if policy is not None and not forward_only:
+            program = insert_recompute(program, policy)
         if forward_only:
             program = _forwards(program)
-        elif groups:  # a forward-only program has no gradients to tie
-            program = program.evolve(tied=groups)
+        else:  # a forward-only program has no gradients to tie or clip
+            program = program.evolve(tied=groups, grad_norm=grad_norm)
         for lower in PASSES:
             program = lower(program)
         if validate:
@@ -79,11 +107,59 @@ def compile(
     return program
 
 
+def _check_zero3(schedule: Schedule, groups) -> None:
+    """ZeRO-3 keeps one whole copy of a chunk's weights at most, for one batch at a time."""
+    if schedule.weight_delay:
+        raise ScheduleConfigError(
+            f"zero=3 cannot run {schedule!r}: its weight delay ({schedule.weight_delay}) keeps "
+            "stashed whole copies of the weights, which ZeRO-3 releases; use zero=2 or a "
+            "schedule without a weight delay"
+        )
+    if groups:
+        raise ScheduleConfigError(
+            "zero=3 cannot run with tied segments: a tied gradient is summed over whole copies "
+            "of the parameter; use zero=2 with tied=..."
+        )
+
+
 def _forwards(program: Program) -> Program:
     """`program` with only its forwards and activation comm, marked forward-only."""
     keep = (Forward, SendActivation, RecvActivation)
     stages = tuple(tuple(op for op in ops if type(op) in keep) for ops in program.stages)
     return program.evolve(stages=stages, forward_only=True)
+
+
+def with_replicas(
+    groups: tuple[tuple[int, ...], ...], schedule: Schedule
+) -> tuple[tuple[int, ...], ...]:
+    """`groups` joined with the ties between each segment and its copies in the other model
+    replicas (none for one replica): overlapping groups merge into one.
+
+    >>> from schedcc.schedules.dualpipe import DualPipe
+    >>> with_replicas(((0, 3),), DualPipe(2, 4))
+    ((0, 1, 2, 3),)
+    >>> with_replicas((), DualPipe(4, 8))
+    ((0, 4), (1, 5), (2, 6), (3, 7))
+    """
+    replicas = type(schedule).num_replicas
+    if replicas == 1:
+        return groups
+    length = schedule.num_segments // replicas
+    parent = list(range(schedule.num_segments))
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            k = parent[k]
+        return k
+
+    copies = [tuple(range(j, schedule.num_segments, length)) for j in range(length)]
+    for group in (*groups, *copies):
+        for k in group[1:]:
+            parent[root(k)] = root(group[0])
+    merged: dict[int, list[int]] = {}
+    for k in range(schedule.num_segments):
+        merged.setdefault(root(k), []).append(k)
+    return tuple(sorted(tuple(g) for g in merged.values() if len(g) > 1))
 
 
 def normalize_tied(tied: Iterable[Iterable[int]], num_segments: int) -> tuple[tuple[int, ...], ...]:

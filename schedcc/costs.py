@@ -21,9 +21,26 @@ from types import MappingProxyType
 import attrs
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import COMM, COMPUTE, UPDATE, Comm, Instruction, parse
+from schedcc.ir import (
+    COMM,
+    COMPUTE,
+    UPDATE,
+    Comm,
+    Instruction,
+    OverlappedBackward,
+    Recompute,
+    parse,
+)
+from schedcc.memory import MemoryModel
 
-__all__ = ["ALL_KINDS", "FIELD_OF_CODE", "CostModel", "cost_fields", "kind_cost"]
+__all__ = [
+    "ALL_KINDS",
+    "FIELD_OF_CODE",
+    "CostModel",
+    "cost_fields",
+    "kind_cost",
+    "overlapped_pair",
+]
 
 #: The cost field each instruction code reads (comm instructions all read `comm`).
 _FIELD = {
@@ -31,18 +48,51 @@ _FIELD = {
     "B": "backward",
     "I": "backward_input",
     "W": "backward_weight",
+    "R": "recompute",
     "Reduce": "reduce",
     "Tied": "reduce",
+    "Norm": "norm",
     "Step": "step",
     "Gather": "gather",
+    "Unshard": "gather",
+    "Reshard": "release",
 }
 FIELD_OF_CODE = MappingProxyType(_FIELD)
 ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
 
 
 def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
-    """The field of `model` that instructions of class `cls` cost."""
-    return model.comm if issubclass(cls, Comm) else getattr(model, _FIELD[cls.code])
+    """The field of `model` that instructions of class `cls` cost (a `Recompute` without its
+    own cost costs a forward; an `OverlappedBackward` what its pair takes beyond its forward,
+    see `overlapped_pair`)."""
+    if issubclass(cls, Comm):
+        return model.comm
+    if cls is Recompute and model.recompute is None:
+        return model.forward
+    if cls is OverlappedBackward:
+        return overlapped_pair(model) - model.forward
+    return getattr(model, _FIELD[cls.code])
+
+
+def overlapped_pair(model: CostModel) -> float:
+    """How long an overlapped forward/backward pair (`F3.1 +B1`) takes under `model`:
+    `max(F, B) + overlap * min(F, B)`.
+
+    The forward takes its own cost and the `OverlappedBackward` the rest, so the pair ends
+    together and its sends leave at its end.
+
+    >>> overlapped_pair(CostModel()), overlapped_pair(CostModel(overlap=1.0))
+    (2.5, 3.0)
+    """
+    shorter, longer = sorted((model.forward, model.backward))
+    return longer + model.overlap * shorter
+
+
+def _fraction(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ScheduleConfigError(
+            f"CostModel.{attribute.name} must be a fraction in [0, 1], got {value!r}"
+        )
 
 
 def _non_negative(instance, attribute, value) -> None:
@@ -50,6 +100,16 @@ def _non_negative(instance, attribute, value) -> None:
         raise ScheduleConfigError(
             f"CostModel.{attribute.name} must be a finite non-negative number, got {value!r}"
         )
+
+
+def _optional(instance, attribute, value) -> None:
+    if value is not None:
+        _non_negative(instance, attribute, value)
+
+
+def _memory_model(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, MemoryModel):
+        raise ScheduleConfigError(f"CostModel.memory must be a MemoryModel, got {value!r}")
 
 
 def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
@@ -73,8 +133,18 @@ class CostModel:
         comm: the cost of one comm group (a batched exchange), on top of waiting for the peer.
         reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
             (the all-reduce of a tied group's gradients, once its members are all there).
+        norm: a `GradNorm` (one scalar all-reduce over every stage, once they are all there:
+            the optimizer's synchronisation that global gradient clipping needs).
         step: an `OptimizerStep`.
-        gather: a `GatherParams` (ZeRO-1's all-gather).
+        gather: a `GatherParams` (ZeRO-1's all-gather) or an `Unshard` (ZeRO-3's).
+        overlap: the part of the shorter computation of an overlapped forward/backward pair
+            (`F3.1 +B1`) that overlapping does not hide: the pair takes `max(F, B) + overlap *
+            min(F, B)`. The default 0.5 is a middle guess between perfect overlap (0: the
+            pair costs its longer half) and none (1: `F + B`); measure yours and set it.
+        release: a `Reshard` (ZeRO-3 dropping a chunk's gathered parameters).
+        recompute: a `Recompute` (None: the same as this model's `forward`).
+        memory: bytes per segment (`schedcc.memory.MemoryModel`), for `Timeline.peak_bytes`
+            and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
 
@@ -96,7 +166,12 @@ class CostModel:
     comm: float = attrs.field(default=0.0, validator=_non_negative)
     reduce: float = attrs.field(default=0.0, validator=_non_negative)
     step: float = attrs.field(default=0.0, validator=_non_negative)
+    norm: float = attrs.field(default=0.0, validator=_non_negative)
     gather: float = attrs.field(default=0.0, validator=_non_negative)
+    release: float = attrs.field(default=0.0, validator=_non_negative)
+    recompute: float | None = attrs.field(default=None, validator=_optional)
+    memory: MemoryModel | None = attrs.field(default=None, validator=_memory_model)
+    overlap: float = attrs.field(default=0.5, validator=_fraction)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
 
@@ -187,7 +262,10 @@ def _kind_of(event: object) -> str | None:
         op = parse(str(event.get("name", "")))
     except ValueError:
         return None
-    return "comm" if isinstance(op, Comm) else _FIELD[op.code]
+    if isinstance(op, Comm):
+        return "comm"
+    # a measured overlapped backward ran as a backward (the CPU backends run the pair in order)
+    return "backward" if isinstance(op, OverlappedBackward) else _FIELD[op.code]
 
 
 def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:
@@ -195,7 +273,8 @@ def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:
 
 
 def cost_fields() -> tuple[str, ...]:
-    """The names of `CostModel`'s duration fields, in order (all but the overrides).
+    """The names of `CostModel`'s fields, in order: the durations and the overlap fraction (all
+    but the overrides and the memory model).
 
     >>> cost_fields()[:2]
     ('forward', 'backward')
@@ -203,4 +282,4 @@ def cost_fields() -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(CostModel) if f.name not in _OVERRIDES)
 
 
-_OVERRIDES = ("per_stage", "per_chunk")
+_OVERRIDES = ("per_stage", "per_chunk", "memory")

@@ -16,12 +16,15 @@ __all__ = [
     "DependencyError",
     "IncompleteScheduleError",
     "MemoryBoundError",
+    "OverlapError",
     "PartitionError",
     "RankFailure",
+    "RecomputeError",
     "RuntimeInstructionError",
     "ScheduleCodeError",
     "ScheduleConfigError",
     "ScheduleError",
+    "ShardingError",
     "UnknownScheduleError",
     "UnmatchedCommError",
     "UpdateOrderError",
@@ -108,6 +111,11 @@ class UpdateOrderError(DependencyError):
     """
 
 
+class OverlapError(DependencyError):
+    """An overlapped backward (`+B1`) that does not directly follow, on its stage, a forward it
+    can overlap: one that makes nothing the backward needs (see [Note: overlapped pairs])."""
+
+
 class ScheduleCodeError(ScheduleError):
     """A schedule's own code failed or broke the `Schedule` contract: its constructor, `check()`,
     `placement()` or `steps()` raised, or `steps()` returned or yielded something that is not an
@@ -116,5 +124,17 @@ class ScheduleCodeError(ScheduleError):
     """
 
 
+class RecomputeError(DependencyError):
+    """A `Recompute` out of place: before its forward, after its microbatch's first backward
+    piece on that chunk, or a second time (see `schedcc.rules.recompute`)."""
+
+
 class PartitionError(ScheduleConfigError):
     """A model that cannot be cut as asked (too few layers, bad boundaries, unknown method)."""
+
+
+class ShardingError(DependencyError):
+    """ZeRO-3's `Unshard`/`Reshard` out of place on a stage: a compute on a chunk whose
+    parameters are released, an `Unshard` of a chunk already whole or a `Reshard` of one that is
+    not (or whose gradients are not yet reduced), a chunk left whole across a step or at the end
+    of the program, or either instruction in a program not compiled with `zero=3`."""

@@ -24,6 +24,7 @@ __all__ = [
     "INPUT_GRADIENT",
     "RECEIVES",
     "SENDS",
+    "SHARDING",
     "UPDATE",
     "WEIGHT_GRADIENT",
     "Backward",
@@ -33,15 +34,20 @@ __all__ = [
     "Compute",
     "Forward",
     "GatherParams",
+    "GradNorm",
     "Instruction",
     "OnMicrobatch",
     "OptimizerStep",
+    "OverlappedBackward",
     "RecvActivation",
+    "Recompute",
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
+    "Reshard",
     "SendActivation",
     "SendGrad",
+    "Unshard",
     "Update",
     "parse",
 ]
@@ -129,6 +135,36 @@ class BackwardWeight(Compute):
 
 
 @attrs.frozen(slots=True)
+class Recompute(Compute):
+    """Roughly: `graph[i, c] = segment[c](inputs[i, c])` again, on the RNG state its forward used.
+
+    Its presence declares that the forward of microbatch i on chunk c keeps only its input (it
+    saves nothing for a backward); `R` rebuilds the graph, and the microbatch's activations are
+    held from `R` to its last backward piece (see [Note: recomputation] in docs/design.md).
+    """
+
+    code: ClassVar[str] = "R"
+
+
+@attrs.frozen(slots=True)
+class OverlappedBackward(Backward):
+    """Roughly: `Backward(i, c)` run overlapped with the `Forward` just before it on its stage.
+
+    The pair is the overlapped forward/backward of DualPipe-style schedules: a stage reads
+    `F3.1 +B1`, the forward of microbatch 3 on chunk 1 overlapped with the backward of
+    microbatch 1 on chunk 0. It means what the two mean in order (the CPU backends run them in
+    order); the compiler puts the pair's receives before the forward and its sends after the
+    backward, and the simulator prices the pair as `CostModel.overlap` says (see [Note:
+    overlapped pairs] in `schedcc.rules.overlap`).
+
+    >>> str(OverlappedBackward(1)), parse("+B1.2")
+    ('+B1', OverlappedBackward(microbatch=1, chunk=2))
+    """
+
+    code: ClassVar[str] = "+B"
+
+
+@attrs.frozen(slots=True)
 class SendActivation(Comm):
     """Roughly: `send(outputs[i, c], to=stage of segment k + 1)`."""
 
@@ -204,19 +240,63 @@ class ReduceTied(Update):
         return f"{self.code}{self.tie}"
 
 
-COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+@attrs.frozen(slots=True)
+class GradNorm(Update):
+    """Roughly: `norm = sqrt(sum over every stage and shard of |grad|^2)`; clip the gradients by
+    it, or mark the step skipped when it is not finite (a collective among all stages)."""
+
+    code: ClassVar[str] = "Norm"
+
+    def __str__(self) -> str:
+        return self.code
+
+
+@attrs.frozen(slots=True)
+class Unshard(Update):
+    """Roughly: `weights[c] = all_gather(every rank's shard of weights[c])` (ZeRO-3: the chunk's
+    parameters are whole from here until its `Reshard`)."""
+
+    code: ClassVar[str] = "Unshard"
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.code}.{self.chunk}" if self.chunk else self.code
+
+
+@attrs.frozen(slots=True)
+class Reshard(Update):
+    """Roughly: `del weights[c]` but this rank's shard (ZeRO-3: no compute on chunk c until the
+    next `Unshard`)."""
+
+    code: ClassVar[str] = "Reshard"
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.code}.{self.chunk}" if self.chunk else self.code
+
+
+COMPUTE = (
+    Forward,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Recompute,
+    OverlappedBackward,
+)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied)
+UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, GradNorm, Unshard, Reshard)
+#: ZeRO-3's instructions that make a chunk's parameters whole and release them again.
+SHARDING = (Unshard, Reshard)
 #: The computes that add to a chunk's weight gradients (`.grad`).
-WEIGHT_GRADIENT = (Backward, BackwardWeight)
+WEIGHT_GRADIENT = (Backward, BackwardWeight, OverlappedBackward)
 #: The computes that make a microbatch's input gradient (what `SendGrad` sends).
-INPUT_GRADIENT = (Backward, BackwardInput)
+INPUT_GRADIENT = (Backward, BackwardInput, OverlappedBackward)
 SENDS = (SendActivation, SendGrad)
 RECEIVES = (RecvActivation, RecvGrad)
 
 _BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
-_ON_MICROBATCH = re.compile(r"(F|B|I|W|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
-_ON_CHUNK = re.compile(r"(Reduce|Gather)(?:\.(\d+))?")
+_ON_MICROBATCH = re.compile(r"(F|B|I|W|R|\+B|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
+_ON_CHUNK = re.compile(r"(Reduce|Gather|Unshard|Reshard)(?:\.(\d+))?")
 _TIED = re.compile(r"Tied(\d+)")
 
 
@@ -237,7 +317,9 @@ def parse(text: str) -> Instruction:
         return ReduceTied(int(match.group(1)))
     if text == OptimizerStep.code:
         return OptimizerStep()
+    if text == GradNorm.code:
+        return GradNorm()
     raise ValueError(
-        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, SA2, RA2, SG2, RG2, "
-        "Reduce, Reduce.1, Step, Gather.1, Tied0"
+        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, +B1, SA2, RA2, "
+        "SG2, RG2, Reduce, Reduce.1, Norm, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
     )

@@ -32,6 +32,8 @@ class Program:
             (`compile(..., tied=...)`); `ReduceTied(g)` sums the gradients of group `g`'s copies.
         forward_only: the program only runs forwards (`compile(..., forward_only=True)`, for
             evaluation): no backward, no update, and every forward uses the live weights.
+        grad_norm: the compiler places a `GradNorm` before every step (`compile(...,
+            grad_norm=True)`), for global gradient clipping and non-finite step skipping.
     """
 
     schedule: Schedule
@@ -41,6 +43,7 @@ class Program:
     versions: tuple[tuple[int | None, ...], ...] | None = None
     tied: tuple[tuple[int, ...], ...] = ()
     forward_only: bool = False
+    grad_norm: bool = False
 
     @property
     def num_stages(self) -> int:

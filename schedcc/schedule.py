@@ -80,6 +80,10 @@ class Schedule:
     name: ClassVar[str] = ""
     #: The forward of batch b uses weight version max(0, b - weight_delay).
     weight_delay: ClassVar[int] = 0
+    #: How many replicas of the model the segments hold (see [Note: replicas]): replica r is
+    #: segments `r*L .. (r+1)*L - 1` with `L = p*v / num_replicas`, segment `r*L + j` a copy of
+    #: segment j, and each microbatch runs only the replica `replica_of` gives it.
+    num_replicas: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -109,6 +113,17 @@ class Schedule:
             raise ScheduleConfigError(
                 f"{owner}.weight_delay must be an integer >= 0, got {delay!r}"
             )
+        replicas = type(self).num_replicas
+        if (
+            isinstance(replicas, bool)
+            or not isinstance(replicas, int)
+            or replicas < 1
+            or self.num_segments % replicas
+        ):
+            raise ScheduleConfigError(
+                f"{owner}.num_replicas must be a positive integer dividing the p*v = "
+                f"{self.num_segments} segments, got {replicas!r}"
+            )
         self._segments = self._segment_table()
 
     # -- for subclasses -------------------------------------------------------------------------
@@ -123,6 +138,11 @@ class Schedule:
     def placement(self, segment: int) -> tuple[int, int]:
         """The `(stage, chunk)` that holds `segment`; looped (Megatron interleaving) by default."""
         return segment % self.num_stages, segment // self.num_stages
+
+    def replica_of(self, microbatch: int) -> int:
+        """The model replica microbatch `microbatch` (its index within its batch, < m) runs,
+        in `range(num_replicas)`; 0 by default (see [Note: replicas])."""
+        return 0
 
     # -- derived --------------------------------------------------------------------------------
 

@@ -31,13 +31,16 @@ from schedcc._gc import paused_gc
 from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
+from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, stage_held
 from schedcc.program import Program
 from schedcc.semantics import (
     Steps,
     Tensors,
     Walk,
+    held_bytes,
     peak_activations,
     reference_walk,
+    rule_versions,
     step_model,
     tensors_of,
     versions_of,
@@ -148,6 +151,62 @@ class Timeline:
         return tuple(peak_activations(ops) for ops in self.program.stages)
 
     @cached_property
+    def peak_activation_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most activation bytes held at once: `peak_activations` weighted by
+        each segment's `costs.memory.activations`, plus the inputs recomputed forwards keep
+        until their `Recompute` (what the engines' `peak_activation_bytes` measure; [Note:
+        bytes per stage] in `schedcc.memory`).
+
+        Raises:
+            ScheduleConfigError: the cost model has no `memory`.
+        """
+        memory = self._memory()
+        if self.program.forward_only:
+            return (0.0,) * self.num_stages
+        peaks = []
+        for s, ops in enumerate(self.program.stages):
+            sizes = chunk_sizes(self.program, memory, s, "activations")
+            inputs = chunk_sizes(self.program, memory, s, "inputs")
+            peaks.append(max(held_bytes(ops, sizes, inputs), default=0.0))
+        return tuple(peaks)
+
+    @cached_property
+    def stage_bytes(self) -> tuple[StageBytes, ...]:
+        """Per stage, the bytes it holds by kind (`schedcc.memory.StageBytes`): the most
+        activations (as `peak_activation_bytes`), parameters (whole, or ZeRO shards: under
+        ZeRO-3 whole only from a chunk's `Unshard` to its `Reshard`), 2BW's stashed weight
+        copies (one per version its computes still use), gradients (shards after a ZeRO
+        reduce-scatter) and optimizer state held at once, and the most of all of them at once
+        (`total`).
+
+        Raises:
+            ScheduleConfigError: the cost model has no `memory`.
+        """
+        memory = self._memory()
+        rows = rule_versions(self.program)
+        return tuple(
+            stage_held(self.program, memory, s, ops, row)[2]
+            for s, (ops, row) in enumerate(zip(self.program.stages, rows))
+        )
+
+    @property
+    def peak_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most bytes held at once (`stage_bytes`' `total`)."""
+        return tuple(b.total for b in self.stage_bytes)
+
+    def _memory(self) -> MemoryModel:
+        memory = self.costs.memory if self.costs is not None else None
+        if memory is None:
+            raise ScheduleConfigError(
+                "bytes need a memory model: simulate(program, CostModel(memory=MemoryModel("
+                "activations=..., parameters=..., optimizer=...))), e.g. measured with "
+                "schedcc.backends.runtime.memory.measure_memory"
+            )
+        schedule = self.program.schedule
+        memory.check(schedule.num_segments, type(schedule).num_replicas)
+        return memory
+
+    @cached_property
     def peak_versions(self) -> tuple[int, ...]:
         """Per stage, the most weight versions held at once.
 
@@ -159,7 +218,7 @@ class Timeline:
         if versions is None:
             m, delay = program.schedule.num_microbatches, program.schedule.weight_delay
             versions = tuple(versions_of(ops, m, delay) for ops in program.stages)
-        return tuple(_peak_live(ops, row) for ops, row in zip(program.stages, versions))
+        return tuple(peak_live_versions(ops, row) for ops, row in zip(program.stages, versions))
 
     @cached_property
     def critical_path(self) -> tuple[Event, ...]:
@@ -202,7 +261,9 @@ class Timeline:
         return write_chrome_trace(self.events, path, flows=flows, metadata=_meta(self))
 
 
-def _peak_live(ops, row) -> int:
+def peak_live_versions(ops, row) -> int:
+    """The most weight versions one stage holds at once (`Timeline.peak_versions`), from its
+    program and the version of each position (`row`)."""
     born = {0: -1}
     last_use: dict[int, int] = {}
     for pos, op in enumerate(ops):
@@ -317,7 +378,7 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    meets = step_model(program).meets if program.tied else None
+    meets = step_model(program).meets or None  # ReduceTied and GradNorm collectives
     spans = eager_spans(program.stages, tensors, cost, meets=meets)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")

@@ -13,7 +13,9 @@ its message's flight, from the producer's end to the arrival. A program that val
 get stuck this way (every wait of the rendezvous model is kept or dropped, none added), and no
 compute starts later than it would there (docs/design.md, "Rendezvous and eager").
 A `ReduceTied` is a collective: it starts once every member of it has reached it, as in the
-step model ([Note: tied collectives] in `schedcc.semantics.collectives`).
+step model ([Note: tied collectives] in `schedcc.semantics.collectives`). An overlapped pair
+(`F3.1 +B1`, [Note: overlapped pairs] in `schedcc.rules.overlap`) starts once the inputs of both
+have arrived, and the forward's output leaves at the pair's end, as the compiler's sends do.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from schedcc.ir import Comm, Compute, Instruction, RecvActivation, RecvGrad
+from schedcc.ir import (
+    Comm,
+    Compute,
+    Forward,
+    Instruction,
+    OverlappedBackward,
+    RecvActivation,
+    RecvGrad,
+)
 from schedcc.semantics import Tensors
 
 __all__ = ["eager_spans"]
 
-#: Per op: its duration (None for a comm op, timed by its message), the tensor key it needs from
-#: another stage and the one it makes (or, for a comm op, carries); -1 for none.
-_Plan = list[list[tuple[float | None, int, int]]]
+#: Per op: its duration (None for a comm op, timed by its message), the tensor keys it needs from
+#: another stage (a collective's: `-2 - n`) and those it makes (a comm op: the key it carries,
+#: -1 for none).
+_Plan = list[list[tuple[float | None, tuple[int, ...], tuple[int, ...] | int]]]
 
 
 def eager_spans(
@@ -53,27 +64,34 @@ def eager_spans(
         s = ready.popleft()
         plan, row, now, pos = plans[s], spans[s], clock[s], at[s]
         while pos < len(plan):
-            duration, need, make = plan[pos]
+            duration, needs, makes = plan[pos]
             if duration is not None:
-                if need >= 0:
-                    if need not in produced:
-                        waiting.setdefault(need, []).append(s)
-                        break
-                    now = max(now, produced[need] + flight.get(need, 0.0))
-                elif need < -1:  # a collective: wait for every member (its key is `need`)
-                    members = arrived[-2 - need]
-                    members[s] = members.get(s, now)
-                    if len(members) <= members[None]:  # its count is under key None
-                        waiting.setdefault(need, []).append(s)
-                        break
-                    now = max(now, *(t for key, t in members.items() if key is not None))
-                    ready.extend(waiting.pop(need, ()))
-                row[pos] = (now, now + duration)
-                now += duration
-                if make >= 0:
-                    produced[make] = now
-                    if make in waiting:
-                        ready.extend(waiting.pop(make))
+                start = now
+                for need in needs:
+                    if need >= 0:
+                        if need not in produced:
+                            waiting.setdefault(need, []).append(s)
+                            break
+                        start = max(start, produced[need] + flight.get(need, 0.0))
+                    else:  # a collective: wait for every member (its key is `need`)
+                        members = arrived[-2 - need]
+                        members[s] = members.get(s, now)
+                        if len(members) <= members[None]:  # its count is under key None
+                            waiting.setdefault(need, []).append(s)
+                            break
+                        start = max(start, *(t for key, t in members.items() if key is not None))
+                        ready.extend(waiting.pop(need, ()))
+                else:
+                    now = start
+                    row[pos] = (now, now + duration)
+                    now += duration
+                    for make in makes:
+                        produced[make] = now
+                        if make in waiting:
+                            ready.extend(waiting.pop(make))
+                    pos += 1
+                    continue
+                break
             pos += 1
         clock[s], at[s] = now, pos
     if any(at[s] < len(plan) for s, plan in enumerate(plans)):
@@ -88,21 +106,26 @@ def _plans(stages, tensors: Tensors, cost) -> tuple[_Plan, dict[int, float]]:
     flight: dict[int, float] = {}
     for s, ops in enumerate(stages):
         computes, comms = tensors.compute_table(s), tensors.comm_table(s)
-        row: list[tuple[float | None, int, int]] = []
-        for op in ops:
+        row: list = []
+        for pos, op in enumerate(ops):
             if isinstance(op, Comm):
                 route = comms.get((type(op), op.chunk))
                 key = -1 if route is None else op.microbatch * span + route.carries
                 if key >= 0 and type(op) in (RecvActivation, RecvGrad):
                     flight[key] = cost(s, op)
-                row.append((None, -1, key))
+                row.append((None, (), key))
             elif isinstance(op, Compute):
                 use = computes[type(op), op.chunk]
                 base = op.microbatch * span
-                need = base + use.remote[0] if use.remote else -1
-                row.append((cost(s, op), need, base + use.makes if use.makes >= 0 else -1))
+                needs = tuple(base + key for key in use.remote)
+                makes = (base + use.makes,) if use.makes >= 0 else ()
+                if type(op) is OverlappedBackward and pos and type(ops[pos - 1]) is Forward:
+                    duration, forward_needs, forward_makes = row[-1]  # see the note above
+                    row[-1] = (duration, forward_needs + needs, ())
+                    needs, makes = (), forward_makes + makes
+                row.append((cost(s, op), needs, makes))
             else:
-                row.append((cost(s, op), -1, -1))
+                row.append((cost(s, op), (), ()))
         plans.append(row)
     return plans, flight
 
@@ -120,8 +143,8 @@ def _collectives(plans: _Plan, meets) -> list[dict]:
             if key not in index:
                 index[key] = len(arrived)
                 arrived.append({None: len(others) + 1})
-            duration, _, make = plans[s][pos]
-            plans[s][pos] = (duration, -2 - index[key], make)
+            duration, _, makes = plans[s][pos]
+            plans[s][pos] = (duration, (-2 - index[key],), makes)
     return arrived
 
 

@@ -164,12 +164,14 @@ def _check_numerics(schedule: Schedule, program: Program) -> None:
     width = 3
     gen = torch.Generator().manual_seed(0)
     segments = []
-    for _ in range(schedule.num_segments):
+    replicas = type(schedule).num_replicas  # each replica holds the same modules again
+    for _ in range(schedule.num_segments // replicas):
         layer = torch.nn.Linear(width, width, dtype=torch.float64)
         with torch.no_grad():
             layer.weight.copy_(torch.randn(width, width, generator=gen, dtype=torch.float64))
             layer.bias.copy_(torch.randn(width, generator=gen, dtype=torch.float64))
         segments.append(torch.nn.Sequential(layer, torch.nn.Tanh()))
+    segments *= replicas
     rows = schedule.num_microbatches * program.data_parallel
     batches = [
         (

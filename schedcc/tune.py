@@ -10,9 +10,11 @@ raises, or its program does not validate) is an error, not a silent drop.
 stage a chunk runs 1/v of that share, so its compute costs are divided by v (comm and update
 costs are not). Activation memory is counted the same way: a chunk's activations are 1/v of a
 stage's, so `peak_activations` is the peak number of held chunk activations divided by v, in
-microbatches of a whole stage (1F1B's stage 0 holds p). Ranking by `makespan / m` compares
+microbatches of a whole stage (1F1B's stage 0 holds p); a `MemoryModel` in the costs is likewise
+a stage's sizes at v = 1, each chunk holding 1/v of them. Ranking by `makespan / m` compares
 throughput at a fixed microbatch size, and equally step time at a fixed global batch when costs
-scale linearly with the microbatch size.
+scale linearly with the microbatch size. A schedule with R model replicas (DualPipe, [Note:
+replicas]) holds v / R chunks of one replica per stage, so each chunk runs R/v of the share.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import attrs
 from schedcc.compiler import compile
 from schedcc.costs import FIELD_OF_CODE, CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
-from schedcc.ir import COMPUTE
+from schedcc.ir import COMPUTE, Recompute
+from schedcc.memory import parse_size
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.schedule import (
     Schedule,
@@ -39,7 +42,7 @@ from schedcc.simulate import simulate
 __all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
 
 #: The cost fields a chunk pays 1/v of (see [Note: tune's units]).
-_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE)
+_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE)
 
 
 @attrs.frozen
@@ -55,6 +58,9 @@ class Candidate:
         peak_activations: the largest of `activations`.
         activations: peak activations per stage, in whole-stage microbatches.
         versions: peak weight versions held per stage.
+        recompute: whether every forward is recomputed (`compile(..., recompute=True)`).
+        peak_bytes: the largest of `bytes` (None without a memory model in the costs).
+        bytes: peak bytes held per stage (`Timeline.peak_bytes`; empty without a memory model).
     """
 
     schedule: str
@@ -66,6 +72,9 @@ class Candidate:
     peak_activations: float
     activations: tuple[float, ...]
     versions: tuple[int, ...]
+    recompute: bool = False
+    peak_bytes: float | None = None
+    bytes: tuple[float, ...] = ()
 
 
 @attrs.frozen
@@ -107,9 +116,10 @@ def tune(
     num_microbatches: int | Iterable[int] = 8,
     num_chunks: int | Iterable[int] = (1, 2),
     costs: CostModel | None = None,
-    memory_limit: float | None = None,
+    memory_limit: float | str | None = None,
     data_parallel: int = 1,
     zero: int = 0,
+    recompute: bool | Iterable[bool] = False,
 ) -> TuneResult:
     """Simulate each schedule at each (m, v) and rank those within `memory_limit` by time.
 
@@ -120,8 +130,12 @@ def tune(
         num_microbatches, num_chunks: the values of m and v to try (an int or several).
         costs: per-stage costs at v = 1 (default `CostModel()`); see [Note: tune's units].
         memory_limit: drop programs whose peak activations exceed this many whole-stage
-            microbatches.
+            microbatches; when `costs.memory` is a `MemoryModel` (sizes per stage at v = 1),
+            drop those whose peak bytes (`Timeline.peak_bytes`) exceed this many bytes
+            instead (a number or a size such as "12GiB").
         data_parallel, zero: as in `schedcc.compile` (adds the gradient reductions).
+        recompute: without (False), with (True) or both ways (`(False, True)`): full
+            recomputation, `compile(..., recompute=True)`; each is its own candidate.
 
     Returns:
         A `TuneResult`: `ranked` fastest first (ties: less memory first), `over_limit`,
@@ -139,28 +153,46 @@ def tune(
     >>> [(c.schedule, c.makespan, c.peak_activations) for c in result.ranked]
     [('1f1b', 15.0, 2.0), ('gpipe', 15.0, 4.0)]
     """
-    grid = _Grid.of(num_stages, num_microbatches, num_chunks, memory_limit)
     costs = CostModel() if costs is None else costs
     if not isinstance(costs, CostModel):
         raise ScheduleConfigError(f"tune: costs must be a CostModel, got {costs!r}")
+    in_bytes = costs.memory is not None
+    if in_bytes and memory_limit is not None:
+        memory_limit = parse_size(memory_limit)
+    grid = _Grid.of(num_stages, num_microbatches, num_chunks, memory_limit)
     tuner = _Tuner(num_stages, costs, data_parallel, zero)
     results = [
-        tuner.run(name, cls, m, v)
+        tuner.run(name, cls, m, v, r)
         for name, cls in _resolve(schedules).items()
         for m in grid.microbatches
         for v in grid.chunks
+        for r in _recompute_values(recompute)
     ]
     candidates = [r for r in results if isinstance(r, Candidate)]
-    fits = [memory_limit is None or c.peak_activations <= memory_limit for c in candidates]
+
+    def held(c: Candidate) -> float:
+        return c.peak_bytes if in_bytes else c.peak_activations  # type: ignore[return-value]
+
+    fits = [memory_limit is None or held(c) <= memory_limit for c in candidates]
     ranked = sorted(
         (c for c, ok in zip(candidates, fits) if ok),
-        key=lambda c: (c.time_per_microbatch, c.peak_activations, c.schedule),
+        key=lambda c: (c.time_per_microbatch, held(c), c.schedule, c.recompute),
     )
+    skipped = {(r.schedule, r.num_microbatches, r.num_chunks): r for r in results}
     return TuneResult(
         ranked=tuple(ranked),
         over_limit=tuple(c for c, ok in zip(candidates, fits) if not ok),
-        skipped=tuple(r for r in results if isinstance(r, Skipped)),
+        skipped=tuple(r for r in skipped.values() if isinstance(r, Skipped)),
     )
+
+
+def _recompute_values(recompute: bool | Iterable[bool]) -> tuple[bool, ...]:
+    values = (recompute,) if isinstance(recompute, bool) else tuple(recompute)
+    if not values or any(not isinstance(r, bool) for r in values):
+        raise ScheduleConfigError(
+            f"tune: recompute must be True, False or both, (False, True); got {recompute!r}"
+        )
+    return tuple(sorted(set(values)))
 
 
 @attrs.frozen
@@ -231,17 +263,23 @@ class _Tuner:
     zero: int
     _uses_chunks: dict[type[Schedule], bool] = attrs.field(factory=dict, init=False)
 
-    def run(self, name: str, cls: type[Schedule], m: int, v: int) -> Candidate | Skipped:
+    def run(
+        self, name: str, cls: type[Schedule], m: int, v: int, recompute: bool = False
+    ) -> Candidate | Skipped:
         """The simulated candidate, or why the shape is skipped; a schedule's failure raises."""
         try:
             schedule = build_schedule(cls, self.num_stages, m, num_chunks=v)
         except ScheduleConfigError as exc:
             return Skipped(name, m, v, str(exc))
+        if self.zero == 3 and schedule.weight_delay:
+            return Skipped(name, m, v, "zero=3 keeps no whole stashed weights (weight delay)")
         if v > 1 and not self._uses_chunks.setdefault(cls, uses_chunks(cls)):
             reason = f"{cls.__name__} uses one chunk per stage (nothing on chunk 1 given two)"
             return Skipped(name, m, v, reason)
         try:
-            program = compile(schedule, data_parallel=self.data_parallel, zero=self.zero)
+            program = compile(
+                schedule, data_parallel=self.data_parallel, zero=self.zero, recompute=recompute
+            )
         except ScheduleCodeError as exc:
             raise type(exc)(f"{name}: {exc}{self._hint(cls, m, v)}") from exc
         except ScheduleConfigError:
@@ -255,7 +293,8 @@ class _Tuner:
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
-        return _measure(name, program, _per_chunk(self.costs, v))
+        share = v // type(schedule).num_replicas  # the chunks of one model replica per stage
+        return _measure(name, program, _per_chunk(self.costs, share), share)
 
     def _hint(self, cls: type[Schedule], m: int, v: int) -> str:
         """ "; hint: ..." when the same shape compiles with v = 1, else ""."""
@@ -269,8 +308,9 @@ class _Tuner:
         return f"; {chunks_hint(cls.__name__, v)}"
 
 
-def _measure(name: str, program, costs: CostModel) -> Candidate:
-    """Simulate `program` into a `Candidate` (see [Note: tune's units])."""
+def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
+    """Simulate `program` into a `Candidate` (see [Note: tune's units]); `share` is how many
+    chunks a stage's share of the model is cut into."""
     schedule = program.schedule
     m, v = schedule.num_microbatches, schedule.num_chunks
     timeline = simulate(program, costs)
@@ -279,7 +319,8 @@ def _measure(name: str, program, costs: CostModel) -> Candidate:
             f"{name} at p={schedule.num_stages}, m={m}, v={v}: the simulated makespan "
             f"overflows ({timeline.makespan}); give the costs in a larger unit (smaller numbers)"
         )
-    activations = tuple(round(n / v, 3) for n in timeline.peak_activations)
+    activations = tuple(round(n / share, 3) for n in timeline.peak_activations)
+    held = timeline.peak_bytes if costs.memory is not None else ()
     return Candidate(
         schedule=name,
         num_microbatches=m,
@@ -290,6 +331,9 @@ def _measure(name: str, program, costs: CostModel) -> Candidate:
         peak_activations=max(activations),
         activations=activations,
         versions=tuple(timeline.peak_versions),
+        recompute=any(type(op) is Recompute for ops in program.stages for op in ops),
+        peak_bytes=max(held) if held else None,
+        bytes=tuple(held),
     )
 
 
@@ -297,10 +341,16 @@ def _per_chunk(costs: CostModel, num_chunks: int) -> CostModel:
     """`costs` with compute costs divided by `num_chunks` (see [Note: tune's units])."""
     if num_chunks == 1:
         return costs
-    scaled = {name: getattr(costs, name) / num_chunks for name in _COMPUTE_FIELDS}
+    scaled = {
+        name: getattr(costs, name) / num_chunks
+        for name in _COMPUTE_FIELDS
+        if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
+    }
+    memory = costs.memory.scaled(1 / num_chunks) if costs.memory is not None else None
     return attrs.evolve(
         costs,
         **scaled,
+        memory=memory,
         per_stage={s: _per_chunk(model, num_chunks) for s, model in costs.per_stage.items()},
         per_chunk={c: _per_chunk(model, num_chunks) for c, model in costs.per_chunk.items()},
     )

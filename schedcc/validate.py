@@ -14,10 +14,16 @@ from __future__ import annotations
 
 from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.memory import MemoryModel, parse_size
 from schedcc.program import Program
 from schedcc.rules import Context, Problem, Rule
+from schedcc.rules.bytes import check_bytes
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
+from schedcc.rules.norm import check_norm
+from schedcc.rules.overlap import check_overlaps
+from schedcc.rules.recompute import check_recompute
+from schedcc.rules.sharding import check_sharding
 from schedcc.rules.tied import check_tied
 from schedcc.rules.updates import (
     check_gathers,
@@ -35,15 +41,20 @@ RULES: tuple[Rule, ...] = (
     check_replicas,
     check_complete,
     check_dependencies,
+    check_recompute,
+    check_overlaps,
     check_step_order,
     check_reductions,
     check_gathers,
+    check_sharding,
     check_tied,
+    check_norm,
     check_comm,
     check_deadlock,
     check_versions,
     check_update_window,
     check_memory,
+    check_bytes,
 )
 
 #: Set on a program (in its `__dict__`) once a validation found nothing wrong with it.
@@ -51,7 +62,12 @@ _PROVED = "_schedcc_proved"
 
 
 def validate(
-    program: Program, *, collect: bool = False, max_activations: int | None = None
+    program: Program,
+    *,
+    collect: bool = False,
+    max_activations: int | None = None,
+    max_bytes: float | str | None = None,
+    memory: MemoryModel | None = None,
 ) -> list[ScheduleError] | None:
     """Prove `program` safe, or say what is wrong.
 
@@ -59,11 +75,15 @@ def validate(
         program: a compiled program.
         collect: return every problem as a list (empty when valid) instead of raising the first.
         max_activations: also check that no stage holds more microbatch activations than this.
+        max_bytes: also check that no stage holds more bytes than this (a number or a size
+            such as "12GiB"), counted with `memory` ([Note: bytes per stage] in
+            `schedcc.memory`).
+        memory: the `MemoryModel` that `max_bytes` counts with.
 
     Raises:
         ScheduleError: the subclass of the first failing rule (unless `collect`).
-        ScheduleConfigError: `program` is not a compiled `Program`, or `max_activations` is not
-            a positive integer.
+        ScheduleConfigError: `program` is not a compiled `Program`, `max_activations` is not
+            a positive integer, or `max_bytes` is not a size or comes without `memory`.
     """
     if not isinstance(program, Program):
         raise ScheduleConfigError(f"validate() needs a compiled Program, got {program!r}")
@@ -75,9 +95,10 @@ def validate(
         raise ScheduleConfigError(
             f"max_activations must be a positive integer (or None), got {max_activations!r}"
         )
+    limit = _byte_limit(program, max_bytes, memory)
     found: list[ScheduleError] = []
     with paused_gc():
-        ctx = Context(program, max_activations)
+        ctx = Context(program, max_activations, max_bytes=limit, memory=memory)
         for rule in RULES:
             for problem in rule(ctx):
                 error = _as_error(program, problem)
@@ -89,6 +110,22 @@ def validate(
     if not found:
         program.__dict__[_PROVED] = True
     return found if collect else None
+
+
+def _byte_limit(program: Program, max_bytes, memory) -> float | None:
+    """`max_bytes` as a number of bytes (None: no limit), checked with its memory model."""
+    if max_bytes is None:
+        return None
+    if not isinstance(memory, MemoryModel):
+        raise ScheduleConfigError(
+            f"max_bytes needs memory=MemoryModel(activations=..., parameters=..., ...) to count "
+            f"bytes with, got memory={memory!r}"
+        )
+    memory.check(program.schedule.num_segments, type(program.schedule).num_replicas)
+    limit = parse_size(max_bytes)
+    if limit <= 0:
+        raise ScheduleConfigError(f"max_bytes must be positive, got {max_bytes!r}")
+    return float(limit)
 
 
 def ensure_valid(program: Program) -> None:

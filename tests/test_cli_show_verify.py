@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -242,9 +243,11 @@ def test_every_cost_field_is_a_costs_key():
     from schedcc.cli.args import parse_costs
     from schedcc.costs import cost_fields
 
-    text = ",".join(f"{name}={n + 1}" for n, name in enumerate(cost_fields()))
-    model = parse_costs(text)
-    assert [getattr(model, name) for name in cost_fields()] == [
-        float(n + 1) for n in range(len(cost_fields()))
-    ]
+    values = {  # the overlap field is a fraction
+        name: 0.5 if name == "overlap" else float(n + 1) for n, name in enumerate(cost_fields())
+    }
+    model = parse_costs(",".join(f"{name}={value}" for name, value in values.items()))
+    assert {name: getattr(model, name) for name in values} == values
+    with pytest.raises(argparse.ArgumentTypeError, match="overlap must be a fraction"):
+        parse_costs("overlap=2")
     assert parse_costs("F=3,W=0.5,Reduce=2").reduce == 2.0

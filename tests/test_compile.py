@@ -131,10 +131,10 @@ def test_bad_data_parallel(bad):
         schedcc.compile(schedcc.get_schedule("gpipe")(2, 2), data_parallel=bad)
 
 
-@pytest.mark.parametrize("bad", [-1, 3, 1.0, True, "1", None])
+@pytest.mark.parametrize("bad", [-1, 4, 1.0, True, "1", None])
 def test_bad_zero(bad):
-    """zero must be 0, 1 or 2: ScheduleConfigError naming it."""
-    with pytest.raises(ScheduleConfigError, match="zero must be 0, 1 or 2"):
+    """zero must be 0, 1, 2 or 3: ScheduleConfigError naming it."""
+    with pytest.raises(ScheduleConfigError, match="zero must be 0, 1, 2 or 3"):
         schedcc.compile(schedcc.get_schedule("gpipe")(2, 2), zero=bad)
 
 

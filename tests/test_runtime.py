@@ -155,6 +155,9 @@ _BUILTINS = [
     ("zb-v", 2),
     ("looped-bfs", 2),
     ("interleaved-zb", 2),
+    ("dualpipe-v", 2),
+    ("v-half", 2),
+    ("v-min", 2),
 ]
 
 

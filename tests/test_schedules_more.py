@@ -19,6 +19,7 @@ TORCH_PEERS = [
     ("looped-bfs", "ScheduleLoopedBFS"),
     ("interleaved-zb", "ScheduleInterleavedZeroBubble"),
     ("zb-v", "ScheduleZBVZeroBubble"),
+    ("dualpipe-v", "ScheduleDualPipeV"),
 ]
 
 

@@ -6,12 +6,21 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import schedcc
 from schedcc import CostModel, ScheduleConfigError, ScheduleError, simulate
-from schedcc.ir import RECEIVES, Backward, BackwardInput, Comm, Compute, Forward, RecvActivation
+from schedcc.ir import (
+    RECEIVES,
+    Backward,
+    BackwardInput,
+    Comm,
+    Compute,
+    Forward,
+    OverlappedBackward,
+    RecvActivation,
+)
 from schedcc.semantics import Tensors
 from schedcc.testing import schedules
 
@@ -220,6 +229,7 @@ costs_ = st.builds(
 
 
 @pytest.mark.parametrize("cls", BUILT_INS, ids=lambda cls: cls.name)
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data(), costs=costs_)
 def test_eager_timing_is_the_earliest_the_data_allows(cls, data, costs):
     """Every compute starts exactly when its stage is free and its inputs from other stages have
@@ -232,12 +242,14 @@ def test_eager_timing_is_the_earliest_the_data_allows(cls, data, costs):
     assert [(e.stage, e.instruction) for e in eager.events] == [
         (s, op) for s, ops in enumerate(program.stages) for op in ops
     ]
-    ends = {}  # tensor key -> when the compute producing it ended
+    ends = {}  # tensor key -> when the compute producing it ended (an overlapped pair's end)
     tensors = Tensors.of(schedule)
-    for e in eager.events:
+    events = eager.events
+    for n, e in enumerate(events):
         key = tensors.makes(e.stage, e.instruction)
         if key is not None:
-            ends[key] = e.end
+            paired = n + 1 < len(events) and type(events[n + 1].instruction) is OverlappedBackward
+            ends[key] = events[n + 1].end if paired else e.end
     arrivals = {}  # (stage, consumer classes, microbatch, chunk) -> when its message arrived
     for e in eager.events:
         op = e.instruction
@@ -245,17 +257,28 @@ def test_eager_timing_is_the_earliest_the_data_allows(cls, data, costs):
             route = tensors.route(e.stage, op)
             assert e.start == ends[route.tensor]  # the flight starts at the producer's end
             assert e.end == pytest.approx(e.start + costs.cost(e.stage, op))
-            consumer = (Forward,) if type(op) is RecvActivation else (Backward, BackwardInput)
+            consumer = (
+                (Forward,)
+                if type(op) is RecvActivation
+                else (Backward, BackwardInput, OverlappedBackward)
+            )
             arrivals[e.stage, consumer, op.microbatch, op.chunk] = e.end
     for s in range(program.num_stages):
         free = 0.0
-        for e in (e for e in eager.events if e.stage == s and not isinstance(e.instruction, Comm)):
-            op = e.instruction
+        own = [e for e in eager.events if e.stage == s and not isinstance(e.instruction, Comm)]
+        for n, e in enumerate(own):
+            ops = [e.instruction]  # a forward overlapped with the next waits for both inputs
+            if n + 1 < len(own) and type(own[n + 1].instruction) is OverlappedBackward:
+                ops.append(own[n + 1].instruction)
+            if type(e.instruction) is OverlappedBackward:
+                ops = []
             waits = [
                 t
                 for (stage, classes, i, c), t in arrivals.items()
+                for op in ops
                 if stage == s and type(op) in classes and (i, c) == (op.microbatch, op.chunk)
             ]
+            op = e.instruction
             assert e.start == pytest.approx(max([free, *waits]))
             assert e.end == pytest.approx(e.start + costs.cost(s, op))
             free = e.end

@@ -60,8 +60,11 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
-def shard_name(stage: int, dp_rank: int) -> str:
-    """The file name of one (stage, data-parallel rank) shard."""
+def shard_name(stage: int, dp_rank: int, tp_rank: int | None = None) -> str:
+    """The file name of one (stage, data-parallel rank) shard, or with tensor parallelism of one
+    (stage, data-parallel rank, tensor-parallel rank) shard."""
+    if tp_rank is not None:
+        return f"stage{stage}-dp{dp_rank}-tp{tp_rank}.pt"
     return f"stage{stage}-dp{dp_rank}.pt"
 
 
@@ -280,13 +283,13 @@ def program_meta(program) -> dict[str, Any]:
 
 
 def load_stage_states(
-    directory: str | os.PathLike, program, stages
+    directory: str | os.PathLike, program, stages, *, tp_rank: int | None = None
 ) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]]]:
     """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
 
     Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
     rank of that stage, in rank order (the program's layout may differ: see
-    `backends.checkpoint.state`).
+    `backends.checkpoint.state`); with `tp_rank`, those of that tensor-parallel rank.
 
     Raises:
         CheckpointError: incomplete, altered, unsafe, or saved from another program.
@@ -303,7 +306,7 @@ def load_stage_states(
     verify_files(directory, manifest)
     old_dp = meta["data_parallel"]
     states = {
-        s: [read_shard(directory, shard_name(s, r), manifest) for r in range(old_dp)]
+        s: [read_shard(directory, shard_name(s, r, tp_rank), manifest) for r in range(old_dp)]
         for s in stages
     }
     return manifest, states

@@ -72,10 +72,13 @@ from schedcc.backends.distributed.groups import (
     own_segments,
     process_groups,
     stage_ops,
+    tensor_group,
 )
+from schedcc.backends.distributed.norms import NormGroup
+from schedcc.backends.distributed.pairs import BroadcastPairs, p2p_mode
 from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
-from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory
+from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_precision
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat
@@ -103,14 +106,25 @@ class Engine(BaseEngine):
             [Note: ties across ranks] in `backends.distributed.ties`).
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
-        mesh: a `DeviceMesh` with dims ("dp", "pp"); default: one over the whole world.
+        mesh: a `DeviceMesh` with dims ("dp", "pp"), or ("dp", "pp", "tp") when each stage is a
+            tensor-parallel group running the user's own tensor-parallel layers ([Note: the
+            user's tensor parallelism] in `backends.tensor_parallel`); default: ("dp", "pp")
+            over the whole world.
         pp_group, dp_group: the pipeline and data-parallel process groups to use instead of
-            a mesh (both or neither).
+            a mesh (both or neither); `tp_group` beside them for tensor parallelism (the
+            pipeline group then joins one tensor-parallel index of every stage).
         timeout: the longest any wait may take (seconds or a timedelta).
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
-            run); otherwise only the last stage knows it and the others yield NaN.
+            run); otherwise only the last stage knows it and the others yield NaN. Always on
+            for a program with model replicas (DualPipe), whose last stages each hold part.
         shared_memory: under gloo, move tensors between stages on the same machine through
             shared memory rather than gloo (see [Note: same-host point-to-point]).
+        p2p: how tensors travel between stages: "shm" (the default under gloo: shared memory
+            between same-host stages, gloo send/recv otherwise), "gloo" (send/recv only: as
+            `shared_memory=False`), or "broadcast" (`dist.broadcast` within a two-rank group
+            per neighbouring pair of stages, as DeepSpeed's first pipeline engine did).
+        max_grad_norm, mixed_precision: as the local `Engine`'s (clipping by the whole model's
+            gradient norm; bfloat16 or float16 compute with float32 master weights).
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -136,9 +150,13 @@ class Engine(BaseEngine):
         mesh=None,
         pp_group=None,
         dp_group=None,
+        tp_group=None,
         timeout: float | timedelta = 60.0,
         reduce_loss: bool = True,
         shared_memory: bool = True,
+        p2p: str | None = None,
+        max_grad_norm: float | None = None,
+        mixed_precision: torch.dtype | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
@@ -146,8 +164,13 @@ class Engine(BaseEngine):
                 "dist.init_process_group(...) first (torchrun sets the environment for it)"
             )
         super().__init__(program, loss_fn, optimizer)
+        check_precision(program, max_grad_norm, mixed_precision)
+        shared_memory, self.p2p = p2p_mode(p2p, shared_memory)
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
         self.stage = dist.get_rank(self.pp_group)
+        #: the tensor-parallel group of this stage, or None
+        self.tp_group = tensor_group(mesh, tp_group)
+        self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else None
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         if mesh is None and pp_group is None:  # groups made here: see [Note: failures]
             bound_waits(self.timeout, self.pp_group, self.dp_group)
@@ -158,6 +181,16 @@ class Engine(BaseEngine):
         self.data_parallel = DataParallel(self.dp_group)
         #: the process groups of the tied groups this stage holds ([Note: ties across ranks])
         self.ties = TieGroups(program, self.stage, self.pp_group, timeout=self.timeout)
+        #: the replica's stages as one group, for `GradNorm`
+        self.norms = NormGroup(program, self.stage, self.pp_group, timeout=self.timeout)
+        self._pairs = None
+        if self.p2p == "broadcast":  # see [Note: broadcast pairs]
+            if dist.get_backend(self.pp_group) != "gloo":
+                raise ScheduleConfigError(
+                    "p2p='broadcast' moves tensors by gloo broadcasts; under "
+                    f"{dist.get_backend(self.pp_group)} use the default p2p"
+                )
+            self._pairs = BroadcastPairs(program, self.stage, self.pp_group, timeout=self.timeout)
         given = segments if isinstance(segments, Sequence) else modules
         ties, private = plan_ties(program, self.stage, given, modules, self.ties)
         held = [schedule.segment_of(self.stage, c) for c in range(len(modules))]
@@ -170,6 +203,10 @@ class Engine(BaseEngine):
             collectives=self.data_parallel,
             ties=stage_ties(ties, held, modules, private),
             tie_reduce=self.ties.all_reduce,
+            norm_reduce=self._norm_reduce,
+            max_grad_norm=max_grad_norm,
+            mixed_precision=mixed_precision,
+            tp_rank=self.tp_rank or 0,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
@@ -214,6 +251,13 @@ class Engine(BaseEngine):
             events.extend((self.stage, ops[pos], start, end) for pos in range(lo, hi))
         return events
 
+    def _norm_reduce(self, part: torch.Tensor) -> None:
+        """`GradNorm`'s sum: over this stage's tensor-parallel ranks, then over the stages."""
+        if self.tp_group is not None:
+            with self._collective("GradNorm", self.tp_group):
+                dist.all_reduce(part, group=self.tp_group)
+        self.norms.all_reduce(part)
+
     # -- one run of the program -----------------------------------------------------------------
 
     def _runtimes(self) -> list[StageRuntime]:
@@ -236,11 +280,15 @@ class Engine(BaseEngine):
             split.append(self._own(inputs, targets))
         return split
 
+    def _holds(self, segments: tuple[int, ...]) -> bool:
+        """Whether this rank's stage holds one of `segments` (the replicas' first or last)."""
+        return any(self._layout.stage_of[k] == self.stage for k in segments)
+
     def _own(self, inputs: list[Any], targets: list[Any] | None) -> tuple[Any, Any]:
-        """The microbatches this stage reads, on its device: the inputs on segment 0's stage,
-        the targets on the last segment's."""
+        """The microbatches this stage reads, on its device: the inputs where a model replica
+        starts (segment 0's stage), the targets where one ends (the last segment's)."""
         layout, device = self._layout, self.device
-        first, last = (layout.stage_of[k] == self.stage for k in (0, layout.last))
+        first, last = (self._holds(layout.firsts), self._holds(layout.lasts))
         return (
             [to_device(x, device) for x in inputs] if first else None,
             [to_device(y, device) for y in targets] if last and targets is not None else None,
@@ -267,6 +315,12 @@ class Engine(BaseEngine):
         self._execute(ops, visit, transfers, split, forward_only=True)
         if targets is not None:
             return self._losses(num_batches, whole=True, reduce=True)[0][0], None
+        if self._layout.num_replicas > 1:
+            raise ScheduleConfigError(
+                "predict() on the distributed engine returns the last segment's outputs from one "
+                "rank, but this program's model replicas end on several; use evaluate(), or the "
+                "local engine's predict()"
+            )
         if self.stage != self._layout.stage_of[self._layout.last]:
             return None, None
         outputs = self.runtime.outputs
@@ -292,6 +346,7 @@ class Engine(BaseEngine):
             device=self.device,
             timeout=self.timeout,
             shared_memory=self._shared_memory,
+            pairs=self._pairs,
         )
 
     def _forward_steps(self) -> tuple[list, list[int], Transfers]:
@@ -357,7 +412,7 @@ class Engine(BaseEngine):
         """
         state = self.runtime.state_dict()
         state["rng"] = rng_state()
-        name = shard_name(self.stage, self.data_parallel.rank)
+        name = shard_name(self.stage, self.data_parallel.rank, self.tp_rank)
         entry = write_shard(path, name, state)
         entries: list = [None] * dist.get_world_size()
         with self._collective("the checkpoint save"):
@@ -378,7 +433,9 @@ class Engine(BaseEngine):
         """
         problem = None
         try:
-            manifest, states = load_stage_states(path, self.program, [self.stage])
+            manifest, states = load_stage_states(
+                path, self.program, [self.stage], tp_rank=self.tp_rank
+            )
             self.runtime.check_state(states[self.stage])
         except CheckpointError as exc:
             problem = f"rank {self.rank} (stage {self.stage}): {exc}"
@@ -392,6 +449,10 @@ class Engine(BaseEngine):
         self.runtime.load_state_dict(saved)
         set_rng_state(saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"])
         self.steps = manifest["step"]
+
+    def _unshard_all(self) -> None:
+        with self._collective("gathering the ZeRO-3 parameter shards", self.dp_group):
+            self.runtime.unshard_all()
 
     def _update(self, op: Instruction) -> None:
         try:
@@ -410,14 +471,16 @@ class Engine(BaseEngine):
     ) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss over every replica, and its named parts (on the last stage's ranks);
         `whole`: of all `count` batches as one (the forward-only program's batch)."""
-        last = self._layout.stage_of[self._layout.last] == self.stage
+        last = self._holds(self._layout.lasts)
         records = self.runtime.loss_records if last else {}
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
         sums = [
             [sum(records[b].total for b in group if b in records) for group in groups],
             [sum(records[b].count for b in group if b in records) for group in groups],
         ]
-        if self.reduce_loss if reduce is None else reduce:
+        if reduce is None:  # the replicas' last segments each hold part of a batch's loss
+            reduce = self.reduce_loss or self._layout.num_replicas > 1
+        if reduce:
             tensor = torch.tensor(sums, dtype=torch.float64, device=self.device)
             with self._collective("the loss reduction", self.pp_group):
                 dist.all_reduce(tensor, group=self.pp_group)

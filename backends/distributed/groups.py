@@ -39,6 +39,7 @@ __all__ = [
     "own_segments",
     "process_groups",
     "stage_ops",
+    "tensor_group",
 ]
 
 #: `(kind, segment)`: "A" activations out of the segment, "G" its input gradients, "C" those of
@@ -79,9 +80,10 @@ def process_groups(program: Program, mesh, pp_group, dp_group):
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(device_type, (dp, p), mesh_dim_names=("dp", "pp"))
-        if tuple(mesh.mesh_dim_names or ()) != ("dp", "pp"):
+        if tuple(mesh.mesh_dim_names or ()) not in (("dp", "pp"), ("dp", "pp", "tp")):
             raise ScheduleConfigError(
-                f"the mesh must have dims ('dp', 'pp'), got {mesh.mesh_dim_names}"
+                "the mesh must have dims ('dp', 'pp') or ('dp', 'pp', 'tp'), got "
+                f"{mesh.mesh_dim_names}"
             )
         pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     if dist.get_world_size(pp_group) != p or dist.get_world_size(dp_group) != dp:
@@ -91,6 +93,16 @@ def process_groups(program: Program, mesh, pp_group, dp_group):
             f"data_parallel={dp}"
         )
     return pp_group, dp_group
+
+
+def tensor_group(mesh, tp_group):
+    """The tensor-parallel group: the caller's `tp_group`, a ("dp", "pp", "tp") mesh's "tp"
+    group, or None (no tensor parallelism, or a group of one rank)."""
+    if tp_group is None and mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        tp_group = mesh.get_group("tp")
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        return None
+    return tp_group
 
 
 def own_segments(schedule, stage: int, segments: Sequence[nn.Module]) -> list[nn.Module]:

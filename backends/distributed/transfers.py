@@ -65,6 +65,7 @@ class Transfers:
         device: torch.device,
         timeout: timedelta,
         shared_memory: bool,
+        pairs=None,
     ):
         self.steps = steps
         self.runtime = runtime
@@ -82,6 +83,8 @@ class Transfers:
         #: Per step, the receives to post over gloo first (the shared-memory ones need none).
         self._to_post = self.eager.post_before if self.eager else []
         self._shared_memory = eager and shared_memory and device.type == "cpu"  # CPU tensors
+        #: `BroadcastPairs` in place of gloo's send/recv ([Note: broadcast pairs]), or None
+        self._pairs = pairs
         self._links: ShmLinks | None = None
         #: The peer stages this stage exchanges with through shared memory (after `connect`).
         self.shm_peers: frozenset[int] = frozenset()
@@ -118,7 +121,8 @@ class Transfers:
             self._to_post = [[t for t in ts if t[1] not in shm] for ts in self.eager.post_before]
             for peer in self._peers:
                 io = ShmPeer(self._links, peer) if peer in shm else None
-                self._io[peer] = io or GlooPeer(self.pp_group, peer, self.device)
+                group = self.pp_group if self._pairs is None else self._pairs
+                self._io[peer] = io or GlooPeer(group, peer, self.device)
         kinds = {
             peer: NCCL if self.eager is None else SHM if peer in self.shm_peers else GLOO
             for peer in self._peers
@@ -137,6 +141,8 @@ class Transfers:
             return dist.get_backend(self.pp_group)
         if self.shm_peers == self._peers:
             return "shared memory"
+        if self._pairs is not None:
+            return "broadcast"
         return "shared memory + gloo" if self.shm_peers else "gloo"
 
     def abort(self, reason: str) -> None:

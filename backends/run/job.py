@@ -25,8 +25,9 @@ from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
 from schedcc.backends.run.models import RunModel
+from schedcc.backends.tensor_parallel import ParallelBlock, ParallelMLP, shard_layers
 from schedcc.compiler import compile
-from schedcc.errors import RankFailure
+from schedcc.errors import RankFailure, ScheduleConfigError
 from schedcc.program import Program
 from schedcc.registry import get_schedule
 
@@ -54,6 +55,10 @@ def check_devices(num_local_ranks: int) -> None:
             f"{num_local_ranks} local ranks need one GPU each but {torch.cuda.device_count()} "
             "are visible: lower p * dp, or run on the CPU with CUDA_VISIBLE_DEVICES="
         )
+
+
+#: `--precision` to the engine's `mixed_precision`.
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(rank: int, world_size: int, config, model: RunModel | None = None) -> int:
@@ -91,21 +96,44 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
     schedule = get_schedule(config.schedule)(
         config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches
     )
+    replicas = type(schedule).num_replicas  # DualPipe: each replica holds the same modules
     if model is None:
-        model = models.build(config.model, schedule.num_segments, seed=config.seed)
+        model = models.build(config.model, schedule.num_segments // replicas, seed=config.seed)
     program = compile(
-        schedule, data_parallel=config.data_parallel, zero=config.zero, tied=config.tied
+        schedule,
+        data_parallel=config.data_parallel,
+        zero=config.zero,
+        tied=config.tied,
+        grad_norm=config.grad_norm,
+        recompute=config.recompute,
     )
-    initial = copy.deepcopy(list(model.segments)) if config.check and rank == 0 else None
+    whole = list(model.segments) * replicas
+    initial = copy.deepcopy(whole) if config.check and rank == 0 else None
     optimizer = optimizer_of(model, config)
-    segments = [segment.to(device) for segment in model.segments]
+    segments = [segment.to(device) for segment in whole]
+    mesh = None
+    if config.tp > 1:  # see [Note: the user's tensor parallelism]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (config.data_parallel, config.num_stages, config.tp)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
+        segments = [shard_layers(segment, mesh.get_group("tp")) for segment in segments]
+        split = (ParallelMLP, ParallelBlock)
+        if not any(isinstance(m, split) for seg in segments for m in seg.modules()):
+            raise ScheduleConfigError(
+                f"--tp {config.tp}: model {config.model} has no attention block or "
+                "Linear-activation-Linear run to split over tensor-parallel ranks"
+            )
     engine = Engine(
         program,
         segments,
         model.loss_fn,
         optimizer,
+        mesh=mesh,
         timeout=config.timeout,
-        shared_memory=config.shared_memory,
+        p2p=config.p2p,
+        max_grad_norm=config.max_grad_norm,
+        mixed_precision=PRECISIONS[config.precision],
     )
     dp_index = dist.get_rank(engine.dp_group)
     if config.resume:
@@ -115,13 +143,21 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
             print(f"the checkpoint is at step {engine.steps}: nothing left to train", flush=True)
         return 0
     losses, sizes = _loop(engine, model, config, dp_index, show=rank == 0 and config.progress)
+    state = None
+    if config.check:
+        with engine.unsharded():  # ZeRO-3: every replica gathers, the first one reports
+            state = _state(engine, schedule) if dp_index == 0 else None
     mine = {
         "stage": engine.stage,
         "dp": dp_index,
         "times": engine.step_times,
         "peak": engine.runtime.peak_activation_bytes,
         "p2p": engine.point_to_point,
-        "state": _state(engine, schedule) if config.check and dp_index == 0 else None,
+        "skipped": engine.skipped_steps,
+        "norm": engine.last_grad_norm,
+        "metrics": dict(engine.last_metrics),
+        "state": state,
+        "tp": engine.tp_rank or 0,
     }
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     try:
@@ -135,7 +171,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         return 0
     from schedcc.backends.run.report import check_line, summarize
 
-    summarize(program, config, model, losses, sizes, gathered)
+    summarize(program, config, model, losses, sizes, [g for g in gathered if g["tp"] == 0])
     if not config.check:
         return 0
     worst = _check(program, config, model, initial, gathered)
@@ -199,7 +235,7 @@ def _loop(
         for loss in engine.train(local()):
             now = time.perf_counter()
             losses.append(loss)
-            progress.advance(loss, now - last)
+            progress.advance(loss, now - last, skipped=engine.skipped_steps)
             if config.checkpoint and config.every and engine.steps % config.every == 0:
                 engine.save(step_dir(config.checkpoint, engine.steps))
             last = time.perf_counter()
@@ -219,19 +255,25 @@ def _check(program: Program, config, model: RunModel, initial, gathered) -> floa
     from schedcc.backends.reference import train_reference
 
     train_reference(
-        initial,
+        initial[: len(initial) // type(program.schedule).num_replicas],  # one model replica
         model.loss_fn,
         optimizer_of(model, config),
         _global_batches(model, config),
         weight_delay=program.schedule.weight_delay,
         batches_per_run=program.schedule.num_batches,
+        max_grad_norm=config.max_grad_norm,
+        skip_nonfinite=config.grad_norm,
     )
-    pipelined: dict[int, dict[str, torch.Tensor]] = {}
+    pipelined: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for payload in gathered:
-        pipelined.update(payload["state"] or {})
+        for k, state in (payload["state"] or {}).items():
+            pipelined[k, payload["tp"]] = state
     worst = 0.0
     for k, module in enumerate(initial):
-        for name, expected in module.state_dict().items():
-            got = pipelined[k][name]
-            worst = max(worst, float((got - expected.cpu()).abs().max()))
+        for t in range(config.tp):
+            if config.tp > 1:  # the same shard of the non-pipelined, dense result
+                module = shard_layers(initial[k], None, rank=t, size=config.tp)
+            for name, expected in module.state_dict().items():
+                got = pipelined[k, t][name]
+                worst = max(worst, float((got - expected.cpu()).abs().max()))
     return worst

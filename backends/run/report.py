@@ -41,19 +41,25 @@ class Progress:
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("step {task.fields[step]}"),
+                TextColumn("skipped {task.fields[skipped]}"),
                 TimeElapsedColumn(),
             )
             self._bar.start()
             self._task = self._bar.add_task(
-                "train", total=self.total, completed=self.completed, loss="-", step="-"
+                "train", total=self.total, completed=self.completed, loss="-", step="-", skipped=0
             )
         return self
 
-    def advance(self, loss: float, seconds: float) -> None:
-        """One step done: move the bar and show this step's loss and time."""
+    def advance(self, loss: float, seconds: float, *, skipped: int = 0) -> None:
+        """One step done: move the bar and show this step's loss and time, and the steps
+        skipped so far for non-finite gradients."""
         if self._bar is not None:
             self._bar.update(
-                self._task, advance=1, loss=f"{loss:.4f}", step=f"{seconds * 1e3:.1f} ms"
+                self._task,
+                advance=1,
+                loss=f"{loss:.4f}",
+                step=f"{seconds * 1e3:.1f} ms",
+                skipped=skipped,
             )
 
     def __exit__(self, *exc) -> None:
@@ -124,7 +130,7 @@ def summarize(
         )
     table = Table(
         title=f"schedcc run: {program.schedule!r}, dp={config.data_parallel}, "
-        f"zero={config.zero}, {config.model}"
+        f"zero={config.zero}, " + (f"tp={config.tp}, " if config.tp > 1 else "") + config.model
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -132,6 +138,8 @@ def summarize(
     table.add_row("loss: first -> final", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
     if model.floor is not None:
         table.add_row(f"loss {model.floor_name}", f"{model.floor:.4f}")
+    for row in _training_rows(config, gathered):
+        table.add_row(*row)
     table.add_row("median step time", f"{step_seconds * 1e3:.2f} ms")
     table.add_row(f"{model.unit}/s", f"{rate:,.0f}")
     table.add_row("bubble: measured / simulated", f"{measured:.1%} / {simulated:.1%}")
@@ -144,6 +152,20 @@ def summarize(
     if config.trace:
         table.add_row("trace", config.trace)
     Console().print(table)
+
+
+def _training_rows(config, gathered) -> list[tuple[str, str]]:
+    """A dict loss's last parts, the precision, the last gradient norm and skipped steps."""
+    rows = []
+    metrics = next((g["metrics"] for g in gathered if len(g.get("metrics", {})) > 1), {})
+    rows += [(f"loss part {name}: final", f"{value:.4f}") for name, value in metrics.items()]
+    rows.append(("precision", config.precision))
+    norm = gathered[0].get("norm")
+    if norm is not None:
+        clip = f" (max {config.max_grad_norm:g})" if config.max_grad_norm else ""
+        rows.append(("grad norm: last", f"{norm:.4g}{clip}"))
+        rows.append(("skipped steps (inf/nan)", str(gathered[0]["skipped"])))
+    return rows
 
 
 def _simulated_bubble(program: Program, events: list[Event], *, eager: bool) -> float:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import Backward, BackwardInput
+from schedcc.ir import INPUT_GRADIENT
 
 if TYPE_CHECKING:
     from schedcc.program import Program
@@ -70,11 +70,17 @@ class LossBook:
     Args:
         num_microbatches: `m`, the microbatches of a batch.
         data_parallel: the replicas a `MEAN` loss is averaged over.
+        replicated: the program holds several model replicas (DualPipe), whose last segments
+            each see only their own microbatches: a `(loss_sum, count)` loss is refused there,
+            since no one stage knows the batch's count.
     """
 
-    def __init__(self, num_microbatches: int, data_parallel: int) -> None:
+    def __init__(
+        self, num_microbatches: int, data_parallel: int, *, replicated: bool = False
+    ) -> None:
         self._m = num_microbatches
         self._dp = data_parallel
+        self._replicated = replicated
         self.reset()
 
     def reset(self) -> None:
@@ -86,8 +92,12 @@ class LossBook:
         #: Per batch, this replica's count under `RATIO` (float64, on the device), once known.
         self.normaliser: dict[int, torch.Tensor] = {}
 
-    def objective(self, batch: int, result: Any, *, where: str) -> torch.Tensor:
+    def objective(
+        self, batch: int, result: Any, *, where: str, record: bool = True
+    ) -> torch.Tensor:
         """Record `loss_fn`'s `result` for a microbatch of `batch`; what to backpropagate.
+
+        `record=False` (a `Recompute` of the forward) only returns what to backpropagate.
 
         Raises:
             ScheduleConfigError: a result that is none of the three forms, or another form than
@@ -101,6 +111,14 @@ class LossBook:
                 f"{where} returned a {mode} loss after a {self.mode} one: return the same form "
                 "for every microbatch"
             )
+        if mode == RATIO and self._replicated:
+            raise ScheduleConfigError(
+                f"{where} returned a (loss_sum, count) loss, but the program runs several model "
+                "replicas (DualPipe), whose last segments never meet: return a mean over the "
+                "microbatch, or use a schedule with one replica"
+            )
+        if not record:
+            return value if mode == RATIO else value / (self._m * self._dp)
         self._values.setdefault(batch, []).append(value.detach())
         if mode == RATIO:
             self._counts.setdefault(batch, []).append(count)
@@ -187,7 +205,7 @@ def count_carriers(program: Program) -> dict[int, int]:
     m = schedule.num_microbatches
     carriers: dict[int, int] = {}
     for op in program.stages[stage]:
-        if type(op) in (Backward, BackwardInput) and op.chunk == chunk:
+        if isinstance(op, INPUT_GRADIENT) and op.chunk == chunk:  # `+B` too
             carriers[op.microbatch // m] = op.microbatch
     return carriers
 

@@ -11,11 +11,15 @@ a router that drops tokens, gets the first microbatch's count).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["SavedBytes"]
+from schedcc.memory import MemoryModel
+
+__all__ = ["SavedBytes", "measure_memory"]
 
 
 class SavedBytes:
@@ -51,3 +55,66 @@ class SavedBytes:
             out = forward()
         num_bytes = self._by_signature[signature] = sum(seen.values())
         return out, num_bytes
+
+
+def measure_memory(
+    segments: Sequence[nn.Module],
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
+) -> MemoryModel:
+    """The `schedcc.memory.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
+
+    Runs one microbatch through the segments in model order, counting what each forward saves
+    for its backward as the engines do (the last segment's with `loss_fn`), the bytes of each
+    segment's input, parameters, and, given `optimizer`, the state it builds in one step (on
+    copies: the caller's segments are not changed). Give it one microbatch (the batch split in
+    m): activation bytes scale with the microbatch size.
+
+    >>> import torch
+    >>> model = measure_memory([torch.nn.Linear(4, 4)], torch.ones(2, 4), torch.ones(2, 4),
+    ...                        torch.nn.functional.mse_loss, lambda p: torch.optim.Adam(p))
+    >>> model.parameters, model.inputs, model.optimizer
+    ((80.0,), (32.0,), (160.0,))
+    """
+    from schedcc.backends.runtime.boundary import activation, detached, receive
+    from schedcc.backends.runtime.recompute import input_bytes
+    from schedcc.backends.runtime.values import call
+
+    value: Any = detached(inputs)
+    acts, ins, params, state = [], [], [], []
+    last = len(segments) - 1
+    for k, module in enumerate(segments):
+        ins.append(input_bytes(value))
+        counted = list(module.parameters())
+
+        def forward(module=module, value=value, k=k):
+            out = call(module, value)
+            return loss_fn(out, targets) if k == last else out
+
+        out, num_bytes = SavedBytes().run(("measure", k), counted, forward)
+        acts.append(num_bytes)
+        params.append(sum(p.numel() * p.element_size() for p in counted))
+        state.append(_optimizer_bytes(counted, optimizer) if optimizer is not None else 0)
+        if k < last:
+            value = receive(activation(out, segment=k)[0])[0]
+    return MemoryModel(activations=acts, parameters=params, optimizer=state, inputs=ins)
+
+
+def _optimizer_bytes(params: list[torch.Tensor], optimizer) -> int:
+    """The bytes of the state `optimizer` keeps for `params` after one step (on copies)."""
+    copies = [p.detach().clone().requires_grad_(p.requires_grad) for p in params]
+    trained = [p for p in copies if p.requires_grad]
+    if not trained:
+        return 0
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    opt = optimizer(trained)
+    opt.step()
+    return sum(
+        t.numel() * t.element_size()
+        for per_param in opt.state.values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )

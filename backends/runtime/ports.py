@@ -109,7 +109,7 @@ class Ports:
     def input_of(self, i: int, c: int, k: int) -> tuple[Any, list[torch.Tensor]]:
         """The value segment k (chunk c) is called on for microbatch i, and its leaves that
         take a gradient."""
-        if k == 0:
+        if self._tensors.layout.is_first(k):  # a replica's first segment ([Note: replicas])
             batch, local = divmod(i, self._m)
             return self._batch_inputs[batch][local], []
         key = self._tensors.activation(i, k - 1)

@@ -12,6 +12,7 @@ all-gather over this stage's data-parallel group; `backends.runtime.collectives`
 Helpers it delegates to: `backends.runtime.versions` (the stashed weight versions),
 `backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.runtime.grads`
 (gradients into `.grad`), `backends.runtime.memory` (the activation bytes a forward saves),
+`backends.runtime.recompute` (what a recomputed forward keeps: its input and RNG states),
 `backends.runtime.ports` (the values at the segments' boundaries), `backends.runtime.losses`
 (what `loss_fn` returns), `backends.checkpoint.restore` (loading a checkpoint's state). The file
 stays over ~400 lines on purpose: one short handler per instruction, in one class, so what each
@@ -19,11 +20,12 @@ does reads in one place.
 
 [Note: what the runtime keeps] Per (microbatch, chunk): the input value of the segment (received,
 handed over from a segment on this stage, or the microbatch itself on segment 0), the graph of its
-forward (the output tensors that take a gradient, the input's leaves that do, the parameter
-tensors it ran with) until its backward is done, the input gradients to send, and the output
-gradients received. Per chunk: the live parameters (the module's own, the
-latest version), the weight versions in-flight forwards still need (weight_delay >= 1, weight
-stashing), and under ZeRO a flat shard parameter that the optimizer steps.
+forward (the output tensors that take a gradient, the input's leaves that do, the parameter tensors
+it ran with) until its backward is done (for a forward its stage recomputes, only its input and RNG
+states until the `Recompute` builds that graph: [Note: recomputation]), the input gradients to send,
+and the output gradients received. Per chunk: the live parameters (the module's own, the latest
+version), the weight versions in-flight forwards still need (weight_delay >= 1, weight stashing),
+and under ZeRO a flat shard parameter that the optimizer steps.
 
 [Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
 is divided by the batch's count at the step instead: [Note: the count divides at the step] in
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
+from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.runtime.boundary import (
     Message,
     activation,
@@ -51,11 +54,14 @@ from schedcc.backends.runtime.boundary import (
     joined,
     read_gradients,
 )
+from schedcc.backends.runtime.clipping import LossScaler, StageNorm, shard_mask
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
 from schedcc.backends.runtime.losses import LossBook, LossRecord, count_carriers, divide_grads
 from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.ports import Ports
+from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
+from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
 from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.values import call, flatten
 from schedcc.backends.runtime.versions import WeightVersions
@@ -67,12 +73,17 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     GatherParams,
+    GradNorm,
     Instruction,
     OptimizerStep,
+    OverlappedBackward,
+    Recompute,
     ReduceGrads,
     ReduceTied,
+    Reshard,
+    Unshard,
 )
-from schedcc.semantics import tensors_of
+from schedcc.semantics import recomputed, tensors_of
 
 if TYPE_CHECKING:
     from schedcc.program import Program
@@ -108,6 +119,16 @@ class StageRuntime:
         ties: the tied parameters this stage holds (`backends.runtime.tied`); None for none.
         tie_reduce: `tie_reduce(group, tensor)` sums a tensor over the stages of tied group
             `group` in place, for `ReduceTied` (the distributed backend's).
+        norm_reduce: `norm_reduce(tensor)` sums a scalar over the replica's stages in place, in
+            stage order, for `GradNorm` (the distributed backend's; the local backend meets
+            its stages itself through `norm_part` and `apply_norm`).
+        max_grad_norm: clip the whole model's gradient to this norm at `GradNorm`.
+        mixed_precision: None, `torch.bfloat16` or `torch.float16` (with dynamic loss scaling):
+            compute and boundary tensors in that dtype, parameters, gradients and optimizer
+            state in the parameters' own (`backends.runtime.precision`).
+        tp_rank: this rank's index in its tensor-parallel group: the norm counts a parameter
+            not marked `tensor_model_parallel` (replicated) only on index 0 ([Note: the user's
+            tensor parallelism] in `backends.tensor_parallel`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
@@ -129,6 +150,10 @@ class StageRuntime:
         collectives: Collectives | None = None,
         ties: StageTies | None = None,
         tie_reduce: Callable[[int, torch.Tensor], None] | None = None,
+        norm_reduce: Callable[[torch.Tensor], None] | None = None,
+        max_grad_norm: float | None = None,
+        mixed_precision: torch.dtype | None = None,
+        tp_rank: int = 0,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -150,8 +175,8 @@ class StageRuntime:
         self._delay = schedule.weight_delay
         self._zero = program.zero
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
-        self._last = schedule.num_segments - 1
-        self._stage_of = [schedule.placement(k)[0] for k in range(schedule.num_segments)]
+        #: which segments start and end a model replica ([Note: replicas]): inputs and loss
+        self._layout = tensors_of(program).layout
         self._names = [[n for n, _ in mod.named_parameters()] for mod in self.modules]
         #: the tied parameters this stage holds; the local backend meets its stages for a
         #: `ReduceTied` itself, through `ties.parts` and `ties.apply`
@@ -160,7 +185,9 @@ class StageRuntime:
         #: where another segment trains the caller's ([Note: copies of a tied parameter])
         self._views = ties.views if ties is not None else self.modules
         self._shadowed = [self.modules[c] for c in ties.shadowed] if ties is not None else []
-        self._reducer = Reducer(self._views, self.collectives, zero=self._zero)
+        self._reducer = Reducer(
+            self._views, self.collectives, zero=bool(self._zero), release=self._zero == 3
+        )
         if self._zero:
             self.optimizer: torch.optim.Optimizer | None = optimizer(self._reducer.shards)
         else:
@@ -172,17 +199,37 @@ class StageRuntime:
             Backward: self._backward,
             BackwardInput: self._backward_input,
             BackwardWeight: self._backward_weight,
+            Recompute: self._recompute,
+            OverlappedBackward: self._overlapped_backward,
             ReduceGrads: self._reduce_grads,
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
             ReduceTied: self._reduce_tied,
+            Unshard: self._unshard,
+            Reshard: self._reshard,
+            GradNorm: self._grad_norm,
         }
+        device = next((p.device for m in self.modules for p in m.parameters()), None)
+        low = mixed_precision if mixed_precision in LOW_PRECISION else None  # float32: none
+        self.precision = Precision(low, device)
+        scaler = LossScaler() if mixed_precision == torch.float16 else None
+        #: the stage's side of `GradNorm` (`backends.runtime.clipping`)
+        self.norm = StageNorm(max_grad_norm, scaler)
+        self._norm_reduce = norm_reduce
+        self._divided = False  # the batch's count already divided (at its GradNorm)
+        self._tp_rank = tp_rank
+        #: steps skipped because the gradients were not finite
+        self.skipped_steps = 0
         self.peak_activation_bytes = 0
+        #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
+        self._recomputed = recomputed(program.stages[stage])
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
         #: measured once])
         self._saved_bytes = SavedBytes()
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
-        self._book = LossBook(self._m, self.collectives.size)
+        self._book = LossBook(
+            self._m, self.collectives.size, replicated=self._layout.num_replicas > 1
+        )
         self._carriers = count_carriers(program)
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
@@ -203,6 +250,7 @@ class StageRuntime:
         #: forward-only runs: the last segment's output per microbatch, where no targets came
         self.outputs: dict[int, Any] = {}
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._kept: dict[tuple[int, int], KeptInput] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
 
     @property
@@ -256,11 +304,30 @@ class StageRuntime:
         value, whose floating tensors then all take a gradient)."""
         self._ports.incoming(op, message)
 
+    # -- ZeRO-3 between runs ---------------------------------------------------------------------
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """Under ZeRO, this rank's flat shard of each chunk's parameters (what the optimizer
+        steps); empty otherwise."""
+        return [shard.detach() for shard in self._reducer.shards]
+
+    def unshard_all(self, full: Sequence[torch.Tensor] | None = None) -> None:
+        """ZeRO-3: make every chunk's parameters whole (`full[c]`: chunk c's shards of every
+        rank concatenated in rank order, when the caller has them; else an all-gather each)."""
+        for c in range(len(self.modules)):  # the shard keeps its own copy: writes are not kept
+            self._reducer.unshard(c, None if full is None else full[c], alias=False)
+
+    def release_all(self) -> None:
+        """ZeRO-3: release every chunk's whole parameters again (only the shards stay)."""
+        for c in range(len(self.modules)):
+            self._reducer.release(c)
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this stage between runs (see `backends.checkpoint.state`)."""
-        return {
+        state = {
             "modules": [mod.state_dict() for mod in self.modules],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "zero": self._zero,
@@ -269,12 +336,26 @@ class StageRuntime:
             "rank": self.collectives.rank,
             "data_parallel": self.collectives.size,
             "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.norm.scaler.state_dict() if self.norm.scaler is not None else None,
         }
+        if self._zero == 3:  # the parameters are only this rank's shards: `checkpoint.sharded`
+            state["numels"] = [
+                [shape.numel() for shape in shapes] for shapes in self._reducer.shapes
+            ]
+            state["shards"] = [shard.detach().clone() for shard in self._reducer.shards]
+            state["shapes"] = [
+                [(name, list(shape)) for name, shape in zip(names, shapes)]
+                for names, shapes in zip(self._names, self._reducer.shapes)
+            ]
+        return state
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
         """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
         whole, so that `load_state_dict` cannot fail half-way; nothing is changed."""
-        check_saved(self, saved)
+        saved = whole_states(saved)
+        with self._reducer.placeholders():  # ZeRO-3: checked against the whole shapes
+            check_saved(self, saved)
 
     def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
         """Restore from every old data-parallel rank's state of this stage (in rank order).
@@ -283,17 +364,22 @@ class StageRuntime:
         re-sharded (exact for elementwise optimizers such as SGD and Adam).
         """
         self.check_state(saved)
-        for mod, state in zip(self.modules, saved[0]["modules"]):
-            mod.load_state_dict(state)
-        if self.ties is not None:
-            self.ties.refresh()
-        self._reducer.refresh_shards()
-        if self.optimizer is None:
-            return
-        coll = self.collectives
-        load_optimizer(
-            self.optimizer, saved, self.modules, zero=self._zero, rank=coll.rank, size=coll.size
-        )
+        saved = whole_states(saved)
+        with self._reducer.placeholders():  # ZeRO-3: loaded whole, kept as this rank's shard
+            for mod, state in zip(self.modules, saved[0]["modules"]):
+                mod.load_state_dict(state)
+            if self.ties is not None:
+                self.ties.refresh()
+            self._reducer.refresh_shards()
+            self.skipped_steps = saved[0].get("skipped_steps", 0)
+            if self.norm.scaler is not None and saved[0].get("loss_scale"):
+                self.norm.scaler.load_state_dict(saved[0]["loss_scale"])
+            if self.optimizer is None:
+                return
+            coll = self.collectives
+            load_optimizer(
+                self.optimizer, saved, self.modules, zero=self._zero, rank=coll.rank, size=coll.size
+            )
 
     # -- compute --------------------------------------------------------------------------------
 
@@ -304,8 +390,10 @@ class StageRuntime:
         if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
                 live = dict(self._views[c].named_parameters())
-                out = self._call(self.modules[c], live, value)
-            if k < self._last:
+                with self.precision.compute():
+                    out = self._call(self.modules[c], live, value)
+                out = self.precision.boundary(out, last=self._layout.is_last(k))
+            if not self._layout.is_last(k):
                 self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
             elif self._ports.has_targets(i):
                 self._loss(i, out)
@@ -313,20 +401,62 @@ class StageRuntime:
                 self.outputs[i] = out
             return
         params = self._versions.params_for(c, self._versions.version_of(i))
+        if (i, c) in self._recomputed:
+            self._forward_keeping_input(c, k, i, value, leaves, params)
+            return
         graph, message = self._run_segment(c, k, i, value, leaves, params)
-        self._graphs[i, c] = graph
-        self.activation_bytes += graph.num_bytes
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        self._hold(i, c, graph)
         if message is not None:
             self._ports.hand_on(i, c, k, message)
 
-    def _run_segment(self, c, k, i, value, leaves, params) -> tuple[_Graph, Message | None]:
+    def _forward_keeping_input(self, c, k, i, value, leaves, params) -> None:
+        """A forward that saves nothing for its backward; its `Recompute` runs it again
+        ([Note: recomputation] in `backends.runtime.recompute`)."""
+        rng = RngState.of(params.values(), value)
+        with keeping_nothing():
+            with self.precision.compute():  # as `_run_segment` runs it again at the `R`
+                out = self._call(self.modules[c], params, value)
+            out = self.precision.boundary(out, last=self._layout.is_last(k))
+            if self._layout.is_last(k):
+                self._loss(i, out)  # recorded and reported here; R only rebuilds the graph
+            else:
+                self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
+        kept = self._kept[i, c] = KeptInput(value, leaves, params, rng)
+        self.activation_bytes += kept.num_bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+
+    def _recompute(self, op: Recompute) -> None:
+        i, c = op.microbatch, op.chunk
+        kept = self._kept.pop((i, c), None)
+        if kept is None:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} has no kept input (its forward has not run, did not "
+                "run as a recomputed forward, or was already recomputed)",
+                stage=self.stage,
+            )
+        with replaying(kept.rng):
+            graph, _ = self._run_segment(
+                c, self._segment[c], i, kept.value, kept.leaves, kept.params, record=False
+            )
+        self.activation_bytes -= kept.num_bytes  # the graph now holds what it needs of it
+        self._hold(i, c, graph)
+
+    def _hold(self, i: int, c: int, graph: _Graph) -> None:
+        self._graphs[i, c] = graph
+        self.activation_bytes += graph.num_bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+
+    def _run_segment(
+        self, c, k, i, value, leaves, params, *, record: bool = True
+    ) -> tuple[_Graph, Message | None]:
         sent: list[Message] = []
 
         def forward() -> list[torch.Tensor]:
-            out = self._call(self.modules[c], params, value)
-            if k == self._last:
-                return [self._loss(i, out)]
+            with self.precision.compute():
+                out = self._call(self.modules[c], params, value)
+            out = self.precision.boundary(out, last=self._layout.is_last(k))
+            if self._layout.is_last(k):
+                return [self._loss(i, out, record=record)]
             message, roots = activation(out, segment=k)
             sent.append(message)
             return roots
@@ -349,13 +479,14 @@ class StageRuntime:
         """What the saved tensors of a forward depend on ([Note: activation bytes are measured
         once] in `backends.runtime.memory`)."""
         target = None
-        if k == self._last:
+        if self._layout.is_last(k):
             target = _layout(self._ports.target(i))
         training = self.modules[c].training
         return (c, _layout(value), target, training, torch.is_grad_enabled())
 
-    def _loss(self, i: int, out: Any) -> torch.Tensor:
-        """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`)."""
+    def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
+        """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
+        `record=False` for a recompute, whose forward already recorded it)."""
         target = self._ports.target(i)
         try:
             result = self.loss_fn(out, target)
@@ -364,14 +495,19 @@ class StageRuntime:
                 f"loss_fn(output {_described(out)}, target {_described(target)}) failed: "
                 f"{error}; check the targets' shape"
             ) from error
-        return self._book.objective(i // self._m, result, where=f"loss_fn on microbatch {i}")
+        objective = self._book.objective(
+            i // self._m, result, where=f"loss_fn on microbatch {i}", record=record
+        )
+        if self.norm.scaler is not None:  # float16: backpropagate the scaled loss
+            objective = objective * self.norm.scaler.scale
+        return objective
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         roots = self._graph(op).roots
-        if k == self._last:
+        if self._layout.is_last(k):
             return [None] * len(roots)
         read = read_gradients(self._ports.gradient_of(i, c, k), roots)
         if isinstance(read, str):
@@ -399,6 +535,11 @@ class StageRuntime:
                 backward_into_grads(*live)
             self._emit_input_grad(op, leaves, [leaf.grad for leaf in leaves])
         self._free(op)
+
+    def _overlapped_backward(self, op: OverlappedBackward) -> None:
+        """The backward half of an overlapped pair (`F3.1 +B1`): its forward ran just before
+        it, so on one device the pair runs in order, forward then backward."""
+        self._backward(op)
 
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graph(op)
@@ -439,11 +580,11 @@ class StageRuntime:
     def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
-        if k == 0:
+        if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
         batch, count = i // self._m, None
         if self._carriers.get(batch) == i:  # see [Note: the count divides at the step]
-            if k == self._last:
+            if self._layout.is_last(k):
                 self._book.close(batch)
             count = self._book.normaliser.get(batch)
         self._ports.hand_back(i, c, k, gradients(leaves, grads, count))
@@ -462,10 +603,68 @@ class StageRuntime:
             )
         self.ties.reduce(op.tie, self._tie_reduce)
 
+    def _grad_norm(self, op: GradNorm) -> None:
+        if self._norm_reduce is None:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} needs a collective over the stages (the engines "
+                "give it for a program compiled with grad_norm=True)",
+                stage=self.stage,
+            )
+        part = self.norm_part()
+        self._norm_reduce(part)
+        self.apply_norm(part)
+
+    def norm_part(self) -> torch.Tensor:
+        """This stage's part of `GradNorm` ([Note: one norm, every stage alike]): the batch's
+        gradients made final, unscaled under float16, and their squares summed (under ZeRO
+        over the data-parallel replicas too)."""
+        self._divide_by_count(self._versions.version)
+        self._divided = True
+        skipped = set(self.ties.later_copies) if self.ties is not None else set()
+        if self._tp_rank:  # replicated over the tensor-parallel group: counted on rank 0
+            params = (p for mod in self._views for p in mod.parameters())
+            skipped |= {id(p) for p in params if not getattr(p, "tensor_model_parallel", False)}
+        if self._zero:
+            coll = self.collectives
+            measured = [
+                (
+                    shard.grad,
+                    shard_mask(
+                        list(view.parameters()), skipped, shard.numel(), coll.size, coll.rank
+                    ),
+                )
+                for view, shard in zip(self._views, self._reducer.shards)
+                if shard.grad is not None
+            ]
+        else:
+            measured = [(g, None) for p, g in self._grads() if id(p) not in skipped]
+        device = self.precision.device or torch.device("cpu")
+        part = self.norm.part([g for _, g in self._grads()], measured, device)
+        if self._zero and self.collectives.size > 1:
+            self.collectives.all_reduce(part)
+        return part
+
+    def apply_norm(self, total: torch.Tensor) -> None:
+        """Given every stage's part summed: clip, or mark the step skipped."""
+        self.norm.apply(total, [g for _, g in self._grads()])
+
+    def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(parameter, gradient)` of what the stage's optimizer steps (the shards under ZeRO)."""
+        if self._zero:
+            params = list(self._reducer.shards)
+        else:
+            params = [p for mod in self._views for p in mod.parameters()]
+        return [(p, p.grad) for p in params if p.grad is not None]
+
     def _optimizer_step(self, op: OptimizerStep) -> None:
-        self._divide_by_count(self._versions.version)  # the n-th step applies batch n
+        if not self._divided:  # the n-th step applies batch n
+            self._divide_by_count(self._versions.version)
+        self._divided = False
+        skip, self.norm.skip = self.norm.skip, False
+        self.skipped_steps += skip
         if self.optimizer is not None:
-            self.optimizer.step()
+            if not skip:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self._views:
             mod.zero_grad(set_to_none=True)
@@ -485,10 +684,23 @@ class StageRuntime:
         if self._delay:
             self._versions.snapshot(c, self._versions.version)
 
+    def _unshard(self, op: Unshard) -> None:
+        self._sharded(op).unshard(op.chunk)
+
+    def _reshard(self, op: Reshard) -> None:
+        self._sharded(op).release(op.chunk)
+
+    def _sharded(self, op) -> Reducer:
+        if self._zero != 3:
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} needs ZeRO-3 (compile with zero=3)", stage=self.stage
+            )
+        return self._reducer
+
     def _divide_by_count(self, batch: int) -> None:
         """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed
         over the replicas ([Note: the count divides at the step] in `backends.runtime.losses`)."""
-        if self._stage_of[self._last] == self.stage:
+        if any(self._layout.is_last(k) for k in self._segment):
             self._book.close(batch)
         count = self._book.normaliser.get(batch)
         if count is None:

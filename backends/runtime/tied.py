@@ -221,13 +221,16 @@ class StageTies:
         self.shadowed = {c for c, view in enumerate(views) if isinstance(view, ChunkParams)}
         #: per group this stage holds a segment of: per tie, (tie, this stage's copies)
         self.groups: dict[int, list[tuple[Tie, list[nn.Parameter]]]] = {}
+        #: the ids of the copies here that are not a tie's first copy (a norm counts a tied
+        #: parameter once: [Note: one norm, every stage alike] in `backends.runtime.clipping`)
+        self.later_copies: set[int] = set()
         for tie in ties:
-            held = [
-                dict(views[chunk_of[k]].named_parameters())[name]
-                for k, name in tie.copies
-                if k in chunk_of
-            ]
+            copies = [(k, name) for k, name in tie.copies if k in chunk_of]
+            held = [dict(views[chunk_of[k]].named_parameters())[name] for k, name in copies]
             self.groups.setdefault(tie.group, []).append((tie, held))
+            self.later_copies.update(
+                id(p) for copy, p in zip(copies, held) if copy != tie.copies[0]
+            )
         self._device = device
 
     def parts(self, group: int) -> list[torch.Tensor]:

@@ -5,12 +5,19 @@ as zeros). Without ZeRO the buffer is all-reduced and copied back into the `.gra
 the buffer is padded to `size * shard` and reduce-scattered into the `.grad` of this rank's flat
 shard parameter (the one the optimizer steps); `gather` all-gathers the stepped shards back into
 the module's parameters.
+
+Under ZeRO-3 (`release=True`) the module's parameters hold no data between uses: `release`
+points each one at an empty tensor (the Parameter objects stay, so autograd and the caller's
+references see the same parameters), and `unshard` all-gathers the shards into one flat buffer
+that the parameters (and, until the release, this rank's shard) view. The shapes are recorded
+once, so sizes never depend on what is held.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,17 +36,29 @@ class Reducer:
         modules: the stage's segments, by chunk.
         collectives: communication over the stage's data-parallel group.
         zero: keep a flat shard per chunk (`shards`) for the optimizer to step.
+        release: ZeRO-3: the modules' parameters start released (see `release`).
     """
 
     def __init__(
-        self, modules: Sequence[nn.Module], collectives: Collectives, *, zero: bool
+        self,
+        modules: Sequence[nn.Module],
+        collectives: Collectives,
+        *,
+        zero: bool,
+        release: bool = False,
     ) -> None:
         self._modules = modules
         self._collectives = collectives
         self._zero = zero
+        #: per chunk, the shapes of its parameters in `parameters()` order
+        self.shapes = [[p.shape for p in mod.parameters()] for mod in modules]
         self.shards: list[nn.Parameter] = []
         if zero:
             self.shards = [self._make_shard(c) for c in range(len(modules))]
+        self.whole = [True] * len(modules)
+        if release:
+            for c in range(len(modules)):
+                self.release(c)
 
     def reduce(self, c: int) -> None:
         """Sum chunk c's gradients over the group (into this rank's shard under ZeRO)."""
@@ -68,6 +87,48 @@ class Reducer:
                 p.copy_(full[offset : offset + n].view_as(p))
                 offset += n
 
+    def unshard(self, c: int, full: torch.Tensor | None = None, *, alias: bool = True) -> None:
+        """ZeRO-3: make chunk c's parameters whole again from every rank's shard (`full`: their
+        rank-ordered concatenation, when the caller has it; else an all-gather). `alias`: the
+        shard becomes its slice of the gathered buffer until the release (no second copy while
+        whole), so the parameters and the shard must not be written meanwhile."""
+        shard = self.shards[c]
+        if full is None:
+            full = self._collectives.all_gather(shard.detach())
+        if alias:
+            size, rank = shard.numel(), self._collectives.rank
+            shard.data = full[rank * size : (rank + 1) * size]
+        offset = 0
+        for p, shape in zip(self._modules[c].parameters(), self.shapes[c]):
+            n = shape.numel()
+            p.data = full[offset : offset + n].view(shape)
+            offset += n
+        self.whole[c] = True
+
+    def release(self, c: int) -> None:
+        """ZeRO-3: drop chunk c's whole parameters; this rank keeps only its shard."""
+        if self.whole[c] and self.shards:
+            self.shards[c].data = self.shards[c].data.clone()  # out of the gathered buffer
+        for p in self._modules[c].parameters():
+            p.data = p.data.new_empty(0)
+        self.whole[c] = False
+
+    @contextmanager
+    def placeholders(self) -> Iterator[None]:
+        """Released chunks get whole-shaped (uninitialised) parameters for the duration, and
+        are released again after; what is written into them meanwhile is lost unless copied
+        into the shards (`refresh_shards`)."""
+        released = [c for c, whole in enumerate(self.whole) if not whole]
+        for c in released:
+            for p, shape in zip(self._modules[c].parameters(), self.shapes[c]):
+                p.data = p.data.new_empty(shape)
+            self.whole[c] = True
+        try:
+            yield
+        finally:
+            for c in released:
+                self.release(c)
+
     def refresh_shards(self) -> None:
         """Set each shard from the module's parameters (after loading new weights)."""
         with torch.no_grad():
@@ -87,7 +148,7 @@ class Reducer:
         return flat
 
     def _numel(self, c: int) -> int:
-        return sum(p.numel() for p in self._modules[c].parameters())
+        return sum(shape.numel() for shape in self.shapes[c])
 
     def _shard_size(self, c: int) -> int:
         return max(1, math.ceil(self._numel(c) / self._collectives.size))

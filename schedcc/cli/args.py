@@ -171,7 +171,7 @@ def add_batches(parser, *, default: int | None = None) -> None:
     )
 
 
-def add_parallel(parser, *, dp_default: int | None = 1, zero_choices=(0, 1, 2)) -> None:
+def add_parallel(parser, *, dp_default: int | None = 1, zero_choices=(0, 1, 2, 3)) -> None:
     """`--dp N` and `--zero Z`."""
     parser.add_argument(
         "--dp",

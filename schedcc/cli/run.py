@@ -20,6 +20,7 @@ import tempfile
 from schedcc.cli import args as shared
 from schedcc.cli.args import UsageError, positive_int
 from schedcc.compiler import compile
+from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule
 from schedcc.schedule import build_schedule
 
@@ -65,14 +66,23 @@ class Config:
     resume: bool = False
     #: The groups of segments that share parameters, found in the model `--model` builds.
     tied: tuple[tuple[int, ...], ...] = ()
+    p2p: str = "shm"
+    max_grad_norm: float | None = None
+    precision: str = "fp32"
+    grad_norm: bool = False
+    tp: int = 1
+    recompute: bool = False
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.data_parallel
+        return self.num_stages * self.data_parallel * self.tp
 
     def describe(self, rank: int) -> str:
-        """`rank 3 (stage 1, dp 1)`: global rank = dp_index * p + stage."""
-        dp_index, stage = divmod(rank, self.num_stages)
+        """`rank 3 (stage 1, dp 1)`: global rank = (dp_index * p + stage) * tp + tp_index."""
+        rank_tp, tp_index = divmod(rank, self.tp)
+        dp_index, stage = divmod(rank_tp, self.num_stages)
+        if self.tp > 1:
+            return f"rank {rank} (stage {stage}, dp {dp_index}, tp {tp_index})"
         return f"rank {rank} (stage {stage}, dp {dp_index})"
 
 
@@ -88,7 +98,7 @@ def register(subparsers) -> None:
     shared.add_stages(parser, default=2)
     shared.add_microbatches(parser, default=8)
     shared.add_chunks(parser)
-    shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1))
+    shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1, 2, 3))
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
     parser.add_argument(
         "--model",
@@ -116,10 +126,29 @@ def register(subparsers) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--p2p",
-        choices=("shm", "gloo"),
+        choices=("shm", "gloo", "broadcast"),
         default="shm",
-        help="under gloo, how stages on the same machine exchange tensors: shared memory "
-        "(default) or gloo's own point-to-point",
+        help="under gloo, how stages exchange tensors: shared memory on the same machine "
+        "(default), gloo's send/recv, or broadcasts within two-rank groups",
+    )
+    parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="X",
+        help="clip the whole model's gradient norm to X before each step",
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per stage (attention heads and MLPs split Megatron-style)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="compute and stage-to-stage tensors in bf16 or fp16 (dynamic loss scaling); "
+        "weights and optimizer state stay fp32",
     )
     parser.add_argument(
         "--no-bind",
@@ -136,6 +165,11 @@ def register(subparsers) -> None:
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --checkpoint (if any)",
+    )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute every forward before its backward (compile(..., recompute=True))",
     )
     parser.set_defaults(func=run)
 
@@ -186,7 +220,8 @@ def _model(config: Config, schedule):
     if config.check:
         torch.set_default_dtype(torch.float64)  # what the ranks build in
     try:
-        model = models.build(config.model, schedule.num_segments, seed=config.seed)
+        replicas = type(schedule).num_replicas  # DualPipe: one replica's segments, held twice
+        model = models.build(config.model, schedule.num_segments // replicas, seed=config.seed)
         models.check_batch(
             model,
             config.model,
@@ -204,8 +239,15 @@ def _model(config: Config, schedule):
             f"--lr sets the default optimizer's learning rate, but --model {config.model} brings "
             "its own optimizer: set the rate there, or drop --lr"
         )
-    tied = tuple(tied_groups(model.segments))
-    compile(schedule, data_parallel=config.data_parallel, zero=config.zero, tied=tied)  # exit 2
+    tied = tuple(tied_groups(model.segments))  # within one replica; compile ties the copies
+    compile(  # a bad program is one line, exit 2
+        schedule,
+        data_parallel=config.data_parallel,
+        zero=config.zero,
+        tied=tied,
+        grad_norm=config.grad_norm,
+        recompute=config.recompute,
+    )
     return model, tied
 
 
@@ -217,8 +259,13 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
+    if args.tp not in (1, 2, 4):
+        raise UsageError(
+            f"--tp {args.tp}: the built-in models split their 4 attention heads and their "
+            "linear layers over 1, 2 or 4 tensor-parallel ranks"
+        )
     if under_torchrun:
-        world = int(os.environ["WORLD_SIZE"])
+        world = int(os.environ["WORLD_SIZE"]) // args.tp
         if dp is None:
             if world % p:
                 raise UsageError(
@@ -242,6 +289,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         num_batches=batches_per_run,
     )
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
+    grad_norm = _grad_norm(args, schedule, dp)  # a bad program fails here, exit 2
     _check_trace(args.trace)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
@@ -263,11 +311,36 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         timeout=args.timeout,
         progress=not args.no_progress,
         shared_memory=args.p2p == "shm",
+        p2p=args.p2p,
+        max_grad_norm=args.max_grad_norm,
+        precision=args.precision,
+        grad_norm=grad_norm,
+        tp=args.tp,
         checkpoint=args.checkpoint,
         every=args.every or 0,
         resume=args.resume,
+        recompute=args.recompute,
     )
     return config, schedule
+
+
+def _grad_norm(args, schedule, dp: int) -> bool:
+    """Compile the program to check it; whether it carries `GradNorm` (clipping, fp16, and
+    skipping non-finite steps need it; a schedule that cannot host it runs without, unless one
+    of those was asked for)."""
+    if args.max_grad_norm is not None and not 0 < args.max_grad_norm < math.inf:
+        raise UsageError(f"--max-grad-norm must be a positive number, got {args.max_grad_norm:g}")
+    if args.check and args.precision != "fp32":
+        raise UsageError("--check compares float64 training; it cannot run with --precision")
+    recompute = args.recompute
+    try:
+        compile(schedule, data_parallel=dp, zero=args.zero, recompute=recompute, grad_norm=True)
+    except ScheduleConfigError:
+        if args.max_grad_norm is not None or args.precision == "fp16":
+            raise
+        compile(schedule, data_parallel=dp, zero=args.zero, recompute=recompute)
+        return False
+    return True
 
 
 def _check_checkpoint_args(args, batches_per_run: int) -> None:

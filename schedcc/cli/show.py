@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from schedcc.cli import args as shared
+from schedcc.cli import memory as memory_args
 from schedcc.compiler import compile
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
@@ -25,6 +26,7 @@ EPILOG = """examples:
   schedcc show --schedule interleaved-1f1b -p 4 -m 8 -v 2 --costs F=1,B=2,comm=0.1
   schedcc show --schedule gpipe -p 4 -m 8 --format svg -o gpipe.svg
   schedcc show --schedule 1f1b -p 4 -m 8 --forward-only
+  schedcc show --schedule 1f1b -p 4 -m 8 --recompute --memory activations=64MiB,params=1GiB
   schedcc show --schedule my_schedules.py:MySchedule -p 4 -m 8 --format chrome -o trace.json
 """
 
@@ -59,6 +61,10 @@ def register(subparsers) -> None:
         "--forward-only",
         action="store_true",
         help="draw the forward-only program evaluation runs (compile(..., forward_only=True))",
+    )
+    memory_args.add_memory(
+        parser,
+        recompute_help="recompute every forward before its backward (compile(..., recompute=True))",
     )
     parser.add_argument(
         "--format",
@@ -98,9 +104,14 @@ def build(args):
 def run(args) -> int:
     schedule = build(args)
     program = compile(
-        schedule, data_parallel=args.dp, zero=args.zero, forward_only=args.forward_only
+        schedule,
+        data_parallel=args.dp,
+        zero=args.zero,
+        forward_only=args.forward_only,
+        recompute=args.recompute,
     )
-    timeline = simulate(program, args.costs, eager=args.eager)
+    costs = memory_args.with_memory(args.costs, args.memory)
+    timeline = simulate(program, costs, eager=args.eager)
     if not math.isfinite(timeline.makespan):
         raise ScheduleConfigError(
             f"--costs: the simulated makespan overflows ({timeline.makespan}); give the costs "
@@ -133,4 +144,6 @@ def run(args) -> int:
     if output is not None:
         print(f"wrote {output}")
     print(timeline.summary())
+    if args.memory is not None:
+        print(memory_args.bytes_line(timeline.peak_bytes))
     return 0

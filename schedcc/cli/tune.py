@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from schedcc.cli import args as shared
+from schedcc.cli import memory as memory_args
 from schedcc.costs import CostModel, cost_fields
+from schedcc.memory import format_size
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.tune import TuneResult, tune
 
@@ -23,6 +24,8 @@ EPILOG = """examples:
   schedcc tune -p 4 -m 8,16 -v 1,2 --memory-limit 4 --costs F=1,B=2,I=1,W=1
   schedcc tune -p 4 -m 8 --costs-from trace.json --dp 2 --zero 1 --format json
   schedcc tune -p 4 -m 8 --schedule my_schedules.py:MySchedule
+  schedcc tune -p 4 -m 8,16 --recompute --memory act=256MiB,params=2GiB,opt=4GiB \
+      --memory-limit 12GiB
 """
 
 
@@ -38,12 +41,11 @@ def register(subparsers) -> None:
     shared.add_stages(parser, required=True)
     shared.add_microbatches(parser, default=[8], many=True)
     shared.add_chunks(parser, default=[1, 2], many=True)
-    parser.add_argument(
-        "--memory-limit",
-        type=_positive_float,
-        default=None,
-        metavar="N",
-        help="drop programs holding more than N microbatches of one stage's activations",
+    memory_args.add_memory(
+        parser,
+        limit=True,
+        recompute_help="also rank every shape with full recomputation (compile(..., "
+        "recompute=True))",
     )
     shared.add_costs(
         parser, default=None, help="per-stage costs at v = 1, e.g. F=1,B=2,I=1,W=1,comm=0.1"
@@ -61,27 +63,20 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def run(args) -> int:
     shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks))
+    memory_args.check_limit(args.memory_limit, args.memory)
+    costs = memory_args.with_memory(_costs(args.costs, args.costs_from), args.memory)
     result = tune(
         _with_registered(args.schedule) if args.schedule else None,
         num_stages=args.num_stages,
         num_microbatches=args.num_microbatches,
         num_chunks=args.num_chunks,
-        costs=_costs(args.costs, args.costs_from),
+        costs=costs,
         memory_limit=args.memory_limit,
         data_parallel=args.dp,
         zero=args.zero,
+        recompute=(False, True) if args.recompute else False,
     )
     if args.format == "json":
         print(json.dumps(result.to_dict(), indent=2))
@@ -117,6 +112,11 @@ def _table(result: TuneResult) -> str:
         "act per stage",
         "versions per stage",
     )
+    in_bytes = any(c.peak_bytes is not None for c in (*result.ranked, *result.over_limit))
+    if any(c.recompute for c in (*result.ranked, *result.over_limit)):
+        header = (*header[:4], "recompute", *header[4:])
+    if in_bytes:
+        header = (*header, "peak bytes")
     rows = [
         (
             str(rank),
@@ -132,6 +132,13 @@ def _table(result: TuneResult) -> str:
         )
         for rank, c in enumerate(result.ranked, 1)
     ]
+    if "recompute" in header:
+        rows = [
+            (*row[:4], "yes" if c.recompute else "no", *row[4:])
+            for row, c in zip(rows, result.ranked)
+        ]
+    if in_bytes:
+        rows = [(*row, format_size(c.peak_bytes or 0)) for row, c in zip(rows, result.ranked)]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]
@@ -140,7 +147,8 @@ def _table(result: TuneResult) -> str:
         lines = ["no schedule fits: every shape was skipped or over the memory limit"]
     if result.over_limit:
         dropped = ", ".join(
-            f"{c.schedule} m={c.num_microbatches} v={c.num_chunks} ({c.peak_activations:g})"
+            f"{c.schedule} m={c.num_microbatches} v={c.num_chunks}"
+            f"{' recompute' if c.recompute else ''} ({_held(c)})"
             for c in result.over_limit
         )
         lines.append(f"over the memory limit: {dropped}")
@@ -149,3 +157,8 @@ def _table(result: TuneResult) -> str:
             f"skipped {len(result.skipped)} shapes a schedule rejects (--format json lists why)"
         )
     return "\n".join(lines)
+
+
+def _held(c) -> str:
+    """What a candidate holds at its peak, as the memory limit counts it."""
+    return format_size(c.peak_bytes) if c.peak_bytes is not None else f"{c.peak_activations:g}"

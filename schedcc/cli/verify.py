@@ -4,9 +4,11 @@ Each shape (p, m, v, batches) the schedule accepts is compiled and validated; th
 pass or the failing rule, and the validator's explanation follows for each failure. Shapes the
 schedule itself rejects (its `check()` raises `ScheduleConfigError`) are skipped, and so are chunk
 counts above 1 for a schedule that yields nothing on a second chunk (written for one chunk per
-stage; see `schedcc.schedule.uses_chunks`). Exit status 1 when any shape fails, 0 when all pass,
-2 for bad input, including a schedule whose own code fails (`ScheduleCodeError`).
-`--torch CLASS` checks torch's own schedule instead (`schedcc.interop.torch_check`).
+stage; see `schedcc.schedule.uses_chunks`). `--recompute` checks the programs that
+`compile(..., recompute=True)` makes (an `R` before each backward). Exit status 1 when any shape
+fails, 0 when all pass, 2 for bad input, including a schedule whose own code fails
+(`ScheduleCodeError`). `--torch CLASS` checks torch's own schedule instead
+(`schedcc.interop.torch_check`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ EPILOG = """examples:
   schedcc verify --schedule interleaved-1f1b -p 4 -v 2
   schedcc verify --schedule my_schedules.py:MySchedule -p 4 -m 8
   schedcc verify --schedule my_package.schedules:MySchedule --batches 3 --dp 2 --zero 1
+  schedcc verify --schedule zb-h1 --recompute --dp 2 --zero 3
   schedcc verify --torch Schedule1F1B -p 4 -m 8
 """
 
@@ -70,6 +73,12 @@ def register(subparsers) -> None:
     shared.add_chunks(parser)
     shared.add_batches(parser)
     shared.add_parallel(parser)
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="check the programs that recompute every forward before its backward "
+        "(compile(..., recompute=True))",
+    )
     parser.add_argument(
         "--torch",
         metavar="CLASS",
@@ -137,7 +146,13 @@ def _check(cls, shape, args) -> _Result:
     except ScheduleConfigError as exc:
         return _Result(shape, skipped=str(exc))
     try:
-        program = compile(schedule, data_parallel=args.dp, zero=args.zero, validate=False)
+        program = compile(
+            schedule,
+            data_parallel=args.dp,
+            zero=args.zero,
+            recompute=args.recompute,
+            validate=False,
+        )
         problems = validate(program, collect=True)
         if problems:
             return _Result(shape, error=problems[0])
@@ -183,9 +198,10 @@ def _run_torch(args) -> int:
 
     if args.schedule is not None:
         raise ScheduleConfigError("give --schedule or --torch, not both")
-    if args.batches not in (None, 1) or args.dp != 1 or args.zero != 0:
+    if args.batches not in (None, 1) or args.dp != 1 or args.zero != 0 or args.recompute:
         raise ScheduleConfigError(
-            "--torch checks one batch of one pipeline: drop --batches, --dp and --zero"
+            "--torch checks one batch of one pipeline as torch runs it: drop --batches, --dp, "
+            "--zero and --recompute"
         )
     report = check_torch_schedule(
         args.torch, args.num_stages or 4, args.num_microbatches or 8, num_chunks=args.num_chunks

@@ -27,9 +27,14 @@ from schedcc.ir import (
     Compute,
     Forward,
     GatherParams,
+    GradNorm,
     OptimizerStep,
+    OverlappedBackward,
+    Recompute,
     ReduceGrads,
     ReduceTied,
+    Reshard,
+    Unshard,
 )
 
 __all__ = ["render"]
@@ -40,10 +45,15 @@ _BACKGROUND = {
     Backward: 42,
     BackwardInput: 46,
     BackwardWeight: 45,
+    Recompute: 41,
+    OverlappedBackward: 42,
     ReduceGrads: 43,
     OptimizerStep: 43,
     GatherParams: 43,
     ReduceTied: 43,
+    Unshard: 43,
+    Reshard: 43,
+    GradNorm: 43,
 }
 _RESET = "\x1b[0m"
 

@@ -22,9 +22,14 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     GatherParams,
+    GradNorm,
     OptimizerStep,
+    OverlappedBackward,
+    Recompute,
     ReduceGrads,
     ReduceTied,
+    Reshard,
+    Unshard,
 )
 
 __all__ = ["save"]
@@ -35,20 +40,30 @@ _COLOR = {
     Backward: (0.22, 0.62, 0.30),
     BackwardInput: (0.10, 0.60, 0.62),
     BackwardWeight: (0.55, 0.33, 0.70),
+    Recompute: (0.90, 0.55, 0.15),
+    OverlappedBackward: (0.45, 0.70, 0.25),
     ReduceGrads: (0.55, 0.55, 0.55),
     OptimizerStep: (0.40, 0.40, 0.40),
     GatherParams: (0.65, 0.65, 0.65),
     ReduceTied: (0.50, 0.50, 0.50),
+    Unshard: (0.75, 0.75, 0.75),
+    Reshard: (0.85, 0.85, 0.85),
+    GradNorm: (0.45, 0.45, 0.45),
 }
 _NAME = {
     Forward: "forward",
     Backward: "backward",
     BackwardInput: "input grad",
     BackwardWeight: "weight grad",
+    Recompute: "recompute",
+    OverlappedBackward: "overlapped backward",
     ReduceGrads: "reduce",
     OptimizerStep: "step",
     GatherParams: "gather",
     ReduceTied: "tied reduce",
+    Unshard: "unshard",
+    Reshard: "reshard",
+    GradNorm: "grad norm",
 }
 _FORMATS = {".png": "png", ".svg": "svg"}
 _MAX_LABELS = 4000  # beyond this many blocks, numbers would be unreadable anyway

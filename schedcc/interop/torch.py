@@ -33,10 +33,14 @@ from schedcc.ir import (
     Forward,
     Instruction,
     OnMicrobatch,
+    OverlappedBackward,
+    Recompute,
     RecvActivation,
     RecvGrad,
+    Reshard,
     SendActivation,
     SendGrad,
+    Unshard,
 )
 from schedcc.program import Program
 from schedcc.schedule import Schedule
@@ -55,6 +59,7 @@ __all__ = [
 _TO_TORCH: dict[type[Instruction], str] = {
     Forward: "F",
     Backward: "B",
+    OverlappedBackward: "B",
     BackwardInput: "I",
     BackwardWeight: "W",
     SendActivation: "SEND_F",
@@ -62,7 +67,9 @@ _TO_TORCH: dict[type[Instruction], str] = {
     SendGrad: "SEND_B",
     RecvGrad: "RECV_B",
 }
-_FROM_TORCH = {code: cls for cls, code in _TO_TORCH.items()}
+_FROM_TORCH = {code: cls for cls, code in _TO_TORCH.items() if cls is not OverlappedBackward}
+#: ZeRO-3's gather and release, exported as torch's FSDP actions on the segment.
+_SHARDING_TO_TORCH: dict[type[Instruction], str] = {Unshard: "UNSHARD", Reshard: "RESHARD"}
 #: torch actions with no schedcc meaning on a single pipeline (FSDP, DP reduction): skipped.
 _SKIPPED = ("REDUCE_GRAD", "UNSHARD", "RESHARD")
 _ACTION = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RESHARD|F|B|I|W)(\d*)")
@@ -77,29 +84,43 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
     With `comms` (torch's "compute_comms" format) the rows hold schedcc's own sends and receives
     and a `REDUCE_GRAD` after each segment's last backward (where torch's runtime scales the
     gradients by 1/m); without, only the computes ("compute_only": torch inserts the rest).
-    Update instructions (Step, Reduce, Gather) are left out: the caller steps the optimizer.
+    With `comms`, a `zero=3` program's `Unshard`/`Reshard` are torch's `UNSHARD`/`RESHARD` of
+    the segment (for FSDP-wrapped stage modules), where schedcc placed and proved them. Other
+    update instructions (Step, Reduce, Gather) are left out: the caller steps the optimizer.
 
     Raises:
-        ScheduleConfigError: the program covers more than one batch (torch runs one per step).
+        ScheduleConfigError: the program covers more than one batch (torch runs one per step),
+            or recomputes (torch's actions have no recompute).
     """
     schedule = program.schedule
     if schedule.num_batches != 1:
         raise ScheduleConfigError(
             f"torch runs one batch per step; compile {schedule!r} with num_batches=1 to export it"
         )
+    if any(type(op) is Recompute for ops in program.stages for op in ops):
+        raise ScheduleConfigError(
+            "torch's pipeline actions have no recompute (R): compile without recompute to export"
+        )
     rows = []
     for stage, ops in enumerate(program.stages):
         row: list[str] = []
         backwards: dict[int, int] = {}
         for op in ops:
+            if comms and type(op) in _SHARDING_TO_TORCH:
+                segment = schedule.segment_of(stage, op.chunk)
+                row.append(f"{segment}{_SHARDING_TO_TORCH[type(op)]}")
+                continue
             code = _TO_TORCH.get(type(op))
             if code is None or not isinstance(op, OnMicrobatch):
                 continue
             if not comms and isinstance(op, Comm):
                 continue
             segment = schedule.segment_of(stage, op.chunk)
-            row.append(f"{segment}{code}{op.microbatch}")
-            if comms and type(op) in (Backward, BackwardWeight):  # a weight gradient is done
+            if type(op) is OverlappedBackward and row:  # with the forward right before it
+                row[-1] = f"({row[-1]};{segment}{code}{op.microbatch})OVERLAP_F_B"
+            else:
+                row.append(f"{segment}{code}{op.microbatch}")
+            if comms and isinstance(op, (Backward, BackwardWeight)):  # a weight gradient is done
                 backwards[segment] = backwards.get(segment, 0) + 1
                 if backwards[segment] == schedule.num_microbatches:
                     row.append(f"{segment}REDUCE_GRAD")
@@ -178,8 +199,9 @@ def from_torch_actions(
     `rows[r]` (a list, or torch's `pipeline_order` dict) is rank r's actions. Computes become
     `Forward`/`Backward`/`BackwardInput`/`BackwardWeight`, sends and receives their schedcc
     counterparts, and `REDUCE_GRAD`/`UNSHARD`/`RESHARD` are dropped (schedcc inserts its own
-    updates). An overlapped `(a;b)OVERLAP_F_B` runs its parts in order. Microbatch indices are
-    kept as torch wrote them, so schedcc's checks see exactly torch's description.
+    updates). An overlapped `(aFi;bBj)OVERLAP_F_B` becomes a `Forward` and the
+    `OverlappedBackward` right after it (other overlapped parts run in order). Microbatch
+    indices are kept as torch wrote them, so schedcc's checks see exactly torch's description.
 
     Raises:
         ScheduleConfigError: an action that does not parse, or ranks that do not hold the
@@ -225,7 +247,10 @@ def _parse(item: object, rank: int) -> list[tuple[int, type[Instruction], int]]:
         inner, _, kind = text[1:].partition(")")
         if kind != "OVERLAP_F_B":
             raise ScheduleConfigError(f"rank {rank}: cannot read torch action {text!r}")
-        return [part for sub in inner.split(";") for part in _parse(sub, rank)]
+        parts = [part for sub in inner.split(";") for part in _parse(sub, rank)]
+        if [cls for _, cls, _ in parts] == [Forward, Backward]:
+            parts[1] = (parts[1][0], OverlappedBackward, parts[1][2])
+        return parts
     match = _ACTION.fullmatch(text)
     if match is None:
         raise ScheduleConfigError(

@@ -6,11 +6,25 @@ Each pass is a pure function from `Program` to `Program` (collect starts from th
 from schedcc.passes.assign_versions import assign_versions
 from schedcc.passes.collect import collect
 from schedcc.passes.insert_comm import insert_comm
+from schedcc.passes.insert_norm import insert_norm
+from schedcc.passes.insert_recompute import insert_recompute
+from schedcc.passes.insert_sharding import insert_sharding
 from schedcc.passes.insert_updates import insert_updates
 from schedcc.semantics.graph import build_graph
 
-__all__ = ["PASSES", "assign_versions", "build_graph", "collect", "insert_comm", "insert_updates"]
+__all__ = [
+    "PASSES",
+    "assign_versions",
+    "build_graph",
+    "collect",
+    "insert_comm",
+    "insert_norm",
+    "insert_recompute",
+    "insert_sharding",
+    "insert_updates",
+]
 
-#: The lowering passes after `collect`, in order. `build_graph` (in
-#: `schedcc.semantics.graph`) runs when `Program.graph` is read.
-PASSES = (insert_comm, insert_updates, assign_versions)
+#: The lowering passes after `collect` (and `insert_recompute`, which takes the recompute
+#: policy), in order. `build_graph` (in `schedcc.semantics.graph`) runs when `Program.graph`
+#: is read.
+PASSES = (insert_comm, insert_updates, insert_sharding, insert_norm, assign_versions)

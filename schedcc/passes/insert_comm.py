@@ -29,6 +29,12 @@ are idle, then computes start), so later meetings follow the real, stalled timel
 of the two (simulated with the default costs) is kept. Interleaved 1F1B at p = 32, m = 512,
 v = 2: 3241 against the ideal 3165 (the first lowering alone: 4093). Both are walk-ordered, so
 either is deadlock-free.
+
+[Note: lowering an overlapped pair] A `Forward` and the `OverlappedBackward` right after it
+(`F3.1 +B1`, see [Note: overlapped pairs]) are planned as one compute: the forward waits for
+what both need, the backward for nothing more, and the forward's output is made at the pair's
+end, with the pair costing F + B and starting at one moment. Every receive of the pair then
+lands before the forward and every send after the backward, and nothing between the two.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from schedcc.errors import DeadlockError, DependencyError, IncompleteScheduleError
-from schedcc.ir import COMM, Compute, Instruction
+from schedcc.ir import COMM, Backward, Compute, Forward, Instruction, OverlappedBackward
 from schedcc.program import Program
 from schedcc.semantics import UNIT_COSTS, Tensors, wait_for_cycle
 
@@ -79,8 +85,10 @@ class _Plan:
     """Per stage and position: the tensor keys a compute waits for and the key it produces.
 
     `wants[s][pos]` is None for a non-compute, `remote[s][pos]` those of its wants that another
-    stage makes; `producer[key]` is the stage that first computes `key` (-1 if none),
-    `producer_pos[key]` the position there.
+    stage makes, `outs[s][pos]` the keys it makes; `producer[key]` is the stage that first
+    computes `key` (-1 if none), `producer_pos[key]` the position there. `paired[s]` holds the
+    positions of the overlapped backwards planned with their forward ([Note: lowering an
+    overlapped pair]).
     """
 
     def __init__(self, program: Program, tensors: Tensors):
@@ -91,13 +99,14 @@ class _Plan:
         self.producer_pos = [0] * num_keys
         self.wants: list[list[tuple[int, ...] | None]] = []
         self.remote: list[list[tuple[int, ...]]] = []  # the wants made on another stage
-        self.outs: list[list[int]] = []
+        self.outs: list[list[tuple[int, ...]]] = []
         self.costs: list[list[int]] = []
+        self.paired: list[frozenset[int]] = []
         for s, ops in enumerate(program.stages):
             table = tensors.compute_table(s)
             wants: list[tuple[int, ...] | None] = []
             remote: list[tuple[int, ...]] = []
-            outs: list[int] = []
+            outs: list[tuple[int, ...]] = []
             for op in ops:
                 out = -1
                 if isinstance(op, Compute):
@@ -114,17 +123,41 @@ class _Plan:
                 else:
                     wants.append(None)
                     remote.append(())
-                outs.append(out)
-                if out >= 0 and self.producer[out] < 0:
-                    self.producer[out] = s
-                    self.producer_pos[out] = len(outs) - 1
+                outs.append((out,) if out >= 0 else ())
+            costs = [_COST.get(type(op), 0) for op in ops]
+            self.paired.append(_pair_up(ops, wants, remote, outs, costs))
+            for pos, made in enumerate(outs):
+                for out in made:
+                    if self.producer[out] < 0:
+                        self.producer[out] = s
+                        self.producer_pos[out] = pos
             self.wants.append(wants)
             self.remote.append(remote)
             self.outs.append(outs)
-            self.costs.append([_COST.get(type(op), 0) for op in ops])
+            self.costs.append(costs)
 
     def describe(self, key: int) -> str:
         return self.tensors.describe(key)
+
+
+def _pair_up(ops, wants, remote, outs, costs) -> frozenset[int]:
+    """Plan each overlapped pair of `ops` as one compute, in place ([Note: lowering an
+    overlapped pair]); returns the positions of the paired backwards. A backward that needs
+    what its forward makes is left alone (the validator refuses it)."""
+    paired = set()
+    for pos in range(1, len(ops)):
+        if type(ops[pos]) is not OverlappedBackward or type(ops[pos - 1]) is not Forward:
+            continue
+        made, needs = outs[pos - 1], wants[pos]
+        if made and made[0] in needs:
+            continue
+        wants[pos - 1] = wants[pos - 1] + needs
+        remote[pos - 1] = remote[pos - 1] + remote[pos]
+        wants[pos], remote[pos] = (), ()
+        outs[pos - 1], outs[pos] = (), made + outs[pos]
+        costs[pos - 1], costs[pos] = 0, costs[pos - 1] + _COST[Backward]
+        paired.add(pos)
+    return frozenset(paired)
 
 
 def _simulate(program: Program, plan: _Plan) -> list[list[int]]:
@@ -160,8 +193,7 @@ def _simulate(program: Program, plan: _Plan) -> list[list[int]]:
                 break
             row[pos] = ready
             now = ready + costs[pos]
-            out = outs[pos]
-            if out >= 0:
+            for out in outs[pos]:
                 done[out] = now
                 if out in waiting:
                     pending.extend(waiting.pop(out))
@@ -375,8 +407,12 @@ def _lower_online(program: Program, plan: _Plan) -> tuple[tuple[tuple[Instructio
                 continue
             out[s].append(stages[s][pos])
             busy_until[s] = t + costs[s][pos]
-            if outs[s][pos] >= 0:
-                done[outs[s][pos]] = busy_until[s]
+            if pos + 1 in plan.paired[s]:  # its overlapped backward starts with it
+                pos += 1
+                out[s].append(stages[s][pos])
+                busy_until[s] += costs[s][pos]
+            for key in outs[s][pos]:
+                done[key] = busy_until[s]
             cursor[s] = pos + 1
         later = [b for b in busy_until if b > t]
         if not later:

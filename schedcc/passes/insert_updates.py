@@ -3,9 +3,10 @@
 Per stage and batch: `ReduceGrads(c)` right after the last weight-gradient compute of chunk c
 (and the comm group that follows it, so the pipeline's own send is not delayed), letting the
 reduction of early chunks overlap the drain; `OptimizerStep()` once every chunk is reduced; under
-ZeRO-1 a `GatherParams(c)` per chunk after the step. `zero=2` reduce-scatters after every
-weight-gradient compute instead. Reductions are only inserted where there is something to
-reduce: `data_parallel > 1` or ZeRO.
+ZeRO-1 and ZeRO-2 a `GatherParams(c)` per chunk after the step. `zero=2` and `zero=3`
+reduce-scatter after every weight-gradient compute instead; ZeRO-3 gathers with the `Unshard`
+that `insert_sharding` places before the chunk's next compute. Reductions are only inserted
+where there is something to reduce: `data_parallel > 1` or ZeRO.
 
 With tied segments (`program.tied`), every stage holding a segment of group g gets a
 `ReduceTied(g)` per batch after its last weight gradient of those chunks and before their
@@ -64,12 +65,12 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
         if isinstance(op, WEIGHT_GRADIENT):
             batch = op.microbatch // num_microbatches
             last_grad[batch, op.chunk] = pos
-            if zero == 2 and op.chunk not in tied_chunks:
+            if zero >= 2 and op.chunk not in tied_chunks:
                 after.setdefault(_past_comm(ops, pos), []).append(ReduceGrads(op.chunk))
     batches = sorted({batch for batch, _ in last_grad})
     for batch in batches:
         ends = {c: last_grad[batch, c] for c in range(num_chunks) if (batch, c) in last_grad}
-        if reduce and zero != 2:
+        if reduce and zero < 2:
             for c, pos in sorted(ends.items(), key=lambda item: item[1]):
                 if c not in tied_chunks:
                     after.setdefault(_past_comm(ops, pos), []).append(ReduceGrads(c))
@@ -80,7 +81,7 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
             if reduce:
                 after[at].extend(ReduceGrads(c) for c in sorted(tied_chunks) if c in ends)
         after.setdefault(step_at, []).append(OptimizerStep())
-        if zero >= 1:
+        if 1 <= zero <= 2:
             after[step_at].extend(GatherParams(c) for c in sorted(ends))
     out: list[Instruction] = []
     done = 0

@@ -15,6 +15,7 @@ import attrs
 
 from schedcc.errors import ScheduleError
 from schedcc.ir import COMM, Instruction
+from schedcc.memory import MemoryModel
 from schedcc.program import Program
 from schedcc.semantics import CommProblem, StepModel, step_model, tensors_of
 
@@ -36,11 +37,20 @@ class Problem:
 class Context:
     """What several rules read, computed once per validation."""
 
-    def __init__(self, program: Program, max_activations: int | None):
+    def __init__(
+        self,
+        program: Program,
+        max_activations: int | None,
+        *,
+        max_bytes: float | None = None,
+        memory: MemoryModel | None = None,
+    ):
         self.program = program
         self.stages = program.stages
         self.schedule = program.schedule
         self.max_activations = max_activations
+        #: the byte limit and the model that counts bytes (`schedcc.rules.bytes`)
+        self.max_bytes, self.memory = max_bytes, memory
         self.tensors = tensors_of(program)
         self.layout = self.tensors.layout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from schedcc.errors import DeadlockError, UnmatchedCommError
-from schedcc.ir import SENDS, ReduceTied
+from schedcc.ir import SENDS, GradNorm, ReduceTied
 from schedcc.rules import Context, Problem
 from schedcc.semantics import reference_walk
 
@@ -43,7 +43,7 @@ def check_comm(ctx: Context) -> Iterator[Problem]:
 def check_deadlock(ctx: Context) -> Iterator[Problem]:
     """The stages, each running its program in order with rendezvous comm groups, all finish."""
     _, problems = ctx.matching
-    if problems or ctx.model.tie_problems:  # check_comm's and check_tied's to report
+    if problems or ctx.model.tie_problems or ctx.model.norm_problems:  # other rules report
         return
     stages, steps = ctx.stages, ctx.model.steps
     result = reference_walk(ctx.program)  # timed, for the simulator: [Note: the reference walk]
@@ -67,10 +67,10 @@ def check_deadlock(ctx: Context) -> Iterator[Problem]:
         + "; ".join(links)
         + f"; back to stage {first}. "
         + (
-            "Move the ReduceTied, or the comm that the group's other stages need before "
-            "theirs, so that every stage of the group reaches it without waiting for another's "
-            "later work"
-            if any(type(stages[s][pos]) is ReduceTied for s, pos in waiting)
+            "Move the ReduceTied or GradNorm, or the comm that the group's other stages need "
+            "before theirs, so that every stage of the group reaches it without waiting for "
+            "another's later work"
+            if any(type(stages[s][pos]) in (ReduceTied, GradNorm) for s, pos in waiting)
             else "Reorder the comm so each send and its receive can be reached together (or "
             "yield no comm and let the compiler insert it)"
         ),

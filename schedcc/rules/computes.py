@@ -14,6 +14,7 @@ from schedcc.ir import (
     Forward,
     OnMicrobatch,
     OptimizerStep,
+    OverlappedBackward,
     SendActivation,
 )
 from schedcc.rules import Context, Problem, short
@@ -21,12 +22,14 @@ from schedcc.semantics import first_over
 
 __all__ = ["check_complete", "check_dependencies", "check_memory"]
 
-_COLUMN = {Forward: 0, Backward: 1, BackwardInput: 2, BackwardWeight: 3}
+# an overlapped backward is a backward (see [Note: overlapped pairs] in schedcc.rules.overlap)
+_COLUMN = {Forward: 0, Backward: 1, BackwardInput: 2, BackwardWeight: 3, OverlappedBackward: 1}
 
 
 def check_complete(ctx: Context) -> Iterator[Problem]:
     """Each (microbatch, segment) is forwarded once and backwarded once (B, or I then W); each
-    stage has one OptimizerStep per batch. A forward-only program has no backward and no step."""
+    stage has one OptimizerStep per batch. A forward-only program has no backward and no step.
+    With model replicas, a microbatch runs only the segments of its own ([Note: replicas])."""
     forward_only = ctx.program.forward_only
     # counts[4 * (i * num_segments + k) + n]: how often class n of _COLUMN runs (i, k).
     num_segments = ctx.layout.num_segments
@@ -34,17 +37,32 @@ def check_complete(ctx: Context) -> Iterator[Problem]:
     for s, ops in enumerate(ctx.stages):
         seg = ctx.layout.segment[s]
         for op in ops:
-            if isinstance(op, Compute):
+            if isinstance(op, Compute) and type(op) in _COLUMN:  # Recompute: rules.recompute
                 counts[4 * (op.microbatch * num_segments + seg[op.chunk]) + _COLUMN[type(op)]] += 1
     stage_of, chunk_of = ctx.layout.stage_of, ctx.layout.chunk_of
     quads = zip(counts[0::4], counts[1::4], counts[2::4], counts[3::4])
+    layout = ctx.layout
     for index, (f, b, inp, w) in enumerate(quads):
         backward_once = (b, inp, w) in ((1, 0, 0), (0, 1, 1))
         if forward_only:
             backward_once = (b, inp, w) == (0, 0, 0)
-        if f == 1 and backward_once:
+        if (
+            f == 1
+            and backward_once
+            and (layout.num_replicas == 1 or layout.runs(*divmod(index, num_segments)))
+        ):
             continue
         i, k = divmod(index, num_segments)
+        if not layout.runs(i, k):
+            if f or b or inp or w:
+                yield Problem(
+                    IncompleteScheduleError,
+                    f"microbatch {i} runs model replica {layout.replica[i % len(layout.replica)]}"
+                    f", not segment {k}'s (stage {stage_of[k]}, chunk {chunk_of[k]}); remove "
+                    f"its computes there",
+                    stage_of[k],
+                )
+            continue
         s, c = stage_of[k], chunk_of[k]
         what = f"microbatch {i}, segment {k} (stage {s}, chunk {c})"
         if f != 1:

@@ -59,9 +59,15 @@ def _unmatched(ctx: Context, members) -> Iterator[Problem]:
         yield Problem(UpdateOrderError, text, p.stage, p.position)
 
 
+def _chunks_of(groups: dict[int, tuple]) -> list[int]:
+    """Every chunk of `groups` ({group: chunks})."""
+    return [c for chunks in groups.values() for c in chunks]
+
+
 def _on_stage(ctx: Context, s: int, ops, groups: dict[int, tuple]) -> Iterator[Problem]:
     """The per-batch rules on one stage of tied groups `groups` ({group: chunks})."""
-    m, num_batches = ctx.schedule.num_microbatches, ctx.schedule.num_batches
+    num_batches, layout = ctx.schedule.num_batches, ctx.layout
+    runs = {c: layout.runs_per_batch(layout.segment[s][c]) for c in _chunks_of(groups)}
     group_of = {c: g for g, chunks in groups.items() for c in chunks}
     batch, grads, reduced, done = 0, dict.fromkeys(group_of, 0), {}, set()
     for pos, op in enumerate(ops):
@@ -94,12 +100,12 @@ def _on_stage(ctx: Context, s: int, ops, groups: dict[int, tuple]) -> Iterator[P
                 yield _problem(
                     ctx, s, pos, f"is a second ReduceTied({g}) in batch {batch}; run one per batch"
                 )
-            elif have < m * len(groups[g]):
+            elif have < sum(runs[c] for c in groups[g]):
                 yield _problem(
                     ctx,
                     s,
                     pos,
-                    f"runs after only {have} of the {m * len(groups[g])} weight "
+                    f"runs after only {have} of the {sum(runs[c] for c in groups[g])} weight "
                     f"gradients of batch {batch} on chunk(s) {list(groups[g])}; move it after "
                     "the batch's last backward of those chunks",
                 )

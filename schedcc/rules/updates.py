@@ -57,9 +57,9 @@ def check_replicas(ctx: Context) -> Iterator[Problem]:
 def check_step_order(ctx: Context) -> Iterator[Problem]:
     """The n-th OptimizerStep of a stage comes after every weight gradient of batch n on it and
     before any of batch n + 1."""
-    m = ctx.schedule.num_microbatches
-    expected = m * ctx.schedule.num_chunks  # weight gradients per batch on a stage
+    m, layout = ctx.schedule.num_microbatches, ctx.layout
     for s, ops in enumerate(ctx.computes_and_updates):
+        expected = sum(map(layout.runs_per_batch, layout.segment[s]))  # weight gradients a batch
         steps, grads = 0, 0  # steps so far; weight gradients of batch `steps` so far
         for pos, op in ops:
             if isinstance(op, WEIGHT_GRADIENT):
@@ -134,8 +134,9 @@ def check_reductions(ctx: Context) -> Iterator[Problem]:
 
 
 def check_gathers(ctx: Context) -> Iterator[Problem]:
-    """GatherParams only under ZeRO; under ZeRO, after every OptimizerStep each chunk's
-    GatherParams comes before that chunk's next compute and before the program ends."""
+    """GatherParams only under ZeRO; under ZeRO-1 and ZeRO-2, after every OptimizerStep each
+    chunk's GatherParams comes before that chunk's next compute and before the program ends
+    (ZeRO-3 gathers with `Unshard` instead: `schedcc.rules.sharding`)."""
     zero, v = ctx.program.zero, ctx.schedule.num_chunks
     for s, ops in enumerate(ctx.computes_and_updates):
         stale = [False] * v
@@ -154,7 +155,7 @@ def check_gathers(ctx: Context) -> Iterator[Problem]:
                 stale[op.chunk] = False
             elif type(op) is OptimizerStep:
                 last_step = pos
-                if zero >= 1:
+                if 1 <= zero <= 2:
                     stale = [True] * v
             elif isinstance(op, Compute) and stale[op.chunk]:
                 yield Problem(

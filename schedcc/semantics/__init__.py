@@ -11,14 +11,21 @@ simulators and the backends all call it, so they agree by construction (docs/des
 - `steps`: programs cut into steps and one walk of the step model's events (`Steps`, `walk`,
   `Walk`, `wait_for_cycle`): deadlock freedom and timing;
 - `versions`: the weight-version rule (`version_used`, `kept_versions`, `stashes`);
-- `memory`: activation counting (`HELD`, `peak_activations`, `first_over`);
+- `memory`: activation counting (`HELD`, `held_changes`, `peak_activations`, `first_over`);
 - `model`: those facts of one program, made once and kept with it (`step_model`);
 - `graph`: the program as a networkx DAG (`build_graph`, for `Program.graph`).
 """
 
 from schedcc.semantics.channels import CommProblem, match_comm
 from schedcc.semantics.layout import Layout
-from schedcc.semantics.memory import HELD, first_over, peak_activations
+from schedcc.semantics.memory import (
+    HELD,
+    first_over,
+    held_bytes,
+    held_changes,
+    peak_activations,
+    recomputed,
+)
 from schedcc.semantics.model import (
     STAGE_CACHES,
     UNIT_COSTS,
@@ -58,9 +65,12 @@ __all__ = [
     "comm_route",
     "decode",
     "first_over",
+    "held_bytes",
+    "held_changes",
     "kept_versions",
     "match_comm",
     "peak_activations",
+    "recomputed",
     "reference_walk",
     "rule_versions",
     "stashes",

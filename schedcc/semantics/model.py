@@ -8,7 +8,7 @@ stages (`STAGE_CACHES`), and a copy with others starts without them.
 
 [Note: the reference walk] Whether the step model completes does not depend on how long each
 step takes, so the deadlock rule walks it timed with the default costs (`UNIT_COSTS`: F = 1,
-B = 2, I = W = 1, comm and updates free, `CostModel()`'s) and keeps the walk: `simulate` under
+B = 2, I = W = R = 1, comm and updates free, `CostModel()`'s) and keeps the walk: `simulate` under
 the default costs is then that walk, not a second one.
 """
 
@@ -19,9 +19,19 @@ from typing import Any
 
 import attrs
 
-from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Instruction
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    GradNorm,
+    Instruction,
+    OverlappedBackward,
+    Recompute,
+)
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
 from schedcc.semantics.collectives import Meets, TieProblem, tie_links
+from schedcc.semantics.norms import NormProblem, norm_links
 from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
 from schedcc.semantics.tensors import Tensors
 from schedcc.semantics.versions import versions_of
@@ -43,6 +53,8 @@ UNIT_COSTS: dict[type, float] = {
     Backward: 2.0,
     BackwardInput: 1.0,
     BackwardWeight: 1.0,
+    Recompute: 1.0,
+    OverlappedBackward: 1.5,  # `CostModel()`'s pair, 2.5, less its forward (`overlapped_pair`)
 }
 
 _TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_step_model"
@@ -64,6 +76,8 @@ class StepModel:
     #: each `ReduceTied`'s other members (`match_collectives`) and those that meet nothing
     meets: Meets = ()
     tie_problems: tuple[TieProblem, ...] = ()
+    #: the `GradNorm`s that meet nothing ([Note: the norm collective])
+    norm_problems: tuple[NormProblem, ...] = ()
 
 
 def tensors_of(program: Any) -> Tensors:
@@ -92,8 +106,18 @@ def step_model(program: Any) -> StepModel:
         meets, tie_problems = [], []
         if getattr(program, "tied", ()):  # see [Note: tied collectives]
             links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
+        norm_problems = []
+        if any(type(op) is GradNorm for ops in program.stages for op in ops):
+            links, meets, norm_problems = norm_links(program.stages, steps, links, meets)
         model = StepModel(
-            tensors, steps, partner, tuple(problems), links, meets, tuple(tie_problems)
+            tensors,
+            steps,
+            partner,
+            tuple(problems),
+            links,
+            meets,
+            tuple(tie_problems),
+            tuple(norm_problems),
         )
         program.__dict__[_MODEL] = model
     return model

@@ -6,11 +6,13 @@ gradient out of segment k (into k - 1). A key is its microbatch's base `i * 2S` 
 that depends only on the instruction's class, its chunk and its stage, so `Tensors` keeps, per
 stage, a table from `(class, chunk)` to offsets: one dict lookup per instruction, no allocation.
 
-- `Forward(i, c)` on segment k needs the activation out of k - 1 (k > 0) and makes the one out
-  of k;
+- `Forward(i, c)` on segment k needs the activation out of k - 1 (unless k starts its model
+  replica, [Note: replicas] in `schedcc.semantics.layout`: k > 0 with one replica) and makes the
+  one out of k;
 - `Backward` and `BackwardInput` need their forward's activation and the gradient out of k + 1
-  (k < last) and make the gradient out of k; `BackwardWeight` needs that gradient (its
-  `BackwardInput` has run);
+  (unless k ends its replica) and make the gradient out of k; `BackwardWeight` needs that
+  gradient (its `BackwardInput` has run); `Recompute` needs and makes none (it reruns its forward
+  on the input that forward kept);
 - a send carries what its stage made, a receive what its peer made: `SendActivation` the
   activation out of k, `RecvActivation` the one out of k - 1, `SendGrad` the gradient out of k,
   `RecvGrad` the one out of k + 1. A send and a receive match when they carry the same key.
@@ -28,6 +30,8 @@ from schedcc.ir import (
     Forward,
     Instruction,
     OnMicrobatch,
+    OverlappedBackward,
+    Recompute,
     RecvActivation,
     RecvGrad,
     SendActivation,
@@ -174,20 +178,25 @@ class Tensors:
     # -- tables -------------------------------------------------------------------------------
 
     def _compute_table(self, s: int) -> dict[tuple[type, int], ComputeUse]:
-        stage_of, last = self.layout.stage_of, self.layout.last
+        layout = self.layout
+        stage_of = layout.stage_of
         table = {}
-        for c, k in enumerate(self.layout.segment[s]):
+        for c, k in enumerate(layout.segment[s]):  # a replica's ends: see [Note: replicas]
             act, grad = 2 * k, 2 * k + 1
-            forward_needs = (act - 2,) if k > 0 else ()
-            backward_needs = (act, grad + 2) if k < last else (act,)
+            forward_needs = () if layout.is_first(k) else (act - 2,)
+            backward_needs = (act,) if layout.is_last(k) else (act, grad + 2)
             for cls, needs, makes in (
                 (Forward, forward_needs, act),
                 (Backward, backward_needs, grad),
                 (BackwardInput, backward_needs, grad),
+                (OverlappedBackward, backward_needs, grad),
                 (BackwardWeight, (grad,), -1),
             ):
                 remote = tuple(o for o in needs if stage_of[o >> 1] != s)
                 table[cls, c] = ComputeUse(needs, makes, remote)
+            # a recompute reruns its forward on the input that forward kept: it needs and makes
+            # no tensor another instruction moves (its place is `schedcc.rules.recompute`'s)
+            table[Recompute, c] = ComputeUse((), -1, ())
         return table
 
     def _pair_entry(self, rest: int) -> tuple[type, int, type, int]:
@@ -197,13 +206,14 @@ class Tensors:
         return (SendActivation, chunk_of[k], RecvActivation, chunk_of[(k + 1) % len(chunk_of)])
 
     def _comm_table(self, s: int) -> dict[tuple[type, int], CommUse]:
-        stage_of, last = self.layout.stage_of, self.layout.last
+        layout = self.layout
+        stage_of = layout.stage_of
         table = {}
-        for c, k in enumerate(self.layout.segment[s]):
-            if k < last and stage_of[k + 1] != s:
+        for c, k in enumerate(layout.segment[s]):
+            if not layout.is_last(k) and stage_of[k + 1] != s:
                 table[SendActivation, c] = CommUse(s, stage_of[k + 1], 2 * k)
                 table[RecvGrad, c] = CommUse(stage_of[k + 1], s, 2 * k + 3)
-            if k > 0 and stage_of[k - 1] != s:
+            if not layout.is_first(k) and stage_of[k - 1] != s:
                 table[RecvActivation, c] = CommUse(stage_of[k - 1], s, 2 * k - 2)
                 table[SendGrad, c] = CommUse(s, stage_of[k - 1], 2 * k + 1)
         return table

@@ -1,0 +1,381 @@
+"""`MemoryModel`: the bytes a stage holds, per segment, for the simulator and the validator.
+
+A program counts microbatch activations (`schedcc.semantics.memory`); a `MemoryModel` turns
+them into bytes: what one microbatch's forward of each segment saves for its backward, and what
+each segment's parameters, gradients and optimizer state take. Given by hand (sizes as numbers
+or strings such as "64MiB"), or measured on the real segments with
+`schedcc.backends.runtime.memory.measure_memory` (what the engines' `peak_activation_bytes`
+count, the same way).
+
+[Note: bytes per stage] At each point of a stage's program it holds, for each of its segments
+k (chunk c):
+- activations: of the microbatches held there (each from its forward, or its `Recompute`, to
+  its last backward piece) times `activations[k]`, and the inputs (`inputs[k]`) that recomputed
+  forwards keep until their `Recompute` (`held_bytes`);
+- parameters (`parameters[k]`): whole without ZeRO; under ZeRO-1 and 2 whole plus this rank's
+  flat shard that the optimizer steps (`parameters[k] / dp` more); under ZeRO-3 whole from the
+  chunk's `Unshard` to its `Reshard` (the shard is then a slice of the gathered buffer) and only
+  the shard, `parameters[k] / dp`, otherwise (`held_parameter_bytes`); under a weight delay
+  (2BW) also a copy per weight version that computes still use (`held_stash_bytes`);
+- gradients (`gradients[k]`, `parameters[k]` if not given): whole from the chunk's first
+  weight-gradient compute (B or W) until its `ReduceGrads` under ZeRO >= 1 (which
+  reduce-scatters them into this rank's shard, `gradients[k] / dp`, kept until the step) or
+  until the `OptimizerStep` without ZeRO (`held_gradient_bytes`);
+- optimizer state (`optimizer[k]`, divided by `dp` under ZeRO >= 1), counted as held throughout.
+A stage's peak is the most it holds at once (`stage_peak`): the largest total over the points
+of its program, which can be less than the sum of each kind's own peak.
+
+    >>> from schedcc.memory import MemoryModel, parse_size
+    >>> MemoryModel(activations="1KiB", parameters=[10, 20]).at("parameters", 1)
+    20.0
+    >>> parse_size("1.5GiB")
+    1610612736
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import attrs
+
+from schedcc.errors import ScheduleConfigError
+from schedcc.ir import COMPUTE, WEIGHT_GRADIENT, OptimizerStep, ReduceGrads, Reshard, Unshard
+
+__all__ = [
+    "MemoryModel",
+    "StageBytes",
+    "format_size",
+    "held_gradient_bytes",
+    "held_parameter_bytes",
+    "held_stash_bytes",
+    "parse_size",
+    "resident_parameters",
+    "stage_peak",
+]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | float) -> int:
+    """A byte count from `text`: a number with an optional unit (B, KB, MB, GB, TB in powers of
+    1000; KiB, MiB, GiB, TiB in powers of 1024), e.g. "512MiB", "12GiB", "1.5e9".
+
+    Raises:
+        ScheduleConfigError: not a non-negative finite size with a known unit.
+
+    >>> parse_size("512MiB"), parse_size("12GiB"), parse_size(100)
+    (536870912, 12884901888, 100)
+    """
+    if isinstance(text, bool):
+        raise ScheduleConfigError(f"expected a size such as 512MiB or 12GiB, got {text!r}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        match = _SIZE.fullmatch(str(text))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ScheduleConfigError(
+                f"expected a size such as 512MiB, 12GiB or 1.5e9 (bytes), got {text!r}"
+            )
+        value, unit = float(match.group(1)), match.group(2).lower()
+    if not 0 <= value < math.inf:
+        raise ScheduleConfigError(f"a size must be a finite number >= 0, got {text!r}")
+    return round(value * _UNITS[unit])
+
+
+def format_size(num_bytes: float) -> str:
+    """`num_bytes` in the largest binary unit that keeps it >= 1 (e.g. "1.50 MiB").
+
+    >>> format_size(1536 * 1024), format_size(12)
+    ('1.50 MiB', '12 B')
+    """
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes:g} B"
+
+
+def _sizes(value: object) -> float | tuple[float, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, int, float)):
+        return float(parse_size(value)) if isinstance(value, str) else _checked(value)
+    if isinstance(value, Sequence):
+        return tuple(float(parse_size(v)) if isinstance(v, str) else _checked(v) for v in value)
+    raise ScheduleConfigError(
+        f"MemoryModel: a size is a number of bytes, a string such as '64MiB', or one per "
+        f"segment in a list; got {value!r}"
+    )
+
+
+def _checked(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ScheduleConfigError(f"MemoryModel: expected a number of bytes, got {value!r}")
+    return float(parse_size(value))
+
+
+def resident_parameters(parameter_bytes: float, *, zero: int, data_parallel: int) -> float:
+    """The bytes of a segment's parameters a rank holds between uses: whole without ZeRO;
+    whole plus this rank's flat shard (the copy the optimizer steps) under ZeRO-1 and 2; only
+    the shard under ZeRO-3 (whole again from the chunk's `Unshard` to its `Reshard`).
+
+    >>> [resident_parameters(100.0, zero=z, data_parallel=4) for z in (0, 1, 2, 3)]
+    [100.0, 125.0, 125.0, 25.0]
+    """
+    if zero >= 3:
+        return parameter_bytes / data_parallel
+    if zero >= 1:
+        return parameter_bytes + parameter_bytes / data_parallel
+    return parameter_bytes
+
+
+def held_parameter_bytes(
+    ops: Sequence, per_chunk: Sequence[float], *, zero: int, data_parallel: int
+) -> tuple[float, list[float]]:
+    """`(before, after)`: the parameter bytes one stage's program holds before its first
+    instruction and after each, when chunk c's parameters take `per_chunk[c]` bytes (see
+    [Note: bytes per stage]; 2BW's stashed copies are not counted here).
+
+    >>> from schedcc.ir import parse
+    >>> ops = [parse(op) for op in "Unshard F0 Unshard.1 F0.1 Reshard Reshard.1".split()]
+    >>> held_parameter_bytes(ops, [100.0, 10.0], zero=3, data_parallel=2)
+    (55.0, [105.0, 105.0, 110.0, 110.0, 60.0, 55.0])
+    """
+    resident = [resident_parameters(b, zero=zero, data_parallel=data_parallel) for b in per_chunk]
+    held = sum(resident)
+    if zero < 3:
+        return held, [held] * len(ops)
+    whole = [False] * len(per_chunk)
+    out = []
+    for op in ops:
+        kind = type(op)
+        if kind is Unshard and not whole[op.chunk]:
+            whole[op.chunk] = True
+            held += per_chunk[op.chunk] - resident[op.chunk]
+        elif kind is Reshard and whole[op.chunk]:
+            whole[op.chunk] = False
+            held -= per_chunk[op.chunk] - resident[op.chunk]
+        out.append(held)
+    return sum(resident), out
+
+
+def held_gradient_bytes(
+    ops: Sequence, per_chunk: Sequence[float], *, zero: int, data_parallel: int
+) -> list[float]:
+    """The gradient bytes one stage's program holds after each instruction (none before the
+    first), when chunk c's gradients take `per_chunk[c]` bytes (see [Note: bytes per stage]).
+
+    >>> from schedcc.ir import parse
+    >>> ops = [parse(op) for op in "F0 F1 B0 Reduce B1 Reduce Step".split()]
+    >>> held_gradient_bytes(ops, [100.0], zero=2, data_parallel=4)
+    [0.0, 0.0, 100.0, 25.0, 125.0, 25.0, 0.0]
+    """
+    whole = [False] * len(per_chunk)
+    shard = [False] * len(per_chunk)
+    held, out = 0.0, []
+    for op in ops:
+        if isinstance(op, WEIGHT_GRADIENT):
+            if not whole[op.chunk]:
+                whole[op.chunk] = True
+                held += per_chunk[op.chunk]
+        elif type(op) is ReduceGrads and zero >= 1:
+            c = op.chunk
+            if whole[c]:
+                whole[c] = False
+                held -= per_chunk[c]
+            if not shard[c]:
+                shard[c] = True
+                held += per_chunk[c] / data_parallel
+        elif type(op) is OptimizerStep:
+            whole = [False] * len(per_chunk)
+            shard = [False] * len(per_chunk)
+            held = 0.0
+        out.append(held)
+    return out
+
+
+@attrs.frozen(slots=True)
+class MemoryModel:
+    """Bytes per segment (see [Note: bytes per stage]).
+
+    Args:
+        activations: what one microbatch's forward of a segment saves for its backward.
+        parameters: a segment's parameters.
+        optimizer: a segment's optimizer state (e.g. 2x parameters for Adam, 0 for plain SGD).
+        inputs: one microbatch's input of a segment (what a recomputed forward keeps until
+            its `Recompute`).
+        gradients: a segment's gradients (None: the same as `parameters`).
+
+    Each is one size for every segment, or a list with one per segment (model order, length
+    `p * v`); a size is a number of bytes or a string with a unit ("64MiB").
+
+    Raises:
+        ScheduleConfigError: a negative, non-numeric or unparsable size.
+    """
+
+    activations: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    parameters: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    optimizer: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    inputs: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    gradients: float | tuple[float, ...] | None = attrs.field(default=None, converter=_sizes)
+
+    def at(self, field: str, segment: int) -> float:
+        """The bytes of `field` ("activations", "parameters", "optimizer", "inputs",
+        "gradients") of `segment`."""
+        value = getattr(self, field)
+        if value is None:  # gradients: as large as the parameters
+            value = self.parameters
+        if isinstance(value, tuple):
+            return value[segment % len(value)]  # one replica's sizes stand for every copy
+        return value
+
+    def check(self, num_segments: int, num_replicas: int = 1) -> None:
+        """Raise `ScheduleConfigError` unless every per-segment list has `num_segments` sizes,
+        or, with model replicas (DualPipe), one replica's `num_segments / num_replicas`: segment
+        `r * L + j` is a copy of segment `j` and has its sizes."""
+        allowed = {num_segments, num_segments // num_replicas}
+        for field in ("activations", "parameters", "optimizer", "inputs", "gradients"):
+            value = getattr(self, field)
+            if isinstance(value, tuple) and len(value) not in allowed:
+                raise ScheduleConfigError(
+                    f"MemoryModel.{field} has {len(value)} sizes but the program has "
+                    f"{num_segments} segments (p * v): give one per segment, or one for all"
+                )
+
+    def scaled(self, factor: float) -> MemoryModel:
+        """Every size times `factor` (`schedcc.tune`: a chunk of a stage cut in v is 1/v)."""
+
+        def times(value):
+            if value is None:
+                return None
+            return tuple(v * factor for v in value) if isinstance(value, tuple) else value * factor
+
+        return MemoryModel(
+            activations=times(self.activations),
+            parameters=times(self.parameters),
+            optimizer=times(self.optimizer),
+            inputs=times(self.inputs),
+            gradients=times(self.gradients),
+        )
+
+
+@attrs.frozen(slots=True)
+class StageBytes:
+    """What one stage holds, in bytes, by kind (see [Note: bytes per stage]): each kind the
+    most of it held at once over the program, and `total` the most of all of them held at once
+    (at most the sum of the others)."""
+
+    activations: float
+    parameters: float
+    stashed: float
+    gradients: float
+    optimizer: float
+    total: float
+
+
+def chunk_sizes(program, memory: MemoryModel, stage: int, field: str) -> list[float]:
+    """`field`'s bytes of each chunk's segment on `stage`, by chunk."""
+    schedule = program.schedule
+    return [memory.at(field, schedule.segment_of(stage, c)) for c in range(schedule.num_chunks)]
+
+
+def held_stash_bytes(
+    ops: Sequence, row: Sequence[int | None], per_chunk: Sequence[float], weight_delay: int
+) -> tuple[float, list[float]]:
+    """`(before, after)`: the bytes of stashed weight copies one stage's program holds before
+    its first instruction and after each, under a weight delay (2BW; none without one).
+
+    The engines run every forward of a delayed program on a copy of its version's weights
+    (the live ones are the optimizer's): chunk c's copy of version k is taken at the start
+    (k = 0) or at the step that makes k, if a compute of chunk c uses k, and is held until the
+    last such compute (the graph keeps it until its last backward piece). `row` is the
+    version of each position (`schedcc.semantics.versions_of`).
+
+    >>> from schedcc.ir import parse
+    >>> from schedcc.semantics import versions_of
+    >>> ops = [parse(op) for op in "F0 B0 Step F1 B1 Step F2 B2".split()]
+    >>> held_stash_bytes(ops, versions_of(ops, 1, 1), [10.0], 1)
+    (10.0, [10.0, 10.0, 20.0, 20.0, 10.0, 10.0, 10.0, 0.0])
+    """
+    if not weight_delay:
+        return 0.0, [0.0] * len(ops)
+    born = {0: -1}
+    last: dict[tuple[int, int], int] = {}
+    for pos, op in enumerate(ops):
+        if type(op) is OptimizerStep:
+            born.setdefault(row[pos], pos)
+        elif isinstance(op, COMPUTE):
+            last[op.chunk, row[pos]] = pos
+    changes = [0.0] * (len(ops) + 1)  # changes[pos + 1]: after the instruction at pos
+    for (c, version), end in last.items():
+        start = born.get(version, -1)
+        if start < end:
+            changes[start + 1] += per_chunk[c]
+            changes[end + 1] -= per_chunk[c]
+    held, out = changes[0], []
+    for change in changes[1:]:
+        held += change
+        out.append(held)
+    return changes[0], out
+
+
+def stage_held(
+    program, memory: MemoryModel, stage: int, ops: Sequence, row: Sequence[int | None]
+) -> tuple[float, list[float], StageBytes]:
+    """`(before, after, peak)` for one stage's program `ops`: the bytes it holds before its
+    first instruction (parameters, stashed copies and optimizer state), after each
+    instruction, and its peak by kind (`StageBytes`); `row` is the weight version of each
+    position (`schedcc.semantics.rule_versions`), for 2BW's stashed copies."""
+    from schedcc.semantics.memory import held_bytes
+
+    dp, zero = program.data_parallel, program.zero
+    params = chunk_sizes(program, memory, stage, "parameters")
+    delay = program.schedule.weight_delay
+    if program.forward_only:  # no stash, no graph, no gradient
+        activations = [0.0] * len(ops)
+        gradients = [0.0] * len(ops)
+        delay = 0
+    else:
+        sizes = chunk_sizes(program, memory, stage, "activations")
+        inputs = chunk_sizes(program, memory, stage, "inputs")
+        activations = held_bytes(ops, sizes, inputs)
+        grads = chunk_sizes(program, memory, stage, "gradients")
+        gradients = held_gradient_bytes(ops, grads, zero=zero, data_parallel=dp)
+    start, parameters = held_parameter_bytes(ops, params, zero=zero, data_parallel=dp)
+    stash_start, stashed = held_stash_bytes(ops, row, params, delay)
+    state = sum(chunk_sizes(program, memory, stage, "optimizer"))
+    optimizer = state / dp if zero >= 1 else state
+    before = start + stash_start + optimizer
+    after = [
+        a + p + w + g + optimizer for a, p, w, g in zip(activations, parameters, stashed, gradients)
+    ]
+    peak = StageBytes(
+        activations=max(activations, default=0.0),
+        parameters=max([start, *parameters]),
+        stashed=max([stash_start, *stashed]),
+        gradients=max(gradients, default=0.0),
+        optimizer=optimizer,
+        total=max([before, *after]),
+    )
+    return before, after, peak
+
+
+def stage_peak(program, memory: MemoryModel, stage: int) -> StageBytes:
+    """The peak bytes of `program`'s `stage` by kind (`StageBytes`; see `stage_held`)."""
+    from schedcc.semantics import rule_versions
+
+    row = rule_versions(program)[stage]
+    return stage_held(program, memory, stage, program.stages[stage], row)[2]
