@@ -34,6 +34,7 @@ from torch import nn
 __all__ = [
     "ColumnParallelLinear",
     "ParallelBlock",
+    "ParallelGPTBlock",
     "ParallelMLP",
     "RowParallelLinear",
     "shard_layers",
@@ -194,14 +195,77 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class ParallelGPTBlock(nn.Module):
+    """`backends.run.gpt.Block` (rotary positions, a padding mask, dropout) over the
+    tensor-parallel group, split as `ParallelBlock` is: q, k and v column-parallel by head, the
+    output projection row-parallel, a `ParallelMLP`, the layer norms replicated."""
+
+    def __init__(self, block: nn.Module, group, *, rank=None, size=None) -> None:
+        super().__init__()
+        rank, size = _place(group, rank, size)
+        if block.num_heads % size:
+            raise ValueError(f"{block.num_heads} attention heads do not split {size} ways")
+        self.group = group
+        self.num_heads = block.num_heads // size
+        self.norm1, self.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
+        width = block.qkv.in_features
+        q, k, v = (t.detach() for t in block.qkv.weight.split(width, dim=0))
+        bq, bk, bv = (t.detach() for t in block.qkv.bias.split(width, dim=0))
+        weight = torch.cat([_shard(t, 0, rank, size) for t in (q, k, v)])
+        bias = torch.cat([_shard(t, 0, rank, size) for t in (bq, bk, bv)])
+        self.qkv = ColumnParallelLinear(weight, bias, group)
+        self.proj = RowParallelLinear.from_dense(block.proj, group, rank=rank, size=size)
+        first, activation, second = block.mlp
+        self.mlp = ParallelMLP.from_dense(first, second, group, activation, rank=rank, size=size)
+        self.drop = copy.deepcopy(block.drop)
+
+    def forward(self, x: torch.Tensor, pad_mask: torch.Tensor, pos_ids: torch.Tensor):
+        from schedcc.backends.run.gpt import _rotate
+
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        local = q.shape[-1]
+        shape = (batch, seq, self.num_heads, local // self.num_heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        q, k = _rotate(q, pos_ids), _rotate(k, pos_ids)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(shape[-1])
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        allowed = (causal & ~pad_mask[:, None, None, :]) | torch.eye(
+            seq, dtype=torch.bool, device=x.device
+        )
+        attn = self.drop(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)) @ v
+        x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, local)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+def _is_gpt_segment(module: nn.Module) -> bool:
+    """A `backends.run.gpt.GPTSegment`: its blocks take `(x, pad_mask, pos_ids)`."""
+    from schedcc.backends.run.gpt import Block
+
+    blocks = getattr(module, "blocks", None)
+    return isinstance(blocks, nn.ModuleList) and any(isinstance(b, Block) for b in blocks)
+
+
+def _shard_gpt_segment(segment: nn.Module, group, rank, size) -> nn.Module:
+    """`segment` with each block a `ParallelGPTBlock`; its embeddings, norm and head are the
+    same modules (replicated), so a tied embedding and head stay one Parameter."""
+    out = copy.copy(segment)
+    out._modules = dict(segment._modules)  # the original keeps its dense blocks
+    out.blocks = nn.ModuleList(
+        ParallelGPTBlock(block, group, rank=rank, size=size) for block in segment.blocks
+    )
+    return out
+
+
 def _is_block(module: nn.Module) -> bool:
     """A pre-norm attention block as `backends.run.models.Block` is made."""
     names = ("norm1", "qkv", "proj", "norm2", "mlp", "num_heads")
     return all(hasattr(module, name) for name in names) and len(getattr(module, "mlp", ())) == 3
 
 
-def shard_layers(module: nn.Module, group, *, rank=None, size=None) -> nn.Sequential:
-    """This rank's tensor-parallel version of a stack of layers: `module`'s leaf layers in order
+def shard_layers(module: nn.Module, group, *, rank=None, size=None) -> nn.Module:
+    """This rank's tensor-parallel version of a stack of layers (a `backends.run.gpt.GPTSegment`:
+    its blocks as `ParallelGPTBlock`s, the rest shared): `module`'s leaf layers in order
     (through nested `nn.Sequential`s), each run `Linear, activation, Linear` (tanh, GELU or ReLU)
     as a `ParallelMLP`, each attention block (`backends.run.models.Block`) as a `ParallelBlock`,
     anything else a replicated copy. `rank` and `size` stand in for the
@@ -210,6 +274,8 @@ def shard_layers(module: nn.Module, group, *, rank=None, size=None) -> nn.Sequen
     Raises:
         ValueError: a paired linear layer's features do not split `size` ways.
     """
+    if _is_gpt_segment(module):
+        return _shard_gpt_segment(module, group, rank, size)
     leaves = list(_leaves(module))
     out: list[nn.Module] = []
     i = 0

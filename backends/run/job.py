@@ -25,7 +25,12 @@ from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
 from schedcc.backends.run.models import RunModel
-from schedcc.backends.tensor_parallel import ParallelBlock, ParallelMLP, shard_layers
+from schedcc.backends.tensor_parallel import (
+    ParallelBlock,
+    ParallelGPTBlock,
+    ParallelMLP,
+    shard_layers,
+)
 from schedcc.compiler import compile
 from schedcc.errors import RankFailure, ScheduleConfigError
 from schedcc.program import Program
@@ -118,7 +123,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         shape = (config.data_parallel, config.num_stages, config.tp)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
         segments = [shard_layers(segment, mesh.get_group("tp")) for segment in segments]
-        split = (ParallelMLP, ParallelBlock)
+        split = (ParallelMLP, ParallelBlock, ParallelGPTBlock)
         if not any(isinstance(m, split) for seg in segments for m in seg.modules()):
             raise ScheduleConfigError(
                 f"--tp {config.tp}: model {config.model} has no attention block or "
