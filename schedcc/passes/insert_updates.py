@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+import attrs
+
+from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     UPDATE,
     WEIGHT_GRADIENT,
@@ -32,7 +35,7 @@ from schedcc.ir import (
 )
 from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, Tensors, match_comm
-from schedcc.semantics.collectives import earliest_cut, tie_chunks, tie_members
+from schedcc.semantics.collectives import earliest_cut, step_blocker, tie_chunks, tie_members
 
 __all__ = ["insert_updates"]
 
@@ -50,13 +53,39 @@ def insert_updates(program: Program) -> Program:
     m, v = schedule.num_microbatches, schedule.num_chunks
     ties = _tie_points(program) if program.tied else {}
     stages = tuple(
-        _insert(ops, m, v, reduce, program.zero, ties.get(s))
+        _insert(ops, m, v, reduce, program.zero, ties.get(s), _Late(program, s))
         for s, ops in enumerate(program.stages)
     )
     return program.evolve(stages=stages)
 
 
-def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int, ties):
+@attrs.frozen
+class _Late:
+    """What a stage's step may be delayed past: the program and the stage, for the refusal."""
+
+    program: Program
+    stage: int
+
+    def step_after(self, ops, step_at: int, at: int, batch: int) -> int:
+        """Where batch `batch`'s step goes when the tie collective must come after position
+        `at` (past `step_at`, the last weight gradient's comm group): right after it, if no
+        compute in between needs the step (`step_blocker`); else ScheduleConfigError."""
+        schedule = self.program.schedule
+        m, delay = schedule.num_microbatches, schedule.weight_delay
+        blocker = step_blocker(ops, step_at + 1, at + 1, batch, m, delay)
+        if blocker is not None:
+            raise ScheduleConfigError(
+                f"tied={list(map(list, self.program.tied))}: in {schedule!r}, stage "
+                f"{self.stage} must run {ops[blocker]} (position {blocker}), which needs its "
+                f"step of batch {batch}, before every stage of the tie can sum batch {batch}'s "
+                "gradients, so no ReduceTied fits before that step; reorder the computes so "
+                "each tied stage's last weight gradient of a batch precedes the next batch's "
+                "work that waits on the other stages, or compile without tied"
+            )
+        return at
+
+
+def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int, ties, late):
     # After which position does each update go? Keyed by position, in insertion order.
     after: dict[int, list[Instruction]] = {}
     last_grad: dict[tuple[int, int], int] = {}  # (batch, chunk) -> position of last weight-grad
@@ -76,7 +105,9 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
                     after.setdefault(_past_comm(ops, pos), []).append(ReduceGrads(c))
         step_at = _past_comm(ops, max(ends.values()))
         if groups:
-            at = min(tie_at.get(batch, step_at), step_at)
+            at = tie_at.get(batch, step_at)
+            if at > step_at:  # a member must pass work of a later batch first: the step waits
+                step_at = late.step_after(ops, step_at, at, batch)
             after.setdefault(at, []).extend(ReduceTied(g) for g in groups)
             if reduce:
                 after[at].extend(ReduceGrads(c) for c in sorted(tied_chunks) if c in ends)

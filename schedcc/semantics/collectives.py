@@ -23,14 +23,16 @@ from typing import Any
 
 import attrs
 
-from schedcc.ir import Instruction, ReduceTied
+from schedcc.ir import WEIGHT_GRADIENT, Compute, Instruction, ReduceTied
 from schedcc.semantics.layout import Layout
 from schedcc.semantics.steps import Links, Steps
+from schedcc.semantics.versions import version_used
 
 __all__ = [
     "Meets",
     "TieProblem",
     "earliest_cut",
+    "step_blocker",
     "match_collectives",
     "tie_chunks",
     "tie_links",
@@ -169,3 +171,26 @@ def earliest_cut(
                     t = peer[0]
                     stack.append((t, step_at[t][peer[1]] - (t not in whole)))
         prefix[s] = j
+
+
+def step_blocker(
+    ops: Sequence[Instruction], lo: int, hi: int, batch: int, num_microbatches: int, delay: int
+) -> int | None:
+    """The first position in `ops[lo:hi]` that the optimizer step of batch `batch` cannot be
+    delayed past, or None: a weight gradient (it would join this batch's sum) or a compute on
+    a version the step makes (`version_used > batch`). Under a weight delay a later batch's
+    forward and input gradient run on older weights, so a collective before the step may wait
+    for them ([Note: tied collectives]).
+
+    >>> from schedcc.ir import parse
+    >>> ops = [parse(x) for x in "W0 F1 I1 SG1 F2 W1".split()]
+    >>> [step_blocker(ops, 1, hi, 0, 1, 1) for hi in (4, 5, 6)]
+    [None, 4, 4]
+    """
+    for pos in range(lo, hi):
+        op = ops[pos]
+        if isinstance(op, WEIGHT_GRADIENT) or (
+            isinstance(op, Compute) and version_used(op.microbatch, num_microbatches, delay) > batch
+        ):
+            return pos
+    return None
