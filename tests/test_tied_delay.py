@@ -1,8 +1,9 @@
-"""Tied parameters under a weight delay (2BW-like orders): where every member of a tie can
-reach its `ReduceTied` only after another has run work of the next batch, the step waits for
-the collective (the later batch's forward and input gradient run on the older weights anyway);
-such programs compile and train exactly, and the rest are refused with a ScheduleConfigError,
-never compiled into a deadlock."""
+"""Tied parameters under a weight delay (2BW-like orders): where the members of a tie can
+meet only after one has run work of the next batch, its step waits for the collective (that
+batch's forward and input gradient run on the older weights anyway), and comm that insert_comm
+placed for speed moves so that no work needing the step comes first. Such programs compile and
+train exactly; the rest are refused with a ScheduleConfigError, never compiled into a
+deadlock."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ def _order(text: str) -> list:
 
 
 def _train_exactly(program) -> None:
-    """The local engine on the tied model equals non-pipelined training to 1e-10."""
+    """The local engine on the tied model equals non-pipelined training to 1e-10 (with data
+    parallelism, on the whole batch, which the engine splits over its replicas)."""
     schedule = program.schedule
     n, m = schedule.num_segments, schedule.num_microbatches
     segments = tied_segments(n)
     piped, plain = copy.deepcopy(segments), copy.deepcopy(segments)
-    data = batches(schedule.num_batches, 2 * m)
+    data = batches(schedule.num_batches, 2 * m * program.data_parallel)
     losses = list(Engine(program, piped, mse, adam).train(data))
     expected = train_reference(
         plain,
@@ -62,31 +64,64 @@ def test_the_step_waits_for_a_tie_that_needs_the_next_batch():
     _train_exactly(program)
 
 
-def test_a_tie_that_needs_a_later_weight_gradient_is_refused():
-    """Stage 1 sends batch 0's input gradient only after W1 (stage 0 takes I1's first): the
-    tie of batch 0 needs W1, which must follow the step of batch 0, so no placement exists
-    without reordering the sends; refused with a ScheduleConfigError naming W1."""
+def test_comm_placed_for_speed_moves_so_that_the_tie_fits():
+    """Stage 0 takes I1's gradient before I0's, so stage 1 sends SG0 after SG1, which
+    insert_comm put after W1: batch 0's tie would need W1, which needs the step of batch 0.
+    With the tie, SG0 goes right after SG1 and W1 after the step; it trains exactly."""
     schedule = OrderSchedule(2, 1, 1, 2, weight_delay=1)
     schedule.orders = [_order("F0 F1 I1 I0 W0 W1"), _order("F0 F1 I0 W0 I1 W1")]
+    assert schedcc.compile(schedule).to_text().splitlines()[1] == (
+        "stage 1: RA0 F0 RA1 F1 I0 W0 Step I1 SG1 W1 SG0 Step"
+    )
+    program = schedcc.compile(schedule, tied=[(0, 1)])
+    assert program.to_text().splitlines()[1] == (
+        "stage 1: RA0 F0 RA1 F1 I0 W0 I1 SG1 SG0 Tied0 Step W1 Tied0 Step"
+    )
+    _train_exactly(program)
+
+
+def test_a_later_batchs_comm_moves_after_the_last_weight_gradient():
+    """Stage 0 receives batch 1's RG2 before its last backward of batch 0 (B1), and stage 1
+    sends it after B2, which needs stage 1's step of batch 0: RG2 goes after B1 and the tie
+    (only stage 0's B2 needs it)."""
+    schedule = OrderSchedule(2, 2, 1, 2, weight_delay=1)
+    schedule.orders = [_order("F2 F3 F1 F0 B0 B1 B2 B3"), _order("F2 F1 B1 F0 B0 B2 F3 B3")]
+    assert "RG2 B1 Step" in schedcc.compile(schedule).to_text()
+    program = schedcc.compile(schedule, tied=[(0, 1)])
+    assert "B1 Tied0 RG2 Step" in program.to_text()
+    _train_exactly(program)
+
+
+def test_a_tie_without_a_placement_found_is_refused():
+    """Where no move lets every member reach its tie before its step, the compiler refuses
+    with a ScheduleConfigError naming the work that needs the step (here stage 2's B5)."""
+    schedule = OrderSchedule(3, 3, 1, 2, weight_delay=1)
+    schedule.orders = [
+        _order("F5 F1 F2 F4 F0 B2 F3 B0 B1 B5 B4 B3"),
+        _order("F1 F5 F2 B1 F0 F4 B2 B0 B5 F3 B4 B3"),
+        _order("F1 B1 F5 F2 F0 B2 F4 B0 B5 B4 F3 B3"),
+    ]
     schedcc.compile(schedule)  # untied, it runs
-    with pytest.raises(ScheduleConfigError, match=r"stage 1 must run W1"):
-        schedcc.compile(schedule, tied=[(0, 1)])
+    with pytest.raises(ScheduleConfigError, match=r"stage 2 must run B5 .* no ReduceTied fits"):
+        schedcc.compile(schedule, tied=[(0, 2)])
 
 
 @given(
     st.sampled_from([0, 1, 2]).flatmap(
         lambda d: random_orders(weight_delay=d, max_stages=3, max_microbatches=3, max_chunks=2)
-    )
+    ),
+    st.sampled_from([(1, 0), (2, 0), (2, 2)]),
 )
-def test_random_orders_with_a_tie_train_exactly_or_are_refused(schedule: OrderSchedule):
+def test_random_orders_with_a_tie_train_exactly_or_are_refused(schedule: OrderSchedule, dp_zero):
     """Random dependency-respecting orders, with and without a weight delay, first and last
-    segment tied: they compile and train exactly, or are refused with a ScheduleConfigError
-    (never a DeadlockError from compile)."""
+    segment tied, with data parallelism and ZeRO-2 or not: they compile and train exactly, or
+    are refused with a ScheduleConfigError (never a DeadlockError from compile)."""
     n = schedule.num_segments
     if n < 2:
         return
+    dp, zero = dp_zero
     try:
-        program = schedcc.compile(schedule, tied=[(0, n - 1)])
+        program = schedcc.compile(schedule, tied=[(0, n - 1)], data_parallel=dp, zero=zero)
     except ScheduleConfigError as error:
         refusal = str(error)
     else:

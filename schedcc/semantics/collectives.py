@@ -23,9 +23,10 @@ from typing import Any
 
 import attrs
 
-from schedcc.ir import WEIGHT_GRADIENT, Compute, Instruction, ReduceTied
+from schedcc.ir import WEIGHT_GRADIENT, Comm, Compute, Instruction, ReduceTied
 from schedcc.semantics.layout import Layout
 from schedcc.semantics.steps import Links, Steps
+from schedcc.semantics.tensors import Tensors
 from schedcc.semantics.versions import version_used
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "tie_chunks",
     "tie_links",
     "tie_members",
+    "with_dependents",
 ]
 
 #: `meets[s][pos]`: for a `ReduceTied` matched on every member, the `(stage, position)` of the
@@ -194,3 +196,44 @@ def step_blocker(
         ):
             return pos
     return None
+
+
+def with_dependents(
+    ops: Sequence[Instruction], lo: int, hi: int, moving: set[int], tensors: Tensors, stage: int
+) -> list[int]:
+    """The positions in `ops[lo:hi]` (the program of `stage`) that move later with those in
+    `moving`, in order: those and every op after one of them that depends on it on the stage
+    (a compute using a tensor one makes or receives, a send of such a tensor) or shares a
+    peer with a moving comm op (so each channel keeps its order). Moved after the rest of
+    `ops[lo:hi]`, in this order, they leave every dependency and channel order intact. It is
+    how a collective's pass moves comm of a later batch, or work that needs the step, past it.
+
+    >>> import schedcc
+    >>> from schedcc.ir import parse
+    >>> schedule = schedcc.get_schedule("gpipe")(2, 2)
+    >>> ops = [parse(x) for x in "RA1 F1 B0 SG0 B1 SG1".split()]
+    >>> with_dependents(ops, 0, 6, {0}, Tensors.of(schedule), 1)
+    [0, 1, 3, 4, 5]
+    """
+    out: list[int] = []
+    made: set[int] = set()  # tensors the moving ops make or receive
+    peers: set[int] = set()  # the peers of their comm
+    for pos in range(lo, hi):
+        op = ops[pos]
+        route = tensors.route(stage, op) if isinstance(op, Comm) else None
+        peer = None if route is None else route.dst if route.src == stage else route.src
+        if not (
+            pos in moving
+            or (isinstance(op, Compute) and not made.isdisjoint(tensors.needs(stage, op)))
+            or (route is not None and (route.tensor in made or peer in peers))
+        ):
+            continue
+        out.append(pos)
+        key = tensors.makes(stage, op) if isinstance(op, Compute) else None
+        if key is not None:
+            made.add(key)
+        if route is not None:
+            peers.add(peer)
+            if not op.is_send:
+                made.add(route.tensor)
+    return out
