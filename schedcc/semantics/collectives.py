@@ -13,7 +13,10 @@ follows comm groups (`links`), and the validator prints the same wait-for chain.
 `earliest_cut` is the smallest set of step prefixes, one per stage, that contains given steps and
 everything they wait for (a consistent cut of the step model). Putting a collective's members
 right after such a cut cannot close a cycle: nothing before the cut waits for anything after it.
-`insert_updates` places `ReduceTied` that way.
+`insert_updates` places `ReduceTied` that way. Under a weight delay the cut may pass a member's
+step (its members meet only after it runs work of the next batch); the step then follows the
+collective, unless work in between needs it (`step_blocker`), which `insert_updates` moves
+after the collective with what depends on it (`with_dependents`) or refuses.
 """
 
 from __future__ import annotations
