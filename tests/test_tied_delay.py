@@ -8,23 +8,34 @@ deadlock."""
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from _orders import OrderSchedule, random_orders
 from _tied_models import adam, batches, mse, tied_segments
 from hypothesis import given
 from hypothesis import strategies as st
 
 import schedcc
+from schedcc.backends.distributed.engine import Engine as DistributedEngine
 from schedcc.backends.local import Engine
 from schedcc.backends.reference import train_reference
+from schedcc.backends.run.launch import spawn
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import parse
 
 
 def _order(text: str) -> list:
     return [parse(x) for x in text.split()]
+
+
+def _moved_comm_program():
+    """Stage 1 sends SG0 after W1 unless tied; tied, SG0 follows SG1 and W1 the step."""
+    schedule = OrderSchedule(2, 1, 1, 2, weight_delay=1)
+    schedule.orders = [_order("F0 F1 I1 I0 W0 W1"), _order("F0 F1 I0 W0 I1 W1")]
+    return schedule
 
 
 def _train_exactly(program) -> None:
@@ -68,8 +79,7 @@ def test_comm_placed_for_speed_moves_so_that_the_tie_fits():
     """Stage 0 takes I1's gradient before I0's, so stage 1 sends SG0 after SG1, which
     insert_comm put after W1: batch 0's tie would need W1, which needs the step of batch 0.
     With the tie, SG0 goes right after SG1 and W1 after the step; it trains exactly."""
-    schedule = OrderSchedule(2, 1, 1, 2, weight_delay=1)
-    schedule.orders = [_order("F0 F1 I1 I0 W0 W1"), _order("F0 F1 I0 W0 I1 W1")]
+    schedule = _moved_comm_program()
     assert schedcc.compile(schedule).to_text().splitlines()[1] == (
         "stage 1: RA0 F0 RA1 F1 I0 W0 Step I1 SG1 W1 SG0 Step"
     )
@@ -78,6 +88,28 @@ def test_comm_placed_for_speed_moves_so_that_the_tie_fits():
         "stage 1: RA0 F0 RA1 F1 I0 W0 I1 SG1 SG0 Tied0 Step W1 Tied0 Step"
     )
     _train_exactly(program)
+
+
+def _distributed_worker(rank: int, world_size: int) -> int:
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    program = schedcc.compile(_moved_comm_program(), tied=[(0, 1)])
+    segments = tied_segments(2)
+    local = copy.deepcopy(segments)
+    data = batches(4, 2)
+    losses = list(DistributedEngine(program, segments, mse, adam, timeout=60).train(data))
+    expected = list(Engine(program, local, mse, adam).train(data))
+    assert losses == expected, (rank, losses, expected)
+    for got, want in zip(segments[rank].parameters(), local[rank].parameters()):
+        assert torch.equal(got, want), rank
+    return 0
+
+
+def test_the_moved_comm_program_on_two_gloo_ranks_equals_the_local_engine():
+    """The tied program whose comm moved runs on two gloo ranks to the local engine's numbers
+    (losses and each rank's weights, bitwise)."""
+    assert spawn(_distributed_worker, 2, grace=60, threads=1) == 0
 
 
 def test_a_later_batchs_comm_moves_after_the_last_weight_gradient():
