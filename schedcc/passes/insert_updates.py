@@ -14,6 +14,10 @@ With tied segments (`program.tied`), every stage holding a segment of group g ge
 members are placed right after the earliest consistent cut of the step model that holds all
 their last weight gradients ([Note: tied collectives] in `schedcc.semantics.collectives`), so
 the collective closes no cycle; a stage whose groups all sit on it alone gets it before its step.
+Under a weight delay the members may meet only after one runs work of the next batch; its step
+then follows the collective, and comm that insert_comm placed for speed is moved where work that
+needs the step would come first (`_reorder_for_ties`); what cannot be is refused with a
+`ScheduleConfigError`, never compiled into a deadlock.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def insert_updates(program: Program) -> Program:
     m, v = schedule.num_microbatches, schedule.num_chunks
     ties = {}
     if program.tied:
-        program, ties = _defer_weights(program)
+        program, ties = _reorder_for_ties(program)
     stages = tuple(
         _insert(ops, m, v, reduce, program.zero, ties.get(s), _Late(program, s))
         for s, ops in enumerate(program.stages)
@@ -134,7 +138,7 @@ def _insert(ops, num_microbatches: int, num_chunks: int, reduce: bool, zero: int
     return tuple(out)
 
 
-def _defer_weights(program: Program) -> tuple[Program, dict[int, tuple]]:
+def _reorder_for_ties(program: Program) -> tuple[Program, dict[int, tuple]]:
     """The program reordered so that no tied stage must run work of a later batch that needs
     its step before the members can meet for batch b, and `_tie_points` of the result.
 
