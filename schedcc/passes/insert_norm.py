@@ -5,7 +5,9 @@ stage's n-th `OptimizerStep` gets a `GradNorm` right before it: after the batch'
 gradient, `ReduceGrads` and `ReduceTied` on that stage (all of which `insert_updates` puts before
 the step), so the norm sees the final gradients. The comm of a later batch that insert_comm put
 among them (`SG1 RA2 Reduce Step`: a receive posted early) goes after the norm when its partner
-runs after the peer's own step, since that peer reaches the step only through the norm. The
+runs after the peer's own step, since that peer reaches the step only through the norm, with
+what depends on it there (`with_dependents`: a forward of that batch that a tie's later step
+lets run first, say). The
 n-th `GradNorm`s of all stages form one collective ([Note: the norm collective] in
 `schedcc.semantics.norms`); it closes no cycle when the cut "every stage up to just before its
 n-th norm" is consistent, that is when nothing before one stage's norm waits for anything after
@@ -19,8 +21,8 @@ from __future__ import annotations
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import GradNorm, Instruction, OnMicrobatch, OptimizerStep, Update
 from schedcc.program import Program
-from schedcc.semantics import step_model
-from schedcc.semantics.collectives import earliest_cut
+from schedcc.semantics import Tensors, step_model
+from schedcc.semantics.collectives import earliest_cut, with_dependents
 
 __all__ = ["insert_norm"]
 
@@ -44,17 +46,19 @@ def insert_norm(program: Program) -> Program:
     m = program.schedule.num_microbatches
     steps = [_steps(ops) for ops in stages]
     partner = step_model(program).partner
+    tensors = Tensors.of(program.schedule)
     out = []
     for s, ops in enumerate(stages):
         new: list[Instruction] = []
         done = 0
         for n, step in enumerate(steps[s]):
             at = _norm_at(ops, step, n, m)
-            later = []  # comm of later batches before the step that waits on a peer's next batch
+            waits = set()  # comm of later batches before the step that waits on a peer's next batch
             for pos in range(at, step):
                 peer = partner[s][pos]
                 if peer is not None and n < len(steps[peer[0]]) and peer[1] > steps[peer[0]][n]:
-                    later.append(pos)
+                    waits.add(pos)
+            later = with_dependents(ops, at, step, waits, tensors, s) if waits else []
             new.extend(op for pos, op in enumerate(ops[done:step], done) if pos not in later)
             new.append(GradNorm())
             new.extend(ops[pos] for pos in later)

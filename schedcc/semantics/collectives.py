@@ -13,7 +13,10 @@ follows comm groups (`links`), and the validator prints the same wait-for chain.
 `earliest_cut` is the smallest set of step prefixes, one per stage, that contains given steps and
 everything they wait for (a consistent cut of the step model). Putting a collective's members
 right after such a cut cannot close a cycle: nothing before the cut waits for anything after it.
-`insert_updates` places `ReduceTied` that way.
+`insert_updates` places `ReduceTied` that way. Under a weight delay the cut may pass a member's
+step (its members meet only after it runs work of the next batch); the step then follows the
+collective, unless work in between needs it (`step_blocker`), which `insert_updates` moves
+after the collective with what depends on it (`with_dependents`) or refuses.
 """
 
 from __future__ import annotations
@@ -23,18 +26,22 @@ from typing import Any
 
 import attrs
 
-from schedcc.ir import Instruction, ReduceTied
+from schedcc.ir import WEIGHT_GRADIENT, Comm, Compute, Instruction, ReduceTied
 from schedcc.semantics.layout import Layout
 from schedcc.semantics.steps import Links, Steps
+from schedcc.semantics.tensors import Tensors
+from schedcc.semantics.versions import version_used
 
 __all__ = [
     "Meets",
     "TieProblem",
     "earliest_cut",
+    "step_blocker",
     "match_collectives",
     "tie_chunks",
     "tie_links",
     "tie_members",
+    "with_dependents",
 ]
 
 #: `meets[s][pos]`: for a `ReduceTied` matched on every member, the `(stage, position)` of the
@@ -169,3 +176,67 @@ def earliest_cut(
                     t = peer[0]
                     stack.append((t, step_at[t][peer[1]] - (t not in whole)))
         prefix[s] = j
+
+
+def step_blocker(
+    ops: Sequence[Instruction], lo: int, hi: int, batch: int, num_microbatches: int, delay: int
+) -> int | None:
+    """The first position in `ops[lo:hi]` that the optimizer step of batch `batch` cannot be
+    delayed past, or None: a weight gradient (it would join this batch's sum) or a compute on
+    a version the step makes (`version_used > batch`). Under a weight delay a later batch's
+    forward and input gradient run on older weights, so a collective before the step may wait
+    for them ([Note: tied collectives]).
+
+    >>> from schedcc.ir import parse
+    >>> ops = [parse(x) for x in "W0 F1 I1 SG1 F2 W1".split()]
+    >>> [step_blocker(ops, 1, hi, 0, 1, 1) for hi in (4, 5, 6)]
+    [None, 4, 4]
+    """
+    for pos in range(lo, hi):
+        op = ops[pos]
+        if isinstance(op, WEIGHT_GRADIENT) or (
+            isinstance(op, Compute) and version_used(op.microbatch, num_microbatches, delay) > batch
+        ):
+            return pos
+    return None
+
+
+def with_dependents(
+    ops: Sequence[Instruction], lo: int, hi: int, moving: set[int], tensors: Tensors, stage: int
+) -> list[int]:
+    """The positions in `ops[lo:hi]` (the program of `stage`) that move later with those in
+    `moving`, in order: those and every op after one of them that depends on it on the stage
+    (a compute using a tensor one makes or receives, a send of such a tensor) or shares a
+    peer with a moving comm op (so each channel keeps its order). Moved after the rest of
+    `ops[lo:hi]`, in this order, they leave every dependency and channel order intact. It is
+    how a collective's pass moves comm of a later batch, or work that needs the step, past it.
+
+    >>> import schedcc
+    >>> from schedcc.ir import parse
+    >>> schedule = schedcc.get_schedule("gpipe")(2, 2)
+    >>> ops = [parse(x) for x in "RA1 F1 B0 SG0 B1 SG1".split()]
+    >>> with_dependents(ops, 0, 6, {0}, Tensors.of(schedule), 1)
+    [0, 1, 3, 4, 5]
+    """
+    out: list[int] = []
+    made: set[int] = set()  # tensors the moving ops make or receive
+    peers: set[int] = set()  # the peers of their comm
+    for pos in range(lo, hi):
+        op = ops[pos]
+        route = tensors.route(stage, op) if isinstance(op, Comm) else None
+        peer = None if route is None else route.dst if route.src == stage else route.src
+        if not (
+            pos in moving
+            or (isinstance(op, Compute) and not made.isdisjoint(tensors.needs(stage, op)))
+            or (route is not None and (route.tensor in made or peer in peers))
+        ):
+            continue
+        out.append(pos)
+        key = tensors.makes(stage, op) if isinstance(op, Compute) else None
+        if key is not None:
+            made.add(key)
+        if route is not None:
+            peers.add(peer)
+            if not op.is_send:
+                made.add(route.tensor)
+    return out
