@@ -195,45 +195,23 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class ParallelGPTBlock(nn.Module):
+class ParallelGPTBlock(ParallelBlock):
     """`backends.run.gpt.Block` (rotary positions, a padding mask, dropout) over the
-    tensor-parallel group, split as `ParallelBlock` is: q, k and v column-parallel by head, the
-    output projection row-parallel, a `ParallelMLP`, the layer norms replicated."""
+    tensor-parallel group, split as `ParallelBlock` is."""
 
     def __init__(self, block: nn.Module, group, *, rank=None, size=None) -> None:
-        super().__init__()
-        rank, size = _place(group, rank, size)
-        if block.num_heads % size:
-            raise ValueError(f"{block.num_heads} attention heads do not split {size} ways")
-        self.group = group
-        self.num_heads = block.num_heads // size
-        self.norm1, self.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
-        width = block.qkv.in_features
-        q, k, v = (t.detach() for t in block.qkv.weight.split(width, dim=0))
-        bq, bk, bv = (t.detach() for t in block.qkv.bias.split(width, dim=0))
-        weight = torch.cat([_shard(t, 0, rank, size) for t in (q, k, v)])
-        bias = torch.cat([_shard(t, 0, rank, size) for t in (bq, bk, bv)])
-        self.qkv = ColumnParallelLinear(weight, bias, group)
-        self.proj = RowParallelLinear.from_dense(block.proj, group, rank=rank, size=size)
-        first, activation, second = block.mlp
-        self.mlp = ParallelMLP.from_dense(first, second, group, activation, rank=rank, size=size)
+        super().__init__(block, group, rank=rank, size=size)
         self.drop = copy.deepcopy(block.drop)
 
     def forward(self, x: torch.Tensor, pad_mask: torch.Tensor, pos_ids: torch.Tensor):
-        from schedcc.backends.run.gpt import _rotate
+        from schedcc.backends.run.gpt import attend
 
         batch, seq, _ = x.shape
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
         local = q.shape[-1]
         shape = (batch, seq, self.num_heads, local // self.num_heads)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
-        q, k = _rotate(q, pos_ids), _rotate(k, pos_ids)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(shape[-1])
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-        allowed = (causal & ~pad_mask[:, None, None, :]) | torch.eye(
-            seq, dtype=torch.bool, device=x.device
-        )
-        attn = self.drop(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)) @ v
+        attn = attend(q, k, v, pad_mask, pos_ids, self.drop)
         x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, local)))
         return x + self.drop(self.mlp(self.norm2(x)))
 

@@ -26,6 +26,7 @@ from schedcc.ir import Instruction
 __all__ = [
     "Schedule",
     "ScheduleCodeError",
+    "VShape",
     "build_schedule",
     "call_user_code",
     "chunks_hint",
@@ -213,6 +214,44 @@ def _is_place(placed: object, num_stages: int, num_chunks: int) -> bool:
         isinstance(index, int) and not isinstance(index, bool) and 0 <= index < bound
         for index, bound in zip(placed, bounds)
     )
+
+
+class VShape(Schedule):
+    """Base of the schedules that hold two chunks per stage in a V (zb-v, dualpipe-v, v-half,
+    v-min, dualpipe): segment k < p on stage k as chunk 0, segment k >= p on stage 2p - 1 - k as
+    chunk 1, down the stages and back up. `num_chunks` defaults to 2 and `check()` refuses any
+    other; a subclass's own `check()` calls this one first.
+
+    >>> class Mine(VShape):
+    ...     def steps(self, stage):
+    ...         yield from ()
+    >>> [Mine(2, 1).placement(k) for k in range(4)]
+    [(0, 0), (1, 0), (1, 1), (0, 1)]
+    """
+
+    #: How `check()` names the two chunks a stage holds.
+    two_chunks: ClassVar[str] = "places exactly two chunks per stage (a V)"
+
+    def __init__(
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        num_chunks: int = 2,
+        num_batches: int = 1,
+    ) -> None:
+        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
+
+    def check(self) -> None:
+        if self.num_chunks != 2:
+            raise ScheduleConfigError(
+                f"{self.name} {self.two_chunks}, got num_chunks={self.num_chunks}; pass "
+                "num_chunks=2 (-v 2)"
+            )
+
+    def placement(self, segment: int) -> tuple[int, int]:
+        """Segment k < p on (k, 0), segment k >= p on (2p - 1 - k, 1): down and back up."""
+        p = self.num_stages
+        return (segment, 0) if segment < p else (2 * p - 1 - segment, 1)
 
 
 def build_schedule(

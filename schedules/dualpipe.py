@@ -40,44 +40,28 @@ from collections.abc import Iterator
 
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
-from schedcc.schedule import Schedule
+from schedcc.schedule import VShape
 from schedcc.schedules.dualpipe_v import _KINDS, _order
 
 __all__ = ["DualPipe"]
 
 
-class DualPipe(Schedule):
+class DualPipe(VShape):
     """DualPipe: two model replicas, microbatches entering at both ends, overlapped F&B."""
 
     name = "dualpipe"
     num_replicas = 2
 
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        num_chunks: int = 2,
-        num_batches: int = 1,
-    ) -> None:
-        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
+    two_chunks = "holds two mirrored segments per stage"
 
     def check(self) -> None:
+        super().check()
         p, m = self.num_stages, self.num_microbatches
-        if self.num_chunks != 2:
-            raise ScheduleConfigError(
-                f"dualpipe holds two mirrored segments per stage, got num_chunks="
-                f"{self.num_chunks}; pass num_chunks=2 (-v 2)"
-            )
         if p % 2 or m % 2 or m < 2 * p:
             raise ScheduleConfigError(
                 f"dualpipe needs an even p and an even m >= 2p (half the microbatches from each "
                 f"end), got p={p}, m={m}; use dualpipe-v for other shapes"
             )
-
-    def placement(self, segment: int) -> tuple[int, int]:
-        """Segment k < p on (k, 0); its copy p + j runs up the stages: (p - 1 - j, 1)."""
-        p = self.num_stages
-        return (segment, 0) if segment < p else (2 * p - 1 - segment, 1)
 
     def replica_of(self, microbatch: int) -> int:
         """The first half of a batch's microbatches runs down the stages, the second up."""

@@ -58,7 +58,7 @@ from schedcc.ir import (
     Instruction,
     OverlappedBackward,
 )
-from schedcc.schedule import Schedule
+from schedcc.schedule import VShape
 
 __all__ = ["DualPipeV"]
 
@@ -71,36 +71,18 @@ _KINDS = {
 }
 
 
-class DualPipeV(Schedule):
+class DualPipeV(VShape):
     """DualPipeV: zb-v's V placement with each steady-state forward overlapped with a backward."""
 
     name = "dualpipe-v"
 
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        num_chunks: int = 2,
-        num_batches: int = 1,
-    ) -> None:
-        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
-
     def check(self) -> None:
-        if self.num_chunks != 2:
-            raise ScheduleConfigError(
-                f"dualpipe-v places exactly two chunks per stage (a V), got num_chunks="
-                f"{self.num_chunks}; pass num_chunks=2 (-v 2)"
-            )
+        super().check()
         if self.num_microbatches < 2 * self.num_stages:
             raise ScheduleConfigError(
                 f"dualpipe-v needs at least 2p = {2 * self.num_stages} microbatches (one per "
                 f"segment), got m={self.num_microbatches}; raise m or use zb-v"
             )
-
-    def placement(self, segment: int) -> tuple[int, int]:
-        """Segment k < p on (k, 0), segment k >= p on (2p - 1 - k, 1): down and back up."""
-        p = self.num_stages
-        return (segment, 0) if segment < p else (2 * p - 1 - segment, 1)
 
     def steps(self, stage: int) -> Iterator[Instruction]:
         m = self.num_microbatches

@@ -71,9 +71,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from schedcc.errors import ScheduleConfigError
 from schedcc.ir import BackwardInput, BackwardWeight, Forward, Instruction
-from schedcc.schedule import Schedule
+from schedcc.schedule import VShape
 
 __all__ = ["VHalf", "VMin"]
 
@@ -82,29 +81,8 @@ _PASSES = ((Forward, 0), (Forward, 1), (BackwardInput, 1), (BackwardInput, 0))
 _PERIOD = 6  # F, F, I, I, W, W of one microbatch, one unit each
 
 
-class _VShape(Schedule):
+class _VShape(VShape):
     """Two chunks in a V, a stable pattern per stage (see the module docstring)."""
-
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        num_chunks: int = 2,
-        num_batches: int = 1,
-    ) -> None:
-        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
-
-    def check(self) -> None:
-        if self.num_chunks != 2:
-            raise ScheduleConfigError(
-                f"{self.name} places exactly two chunks per stage (a V), got num_chunks="
-                f"{self.num_chunks}; pass num_chunks=2 (-v 2)"
-            )
-
-    def placement(self, segment: int) -> tuple[int, int]:
-        """Segment k < p on (k, 0), segment k >= p on (2p - 1 - k, 1): down and back up."""
-        p = self.num_stages
-        return (segment, 0) if segment < p else (2 * p - 1 - segment, 1)
 
     def offsets(self, stage: int) -> tuple[int, int, int, int]:
         """When stage `stage` starts each pass of microbatch 0 (the stable pattern)."""

@@ -36,40 +36,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from schedcc.errors import ScheduleConfigError
 from schedcc.ir import BackwardInput, BackwardWeight, Forward, Instruction
-from schedcc.schedule import Schedule
+from schedcc.schedule import VShape
 
 __all__ = ["ZBV"]
 
 _KINDS = {"F": Forward, "I": BackwardInput, "W": BackwardWeight}
 
 
-class ZBV(Schedule):
+class ZBV(VShape):
     """ZB-V: two chunks per stage in a V, backward split in I and W; near-zero bubble."""
 
     name = "zb-v"
-
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        num_chunks: int = 2,
-        num_batches: int = 1,
-    ) -> None:
-        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
-
-    def check(self) -> None:
-        if self.num_chunks != 2:
-            raise ScheduleConfigError(
-                f"zb-v places exactly two chunks per stage (a V), got num_chunks="
-                f"{self.num_chunks}; pass num_chunks=2 (-v 2)"
-            )
-
-    def placement(self, segment: int) -> tuple[int, int]:
-        """Segment k < p on (k, 0), segment k >= p on (2p - 1 - k, 1): down and back up."""
-        p = self.num_stages
-        return (segment, 0) if segment < p else (2 * p - 1 - segment, 1)
 
     def steps(self, stage: int) -> Iterator[Instruction]:
         m = self.num_microbatches

@@ -77,6 +77,20 @@ def _rotate(t: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat((t1 * cos - t2 * sin, t1 * sin + t2 * cos), dim=-1)
 
 
+def attend(q, k, v, pad_mask: torch.Tensor, pos_ids: torch.Tensor, drop: nn.Module):
+    """Causal self-attention of `(batch, heads, seq, dim)` queries, keys and values, rotated by
+    position: a query sees earlier real tokens, and always itself (so a padding row is never
+    empty)."""
+    seq = q.shape[-2]
+    q, k = _rotate(q, pos_ids), _rotate(k, pos_ids)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    allowed = (causal & ~pad_mask[:, None, None, :]) | torch.eye(
+        seq, dtype=torch.bool, device=q.device
+    )
+    return drop(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)) @ v
+
+
 class Block(nn.Module):
     """Pre-norm causal self-attention (rotary, padding-masked) and an MLP, both residual."""
 
@@ -98,14 +112,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
         shape = (batch, seq, self.num_heads, width // self.num_heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        q, k = _rotate(q, pos_ids), _rotate(k, pos_ids)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(shape[-1])
-        # A query sees earlier real tokens, and always itself (so a padding row is never empty).
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-        allowed = (causal & ~pad_mask[:, None, None, :]) | torch.eye(
-            seq, dtype=torch.bool, device=x.device
-        )
-        attn = self.drop(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)) @ v
+        attn = attend(q, k, v, pad_mask, pos_ids, self.drop)
         x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, width)))
         return x + self.drop(self.mlp(self.norm2(x)))
 
