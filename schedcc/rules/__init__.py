@@ -65,6 +65,12 @@ class Context:
         return self.model.partner, self.model.problems
 
     @cached_property
+    def kinds(self) -> frozenset[type]:
+        """The instruction classes the program holds: a rule about an optional instruction
+        (`R`, `+B`, `Norm`, ZeRO-3's) returns at once where there is none."""
+        return frozenset({type(op) for ops in self.stages for op in ops})
+
+    @cached_property
     def computes_and_updates(self) -> list[list[tuple[int, Instruction]]]:
         """Per stage, `(position, instruction)` of its computes and updates (no comm), for the
         rules that read only those."""

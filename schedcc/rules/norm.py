@@ -21,6 +21,8 @@ __all__ = ["check_norm"]
 def check_norm(ctx: Context) -> Iterator[Problem]:
     """Each batch's `GradNorm` on a stage follows its last weight gradient and reductions and
     precedes its step, one per batch; the n-th of every stage meets the n-th of the others."""
+    if GradNorm not in ctx.kinds:
+        return
     for p in ctx.model.norm_problems:
         yield Problem(
             UpdateOrderError,

@@ -30,6 +30,8 @@ __all__ = ["check_overlaps"]
 def check_overlaps(ctx: Context) -> Iterator[Problem]:
     """Each `OverlappedBackward` directly follows, on its stage, a `Forward` that makes nothing
     it needs."""
+    if OverlappedBackward not in ctx.kinds:
+        return
     tensors = ctx.tensors
     for s, ops in enumerate(ctx.stages):
         for pos, op in enumerate(ops):

@@ -23,6 +23,8 @@ _BACKWARD = (Backward, BackwardInput, BackwardWeight)
 def check_recompute(ctx: Context) -> Iterator[Problem]:
     """Each `Recompute(i, c)` runs after `Forward(i, c)` on its stage, before the first backward
     piece of `i` on chunk `c`, and at most once."""
+    if Recompute not in ctx.kinds:
+        return
     for s, ops in enumerate(ctx.computes_and_updates):
         if not any(type(op) is Recompute for _, op in ops):
             continue

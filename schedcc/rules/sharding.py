@@ -38,7 +38,8 @@ def check_sharding(ctx: Context) -> Iterator[Problem]:
     a whole one, no release of one with unreduced gradients, none whole across a step or at the
     end ([Note: sharded chunks])."""
     if ctx.program.zero != 3:
-        yield from _outside_zero3(ctx)
+        if not ctx.kinds.isdisjoint(_SHARDING):
+            yield from _outside_zero3(ctx)
         return
     v = ctx.schedule.num_chunks
     for s, ops in enumerate(ctx.computes_and_updates):
