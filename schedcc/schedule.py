@@ -71,7 +71,8 @@ class Schedule:
     Args:
         num_stages: pipeline ranks `p`, at least 1.
         num_microbatches: microbatches per optimizer step `m`, at least 1.
-        num_chunks: segments per stage `v` ("virtual stages"), at least 1.
+        num_chunks: segments per stage `v` ("virtual stages"), at least 1; None (the default)
+            takes the class's `default_num_chunks`.
         num_batches: optimizer steps covered by one program `B`, at least 1.
 
     Raises:
@@ -85,14 +86,18 @@ class Schedule:
     #: segments `r*L .. (r+1)*L - 1` with `L = p*v / num_replicas`, segment `r*L + j` a copy of
     #: segment j, and each microbatch runs only the replica `replica_of` gives it.
     num_replicas: ClassVar[int] = 1
+    #: The chunks per stage a schedule gets when `num_chunks` is not given.
+    default_num_chunks: ClassVar[int] = 1
 
     def __init__(
         self,
         num_stages: int,
         num_microbatches: int,
-        num_chunks: int = 1,
+        num_chunks: int | None = None,
         num_batches: int = 1,
     ) -> None:
+        if num_chunks is None:
+            num_chunks = type(self).default_num_chunks
         for arg, value in [
             ("num_stages", num_stages),
             ("num_microbatches", num_microbatches),
@@ -231,15 +236,7 @@ class VShape(Schedule):
 
     #: How `check()` names the two chunks a stage holds.
     two_chunks: ClassVar[str] = "places exactly two chunks per stage (a V)"
-
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        num_chunks: int = 2,
-        num_batches: int = 1,
-    ) -> None:
-        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
+    default_num_chunks = 2
 
     def check(self) -> None:
         if self.num_chunks != 2:
@@ -264,8 +261,8 @@ def build_schedule(
 ) -> Schedule:
     """`schedule_cls` at this shape, where a failure of the class's own code is a typed error.
 
-    `num_chunks=None` keeps the class's own default (1, or 2 for ZB-V). Used wherever a class a
-    user named is built (the CLI, `schedcc.tune`, `schedcc.testing`).
+    `num_chunks=None` keeps the class's own `default_num_chunks` (1, or 2 for ZB-V). Used
+    wherever a class a user named is built (the CLI, `schedcc.tune`, `schedcc.testing`).
 
     Raises:
         ScheduleConfigError: the schedule rejects the shape (its `check()` says why).

@@ -77,14 +77,7 @@ class InterleavedZB(Interleaved1F1B):
 
     name = "interleaved-zb"
 
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        num_chunks: int = 2,
-        num_batches: int = 1,
-    ) -> None:
-        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
+    default_num_chunks = 2
 
     def num_warmup(self, stage: int) -> int:
         """The forwards stage `stage` runs before its first I (torch's count)."""

@@ -39,11 +39,4 @@ class LoopedBFS(GPipe):
 
     name = "looped-bfs"
 
-    def __init__(
-        self,
-        num_stages: int,
-        num_microbatches: int,
-        num_chunks: int = 2,
-        num_batches: int = 1,
-    ) -> None:
-        super().__init__(num_stages, num_microbatches, num_chunks, num_batches)
+    default_num_chunks = 2
