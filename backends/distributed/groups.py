@@ -196,3 +196,14 @@ def bound_waits(timeout: timedelta, *groups) -> None:
     for group in groups:
         if group.group_name != world and dist.get_world_size(group) > 1:
             set_timeout(timeout, group)
+
+
+def sum_in_rank_order(tensor: torch.Tensor, group, size: int) -> None:
+    """`tensor` summed over the `size` ranks of `group` in place, the parts added in rank order
+    so every rank gets the same bits (an all-reduce may add them in any order)."""
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    tensor.copy_(total)

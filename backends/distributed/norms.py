@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from schedcc.backends.distributed.groups import sum_in_rank_order
 from schedcc.backends.distributed.transfers import first_line
 from schedcc.errors import RankFailure
 from schedcc.ir import GradNorm
@@ -44,15 +45,10 @@ class NormGroup:
         """Sum the scalar `tensor` over the replica's stages in place, in stage order."""
         if len(self.ranks) < 2:
             return
-        parts = [torch.empty_like(tensor) for _ in self.ranks]
         try:
-            dist.all_gather(parts, tensor.contiguous(), group=self.group)
+            sum_in_rank_order(tensor, self.group, len(self.ranks))
         except RuntimeError as exc:
             raise RankFailure(
                 f"rank {dist.get_rank()} (stage {self.stage}) failed at GradNorm, a collective "
                 f"over the pipeline's ranks {self.ranks}: {first_line(exc)}"
             ) from exc
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total.add_(part)
-        tensor.copy_(total)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from schedcc.backends.distributed.groups import sum_in_rank_order
 from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.runtime.tied import Tie, check_ties, find_ties, private_copies
 from schedcc.errors import RankFailure, ScheduleConfigError
@@ -71,18 +72,13 @@ class TieGroups:
         try:
             if len(self.ranks[group]) == 2:
                 dist.all_reduce(tensor, group=handle)
-                return
-            parts = [torch.empty_like(tensor) for _ in self.ranks[group]]
-            dist.all_gather(parts, tensor.contiguous(), group=handle)
+            else:
+                sum_in_rank_order(tensor, handle, len(self.ranks[group]))
         except RuntimeError as exc:
             raise RankFailure(
                 f"rank {dist.get_rank()} (stage {self.stage}) failed at ReduceTied({group}), a "
                 f"collective over the tied group's ranks {self.ranks[group]}: {first_line(exc)}"
             ) from exc
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total.add_(part)
-        tensor.copy_(total)
 
     def gather(self, group: int, value: object) -> list:
         """Every member's `value` for tied group `group`, in stage order."""
