@@ -4,25 +4,17 @@ steps and the precision."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+
+from _cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "schedcc", "run", "--no-progress", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env={**env, "OMP_NUM_THREADS": "1"},
-    )
+def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return run_cli(*args, timeout=timeout)
 
 
 def test_run_clips_a_tensor_parallel_gpt_over_broadcast_pairs_as_non_pipelined():

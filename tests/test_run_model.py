@@ -3,15 +3,14 @@ and module, and bad factories refused in one line before any rank starts."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from _cli import run_cli
 
 from schedcc.backends.run import models
 from schedcc.backends.run.gpt import IGNORE_INDEX
@@ -24,15 +23,7 @@ EXAMPLE = ROOT / "examples" / "char_lm.py"
 
 
 def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "schedcc", "run", "--no-progress", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env={**env, "OMP_NUM_THREADS": "1"},
-    )
+    return run_cli(*args, timeout=timeout)
 
 
 def _row(stdout: str, metric: str) -> str:

@@ -4,26 +4,18 @@ line and exit 2."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from _cli import run_cli
 
 from schedcc.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(
-        [sys.executable, "-m", "schedcc", "run", "--no-progress", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**env, "OMP_NUM_THREADS": "1"},
-    )
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_cli(*args, timeout=timeout)
 
 
 def test_run_zero_3_checks_equal_to_non_pipelined():
