@@ -193,20 +193,43 @@ def test_dualpipe_refuses_what_it_cannot_run(shape):
         _dualpipe(*shape)
 
 
-def test_a_sum_count_loss_is_refused_with_replicas():
-    """A (loss_sum, count) loss needs one stage to see a whole batch: refused, in one line."""
+def _masked_sum(out, y):
+    """A `(loss_sum, count)` loss over the positive targets: counts differ between microbatches."""
+    kept = y > 0
+    return (((out - y) ** 2) * kept).sum(), kept.sum()
+
+
+@pytest.mark.parametrize(("shape", "dp", "zero"), [((2, 4), 1, 0), ((2, 6), 2, 1)])
+def test_dualpipe_trains_a_sum_count_loss_like_non_pipelined(shape, dp, zero):
+    """Each replica carries its own count down its segments and every step divides by their sum:
+    a (loss_sum, count) loss whose counts differ from microbatch to microbatch trains like
+    non-pipelined training of one model (the total sum over the total count) to 1e-10."""
     pytest.importorskip("torch")
     from _models import batches, make_segments, sgd
 
-    from schedcc.backends.local import Engine
+    from schedcc.backends.reference import assert_matches_reference
 
-    def summed(out, y):
-        return ((out - y) ** 2).sum(), y.numel()
+    schedule = _dualpipe(*shape, num_batches=2)
+    program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
+    parts = make_segments(schedule.num_stages)
+    data = batches(4, dp * schedule.num_microbatches)
+    assert assert_matches_reference(program, parts + parts, _masked_sum, sgd, data) < 1e-10
 
-    parts = make_segments(2)
-    engine = Engine(schedcc.compile(_dualpipe(2, 4)), parts + parts, summed, sgd)
-    with pytest.raises(ScheduleConfigError, match="several model replicas"):
-        list(engine.train(batches(1, 4)))
+
+def test_a_sum_count_loss_is_refused_where_a_stage_misses_a_replica():
+    """A stage that holds no segment of a replica never learns that replica's count: a
+    (loss_sum, count) loss is refused there, naming the stage and the replica."""
+    from schedcc.backends.runtime.losses import LossBook, unseen_replica
+    from schedcc.semantics.layout import Layout
+
+    assert unseen_replica(Layout.of(_dualpipe(2, 4))) is None
+    apart = Layout(((0, 1), (2, 3)), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1), 2)  # a replica a stage
+    why = unseen_replica(apart)
+    assert why == "stage 0 holds no segment of model replica 1"
+    book = LossBook(4, 1, replicas=2, unseen=why)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ScheduleConfigError, match="stage 0 holds no segment of model replica 1"):
+        book.objective(0, (torch.tensor(1.0), 2), where="loss_fn on microbatch 0")
 
 
 def test_dualpipe_docstring_drawing_and_orders_are_the_schedule():

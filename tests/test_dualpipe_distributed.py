@@ -20,7 +20,12 @@ from schedcc.backends.run import models
 from schedcc.backends.run.launch import spawn
 
 
-def _compare(rank: int, m: int, batches_per_run: int, **kwargs) -> None:
+def _masked_sum(out, y):
+    kept = y > 0  # a (loss_sum, count) loss whose counts differ between microbatches
+    return (((out - y) ** 2) * kept).sum(), kept.sum()
+
+
+def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwargs) -> None:
     schedule = schedcc.get_schedule("dualpipe")(2, m, num_batches=batches_per_run)
     program = schedcc.compile(schedule)
     parts = models.mlp_segments(2, width=8, seed=1)
@@ -28,13 +33,13 @@ def _compare(rank: int, m: int, batches_per_run: int, **kwargs) -> None:
     oracle = copy.deepcopy(segments)
     data = models.TeacherData(width=8, seed=2)
     batches = [data.batch(2 * m, step) for step in range(2 * batches_per_run)]
-    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=60, **kwargs)
+    engine = Engine(program, segments, loss_fn, _optimizer, timeout=60, **kwargs)
     losses = list(engine.train(batches))
-    expected = list(LocalEngine(program, oracle, F.mse_loss, _optimizer).train(batches))
+    expected = list(LocalEngine(program, oracle, loss_fn, _optimizer).train(batches))
     where = f"{schedule!r} rank {rank}"
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
     assert engine.evaluate(*batches[0]) == LocalEngine(
-        program, copy.deepcopy(oracle), F.mse_loss, _optimizer
+        program, copy.deepcopy(oracle), loss_fn, _optimizer
     ).evaluate(*batches[0]), where
     for c in range(2):
         k = schedule.segment_of(engine.stage, c)
@@ -48,11 +53,12 @@ def _worker(rank: int, world_size: int) -> int:
     _compare_built_in(rank, "dualpipe-v", 2, 2, 2, 2, linked=False, shared_memory=False)
     _compare(rank, 4, 1)
     _compare(rank, 6, 2, shared_memory=False)
+    _compare(rank, 4, 2, loss_fn=_masked_sum)
     return 0
 
 
 def test_dualpipe_v_and_dualpipe_on_two_ranks_equal_local():
-    """dualpipe-v (p = 2, m = 4, one and two batches per run) and dualpipe (m = 4; and m = 6,
-    two batches per run, over gloo point-to-point) equal the local backend's losses and weights
-    to 1e-12 on every rank, over shared memory and over gloo."""
+    """dualpipe-v (p = 2, m = 4, one and two batches per run) and dualpipe (m = 4; m = 6, two
+    batches per run, over gloo point-to-point; m = 4 with a (loss_sum, count) loss) equal the
+    local backend's losses and weights to 1e-12 on every rank, over shared memory and over gloo."""
     assert spawn(_worker, 2, grace=90, threads=1) == 0

@@ -60,6 +60,15 @@ def test_the_default_run_finds_the_tie_and_equals_non_pipelined_training():
     assert re.search(r"check: .*: ok", result.stdout), result.stdout
 
 
+def test_dualpipe_trains_the_gpt_on_its_token_loss():
+    """`schedcc run --schedule dualpipe --check`: the built-in GPT's (loss_sum, count) token loss
+    over two model replicas, each carrying its own token count, equals non-pipelined training."""
+    result = _run("--schedule", "dualpipe", "--check", "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert _row(result.stdout, "tied segments (ReduceTied)") == "(0, 1, 2, 3)"
+    assert re.search(r"check: .*: ok", result.stdout), result.stdout
+
+
 def test_a_model_from_a_file_trains_interleaved_and_checks(tmp_path):
     """--model examples/char_lm.py:make (cut by schedcc.split, tied head, its own AdamW) under
     interleaved 1F1B (v = 2): the tie spans segments 0 and 3 on two ranks, --check holds, the

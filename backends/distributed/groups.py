@@ -125,7 +125,7 @@ def stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction 
     """The stage's program as the engine runs it: compute/update instructions and comm groups."""
     ops = program.stages[stage]
     steps = Steps.of([ops])
-    carriers = set(count_carriers(program).values())
+    carriers = set(count_carriers(program, layout).values())
     items: list[Instruction | CommGroup] = []
     for (lo, hi), is_group in zip(steps.bounds[0], steps.is_group[0]):
         if not is_group:

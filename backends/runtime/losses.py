@@ -23,6 +23,13 @@ gradient it sends carries the replica's count; each earlier segment's backward o
 microbatch needs that gradient, and passes the count on with its own. Every stage's step follows
 its backward of that microbatch, so it knows `N` by then. With data parallelism each step first
 sums `N` over the stage's replicas (one scalar all-reduce, at a place every replica reaches).
+
+With model replicas (DualPipe, [Note: replicas] in `schedcc.semantics.layout`) each replica's last
+segment sees only its own microbatches, so each replica carries its own count `N_r` down its own
+segments (one carrier per batch and replica), and a step divides by the sum of every replica's
+`N_r`, added in replica order. That needs every stage to hold a segment of every replica (as
+both DualPipes do): a layout where some stage holds none of a replica's segments cannot learn
+that replica's count, and a `(loss_sum, count)` loss is refused there.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from schedcc.ir import INPUT_GRADIENT
 
 if TYPE_CHECKING:
     from schedcc.program import Program
+    from schedcc.semantics.layout import Layout
 
 __all__ = [
     "MEAN",
@@ -47,6 +55,7 @@ __all__ = [
     "count_carriers",
     "divide_grads",
     "interpret",
+    "unseen_replica",
 ]
 
 MEAN, RATIO, PARTS = "mean", "(sum, count)", "dict"
@@ -70,32 +79,42 @@ class LossBook:
     Args:
         num_microbatches: `m`, the microbatches of a batch.
         data_parallel: the replicas a `MEAN` loss is averaged over.
-        replicated: the program holds several model replicas (DualPipe), whose last segments
-            each see only their own microbatches: a `(loss_sum, count)` loss is refused there,
-            since no one stage knows the batch's count.
+        replicas: the model replicas of the program (DualPipe: 2), each counting its own
+            microbatches under `RATIO`.
+        unseen: why some stage cannot learn every replica's count (a `(loss_sum, count)` loss
+            is then refused); None where every stage holds a segment of every replica.
     """
 
     def __init__(
-        self, num_microbatches: int, data_parallel: int, *, replicated: bool = False
+        self,
+        num_microbatches: int,
+        data_parallel: int,
+        *,
+        replicas: int = 1,
+        unseen: str | None = None,
     ) -> None:
         self._m = num_microbatches
         self._dp = data_parallel
-        self._replicated = replicated
+        self._replicas = replicas
+        self._unseen = unseen
         self.reset()
 
     def reset(self) -> None:
         """A new run: no losses, no counts."""
         self.mode: str | None = None
         self._values: dict[int, list[torch.Tensor]] = {}
-        self._counts: dict[int, list[torch.Tensor]] = {}
+        #: per (batch, model replica), the counts of its microbatches under `RATIO`
+        self._counts: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._parts: dict[int, dict[str, list[torch.Tensor]]] = {}
-        #: Per batch, this replica's count under `RATIO` (float64, on the device), once known.
-        self.normaliser: dict[int, torch.Tensor] = {}
+        #: Per (batch, model replica), the replica's count under `RATIO` (float64, on the
+        #: device), once known: on this data-parallel replica only.
+        self.normaliser: dict[tuple[int, int], torch.Tensor] = {}
 
     def objective(
-        self, batch: int, result: Any, *, where: str, record: bool = True
+        self, batch: int, result: Any, *, where: str, record: bool = True, replica: int = 0
     ) -> torch.Tensor:
-        """Record `loss_fn`'s `result` for a microbatch of `batch`; what to backpropagate.
+        """Record `loss_fn`'s `result` for a microbatch of `batch` run by model replica
+        `replica`; what to backpropagate.
 
         `record=False` (a `Recompute` of the forward) only returns what to backpropagate.
 
@@ -111,17 +130,17 @@ class LossBook:
                 f"{where} returned a {mode} loss after a {self.mode} one: return the same form "
                 "for every microbatch"
             )
-        if mode == RATIO and self._replicated:
+        if mode == RATIO and self._unseen is not None:
             raise ScheduleConfigError(
-                f"{where} returned a (loss_sum, count) loss, but the program runs several model "
-                "replicas (DualPipe), whose last segments never meet: return a mean over the "
-                "microbatch, or use a schedule with one replica"
+                f"{where} returned a (loss_sum, count) loss, but {self._unseen}, so it cannot "
+                "learn the batch's count: return a mean over the microbatch, or place a segment "
+                "of every replica on every stage"
             )
         if not record:
             return value if mode == RATIO else value / (self._m * self._dp)
         self._values.setdefault(batch, []).append(value.detach())
         if mode == RATIO:
-            self._counts.setdefault(batch, []).append(count)
+            self._counts.setdefault((batch, replica), []).append(count)
             return value
         if mode == PARTS:
             book = self._parts.setdefault(batch, {})
@@ -129,11 +148,31 @@ class LossBook:
                 book.setdefault(name, []).append(part.detach())
         return value / (self._m * self._dp)
 
-    def close(self, batch: int) -> None:
-        """Every forward of `batch` has run here (the last segment): fix its count (`RATIO`)."""
-        counts = self._counts.get(batch)
-        if counts is not None and batch not in self.normaliser:
-            self.normaliser[batch] = torch.stack(counts).sum()
+    def close(self, batch: int, replica: int = 0) -> None:
+        """Every forward of `batch` on `replica` has run here (its last segment): fix the
+        replica's count (`RATIO`)."""
+        counts = self._counts.get((batch, replica))
+        if counts is not None and (batch, replica) not in self.normaliser:
+            self.normaliser[batch, replica] = torch.stack(counts).sum()
+
+    def count(self, batch: int) -> torch.Tensor | None:
+        """The batch's count on this data-parallel replica: every model replica's, added in
+        replica order; None without a `RATIO` loss.
+
+        Raises:
+            RuntimeError: some replicas' counts are known here and others are not (a program
+                whose carriers did not reach this stage; the engines build none such).
+        """
+        known = [self.normaliser.get((batch, r)) for r in range(self._replicas)]
+        if all(n is None for n in known):
+            return None
+        if any(n is None for n in known):
+            missing = [r for r, n in enumerate(known) if n is None]
+            raise RuntimeError(f"batch {batch}: the count of replica(s) {missing} never arrived")
+        total = known[0]
+        for n in known[1:]:
+            total = total + n
+        return total
 
     def records(self) -> dict[int, LossRecord]:
         """Per batch of this run, its `LossRecord` (reads the tensors: one sync per run)."""
@@ -141,7 +180,8 @@ class LossBook:
         for batch, values in self._values.items():
             total = _sum(values)
             if self.mode == RATIO:
-                count = float(torch.stack(self._counts[batch]).sum().item())
+                counts = sorted((key, cs) for key, cs in self._counts.items() if key[0] == batch)
+                count = float(torch.stack([c for _, cs in counts for c in cs]).sum().item())
             else:
                 count = float(len(values))
             parts = {name: _sum(v) for name, v in self._parts.get(batch, {}).items()}
@@ -197,17 +237,30 @@ def _is_scalar(value: Any, *, floating: bool = True) -> bool:
     return value.is_floating_point() or not floating
 
 
-def count_carriers(program: Program) -> dict[int, int]:
-    """`{batch: microbatch}`: the last input-backward (B or I) of each batch on the last segment,
-    whose gradient message carries the batch's count ([Note: the count divides at the step])."""
+def count_carriers(program: Program, layout: Layout) -> dict[tuple[int, int], int]:
+    """`{(batch, replica): microbatch}`: the last input-backward (B or I) of each batch on each
+    model replica's last segment, whose gradient message carries the replica's count of the
+    batch ([Note: the count divides at the step])."""
     schedule = program.schedule
-    stage, chunk = schedule.placement(schedule.num_segments - 1)
     m = schedule.num_microbatches
-    carriers: dict[int, int] = {}
-    for op in program.stages[stage]:
-        if isinstance(op, INPUT_GRADIENT) and op.chunk == chunk:  # `+B` too
-            carriers[op.microbatch // m] = op.microbatch
+    carriers: dict[tuple[int, int], int] = {}
+    for replica, segment in enumerate(layout.lasts):
+        stage, chunk = layout.stage_of[segment], layout.chunk_of[segment]
+        for op in program.stages[stage]:
+            if isinstance(op, INPUT_GRADIENT) and op.chunk == chunk:  # `+B` too
+                carriers[op.microbatch // m, replica] = op.microbatch
     return carriers
+
+
+def unseen_replica(layout: Layout) -> str | None:
+    """Why some stage cannot learn every model replica's count, or None (see [Note: the count
+    divides at the step])."""
+    for stage, segments in enumerate(layout.segment):
+        held = {k // layout.replica_length for k in segments}
+        for replica in range(layout.num_replicas):
+            if replica not in held:
+                return f"stage {stage} holds no segment of model replica {replica}"
+    return None
 
 
 def divide_grads(params: Iterable[torch.Tensor], count: torch.Tensor) -> None:

@@ -57,7 +57,13 @@ from schedcc.backends.runtime.boundary import (
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm, shard_mask
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
-from schedcc.backends.runtime.losses import LossBook, LossRecord, count_carriers, divide_grads
+from schedcc.backends.runtime.losses import (
+    LossBook,
+    LossRecord,
+    count_carriers,
+    divide_grads,
+    unseen_replica,
+)
 from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
@@ -227,10 +233,14 @@ class StageRuntime:
         #: measured once])
         self._saved_bytes = SavedBytes()
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
+        layout = self._layout
         self._book = LossBook(
-            self._m, self.collectives.size, replicated=self._layout.num_replicas > 1
+            self._m,
+            self.collectives.size,
+            replicas=layout.num_replicas,
+            unseen=unseen_replica(layout),
         )
-        self._carriers = count_carriers(program)
+        self._carriers = set(count_carriers(program, layout).values())
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
 
@@ -496,7 +506,11 @@ class StageRuntime:
                 f"{error}; check the targets' shape"
             ) from error
         objective = self._book.objective(
-            i // self._m, result, where=f"loss_fn on microbatch {i}", record=record
+            i // self._m,
+            result,
+            where=f"loss_fn on microbatch {i}",
+            record=record,
+            replica=self._replica(i),
         )
         if self.norm.scaler is not None:  # float16: backpropagate the scaled loss
             objective = objective * self.norm.scaler.scale
@@ -518,7 +532,7 @@ class StageRuntime:
             )
         grads, count = read
         if count is not None:  # see [Note: the count divides at the step]
-            self._book.normaliser[i // self._m] = count
+            self._book.normaliser[i // self._m, self._replica(i)] = count
         return grads
 
     def _backward(self, op: Backward) -> None:
@@ -563,6 +577,10 @@ class StageRuntime:
                 backward_into_grads(*live, graph.params)
         self._free(op)
 
+    def _replica(self, microbatch: int) -> int:
+        """The model replica `microbatch` (global) runs ([Note: replicas])."""
+        return self._layout.replica[microbatch % self._m]
+
     def _graph(self, op) -> _Graph:
         graph = self._graphs.get((op.microbatch, op.chunk))
         if graph is None:
@@ -582,11 +600,12 @@ class StageRuntime:
         k = self._segment[c]
         if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
-        batch, count = i // self._m, None
-        if self._carriers.get(batch) == i:  # see [Note: the count divides at the step]
+        count = None
+        if i in self._carriers:  # see [Note: the count divides at the step]
+            key = (i // self._m, self._replica(i))
             if self._layout.is_last(k):
-                self._book.close(batch)
-            count = self._book.normaliser.get(batch)
+                self._book.close(*key)
+            count = self._book.normaliser.get(key)
         self._ports.hand_back(i, c, k, gradients(leaves, grads, count))
 
     # -- updates --------------------------------------------------------------------------------
@@ -700,9 +719,11 @@ class StageRuntime:
     def _divide_by_count(self, batch: int) -> None:
         """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed
         over the replicas ([Note: the count divides at the step] in `backends.runtime.losses`)."""
-        if any(self._layout.is_last(k) for k in self._segment):
-            self._book.close(batch)
-        count = self._book.normaliser.get(batch)
+        layout = self._layout
+        for k in self._segment:
+            if layout.is_last(k):
+                self._book.close(batch, k // layout.replica_length)
+        count = self._book.count(batch)
         if count is None:
             return
         if self.collectives.size > 1:
