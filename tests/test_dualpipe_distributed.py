@@ -41,6 +41,14 @@ def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwar
     assert engine.evaluate(*batches[0]) == LocalEngine(
         program, copy.deepcopy(oracle), loss_fn, _optimizer
     ).evaluate(*batches[0]), where
+    predicted = engine.predict(batches[0][0])  # both replicas' outputs, on segment 2p-1's stage
+    if engine.stage == schedule.placement(schedule.num_segments - 1)[0]:
+        want = LocalEngine(program, copy.deepcopy(oracle), loss_fn, _optimizer).predict(
+            batches[0][0]
+        )
+        assert torch.allclose(predicted, want, rtol=0, atol=1e-12), where
+    else:
+        assert predicted is None, where
     for c in range(2):
         k = schedule.segment_of(engine.stage, c)
         for got, want in zip(segments[k].parameters(), oracle[k].parameters()):
@@ -60,5 +68,6 @@ def _worker(rank: int, world_size: int) -> int:
 def test_dualpipe_v_and_dualpipe_on_two_ranks_equal_local():
     """dualpipe-v (p = 2, m = 4, one and two batches per run) and dualpipe (m = 4; m = 6, two
     batches per run, over gloo point-to-point; m = 4 with a (loss_sum, count) loss) equal the
-    local backend's losses and weights to 1e-12 on every rank, over shared memory and over gloo."""
+    local backend's losses, weights and predictions (dualpipe's, gathered from both replicas'
+    last stages) to 1e-12 on every rank, over shared memory and over gloo."""
     assert spawn(_worker, 2, grace=90, threads=1) == 0

@@ -315,16 +315,21 @@ class Engine(BaseEngine):
         self._execute(ops, visit, transfers, split, forward_only=True)
         if targets is not None:
             return self._losses(num_batches, whole=True, reduce=True)[0][0], None
-        if self._layout.num_replicas > 1:
-            raise ScheduleConfigError(
-                "predict() on the distributed engine returns the last segment's outputs from one "
-                "rank, but this program's model replicas end on several; use evaluate(), or the "
-                "local engine's predict()"
-            )
+        outputs = self._gather_outputs() if self._layout.num_replicas > 1 else self.runtime.outputs
         if self.stage != self._layout.stage_of[self._layout.last]:
             return None, None
-        outputs = self.runtime.outputs
         return None, concat([outputs[i] for i in range(m * num_batches)])
+
+    def _gather_outputs(self) -> dict[int, Any]:
+        """With model replicas each replica's outputs are on its own last stage: every stage
+        gives what it holds to the stage of the last segment, which returns them all (by
+        microbatch); the other stages get an empty dict."""
+        last = self._layout.stage_of[self._layout.last]
+        held = dict(self.runtime.outputs) if self._holds(self._layout.lasts) else {}
+        parts: list[Any] | None = [None] * self.program.num_stages if self.stage == last else None
+        with self._collective("gathering predict()'s outputs", self.pp_group):
+            dist.gather_object(held, parts, dst=self._global_peer[last], group=self.pp_group)
+        return {i: out for part in parts or () for i, out in part.items()}
 
     def _connect(self) -> None:
         """Link the stages on first use (collective over the pipeline process group)."""
