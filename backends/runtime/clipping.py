@@ -107,18 +107,24 @@ class StageNorm:
 
 
 def shard_mask(
-    params: list[torch.nn.Parameter], skipped: set[int], shard: int, size: int, rank: int
+    params: list[torch.nn.Parameter],
+    numels: list[int],
+    skipped: set[int],
+    shard: int,
+    size: int,
+    rank: int,
 ) -> torch.Tensor | None:
     """The 0/1 mask of this rank's ZeRO shard of a chunk's flat gradient that leaves out the
-    parameters in `skipped` (by id); None when nothing is left out."""
+    parameters in `skipped` (by id); None when nothing is left out. `numels` are the
+    parameters' whole sizes (under ZeRO-3 a released parameter holds no data)."""
     if not any(id(p) in skipped for p in params):
         return None
     full = torch.ones(shard * size, dtype=torch.float64, device=params[0].device)
     offset = 0
-    for p in params:
+    for p, n in zip(params, numels, strict=True):
         if id(p) in skipped:
-            full[offset : offset + p.numel()] = 0.0
-        offset += p.numel()
+            full[offset : offset + n] = 0.0
+        offset += n
     return full[rank * shard : (rank + 1) * shard]
 
 

@@ -649,10 +649,17 @@ class StageRuntime:
                 (
                     shard.grad,
                     shard_mask(
-                        list(view.parameters()), skipped, shard.numel(), coll.size, coll.rank
+                        list(view.parameters()),
+                        [shape.numel() for shape in shapes],
+                        skipped,
+                        shard.numel(),
+                        coll.size,
+                        coll.rank,
                     ),
                 )
-                for view, shard in zip(self._views, self._reducer.shards)
+                for view, shapes, shard in zip(
+                    self._views, self._reducer.shapes, self._reducer.shards
+                )
                 if shard.grad is not None
             ]
         else:
