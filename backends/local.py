@@ -143,24 +143,30 @@ class Engine(BaseEngine):
         dp = program.data_parallel
         replicas = [segments] + [copy.deepcopy(segments) for _ in range(dp - 1)]
         meetings = [Meeting(dp) for _ in range(schedule.num_stages)]
+        held = [[[replica[k] for k in ks] for ks in layout.segment] for replica in replicas]
+        # every stage's private copies of its tied parameters, taken while every parameter is
+        # whole: under ZeRO-3 a runtime releases its modules' parameters as it is made, and a
+        # tie's first copy is the very Parameter another stage copies from
+        stage_copies = [
+            [stage_ties(ties, layout.segment[s], modules, private) for s, modules in enumerate(r)]
+            for r in held
+        ]
         self.runtimes: list[list[StageRuntime]] = [
             [
                 StageRuntime(
                     program,
                     s,
-                    [replica[k] for k in layout.segment[s]],
+                    held[r][s],
                     loss_fn,
                     optimizer,
                     collectives=ThreadCollectives(meetings[s], r) if dp > 1 else None,
-                    ties=stage_ties(
-                        ties, layout.segment[s], [replica[k] for k in layout.segment[s]], private
-                    ),
+                    ties=stage_copies[r][s],
                     max_grad_norm=max_grad_norm,
                     mixed_precision=mixed_precision,
                 )
                 for s in range(schedule.num_stages)
             ]
-            for r, replica in enumerate(replicas)
+            for r in range(dp)
         ]
         self._meetings = meetings
         #: Per stage, its program as this engine runs it: compute and update instructions, and

@@ -64,7 +64,7 @@ def compile(
     Raises:
         ScheduleConfigError: bad `data_parallel`, `zero`, `recompute` or `tied` (a group of
             fewer than two segments, a segment out of range or in two groups), or `zero=3` with
-            tied segments or a weight delay (2BW).
+            a weight delay (2BW).
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
@@ -91,7 +91,7 @@ def compile(
     groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
     policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
     if zero == 3:
-        _check_zero3(schedule, groups)
+        _check_zero3(schedule)
     with paused_gc():
         program: Program = collect(schedule, data_parallel=data_parallel, zero=zero)
         if policy is not None and not forward_only:
@@ -107,18 +107,13 @@ def compile(
     return program
 
 
-def _check_zero3(schedule: Schedule, groups) -> None:
+def _check_zero3(schedule: Schedule) -> None:
     """ZeRO-3 keeps one whole copy of a chunk's weights at most, for one batch at a time."""
     if schedule.weight_delay:
         raise ScheduleConfigError(
             f"zero=3 cannot run {schedule!r}: its weight delay ({schedule.weight_delay}) keeps "
             "stashed whole copies of the weights, which ZeRO-3 releases; use zero=2 or a "
             "schedule without a weight delay"
-        )
-    if groups:
-        raise ScheduleConfigError(
-            "zero=3 cannot run with tied segments: a tied gradient is summed over whole copies "
-            "of the parameter; use zero=2 with tied=..."
         )
 
 

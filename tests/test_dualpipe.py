@@ -143,7 +143,9 @@ def test_dualpipe_validates_and_trains_over_the_shapes_it_accepts():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("shape", "dp", "zero"), [((2, 4), 1, 0), ((4, 10), 1, 0), ((2, 6), 2, 1)])
+@pytest.mark.parametrize(
+    ("shape", "dp", "zero"), [((2, 4), 1, 0), ((4, 10), 1, 0), ((2, 6), 2, 1), ((2, 4), 2, 3)]
+)
 def test_dualpipe_trains_like_non_pipelined(shape, dp, zero):
     """Each stage trains both mirrored copies; their gradients are summed before the step, so the
     copies stay equal and both equal non-pipelined training of one model to 1e-10."""

@@ -30,13 +30,15 @@ def _init(rank: int, world_size: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
 
 
-def _check(rank: int, name: str, v: int, dp: int, own: bool, shared_memory: bool) -> None:
+def _check(
+    rank: int, name: str, v: int, dp: int, own: bool, shared_memory: bool, zero: int = 0
+) -> None:
     """Train the tied model distributed, locally and without a pipeline from the same weights;
     raise on any difference. `own`: give the engine only this stage's segments."""
     p = 2
     schedule = schedcc.get_schedule(name)(p, 4, v, 3)
     n = schedule.num_segments
-    program = schedcc.compile(schedule, tied=[(0, n - 1)], data_parallel=dp)
+    program = schedcc.compile(schedule, tied=[(0, n - 1)], data_parallel=dp, zero=zero)
     segments = tied_segments(n)
     oracle, plain = copy.deepcopy(segments), copy.deepcopy(segments)
     data = batches(3, 8 * dp)
@@ -46,12 +48,18 @@ def _check(rank: int, name: str, v: int, dp: int, own: bool, shared_memory: bool
     local = [(x.chunk(dp)[dp_index], y.chunk(dp)[dp_index]) for x, y in data]
     losses = list(engine.train(local))
     replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in data] if dp > 1 else data
-    expected = list(LocalEngine(program, oracle, mse, adam).train(replicas))
+    local_engine = LocalEngine(program, oracle, mse, adam)
+    expected = list(local_engine.train(replicas))
     reference = train_reference(plain, mse, adam, data, batches_per_run=3)
-    where = f"{name} v={v} dp={dp} own={own} shm={shared_memory} rank {rank}"
+    where = f"{name} v={v} dp={dp} zero={zero} own={own} shm={shared_memory} rank {rank}"
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
     assert losses == pytest.approx(reference, abs=1e-10, rel=1e-10), where
-    for c in range(v):
+    with engine.unsharded(), local_engine.unsharded():  # whole weights under ZeRO-3
+        _compare_weights(engine, schedule, stage, segments, oracle, plain, where)
+
+
+def _compare_weights(engine, schedule, stage, segments, oracle, plain, where) -> None:
+    for c in range(schedule.num_chunks):
         k = schedule.segment_of(stage, c)
         for got, want, ref in zip(
             segments[k].parameters(), oracle[k].parameters(), plain[k].parameters()
@@ -103,6 +111,8 @@ def _data_parallel_worker(rank: int, world_size: int) -> int:
     for name, v, shared_memory in CASES:
         _check(rank, name, v, 2, False, shared_memory)
     _check(rank, "1f1b", 1, 2, True, True)
+    _check(rank, "interleaved-1f1b", 2, 2, False, True, zero=3)
+    _check(rank, "1f1b", 1, 2, True, False, zero=3)
     return 0
 
 
@@ -113,5 +123,6 @@ def test_tied_training_on_two_ranks_equals_local_and_non_pipelined():
 
 
 def test_tied_training_with_data_parallelism_equals_local_and_non_pipelined():
-    """The same with two data-parallel replicas (four ranks): one tie group per replica."""
+    """The same with two data-parallel replicas (four ranks): one tie group per replica; and
+    under ZeRO-3, where a tied chunk stays whole until its copies' gradients are summed."""
     assert spawn(_data_parallel_worker, 4, grace=30, threads=1) == 0

@@ -128,12 +128,21 @@ def test_sharding_instructions_need_zero3():
         schedcc.validate(_with(three, 0, [*three.stages[0], parse("Gather")]))
 
 
-def test_zero3_refuses_a_weight_delay_and_tied_segments():
-    """2BW keeps whole stashed copies, tied gradients sum whole copies: typed errors."""
+def test_zero3_refuses_a_weight_delay():
+    """2BW keeps whole stashed copies, which ZeRO-3 would release: a typed error."""
     with pytest.raises(ScheduleConfigError, match="weight delay"):
         schedcc.compile(schedcc.get_schedule("2bw")(2, 2), data_parallel=2, zero=3)
-    with pytest.raises(ScheduleConfigError, match="tied segments"):
-        schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=2, zero=3, tied=[(0, 1)])
+
+
+def test_a_tied_chunk_stays_whole_until_its_copies_are_summed():
+    """Under ZeRO-3 a tied chunk's Reduce follows its Tied, which sums whole gradients, and its
+    Reshard follows that Reduce; an untied chunk still reduces after every weight gradient."""
+    schedule = schedcc.get_schedule("zb-v")(2, 2)
+    program = schedcc.compile(schedule, data_parallel=2, zero=3, tied=[(0, 3)])
+    tied_stage, other = (str(ops) for ops in program.to_text().splitlines())
+    assert tied_stage.endswith("Tied0 Reduce Reshard Reduce.1 Reshard.1 Step")
+    assert tied_stage.count("Reduce") == 2
+    assert other.count("Reduce") == 4  # segments 1 and 2: one per weight gradient
 
 
 def test_the_simulator_costs_each_gather():

@@ -85,11 +85,13 @@ def _insert(ops: tuple[Instruction, ...], num_microbatches: int) -> tuple[Instru
 
 def _release_point(ops: tuple[Instruction, ...], pos: int) -> int:
     """The gap after the last compute at `pos`: past the `ReduceGrads` of its chunk that
-    follows a weight-gradient compute, so that the gradients are in the shard first."""
+    follows a weight-gradient compute, so that the gradients are in the shard first. A tied
+    chunk's `ReduceGrads` waits for its `ReduceTied`, which sums whole gradients, so the chunk
+    stays whole until then (before the step)."""
     op = ops[pos]
     if isinstance(op, WEIGHT_GRADIENT):
         for later in range(pos + 1, len(ops)):
-            if isinstance(ops[later], Compute):
+            if type(ops[later]) is OptimizerStep:
                 break
             if type(ops[later]) is ReduceGrads and ops[later].chunk == op.chunk:
                 return later + 1
