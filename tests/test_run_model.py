@@ -61,9 +61,10 @@ def test_the_default_run_finds_the_tie_and_equals_non_pipelined_training():
 
 
 def test_dualpipe_trains_the_gpt_on_its_token_loss():
-    """`schedcc run --schedule dualpipe --check`: the built-in GPT's (loss_sum, count) token loss
-    over two model replicas, each carrying its own token count, equals non-pipelined training."""
-    result = _run("--schedule", "dualpipe", "--check", "--steps", "2")
+    """`schedcc run --schedule dualpipe --dp 2 --zero 3 --check` (4 processes): the built-in
+    GPT's (loss_sum, count) token loss over two model replicas, each carrying its own token
+    count, with the replicas and the head tied under ZeRO-3, equals non-pipelined training."""
+    result = _run("--schedule", "dualpipe", "--dp", "2", "--zero", "3", "--check", "--steps", "2")
     assert result.returncode == 0, result.stderr
     assert _row(result.stdout, "tied segments (ReduceTied)") == "(0, 1, 2, 3)"
     assert re.search(r"check: .*: ok", result.stdout), result.stdout
