@@ -34,7 +34,7 @@ that replica's count, and a `(loss_sum, count)` loss is refused there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -79,8 +79,8 @@ class LossBook:
     Args:
         num_microbatches: `m`, the microbatches of a batch.
         data_parallel: the replicas a `MEAN` loss is averaged over.
-        replicas: the model replicas of the program (DualPipe: 2), each counting its own
-            microbatches under `RATIO`.
+        replicas: the model replicas that run microbatches (DualPipe: 0 and 1), each counting
+            its own under `RATIO`.
         unseen: why some stage cannot learn every replica's count (a `(loss_sum, count)` loss
             is then refused); None where every stage holds a segment of every replica.
     """
@@ -90,12 +90,12 @@ class LossBook:
         num_microbatches: int,
         data_parallel: int,
         *,
-        replicas: int = 1,
+        replicas: Sequence[int] = (0,),
         unseen: str | None = None,
     ) -> None:
         self._m = num_microbatches
         self._dp = data_parallel
-        self._replicas = replicas
+        self._replicas = tuple(replicas)
         self._unseen = unseen
         self.reset()
 
@@ -163,11 +163,11 @@ class LossBook:
             RuntimeError: some replicas' counts are known here and others are not (a program
                 whose carriers did not reach this stage; the engines build none such).
         """
-        known = [self.normaliser.get((batch, r)) for r in range(self._replicas)]
+        known = [self.normaliser.get((batch, r)) for r in self._replicas]
         if all(n is None for n in known):
             return None
         if any(n is None for n in known):
-            missing = [r for r, n in enumerate(known) if n is None]
+            missing = [r for r, n in zip(self._replicas, known) if n is None]
             raise RuntimeError(f"batch {batch}: the count of replica(s) {missing} never arrived")
         total = known[0]
         for n in known[1:]:
@@ -257,7 +257,7 @@ def unseen_replica(layout: Layout) -> str | None:
     divides at the step])."""
     for stage, segments in enumerate(layout.segment):
         held = {k // layout.replica_length for k in segments}
-        for replica in range(layout.num_replicas):
+        for replica in sorted(set(layout.replica)):  # those that run microbatches
             if replica not in held:
                 return f"stage {stage} holds no segment of model replica {replica}"
     return None

@@ -237,7 +237,7 @@ class StageRuntime:
         self._book = LossBook(
             self._m,
             self.collectives.size,
-            replicas=layout.num_replicas,
+            replicas=sorted(set(layout.replica)),
             unseen=unseen_replica(layout),
         )
         self._carriers = set(count_carriers(program, layout).values())
