@@ -28,6 +28,7 @@ from schedcc.ir import (
     Instruction,
     OverlappedBackward,
     Recompute,
+    ReduceTied,
 )
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
 from schedcc.semantics.collectives import Meets, TieProblem, tie_links
@@ -104,10 +105,12 @@ def step_model(program: Any) -> StepModel:
         steps = Steps.of(program.stages)
         links = links_of(steps, partner)
         meets, tie_problems = [], []
-        if getattr(program, "tied", ()):  # see [Note: tied collectives]
+        kinds = {type(op) for ops in program.stages for op in ops}
+        # a ReduceTied in a program without ties meets nothing: matched, it is reported
+        if getattr(program, "tied", ()) or ReduceTied in kinds:  # [Note: tied collectives]
             links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
         norm_problems = []
-        if any(type(op) is GradNorm for ops in program.stages for op in ops):
+        if GradNorm in kinds:
             links, meets, norm_problems = norm_links(program.stages, steps, links, meets)
         model = StepModel(
             tensors,
