@@ -62,6 +62,25 @@ def test_memory_bounds(p, m):
             assert _peak(name, p, m) == bound(p)
 
 
+#: Makespan and peak chunk activations (F = I = W = 1 per chunk) of the orders the paper's
+#: reference code (sail-sg/zero-bubble-pipeline-parallelism, zbv_greedy.py) builds at p, m.
+REFERENCE = {
+    "v-half": {(4, 8): (53, 6), (4, 16): (101, 6), (8, 16): (113, 10), (6, 12): (83, 8)},
+    "v-min": {(4, 8): (59, 4), (4, 16): (107, 4), (8, 16): (123, 8), (6, 12): (89, 6)},
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m"), [(name, p, m) for name in NAMES for p, m in REFERENCE[name]]
+)
+def test_makespan_and_peak_are_the_reference_codes(name, p, m):
+    """With the reference code's greedy start-up and cool-down, each takes as long as the
+    reference's orders and holds as many chunk activations, within its bound."""
+    timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule(name)(p, m)))
+    assert (timeline.makespan, max(timeline.peak_activations)) == REFERENCE[name][p, m]
+    assert max(timeline.peak_activations) <= BOUND[name](p)
+
+
 @pytest.mark.parametrize("p", [4, 6, 8])
 def test_less_memory_than_zb_v_for_some_bubble(p):
     """Against zb-v at m = 2p: v-min holds at most v-half's activations, v-half fewer than zb-v's,
