@@ -114,3 +114,85 @@ def test_a_reduce_tied_in_a_program_without_ties_is_refused():
         stages = ((ReduceTied(0), *program.stages[0]), *program.stages[1:])
         with pytest.raises(UpdateOrderError, match="the program has 0 tied group"):
             schedcc.validate(program.evolve(stages=stages))
+
+
+# -- a bounded sample on gloo --------------------------------------------------------------------
+
+#: (schedule, m, v, tied, grad_norm) the gloo sample mutates, p = 2.
+_GLOO_BASES = [
+    ("1f1b", 3, 1, True, True),
+    ("interleaved-1f1b", 2, 2, True, False),
+    ("dualpipe-v", 4, 2, False, True),
+    ("dualpipe", 4, 2, False, False),
+]
+
+
+def _accepted_mutants(count: int, seed: int) -> list:
+    """`count` accepted programs that differ from their base, drawn by a seeded generator."""
+    import random
+
+    rng = random.Random(seed)
+    found = []
+    while len(found) < count:
+        name, m, v, tied, grad_norm = _GLOO_BASES[len(found) % len(_GLOO_BASES)]
+        schedule = schedcc.get_schedule(name)(2, m, v)
+        ties = [(0, schedule.num_segments - 1)] if tied else ()
+        base = schedcc.compile(schedule, tied=ties, grad_norm=grad_norm)
+        kinds = ("drop", "duplicate", "swap", "move", "cross")
+        edits = [
+            (rng.choice(kinds), *(rng.random() for _ in range(4))) for _ in range(rng.randint(1, 2))
+        ]
+        stages = [list(ops) for ops in mutate(base.stages, edits, v)]
+        if rng.random() < 0.5:
+            ops = stages[rng.randrange(2)]
+            ops.insert(rng.randrange(len(ops) + 1), rng.choice([ReduceTied(0), GradNorm()]))
+        mutated = base.evolve(stages=tuple(map(tuple, stages)))
+        if mutated.stages != base.stages and accepted(mutated):
+            found.append(mutated)
+    return found
+
+
+def _segments(program):
+    schedule = program.schedule
+    if type(schedule).num_replicas == 1 and program.tied:
+        return tied_segments(schedule.num_segments)
+    parts = make_segments(schedule.num_segments // type(schedule).num_replicas, width=WIDTH)
+    return parts + parts if type(schedule).num_replicas == 2 else parts
+
+
+def _gloo_rank(rank: int, world_size: int, count: int, seed: int) -> int:
+    import copy
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from schedcc.backends.distributed import Engine
+    from schedcc.backends.local import Engine as LocalEngine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    for number, program in enumerate(_accepted_mutants(count, seed)):
+        segments = _segments(program)
+        oracle = copy.deepcopy(segments)
+        data = batches(2 * program.schedule.num_batches, 2 * program.schedule.num_microbatches)
+        clip = 0.5 if program.grad_norm else None
+        engine = Engine(program, segments, mse, adam, timeout=60, max_grad_norm=clip)
+        got = list(engine.train(data))
+        want = list(LocalEngine(program, oracle, mse, adam, max_grad_norm=clip).train(data))
+        where = f"program {number}:\n{program.to_text()}"
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, where
+        for c in range(program.schedule.num_chunks):
+            k = program.schedule.segment_of(engine.stage, c)
+            for a, b in zip(segments[k].parameters(), oracle[k].parameters()):
+                assert torch.allclose(a, b, rtol=0, atol=1e-12), where
+    dist.destroy_process_group()
+    return 0
+
+
+def test_a_sample_of_accepted_collective_mutants_trains_on_gloo_as_on_the_local_backend():
+    """Accepted mutants of tied, clipped and DualPipe programs run on two gloo ranks (shared
+    memory) to the local backend's numbers."""
+    from schedcc.backends.run.launch import spawn
+
+    assert spawn(_gloo_rank, 2, (4, 20261201), grace=10) == 0
