@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
+from schedcc.backends.checkpoint.restore import check_saved, load_stage
 from schedcc.backends.checkpoint.sharded import whole_states
+from schedcc.backends.checkpoint.state import stage_state
 from schedcc.backends.runtime.boundary import (
     Message,
     activation,
@@ -183,7 +184,6 @@ class StageRuntime:
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
         #: which segments start and end a model replica ([Note: replicas]): inputs and loss
         self._layout = tensors_of(program).layout
-        self._names = [[n for n, _ in mod.named_parameters()] for mod in self.modules]
         #: the tied parameters this stage holds; the local backend meets its stages for a
         #: `ReduceTied` itself, through `ties.parts` and `ties.apply`
         self.ties, self._tie_reduce = ties, tie_reduce
@@ -336,29 +336,20 @@ class StageRuntime:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this stage between runs (see `backends.checkpoint.state`)."""
-        state = {
-            "modules": [mod.state_dict() for mod in self.modules],
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "zero": self._zero,
-            "stage": self.stage,
-            "segments": list(self._segment),
-            "rank": self.collectives.rank,
-            "data_parallel": self.collectives.size,
-            "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
-            "skipped_steps": self.skipped_steps,
-            "loss_scale": self.norm.scaler.state_dict() if self.norm.scaler is not None else None,
-        }
-        if self._zero == 3:  # the parameters are only this rank's shards: `checkpoint.sharded`
-            state["numels"] = [
-                [shape.numel() for shape in shapes] for shapes in self._reducer.shapes
-            ]
-            state["shards"] = [shard.detach().clone() for shard in self._reducer.shards]
-            state["shapes"] = [
-                [(name, list(shape)) for name, shape in zip(names, shapes)]
-                for names, shapes in zip(self._names, self._reducer.shapes)
-            ]
-        return state
+        """What a checkpoint keeps of this stage between runs (`backends.checkpoint.state`)."""
+        scaler = self.norm.scaler
+        return stage_state(
+            self.modules,
+            self.optimizer,
+            self._reducer,
+            stage=self.stage,
+            segments=self._segment,
+            zero=self._zero,
+            rank=self.collectives.rank,
+            size=self.collectives.size,
+            skipped_steps=self.skipped_steps,
+            loss_scale=scaler.state_dict() if scaler is not None else None,
+        )
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
         """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
@@ -375,21 +366,19 @@ class StageRuntime:
         """
         self.check_state(saved)
         saved = whole_states(saved)
-        with self._reducer.placeholders():  # ZeRO-3: loaded whole, kept as this rank's shard
-            for mod, state in zip(self.modules, saved[0]["modules"]):
-                mod.load_state_dict(state)
-            if self.ties is not None:
-                self.ties.refresh()
-            self._reducer.refresh_shards()
-            self.skipped_steps = saved[0].get("skipped_steps", 0)
-            if self.norm.scaler is not None and saved[0].get("loss_scale"):
-                self.norm.scaler.load_state_dict(saved[0]["loss_scale"])
-            if self.optimizer is None:
-                return
-            coll = self.collectives
-            load_optimizer(
-                self.optimizer, saved, self.modules, zero=self._zero, rank=coll.rank, size=coll.size
-            )
+        self.skipped_steps = saved[0].get("skipped_steps", 0)
+        coll = self.collectives
+        load_stage(
+            saved,
+            self.modules,
+            self.optimizer,
+            self._reducer,
+            ties=self.ties,
+            scaler=self.norm.scaler,
+            zero=self._zero,
+            rank=coll.rank,
+            size=coll.size,
+        )
 
     # -- compute --------------------------------------------------------------------------------
 
