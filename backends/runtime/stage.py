@@ -324,14 +324,12 @@ class StageRuntime:
 
     def unshard_all(self, full: Sequence[torch.Tensor] | None = None) -> None:
         """ZeRO-3: make every chunk's parameters whole (`full[c]`: chunk c's shards of every
-        rank concatenated in rank order, when the caller has them; else an all-gather each)."""
-        for c in range(len(self.modules)):  # the shard keeps its own copy: writes are not kept
-            self._reducer.unshard(c, None if full is None else full[c], alias=False)
+        rank concatenated in rank order, when the caller has them; `Reducer.unshard_all`)."""
+        self._reducer.unshard_all(full)
 
     def release_all(self) -> None:
         """ZeRO-3: release every chunk's whole parameters again (only the shards stay)."""
-        for c in range(len(self.modules)):
-            self._reducer.release(c)
+        self._reducer.release_all()
 
     # -- checkpoints ----------------------------------------------------------------------------
 
