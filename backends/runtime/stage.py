@@ -58,13 +58,7 @@ from schedcc.backends.runtime.boundary import (
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm, shard_mask
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
-from schedcc.backends.runtime.losses import (
-    LossBook,
-    LossRecord,
-    count_carriers,
-    divide_grads,
-    unseen_replica,
-)
+from schedcc.backends.runtime.losses import LossBook, LossRecord, StageCounts, unseen_replica
 from schedcc.backends.runtime.memory import SavedBytes
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
@@ -194,12 +188,17 @@ class StageRuntime:
         self._reducer = Reducer(
             self._views, self.collectives, zero=bool(self._zero), release=self._zero == 3
         )
+        #: what the stage's optimizer steps: the views' parameters, or under ZeRO the shards
+        self._trained = (
+            list(self._reducer.shards)
+            if self._zero
+            else [p for mod in self._views for p in mod.parameters()]
+        )
         if self._zero:
             self.optimizer: torch.optim.Optimizer | None = optimizer(self._reducer.shards)
         else:
-            params = [p for mod in self._views for p in mod.parameters()]
             # A stage without parameters (e.g. a lone activation) has nothing to step.
-            self.optimizer = optimizer(params) if params else None
+            self.optimizer = optimizer(self._trained) if self._trained else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Forward: self._forward,
             Backward: self._backward,
@@ -222,7 +221,6 @@ class StageRuntime:
         #: the stage's side of `GradNorm` (`backends.runtime.clipping`)
         self.norm = StageNorm(max_grad_norm, scaler)
         self._norm_reduce = norm_reduce
-        self._divided = False  # the batch's count already divided (at its GradNorm)
         self._tp_rank = tp_rank
         #: steps skipped because the gradients were not finite
         self.skipped_steps = 0
@@ -240,7 +238,9 @@ class StageRuntime:
             replicas=layout.num_replicas,
             unseen=unseen_replica(layout),
         )
-        self._carriers = set(count_carriers(program, layout).values())
+        self._counts = StageCounts(
+            self._book, program, layout, self._segment, self._trained, self.collectives
+        )
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
 
@@ -518,8 +518,7 @@ class StageRuntime:
                 stage=self.stage,
             )
         grads, count = read
-        if count is not None:  # see [Note: the count divides at the step]
-            self._book.normaliser[i // self._m, self._replica(i)] = count
+        self._counts.received(i, count)  # [Note: the count divides at the step]
         return grads
 
     def _backward(self, op: Backward) -> None:
@@ -587,12 +586,7 @@ class StageRuntime:
         k = self._segment[c]
         if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
-        count = None
-        if i in self._carriers:  # see [Note: the count divides at the step]
-            key = (i // self._m, self._replica(i))
-            if self._layout.is_last(k):
-                self._book.close(*key)
-            count = self._book.normaliser.get(key)
+        count = self._counts.carried(i, last=self._layout.is_last(k))
         self._ports.hand_back(i, c, k, gradients(leaves, grads, count))
 
     # -- updates --------------------------------------------------------------------------------
@@ -624,8 +618,7 @@ class StageRuntime:
         """This stage's part of `GradNorm` ([Note: one norm, every stage alike]): the batch's
         gradients made final, unscaled under float16, and their squares summed (under ZeRO
         over the data-parallel replicas too)."""
-        self._divide_by_count(self._versions.version)
-        self._divided = True
+        self._counts.divide_for_norm(self._versions.version)
         skipped = set(self.ties.later_copies) if self.ties is not None else set()
         if self._tp_rank:  # replicated over the tensor-parallel group: counted on rank 0
             params = (p for mod in self._views for p in mod.parameters())
@@ -663,9 +656,7 @@ class StageRuntime:
         return [(p, p.grad) for p in params if p.grad is not None]
 
     def _optimizer_step(self, op: OptimizerStep) -> None:
-        if not self._divided:  # the n-th step applies batch n
-            self._divide_by_count(self._versions.version)
-        self._divided = False
+        self._counts.divide_for_step(self._versions.version)  # the n-th step applies batch n
         skip, self.norm.skip = self.norm.skip, False
         self.skipped_steps += skip
         if self.optimizer is not None:
@@ -702,24 +693,6 @@ class StageRuntime:
                 f"stage {self.stage}: {op} needs ZeRO-3 (compile with zero=3)", stage=self.stage
             )
         return self._reducer
-
-    def _divide_by_count(self, batch: int) -> None:
-        """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed
-        over the replicas ([Note: the count divides at the step] in `backends.runtime.losses`)."""
-        layout = self._layout
-        for k in self._segment:
-            if layout.is_last(k):
-                self._book.close(batch, k // layout.replica_length)
-        count = self._book.count(batch)
-        if count is None:
-            return
-        if self.collectives.size > 1:
-            count = count.clone()
-            self.collectives.all_reduce(count)
-        if self._zero:
-            divide_grads(self._reducer.shards, count)
-        else:
-            divide_grads((p for mod in self._views for p in mod.parameters()), count)
 
 
 def _layout(value: Any) -> Hashable:
