@@ -55,7 +55,7 @@ from schedcc.backends.runtime.boundary import (
     joined,
     read_gradients,
 )
-from schedcc.backends.runtime.clipping import LossScaler, StageNorm, shard_mask
+from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
 from schedcc.backends.runtime.losses import LossBook, LossRecord, StageCounts, unseen_replica
@@ -219,9 +219,17 @@ class StageRuntime:
         self.precision = Precision(low, device)
         scaler = LossScaler() if mixed_precision == torch.float16 else None
         #: the stage's side of `GradNorm` (`backends.runtime.clipping`)
-        self.norm = StageNorm(max_grad_norm, scaler)
+        self.norm = StageNorm(
+            max_grad_norm,
+            scaler,
+            views=self._views,
+            shards=self._reducer.shards if self._zero else None,
+            collectives=self.collectives,
+            later_copies=ties.later_copies if ties is not None else (),
+            tp_rank=tp_rank,
+            device=device or torch.device("cpu"),
+        )
         self._norm_reduce = norm_reduce
-        self._tp_rank = tp_rank
         #: steps skipped because the gradients were not finite
         self.skipped_steps = 0
         self.peak_activation_bytes = 0
@@ -619,41 +627,11 @@ class StageRuntime:
         gradients made final, unscaled under float16, and their squares summed (under ZeRO
         over the data-parallel replicas too)."""
         self._counts.divide_for_norm(self._versions.version)
-        skipped = set(self.ties.later_copies) if self.ties is not None else set()
-        if self._tp_rank:  # replicated over the tensor-parallel group: counted on rank 0
-            params = (p for mod in self._views for p in mod.parameters())
-            skipped |= {id(p) for p in params if not getattr(p, "tensor_model_parallel", False)}
-        if self._zero:
-            coll = self.collectives
-            measured = [
-                (
-                    shard.grad,
-                    shard_mask(
-                        list(view.parameters()), skipped, shard.numel(), coll.size, coll.rank
-                    ),
-                )
-                for view, shard in zip(self._views, self._reducer.shards)
-                if shard.grad is not None
-            ]
-        else:
-            measured = [(g, None) for p, g in self._grads() if id(p) not in skipped]
-        device = self.precision.device or torch.device("cpu")
-        part = self.norm.part([g for _, g in self._grads()], measured, device)
-        if self._zero and self.collectives.size > 1:
-            self.collectives.all_reduce(part)
-        return part
+        return self.norm.part()
 
     def apply_norm(self, total: torch.Tensor) -> None:
         """Given every stage's part summed: clip, or mark the step skipped."""
-        self.norm.apply(total, [g for _, g in self._grads()])
-
-    def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`(parameter, gradient)` of what the stage's optimizer steps (the shards under ZeRO)."""
-        if self._zero:
-            params = list(self._reducer.shards)
-        else:
-            params = [p for mod in self._views for p in mod.parameters()]
-        return [(p, p.grad) for p in params if p.grad is not None]
+        self.norm.apply(total)
 
     def _optimizer_step(self, op: OptimizerStep) -> None:
         self._counts.divide_for_step(self._versions.version)  # the n-th step applies batch n
