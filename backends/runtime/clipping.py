@@ -102,6 +102,10 @@ class StageNorm:
         #: whether the next step is skipped (the last norm was not finite)
         self.skip = False
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the last segment backpropagates: under float16 the loss times the loss scale."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
     def part(self) -> torch.Tensor:
         """This stage's part, once the batch's gradients are final: the gradients unscaled
         under float16, and the float64 sum of their squares (each parameter counted once over

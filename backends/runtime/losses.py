@@ -34,7 +34,7 @@ that replica's count, and a `(loss_sum, count)` loss is refused there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -54,6 +54,7 @@ __all__ = [
     "LossBook",
     "LossRecord",
     "StageCounts",
+    "call_loss",
     "count_carriers",
     "divide_grads",
     "interpret",
@@ -196,6 +197,28 @@ def _sum(values: Iterable[torch.Tensor]) -> float:
     for value in values:  # in forward order, as a running float sum
         total = total + float(value.item())
     return total
+
+
+def call_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any) -> Any:
+    """`loss_fn(output, target)`.
+
+    Raises:
+        ScheduleConfigError: `loss_fn` failed (most often a target of another shape).
+    """
+    try:
+        return loss_fn(output, target)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        raise ScheduleConfigError(
+            f"loss_fn(output {_described(output)}, target {_described(target)}) failed: "
+            f"{error}; check the targets' shape"
+        ) from error
+
+
+def _described(value: Any) -> str:
+    """`of shape (4, 3)` for a tensor, `of type tuple` for anything else (for messages)."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {tuple(value.shape)}"
+    return f"of type {type(value).__name__}"
 
 
 def interpret(result: Any, where: str) -> tuple[str, torch.Tensor, Any, dict]:

@@ -38,7 +38,7 @@ global batch up to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,13 +58,19 @@ from schedcc.backends.runtime.boundary import (
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
-from schedcc.backends.runtime.losses import LossBook, LossRecord, StageCounts, unseen_replica
-from schedcc.backends.runtime.memory import SavedBytes
+from schedcc.backends.runtime.losses import (
+    LossBook,
+    LossRecord,
+    StageCounts,
+    call_loss,
+    unseen_replica,
+)
+from schedcc.backends.runtime.memory import SavedBytes, signature
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
 from schedcc.backends.runtime.tied import StageTies
-from schedcc.backends.runtime.values import call, flatten
+from schedcc.backends.runtime.values import call
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
@@ -466,8 +472,9 @@ class StageRuntime:
             sent.append(message)
             return roots
 
-        signature = self._signature(c, k, i, value)
-        roots, num_bytes = self._saved_bytes.run(signature, params.values(), forward)
+        target = self._ports.target(i) if self._layout.is_last(k) else None
+        key = signature(c, value, target, training=self.modules[c].training)
+        roots, num_bytes = self._saved_bytes.run(key, params.values(), forward)
         graph = _Graph(roots, leaves, list(params.values()), num_bytes)
         return graph, (sent[0] if sent else None)
 
@@ -480,26 +487,10 @@ class StageRuntime:
 
         return call(stashed, value)
 
-    def _signature(self, c: int, k: int, i: int, value: Any) -> tuple:
-        """What the saved tensors of a forward depend on ([Note: activation bytes are measured
-        once] in `backends.runtime.memory`)."""
-        target = None
-        if self._layout.is_last(k):
-            target = _layout(self._ports.target(i))
-        training = self.modules[c].training
-        return (c, _layout(value), target, training, torch.is_grad_enabled())
-
     def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
         """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
         `record=False` for a recompute, whose forward already recorded it)."""
-        target = self._ports.target(i)
-        try:
-            result = self.loss_fn(out, target)
-        except (RuntimeError, ValueError, TypeError, IndexError) as error:
-            raise ScheduleConfigError(
-                f"loss_fn(output {_described(out)}, target {_described(target)}) failed: "
-                f"{error}; check the targets' shape"
-            ) from error
+        result = call_loss(self.loss_fn, out, self._ports.target(i))
         objective = self._book.objective(
             i // self._m,
             result,
@@ -507,9 +498,7 @@ class StageRuntime:
             record=record,
             replica=self._replica(i),
         )
-        if self.norm.scaler is not None:  # float16: backpropagate the scaled loss
-            objective = objective * self.norm.scaler.scale
-        return objective
+        return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
@@ -671,18 +660,3 @@ class StageRuntime:
                 f"stage {self.stage}: {op} needs ZeRO-3 (compile with zero=3)", stage=self.stage
             )
         return self._reducer
-
-
-def _layout(value: Any) -> Hashable:
-    """A value's structure and its tensors' shapes, dtypes, strides and grad flags."""
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.stride(), value.requires_grad)
-    tensors, spec = flatten(value)
-    return (spec, tuple((t.shape, t.dtype, t.stride(), t.requires_grad) for t in tensors))
-
-
-def _described(value: Any) -> str:
-    """`of shape (4, 3)` for a tensor, `of type tuple` for anything else (for messages)."""
-    if isinstance(value, torch.Tensor):
-        return f"of shape {tuple(value.shape)}"
-    return f"of type {type(value).__name__}"
