@@ -58,6 +58,7 @@ from schedcc.backends.runtime.boundary import (
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import accumulate, backward_into_grads
+from schedcc.backends.runtime.graphs import Graph, Graphs
 from schedcc.backends.runtime.losses import (
     LossBook,
     LossRecord,
@@ -98,21 +99,6 @@ if TYPE_CHECKING:
 __all__ = ["StageRuntime"]
 
 
-class _Graph:
-    """What a forward leaves for its backward: the output tensors a gradient comes back for
-    (`roots`; the scaled loss on the last segment), the input's grad-requiring leaves, the
-    parameter tensors it ran with, and once `BackwardInput` ran, the roots' gradients."""
-
-    __slots__ = ("grads", "leaves", "num_bytes", "params", "roots")
-
-    def __init__(self, roots, leaves, params, num_bytes):
-        self.roots = roots
-        self.leaves = leaves
-        self.params = params
-        self.num_bytes = num_bytes
-        self.grads: list | None = None
-
-
 class StageRuntime:
     """Executes one stage's compute and update instructions on its segments.
 
@@ -140,10 +126,6 @@ class StageRuntime:
     Raises:
         ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
             program's data_parallel.
-
-    Attributes:
-        activation_bytes: bytes of saved activations held now (saved-tensor hooks).
-        peak_activation_bytes: the most `activation_bytes` ever was.
     """
 
     def __init__(
@@ -238,7 +220,8 @@ class StageRuntime:
         self._norm_reduce = norm_reduce
         #: steps skipped because the gradients were not finite
         self.skipped_steps = 0
-        self.peak_activation_bytes = 0
+        #: what forwards leave for their backwards, and the activation bytes it holds
+        self._graphs = Graphs(stage)
         #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
         self._recomputed = recomputed(program.stages[stage])
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
@@ -268,14 +251,22 @@ class StageRuntime:
         batches given targets and keeps the outputs (`outputs`) of the others.
         """
         self.forward_only = forward_only
-        self.activation_bytes = 0
+        self._graphs.reset()
         self._book.reset()
         self._ports.reset()
         #: forward-only runs: the last segment's output per microbatch, where no targets came
         self.outputs: dict[int, Any] = {}
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._kept: dict[tuple[int, int], KeptInput] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of saved activations held now (saved-tensor hooks; `backends.runtime.graphs`)."""
+        return self._graphs.num_bytes
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most `activation_bytes` ever was."""
+        return self._graphs.peak
 
     @property
     def losses(self) -> dict[int, float]:
@@ -400,72 +391,40 @@ class StageRuntime:
         value, leaves = self._ports.input_of(i, c, k)
         if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
-                live = dict(self._views[c].named_parameters())
-                with self.precision.compute():
-                    out = self._call(self.modules[c], live, value)
-                out = self.precision.boundary(out, last=self._layout.is_last(k))
-            if not self._layout.is_last(k):
-                self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
-            elif self._ports.has_targets(i):
-                self._loss(i, out)
-            else:
+                out = self._apply(c, k, dict(self._views[c].named_parameters()), value)
+            if self._layout.is_last(k) and not self._ports.has_targets(i):
                 self.outputs[i] = out
+            else:
+                self._deliver(i, c, k, out)
             return
         params = self._versions.params_for(c, self._versions.version_of(i))
-        if (i, c) in self._recomputed:
-            self._forward_keeping_input(c, k, i, value, leaves, params)
+        if (i, c) in self._recomputed:  # keeps only its input: [Note: recomputation]
+            rng = RngState.of(params.values(), value)
+            with keeping_nothing():  # the loss is recorded here; the R only rebuilds the graph
+                self._deliver(i, c, k, self._apply(c, k, params, value))
+            self._graphs.keep(i, c, KeptInput(value, leaves, params, rng))
             return
         graph, message = self._run_segment(c, k, i, value, leaves, params)
-        self._hold(i, c, graph)
+        self._graphs.hold(i, c, graph)
         if message is not None:
             self._ports.hand_on(i, c, k, message)
 
-    def _forward_keeping_input(self, c, k, i, value, leaves, params) -> None:
-        """A forward that saves nothing for its backward; its `Recompute` runs it again
-        ([Note: recomputation] in `backends.runtime.recompute`)."""
-        rng = RngState.of(params.values(), value)
-        with keeping_nothing():
-            with self.precision.compute():  # as `_run_segment` runs it again at the `R`
-                out = self._call(self.modules[c], params, value)
-            out = self.precision.boundary(out, last=self._layout.is_last(k))
-            if self._layout.is_last(k):
-                self._loss(i, out)  # recorded and reported here; R only rebuilds the graph
-            else:
-                self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
-        kept = self._kept[i, c] = KeptInput(value, leaves, params, rng)
-        self.activation_bytes += kept.num_bytes
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
-
     def _recompute(self, op: Recompute) -> None:
         i, c = op.microbatch, op.chunk
-        kept = self._kept.pop((i, c), None)
-        if kept is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} has no kept input (its forward has not run, did not "
-                "run as a recomputed forward, or was already recomputed)",
-                stage=self.stage,
-            )
+        kept = self._graphs.take_kept(op)
         with replaying(kept.rng):
             graph, _ = self._run_segment(
                 c, self._segment[c], i, kept.value, kept.leaves, kept.params, record=False
             )
-        self.activation_bytes -= kept.num_bytes  # the graph now holds what it needs of it
-        self._hold(i, c, graph)
-
-    def _hold(self, i: int, c: int, graph: _Graph) -> None:
-        self._graphs[i, c] = graph
-        self.activation_bytes += graph.num_bytes
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        self._graphs.hold(i, c, graph, replacing=kept)
 
     def _run_segment(
         self, c, k, i, value, leaves, params, *, record: bool = True
-    ) -> tuple[_Graph, Message | None]:
+    ) -> tuple[Graph, Message | None]:
         sent: list[Message] = []
 
         def forward() -> list[torch.Tensor]:
-            with self.precision.compute():
-                out = self._call(self.modules[c], params, value)
-            out = self.precision.boundary(out, last=self._layout.is_last(k))
+            out = self._apply(c, k, params, value)
             if self._layout.is_last(k):
                 return [self._loss(i, out, record=record)]
             message, roots = activation(out, segment=k)
@@ -475,8 +434,22 @@ class StageRuntime:
         target = self._ports.target(i) if self._layout.is_last(k) else None
         key = signature(c, value, target, training=self.modules[c].training)
         roots, num_bytes = self._saved_bytes.run(key, params.values(), forward)
-        graph = _Graph(roots, leaves, list(params.values()), num_bytes)
+        graph = Graph(roots, leaves, list(params.values()), num_bytes)
         return graph, (sent[0] if sent else None)
+
+    def _apply(self, c: int, k: int, params, value: Any) -> Any:
+        """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
+        with self.precision.compute():
+            out = self._call(self.modules[c], params, value)
+        return self.precision.boundary(out, last=self._layout.is_last(k))
+
+    def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
+        """The output of a forward that leaves no graph: the loss on the last segment, else
+        handed on to the next segment."""
+        if self._layout.is_last(k):
+            self._loss(i, out)
+        else:
+            self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
 
     def _call(self, module: nn.Module, params, value: Any) -> Any:
         if not self._delay and module not in self._shadowed:
@@ -504,7 +477,7 @@ class StageRuntime:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
-        roots = self._graph(op).roots
+        roots = self._graphs.graph(op).roots
         if self._layout.is_last(k):
             return [None] * len(roots)
         read = read_gradients(self._ports.gradient_of(i, c, k), roots)
@@ -519,7 +492,7 @@ class StageRuntime:
         return grads
 
     def _backward(self, op: Backward) -> None:
-        graph = self._graph(op)
+        graph = self._graphs.graph(op)
         grads = self._output_grads(op)
         leaves = graph.leaves
         if self._delay:  # the graph ran on stashed weights: their gradients go to the live ones
@@ -531,7 +504,7 @@ class StageRuntime:
             if live is not None:
                 backward_into_grads(*live)
             self._emit_input_grad(op, leaves, [leaf.grad for leaf in leaves])
-        self._free(op)
+        self._graphs.free(op)
 
     def _overlapped_backward(self, op: OverlappedBackward) -> None:
         """The backward half of an overlapped pair (`F3.1 +B1`): its forward ran just before
@@ -539,13 +512,13 @@ class StageRuntime:
         self._backward(op)
 
     def _backward_input(self, op: BackwardInput) -> None:
-        graph = self._graph(op)
+        graph = self._graphs.graph(op)
         graph.grads = self._output_grads(op)  # what BackwardWeight differentiates
         got = grad_roots(graph.roots, graph.grads, graph.leaves, retain_graph=True)
         self._emit_input_grad(op, graph.leaves, got)
 
     def _backward_weight(self, op: BackwardWeight) -> None:
-        graph = self._graph(op)
+        graph = self._graphs.graph(op)
         if graph.grads is None:
             raise RuntimeInstructionError(
                 f"stage {self.stage}: {op} runs before its BackwardInput",
@@ -558,25 +531,11 @@ class StageRuntime:
             live = joined(graph.roots, graph.grads)
             if live is not None:
                 backward_into_grads(*live, graph.params)
-        self._free(op)
+        self._graphs.free(op)
 
     def _replica(self, microbatch: int) -> int:
         """The model replica `microbatch` (global) runs ([Note: replicas])."""
         return self._layout.replica[microbatch % self._m]
-
-    def _graph(self, op) -> _Graph:
-        graph = self._graphs.get((op.microbatch, op.chunk))
-        if graph is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} has no forward graph (its forward has not run, or it "
-                "was already backwarded)",
-                stage=self.stage,
-            )
-        return graph
-
-    def _free(self, op) -> None:
-        graph = self._graphs.pop((op.microbatch, op.chunk))
-        self.activation_bytes -= graph.num_bytes
 
     def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
