@@ -52,12 +52,11 @@ from schedcc.backends.runtime.boundary import (
     activation,
     grad_roots,
     gradients,
-    joined,
     read_gradients,
 )
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
-from schedcc.backends.runtime.grads import accumulate, backward_into_grads
+from schedcc.backends.runtime.grads import full_backward, weight_backward
 from schedcc.backends.runtime.graphs import Graph, Graphs
 from schedcc.backends.runtime.losses import (
     LossBook,
@@ -493,17 +492,8 @@ class StageRuntime:
 
     def _backward(self, op: Backward) -> None:
         graph = self._graphs.graph(op)
-        grads = self._output_grads(op)
-        leaves = graph.leaves
-        if self._delay:  # the graph ran on stashed weights: their gradients go to the live ones
-            got = grad_roots(graph.roots, grads, leaves + graph.params)
-            self._emit_input_grad(op, leaves, got[: len(leaves)])
-            accumulate(self._views[op.chunk].parameters(), got[len(leaves) :])
-        else:
-            live = joined(graph.roots, grads)
-            if live is not None:
-                backward_into_grads(*live)
-            self._emit_input_grad(op, leaves, [leaf.grad for leaf in leaves])
+        got = full_backward(graph, self._output_grads(op), self._stashed_into(op))
+        self._emit_input_grad(op, graph.leaves, got)
         self._graphs.free(op)
 
     def _overlapped_backward(self, op: OverlappedBackward) -> None:
@@ -524,14 +514,13 @@ class StageRuntime:
                 f"stage {self.stage}: {op} runs before its BackwardInput",
                 stage=self.stage,
             )
-        if self._delay:
-            got = grad_roots(graph.roots, graph.grads, graph.params)
-            accumulate(self._views[op.chunk].parameters(), got)
-        else:
-            live = joined(graph.roots, graph.grads)
-            if live is not None:
-                backward_into_grads(*live, graph.params)
+        weight_backward(graph, self._stashed_into(op))
         self._graphs.free(op)
+
+    def _stashed_into(self, op) -> Iterable[torch.Tensor] | None:
+        """Under weight stashing, the live parameters the gradients of op's stashed weights go
+        into; None where autograd puts them into `.grad` itself."""
+        return self._views[op.chunk].parameters() if self._delay else None
 
     def _replica(self, microbatch: int) -> int:
         """The model replica `microbatch` (global) runs ([Note: replicas])."""
