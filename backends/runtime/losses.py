@@ -330,14 +330,14 @@ class StageCounts:
     def received(self, microbatch: int, count: torch.Tensor | None) -> None:
         """A gradient for `microbatch` arrived, carrying `count` (None: it carries none)."""
         if count is not None:
-            self._book.normaliser[self._key(microbatch)] = count
+            self._book.normaliser[self.key(microbatch)] = count
 
     def carried(self, microbatch: int, *, last: bool) -> torch.Tensor | None:
         """The count the input gradient of `microbatch` carries on (`last`: sent from its
         replica's last segment, where the count is fixed now); None for a non-carrier."""
         if microbatch not in self._carriers:
             return None
-        key = self._key(microbatch)
+        key = self.key(microbatch)
         if last:
             self._book.close(*key)
         return self._book.normaliser.get(key)
@@ -354,7 +354,8 @@ class StageCounts:
             self._divide(batch)
         self._divided = False
 
-    def _key(self, microbatch: int) -> tuple[int, int]:
+    def key(self, microbatch: int) -> tuple[int, int]:
+        """`(batch, model replica)` of a global microbatch ([Note: replicas])."""
         return microbatch // self._m, self._replica[microbatch % self._m]
 
     def _divide(self, batch: int) -> None:

@@ -38,6 +38,7 @@ global batch up to float rounding.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,6 @@ from schedcc.backends.runtime.boundary import (
     activation,
     grad_roots,
     gradients,
-    read_gradients,
 )
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
@@ -181,11 +181,8 @@ class StageRuntime:
             if self._zero
             else [p for mod in self._views for p in mod.parameters()]
         )
-        if self._zero:
-            self.optimizer: torch.optim.Optimizer | None = optimizer(self._reducer.shards)
-        else:
-            # A stage without parameters (e.g. a lone activation) has nothing to step.
-            self.optimizer = optimizer(self._trained) if self._trained else None
+        # A stage without parameters (e.g. a lone activation) has nothing to step.
+        self.optimizer = optimizer(self._trained) if self._trained else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Forward: self._forward,
             Backward: self._backward,
@@ -438,8 +435,11 @@ class StageRuntime:
 
     def _apply(self, c: int, k: int, params, value: Any) -> Any:
         """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
+        module = self.modules[c]
+        if self._delay or module in self._shadowed:  # on stashed weights or tied copies
+            module = functools.partial(_functional, module, params)
         with self.precision.compute():
-            out = self._call(self.modules[c], params, value)
+            out = call(module, value)
         return self.precision.boundary(out, last=self._layout.is_last(k))
 
     def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
@@ -450,44 +450,23 @@ class StageRuntime:
         else:
             self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
 
-    def _call(self, module: nn.Module, params, value: Any) -> Any:
-        if not self._delay and module not in self._shadowed:
-            return call(module, value)
-
-        def stashed(*args, **kwargs):  # the module on the stashed weights
-            return torch.func.functional_call(module, params, args, kwargs)
-
-        return call(stashed, value)
-
     def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
         """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
         `record=False` for a recompute, whose forward already recorded it)."""
         result = call_loss(self.loss_fn, out, self._ports.target(i))
-        objective = self._book.objective(
-            i // self._m,
-            result,
-            where=f"loss_fn on microbatch {i}",
-            record=record,
-            replica=self._replica(i),
-        )
+        batch, replica = self._counts.key(i)
+        where = f"loss_fn on microbatch {i}"
+        objective = self._book.objective(batch, result, where=where, record=record, replica=replica)
         return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
-        i, c = op.microbatch, op.chunk
-        k = self._segment[c]
+        k = self._segment[op.chunk]
         roots = self._graphs.graph(op).roots
         if self._layout.is_last(k):
             return [None] * len(roots)
-        read = read_gradients(self._ports.gradient_of(i, c, k), roots)
-        if isinstance(read, str):
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} got a gradient from segment {k + 1} that does not fit "
-                f"segment {k}'s output: {read}",
-                stage=self.stage,
-            )
-        grads, count = read
-        self._counts.received(i, count)  # [Note: the count divides at the step]
+        grads, count = self._ports.gradient_of(op, k, roots)
+        self._counts.received(op.microbatch, count)  # [Note: the count divides at the step]
         return grads
 
     def _backward(self, op: Backward) -> None:
@@ -510,10 +489,7 @@ class StageRuntime:
     def _backward_weight(self, op: BackwardWeight) -> None:
         graph = self._graphs.graph(op)
         if graph.grads is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} runs before its BackwardInput",
-                stage=self.stage,
-            )
+            raise self._refused(op, "runs before its BackwardInput")
         weight_backward(graph, self._stashed_into(op))
         self._graphs.free(op)
 
@@ -521,10 +497,6 @@ class StageRuntime:
         """Under weight stashing, the live parameters the gradients of op's stashed weights go
         into; None where autograd puts them into `.grad` itself."""
         return self._views[op.chunk].parameters() if self._delay else None
-
-    def _replica(self, microbatch: int) -> int:
-        """The model replica `microbatch` (global) runs ([Note: replicas])."""
-        return self._layout.replica[microbatch % self._m]
 
     def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
@@ -541,19 +513,19 @@ class StageRuntime:
 
     def _reduce_tied(self, op: ReduceTied) -> None:
         if self.ties is None or self._tie_reduce is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs the tied parameters and a tie collective "
-                "(the engines give them for a program compiled with tied=...)",
-                stage=self.stage,
+            raise self._refused(
+                op,
+                "needs the tied parameters and a tie collective (the engines give them for a "
+                "program compiled with tied=...)",
             )
         self.ties.reduce(op.tie, self._tie_reduce)
 
     def _grad_norm(self, op: GradNorm) -> None:
         if self._norm_reduce is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs a collective over the stages (the engines "
-                "give it for a program compiled with grad_norm=True)",
-                stage=self.stage,
+            raise self._refused(
+                op,
+                "needs a collective over the stages (the engines give it for a program compiled "
+                "with grad_norm=True)",
             )
         part = self.norm_part()
         self._norm_reduce(part)
@@ -580,18 +552,12 @@ class StageRuntime:
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self._views:
             mod.zero_grad(set_to_none=True)
-        self._versions.advance()
-        if self._delay and not self._zero:
-            for c in range(len(self.modules)):
-                self._versions.snapshot(c, self._versions.version)
+        self._versions.advance(snapshot=not self._zero)  # under ZeRO, at the gather
 
     def _gather_params(self, op: GatherParams) -> None:
         c = op.chunk
         if not self._zero:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs ZeRO (compile with zero=1 or 2)",
-                stage=self.stage,
-            )
+            raise self._refused(op, "needs ZeRO (compile with zero=1 or 2)")
         self._reducer.gather(c)
         if self._delay:
             self._versions.snapshot(c, self._versions.version)
@@ -604,7 +570,13 @@ class StageRuntime:
 
     def _sharded(self, op) -> Reducer:
         if self._zero != 3:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs ZeRO-3 (compile with zero=3)", stage=self.stage
-            )
+            raise self._refused(op, "needs ZeRO-3 (compile with zero=3)")
         return self._reducer
+
+    def _refused(self, op: Instruction, why: str) -> RuntimeInstructionError:
+        return RuntimeInstructionError(f"stage {self.stage}: {op} {why}", stage=self.stage)
+
+
+def _functional(module: nn.Module, params: dict[str, torch.Tensor], /, *args, **kwargs) -> Any:
+    """`module` run on `params` in place of its own parameters."""
+    return torch.func.functional_call(module, params, args, kwargs)
