@@ -102,6 +102,17 @@ class LossBook:
         self._unseen = unseen
         self.reset()
 
+    @classmethod
+    def of(cls, layout: Layout, num_microbatches: int, data_parallel: int) -> LossBook:
+        """The book of a program laid out as `layout` (its model replicas; a `(loss_sum,
+        count)` loss refused where some stage cannot learn every replica's count)."""
+        return cls(
+            num_microbatches,
+            data_parallel,
+            replicas=layout.num_replicas,
+            unseen=unseen_replica(layout),
+        )
+
     def reset(self) -> None:
         """A new run: no losses, no counts."""
         self.mode: str | None = None

@@ -1,39 +1,31 @@
 """`StageRuntime`: what each instruction does to tensors on one stage (shared by every backend).
 
-Longer than the project's ~400-line habit on purpose: the table of one handler per instruction
-is the runtime's contract, and it reads best whole.
-
 A backend owns communication only: it feeds received messages in through `incoming`, takes the
 messages to send from `outgoing` (a boundary value as flat tensors, spec and meta:
-`backends.runtime.boundary`), and hands every compute and update instruction to `run`. Data
-parallelism reaches the runtime through a `Collectives` object (all-reduce, reduce-scatter,
-all-gather over this stage's data-parallel group; `backends.runtime.collectives`).
-
-Helpers it delegates to: `backends.runtime.versions` (the stashed weight versions),
-`backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.runtime.grads`
-(gradients into `.grad`), `backends.runtime.memory` (the activation bytes a forward saves),
-`backends.runtime.recompute` (what a recomputed forward keeps: its input and RNG states),
-`backends.runtime.ports` (the values at the segments' boundaries), `backends.runtime.losses`
-(what `loss_fn` returns), `backends.checkpoint.restore` (loading a checkpoint's state). The file
-stays over ~400 lines on purpose: one short handler per instruction, in one class, so what each
-does reads in one place.
+`backends.runtime.boundary`), and hands every compute and update instruction to `run`, which
+dispatches through a table of one short handler per instruction. Data parallelism reaches the
+runtime through a `Collectives` object (all-reduce, reduce-scatter, all-gather over this stage's
+data-parallel group; `backends.runtime.collectives`). What a handler needs beyond a few lines
+lives in the modules beside this one (docs/design.md lists them), and checkpoint state in
+`backends.checkpoint`.
 
 [Note: what the runtime keeps] Per (microbatch, chunk): the input value of the segment (received,
-handed over from a segment on this stage, or the microbatch itself on segment 0), the graph of its
-forward (the output tensors that take a gradient, the input's leaves that do, the parameter tensors
-it ran with) until its backward is done (for a forward its stage recomputes, only its input and RNG
-states until the `Recompute` builds that graph: [Note: recomputation]), the input gradients to send,
-and the output gradients received. Per chunk: the live parameters (the module's own, the latest
-version), the weight versions in-flight forwards still need (weight_delay >= 1, weight stashing),
-and under ZeRO a flat shard parameter that the optimizer steps.
+handed over from a segment on this stage, or the microbatch itself on segment 0; `ports`), the
+graph of its forward (the output tensors that take a gradient, the input's leaves that do, the
+parameter tensors it ran with) until its backward is done (for a forward its stage recomputes,
+only its input and RNG states until the `Recompute` builds that graph: [Note: recomputation];
+`graphs`), the input gradients to send, and the output gradients received (`ports`). Per chunk:
+the live parameters (the module's own, the latest version), the weight versions in-flight
+forwards still need (weight_delay >= 1, weight stashing; `versions`), and under ZeRO a flat shard
+parameter that the optimizer steps (`zero`).
 
 [Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
 is divided by the batch's count at the step instead: [Note: the count divides at the step] in
-`backends.runtime.losses`), gradients are accumulated into
-the live parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed
-weights under weight stashing: [Note: autograd accumulates] in `backends.runtime.grads`), and the
-reductions sum in rank order, so a pipelined step equals a non-pipelined step on the concatenated
-global batch up to float rounding.
+`backends.runtime.losses`), gradients are accumulated into the live parameters' `.grad` (by
+autograd itself, or from `torch.autograd.grad` of the stashed weights under weight stashing:
+[Note: autograd accumulates] in `backends.runtime.grads`), and the reductions sum in rank order,
+so a pipelined step equals a non-pipelined step on the concatenated global batch up to float
+rounding.
 """
 
 from __future__ import annotations
@@ -48,23 +40,12 @@ from torch import nn
 from schedcc.backends.checkpoint.restore import check_saved, load_stage
 from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.checkpoint.state import stage_state
-from schedcc.backends.runtime.boundary import (
-    Message,
-    activation,
-    grad_roots,
-    gradients,
-)
+from schedcc.backends.runtime.boundary import Message, activation, grad_roots, gradients
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import full_backward, weight_backward
 from schedcc.backends.runtime.graphs import Graph, Graphs
-from schedcc.backends.runtime.losses import (
-    LossBook,
-    LossRecord,
-    StageCounts,
-    call_loss,
-    unseen_replica,
-)
+from schedcc.backends.runtime.losses import LossBook, LossRecord, StageCounts, call_loss
 from schedcc.backends.runtime.memory import SavedBytes, signature
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
@@ -176,11 +157,8 @@ class StageRuntime:
             self._views, self.collectives, zero=bool(self._zero), release=self._zero == 3
         )
         #: what the stage's optimizer steps: the views' parameters, or under ZeRO the shards
-        self._trained = (
-            list(self._reducer.shards)
-            if self._zero
-            else [p for mod in self._views for p in mod.parameters()]
-        )
+        params = [p for mod in self._views for p in mod.parameters()]
+        self._trained = list(self._reducer.shards) if self._zero else params
         # A stage without parameters (e.g. a lone activation) has nothing to step.
         self.optimizer = optimizer(self._trained) if self._trained else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
@@ -224,15 +202,9 @@ class StageRuntime:
         #: measured once])
         self._saved_bytes = SavedBytes()
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
-        layout = self._layout
-        self._book = LossBook(
-            self._m,
-            self.collectives.size,
-            replicas=layout.num_replicas,
-            unseen=unseen_replica(layout),
-        )
+        self._book = LossBook.of(self._layout, self._m, self.collectives.size)
         self._counts = StageCounts(
-            self._book, program, layout, self._segment, self._trained, self.collectives
+            self._book, program, self._layout, self._segment, self._trained, self.collectives
         )
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
