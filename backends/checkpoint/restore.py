@@ -13,7 +13,8 @@ half-way —
   ZeRO differ, see `backends.checkpoint.state`): the same kind of optimizer (its hyperparameter
   names), the same parameter groups, every state tensor of its parameter's shape.
 
-`load_optimizer` then applies the optimizer state that was checked.
+`load_stage` then loads what was checked: the modules' states (and the shards, tied copies and
+loss scale made from them) and the optimizer state (`load_optimizer`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from schedcc.backends.checkpoint.state import canonical_optimizer_state, layout_
 from schedcc.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from schedcc.backends.runtime.clipping import LossScaler
     from schedcc.backends.runtime.stage import StageRuntime
+    from schedcc.backends.runtime.tied import StageTies
+    from schedcc.backends.runtime.zero import Reducer
 
-__all__ = ["check_saved", "load_optimizer", "optimizer_state"]
+__all__ = ["check_saved", "load_optimizer", "load_stage", "optimizer_state"]
 
 #: What every shard records, and of which type (`bool` is never taken for `int`).
 _FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -72,6 +76,33 @@ def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
         rank=coll.rank,
         size=coll.size,
     )
+
+
+def load_stage(
+    saved: Sequence[dict[str, Any]],
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None,
+    reducer: Reducer,
+    *,
+    ties: StageTies | None,
+    scaler: LossScaler | None,
+    zero: int,
+    rank: int,
+    size: int,
+) -> None:
+    """Load `saved` (every old data-parallel rank's whole state of one stage, in rank order,
+    checked by `check_saved`) into a stage's modules, ZeRO shards (`reducer`), tied copies,
+    loss scale and optimizer, re-sharded to (zero, rank, size)."""
+    with reducer.placeholders():  # ZeRO-3: loaded whole, kept as this rank's shard
+        for mod, state in zip(modules, saved[0]["modules"]):
+            mod.load_state_dict(state)
+        if ties is not None:
+            ties.refresh()
+        reducer.refresh_shards()
+        if scaler is not None and saved[0].get("loss_scale"):
+            scaler.load_state_dict(saved[0]["loss_scale"])
+        if optimizer is not None:
+            load_optimizer(optimizer, saved, modules, zero=zero, rank=rank, size=size)
 
 
 def load_optimizer(

@@ -5,20 +5,40 @@ checkpoint records `shards` (that flat shard, per chunk) and `shapes` (per chunk
 parameter's name and shape in `parameters()` order) beside module states whose parameters are
 empty. `whole_states` rebuilds from every old rank's shards (in rank order) the module states a
 checkpoint of any other ZeRO setting holds, so that checking and loading (and re-sharding to
-another data-parallel degree or ZeRO setting) read one layout.
+another data-parallel degree or ZeRO setting) read one layout; `shard_state` is what a rank
+records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from schedcc.backends.checkpoint.files import shard_name
 from schedcc.errors import CheckpointError
 
-__all__ = ["whole_states"]
+if TYPE_CHECKING:
+    from schedcc.backends.runtime.zero import Reducer
+
+__all__ = ["shard_state", "whole_states"]
+
+
+def shard_state(modules: Sequence[nn.Module], reducer: Reducer) -> dict[str, Any]:
+    """What a ZeRO-3 rank records of its parameters: per chunk, each parameter's element count
+    (`numels`), this rank's flat shard (`shards`) and each parameter's name and shape
+    (`shapes`)."""
+    names = [[n for n, _ in mod.named_parameters()] for mod in modules]
+    return {
+        "numels": [[shape.numel() for shape in shapes] for shapes in reducer.shapes],
+        "shards": [shard.detach().clone() for shard in reducer.shards],
+        "shapes": [
+            [(name, list(shape)) for name, shape in zip(chunk, shapes)]
+            for chunk, shapes in zip(names, reducer.shapes)
+        ],
+    }
 
 
 def whole_states(saved: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

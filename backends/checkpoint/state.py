@@ -20,13 +20,57 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from schedcc.backends.checkpoint.sharded import shard_state
 from schedcc.errors import CheckpointError
 
-__all__ = ["canonical_optimizer_state", "layout_optimizer_state", "rng_state", "set_rng_state"]
+if TYPE_CHECKING:
+    from schedcc.backends.runtime.zero import Reducer
+
+__all__ = [
+    "canonical_optimizer_state",
+    "layout_optimizer_state",
+    "rng_state",
+    "set_rng_state",
+    "stage_state",
+]
+
+
+def stage_state(
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None,
+    reducer: Reducer,
+    *,
+    stage: int,
+    segments: Sequence[int],
+    zero: int,
+    rank: int,
+    size: int,
+    skipped_steps: int,
+    loss_scale: dict[str, float] | None,
+) -> dict[str, Any]:
+    """What a checkpoint keeps of one stage's data-parallel rank `rank` (of `size`) between
+    runs, without the RNG states; under ZeRO-3 the parameters as this rank's shards
+    (`backends.checkpoint.sharded`)."""
+    state = {
+        "modules": [mod.state_dict() for mod in modules],
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "zero": zero,
+        "stage": stage,
+        "segments": list(segments),
+        "rank": rank,
+        "data_parallel": size,
+        "numels": [[p.numel() for p in mod.parameters()] for mod in modules],
+        "skipped_steps": skipped_steps,
+        "loss_scale": loss_scale,
+    }
+    if zero == 3:  # the parameters are only this rank's shards
+        state.update(shard_state(modules, reducer))
+    return state
 
 
 def rng_state() -> dict[str, Any]:

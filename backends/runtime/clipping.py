@@ -19,9 +19,14 @@ finite ones, on every rank alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from schedcc.backends.runtime.collectives import Collectives
 
 __all__ = ["LossScaler", "NormMeeting", "StageNorm", "shard_mask"]
 
@@ -62,38 +67,71 @@ class StageNorm:
     Args:
         max_norm: clip to this norm (None: measure and skip non-finite steps only).
         scaler: float16's loss scaler, or None.
+        views: what the stage trains, by chunk (the modules, or their `StageTies.views`).
+        shards: under ZeRO, this rank's flat shard of each chunk (what the optimizer steps);
+            None without ZeRO.
+        numels: under ZeRO, per chunk, its parameters' whole sizes (a ZeRO-3 chunk's
+            released parameters hold no data).
+        collectives: the stage's data-parallel group (under ZeRO its parts are summed over it).
+        later_copies: the ids of the tied copies here that are not a tie's first copy.
+        tp_rank: this rank's index in its tensor-parallel group: a parameter not marked
+            `tensor_model_parallel` (replicated) counts only on index 0.
+        device: where the part is made.
     """
 
-    def __init__(self, max_norm: float | None, scaler: LossScaler | None) -> None:
+    def __init__(
+        self,
+        max_norm: float | None,
+        scaler: LossScaler | None,
+        *,
+        views: Sequence[nn.Module],
+        shards: Sequence[torch.Tensor] | None,
+        numels: Sequence[Sequence[int]] = (),
+        collectives: Collectives,
+        later_copies: Iterable[int] = (),
+        tp_rank: int = 0,
+        device: torch.device,
+    ) -> None:
         self.max_norm = max_norm
         self.scaler = scaler
+        self._views = views
+        self._shards = shards
+        self._numels = numels
+        self._collectives = collectives
+        self._later_copies = later_copies
+        self._tp_rank = tp_rank
+        self._device = device
         #: the whole model's gradient norm at the last `GradNorm` (before clipping)
         self.last: float | None = None
         #: whether the next step is skipped (the last norm was not finite)
         self.skip = False
 
-    def part(
-        self,
-        grads: Iterable[torch.Tensor],
-        measured: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Unscale every gradient in `grads` (float16); the float64 sum of squares of the
-        `(gradient, mask)` pairs in `measured` (a mask of 0/1 leaves out elements)."""
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the last segment backpropagates: under float16 the loss times the loss scale."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    def part(self) -> torch.Tensor:
+        """This stage's part, once the batch's gradients are final: the gradients unscaled
+        under float16, and the float64 sum of their squares (each parameter counted once over
+        the model; under ZeRO this rank's shards, summed over the data-parallel replicas)."""
+        measured = self._measured()
         if self.scaler is not None:
             inverse = 1.0 / self.scaler.scale
-            for g in grads:
+            for g in self._grads():
                 g.mul_(inverse)
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
         for g, mask in measured:
             g = g.detach().to(torch.float64)
             if mask is not None:
                 g = g * mask
             total = total + g.square().sum()
+        if self._shards is not None and self._collectives.size > 1:
+            self._collectives.all_reduce(total)
         return total
 
-    def apply(self, total: torch.Tensor, grads: Iterable[torch.Tensor]) -> None:
-        """Given the summed parts, clip `grads` in place or mark the step skipped."""
+    def apply(self, total: torch.Tensor) -> None:
+        """Given every stage's part summed: clip the gradients in place, or mark the step
+        skipped."""
         norm = math.sqrt(total.item()) if total.item() >= 0 else math.nan
         self.last = norm
         finite = math.isfinite(norm)
@@ -102,8 +140,41 @@ class StageNorm:
         self.skip = not finite
         if finite and self.max_norm is not None:
             coef = min(1.0, self.max_norm / (norm + 1e-6))
-            for g in grads:
+            for g in self._grads():
                 g.mul_(coef)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients of what the optimizer steps (the shards under ZeRO)."""
+        return [p.grad for p in self._stepped() if p.grad is not None]
+
+    def _stepped(self) -> list[torch.Tensor]:
+        if self._shards is not None:
+            return list(self._shards)
+        return [p for view in self._views for p in view.parameters()]
+
+    def _measured(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The `(gradient, mask)` pairs the part sums (a 0/1 mask leaves elements out)."""
+        skipped = set(self._later_copies)
+        if self._tp_rank:  # replicated over the tensor-parallel group: counted on rank 0
+            params = (p for view in self._views for p in view.parameters())
+            skipped |= {id(p) for p in params if not getattr(p, "tensor_model_parallel", False)}
+        if self._shards is None:
+            return [
+                (p.grad, None)
+                for p in self._stepped()
+                if p.grad is not None and id(p) not in skipped
+            ]
+        coll = self._collectives
+        return [
+            (
+                shard.grad,
+                shard_mask(
+                    list(view.parameters()), numels, skipped, shard.numel(), coll.size, coll.rank
+                ),
+            )
+            for view, numels, shard in zip(self._views, self._numels, self._shards, strict=True)
+            if shard.grad is not None
+        ]
 
 
 def shard_mask(

@@ -34,7 +34,7 @@ that replica's count, and a `(loss_sum, count)` loss is refused there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -43,6 +43,7 @@ from schedcc.errors import ScheduleConfigError
 from schedcc.ir import INPUT_GRADIENT
 
 if TYPE_CHECKING:
+    from schedcc.backends.runtime.collectives import Collectives
     from schedcc.program import Program
     from schedcc.semantics.layout import Layout
 
@@ -52,6 +53,8 @@ __all__ = [
     "RATIO",
     "LossBook",
     "LossRecord",
+    "StageCounts",
+    "call_loss",
     "count_carriers",
     "divide_grads",
     "interpret",
@@ -98,6 +101,17 @@ class LossBook:
         self._replicas = tuple(replicas)
         self._unseen = unseen
         self.reset()
+
+    @classmethod
+    def of(cls, layout: Layout, num_microbatches: int, data_parallel: int) -> LossBook:
+        """The book of a program laid out as `layout` (its model replicas; a `(loss_sum,
+        count)` loss refused where some stage cannot learn every replica's count)."""
+        return cls(
+            num_microbatches,
+            data_parallel,
+            replicas=sorted(set(layout.replica)),
+            unseen=unseen_replica(layout),
+        )
 
     def reset(self) -> None:
         """A new run: no losses, no counts."""
@@ -196,6 +210,28 @@ def _sum(values: Iterable[torch.Tensor]) -> float:
     return total
 
 
+def call_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any) -> Any:
+    """`loss_fn(output, target)`.
+
+    Raises:
+        ScheduleConfigError: `loss_fn` failed (most often a target of another shape).
+    """
+    try:
+        return loss_fn(output, target)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        raise ScheduleConfigError(
+            f"loss_fn(output {_described(output)}, target {_described(target)}) failed: "
+            f"{error}; check the targets' shape"
+        ) from error
+
+
+def _described(value: Any) -> str:
+    """`of shape (4, 3)` for a tensor, `of type tuple` for anything else (for messages)."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {tuple(value.shape)}"
+    return f"of type {type(value).__name__}"
+
+
 def interpret(result: Any, where: str) -> tuple[str, torch.Tensor, Any, dict]:
     """`(mode, value, count, parts)` of what `loss_fn` returned: `value` is the loss (the sum
     under `RATIO`, the parts' sum under `PARTS`), `count` a float64 tensor under `RATIO`.
@@ -268,3 +304,80 @@ def divide_grads(params: Iterable[torch.Tensor], count: torch.Tensor) -> None:
     for p in params:
         if p.grad is not None:
             p.grad.div_(count.to(p.grad.device))
+
+
+class StageCounts:
+    """One stage's side of [Note: the count divides at the step]: the count a gradient message
+    brings or carries on, and the division of the batch's gradients by its count at the step.
+
+    Args:
+        book: the stage's `LossBook` (it holds the counts).
+        program: the compiled program (which backwards carry a count).
+        layout: the program's layout of segments on stages ([Note: replicas]).
+        segments: this stage's segment of each chunk.
+        params: what the stage's optimizer steps (the shards under ZeRO).
+        collectives: the stage's data-parallel group, over which a count is summed.
+    """
+
+    def __init__(
+        self,
+        book: LossBook,
+        program: Program,
+        layout: Layout,
+        segments: Sequence[int],
+        params: Sequence[torch.Tensor],
+        collectives: Collectives,
+    ) -> None:
+        self._book = book
+        self._m = program.schedule.num_microbatches
+        self._replica = layout.replica
+        self._carriers = set(count_carriers(program, layout).values())
+        #: the model replicas whose last segment this stage holds
+        self._ends = [k // layout.replica_length for k in segments if layout.is_last(k)]
+        self._params = params
+        self._collectives = collectives
+        self._divided = False  # the batch's count already divided (at its GradNorm)
+
+    def received(self, microbatch: int, count: torch.Tensor | None) -> None:
+        """A gradient for `microbatch` arrived, carrying `count` (None: it carries none)."""
+        if count is not None:
+            self._book.normaliser[self.key(microbatch)] = count
+
+    def carried(self, microbatch: int, *, last: bool) -> torch.Tensor | None:
+        """The count the input gradient of `microbatch` carries on (`last`: sent from its
+        replica's last segment, where the count is fixed now); None for a non-carrier."""
+        if microbatch not in self._carriers:
+            return None
+        key = self.key(microbatch)
+        if last:
+            self._book.close(*key)
+        return self._book.normaliser.get(key)
+
+    def divide_for_norm(self, batch: int) -> None:
+        """At `GradNorm`: the batch's gradients divided by its count, before they are measured."""
+        self._divide(batch)
+        self._divided = True
+
+    def divide_for_step(self, batch: int) -> None:
+        """At `OptimizerStep`: the batch's gradients divided by its count, unless its
+        `GradNorm` already did."""
+        if not self._divided:
+            self._divide(batch)
+        self._divided = False
+
+    def key(self, microbatch: int) -> tuple[int, int]:
+        """`(batch, model replica)` of a global microbatch ([Note: replicas])."""
+        return microbatch // self._m, self._replica[microbatch % self._m]
+
+    def _divide(self, batch: int) -> None:
+        """Divide the batch's gradients by its count, summed over the model replicas and the
+        data-parallel replicas; nothing without a `(loss_sum, count)` loss."""
+        for replica in self._ends:
+            self._book.close(batch, replica)
+        count = self._book.count(batch)
+        if count is None:
+            return
+        if self._collectives.size > 1:
+            count = count.clone()
+            self._collectives.all_reduce(count)
+        divide_grads(self._params, count)

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from schedcc.backends.runtime.values import flatten
 from schedcc.memory import MemoryModel
 
-__all__ = ["SavedBytes", "measure_memory"]
+__all__ = ["SavedBytes", "measure_memory", "signature"]
 
 
 class SavedBytes:
@@ -55,6 +56,21 @@ class SavedBytes:
             out = forward()
         num_bytes = self._by_signature[signature] = sum(seen.values())
         return out, num_bytes
+
+
+def signature(chunk: int, value: Any, target: Any, *, training: bool) -> Hashable:
+    """What the saved tensors of a forward of `chunk` on `value` depend on (the note above);
+    `target`: the loss's target on the last segment, None elsewhere."""
+    target_layout = None if target is None else _layout(target)
+    return (chunk, _layout(value), target_layout, training, torch.is_grad_enabled())
+
+
+def _layout(value: Any) -> Hashable:
+    """A value's structure and its tensors' shapes, dtypes, strides and grad flags."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.stride(), value.requires_grad)
+    tensors, spec = flatten(value)
+    return (spec, tuple((t.shape, t.dtype, t.stride(), t.requires_grad) for t in tensors))
 
 
 def measure_memory(

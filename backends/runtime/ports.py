@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from schedcc.backends.runtime.boundary import Message, detached, receive
+from schedcc.backends.runtime.boundary import Message, detached, read_gradients, receive
 from schedcc.backends.runtime.values import TensorMeta, flatten
 from schedcc.errors import RuntimeInstructionError
 from schedcc.ir import Instruction, RecvActivation, RecvGrad, SendActivation, SendGrad
@@ -122,12 +122,25 @@ class Ports:
         held = self._handoff if self._stage_of[k + 1] == self.stage else self._to_send
         held[self._tensors.activation(i, k)] = message
 
-    def gradient_of(self, i: int, c: int, k: int) -> Message:
-        """The gradient message for segment k's output (from segment k + 1)."""
-        key = self._tensors.gradient(i, k + 1)
-        if self._stage_of[k + 1] == self.stage:
-            return self._handoff.pop(key)
-        return self._take(key)
+    def gradient_of(
+        self, op: Instruction, k: int, roots: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """The gradients (from segment k + 1) of `roots`, segment k's output for op's
+        microbatch, and the count the message carries (`boundary.read_gradients`).
+
+        Raises:
+            RuntimeInstructionError: the gradient does not fit the output.
+        """
+        key = self._tensors.gradient(op.microbatch, k + 1)
+        here = self._stage_of[k + 1] == self.stage
+        read = read_gradients(self._handoff.pop(key) if here else self._take(key), roots)
+        if isinstance(read, str):
+            raise RuntimeInstructionError(
+                f"stage {self.stage}: {op} got a gradient from segment {k + 1} that does not fit "
+                f"segment {k}'s output: {read}",
+                stage=self.stage,
+            )
+        return read
 
     def hand_back(self, i: int, c: int, k: int, message: Message) -> None:
         """Segment k's input gradient for microbatch i: to segment k - 1 here, or to send."""

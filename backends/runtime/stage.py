@@ -1,75 +1,57 @@
 """`StageRuntime`: what each instruction does to tensors on one stage (shared by every backend).
 
-Longer than the project's ~400-line habit on purpose: the table of one handler per instruction
-is the runtime's contract, and it reads best whole.
-
 A backend owns communication only: it feeds received messages in through `incoming`, takes the
 messages to send from `outgoing` (a boundary value as flat tensors, spec and meta:
-`backends.runtime.boundary`), and hands every compute and update instruction to `run`. Data
-parallelism reaches the runtime through a `Collectives` object (all-reduce, reduce-scatter,
-all-gather over this stage's data-parallel group; `backends.runtime.collectives`).
-
-Helpers it delegates to: `backends.runtime.versions` (the stashed weight versions),
-`backends.runtime.zero` (the gradient reduction and the ZeRO shards), `backends.runtime.grads`
-(gradients into `.grad`), `backends.runtime.memory` (the activation bytes a forward saves),
-`backends.runtime.recompute` (what a recomputed forward keeps: its input and RNG states),
-`backends.runtime.ports` (the values at the segments' boundaries), `backends.runtime.losses`
-(what `loss_fn` returns), `backends.checkpoint.restore` (loading a checkpoint's state). The file
-stays over ~400 lines on purpose: one short handler per instruction, in one class, so what each
-does reads in one place.
+`backends.runtime.boundary`), and hands every compute and update instruction to `run`, which
+dispatches through a table of one short handler per instruction. Data parallelism reaches the
+runtime through a `Collectives` object (all-reduce, reduce-scatter, all-gather over this stage's
+data-parallel group; `backends.runtime.collectives`). What a handler needs beyond a few lines
+lives in the modules beside this one (docs/design.md lists them), and checkpoint state in
+`backends.checkpoint`.
 
 [Note: what the runtime keeps] Per (microbatch, chunk): the input value of the segment (received,
-handed over from a segment on this stage, or the microbatch itself on segment 0), the graph of its
-forward (the output tensors that take a gradient, the input's leaves that do, the parameter tensors
-it ran with) until its backward is done (for a forward its stage recomputes, only its input and RNG
-states until the `Recompute` builds that graph: [Note: recomputation]), the input gradients to send,
-and the output gradients received. Per chunk: the live parameters (the module's own, the latest
-version), the weight versions in-flight forwards still need (weight_delay >= 1, weight stashing),
-and under ZeRO a flat shard parameter that the optimizer steps.
+handed over from a segment on this stage, or the microbatch itself on segment 0; `ports`), the
+graph of its forward (the output tensors that take a gradient, the input's leaves that do, the
+parameter tensors it ran with) until its backward is done (for a forward its stage recomputes,
+only its input and RNG states until the `Recompute` builds that graph: [Note: recomputation];
+`graphs`), the input gradients to send, and the output gradients received (`ports`). Per chunk:
+the live parameters (the module's own, the latest version), the weight versions in-flight
+forwards still need (weight_delay >= 1, weight stashing; `versions`), and under ZeRO a flat shard
+parameter that the optimizer steps (`zero`).
 
 [Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
 is divided by the batch's count at the step instead: [Note: the count divides at the step] in
-`backends.runtime.losses`), gradients are accumulated into
-the live parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed
-weights under weight stashing: [Note: autograd accumulates] in `backends.runtime.grads`), and the
-reductions sum in rank order, so a pipelined step equals a non-pipelined step on the concatenated
-global batch up to float rounding.
+`backends.runtime.losses`), gradients are accumulated into the live parameters' `.grad` (by
+autograd itself, or from `torch.autograd.grad` of the stashed weights under weight stashing:
+[Note: autograd accumulates] in `backends.runtime.grads`), and the reductions sum in rank order,
+so a pipelined step equals a non-pipelined step on the concatenated global batch up to float
+rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from schedcc.backends.checkpoint.restore import check_saved, load_optimizer
+from schedcc.backends.checkpoint.restore import check_saved, load_stage
 from schedcc.backends.checkpoint.sharded import whole_states
-from schedcc.backends.runtime.boundary import (
-    Message,
-    activation,
-    grad_roots,
-    gradients,
-    joined,
-    read_gradients,
-)
-from schedcc.backends.runtime.clipping import LossScaler, StageNorm, shard_mask
+from schedcc.backends.checkpoint.state import stage_state
+from schedcc.backends.runtime.boundary import Message, activation, grad_roots, gradients
+from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
-from schedcc.backends.runtime.grads import accumulate, backward_into_grads
-from schedcc.backends.runtime.losses import (
-    LossBook,
-    LossRecord,
-    count_carriers,
-    divide_grads,
-    unseen_replica,
-)
-from schedcc.backends.runtime.memory import SavedBytes
+from schedcc.backends.runtime.grads import full_backward, weight_backward
+from schedcc.backends.runtime.graphs import Graph, Graphs
+from schedcc.backends.runtime.losses import LossBook, LossRecord, StageCounts, call_loss
+from schedcc.backends.runtime.memory import SavedBytes, signature
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
 from schedcc.backends.runtime.tied import StageTies
-from schedcc.backends.runtime.values import call, flatten
+from schedcc.backends.runtime.values import call
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
@@ -95,21 +77,6 @@ if TYPE_CHECKING:
     from schedcc.program import Program
 
 __all__ = ["StageRuntime"]
-
-
-class _Graph:
-    """What a forward leaves for its backward: the output tensors a gradient comes back for
-    (`roots`; the scaled loss on the last segment), the input's grad-requiring leaves, the
-    parameter tensors it ran with, and once `BackwardInput` ran, the roots' gradients."""
-
-    __slots__ = ("grads", "leaves", "num_bytes", "params", "roots")
-
-    def __init__(self, roots, leaves, params, num_bytes):
-        self.roots = roots
-        self.leaves = leaves
-        self.params = params
-        self.num_bytes = num_bytes
-        self.grads: list | None = None
 
 
 class StageRuntime:
@@ -139,10 +106,6 @@ class StageRuntime:
     Raises:
         ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
             program's data_parallel.
-
-    Attributes:
-        activation_bytes: bytes of saved activations held now (saved-tensor hooks).
-        peak_activation_bytes: the most `activation_bytes` ever was.
     """
 
     def __init__(
@@ -183,7 +146,6 @@ class StageRuntime:
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
         #: which segments start and end a model replica ([Note: replicas]): inputs and loss
         self._layout = tensors_of(program).layout
-        self._names = [[n for n, _ in mod.named_parameters()] for mod in self.modules]
         #: the tied parameters this stage holds; the local backend meets its stages for a
         #: `ReduceTied` itself, through `ties.parts` and `ties.apply`
         self.ties, self._tie_reduce = ties, tie_reduce
@@ -194,12 +156,11 @@ class StageRuntime:
         self._reducer = Reducer(
             self._views, self.collectives, zero=bool(self._zero), release=self._zero == 3
         )
-        if self._zero:
-            self.optimizer: torch.optim.Optimizer | None = optimizer(self._reducer.shards)
-        else:
-            params = [p for mod in self._views for p in mod.parameters()]
-            # A stage without parameters (e.g. a lone activation) has nothing to step.
-            self.optimizer = optimizer(params) if params else None
+        #: what the stage's optimizer steps: the views' parameters, or under ZeRO the shards
+        params = [p for mod in self._views for p in mod.parameters()]
+        self._trained = list(self._reducer.shards) if self._zero else params
+        # A stage without parameters (e.g. a lone activation) has nothing to step.
+        self.optimizer = optimizer(self._trained) if self._trained else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Forward: self._forward,
             Backward: self._backward,
@@ -220,27 +181,32 @@ class StageRuntime:
         self.precision = Precision(low, device)
         scaler = LossScaler() if mixed_precision == torch.float16 else None
         #: the stage's side of `GradNorm` (`backends.runtime.clipping`)
-        self.norm = StageNorm(max_grad_norm, scaler)
+        self.norm = StageNorm(
+            max_grad_norm,
+            scaler,
+            views=self._views,
+            shards=self._reducer.shards if self._zero else None,
+            numels=[[shape.numel() for shape in shapes] for shapes in self._reducer.shapes],
+            collectives=self.collectives,
+            later_copies=ties.later_copies if ties is not None else (),
+            tp_rank=tp_rank,
+            device=device or torch.device("cpu"),
+        )
         self._norm_reduce = norm_reduce
-        self._divided = False  # the batch's count already divided (at its GradNorm)
-        self._tp_rank = tp_rank
         #: steps skipped because the gradients were not finite
         self.skipped_steps = 0
-        self.peak_activation_bytes = 0
+        #: what forwards leave for their backwards, and the activation bytes it holds
+        self._graphs = Graphs(stage)
         #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
         self._recomputed = recomputed(program.stages[stage])
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
         #: measured once])
         self._saved_bytes = SavedBytes()
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
-        layout = self._layout
-        self._book = LossBook(
-            self._m,
-            self.collectives.size,
-            replicas=sorted(set(layout.replica)),
-            unseen=unseen_replica(layout),
+        self._book = LossBook.of(self._layout, self._m, self.collectives.size)
+        self._counts = StageCounts(
+            self._book, program, self._layout, self._segment, self._trained, self.collectives
         )
-        self._carriers = set(count_carriers(program, layout).values())
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
 
@@ -254,14 +220,22 @@ class StageRuntime:
         batches given targets and keeps the outputs (`outputs`) of the others.
         """
         self.forward_only = forward_only
-        self.activation_bytes = 0
+        self._graphs.reset()
         self._book.reset()
         self._ports.reset()
         #: forward-only runs: the last segment's output per microbatch, where no targets came
         self.outputs: dict[int, Any] = {}
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._kept: dict[tuple[int, int], KeptInput] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of saved activations held now (saved-tensor hooks; `backends.runtime.graphs`)."""
+        return self._graphs.num_bytes
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most `activation_bytes` ever was."""
+        return self._graphs.peak
 
     @property
     def losses(self) -> dict[int, float]:
@@ -324,41 +298,30 @@ class StageRuntime:
 
     def unshard_all(self, full: Sequence[torch.Tensor] | None = None) -> None:
         """ZeRO-3: make every chunk's parameters whole (`full[c]`: chunk c's shards of every
-        rank concatenated in rank order, when the caller has them; else an all-gather each)."""
-        for c in range(len(self.modules)):  # the shard keeps its own copy: writes are not kept
-            self._reducer.unshard(c, None if full is None else full[c], alias=False)
+        rank concatenated in rank order, when the caller has them; `Reducer.unshard_all`)."""
+        self._reducer.unshard_all(full)
 
     def release_all(self) -> None:
         """ZeRO-3: release every chunk's whole parameters again (only the shards stay)."""
-        for c in range(len(self.modules)):
-            self._reducer.release(c)
+        self._reducer.release_all()
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this stage between runs (see `backends.checkpoint.state`)."""
-        state = {
-            "modules": [mod.state_dict() for mod in self.modules],
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "zero": self._zero,
-            "stage": self.stage,
-            "segments": list(self._segment),
-            "rank": self.collectives.rank,
-            "data_parallel": self.collectives.size,
-            "numels": [[p.numel() for p in mod.parameters()] for mod in self.modules],
-            "skipped_steps": self.skipped_steps,
-            "loss_scale": self.norm.scaler.state_dict() if self.norm.scaler is not None else None,
-        }
-        if self._zero == 3:  # the parameters are only this rank's shards: `checkpoint.sharded`
-            state["numels"] = [
-                [shape.numel() for shape in shapes] for shapes in self._reducer.shapes
-            ]
-            state["shards"] = [shard.detach().clone() for shard in self._reducer.shards]
-            state["shapes"] = [
-                [(name, list(shape)) for name, shape in zip(names, shapes)]
-                for names, shapes in zip(self._names, self._reducer.shapes)
-            ]
-        return state
+        """What a checkpoint keeps of this stage between runs (`backends.checkpoint.state`)."""
+        scaler = self.norm.scaler
+        return stage_state(
+            self.modules,
+            self.optimizer,
+            self._reducer,
+            stage=self.stage,
+            segments=self._segment,
+            zero=self._zero,
+            rank=self.collectives.rank,
+            size=self.collectives.size,
+            skipped_steps=self.skipped_steps,
+            loss_scale=scaler.state_dict() if scaler is not None else None,
+        )
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
         """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
@@ -375,21 +338,19 @@ class StageRuntime:
         """
         self.check_state(saved)
         saved = whole_states(saved)
-        with self._reducer.placeholders():  # ZeRO-3: loaded whole, kept as this rank's shard
-            for mod, state in zip(self.modules, saved[0]["modules"]):
-                mod.load_state_dict(state)
-            if self.ties is not None:
-                self.ties.refresh()
-            self._reducer.refresh_shards()
-            self.skipped_steps = saved[0].get("skipped_steps", 0)
-            if self.norm.scaler is not None and saved[0].get("loss_scale"):
-                self.norm.scaler.load_state_dict(saved[0]["loss_scale"])
-            if self.optimizer is None:
-                return
-            coll = self.collectives
-            load_optimizer(
-                self.optimizer, saved, self.modules, zero=self._zero, rank=coll.rank, size=coll.size
-            )
+        self.skipped_steps = saved[0].get("skipped_steps", 0)
+        coll = self.collectives
+        load_stage(
+            saved,
+            self.modules,
+            self.optimizer,
+            self._reducer,
+            ties=self.ties,
+            scaler=self.norm.scaler,
+            zero=self._zero,
+            rank=coll.rank,
+            size=coll.size,
+        )
 
     # -- compute --------------------------------------------------------------------------------
 
@@ -399,156 +360,93 @@ class StageRuntime:
         value, leaves = self._ports.input_of(i, c, k)
         if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
-                live = dict(self._views[c].named_parameters())
-                with self.precision.compute():
-                    out = self._call(self.modules[c], live, value)
-                out = self.precision.boundary(out, last=self._layout.is_last(k))
-            if not self._layout.is_last(k):
-                self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
-            elif self._ports.has_targets(i):
-                self._loss(i, out)
-            else:
+                out = self._apply(c, k, dict(self._views[c].named_parameters()), value)
+            if self._layout.is_last(k) and not self._ports.has_targets(i):
                 self.outputs[i] = out
+            else:
+                self._deliver(i, c, k, out)
             return
         params = self._versions.params_for(c, self._versions.version_of(i))
-        if (i, c) in self._recomputed:
-            self._forward_keeping_input(c, k, i, value, leaves, params)
+        if (i, c) in self._recomputed:  # keeps only its input: [Note: recomputation]
+            rng = RngState.of(params.values(), value)
+            with keeping_nothing():  # the loss is recorded here; the R only rebuilds the graph
+                self._deliver(i, c, k, self._apply(c, k, params, value))
+            self._graphs.keep(i, c, KeptInput(value, leaves, params, rng))
             return
         graph, message = self._run_segment(c, k, i, value, leaves, params)
-        self._hold(i, c, graph)
+        self._graphs.hold(i, c, graph)
         if message is not None:
             self._ports.hand_on(i, c, k, message)
 
-    def _forward_keeping_input(self, c, k, i, value, leaves, params) -> None:
-        """A forward that saves nothing for its backward; its `Recompute` runs it again
-        ([Note: recomputation] in `backends.runtime.recompute`)."""
-        rng = RngState.of(params.values(), value)
-        with keeping_nothing():
-            with self.precision.compute():  # as `_run_segment` runs it again at the `R`
-                out = self._call(self.modules[c], params, value)
-            out = self.precision.boundary(out, last=self._layout.is_last(k))
-            if self._layout.is_last(k):
-                self._loss(i, out)  # recorded and reported here; R only rebuilds the graph
-            else:
-                self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
-        kept = self._kept[i, c] = KeptInput(value, leaves, params, rng)
-        self.activation_bytes += kept.num_bytes
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
-
     def _recompute(self, op: Recompute) -> None:
         i, c = op.microbatch, op.chunk
-        kept = self._kept.pop((i, c), None)
-        if kept is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} has no kept input (its forward has not run, did not "
-                "run as a recomputed forward, or was already recomputed)",
-                stage=self.stage,
-            )
+        kept = self._graphs.take_kept(op)
         with replaying(kept.rng):
             graph, _ = self._run_segment(
                 c, self._segment[c], i, kept.value, kept.leaves, kept.params, record=False
             )
-        self.activation_bytes -= kept.num_bytes  # the graph now holds what it needs of it
-        self._hold(i, c, graph)
-
-    def _hold(self, i: int, c: int, graph: _Graph) -> None:
-        self._graphs[i, c] = graph
-        self.activation_bytes += graph.num_bytes
-        self.peak_activation_bytes = max(self.peak_activation_bytes, self.activation_bytes)
+        self._graphs.hold(i, c, graph, replacing=kept)
 
     def _run_segment(
         self, c, k, i, value, leaves, params, *, record: bool = True
-    ) -> tuple[_Graph, Message | None]:
+    ) -> tuple[Graph, Message | None]:
         sent: list[Message] = []
 
         def forward() -> list[torch.Tensor]:
-            with self.precision.compute():
-                out = self._call(self.modules[c], params, value)
-            out = self.precision.boundary(out, last=self._layout.is_last(k))
+            out = self._apply(c, k, params, value)
             if self._layout.is_last(k):
                 return [self._loss(i, out, record=record)]
             message, roots = activation(out, segment=k)
             sent.append(message)
             return roots
 
-        signature = self._signature(c, k, i, value)
-        roots, num_bytes = self._saved_bytes.run(signature, params.values(), forward)
-        graph = _Graph(roots, leaves, list(params.values()), num_bytes)
+        target = self._ports.target(i) if self._layout.is_last(k) else None
+        key = signature(c, value, target, training=self.modules[c].training)
+        roots, num_bytes = self._saved_bytes.run(key, params.values(), forward)
+        graph = Graph(roots, leaves, list(params.values()), num_bytes)
         return graph, (sent[0] if sent else None)
 
-    def _call(self, module: nn.Module, params, value: Any) -> Any:
-        if not self._delay and module not in self._shadowed:
-            return call(module, value)
+    def _apply(self, c: int, k: int, params, value: Any) -> Any:
+        """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
+        module = self.modules[c]
+        if self._delay or module in self._shadowed:  # on stashed weights or tied copies
+            module = functools.partial(_functional, module, params)
+        with self.precision.compute():
+            out = call(module, value)
+        return self.precision.boundary(out, last=self._layout.is_last(k))
 
-        def stashed(*args, **kwargs):  # the module on the stashed weights
-            return torch.func.functional_call(module, params, args, kwargs)
-
-        return call(stashed, value)
-
-    def _signature(self, c: int, k: int, i: int, value: Any) -> tuple:
-        """What the saved tensors of a forward depend on ([Note: activation bytes are measured
-        once] in `backends.runtime.memory`)."""
-        target = None
+    def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
+        """The output of a forward that leaves no graph: the loss on the last segment, else
+        handed on to the next segment."""
         if self._layout.is_last(k):
-            target = _layout(self._ports.target(i))
-        training = self.modules[c].training
-        return (c, _layout(value), target, training, torch.is_grad_enabled())
+            self._loss(i, out)
+        else:
+            self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
 
     def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
         """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
         `record=False` for a recompute, whose forward already recorded it)."""
-        target = self._ports.target(i)
-        try:
-            result = self.loss_fn(out, target)
-        except (RuntimeError, ValueError, TypeError, IndexError) as error:
-            raise ScheduleConfigError(
-                f"loss_fn(output {_described(out)}, target {_described(target)}) failed: "
-                f"{error}; check the targets' shape"
-            ) from error
-        objective = self._book.objective(
-            i // self._m,
-            result,
-            where=f"loss_fn on microbatch {i}",
-            record=record,
-            replica=self._replica(i),
-        )
-        if self.norm.scaler is not None:  # float16: backpropagate the scaled loss
-            objective = objective * self.norm.scaler.scale
-        return objective
+        result = call_loss(self.loss_fn, out, self._ports.target(i))
+        batch, replica = self._counts.key(i)
+        where = f"loss_fn on microbatch {i}"
+        objective = self._book.objective(batch, result, where=where, record=record, replica=replica)
+        return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
-        i, c = op.microbatch, op.chunk
-        k = self._segment[c]
-        roots = self._graph(op).roots
+        k = self._segment[op.chunk]
+        roots = self._graphs.graph(op).roots
         if self._layout.is_last(k):
             return [None] * len(roots)
-        read = read_gradients(self._ports.gradient_of(i, c, k), roots)
-        if isinstance(read, str):
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} got a gradient from segment {k + 1} that does not fit "
-                f"segment {k}'s output: {read}",
-                stage=self.stage,
-            )
-        grads, count = read
-        if count is not None:  # see [Note: the count divides at the step]
-            self._book.normaliser[i // self._m, self._replica(i)] = count
+        grads, count = self._ports.gradient_of(op, k, roots)
+        self._counts.received(op.microbatch, count)  # [Note: the count divides at the step]
         return grads
 
     def _backward(self, op: Backward) -> None:
-        graph = self._graph(op)
-        grads = self._output_grads(op)
-        leaves = graph.leaves
-        if self._delay:  # the graph ran on stashed weights: their gradients go to the live ones
-            got = grad_roots(graph.roots, grads, leaves + graph.params)
-            self._emit_input_grad(op, leaves, got[: len(leaves)])
-            accumulate(self._views[op.chunk].parameters(), got[len(leaves) :])
-        else:
-            live = joined(graph.roots, grads)
-            if live is not None:
-                backward_into_grads(*live)
-            self._emit_input_grad(op, leaves, [leaf.grad for leaf in leaves])
-        self._free(op)
+        graph = self._graphs.graph(op)
+        got = full_backward(graph, self._output_grads(op), self._stashed_into(op))
+        self._emit_input_grad(op, graph.leaves, got)
+        self._graphs.free(op)
 
     def _overlapped_backward(self, op: OverlappedBackward) -> None:
         """The backward half of an overlapped pair (`F3.1 +B1`): its forward ran just before
@@ -556,56 +454,29 @@ class StageRuntime:
         self._backward(op)
 
     def _backward_input(self, op: BackwardInput) -> None:
-        graph = self._graph(op)
+        graph = self._graphs.graph(op)
         graph.grads = self._output_grads(op)  # what BackwardWeight differentiates
         got = grad_roots(graph.roots, graph.grads, graph.leaves, retain_graph=True)
         self._emit_input_grad(op, graph.leaves, got)
 
     def _backward_weight(self, op: BackwardWeight) -> None:
-        graph = self._graph(op)
+        graph = self._graphs.graph(op)
         if graph.grads is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} runs before its BackwardInput",
-                stage=self.stage,
-            )
-        if self._delay:
-            got = grad_roots(graph.roots, graph.grads, graph.params)
-            accumulate(self._views[op.chunk].parameters(), got)
-        else:
-            live = joined(graph.roots, graph.grads)
-            if live is not None:
-                backward_into_grads(*live, graph.params)
-        self._free(op)
+            raise self._refused(op, "runs before its BackwardInput")
+        weight_backward(graph, self._stashed_into(op))
+        self._graphs.free(op)
 
-    def _replica(self, microbatch: int) -> int:
-        """The model replica `microbatch` (global) runs ([Note: replicas])."""
-        return self._layout.replica[microbatch % self._m]
-
-    def _graph(self, op) -> _Graph:
-        graph = self._graphs.get((op.microbatch, op.chunk))
-        if graph is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} has no forward graph (its forward has not run, or it "
-                "was already backwarded)",
-                stage=self.stage,
-            )
-        return graph
-
-    def _free(self, op) -> None:
-        graph = self._graphs.pop((op.microbatch, op.chunk))
-        self.activation_bytes -= graph.num_bytes
+    def _stashed_into(self, op) -> Iterable[torch.Tensor] | None:
+        """Under weight stashing, the live parameters the gradients of op's stashed weights go
+        into; None where autograd puts them into `.grad` itself."""
+        return self._views[op.chunk].parameters() if self._delay else None
 
     def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
-        count = None
-        if i in self._carriers:  # see [Note: the count divides at the step]
-            key = (i // self._m, self._replica(i))
-            if self._layout.is_last(k):
-                self._book.close(*key)
-            count = self._book.normaliser.get(key)
+        count = self._counts.carried(i, last=self._layout.is_last(k))
         self._ports.hand_back(i, c, k, gradients(leaves, grads, count))
 
     # -- updates --------------------------------------------------------------------------------
@@ -615,19 +486,19 @@ class StageRuntime:
 
     def _reduce_tied(self, op: ReduceTied) -> None:
         if self.ties is None or self._tie_reduce is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs the tied parameters and a tie collective "
-                "(the engines give them for a program compiled with tied=...)",
-                stage=self.stage,
+            raise self._refused(
+                op,
+                "needs the tied parameters and a tie collective (the engines give them for a "
+                "program compiled with tied=...)",
             )
         self.ties.reduce(op.tie, self._tie_reduce)
 
     def _grad_norm(self, op: GradNorm) -> None:
         if self._norm_reduce is None:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs a collective over the stages (the engines "
-                "give it for a program compiled with grad_norm=True)",
-                stage=self.stage,
+            raise self._refused(
+                op,
+                "needs a collective over the stages (the engines give it for a program compiled "
+                "with grad_norm=True)",
             )
         part = self.norm_part()
         self._norm_reduce(part)
@@ -637,55 +508,15 @@ class StageRuntime:
         """This stage's part of `GradNorm` ([Note: one norm, every stage alike]): the batch's
         gradients made final, unscaled under float16, and their squares summed (under ZeRO
         over the data-parallel replicas too)."""
-        self._divide_by_count(self._versions.version)
-        self._divided = True
-        skipped = set(self.ties.later_copies) if self.ties is not None else set()
-        if self._tp_rank:  # replicated over the tensor-parallel group: counted on rank 0
-            params = (p for mod in self._views for p in mod.parameters())
-            skipped |= {id(p) for p in params if not getattr(p, "tensor_model_parallel", False)}
-        if self._zero:
-            coll = self.collectives
-            measured = [
-                (
-                    shard.grad,
-                    shard_mask(
-                        list(view.parameters()),
-                        [shape.numel() for shape in shapes],
-                        skipped,
-                        shard.numel(),
-                        coll.size,
-                        coll.rank,
-                    ),
-                )
-                for view, shapes, shard in zip(
-                    self._views, self._reducer.shapes, self._reducer.shards
-                )
-                if shard.grad is not None
-            ]
-        else:
-            measured = [(g, None) for p, g in self._grads() if id(p) not in skipped]
-        device = self.precision.device or torch.device("cpu")
-        part = self.norm.part([g for _, g in self._grads()], measured, device)
-        if self._zero and self.collectives.size > 1:
-            self.collectives.all_reduce(part)
-        return part
+        self._counts.divide_for_norm(self._versions.version)
+        return self.norm.part()
 
     def apply_norm(self, total: torch.Tensor) -> None:
         """Given every stage's part summed: clip, or mark the step skipped."""
-        self.norm.apply(total, [g for _, g in self._grads()])
-
-    def _grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`(parameter, gradient)` of what the stage's optimizer steps (the shards under ZeRO)."""
-        if self._zero:
-            params = list(self._reducer.shards)
-        else:
-            params = [p for mod in self._views for p in mod.parameters()]
-        return [(p, p.grad) for p in params if p.grad is not None]
+        self.norm.apply(total)
 
     def _optimizer_step(self, op: OptimizerStep) -> None:
-        if not self._divided:  # the n-th step applies batch n
-            self._divide_by_count(self._versions.version)
-        self._divided = False
+        self._counts.divide_for_step(self._versions.version)  # the n-th step applies batch n
         skip, self.norm.skip = self.norm.skip, False
         self.skipped_steps += skip
         if self.optimizer is not None:
@@ -694,18 +525,12 @@ class StageRuntime:
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self._views:
             mod.zero_grad(set_to_none=True)
-        self._versions.advance()
-        if self._delay and not self._zero:
-            for c in range(len(self.modules)):
-                self._versions.snapshot(c, self._versions.version)
+        self._versions.advance(snapshot=not self._zero)  # under ZeRO, at the gather
 
     def _gather_params(self, op: GatherParams) -> None:
         c = op.chunk
         if not self._zero:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs ZeRO (compile with zero=1 or 2)",
-                stage=self.stage,
-            )
+            raise self._refused(op, "needs ZeRO (compile with zero=1 or 2)")
         self._reducer.gather(c)
         if self._delay:
             self._versions.snapshot(c, self._versions.version)
@@ -718,40 +543,13 @@ class StageRuntime:
 
     def _sharded(self, op) -> Reducer:
         if self._zero != 3:
-            raise RuntimeInstructionError(
-                f"stage {self.stage}: {op} needs ZeRO-3 (compile with zero=3)", stage=self.stage
-            )
+            raise self._refused(op, "needs ZeRO-3 (compile with zero=3)")
         return self._reducer
 
-    def _divide_by_count(self, batch: int) -> None:
-        """Under a `(loss_sum, count)` loss, divide the batch's gradients by its count, summed
-        over the replicas ([Note: the count divides at the step] in `backends.runtime.losses`)."""
-        layout = self._layout
-        for k in self._segment:
-            if layout.is_last(k):
-                self._book.close(batch, k // layout.replica_length)
-        count = self._book.count(batch)
-        if count is None:
-            return
-        if self.collectives.size > 1:
-            count = count.clone()
-            self.collectives.all_reduce(count)
-        if self._zero:
-            divide_grads(self._reducer.shards, count)
-        else:
-            divide_grads((p for mod in self._views for p in mod.parameters()), count)
+    def _refused(self, op: Instruction, why: str) -> RuntimeInstructionError:
+        return RuntimeInstructionError(f"stage {self.stage}: {op} {why}", stage=self.stage)
 
 
-def _layout(value: Any) -> Hashable:
-    """A value's structure and its tensors' shapes, dtypes, strides and grad flags."""
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.stride(), value.requires_grad)
-    tensors, spec = flatten(value)
-    return (spec, tuple((t.shape, t.dtype, t.stride(), t.requires_grad) for t in tensors))
-
-
-def _described(value: Any) -> str:
-    """`of shape (4, 3)` for a tensor, `of type tuple` for anything else (for messages)."""
-    if isinstance(value, torch.Tensor):
-        return f"of shape {tuple(value.shape)}"
-    return f"of type {type(value).__name__}"
+def _functional(module: nn.Module, params: dict[str, torch.Tensor], /, *args, **kwargs) -> Any:
+    """`module` run on `params` in place of its own parameters."""
+    return torch.func.functional_call(module, params, args, kwargs)

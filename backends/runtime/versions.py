@@ -93,6 +93,10 @@ class WeightVersions:
                 for name, p in self._modules[c].named_parameters()
             }
 
-    def advance(self) -> None:
-        """The optimizer stepped: the live parameters are the next version."""
+    def advance(self, *, snapshot: bool = False) -> None:
+        """The optimizer stepped: the live parameters are the next version (`snapshot`: stashed
+        now, for the forwards that will use it; under ZeRO they are whole only once gathered)."""
         self.version += 1
+        if snapshot and self._delay:
+            for c in range(len(self._modules)):
+                self.snapshot(c, self.version)

@@ -113,6 +113,18 @@ class Reducer:
             p.data = p.data.new_empty(0)
         self.whole[c] = False
 
+    def unshard_all(self, full: Sequence[torch.Tensor] | None = None) -> None:
+        """ZeRO-3, between runs: make every chunk's parameters whole (`full[c]`: chunk c's
+        shards of every rank concatenated in rank order, when the caller has them; else an
+        all-gather each). The shard keeps its own copy: writes to the parameters are not kept."""
+        for c in range(len(self._modules)):
+            self.unshard(c, None if full is None else full[c], alias=False)
+
+    def release_all(self) -> None:
+        """ZeRO-3, between runs: release every chunk's whole parameters again."""
+        for c in range(len(self._modules)):
+            self.release(c)
+
     @contextmanager
     def placeholders(self) -> Iterator[None]:
         """Released chunks get whole-shaped (uninitialised) parameters for the duration, and
