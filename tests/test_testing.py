@@ -86,14 +86,14 @@ def test_check_schedule_numerics_passes_for_builtins(name):
 
 def test_check_schedule_numerics_catches_a_wrong_backward(monkeypatch):
     """A runtime whose gradients are off by 0.1% fails the numerics check with the shape."""
-    from schedcc.backends.runtime import stage
+    from schedcc.backends.runtime import grads
 
-    backward = stage.backward_into_grads
+    backward = grads.backward_into_grads
 
     def skewed(output, grad_out, leaves=None):
         backward(output * 1.001, grad_out, leaves)
 
-    monkeypatch.setattr(stage, "backward_into_grads", skewed)
+    monkeypatch.setattr(grads, "backward_into_grads", skewed)
     with pytest.raises(ScheduleCheckError, match="differs from non-pipelined training"):
         check_schedule(OneFOneB, numerics=True, max_examples=3, max_stages=2, max_microbatches=2)
 
