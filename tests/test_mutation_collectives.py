@@ -1,6 +1,7 @@
 """Mutation tests for the programs with collectives beyond data parallelism: what the validator
-accepts of a mutated program with ties (`ReduceTied`, under ZeRO 0-3), a global gradient norm
-(`GradNorm`) or model replicas with overlapped pairs (DualPipe's `+B`) trains exactly.
+accepts of a mutated program with ties (`ReduceTied`, under ZeRO 0-3, with recomputation or
+not), a global gradient norm (`GradNorm`) or model replicas with overlapped pairs (DualPipe's
+`+B`) trains exactly.
 
 As in `test_mutation.py`: drop, duplicate, swap or move instructions, move one to another stage,
 or insert one of the collectives anywhere; the validator then raises a `ScheduleError` (never
@@ -53,14 +54,16 @@ def _train(program, segments, *, clip: bool) -> None:
     m=st.integers(1, 4),
     zero=st.sampled_from([0, 1, 2, 3]),
     grad_norm=st.booleans(),
+    recompute=st.booleans(),
     edits=mutations(2),
     data=st.data(),
 )
 def test_a_mutated_tied_program_is_rejected_or_trains_exactly(
-    name, p, m, zero, grad_norm, edits, data
+    name, p, m, zero, grad_norm, recompute, edits, data
 ):
     """A program tying the first and last segments (dp = 2 under ZeRO, else 1), with or
-    without `GradNorm`, mutated and perhaps given a stray `ReduceTied` or `GradNorm`."""
+    without `GradNorm` and recomputation, mutated and perhaps given a stray `ReduceTied` or
+    `GradNorm`."""
     v = 2 if name in _TWO_CHUNKS else 1
     try:
         schedule = schedcc.get_schedule(name)(p, m, v)
@@ -69,7 +72,7 @@ def test_a_mutated_tied_program_is_rejected_or_trains_exactly(
             return  # one segment: nothing to tie
         program = schedcc.compile(
             schedule, data_parallel=2 if zero else 1, zero=zero, tied=[(0, last)],
-            grad_norm=grad_norm,
+            grad_norm=grad_norm, recompute=recompute,
         )  # fmt: skip
     except ScheduleConfigError:
         return  # a shape the schedule refuses, or zero=3 with 2BW's weight delay
@@ -196,3 +199,12 @@ def test_a_sample_of_accepted_collective_mutants_trains_on_gloo_as_on_the_local_
     from schedcc.backends.run.launch import spawn
 
     assert spawn(_gloo_rank, 2, (4, 20261201), grace=10) == 0
+
+
+def test_a_clipping_program_without_its_norms_is_refused():
+    """A program compiled with grad_norm=True whose every `GradNorm` was dropped (no partner is
+    missing: they are all gone) is refused at its first step, not left for an engine to find."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2, num_batches=2), grad_norm=True)
+    stages = tuple(tuple(op for op in ops if type(op) is not GradNorm) for ops in program.stages)
+    with pytest.raises(UpdateOrderError, match="steps batch 0 without a GradNorm"):
+        schedcc.validate(program.evolve(stages=stages))

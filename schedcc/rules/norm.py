@@ -4,7 +4,9 @@
 comes after the batch's last weight gradient, `ReduceGrads` and `ReduceTied` and before the
 batch's `OptimizerStep`, once per batch. It is a collective of every stage ([Note: the norm
 collective] in `schedcc.semantics.norms`): a program has it on every stage or on none, and an
-n-th one that another stage lacks meets nothing. A cycle through it is `check_deadlock`'s.
+n-th one that another stage lacks meets nothing. A program compiled with `grad_norm=True` (its
+`grad_norm` flag) has one before every step: an engine clips or skips steps only through it. A
+cycle through it is `check_deadlock`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ __all__ = ["check_norm"]
 def check_norm(ctx: Context) -> Iterator[Problem]:
     """Each batch's `GradNorm` on a stage follows its last weight gradient and reductions and
     precedes its step, one per batch; the n-th of every stage meets the n-th of the others."""
-    if GradNorm not in ctx.kinds:
+    if GradNorm not in ctx.kinds and not ctx.program.grad_norm:
         return
     for p in ctx.model.norm_problems:
         yield Problem(
@@ -38,10 +40,11 @@ def check_norm(ctx: Context) -> Iterator[Problem]:
 
 def _on_stage(ctx: Context, s: int, ops) -> Iterator[Problem]:
     m = ctx.schedule.num_microbatches
-    batch, normed = 0, None
+    batch, normed, seen = 0, None, False
     for pos, op in enumerate(ops):
         kind = type(op)
         if kind is GradNorm:
+            seen = True
             if batch >= ctx.schedule.num_batches:
                 yield _problem(ctx, s, pos, "comes after the program's last step; remove it")
             elif normed is not None:
@@ -60,7 +63,15 @@ def _on_stage(ctx: Context, s: int, ops) -> Iterator[Problem]:
             )
             normed = None
         elif kind is OptimizerStep:
-            batch, normed = batch + 1, None
+            if ctx.program.grad_norm and not seen:
+                yield _problem(
+                    ctx,
+                    s,
+                    pos,
+                    f"steps batch {batch} without a GradNorm, but the program was compiled "
+                    "with grad_norm=True: put one right before the step",
+                )
+            batch, normed, seen = batch + 1, None, False
 
 
 def _problem(ctx: Context, s: int, pos: int, text: str) -> Problem:
