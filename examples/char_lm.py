@@ -3,9 +3,11 @@
     schedcc run --model examples/char_lm.py:make
     schedcc run --model examples/char_lm.py:make -p 4 --steps 100
     schedcc run --model examples/char_lm.py:make --schedule interleaved-1f1b -v 2 --check
+    schedcc run --model examples/char_lm.py:make --steps 100 --eval-every 20
 
 `make(num_segments, *, seed)` builds the model, cuts it into `num_segments` segments with
-`schedcc.split` and returns them with the loss, the data and an optimizer as a `RunModel`. The
+`schedcc.split` and returns them with the loss, the data (the text's last fifth held out for
+`--eval-every`) and an optimizer as a `RunModel`. The
 LM head's weight is the embedding's, so the first and the last segment hold the same Parameter:
 the run finds that tie and compiles with `tied=` by itself. The contract is in
 `schedcc.backends.run.models`.
@@ -30,6 +32,7 @@ TEXT = (
 CHARS = sorted(set(TEXT))
 IDS = torch.tensor([CHARS.index(c) for c in TEXT])
 WINDOW = 24
+SPLIT = len(IDS) * 4 // 5  # training reads the text before it; evaluation the rest
 
 
 class Block(nn.Module):
@@ -65,10 +68,19 @@ class CharLM(nn.Module):
 
 
 def batch(batch_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch_size` windows of the text and the characters that follow: a pure function of step."""
-    gen = torch.Generator().manual_seed(step)
-    starts = torch.randint(len(IDS) - WINDOW, (batch_size,), generator=gen)
-    windows = torch.stack([IDS[s : s + WINDOW + 1] for s in starts.tolist()])
+    """`batch_size` windows of the training text and the characters that follow them."""
+    return _windows(IDS[:SPLIT], batch_size, step)
+
+
+def held_out(batch_size: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k-th held-out batch: windows of the text's last fifth, which training never reads."""
+    return _windows(IDS[SPLIT:], batch_size, k)
+
+
+def _windows(ids: torch.Tensor, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)  # a pure function of the seed
+    starts = torch.randint(len(ids) - WINDOW, (batch_size,), generator=gen)
+    windows = torch.stack([ids[s : s + WINDOW + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -87,4 +99,5 @@ def make(num_segments: int, *, seed: int) -> RunModel:
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
         count=lambda chars, targets: targets.numel(),
         unit="characters",
+        eval_batch=held_out,
     )

@@ -50,11 +50,14 @@ def test_the_built_in_gpt_is_tied_and_has_variable_lengths():
 
 
 def test_the_default_run_finds_the_tie_and_equals_non_pipelined_training():
-    """`schedcc run --check` on the built-in GPT (tuple boundaries, tied head, variable lengths):
-    compiled with the tie it found, equal to non-pipelined training in float64."""
-    result = _run("--check", "--steps", "3")
+    """`schedcc run --check --eval-every 3` on the built-in GPT (tuple boundaries, tied head,
+    variable lengths): compiled with the tie it found, equal to non-pipelined training in
+    float64, and so is its loss on held-out batches, evaluated through the pipeline."""
+    result = _run("--check", "--steps", "3", "--eval-every", "3")
     assert result.returncode == 0, result.stderr
     assert _row(result.stdout, "tied segments (ReduceTied)") == "(0, 1)"
+    assert _row(result.stdout, "eval loss: step 3 -> 3")  # held-out batches, forward only
+    assert re.search(r"check: final evaluation loss difference .*: ok", result.stdout)
     assert "entropy floor" in result.stdout
     assert "tokens/s" in result.stdout
     assert re.search(r"check: .*: ok", result.stdout), result.stdout
@@ -140,6 +143,16 @@ BAD = textwrap.dedent(
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         )
 
+    def odd_held_out(num_segments, *, seed):
+        def held_out(batch_size, k):
+            return data(batch_size - 1, k)
+        return RunModel(
+            [nn.Linear(2, 2) for _ in range(num_segments)],
+            torch.nn.functional.mse_loss,
+            data,
+            eval_batch=held_out,
+        )
+
     NOT_CALLABLE = 3
     """
 )
@@ -160,12 +173,15 @@ BAD = textwrap.dedent(
         ("bad.py:odd_batch", (), "batch(16, 0): 17 samples cannot be split into m=8"),
         ("bad.py:no_seed", (), "unexpected keyword argument 'seed'"),
         ("bad.py:own_optimizer", ("--lr", "0.1"), "brings its own optimizer"),
+        ("bad.py:own_optimizer", ("--eval-every", "1"), "has no held-out data"),
+        ("bad.py:odd_held_out", ("--eval-every", "1"), "eval_batch(16, 0): 15 samples"),
     ],
 )
 def test_a_bad_model_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, target, extra, says):
     """A missing file, module or attribute, an unknown name, a factory that raises, returns
-    something other than a RunModel or breaks its contract, a batch that does not split, or
-    --lr beside the model's own optimizer: one line naming --model, exit 2, before any rank."""
+    something other than a RunModel or breaks its contract, a batch or held-out batch that does
+    not split, --eval-every without held-out data, or --lr beside the model's own optimizer:
+    one line naming --model, exit 2, before any rank."""
     (tmp_path / "bad.py").write_text(BAD)
     monkeypatch.chdir(tmp_path)
     code = main(["run", "--no-progress", "--steps", "1", "--model", target, *extra])
@@ -174,6 +190,15 @@ def test_a_bad_model_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, targe
     (line,) = err.strip().splitlines()
     assert says in line
     assert "--model" in line or "--lr" in line
+
+
+def test_eval_every_falls_between_program_runs(capsys):
+    """2BW runs four steps a program run; --eval-every 2 would fall inside one: one line, exit 2."""
+    code = main(["run", "--schedule", "2bw", "--steps", "8", "--eval-every", "2"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert "--eval-every 2: evaluations run between program runs" in line
+    assert "use a multiple of 4" in line
 
 
 def test_run_model_checks_its_fields():
@@ -186,3 +211,5 @@ def test_run_model_checks_its_fields():
         RunModel(segments, torch.nn.functional.mse_loss, len, optimizer=optimizer)
     with pytest.raises(TypeError, match=r"RunModel\.floor must be None or a number"):
         RunModel(segments, torch.nn.functional.mse_loss, len, floor="low")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"RunModel\.eval_batch must be None or a callable"):
+        RunModel(segments, torch.nn.functional.mse_loss, len, eval_batch=[])  # type: ignore[arg-type]

@@ -40,6 +40,7 @@ __all__ = [
     "CHECK_TOLERANCE",
     "DEFAULT_LR",
     "check_devices",
+    "eval_batch_size",
     "global_batch_size",
     "main",
     "optimizer_of",
@@ -147,7 +148,9 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         if rank == 0:
             print(f"the checkpoint is at step {engine.steps}: nothing left to train", flush=True)
         return 0
-    losses, sizes = _loop(engine, model, config, dp_index, show=rank == 0 and config.progress)
+    losses, sizes, evals = _loop(
+        engine, model, config, dp_index, show=rank == 0 and config.progress
+    )
     state = None
     if config.check:
         with engine.unsharded():  # ZeRO-3: every replica gathers, the first one reports
@@ -176,12 +179,17 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         return 0
     from schedcc.backends.run.report import check_line, summarize
 
-    summarize(program, config, model, losses, sizes, [g for g in gathered if g["tp"] == 0])
+    summarize(program, config, model, losses, sizes, [g for g in gathered if g["tp"] == 0], evals)
     if not config.check:
         return 0
     worst = _check(program, config, model, initial, gathered)
     print(check_line(worst, CHECK_TOLERANCE), flush=True)
-    return 0 if worst <= CHECK_TOLERANCE else 1
+    if not evals:
+        return 0 if worst <= CHECK_TOLERANCE else 1
+    expected = _reference_eval(initial, program, model, config)  # `initial` is trained now
+    gap = abs(evals[-1][1] - expected)
+    print(check_line(gap, CHECK_TOLERANCE, what="final evaluation loss"), flush=True)
+    return 0 if max(worst, gap) <= CHECK_TOLERANCE else 1
 
 
 def optimizer_of(model: RunModel, config):
@@ -199,6 +207,26 @@ def optimizer_of(model: RunModel, config):
 def global_batch_size(config) -> int:
     """Samples in one optimizer step's batch, over every data-parallel replica."""
     return config.num_microbatches * config.microbatch_size * config.data_parallel
+
+
+def eval_batch_size(config) -> int:
+    """Samples in one held-out batch: what one run of the program takes (`num_batches` steps'
+    worth, which `Engine.evaluate` splits into `m * num_batches` microbatches)."""
+    return global_batch_size(config) * config.num_batches
+
+
+def _eval_batches(model: RunModel, config):
+    """The held-out batches of every evaluation: `--eval-batches` of them, the same each time."""
+    return [model.eval_batch(eval_batch_size(config), k) for k in range(config.eval_batches)]
+
+
+def _evaluate(engine: Engine, batches, config, dp_index: int) -> float:
+    """The mean over the held-out batches of each one's loss (`Engine.evaluate`, collective)."""
+    losses = [
+        engine.evaluate(*local_batches(batch, k, config.data_parallel)[dp_index])
+        for k, batch in enumerate(batches)
+    ]
+    return sum(losses) / len(losses)
 
 
 def _global_batches(model: RunModel, config, start: int = 0):
@@ -222,8 +250,9 @@ def _resume(engine: Engine, config, rank: int) -> None:
 
 def _loop(
     engine: Engine, model: RunModel, config, dp_index: int, *, show: bool
-) -> tuple[list[float], list[int]]:
-    """Train to `config.steps`; each step's loss and what its global batch counts for."""
+) -> tuple[list[float], list[int], list[tuple[int, float]]]:
+    """Train to `config.steps`; each step's loss, what its global batch counts for, and
+    `(step, loss)` of each evaluation on held-out batches (`--eval-every`)."""
     from schedcc.backends.checkpoint.files import step_dir
     from schedcc.backends.run.report import Progress
 
@@ -235,6 +264,8 @@ def _loop(
             yield local_batches(batch, step, config.data_parallel)[dp_index]
 
     losses: list[float] = []
+    evals: list[tuple[int, float]] = []
+    held_out = _eval_batches(model, config) if config.eval_every else []
     with Progress(config.steps, enabled=show, completed=engine.steps) as progress:
         last = time.perf_counter()
         for loss in engine.train(local()):
@@ -243,8 +274,12 @@ def _loop(
             progress.advance(loss, now - last, skipped=engine.skipped_steps)
             if config.checkpoint and config.every and engine.steps % config.every == 0:
                 engine.save(step_dir(config.checkpoint, engine.steps))
+            every, steps = config.eval_every, engine.steps
+            if every and (steps % every == 0 or steps == config.steps):
+                evals.append((steps, _evaluate(engine, held_out, config, dp_index)))
+                progress.evaluated(evals[-1][1])
             last = time.perf_counter()
-    return losses, sizes
+    return losses, sizes, evals
 
 
 def _state(engine: Engine, schedule) -> dict[int, dict[str, torch.Tensor]]:
@@ -254,6 +289,22 @@ def _state(engine: Engine, schedule) -> dict[int, dict[str, torch.Tensor]]:
         }
         for c, module in enumerate(engine.modules)
     }
+
+
+def _reference_eval(initial, program: Program, model: RunModel, config) -> float:
+    """The held-out loss of the non-pipelined model `initial` (one replica), as `_evaluate`
+    averages it: each batch's loss over its local batches (`reference_loss`), in eval mode."""
+    from schedcc.backends.reference import Chain, reference_loss
+
+    chain = Chain(initial[: len(initial) // type(program.schedule).num_replicas]).eval()
+    with torch.no_grad():
+        losses = [
+            float(
+                reference_loss(chain, model.loss_fn, local_batches(batch, k, config.data_parallel))
+            )
+            for k, batch in enumerate(_eval_batches(model, config))
+        ]
+    return sum(losses) / len(losses)
 
 
 def _check(program: Program, config, model: RunModel, initial, gathered) -> float:

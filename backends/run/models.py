@@ -54,10 +54,12 @@ from schedcc.registry import load_object
 
 __all__ = [
     "BUILT_IN",
+    "HELD_OUT",
     "RunModel",
     "TeacherData",
     "build",
     "check_batch",
+    "held_out",
     "mlp",
     "mlp_segments",
     "split_evenly",
@@ -86,6 +88,9 @@ class RunModel:
         count: `count(inputs, targets) -> int`, how many `unit`s a batch holds (e.g. its real
             tokens), for the throughput; default: its samples.
         unit: what `count` counts ("tokens").
+        eval_batch: `eval_batch(batch_size, k) -> (inputs, targets)`, the k-th held-out batch
+            (a pure function of `k`, data the training batches never hold), for `--eval-every`;
+            None: the model cannot be evaluated.
 
     Raises:
         TypeError: a field of the wrong kind (a callable that is not, a floor that is no number).
@@ -110,6 +115,7 @@ class RunModel:
     floor_name: str = "floor"
     count: Callable[[Any, Any], int] | None = None
     unit: str = "samples"
+    eval_batch: Callable[[int, int], tuple[Any, Any]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, torch.optim.Optimizer):
@@ -119,7 +125,7 @@ class RunModel:
             )
         for field in ("loss_fn", "batch"):
             _need(callable(getattr(self, field)), field, "a callable")
-        for field in ("optimizer", "count"):
+        for field in ("optimizer", "count", "eval_batch"):
             value = getattr(self, field)
             _need(value is None or callable(value), field, "None or a callable")
         floor = self.floor
@@ -199,12 +205,19 @@ def build(name: str, num_segments: int, *, seed: int = 0) -> RunModel:
 
 
 def check_batch(
-    model: RunModel, name: str, *, batch_size: int, num_microbatches: int, data_parallel: int
+    model: RunModel,
+    name: str,
+    *,
+    batch_size: int,
+    num_microbatches: int,
+    data_parallel: int,
+    field: str = "batch",
 ) -> None:
-    """Draw step 0's batch and split it as the engines will; raise `UserError` if that fails."""
-    call = f"batch({batch_size}, 0)"
+    """Draw the first batch of `field` (`batch` or `eval_batch`) and split it as the engines
+    will; raise `UserError` if that fails."""
+    call = f"{field}({batch_size}, 0)"
     try:
-        batch = model.batch(batch_size, 0)
+        batch = getattr(model, field)(batch_size, 0)
     except Exception as exc:
         raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
     try:
@@ -238,6 +251,7 @@ def tiny_gpt(num_segments: int, *, seed: int = 0) -> RunModel:
         floor_name="entropy floor",
         count=real_tokens,
         unit="tokens",
+        eval_batch=held_out(data.batch),
     )
 
 
@@ -245,7 +259,28 @@ def mlp(num_segments: int, *, seed: int = 0) -> RunModel:
     """`mlp_segments` learning `TeacherData` (MSE); the floor is the noise variance."""
     data = TeacherData(seed=seed)
     segments = mlp_segments(num_segments, width=data.width, seed=seed)
-    return RunModel(segments, F.mse_loss, data.batch, floor=data.entropy, floor_name="noise floor")
+    return RunModel(
+        segments,
+        F.mse_loss,
+        data.batch,
+        floor=data.entropy,
+        floor_name="noise floor",
+        eval_batch=held_out(data.batch),
+    )
+
+
+#: The step from which `held_out` draws: no training run comes near it.
+HELD_OUT = 2**40
+
+
+def held_out(batch: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
+    """An `eval_batch` for data drawn by step: batch `k` is step `HELD_OUT + k`'s, which
+    training never draws (for a `batch` whose steps draw independent samples)."""
+
+    def eval_batch(batch_size: int, k: int):
+        return batch(batch_size, HELD_OUT + k)
+
+    return eval_batch
 
 
 #: The models `--model` knows by name.

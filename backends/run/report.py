@@ -42,11 +42,18 @@ class Progress:
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("step {task.fields[step]}"),
                 TextColumn("skipped {task.fields[skipped]}"),
+                TextColumn("{task.fields[eval]}"),
                 TimeElapsedColumn(),
             )
             self._bar.start()
             self._task = self._bar.add_task(
-                "train", total=self.total, completed=self.completed, loss="-", step="-", skipped=0
+                "train",
+                total=self.total,
+                completed=self.completed,
+                loss="-",
+                step="-",
+                skipped=0,
+                eval="",
             )
         return self
 
@@ -61,6 +68,11 @@ class Progress:
                 step=f"{seconds * 1e3:.1f} ms",
                 skipped=skipped,
             )
+
+    def evaluated(self, loss: float) -> None:
+        """Show the latest held-out loss beside the training loss."""
+        if self._bar is not None:
+            self._bar.update(self._task, eval=f"eval {loss:.4f}")
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
@@ -97,12 +109,19 @@ def _run_seconds(gathered: Sequence[dict], run: int) -> float:
 
 
 def summarize(
-    program: Program, config, model, losses: list[float], sizes: list[int], gathered
+    program: Program,
+    config,
+    model,
+    losses: list[float],
+    sizes: list[int],
+    gathered,
+    evals: Sequence[tuple[int, float]] = (),
 ) -> None:
     """Print the summary table (and write the trace) on rank 0.
 
     `model` is the run's `RunModel`; `losses` and `sizes` hold, per step this process trained,
-    its loss and what its global batch counts for (`RunModel.size`).
+    its loss and what its global batch counts for (`RunModel.size`); `evals` the `(step,
+    loss)` of each evaluation on held-out batches.
     """
     from rich.console import Console
     from rich.table import Table
@@ -136,6 +155,9 @@ def summarize(
     table.add_column("value", justify="right")
     table.add_row("steps", str(len(losses)))
     table.add_row("loss: first -> final", f"{losses[0]:.4f} -> {losses[-1]:.4f}")
+    if evals:
+        (first_step, first), (last_step, last) = evals[0], evals[-1]
+        table.add_row(f"eval loss: step {first_step} -> {last_step}", f"{first:.4f} -> {last:.4f}")
     if model.floor is not None:
         table.add_row(f"loss {model.floor_name}", f"{model.floor:.4f}")
     for row in _training_rows(config, gathered):
@@ -193,10 +215,10 @@ def _transports(gathered) -> str:
     return ", ".join(f"{kind} on {n} rank(s)" for kind, n in counts.items())
 
 
-def check_line(worst: float, tolerance: float) -> str:
+def check_line(worst: float, tolerance: float, *, what: str = "largest parameter") -> str:
     """The `--check` verdict, one line."""
     verdict = "ok" if worst <= tolerance else "FAILED"
     return (
-        f"check: largest parameter difference from non-pipelined training {worst:.3g} "
+        f"check: {what} difference from non-pipelined training {worst:.3g} "
         f"(tolerance {tolerance:g}): {verdict}"
     )

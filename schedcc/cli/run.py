@@ -72,6 +72,9 @@ class Config:
     grad_norm: bool = False
     tp: int = 1
     recompute: bool = False
+    #: Evaluate on held-out batches every this many steps and after the last (0: never).
+    eval_every: int = 0
+    eval_batches: int = 2
 
     @property
     def world_size(self) -> int:
@@ -171,6 +174,20 @@ def register(subparsers) -> None:
         action="store_true",
         help="recompute every forward before its backward (compile(..., recompute=True))",
     )
+    parser.add_argument(
+        "--eval-every",
+        type=positive_int,
+        metavar="N",
+        help="every N steps and after the last, the mean loss on held-out batches (forward "
+        "only, in eval mode: Engine.evaluate)",
+    )
+    parser.add_argument(
+        "--eval-batches",
+        type=positive_int,
+        default=2,
+        metavar="K",
+        help="held-out batches per evaluation (default 2)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -229,6 +246,20 @@ def _model(config: Config, schedule):
             num_microbatches=config.num_microbatches,
             data_parallel=config.data_parallel,
         )
+        if config.eval_every and model.eval_batch is None:
+            raise UserError(
+                f"--eval-every: --model {config.model} has no held-out data; give its RunModel "
+                "an eval_batch(batch_size, k)"
+            )
+        if config.eval_every:
+            models.check_batch(
+                model,
+                config.model,
+                batch_size=job.eval_batch_size(config),
+                num_microbatches=config.num_microbatches * config.num_batches,
+                data_parallel=config.data_parallel,
+                field="eval_batch",
+            )
     except UserError as exc:
         raise UsageError(str(exc)) from None
     finally:
@@ -293,6 +324,11 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
     _check_trace(args.trace)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
+    if args.eval_every and args.eval_every % batches_per_run:
+        raise UsageError(
+            f"--eval-every {args.eval_every}: evaluations run between program runs, which cover "
+            f"{batches_per_run} steps each for this schedule; use a multiple of {batches_per_run}"
+        )
     config = Config(
         schedule=args.schedule,
         num_stages=p,
@@ -320,6 +356,8 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         every=args.every or 0,
         resume=args.resume,
         recompute=args.recompute,
+        eval_every=args.eval_every or 0,
+        eval_batches=args.eval_batches,
     )
     return config, schedule
 
