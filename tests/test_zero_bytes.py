@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import batches, make_segments, mse, sgd
+from _tied_models import tied_segments
 
 import schedcc
 from schedcc.backends.local import Engine
 from schedcc.backends.runtime.memory import measure_memory
 from schedcc.costs import CostModel
-from schedcc.ir import COMM
+from schedcc.ir import COMM, ReduceTied
 from schedcc.memory import (
     chunk_sizes,
     held_gradient_bytes,
@@ -28,17 +29,22 @@ from schedcc.semantics import rule_versions
 WIDTH = 8  # one segment: 72 float64 values, split evenly in two shards
 
 
+def _trained(runtime) -> list:
+    """The parameters the runtime trains: its modules', with a tie's private copy in place of
+    the shared Parameter another stage trains."""
+    return [p for view in runtime._views for p in view.parameters()]
+
+
 def _parameter_bytes(runtime) -> int:
     """Bytes of the distinct storages behind the runtime's parameters and shards."""
-    tensors = [p for mod in runtime.modules for p in mod.parameters()] + runtime.shards
+    tensors = _trained(runtime) + runtime.shards
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
 def _gradient_bytes(runtime) -> int:
     """Bytes of the gradients the runtime's parameters and shards hold."""
-    params = [p for mod in runtime.modules for p in mod.parameters()]
-    params += list(runtime._reducer.shards)
+    params = _trained(runtime) + list(runtime._reducer.shards)
     return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
 
 
@@ -55,30 +61,23 @@ def _measure(runtime, record: list) -> None:
     runtime.run = measured
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
-def test_simulated_bytes_equal_measured_under_zero(name, v, zero):
-    """dp=2, p=2, m=4, one batch: per instruction the simulated parameter bytes (ZeRO-1/2:
-    whole + the stepped shard; ZeRO-3: the shard, whole from Unshard to Reshard), gradient
-    bytes (shards after each reduce-scatter) and totals equal the measured ones, and so do the
-    timeline's peaks: 1.5x the whole parameters under ZeRO-1/2, the whole under ZeRO-0/3, and
-    under ZeRO-3 only the shard once the last Reshard has run."""
-    schedule = schedcc.get_schedule(name)(2, 4, num_chunks=v)
-    program = schedcc.compile(schedule, data_parallel=2, zero=zero)
+def _compare(program, segments, fresh, zero: int) -> list:
+    """Train one step, recording each stage's bytes after each instruction; assert the
+    simulator's equal them. Returns each stage's record and parameter bytes by chunk."""
+    schedule = program.schedule
     (x, y) = batches(1, 8, width=WIDTH)[0]
-    rows = 8 // (2 * 4)  # a replica's half of the batch, in m microbatches
-    memory = measure_memory(
-        make_segments(schedule.num_segments, width=WIDTH), x[:rows], y[:rows], mse
-    )
-    engine = Engine(program, make_segments(schedule.num_segments, width=WIDTH), mse, sgd)
+    rows = 8 // (2 * schedule.num_microbatches)  # a replica's half of the batch, in m parts
+    memory = measure_memory(fresh, x[:rows], y[:rows], mse)
+    engine = Engine(program, segments, mse, sgd)
     records = [[] for _ in engine.runtimes[0]]
     for runtime, record in zip(engine.runtimes[0], records):
         _measure(runtime, record)
     engine.train_step(x, y)
     timeline = schedcc.simulate(program, CostModel(memory=memory))
     for s, (ops, record) in enumerate(zip(program.stages, records)):
-        # the local engine moves values itself: the record has every instruction but the comm
-        at = [pos for pos, op in enumerate(ops) if not isinstance(op, COMM)]
+        # the local engine moves values and meets for ReduceTied itself: the record has every
+        # other instruction (a ReduceTied changes no byte count)
+        at = [pos for pos, op in enumerate(ops) if not isinstance(op, (*COMM, ReduceTied))]
         assert [op for op, *_ in record] == [ops[pos] for pos in at]
         params = chunk_sizes(program, memory, s, "parameters")
         grads = chunk_sizes(program, memory, s, "gradients")
@@ -92,8 +91,44 @@ def test_simulated_bytes_equal_measured_under_zero(name, v, zero):
         assert peak.parameters == max(p for _, p, _, _ in record)
         assert peak.gradients == max(g for _, _, g, _ in record)
         assert peak.total == max(p + g + a for _, p, g, a in record)
+    return records, [chunk_sizes(program, memory, s, "parameters") for s in range(len(records))]
+
+
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("zb-v", 2)])
+def test_simulated_bytes_equal_measured_with_a_tie_under_zero_3(name, v):
+    """A tied chunk stays whole from its Unshard until after its ReduceTied and reduce-scatter:
+    per instruction the simulated parameter, gradient and total bytes equal what the runtime
+    holds, a tie's private copy counted as its chunk's own (zb-v: both copies on stage 0)."""
+    schedule = schedcc.get_schedule(name)(2, 4, num_chunks=v)
+    last = schedule.num_segments - 1
+    program = schedcc.compile(schedule, data_parallel=2, zero=3, tied=[(0, last)])
+    records, sizes = _compare(
+        program,
+        tied_segments(schedule.num_segments, width=WIDTH),
+        tied_segments(schedule.num_segments, width=WIDTH),
+        3,
+    )
+    for record, params in zip(records, sizes):
+        assert record[-1][1] == sum(params) / 2  # only the shards once the last Reshard ran
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_simulated_bytes_equal_measured_under_zero(name, v, zero):
+    """dp=2, p=2, m=4, one batch: per instruction the simulated parameter bytes (ZeRO-1/2:
+    whole + the stepped shard; ZeRO-3: the shard, whole from Unshard to Reshard), gradient
+    bytes (shards after each reduce-scatter) and totals equal the measured ones, and so do the
+    timeline's peaks: 1.5x the whole parameters under ZeRO-1/2, the whole under ZeRO-0/3, and
+    under ZeRO-3 only the shard once the last Reshard has run."""
+    schedule = schedcc.get_schedule(name)(2, 4, num_chunks=v)
+    program = schedcc.compile(schedule, data_parallel=2, zero=zero)
+    segments = make_segments(schedule.num_segments, width=WIDTH)
+    fresh = make_segments(schedule.num_segments, width=WIDTH)
+    records, sizes = _compare(program, segments, fresh, zero)
+    for record, params in zip(records, sizes):
+        peak = max(p for _, p, _, _ in record)
         whole = sum(params)
-        assert peak.parameters == {0: whole, 1: 1.5 * whole, 2: 1.5 * whole, 3: whole}[zero]
+        assert peak == {0: whole, 1: 1.5 * whole, 2: 1.5 * whole, 3: whole}[zero]
         if zero == 3:  # only the shards before the first Unshard and after the last Reshard
             assert record[-1][1] == whole / 2
 
