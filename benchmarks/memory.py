@@ -107,7 +107,9 @@ class _Meter:
 
     def held(self) -> int:
         runtime = self.runtime
-        params = [p for mod in runtime.modules for p in mod.parameters()]
+        # what the stage trains: a tied parameter's private copy in place of the shared one,
+        # whose storage the stage that trains it holds (and under ZeRO-3 releases)
+        params = [p for view in runtime._views for p in view.parameters()]
         shards = list(runtime._reducer.shards)
         storages = {
             t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*params, *shards)
