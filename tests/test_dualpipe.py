@@ -143,12 +143,28 @@ def test_dualpipe_validates_and_trains_over_the_shapes_it_accepts():
     )  # fmt: skip
 
 
+def _masked_sum(out, y):
+    """A `(loss_sum, count)` loss over the positive targets: counts differ between microbatches."""
+    kept = y > 0
+    return (((out - y) ** 2) * kept).sum(), kept.sum()
+
+
 @pytest.mark.parametrize(
-    ("shape", "dp", "zero"), [((2, 4), 1, 0), ((4, 10), 1, 0), ((2, 6), 2, 1), ((2, 4), 2, 3)]
+    ("shape", "dp", "zero", "summed"),
+    [
+        ((2, 4), 1, 0, False),
+        ((4, 10), 1, 0, False),
+        ((2, 6), 2, 1, False),
+        ((2, 4), 2, 3, False),
+        ((2, 4), 1, 0, True),
+        ((2, 6), 2, 1, True),
+    ],
 )
-def test_dualpipe_trains_like_non_pipelined(shape, dp, zero):
+def test_dualpipe_trains_like_non_pipelined(shape, dp, zero, summed):
     """Each stage trains both mirrored copies; their gradients are summed before the step, so the
-    copies stay equal and both equal non-pipelined training of one model to 1e-10."""
+    copies stay equal and both equal non-pipelined training of one model to 1e-10. Under a
+    (loss_sum, count) loss whose counts differ from microbatch to microbatch (`summed`), each
+    replica carries its own count down its segments and every step divides by their sum."""
     pytest.importorskip("torch")
     from _models import batches, make_segments, mse, sgd
 
@@ -158,7 +174,8 @@ def test_dualpipe_trains_like_non_pipelined(shape, dp, zero):
     program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
     parts = make_segments(schedule.num_stages)
     data = batches(4, dp * schedule.num_microbatches)
-    assert assert_matches_reference(program, parts + parts, mse, sgd, data) < 1e-10
+    loss = _masked_sum if summed else mse
+    assert assert_matches_reference(program, parts + parts, loss, sgd, data) < 1e-10
 
 
 def test_dualpipe_routes_and_replicas():
@@ -193,29 +210,6 @@ def test_dualpipe_refuses_what_it_cannot_run(shape):
     """An odd p, an odd m, m < 2p or other than two chunks: a config error naming the fix."""
     with pytest.raises(ScheduleConfigError, match=r"dualpipe-v|-v 2"):
         _dualpipe(*shape)
-
-
-def _masked_sum(out, y):
-    """A `(loss_sum, count)` loss over the positive targets: counts differ between microbatches."""
-    kept = y > 0
-    return (((out - y) ** 2) * kept).sum(), kept.sum()
-
-
-@pytest.mark.parametrize(("shape", "dp", "zero"), [((2, 4), 1, 0), ((2, 6), 2, 1)])
-def test_dualpipe_trains_a_sum_count_loss_like_non_pipelined(shape, dp, zero):
-    """Each replica carries its own count down its segments and every step divides by their sum:
-    a (loss_sum, count) loss whose counts differ from microbatch to microbatch trains like
-    non-pipelined training of one model (the total sum over the total count) to 1e-10."""
-    pytest.importorskip("torch")
-    from _models import batches, make_segments, sgd
-
-    from schedcc.backends.reference import assert_matches_reference
-
-    schedule = _dualpipe(*shape, num_batches=2)
-    program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
-    parts = make_segments(schedule.num_stages)
-    data = batches(4, dp * schedule.num_microbatches)
-    assert assert_matches_reference(program, parts + parts, _masked_sum, sgd, data) < 1e-10
 
 
 def test_a_sum_count_loss_is_refused_where_a_stage_misses_a_replica():
