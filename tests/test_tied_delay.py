@@ -17,11 +17,11 @@ from _orders import OrderSchedule, random_orders
 from _tied_models import adam, batches, mse, tied_segments
 from hypothesis import given
 from hypothesis import strategies as st
+from test_tied_training import _train_and_compare
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine as DistributedEngine
 from schedcc.backends.local import Engine
-from schedcc.backends.reference import train_reference
 from schedcc.backends.run.launch import spawn
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import parse
@@ -40,25 +40,12 @@ def _moved_comm_program():
 
 def _train_exactly(program) -> None:
     """The local engine on the tied model equals non-pipelined training to 1e-10 (with data
-    parallelism, on the whole batch, which the engine splits over its replicas)."""
+    parallelism, on the whole batch, which the engine splits over its replicas), and so does
+    every stage's copy of the tied weight."""
     schedule = program.schedule
-    n, m = schedule.num_segments, schedule.num_microbatches
-    segments = tied_segments(n)
-    piped, plain = copy.deepcopy(segments), copy.deepcopy(segments)
+    m = schedule.num_microbatches
     data = batches(schedule.num_batches, 2 * m * program.data_parallel)
-    losses = list(Engine(program, piped, mse, adam).train(data))
-    expected = train_reference(
-        plain,
-        mse,
-        adam,
-        data,
-        weight_delay=schedule.weight_delay,
-        batches_per_run=schedule.num_batches,
-    )
-    assert losses == pytest.approx(expected, abs=1e-10, rel=1e-10)
-    for mine, theirs in zip(piped, plain):
-        for p, q in zip(mine.parameters(), theirs.parameters()):
-            assert torch.allclose(p, q, atol=1e-10, rtol=1e-10)
+    _train_and_compare(program, tied_segments(schedule.num_segments), data)
 
 
 def test_the_step_waits_for_a_tie_that_needs_the_next_batch():
