@@ -64,11 +64,11 @@ class Context:
         """`match_comm`'s `(partner, problems)` for the program."""
         return self.model.partner, self.model.problems
 
-    @cached_property
+    @property
     def kinds(self) -> frozenset[type]:
-        """The instruction classes the program holds: a rule about an optional instruction
-        (`R`, `+B`, `Norm`, ZeRO-3's) returns at once where there is none."""
-        return frozenset({type(op) for ops in self.stages for op in ops})
+        """The instruction classes the program holds (the step model's): a rule about an
+        optional instruction (`R`, `+B`, `Norm`, ZeRO-3's) returns at once where there is none."""
+        return self.model.kinds
 
     @cached_property
     def computes_and_updates(self) -> list[list[tuple[int, Instruction]]]:

@@ -79,6 +79,8 @@ class StepModel:
     tie_problems: tuple[TieProblem, ...] = ()
     #: the `GradNorm`s that meet nothing ([Note: the norm collective])
     norm_problems: tuple[NormProblem, ...] = ()
+    #: the instruction classes the program holds
+    kinds: frozenset[type] = frozenset()
 
 
 def tensors_of(program: Any) -> Tensors:
@@ -105,7 +107,7 @@ def step_model(program: Any) -> StepModel:
         steps = Steps.of(program.stages)
         links = links_of(steps, partner)
         meets, tie_problems = [], []
-        kinds = {type(op) for ops in program.stages for op in ops}
+        kinds = frozenset({type(op) for ops in program.stages for op in ops})
         # a ReduceTied in a program without ties meets nothing: matched, it is reported
         if getattr(program, "tied", ()) or ReduceTied in kinds:  # [Note: tied collectives]
             links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
@@ -121,6 +123,7 @@ def step_model(program: Any) -> StepModel:
             meets,
             tuple(tie_problems),
             tuple(norm_problems),
+            kinds,
         )
         program.__dict__[_MODEL] = model
     return model
