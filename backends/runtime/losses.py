@@ -34,7 +34,7 @@ that replica's count, and a `(loss_sum, count)` loss is refused there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -189,24 +189,38 @@ class LossBook:
         return total
 
     def records(self) -> dict[int, LossRecord]:
-        """Per batch of this run, its `LossRecord` (reads the tensors: one sync per run)."""
+        """Per batch of this run, its `LossRecord` (reads every tensor at once: one sync per
+        run)."""
+        batches = list(self._values)
+        counts = {
+            b: [
+                c for key in sorted(k for k in self._counts if k[0] == b) for c in self._counts[key]
+            ]
+            for b in batches
+        }
+        parts = {b: self._parts.get(b, {}) for b in batches}
+        tensors = [
+            t
+            for b in batches
+            for t in (*self._values[b], *counts[b], *(v for vs in parts[b].values() for v in vs))
+        ]
+        read = iter(torch.stack([t.detach().double() for t in tensors]).tolist() if tensors else [])
         out = {}
-        for batch, values in self._values.items():
-            total = _sum(values)
-            if self.mode == RATIO:
-                counts = sorted((key, cs) for key, cs in self._counts.items() if key[0] == batch)
-                count = float(torch.stack([c for _, cs in counts for c in cs]).sum().item())
-            else:
-                count = float(len(values))
-            parts = {name: _sum(v) for name, v in self._parts.get(batch, {}).items()}
-            out[batch] = LossRecord(total, count, parts)
+        for b in batches:
+            total = _sum(read, len(self._values[b]))
+            count = _sum(read, len(counts[b]))  # read in order, whatever the mode
+            if self.mode != RATIO:
+                count = float(len(self._values[b]))
+            named = {name: _sum(read, len(v)) for name, v in parts[b].items()}
+            out[b] = LossRecord(total, count, named)
         return out
 
 
-def _sum(values: Iterable[torch.Tensor]) -> float:
+def _sum(values: Iterator[float], count: int) -> float:
+    """The next `count` values added in order, as a running float sum (forward order)."""
     total = 0.0
-    for value in values:  # in forward order, as a running float sum
-        total = total + float(value.item())
+    for _ in range(count):
+        total = total + next(values)
     return total
 
 
