@@ -19,7 +19,7 @@ from torch import nn
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
-from schedcc.backends.distributed.syncs import HostSyncs
+from schedcc.backends.runtime.syncs import HostSyncs
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import spawn
@@ -133,21 +133,22 @@ def _syncs_worker(rank: int, world_size: int) -> int:
         _sgd,
         timeout=20,
         p2p="nccl",
-        reduce_loss=False,
     )
     counts = []
     for x, y in _batches(4, 4, 1):
         before = HostSyncs.count
         engine.train_step(x, y)
         counts.append(HostSyncs.count - before)
-    # steps 0 and 2 bring new input shapes: each of the 4 messages received reads its header
-    assert counts == [4, 0, 4, 0], counts
+    # one read of the reduced loss a step; steps 0 and 2 bring new input shapes: each of the 4
+    # messages this stage receives reads its header
+    assert counts == [5, 1, 5, 1], counts
     return 0
 
 
 def test_a_steady_step_reads_nothing_on_the_host():
-    """On the NCCL path a step whose inputs are shaped like an earlier step's reads no header
-    (every message's shapes are certain); a step with new shapes reads one per message."""
+    """On the NCCL path a step whose inputs are shaped like an earlier step's reads the host
+    once, for its loss (every message's shapes are certain); a step with new shapes reads one
+    header per message too."""
     assert spawn(_syncs_worker, 2, grace=30, threads=1) == 0
 
 

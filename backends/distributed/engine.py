@@ -81,6 +81,7 @@ from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
 from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_precision
 from schedcc.backends.runtime.stage import StageRuntime
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat, signature
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
@@ -481,46 +482,48 @@ class Engine(BaseEngine):
         self, count: int, *, whole: bool = False, reduce: bool | None = None
     ) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss over every replica, and its named parts (on the last stage's ranks);
-        `whole`: of all `count` batches as one (the forward-only program's batch)."""
+        `whole`: of all `count` batches as one (the forward-only program's batch). The sums are
+        added and reduced on the device and read once ([Note: host syncs])."""
         last = self._holds(self._layout.lasts)
-        records = self.runtime.loss_records if last else {}
+        records = self.runtime.device_loss_records if last else {}
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
-        sums = [
-            [sum(records[b].total for b in group if b in records) for group in groups],
-            [sum(records[b].count for b in group if b in records) for group in groups],
-        ]
+        names = sorted(next(iter(records.values()))[2]) if records else []
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def added(group: list[int], pick) -> torch.Tensor:
+            total = zero
+            for b in group:
+                if b in records:
+                    total = total + pick(records[b]).to(self.device)
+            return total
+
+        sums = torch.stack(
+            [added(g, lambda r: r[0]) for g in groups] + [added(g, lambda r: r[1]) for g in groups]
+        )
+        parts = [added(g, lambda r, name=name: r[2][name]) for g in groups for name in names]
+        parts = torch.stack(parts) if parts else zero.new_zeros(0)
         if reduce is None:  # the replicas' last segments each hold part of a batch's loss
             reduce = self.reduce_loss or self._layout.num_replicas > 1
         if reduce:
-            tensor = torch.tensor(sums, dtype=torch.float64, device=self.device)
             with self._collective("the loss reduction", self.pp_group):
-                dist.all_reduce(tensor, group=self.pp_group)
+                dist.all_reduce(sums, group=self.pp_group)
             if self.data_parallel.size > 1:
                 with self._collective("the loss reduction", self.dp_group):
-                    dist.all_reduce(tensor, group=self.dp_group)
-            sums = tensor.tolist()
-        elif not last:
-            sums = [[float("nan")] * len(groups), [1.0] * len(groups)]
-        out = []
-        for n, group in enumerate(groups):
-            total, number = sums[0][n], sums[1][n]
-            loss = total / number if number else float("nan")
-            out.append((loss, {"loss": loss, **self._parts(records, group, number)}))
-        return out
-
-    def _parts(self, records, group: list[int], number: float) -> dict[str, float]:
-        """A dict loss's parts for the batches `group` (the last stage's ranks only), summed
-        over the data-parallel replicas and divided like the loss."""
-        names = sorted(records[group[0]].parts) if records and group[0] in records else []
-        if not names or not number:
-            return {}
-        values = [sum(records[b].parts[name] for b in group) for name in names]
-        if self.data_parallel.size > 1:
-            tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+                    dist.all_reduce(sums, group=self.dp_group)
+        if names and self.data_parallel.size > 1:
             with self._collective("the loss reduction", self.dp_group):
-                dist.all_reduce(tensor, group=self.dp_group)
-            values = tensor.tolist()
-        return {name: value / number for name, value in zip(names, values)}
+                dist.all_reduce(parts, group=self.dp_group)
+        if reduce or last:
+            read = host_read(torch.cat([sums, parts]))
+        else:
+            read = [float("nan")] * len(groups) + [1.0] * len(groups)
+        out = []
+        for n in range(len(groups)):
+            total, number = read[n], read[len(groups) + n]
+            loss = total / number if number else float("nan")
+            named = read[2 * len(groups) + n * len(names) :][: len(names)] if number else []
+            out.append((loss, {"loss": loss, **{k: v / number for k, v in zip(names, named)}}))
+        return out
 
     @contextmanager
     def _collective(self, what: str, group=None) -> Iterator[None]:

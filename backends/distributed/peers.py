@@ -25,7 +25,6 @@ import torch
 from schedcc.backends.distributed.links import DATA, SIDE, LinkIO
 from schedcc.backends.distributed.shm import ShmLinks
 from schedcc.backends.distributed.streams import Stream
-from schedcc.backends.distributed.syncs import host_read
 from schedcc.backends.distributed.wire import (
     HEAD_WORDS,
     expecting,
@@ -36,6 +35,7 @@ from schedcc.backends.distributed.wire import (
     read_header,
 )
 from schedcc.backends.runtime.boundary import Message
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.backends.runtime.values import Spec, TensorMeta, empty_tensors
 
 __all__ = ["GlooPeer", "Known", "NcclPeer", "ShmPeer", "Side"]

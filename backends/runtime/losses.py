@@ -34,11 +34,12 @@ that replica's count, and a `(loss_sum, count)` loss is refused there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import INPUT_GRADIENT
 
@@ -188,39 +189,41 @@ class LossBook:
             total = total + n
         return total
 
-    def records(self) -> dict[int, LossRecord]:
-        """Per batch of this run, its `LossRecord` (reads every tensor at once: one sync per
-        run)."""
-        batches = list(self._values)
-        counts = {
-            b: [
-                c for key in sorted(k for k in self._counts if k[0] == b) for c in self._counts[key]
-            ]
-            for b in batches
-        }
-        parts = {b: self._parts.get(b, {}) for b in batches}
-        tensors = [
-            t
-            for b in batches
-            for t in (*self._values[b], *counts[b], *(v for vs in parts[b].values() for v in vs))
-        ]
-        read = iter(torch.stack([t.detach().double() for t in tensors]).tolist() if tensors else [])
+    def device_records(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, dict]]:
+        """Per batch of this run, its `LossRecord`'s total, count and parts as float64 tensors on
+        the device: running sums in forward order, the same bits `records` reads."""
         out = {}
-        for b in batches:
-            total = _sum(read, len(self._values[b]))
-            count = _sum(read, len(counts[b]))  # read in order, whatever the mode
-            if self.mode != RATIO:
-                count = float(len(self._values[b]))
-            named = {name: _sum(read, len(v)) for name, v in parts[b].items()}
-            out[b] = LossRecord(total, count, named)
+        for b, values in self._values.items():
+            counts = [c for key in sorted(self._counts) if key[0] == b for c in self._counts[key]]
+            count = _running_sum(counts) if self.mode == RATIO else None
+            if count is None:
+                count = torch.tensor(float(len(values)), dtype=torch.float64)
+            parts = {name: _running_sum(v) for name, v in self._parts.get(b, {}).items()}
+            out[b] = (_running_sum(values), count, parts)
         return out
 
+    def records(self) -> dict[int, LossRecord]:
+        """Per batch of this run, its `LossRecord`: one host read for the whole run."""
+        device = self.device_records()
+        tensors = [
+            t for total, count, parts in device.values() for t in (total, count, *parts.values())
+        ]
+        read = iter(
+            host_read(torch.stack([t.to(tensors[0].device) for t in tensors])) if tensors else []
+        )
+        return {
+            b: LossRecord(next(read), next(read), {name: next(read) for name in parts})
+            for b, (_, _, parts) in device.items()
+        }
 
-def _sum(values: Iterator[float], count: int) -> float:
-    """The next `count` values added in order, as a running float sum (forward order)."""
-    total = 0.0
-    for _ in range(count):
-        total = total + next(values)
+
+def _running_sum(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`values` added one by one in order in float64 (None for none): the bits a running
+    Python float sum of their values gives."""
+    total = None
+    for value in values:
+        value = value.detach().to(torch.float64)
+        total = value if total is None else total + value
     return total
 
 

@@ -27,6 +27,7 @@ import attrs
 import torch
 from torch import nn
 
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
 
 __all__ = [
@@ -258,8 +259,10 @@ class StageTies:
     def apply(self, group: int, totals: Sequence[torch.Tensor]) -> None:
         """Give every copy here its tie's summed gradient (`totals`: the parts, summed over the
         group's stages); a tie no copy has a gradient of keeps none, as autograd would."""
-        for (tie, held), total in zip(self.groups.get(group, ()), totals):
-            if not total[-1].item():
+        pairs = list(zip(self.groups.get(group, ()), totals))
+        counts = host_read(torch.stack([t[-1] for _, t in pairs])) if pairs else []
+        for ((tie, held), total), count in zip(pairs, counts):  # one read: [Note: host syncs]
+            if not count:
                 continue
             grad = total[:-1].view(tie.shape)
             for copy in held:
