@@ -65,7 +65,6 @@ from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import (
     TieMeetings,
     check_ties,
-    find_ties,
     private_copies,
     stage_ties,
 )
@@ -135,7 +134,7 @@ class Engine(BaseEngine):
         segments = check_segments(schedule, segments)
         # refuse segments that share a parameter the program does not tie, before anything runs
         tied = program.tied
-        ties = check_ties(find_ties(dict(enumerate(segments))), tied, whole=range(len(tied)))
+        ties = check_ties(dict(enumerate(segments)), tied, whole=range(len(tied)))
         private = private_copies(ties, range(schedule.num_segments))
         self._tie_members = tie_members(tied, Layout.of(schedule))
         self.segments = segments

@@ -1,19 +1,30 @@
-"""GPU check (run on a CUDA machine): the local backend on CUDA against CPU, then `schedcc run`.
+"""GPU check (run on a CUDA machine): exactness, host syncs per step, overhead, NCCL.
 
 1. Every built-in schedule trains a float64 MLP for two steps on the local backend on CUDA and on
    the CPU from the same weights; the largest parameter difference is printed (and must be tiny).
-2. `schedcc run` with NCCL, one process per visible GPU (p = the number of GPUs), with `--check`
-   (float64, compared with non-pipelined training), then a float32 tiny-GPT run for its summary.
+2. Host syncs per step: the local engine on CUDA (1f1b, p = 4, m = 8), counted both by
+   `torch.cuda.set_sync_debug_mode` (warnings) and by the engines' own counter ([Note: host
+   syncs] in `backends/runtime/syncs.py`), steady steps only.
+3. Overhead on one GPU: a ~110M GPT (12 blocks, 768 wide, vocab 32768, 512 tokens) in 4
+   segments, 1f1b m = 8 on the local engine, against plain training of the same model with 8
+   microbatches of gradient accumulation, fp32 and bf16 (target: schedcc / plain <= 1.05).
+4. With 2 or more GPUs: the NCCL path (`p2p="nccl"`) over one rank per GPU, float64, against the
+   local engine on the CPU, with its host syncs per step; then `schedcc run` with NCCL, one
+   process per GPU, with `--check`, and a float32 tiny-GPT run for its summary.
 
-    python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +32,12 @@ from _stamp import stamp
 
 import schedcc
 from schedcc.backends.local import Engine
+from schedcc.backends.reference import Chain
 from schedcc.backends.run import models
+from schedcc.backends.run.gpt import GPT, GPTConfig, gpt_segments, mean_token_loss
+from schedcc.backends.run.launch import spawn
+from schedcc.backends.runtime.syncs import HostSyncs
+from schedcc.backends.runtime.tied import tied_groups
 
 SHAPES = {
     "gpipe": (2, 4, 1, 1),
@@ -69,8 +85,148 @@ def local_on_cuda() -> float:
     return worst
 
 
+def _counted(step) -> tuple[int, int]:
+    """Run `step()`; (syncs CUDA reported, host reads the engines counted) during it."""
+    before = HostSyncs.count
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cuda = sum("synchroniz" in str(w.message) for w in caught)
+    return cuda, HostSyncs.count - before
+
+
+def syncs_per_step() -> None:
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(4, 8))
+    segments = [s.cuda() for s in models.mlp_segments(4, width=256, seed=0)]
+    engine = Engine(program, segments, F.mse_loss, lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    data = models.TeacherData(width=256, seed=1)
+    batches = [tuple(t.float().cuda() for t in data.batch(64, step)) for step in range(6)]
+    for x, y in batches[:2]:
+        engine.train_step(x, y)
+    counts = [_counted(lambda x=x, y=y: engine.train_step(x, y)) for x, y in batches[2:]]
+    print(
+        "local engine on CUDA, 1f1b p=4 m=8, steady steps: syncs per step (CUDA's count, "
+        f"the engine's) {counts}",
+        flush=True,
+    )
+
+
+def _gpt(seed: int = 0) -> GPT:
+    config = GPTConfig(vocab=32768, max_len=512, d_model=768, num_heads=12, num_blocks=12)
+    return GPT(config, seed=seed)
+
+
+def _gpt_batch(rows: int, step: int):
+    gen = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, 32768, (rows, 513), generator=gen)
+    pad_mask = torch.zeros(rows, 512, dtype=torch.bool)
+    return (tokens[:, :-1].cuda(), pad_mask.cuda()), tokens[:, 1:].cuda()
+
+
+def _timed(step, count: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for n in range(count):
+        step(n)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / count
+
+
+def gpt_overhead(dtype: torch.dtype, steps: int) -> float:
+    """schedcc's local engine over plain gradient accumulation, seconds per step each."""
+    m, rows = 8, 32
+    model = _gpt().cuda()
+    segments = gpt_segments(model, 4)
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(4, m), tied=tied_groups(segments))
+    mixed = None if dtype == torch.float32 else dtype
+    adam = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)  # noqa: E731
+    engine = Engine(program, segments, mean_token_loss, adam, mixed_precision=mixed)
+    batches = [_gpt_batch(rows, step) for step in range(steps + 2)]
+    engine.train_step(*batches[0])
+    ours = _timed(lambda n, e=engine: e.train_step(*batches[1 + n % steps]), steps)
+    del engine, segments, model  # free the GPU for the plain copy
+    plain = Chain(gpt_segments(_gpt().cuda(), 4))
+    optimizer = adam(plain.parameters())
+
+    def accumulate(n: int) -> None:
+        (tokens, pad_mask), targets = batches[1 + n % steps]
+        for mb in range(m):
+            part = slice(mb * rows // m, (mb + 1) * rows // m)
+            with torch.autocast("cuda", dtype=dtype, enabled=mixed is not None):
+                out = plain((tokens[part], pad_mask[part]))
+            (mean_token_loss(out.float(), targets[part]) / m).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    accumulate(0)
+    theirs = _timed(accumulate, steps)
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    print(
+        f"GPT {sum(p.numel() for p in plain.parameters()) / 1e6:.0f}M, 4 segments, 1f1b m={m}, "
+        f"{name}, one GPU: schedcc {ours * 1e3:.1f} ms, plain accumulation {theirs * 1e3:.1f} "
+        f"ms, schedcc/plain {ours / theirs:.3f}",
+        flush=True,
+    )
+    return ours / theirs
+
+
+def _nccl_rank(rank: int, world_size: int) -> int:
+    from schedcc.backends.distributed import Engine as DistributedEngine
+
+    torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(
+        "nccl", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    worst = 0.0
+    for name, (_, m, v, per_run) in SHAPES.items():
+        schedule = schedcc.get_schedule(name)(world_size, m, v, per_run)
+        program = schedcc.compile(schedule)
+        replicas = type(schedule).num_replicas
+        parts = models.mlp_segments(world_size * v // replicas, width=32, seed=0)
+        parts = [s.double() for s in parts]
+        data = models.TeacherData(width=32, seed=1)
+        batches = [tuple(t.double() for t in data.batch(16, step)) for step in range(4 * per_run)]
+        oracle = Engine(program, copy.deepcopy(parts) * replicas, F.mse_loss, _adam)
+        expected = list(oracle.train(batches))
+        segments = [s.cuda() for s in copy.deepcopy(parts)] * replicas
+        engine = DistributedEngine(program, segments, F.mse_loss, _adam, timeout=60)
+        cuda_batches = [(x.cuda(), y.cuda()) for x, y in batches]
+        losses = list(engine.train(cuda_batches[: 2 * per_run]))
+        later = cuda_batches[2 * per_run :]
+        steady = _counted(lambda e=engine, got=losses, b=later: got.extend(e.train(b)))
+        diff = max(abs(a - b) for a, b in zip(losses, expected))
+        worst = max(worst, diff)
+        if rank == 0:
+            print(
+                f"NCCL path {name:17s} p={world_size} ({engine.point_to_point}): losses vs CPU "
+                f"{diff:.2e}; steady syncs (CUDA's, the engine's) over {2 * per_run} steps "
+                f"{steady}",
+                flush=True,
+            )
+    return 0 if worst < 1e-10 else 1
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def nccl_path() -> int:
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print("NCCL path over ranks: not run (one GPU; NCCL needs a GPU per rank)")
+        return 0
+    return spawn(_nccl_rank, gpus, grace=60, method="spawn")
+
+
 def nccl_run() -> int:
     gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print("schedcc run with NCCL: not run (one GPU)")
+        return 0
     common = [sys.executable, "-m", "schedcc", "run", "--no-progress", "-p", str(gpus)]
     codes = []
     for extra in (["--model", "mlp", "--steps", "4", "--check"], ["--steps", "20"]):
@@ -82,6 +238,9 @@ def nccl_run() -> int:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timed GPT steps")
+    opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
@@ -91,11 +250,15 @@ def main() -> int:
         flush=True,
     )
     worst = local_on_cuda()
-    code = nccl_run()
+    syncs_per_step()
+    ratios = [
+        gpt_overhead(dtype, 3 if opts.quick else 10) for dtype in (torch.float32, torch.bfloat16)
+    ]
+    code = max(nccl_path(), nccl_run())
     ok = worst < 1e-10 and code == 0
     print(
-        f"worst CUDA-vs-CPU difference {worst:.2e}; schedcc run exit {code}: "
-        f"{'PASS' if ok else 'FAIL'}"
+        f"worst CUDA-vs-CPU difference {worst:.2e}; GPT schedcc/plain fp32 {ratios[0]:.3f}, "
+        f"bf16 {ratios[1]:.3f} (target <= 1.05); NCCL exit {code}: {'PASS' if ok else 'FAIL'}"
     )
     return 0 if ok else 1
 

@@ -13,7 +13,10 @@ process, gloo on 127.0.0.1:
 
 A step is timed barrier to barrier on every rank and the slowest rank counts; each row takes turns
 in rounds: schedcc, schedcc with gloo point-to-point (`p2p="gloo"`: what the same executor does
-without its same-host transport), schedcc with broadcast pairs (`p2p="broadcast"`), schedcc in
+without its same-host transport), schedcc with broadcast pairs (`p2p="broadcast"`), schedcc on
+its NCCL code path with NCCL's blocking semantics emulated over gloo (`p2p="nccl"`: a thread per
+link and an acknowledgement per send, so it measures the protocol's cost on a CPU, not NCCL's
+speed), schedcc in
 bfloat16 (`mixed_precision`, with the bytes each step sends), torch, the floor (one step per turn
 by default, so all see the same machine load; the order rotates from round to round, since
 whichever runner follows the floor measures 8-10% slower), and reports the median over all timed
@@ -274,6 +277,7 @@ def _row(rank: int, model, name: str, cls, v: int, m: int, opts) -> dict:
         "schedcc": ours,
         "gloo": _Schedcc(model, name, m, v, data, p2p="gloo"),
         "broadcast": _Schedcc(model, name, m, v, data, p2p="broadcast"),
+        "nccl": _Schedcc(model, name, m, v, data, p2p="nccl"),
         "bf16": _Schedcc(model, name, m, v, data, mixed_precision=torch.bfloat16),
         "torch": _Torch(model, cls, m, v, data, rank),
         "floor": _Floor(model, m, v, data, rank),
@@ -346,7 +350,8 @@ def _print(rows: list[dict]) -> None:
         "| schedule | schedcc ms | torch ms | torch/schedcc | floor ms | analytic bubble | "
         "floor/(1-bubble) ms | schedcc/ideal | simulated ms | schedcc/simulated | "
         "overhead us/instr | schedcc gloo-p2p ms | "
-        "CPU ms schedcc/gloo-p2p/torch/floor | broadcast-p2p ms | bf16 ms | "
+        "CPU ms schedcc/gloo-p2p/torch/floor | broadcast-p2p ms | nccl-emulated ms | "
+        "nccl-emulated/ideal | bf16 ms | "
         "KiB sent per step, rank 0: fp32 / bf16 |"
     )
     print(stamp("step_time"))
@@ -361,6 +366,7 @@ def _print(rows: list[dict]) -> None:
             f"{r['overhead_us']:.0f} | {r['gloo'] * 1e3:.2f} | {r['cpu']['schedcc'] * 1e3:.1f} / "
             f"{r['cpu']['gloo'] * 1e3:.1f} / {r['cpu']['torch'] * 1e3:.1f} / "
             f"{r['cpu']['floor'] * 1e3:.1f} | {r['broadcast'] * 1e3:.2f} | "
+            f"{r['nccl'] * 1e3:.2f} | {r['nccl'] / r['ideal']:.2f} | "
             f"{r['bf16'] * 1e3:.2f} | {r['sent']['schedcc'] / 1024:.0f} / "
             f"{r['sent']['bf16'] / 1024:.0f} |",
             flush=True,

@@ -309,7 +309,7 @@ def _gloo_case(rank: int, name: str, v: int, dp: int, shared_memory: bool) -> No
     data = [gpt_batches(3, 4, seed=3 + r) for r in range(dp)]  # per replica
     replica, stage = divmod(rank, p)
     engine = DistributedEngine(
-        program, segments, token_loss, adam, timeout=60, shared_memory=shared_memory
+        program, segments, token_loss, adam, timeout=60, p2p="shm" if shared_memory else "gloo"
     )
     losses = list(engine.train(data[replica]))
     batches = [[data[r][b] for r in range(dp)] for b in range(3)]
@@ -389,7 +389,7 @@ def _disagreement_worker(rank: int, world_size: int, case: str, shared_memory: b
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
     segments = gpt_segments(untied_gpt(), 2)
     engine = DistributedEngine(
-        program, segments, token_loss, adam, timeout=60, shared_memory=shared_memory
+        program, segments, token_loss, adam, timeout=60, p2p="shm" if shared_memory else "gloo"
     )
     make_wrong, wrong_rank, instruction = DISAGREEMENTS[case]
     if rank == wrong_rank:

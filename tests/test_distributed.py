@@ -92,8 +92,8 @@ def _pipeline_worker(rank: int, world_size: int) -> int:
     for case in SCHEDULES:
         _compare(rank, *case)
     # the same over gloo, and a pair where only one side offers shared memory (it uses gloo)
-    _compare(rank, "interleaved-1f1b", 2, 2, 1, 2, linked=False, shared_memory=False)
-    _compare(rank, "1f1b", 2, 1, 1, 2, linked=False, shared_memory=rank == 0)
+    _compare(rank, "interleaved-1f1b", 2, 2, 1, 2, linked=False, p2p="gloo")
+    _compare(rank, "1f1b", 2, 1, 1, 2, linked=False, p2p="shm" if rank == 0 else "gloo")
     _linking_fails(rank)
     return 0
 
@@ -120,7 +120,7 @@ def _linking_fails(rank: int) -> None:
 def _written_worker(rank: int, world_size: int) -> int:
     _init(rank, world_size)
     _compare_program(rank, written(*CLASS_A), 2)  # shared memory
-    _compare_program(rank, written(*CLASS_A), 2, linked=False, shared_memory=False)  # gloo p2p
+    _compare_program(rank, written(*CLASS_A), 2, linked=False, p2p="gloo")  # gloo p2p
     return 0
 
 

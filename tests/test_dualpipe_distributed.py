@@ -58,9 +58,9 @@ def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwar
 def _worker(rank: int, world_size: int) -> int:
     _init(rank, world_size)
     _compare_built_in(rank, "dualpipe-v", 2, 2, 1, 2)
-    _compare_built_in(rank, "dualpipe-v", 2, 2, 2, 2, linked=False, shared_memory=False)
+    _compare_built_in(rank, "dualpipe-v", 2, 2, 2, 2, linked=False, p2p="gloo")
     _compare(rank, 4, 1)
-    _compare(rank, 6, 2, shared_memory=False)
+    _compare(rank, 6, 2, p2p="gloo")
     _compare(rank, 4, 2, loss_fn=_masked_sum)
     return 0
 

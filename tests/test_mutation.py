@@ -187,16 +187,14 @@ def _gloo_rank(rank: int, world_size: int, count: int, seed: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     for number, program in enumerate(accepted_mutants(count, seed)):
-        for shared_memory in (True, False):
+        for p2p in ("shm", "gloo", "nccl"):  # nccl: its semantics emulated on gloo
             segments = make_segments(program.schedule.num_segments, seed=3)
             oracle = copy.deepcopy(segments)
             data = _data(program)
-            engine = Engine(
-                program, segments, F.mse_loss, _adam, timeout=60, shared_memory=shared_memory
-            )
+            engine = Engine(program, segments, F.mse_loss, _adam, timeout=60, p2p=p2p)
             got = list(engine.train(data))
             want = list(LocalEngine(program, oracle, F.mse_loss, _adam).train(data))
-            where = f"program {number} (shm={shared_memory}):\n{program.to_text()}"
+            where = f"program {number} (p2p={p2p}):\n{program.to_text()}"
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, where
             for s, c in ((engine.stage, c) for c in range(program.schedule.num_chunks)):
                 k = program.schedule.segment_of(s, c)
@@ -206,7 +204,8 @@ def _gloo_rank(rank: int, world_size: int, count: int, seed: int) -> None:
 
 
 def test_a_sample_of_accepted_mutants_trains_on_gloo_as_on_the_local_backend():
-    """Accepted mutants of real programs run on gloo (shm and p2p) to the local numbers."""
+    """Accepted mutants of real programs run on gloo (shm, p2p, and NCCL's protocol with its
+    blocking semantics) to the local numbers."""
     from schedcc.backends.run.launch import spawn
 
     assert spawn(_gloo_rank, 2, (6, 20261201), grace=10) == 0

@@ -44,7 +44,7 @@ def _check(
     data = batches(3, 8 * dp)
     stage, dp_index = rank % p, rank // p
     mine = [segments[schedule.segment_of(stage, c)] for c in range(v)] if own else segments
-    engine = Engine(program, mine, mse, adam, timeout=30, shared_memory=shared_memory)
+    engine = Engine(program, mine, mse, adam, timeout=30, p2p="shm" if shared_memory else "gloo")
     local = [(x.chunk(dp)[dp_index], y.chunk(dp)[dp_index]) for x, y in data]
     losses = list(engine.train(local))
     replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in data] if dp > 1 else data

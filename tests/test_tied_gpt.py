@@ -100,7 +100,7 @@ def _gloo_worker(rank: int, world_size: int) -> int:
         r = rank // 2
         local = [((t.chunk(dp)[r], m.chunk(dp)[r]), y.chunk(dp)[r]) for (t, m), y in data]
         engine = DistributedEngine(
-            program, segments, token_loss, _adam, timeout=30, shared_memory=shared_memory
+            program, segments, token_loss, _adam, timeout=30, p2p="shm" if shared_memory else "gloo"
         )
         losses = list(engine.train(local))
         assert losses == pytest.approx(expected, abs=1e-10, rel=1e-10), (name, rank, losses)

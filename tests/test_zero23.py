@@ -184,7 +184,12 @@ def _zero_worker(rank: int, world_size: int, directory: str) -> int:
         global_batches = [data.batch(2 * m * dp, step) for step in range(steps)]
         replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in global_batches]
         engine = Engine(
-            program, segments, F.mse_loss, _optimizer, timeout=60, shared_memory=shared_memory
+            program,
+            segments,
+            F.mse_loss,
+            _optimizer,
+            timeout=60,
+            p2p="shm" if shared_memory else "gloo",
         )
         record: list = []
         grads: list = []

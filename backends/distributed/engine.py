@@ -4,12 +4,12 @@ Longer than the project's ~400-line habit on purpose: the per-rank driver (its r
 evaluation, the checkpoint collectives and naming a failure) shares one engine's state.
 
 `Engine` runs one stage's program on its rank: compute and update instructions go to the shared
-`StageRuntime`. Under NCCL each comm group is posted whole, as ONE
-`torch.distributed.batch_isend_irecv`, and its receives are waited before the next instruction (the
-execution semantics the validator proves deadlock-free); under gloo each op is posted and waited
-where it helps most (see [Note: eager point-to-point] in `backends.distributed.eager`: relaxations
-that cannot add a hang), and stages on the same machine exchange through shared memory rather than
-gloo (see [Note: same-host point-to-point] in `backends.distributed.shm`). Gradients are reduced
+`StageRuntime`; each comm op is posted and waited where it helps most (see [Note: eager
+point-to-point] in `backends.distributed.eager`: relaxations of the validator's model that cannot
+add a hang), on one of four transports (`p2p`): NCCL on a two-rank group per direction ([Note:
+one link per direction] in `backends.distributed.links`), shared memory between stages on the
+same machine ([Note: same-host point-to-point] in `backends.distributed.shm`), gloo send/recv,
+or gloo broadcasts. Gradients are reduced
 over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
 
 Ranks: by default a `DeviceMesh` with dims `("dp", "pp")` over the whole world, so the global rank
@@ -74,14 +74,16 @@ from schedcc.backends.distributed.groups import (
     stage_ops,
     tensor_group,
 )
+from schedcc.backends.distributed.links import LinkIO, Links
 from schedcc.backends.distributed.norms import NormGroup
 from schedcc.backends.distributed.pairs import BroadcastPairs, p2p_mode
 from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
 from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_precision
 from schedcc.backends.runtime.stage import StageRuntime
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.backends.runtime.tied import stage_ties
-from schedcc.backends.runtime.values import concat
+from schedcc.backends.runtime.values import concat, signature
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
 from schedcc.program import Program
@@ -117,12 +119,17 @@ class Engine(BaseEngine):
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
             run); otherwise only the last stage knows it and the others yield NaN. Always on
             for a program with model replicas (DualPipe), whose last stages each hold part.
-        shared_memory: under gloo, move tensors between stages on the same machine through
-            shared memory rather than gloo (see [Note: same-host point-to-point]).
-        p2p: how tensors travel between stages: "shm" (the default under gloo: shared memory
-            between same-host stages, gloo send/recv otherwise), "gloo" (send/recv only: as
-            `shared_memory=False`), or "broadcast" (`dist.broadcast` within a two-rank group
-            per neighbouring pair of stages, as DeepSpeed's first pipeline engine did).
+        p2p: how tensors travel between stages: "nccl" (the default, and the only one, under
+            NCCL: a two-rank group per direction; on a gloo group the same code with NCCL's
+            blocking semantics emulated, to test what NCCL would do on the CPU), "shm" (the
+            default under gloo: shared memory between same-host stages, gloo send/recv
+            otherwise), "gloo" (send/recv only), or "broadcast" (`dist.broadcast` within a
+            two-rank group per pair of stages, as DeepSpeed's first pipeline engine did).
+        dynamic_shapes: under p2p="nccl", send every message's header, for boundaries whose
+            shapes their values decide (the receiver then reads each header on the host: one
+            sync per message). By default a boundary's shapes must follow from the shapes of
+            the microbatch's inputs, and only the first message of each channel for new input
+            shapes carries a header ([Note: certain shapes] in `backends.distributed.peers`).
         max_grad_norm, mixed_precision: as the local `Engine`'s (clipping by the whole model's
             gradient norm; bfloat16 or float16 compute with float32 master weights).
 
@@ -153,8 +160,8 @@ class Engine(BaseEngine):
         tp_group=None,
         timeout: float | timedelta = 60.0,
         reduce_loss: bool = True,
-        shared_memory: bool = True,
         p2p: str | None = None,
+        dynamic_shapes: bool = False,
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
     ) -> None:
@@ -165,8 +172,9 @@ class Engine(BaseEngine):
             )
         super().__init__(program, loss_fn, optimizer)
         check_precision(program, max_grad_norm, mixed_precision)
-        shared_memory, self.p2p = p2p_mode(p2p, shared_memory)
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
+        self.p2p = p2p_mode(p2p, dist.get_backend(self.pp_group))
+        self.dynamic_shapes = bool(dynamic_shapes)
         self.stage = dist.get_rank(self.pp_group)
         #: the tensor-parallel group of this stage, or None
         self.tp_group = tensor_group(mesh, tp_group)
@@ -183,14 +191,14 @@ class Engine(BaseEngine):
         self.ties = TieGroups(program, self.stage, self.pp_group, timeout=self.timeout)
         #: the replica's stages as one group, for `GradNorm`
         self.norms = NormGroup(program, self.stage, self.pp_group, timeout=self.timeout)
-        self._pairs = None
+        self._pairs = self._links = None
         if self.p2p == "broadcast":  # see [Note: broadcast pairs]
-            if dist.get_backend(self.pp_group) != "gloo":
-                raise ScheduleConfigError(
-                    "p2p='broadcast' moves tensors by gloo broadcasts; under "
-                    f"{dist.get_backend(self.pp_group)} use the default p2p"
-                )
             self._pairs = BroadcastPairs(program, self.stage, self.pp_group, timeout=self.timeout)
+        elif self.p2p == "nccl":  # see [Note: one link per direction]
+            links = Links(program, self.stage, self.pp_group, timeout=self.timeout)
+            emulate = dist.get_backend(self.pp_group) != "nccl"
+            cuda = self.device.type == "cuda" and not emulate
+            self._links = LinkIO(links, self.stage, emulate=emulate, cuda=cuda)
         given = segments if isinstance(segments, Sequence) else modules
         ties, private = plan_ties(program, self.stage, given, modules, self.ties)
         held = [schedule.segment_of(self.stage, c) for c in range(len(modules))]
@@ -217,16 +225,12 @@ class Engine(BaseEngine):
             s: dist.get_global_rank(self.pp_group, s) for s in range(program.num_stages)
         }
         self._bounds = Steps.of([program.stages[self.stage]]).bounds[0]
-        self._shared_memory = shared_memory
         self._transfers = self._transfers_for(program, ops)
-        #: The indices of `_ops` that `_run` visits. Under gloo a comm group does nothing where
-        #: it stands (its ops are posted and waited around the computes: [Note: eager
-        #: point-to-point]), so only the computes are visited; under NCCL, every one.
-        self._visit = [
-            index
-            for index, op in enumerate(ops)
-            if self._transfers.eager is None or type(op) is not CommGroup
-        ]
+        #: The indices of `_ops` that `_run` visits: a comm group does nothing where it stands
+        #: (its ops are posted and waited around the computes: [Note: eager point-to-point]).
+        self._visit = [index for index, op in enumerate(ops) if type(op) is not CommGroup]
+        #: per microbatch of the run, the spec and meta of its inputs ([Note: certain shapes])
+        self._signatures: dict[int, Any] = {}
         self._connected = False
         #: the forward-only program's steps, visited steps and transfers, made on first use
         self._forward: tuple[list, list[int], Transfers] | None = None
@@ -270,14 +274,16 @@ class Engine(BaseEngine):
         """Every rank checks the batches (so all raise alike, before any exchange); only the
         stages that read the inputs or the targets keep them."""
         m = self.program.schedule.num_microbatches
-        split = []
+        split, shapes = [], []
         for index, batch in enumerate(group, first):
             if not is_pair(batch):
                 raise ScheduleConfigError(
                     f"batch {index} must be (inputs, targets) tensors or values"
                 )
             inputs, targets = split_pair(*batch, m, where=f"batch {index}")
+            shapes += inputs
             split.append(self._own(inputs, targets))
+        self._signatures = {i: signature(x) for i, x in enumerate(shapes)}
         return split
 
     def _holds(self, segments: tuple[int, ...]) -> bool:
@@ -305,6 +311,7 @@ class Engine(BaseEngine):
         schedule = self.program.schedule
         m, num_batches = schedule.num_microbatches, schedule.num_batches
         xs, ys = split_pair(inputs, targets, m * num_batches, where="the batch")
+        self._signatures = {i: signature(x) for i, x in enumerate(xs)}
         split = [
             self._own(
                 xs[b * m : (b + 1) * m], ys[b * m : (b + 1) * m] if targets is not None else None
@@ -350,8 +357,10 @@ class Engine(BaseEngine):
             global_peer=self._global_peer,
             device=self.device,
             timeout=self.timeout,
-            shared_memory=self._shared_memory,
+            p2p=self.p2p,
+            dynamic_shapes=self.dynamic_shapes,
             pairs=self._pairs,
+            links=self._links,
         )
 
     def _forward_steps(self) -> tuple[list, list[int], Transfers]:
@@ -363,8 +372,7 @@ class Engine(BaseEngine):
             ops = stage_ops(program, self.stage, self._layout)
             transfers = self._transfers_for(program, ops)
             transfers.connect(linked=self._transfers)
-            eager = transfers.eager is not None
-            visit = [n for n, op in enumerate(ops) if not eager or type(op) is not CommGroup]
+            visit = [n for n, op in enumerate(ops) if type(op) is not CommGroup]
             self._forward = (ops, visit, transfers)
         return self._forward
 
@@ -373,6 +381,7 @@ class Engine(BaseEngine):
         (start, end) of each step. A failure tells the peers first ([Note: failures])."""
         runtime = self.runtime
         runtime.reset(forward_only=forward_only)
+        transfers.begin(self._signatures)
         for batch, (inputs, targets) in enumerate(split):
             runtime.load_batch(batch, inputs, targets)
         clock, clock0 = time.perf_counter, self._clock0
@@ -383,9 +392,7 @@ class Engine(BaseEngine):
                 self._at = None if forward_only else index
                 transfers.before(index)
                 start = clock()
-                if type(op) is CommGroup:
-                    transfers.exchange(op)
-                elif isinstance(op, Update):
+                if isinstance(op, Update):
                     self._update(op)
                 else:
                     runtime.run(op)
@@ -475,46 +482,48 @@ class Engine(BaseEngine):
         self, count: int, *, whole: bool = False, reduce: bool | None = None
     ) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss over every replica, and its named parts (on the last stage's ranks);
-        `whole`: of all `count` batches as one (the forward-only program's batch)."""
+        `whole`: of all `count` batches as one (the forward-only program's batch). The sums are
+        added and reduced on the device and read once ([Note: host syncs])."""
         last = self._holds(self._layout.lasts)
-        records = self.runtime.loss_records if last else {}
+        records = self.runtime.device_loss_records if last else {}
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
-        sums = [
-            [sum(records[b].total for b in group if b in records) for group in groups],
-            [sum(records[b].count for b in group if b in records) for group in groups],
-        ]
+        names = sorted(next(iter(records.values()))[2]) if records else []
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def added(group: list[int], pick) -> torch.Tensor:
+            total = zero
+            for b in group:
+                if b in records:
+                    total = total + pick(records[b]).to(self.device)
+            return total
+
+        sums = torch.stack(
+            [added(g, lambda r: r[0]) for g in groups] + [added(g, lambda r: r[1]) for g in groups]
+        )
+        parts = [added(g, lambda r, name=name: r[2][name]) for g in groups for name in names]
+        parts = torch.stack(parts) if parts else zero.new_zeros(0)
         if reduce is None:  # the replicas' last segments each hold part of a batch's loss
             reduce = self.reduce_loss or self._layout.num_replicas > 1
         if reduce:
-            tensor = torch.tensor(sums, dtype=torch.float64, device=self.device)
             with self._collective("the loss reduction", self.pp_group):
-                dist.all_reduce(tensor, group=self.pp_group)
+                dist.all_reduce(sums, group=self.pp_group)
             if self.data_parallel.size > 1:
                 with self._collective("the loss reduction", self.dp_group):
-                    dist.all_reduce(tensor, group=self.dp_group)
-            sums = tensor.tolist()
-        elif not last:
-            sums = [[float("nan")] * len(groups), [1.0] * len(groups)]
-        out = []
-        for n, group in enumerate(groups):
-            total, number = sums[0][n], sums[1][n]
-            loss = total / number if number else float("nan")
-            out.append((loss, {"loss": loss, **self._parts(records, group, number)}))
-        return out
-
-    def _parts(self, records, group: list[int], number: float) -> dict[str, float]:
-        """A dict loss's parts for the batches `group` (the last stage's ranks only), summed
-        over the data-parallel replicas and divided like the loss."""
-        names = sorted(records[group[0]].parts) if records and group[0] in records else []
-        if not names or not number:
-            return {}
-        values = [sum(records[b].parts[name] for b in group) for name in names]
-        if self.data_parallel.size > 1:
-            tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+                    dist.all_reduce(sums, group=self.dp_group)
+        if names and self.data_parallel.size > 1:
             with self._collective("the loss reduction", self.dp_group):
-                dist.all_reduce(tensor, group=self.dp_group)
-            values = tensor.tolist()
-        return {name: value / number for name, value in zip(names, values)}
+                dist.all_reduce(parts, group=self.dp_group)
+        if reduce or last:
+            read = host_read(torch.cat([sums, parts]))
+        else:
+            read = [float("nan")] * len(groups) + [1.0] * len(groups)
+        out = []
+        for n in range(len(groups)):
+            total, number = read[n], read[len(groups) + n]
+            loss = total / number if number else float("nan")
+            named = read[2 * len(groups) + n * len(names) :][: len(names)] if number else []
+            out.append((loss, {"loss": loss, **{k: v / number for k, v in zip(names, named)}}))
+        return out
 
     @contextmanager
     def _collective(self, what: str, group=None) -> Iterator[None]:

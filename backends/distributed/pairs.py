@@ -19,28 +19,35 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from schedcc.backends.distributed.links import Links
 from schedcc.errors import ScheduleConfigError
 from schedcc.program import Program
-from schedcc.semantics import Layout
+
+_TAGS = (0, 1)  # the tags `GlooPeer` uses
 
 __all__ = ["P2P_MODES", "BroadcastPairs", "p2p_mode"]
 
 #: What `Engine(..., p2p=...)` accepts.
-P2P_MODES = ("shm", "gloo", "broadcast")
-_TAGS = (0, 1)  # the tags `GlooPeer` uses
+P2P_MODES = ("shm", "gloo", "broadcast", "nccl")
 
 
-def p2p_mode(p2p: str | None, shared_memory: bool) -> tuple[bool, str]:
-    """`(shared_memory, mode)` for the engine's `p2p` and `shared_memory` arguments.
+def p2p_mode(p2p: str | None, backend: str) -> str:
+    """The transport for the engine's `p2p` on a pipeline group of `backend`: by default "nccl"
+    under NCCL, "shm" otherwise.
 
     Raises:
-        ScheduleConfigError: `p2p` is not one of `P2P_MODES`.
+        ScheduleConfigError: `p2p` is not one of `P2P_MODES`, or a gloo transport under NCCL.
     """
     if p2p is None:
-        return shared_memory, "shm" if shared_memory else "gloo"
+        return "nccl" if backend == "nccl" else "shm"
     if p2p not in P2P_MODES:
         raise ScheduleConfigError(f"p2p must be one of {', '.join(P2P_MODES)}, got {p2p!r}")
-    return p2p == "shm", p2p
+    if backend == "nccl" and p2p != "nccl":
+        raise ScheduleConfigError(
+            f"p2p={p2p!r} moves tensors through gloo or shared memory; under nccl use the "
+            "default p2p ('nccl')"
+        )
+    return p2p
 
 
 class BroadcastPairs:
@@ -49,24 +56,12 @@ class BroadcastPairs:
 
     def __init__(self, program: Program, stage: int, pp_group, *, timeout: timedelta) -> None:
         self.stage = stage
-        self._groups: dict[tuple[int, int, int], tuple[object, int]] = {}
-        stage_of = Layout.of(program.schedule).stage_of
-        edges = {(stage_of[k], stage_of[k + 1]) for k in range(len(stage_of) - 1)}
-        pairs = sorted({pair for a, b in edges if a != b for pair in ((a, b), (b, a))})
-        mine = dist.get_process_group_ranks(pp_group)
-        replicas: list = [None] * dist.get_world_size()
-        dist.all_gather_object(replicas, mine)
-        for replica in sorted({tuple(r) for r in replicas}):
-            for a, b in pairs:
-                for tag in _TAGS:
-                    group = dist.new_group(sorted({replica[a], replica[b]}), timeout=timeout)
-                    if replica == tuple(mine) and stage in (a, b):
-                        self._groups[a, b, tag] = (group, replica[a])
+        self._links = Links(program, stage, pp_group, timeout=timeout, lanes=_TAGS)
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int):
-        group, source = self._groups[self.stage, peer, tag]
+        group, source = self._links.get(self.stage, peer, tag, global_ranks=True)[:2]
         return dist.broadcast(tensors[0], source, group=group, async_op=True)
 
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int):
-        group, source = self._groups[peer, self.stage, tag]
+        group, source = self._links.get(peer, self.stage, tag, global_ranks=True)[:2]
         return dist.broadcast(tensors[0], source, group=group, async_op=True)

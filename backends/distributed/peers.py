@@ -1,21 +1,28 @@
 """Messages with one peer stage, for `Transfers`: each transport's way of sending a message and
-its header only when it changed ([Note: a header only when it changes]).
+its header only when it is needed ([Note: a header only when it changes]).
 
 A `Side` is one direction of the exchange with a peer: its `Stream`, how many of its messages
-this run has numbered, and the spec and meta of the recent ones (to find a message's basis).
-`ShmPeer` and `GlooPeer` move one message at a time: `send` (with or without its header),
-`post` (gloo: the receive's buffers, shaped like the basis) and `process` (the next message in
-stream order, as a `Message`). Under NCCL, `exchange_nccl` moves a whole comm group.
+this run has numbered, and the spec and meta of the recent ones (to find what the receiver knows
+of a message before it comes). `ShmPeer`, `GlooPeer` and `NcclPeer` move one message at a time:
+`send`, `post` (the receive's buffers, where the transport posts ahead) and `process` (the next
+message in stream order, as a `Message`).
+
+[Note: nothing to send] A message moves no bytes only when its receiver knows for certain what it
+is (`NcclPeer`: [Note: certain shapes]). Over shared memory and gloo a basis is a guess that the
+message's first record or buffer confirms; a basis without tensors leaves nothing to confirm it
+with, so it counts as none (`Side.known` returns None) and the header always travels: a message
+with no tensors (a boundary whose values take no gradient sends an empty gradient message) is
+one header, never nothing. One rule, in `Side.known`, for every transport.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from schedcc.backends.distributed.links import DATA, SIDE, LinkIO
 from schedcc.backends.distributed.shm import ShmLinks
 from schedcc.backends.distributed.streams import Stream
 from schedcc.backends.distributed.wire import (
@@ -28,9 +35,10 @@ from schedcc.backends.distributed.wire import (
     read_header,
 )
 from schedcc.backends.runtime.boundary import Message
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.backends.runtime.values import Spec, TensorMeta, empty_tensors
 
-__all__ = ["GlooPeer", "Known", "ShmPeer", "Side", "exchange_nccl"]
+__all__ = ["GlooPeer", "Known", "NcclPeer", "ShmPeer", "Side"]
 
 #: What a receiver knows of a message before it comes: its basis's spec and meta, or None.
 Known = tuple[Spec, tuple[TensorMeta, ...]] | None
@@ -38,37 +46,83 @@ _DATA_TAG, _SIDE_TAG = 0, 1
 
 
 class Side:
-    """One direction of the exchange with a peer (see the module docstring)."""
+    """One direction of the exchange with a peer (see the module docstring).
 
-    __slots__ = ("history", "index", "processed", "ready", "stream")
+    `rule`, what is known of a message before it comes: "basis" (shared memory, gloo), its
+    basis's spec and meta (`Stream.basis`), if that has tensors ([Note: nothing to send]);
+    "certain" (NCCL, [Note: certain shapes]), what an earlier run's message of the same channel
+    and input shapes was; "none" (NCCL with `dynamic_shapes`), nothing: every message sends its
+    header.
+    """
 
-    def __init__(self, stream: Stream):
+    __slots__ = (
+        "certain",
+        "history",
+        "index",
+        "keys",
+        "processed",
+        "ready",
+        "rule",
+        "seen",
+        "stream",
+    )
+
+    def __init__(self, stream: Stream, *, rule: str = "basis"):
         self.stream = stream
+        self.rule = rule
+        self.certain = rule == "certain"
         self.index = {op: n for n, op in enumerate(stream.ops)}  # op -> place in a run
         self.history: dict[int, tuple[Spec, tuple[TensorMeta, ...]]] = {}
         self.processed = 0  # receiving: messages processed so far, over every run
         self.ready: dict[int, Message] = {}  # receiving: processed, not yet taken
+        #: certain: (channel, input shapes) -> spec and meta, from the runs before this one
+        self.seen: dict[Hashable, tuple[Spec, tuple[TensorMeta, ...]]] = {}
+        #: certain: each message's (channel, input shapes) in this run
+        self.keys: list[Hashable] = [None] * len(stream.ops)
+
+    def begin(self, signatures: Mapping[int, Hashable] | None) -> None:
+        """A run starts: its microbatches' input shapes (`signatures[i]`, or None: unknown)."""
+        if self.certain:
+            sig = signatures or {}
+            self.keys = [
+                (channel, sig.get(op.microbatch))  # type: ignore[attr-defined]
+                for op, channel in zip(self.stream.ops, self.stream.channels)
+            ]
 
     def number(self, op: Any, run: int) -> int:
         """The number of `op`'s message in run `run`, counted over every run."""
         return run * len(self.stream.ops) + self.index[op]
 
     def known(self, number: int) -> Known:
-        """The spec and meta of message `number`'s basis, or None (no basis)."""
+        """What the receiver knows of message `number` before it comes, or None (a header)."""
+        if self.certain:
+            return self.seen.get(self.keys[number % len(self.stream.ops)])
+        if self.rule == "none":
+            return None
         basis = self.stream.basis(number)
-        return None if basis is None else self.history[basis]
+        if basis is None:
+            return None
+        known = self.history[basis]
+        return known if known[1] else None  # see [Note: nothing to send]
 
     def record(self, number: int, message: Message) -> None:
         self.history[number] = (message.spec, message.meta)
 
-    def forget_before(self, number: int) -> None:
-        """Drop the spec and meta of messages before `number` (no basis can be one of them)."""
-        for old in [n for n in self.history if n < number]:
+    def finish(self, run: int) -> None:
+        """Run `run` ended: remember its messages' shapes (certain) and drop what no basis can
+        be any more (a basis is at most a run back)."""
+        size = len(self.stream.ops)
+        if self.certain:
+            for n in range(size):
+                got = self.history.get(run * size + n)
+                if got is not None:
+                    self.seen[self.keys[n]] = got
+        for old in [n for n in self.history if n < run * size]:
             del self.history[old]
 
 
 def changed(message: Message, known: Known) -> bool:
-    """Whether `message` needs its header: no basis, or another spec or meta than the basis's."""
+    """Whether `message` needs its header: nothing known, or another spec or meta."""
     return known is None or (message.spec, message.meta) != known
 
 
@@ -96,7 +150,7 @@ class ShmPeer:
                 tensor of another size).
         """
         links, peer = self._links, self._peer
-        first = known[1][0] if known is not None and known[1] else None
+        first = known[1][0] if known is not None else None
         want = None if first is None else (first.shape, first.dtype)  # read at once if it is
         words = links.recv_header(peer, self._record, want)
         if words is not None:
@@ -125,12 +179,12 @@ class GlooPeer:
     def send(self, number: int, message: Message, known: Known) -> list[tuple[Any, torch.Tensor]]:
         """Post the sends of message `number`; the `(work, tensor)` pairs to keep until done."""
         works: list[tuple[Any, torch.Tensor]] = []
-        if known is not None and known[1] and not changed(message, known):
+        if known is not None and not changed(message, known):
             for tensor in message.tensors:
                 works.append(self._send(tensor, _DATA_TAG))
             return works
         words = header(number, message)
-        if known is not None and known[1]:  # the receive expects the basis's tensors
+        if known is not None:  # the receive expects the basis's tensors
             expected = known[1]
             works.append(self._send(marker(expected[0], self._device), _DATA_TAG))
             for meta in expected[1:]:
@@ -144,7 +198,7 @@ class GlooPeer:
 
     def post(self, number: int, known: Known) -> None:
         """Post the receives of message `number`, expecting its basis's tensors (or a header)."""
-        if known is not None and known[1]:
+        if known is not None:
             metas = known[1]
             buffers = [expecting(metas[0], self._device)]
             buffers += empty_tensors(metas[1:], device=self._device)
@@ -162,7 +216,7 @@ class GlooPeer:
         for _, work in posted:
             work.wait(timeout)
         first = posted[0][0]
-        if known is not None and known[1]:
+        if known is not None:
             if not is_marker(first):
                 spec, meta = known
                 tensors = [first_tensor(first, meta[0])] + [b for b, _ in posted[1:]]
@@ -212,72 +266,93 @@ class GlooPeer:
         return self._dummies[key]
 
 
-def exchange_nccl(
-    items: Sequence[tuple[int, int, Message | None, Known]],
-    pp_group,
-    device: torch.device,
-    timeout,
-) -> dict[int, Message]:
-    """One comm group as `batch_isend_irecv` rounds: each message sends a control word (0, or
-    the length of its header) with tensors shaped like its basis (its own, or dummies if it
-    changed); a second round moves the headers of changed messages and a third their tensors.
+class NcclPeer:
+    """A peer over per-direction links ([Note: one link per direction] in
+    `backends.distributed.links`): tensors of the sizes both sides know, never more or less.
 
-    `items`: `(global peer rank, number, message to send or None to receive, known)`, in the
-    group's order. Returns the received messages by number.
-
-    Raises:
-        ValueError: a received message disagrees with what this side expects.
+    [Note: certain shapes] NCCL receives into buffers of exactly the sent size, and reading
+    anything on the host stops the CPU from running ahead of the GPU ([Note: host syncs]). So a
+    receiver posts a message's tensors only where it knows their shapes *for certain*: an earlier
+    run sent a message on the same channel for a microbatch whose inputs had the same spec and
+    meta (every stage checks every batch, so every stage knows them: `Side.begin`); the sender
+    checks that its message is shaped so and sends nothing else. Elsewhere (the first run, new
+    input shapes) the message sends its header, `[length, words...]` padded to `HEAD_WORDS`, on
+    the DATA lane where the receive is posted ahead, the rest of a long header and the tensors on
+    the SIDE lane, which the receiver posts once it has read the header (one host read). Tensors
+    with no elements move nothing (both sides know their shapes). A boundary whose shapes do not
+    follow from the inputs' (values decide them) is refused by the sender, naming the message.
     """
-    rounds: list[list] = [[], [], []]
-    sends, recvs = [], []
-    for peer, number, message, known in items:
-        shaped = [] if known is None else list(known[1])
-        if message is not None:
-            words = header(number, message).to(device) if changed(message, known) else None
-            control = torch.tensor([0 if words is None else words.numel()], device=device)
-            tensors = message.tensors if words is None else [_zeros(m, device) for m in shaped]
-            rounds[0] += _ops(dist.isend, [control, *tensors], peer, pp_group)
-            sends.append((peer, message, words))
+
+    def __init__(self, io: LinkIO, peer: int, device: torch.device):
+        self._io = io
+        self._peer = peer
+        self._device = device
+        self._posted: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+
+    def send(self, number: int, message: Message, known: Known) -> list[tuple[Any, torch.Tensor]]:
+        """Post the sends of message `number`; the `(work, tensor)` pairs to keep until done.
+
+        Raises:
+            ValueError: the message is not shaped as the receiver knows it must be.
+        """
+        if known is not None:
+            if changed(message, known):
+                raise ValueError(
+                    f"message {number} is shaped otherwise than an earlier one of its channel "
+                    "for inputs of the same shapes; under p2p='nccl' a boundary's shapes must "
+                    "follow from the inputs' shapes"
+                )
+            return [self._send(t, DATA) for t in message.tensors if t.numel()]
+        words = header(number, message)
+        full = torch.zeros(max(HEAD_WORDS, words.numel() + 1), dtype=torch.int64)
+        full[0] = words.numel()
+        full[1 : 1 + words.numel()] = words
+        full = full.to(self._device)
+        sent = [self._send(full[:HEAD_WORDS], DATA)]
+        if full.numel() > HEAD_WORDS:
+            sent.append(self._send(full[HEAD_WORDS:], SIDE))
+        return sent + [self._send(t, SIDE) for t in message.tensors if t.numel()]
+
+    def post(self, number: int, known: Known) -> None:
+        """Post the receives of message `number` on the DATA lane: its tensors, or a header."""
+        if known is not None:
+            buffers = empty_tensors(known[1], device=self._device)
         else:
-            control = torch.empty(1, dtype=torch.int64, device=device)
-            buffers = empty_tensors(shaped, device=device)
-            rounds[0] += _ops(dist.irecv, [control, *buffers], peer, pp_group)
-            recvs.append((peer, number, known, control, buffers))
-    _run_round(rounds[0], timeout)
-    lengths = torch.cat([r[3] for r in recvs]).tolist() if recvs else []
-    for peer, message, words in sends:
-        if words is not None:
-            rounds[1] += _ops(dist.isend, [words], peer, pp_group)
-            rounds[2] += _ops(dist.isend, message.tensors, peer, pp_group)
-    headers = [torch.empty(n, dtype=torch.int64, device=device) if n else None for n in lengths]
-    for (peer, *_), words in zip(recvs, headers):
-        if words is not None:
-            rounds[1] += _ops(dist.irecv, [words], peer, pp_group)
-    _run_round(rounds[1], timeout)
-    out = {}
-    for (peer, number, known, _, buffers), words in zip(recvs, headers):
-        if words is None and known is None:
-            raise ValueError(f"message {number} came without the header it needs")
-        if words is None:
-            out[number] = Message(buffers, *known)  # type: ignore[misc]
-            continue
-        spec, meta = read_header(words.cpu(), number)
-        tensors = empty_tensors(meta, device=device)
-        rounds[2] += _ops(dist.irecv, tensors, peer, pp_group)
-        out[number] = Message(tensors, spec, meta)
-    _run_round(rounds[2], timeout)
-    return out
+            buffers = [torch.empty(HEAD_WORDS, dtype=torch.int64, device=self._device)]
+        self._posted[number] = [(b, self._recv(b, DATA)) for b in buffers]
 
+    def process(self, number: int, known: Known, timeout) -> Message:
+        """Message `number` (its receives posted), the next one of the stream.
 
-def _ops(op, tensors: Sequence[torch.Tensor], peer: int, pp_group) -> list:
-    return [dist.P2POp(op, tensor, peer, pp_group) for tensor in tensors]
+        Raises:
+            ValueError: it disagrees with what this side expects.
+        """
+        posted = self._posted.pop(number)
+        for _, work in posted:
+            if work is not None:
+                work.wait(timeout)
+        if known is not None:
+            return Message([b for b, _ in posted], *known)
+        head = host_read(posted[0][0])  # see [Note: host syncs]
+        length = head[0]
+        if not 0 < length < 1 << 24:
+            raise ValueError("what came is not a message header")
+        words = head[1 : 1 + length]
+        if length + 1 > HEAD_WORDS:
+            rest = torch.empty(length + 1 - HEAD_WORDS, dtype=torch.int64, device=self._device)
+            self._recv(rest, SIDE).wait(timeout)
+            words += host_read(rest)
+        spec, meta = read_header(torch.tensor(words, dtype=torch.int64), number)
+        tensors = empty_tensors(meta, device=self._device)
+        works = [self._recv(t, SIDE) for t in tensors]
+        for work in works:
+            if work is not None:
+                work.wait(timeout)
+        return Message(tensors, spec, meta)
 
+    def _send(self, tensor: torch.Tensor, lane: int) -> tuple[Any, torch.Tensor]:
+        return self._io.send(tensor, self._peer, lane), tensor
 
-def _run_round(ops: list, timeout) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait(timeout)
-
-
-def _zeros(meta: TensorMeta, device: torch.device) -> torch.Tensor:
-    return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+    def _recv(self, tensor: torch.Tensor, lane: int):
+        """The receive's work, or None for a tensor with no elements (nothing moves)."""
+        return self._io.recv(tensor, self._peer, lane) if tensor.numel() else None

@@ -13,8 +13,9 @@ the receiver has *processed* (read its header or tensors) before it *posts* this
 - over gloo a receive is posted `RECV_LOOKAHEAD` computes ahead of its consumer, and messages are
   processed in stream order when one of them is waited ([Note: eager point-to-point]), so the
   basis is the latest message of the channel waited, or behind one waited, before the post;
-- under NCCL a comm group posts and processes its receives together, so the basis is the latest
-  message of the channel in an earlier group.
+- under NCCL nothing is guessed: what the receiver knows is what an earlier run's message of
+  the same channel and input shapes was ([Note: certain shapes] in
+  `backends.distributed.peers`), so no stream basis is used.
 
 Both sides compute the same bases from the program and the receiver's plan (every rank holds the
 whole program), so they agree without a word; where no message of the channel is processed yet in
@@ -112,9 +113,7 @@ def _receives(
                     where.append(index)
     if kind == SHM:
         return ops, channels, [_LATER] * len(ops), [float(w) for w in where]
-    if kind == NCCL:
-        return ops, channels, [float(w) for w in where], [float(w) for w in where]
-    plan = EagerPlan(steps, tensors_of(program), receiver)
+    plan = EagerPlan(steps, tensors_of(program), receiver)  # GLOO and NCCL (bases unused)
     posted: dict[Instruction, float] = {}
     waited: dict[Instruction, float] = {}
     for index in range(len(steps)):

@@ -28,7 +28,7 @@ from torch import nn
 
 from schedcc.backends.distributed.groups import sum_in_rank_order
 from schedcc.backends.distributed.transfers import first_line
-from schedcc.backends.runtime.tied import Tie, check_ties, find_ties, private_copies
+from schedcc.backends.runtime.tied import Tie, check_ties, private_copies
 from schedcc.errors import RankFailure, ScheduleConfigError
 from schedcc.program import Program
 from schedcc.semantics import Layout
@@ -112,9 +112,9 @@ def plan_ties(
     spans = [len(stages) > 1 for stages in groups.members]
     whole = [g for g in range(len(tied)) if complete or not spans[g]]
     if not tied:  # no collective: every rank given all segments refuses alike
-        ties = check_ties(find_ties(held), tied, whole=whole)
+        ties = check_ties(held, tied, whole=whole)
         return ties, private_copies(ties, segments)
-    ties = _agreed(stage, lambda: check_ties(find_ties(held), tied, whole=whole))
+    ties = _agreed(stage, lambda: check_ties(held, tied, whole=whole))
 
     def across_ranks() -> list[Tie]:
         found_ties = list(ties)

@@ -1,29 +1,27 @@
 """The distributed `Engine`'s point-to-point: where each send and receive is posted and waited.
 
-Three paths, chosen per peer:
+Every path posts and waits each op where it helps most (see [Note: eager point-to-point] in
+`backends.distributed.eager`: relaxations of the validator's model that cannot add a hang):
 
-- NCCL: each comm group is one `batch_isend_irecv`, posted at its place in the program and waited
-  whole (the execution semantics the validator proves deadlock-free);
-- gloo: each op is posted and waited where it helps most (see [Note: eager point-to-point] in
-  `backends.distributed.eager`: relaxations that cannot add a hang);
-- gloo between stages on the same machine: the same places, through shared memory rather than
-  gloo (see [Note: same-host point-to-point] in `backends.distributed.shm`).
+- shared memory between stages on the same machine ([Note: same-host point-to-point] in
+  `backends.distributed.shm`), gloo send/recv otherwise, or gloo broadcasts in two-rank groups;
+- NCCL: the same places, on a two-rank process group per direction and lane ([Note: one link per
+  direction] in `backends.distributed.links`), with tensors of the shapes both sides know
+  ([Note: certain shapes] in `backends.distributed.peers`).
 
-[Note: sends complete lazily] Where the backend returns a handle per op (gloo), sends are waited
-only at the end of the run (their tensors are kept alive until then), as
-torch.distributed.pipelining does. This only relaxes the rendezvous model the validator proves
-deadlock-free (a send never holds its stage back), so it cannot introduce a hang; it keeps a stage
-from idling while its peer has not yet reached the matching receive. Under NCCL a batch is one
-coalesced handle, waited whole. NCCL orders its operations on a stream, where an early receive could
-hold back a later send, so there each comm group stays one `batch_isend_irecv`, posted at its
-place.
+[Note: sends complete lazily] Sends are waited only at the end of the run (their tensors are kept
+alive until then), as torch.distributed.pipelining does. This only relaxes the rendezvous model
+the validator proves deadlock-free (a send never holds its stage back), so it cannot introduce a
+hang; it keeps a stage from idling while its peer has not yet reached the matching receive.
+Under NCCL a send's link is its own, so a send that waits for its receiver holds back only later
+sends on that link, which the receiver takes in the same order.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -31,7 +29,8 @@ import torch.distributed as dist
 
 from schedcc.backends.distributed.eager import EagerPlan, Transfer
 from schedcc.backends.distributed.groups import CommGroup
-from schedcc.backends.distributed.peers import GlooPeer, ShmPeer, Side, exchange_nccl
+from schedcc.backends.distributed.links import LinkIO
+from schedcc.backends.distributed.peers import GlooPeer, NcclPeer, ShmPeer, Side
 from schedcc.backends.distributed.shm import ShmLinks
 from schedcc.backends.distributed.streams import GLOO, NCCL, SHM, receive_streams, send_streams
 from schedcc.backends.runtime.boundary import Message
@@ -47,11 +46,17 @@ __all__ = ["Transfers", "first_line"]
 class Transfers:
     """Moves one stage's messages to and from its peers, step by step of its program.
 
-    The engine calls `before(i)`, runs step `i` (calling `exchange(step)` for a comm group), then
-    `after(i)`; `finish(times)` ends a run. `connect()` must have been called on every rank of
-    the pipeline process group `pp_group` before the first run. Each message's spec and meta
-    travel in a header only when they changed ([Note: a header only when it changes] in
-    `backends.distributed.streams`).
+    The engine calls `begin(signatures)` before a run, `before(i)`, runs compute step `i`, then
+    `after(i)`; `finish(times)` ends a run. Comm groups are not run where they stand: each op is
+    posted and waited around the computes ([Note: eager point-to-point]), on every transport.
+    `connect()` must have been called on every rank of the pipeline process group `pp_group`
+    before the first run. Each message's spec and meta travel in a header only when the receiver
+    cannot know them ([Note: a header only when it changes] in `backends.distributed.streams`).
+
+    `p2p`: "shm" (shared memory between same-host stages, gloo send/recv otherwise), "gloo",
+    "broadcast" (gloo, through `pairs`) or "nccl" (per-direction links, `links`; `emulate`: on a
+    gloo group, with NCCL's blocking semantics; `dynamic_shapes`: every message sends its
+    header, for boundaries whose shapes the inputs' shapes do not decide).
     """
 
     def __init__(
@@ -64,8 +69,10 @@ class Transfers:
         global_peer: Mapping[int, int],
         device: torch.device,
         timeout: timedelta,
-        shared_memory: bool,
+        p2p: str,
         pairs=None,
+        links: LinkIO | None = None,
+        dynamic_shapes: bool = False,
     ):
         self.steps = steps
         self.runtime = runtime
@@ -76,19 +83,22 @@ class Transfers:
         self.global_peer = global_peer
         self.device = device
         self.timeout = timeout
+        self.p2p = p2p
+        self.dynamic_shapes = dynamic_shapes
         self._peers = {peer for step in steps if type(step) is CommGroup for peer in step.peers}
         # see [Note: eager point-to-point]
-        eager = dist.get_backend(pp_group) == "gloo"
-        self.eager = EagerPlan(steps, tensors_of(program), self.stage) if eager else None
-        #: Per step, the receives to post over gloo first (the shared-memory ones need none).
-        self._to_post = self.eager.post_before if self.eager else []
-        self._shared_memory = eager and shared_memory and device.type == "cpu"  # CPU tensors
+        self.eager = EagerPlan(steps, tensors_of(program), self.stage)
+        #: Per step, the receives to post first (the shared-memory ones need none).
+        self._to_post = self.eager.post_before
+        self._shared_memory = p2p == "shm" and device.type == "cpu"  # CPU tensors
         #: `BroadcastPairs` in place of gloo's send/recv ([Note: broadcast pairs]), or None
         self._pairs = pairs
+        #: the NCCL links' io ([Note: one link per direction]), or None
+        self._links_io = links
         self._links: ShmLinks | None = None
         #: The peer stages this stage exchanges with through shared memory (after `connect`).
         self.shm_peers: frozenset[int] = frozenset()
-        self._io: dict[int, ShmPeer | GlooPeer] = {}
+        self._io: dict[int, ShmPeer | GlooPeer | NcclPeer] = {}
         self._out: dict[int, Side] = {}
         self._in: dict[int, Side] = {}
         self._runs = 0
@@ -102,9 +112,11 @@ class Transfers:
         messages of every stream."""
         if linked is not None:
             self._links, self.shm_peers = linked._links, linked.shm_peers
-            self._to_post = [[t for t in ts if t[1] not in self.shm_peers] for ts in self._to_post]
             self._io = {peer: linked._io[peer] for peer in self._peers}
-        elif self.eager is not None:  # NCCL: every pair stays on batch_isend_irecv
+        elif self._links_io is not None:
+            io = self._links_io
+            self._io = {peer: NcclPeer(io, peer, self.device) for peer in self._peers}
+        else:
             try:
                 self._links = ShmLinks.connect(
                     self.pp_group,
@@ -117,28 +129,30 @@ class Transfers:
                     f"rank {self.rank} (stage {self.stage}) could not link with its peers on "
                     f"this machine: {first_line(exc)}"
                 ) from exc
-            self.shm_peers = shm = self._links.peers
-            self._to_post = [[t for t in ts if t[1] not in shm] for ts in self.eager.post_before]
+            self.shm_peers = self._links.peers
             for peer in self._peers:
-                io = ShmPeer(self._links, peer) if peer in shm else None
+                shm = ShmPeer(self._links, peer) if peer in self.shm_peers else None
                 group = self.pp_group if self._pairs is None else self._pairs
-                self._io[peer] = io or GlooPeer(group, peer, self.device)
+                self._io[peer] = shm or GlooPeer(group, peer, self.device)
+        shm = self.shm_peers
+        self._to_post = [[t for t in ts if t[1] not in shm] for ts in self.eager.post_before]
         kinds = {
-            peer: NCCL if self.eager is None else SHM if peer in self.shm_peers else GLOO
+            peer: NCCL if self.p2p == "nccl" else SHM if peer in shm else GLOO
             for peer in self._peers
         }
         layout = Layout.of(self.program.schedule)
         sends = send_streams(self.program, layout, self.stage, kinds)
         receives = receive_streams(self.program, layout, self.stage, kinds)
-        self._out = {peer: Side(stream) for peer, stream in sends.items()}
-        self._in = {peer: Side(stream) for peer, stream in receives.items()}
+        rule = "basis" if self.p2p != "nccl" else "none" if self.dynamic_shapes else "certain"
+        self._out = {peer: Side(s, rule=rule) for peer, s in sends.items()}
+        self._in = {peer: Side(s, rule=rule) for peer, s in receives.items()}
 
     def describe(self) -> str:
         """How this stage's tensors travel; see `Engine.point_to_point`."""
         if not self._peers:
             return "none"
-        if self.eager is None:
-            return dist.get_backend(self.pp_group)
+        if self.p2p == "nccl":
+            return "nccl" if dist.get_backend(self.pp_group) == "nccl" else "nccl (emulated)"
         if self.shm_peers == self._peers:
             return "shared memory"
         if self._pairs is not None:
@@ -153,11 +167,15 @@ class Transfers:
 
     # -- one run --------------------------------------------------------------------------------
 
+    def begin(self, signatures: Mapping[int, Hashable] | None = None) -> None:
+        """A run starts; `signatures[i]`: the spec and meta of microbatch i's inputs, which
+        the NCCL path keys what it knows of a message by ([Note: certain shapes])."""
+        for side in (*self._out.values(), *self._in.values()):
+            side.begin(signatures)
+
     def before(self, index: int) -> None:
-        """Gloo: post the receives due before step `index`, then wait the ones it consumes."""
+        """Post the receives due before step `index`, then wait the ones it consumes."""
         eager = self.eager
-        if eager is None:
-            return
         clock = time.perf_counter
         for op, peer, _, group in self._to_post[index]:
             side = self._in[peer]
@@ -171,40 +189,14 @@ class Transfers:
             self.runtime.incoming(op, self._take(op, peer, group))
             self._span(group, start, clock())
 
-    def exchange(self, step: CommGroup) -> None:
-        """NCCL: the comm group as `batch_isend_irecv` rounds (`peers.exchange_nccl`)."""
-        if self.eager is not None:
-            return  # gloo: the comm group's ops are posted by `before` and `after`
-        items, receives = [], []
-        for op, is_send, peer, _ in step.items:
-            side = (self._out if is_send else self._in)[peer]
-            number = side.number(op, self._runs)
-            known = side.known(number)
-            message = self.runtime.outgoing(op) if is_send else None
-            if message is not None:
-                side.record(number, message)
-            else:
-                receives.append((op, peer, number))
-            items.append((self.global_peer[peer], number, message, known))
-        try:
-            got = exchange_nccl(items, self.pp_group, self.device, self.timeout)
-        except ValueError as exc:
-            raise self._disagree(step.items[0][0], step.peers[0], exc) from exc
-        except RuntimeError as exc:
-            raise RankFailure(self._message(step, exc)) from exc
-        for op, peer, number in receives:
-            self._in[peer].record(number, got[number])
-            self.runtime.incoming(op, got[number])
-
     def after(self, index: int) -> None:
-        """Gloo: post the sends whose tensors step `index` computed."""
-        if self.eager is not None:
-            for send in self.eager.sends_after[index]:
-                self._send(send)
+        """Post the sends whose tensors step `index` computed."""
+        for send in self.eager.sends_after[index]:
+            self._send(send)
 
     def finish(self, times: list[tuple[float, float]], clock0: float) -> None:
-        """End a run: wait the sends still out; under gloo each comm group's `times` entry
-        becomes the span of its waits (seconds since `clock0`)."""
+        """End a run: wait the sends still out; each comm group's `times` entry becomes the
+        span of its waits (seconds since `clock0`)."""
         for index, (start, end) in self._spans.items():
             times[index] = (start - clock0, end - clock0)
         self._spans.clear()
@@ -214,9 +206,9 @@ class Transfers:
                 work.wait(self.timeout)
             except RuntimeError as exc:
                 raise RankFailure(self._message(step, exc)) from exc
+        for side in (*self._out.values(), *self._in.values()):
+            side.finish(self._runs)
         self._runs += 1
-        for side in (*self._out.values(), *self._in.values()):  # a basis is at most a run back
-            side.forget_before((self._runs - 1) * len(side.stream.ops))
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -227,10 +219,10 @@ class Transfers:
         while side.processed <= number:
             n = side.processed
             try:
-                if type(io) is GlooPeer:
-                    message = io.process(n, side.known(n), self.timeout)
+                if type(io) is ShmPeer:
+                    message = io.process(n, side.known(n))
                 else:
-                    message = io.process(n, side.known(n))  # type: ignore[call-arg]
+                    message = io.process(n, side.known(n), self.timeout)
             except ValueError as exc:
                 raise self._disagree(side.stream.ops[n % len(side.stream.ops)], peer, exc) from exc
             except (RuntimeError, OSError) as exc:
@@ -250,11 +242,11 @@ class Transfers:
         side.record(number, message)
         io = self._io[peer]
         try:
-            if type(io) is GlooPeer:
+            if type(io) is ShmPeer:
+                io.send(number, message, known)  # copied: done
+            else:
                 for work, tensor in io.send(number, message, known):
                     self._sending.append((work, tensor, self.steps[group]))  # see [Note: sends]
-            else:
-                io.send(number, message, known)  # copied: done
         except ValueError as exc:
             raise self._disagree(op, peer, exc) from exc
         except (RuntimeError, OSError) as exc:

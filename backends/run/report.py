@@ -4,8 +4,8 @@ The summary reads the measured instruction times every rank gathered to rank 0: 
 time (the slowest rank's, barrier-aligned clocks), the throughput (what the timed steps' batches
 count for, tokens or samples, over their time), the measured bubble
 (`Timeline.bubble_fraction` of the measured events) against the simulated one (`schedcc.simulate`
-with `CostModel.from_trace` of the same run, timed as the engine ran it: eagerly over gloo, where
-sends never wait, with rendezvous exchanges under NCCL; see [Note: eager simulation]), and each
+with `CostModel.from_trace` of the same run, timed as the engine ran it: eagerly, as every
+transport posts and waits; see [Note: eager simulation]), and each
 stage's peak activation memory.
 """
 
@@ -134,9 +134,7 @@ def summarize(
     counted = sum(sizes[r * per_run + b] for r in steady for b in range(per_run))
     rate = counted / sum(_run_seconds(gathered, r) for r in steady)
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
-    simulated = _simulated_bubble(
-        program, [e for r in steady for e in runs[r]], eager=_ran_eagerly(gathered)
-    )
+    simulated = _simulated_bubble(program, [e for r in steady for e in runs[r]])
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
         events = runs[-1]
@@ -190,7 +188,7 @@ def _training_rows(config, gathered) -> list[tuple[str, str]]:
     return rows
 
 
-def _simulated_bubble(program: Program, events: list[Event], *, eager: bool) -> float:
+def _simulated_bubble(program: Program, events: list[Event]) -> float:
     samples = [
         {"name": str(e.instruction), "ph": "X", "tid": e.stage, "dur": (e.end - e.start) * 1e6}
         for e in events
@@ -198,12 +196,7 @@ def _simulated_bubble(program: Program, events: list[Event], *, eager: bool) -> 
     ]
     if not samples:
         return math.nan
-    return simulate(program, CostModel.from_trace(samples), eager=eager).bubble_fraction
-
-
-def _ran_eagerly(gathered) -> bool:
-    """Whether every rank's sends never waited (gloo, shared memory; not NCCL's batches)."""
-    return all(g["p2p"] != "nccl" for g in gathered)
+    return simulate(program, CostModel.from_trace(samples), eager=True).bubble_fraction
 
 
 def _transports(gathered) -> str:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from schedcc.backends.runtime.syncs import host_read
+
 if TYPE_CHECKING:
     from schedcc.backends.runtime.collectives import Collectives
 
@@ -132,7 +134,8 @@ class StageNorm:
     def apply(self, total: torch.Tensor) -> None:
         """Given every stage's part summed: clip the gradients in place, or mark the step
         skipped."""
-        norm = math.sqrt(total.item()) if total.item() >= 0 else math.nan
+        (square,) = host_read(total.reshape(1))  # the decision needs it: [Note: host syncs]
+        norm = math.sqrt(square) if square >= 0 else math.nan
         self.last = norm
         finite = math.isfinite(norm)
         if self.scaler is not None:

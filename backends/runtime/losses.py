@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import INPUT_GRADIENT
 
@@ -188,25 +189,41 @@ class LossBook:
             total = total + n
         return total
 
-    def records(self) -> dict[int, LossRecord]:
-        """Per batch of this run, its `LossRecord` (reads the tensors: one sync per run)."""
+    def device_records(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, dict]]:
+        """Per batch of this run, its `LossRecord`'s total, count and parts as float64 tensors on
+        the device: running sums in forward order, the same bits `records` reads."""
         out = {}
-        for batch, values in self._values.items():
-            total = _sum(values)
-            if self.mode == RATIO:
-                counts = sorted((key, cs) for key, cs in self._counts.items() if key[0] == batch)
-                count = float(torch.stack([c for _, cs in counts for c in cs]).sum().item())
-            else:
-                count = float(len(values))
-            parts = {name: _sum(v) for name, v in self._parts.get(batch, {}).items()}
-            out[batch] = LossRecord(total, count, parts)
+        for b, values in self._values.items():
+            counts = [c for key in sorted(self._counts) if key[0] == b for c in self._counts[key]]
+            count = _running_sum(counts) if self.mode == RATIO else None
+            if count is None:
+                count = torch.tensor(float(len(values)), dtype=torch.float64)
+            parts = {name: _running_sum(v) for name, v in self._parts.get(b, {}).items()}
+            out[b] = (_running_sum(values), count, parts)
         return out
 
+    def records(self) -> dict[int, LossRecord]:
+        """Per batch of this run, its `LossRecord`: one host read for the whole run."""
+        device = self.device_records()
+        tensors = [
+            t for total, count, parts in device.values() for t in (total, count, *parts.values())
+        ]
+        read = iter(
+            host_read(torch.stack([t.to(tensors[0].device) for t in tensors])) if tensors else []
+        )
+        return {
+            b: LossRecord(next(read), next(read), {name: next(read) for name in parts})
+            for b, (_, _, parts) in device.items()
+        }
 
-def _sum(values: Iterable[torch.Tensor]) -> float:
-    total = 0.0
-    for value in values:  # in forward order, as a running float sum
-        total = total + float(value.item())
+
+def _running_sum(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`values` added one by one in order in float64 (None for none): the bits a running
+    Python float sum of their values gives."""
+    total = None
+    for value in values:
+        value = value.detach().to(torch.float64)
+        total = value if total is None else total + value
     return total
 
 

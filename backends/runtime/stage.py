@@ -254,6 +254,11 @@ class StageRuntime:
         """Per batch of the run, this replica's `LossRecord` (last stage only)."""
         return self._book.records()
 
+    @property
+    def device_loss_records(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, dict]]:
+        """`loss_records` as float64 tensors on the device, unread (`LossBook.device_records`)."""
+        return self._book.device_records()
+
     def load_batch(self, batch: int, inputs: Sequence[Any] | None, targets: Sequence[Any] | None):
         """Give the runtime the `m` microbatches of `batch` (an index within the program), each
         a boundary value (`backends.runtime.values`).

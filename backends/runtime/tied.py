@@ -27,6 +27,7 @@ import attrs
 import torch
 from torch import nn
 
+from schedcc.backends.runtime.syncs import host_read
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
 
 __all__ = [
@@ -77,24 +78,27 @@ def find_ties(segments: Mapping[int, nn.Module]) -> list[tuple[nn.Parameter, tup
 
 
 def check_ties(
-    found: list[tuple[nn.Parameter, tuple]],
+    modules: Mapping[int, nn.Module],
     tied: Sequence[Sequence[int]],
     *,
     whole: Sequence[int] = (),
 ) -> list[Tie]:
-    """The `Tie`s of `found` under the program's `tied` groups.
+    """The `Tie`s among `modules` ({segment: module}) under the program's `tied` groups.
 
     Args:
-        found: `find_ties`' result.
+        modules: the segments given, by index.
         tied: `Program.tied`.
         whole: the groups whose segments were all given (for them, every segment of the group
-            must share a parameter with another: a group that shares nothing is a mistake).
+            that holds a parameter must share one with another: a group that shares nothing is
+            a mistake; a segment without parameters, such as a model replica's activation-only
+            first segment, has nothing to share).
 
     Raises:
         ScheduleConfigError: a parameter is shared by segments that no one group holds (naming
             it, its segments and the `tied=` to compile with), or a segment of a group in
             `whole` shares nothing with the others.
     """
+    found = find_ties(modules)
     group_of = {k: g for g, group in enumerate(tied) for k in group}
     ties = []
     for param, copies in found:
@@ -112,7 +116,8 @@ def check_ties(
         ties.append(Tie(g, tuple(copies), tuple(param.shape), param.dtype))
     for g in whole:
         shared = {k for tie in ties if tie.group == g for k in tie.segments}
-        alone = [k for k in tied[g] if k not in shared]
+        bare = {k for k in tied[g] if k in modules and not _holds_parameters(modules[k])}
+        alone = [k for k in tied[g] if k not in shared and k not in bare]
         if alone:
             raise ScheduleConfigError(
                 f"tied group {tuple(tied[g])}: segment(s) {alone} share no Parameter object "
@@ -120,6 +125,10 @@ def check_ties(
                 "(a deepcopy of a segment makes new ones)"
             )
     return sorted(ties, key=lambda tie: (tie.group, tie.copies))
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(iter(module.parameters()), None) is not None
 
 
 def _suggest(found, tied) -> list[tuple[int, ...]]:
@@ -250,8 +259,10 @@ class StageTies:
     def apply(self, group: int, totals: Sequence[torch.Tensor]) -> None:
         """Give every copy here its tie's summed gradient (`totals`: the parts, summed over the
         group's stages); a tie no copy has a gradient of keeps none, as autograd would."""
-        for (tie, held), total in zip(self.groups.get(group, ()), totals):
-            if not total[-1].item():
+        pairs = list(zip(self.groups.get(group, ()), totals))
+        counts = host_read(torch.stack([t[-1] for _, t in pairs])) if pairs else []
+        for ((tie, held), total), count in zip(pairs, counts):  # one read: [Note: host syncs]
+            if not count:
                 continue
             grad = total[:-1].view(tie.shape)
             for copy in held:

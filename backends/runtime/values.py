@@ -254,6 +254,17 @@ def tensor_meta(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
     )
 
 
+def signature(value: Any) -> tuple[Spec, tuple[TensorMeta, ...]]:
+    """A value's spec and meta (hashable): what its shapes, dtypes and nesting are.
+
+    >>> import torch
+    >>> signature(torch.ones(2, 3)) == signature(torch.zeros(2, 3))
+    True
+    """
+    tensors, spec = flatten(value)
+    return spec, tensor_meta(tensors)
+
+
 def empty_tensors(meta: Sequence[TensorMeta], *, device: Any = None) -> list[torch.Tensor]:
     """Uninitialised receive buffers for `meta` (no grad flag set: the receiver sets it)."""
     return [torch.empty(m.shape, dtype=m.dtype, device=device) for m in meta]

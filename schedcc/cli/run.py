@@ -60,13 +60,12 @@ class Config:
     check: bool
     timeout: float
     progress: bool
-    shared_memory: bool = True
     checkpoint: str | None = None
     every: int = 0
     resume: bool = False
     #: The groups of segments that share parameters, found in the model `--model` builds.
     tied: tuple[tuple[int, ...], ...] = ()
-    p2p: str = "shm"
+    p2p: str | None = None
     max_grad_norm: float | None = None
     precision: str = "fp32"
     grad_norm: bool = False
@@ -129,10 +128,11 @@ def register(subparsers) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--p2p",
-        choices=("shm", "gloo", "broadcast"),
-        default="shm",
-        help="under gloo, how stages exchange tensors: shared memory on the same machine "
-        "(default), gloo's send/recv, or broadcasts within two-rank groups",
+        choices=("shm", "gloo", "broadcast", "nccl"),
+        default=None,
+        help="how stages exchange tensors: under gloo shared memory on the same machine "
+        "(default), gloo's send/recv, broadcasts within two-rank groups, or nccl's protocol "
+        "emulated; under nccl, nccl",
     )
     parser.add_argument(
         "--max-grad-norm",
@@ -346,7 +346,6 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         check=args.check,
         timeout=args.timeout,
         progress=not args.no_progress,
-        shared_memory=args.p2p == "shm",
         p2p=args.p2p,
         max_grad_norm=args.max_grad_norm,
         precision=args.precision,
