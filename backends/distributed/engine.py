@@ -12,10 +12,13 @@ that cannot add a hang), and stages on the same machine exchange through shared 
 gloo (see [Note: same-host point-to-point] in `backends.distributed.shm`). Gradients are reduced
 over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
 
-Ranks: by default a `DeviceMesh` with dims `("dp", "pp")` over the whole world, so the global rank
-is `dp_index * p + stage`; a caller may pass its own `mesh` (same dim names) or its own
-`pp_group`/`dp_group` (e.g. Megatron's mpu), where the rank's index in `pp_group` is its stage.
-Backend: NCCL for CUDA tensors, gloo for CPU (the caller initialises the default group).
+Ranks: by default a `DeviceMesh` over the whole world in `rank_order`: "pp-inner" (dims
+`("dp", "pp")`, global rank `dp_index * p + stage`) or Megatron-LM's "dp-inner" (`("pp", "dp")`,
+`stage * dp + dp_index`), see [Note: rank layout] in `backends.distributed.groups`; a caller may
+pass its own `mesh` (either dim order) or its own `pp_group`/`dp_group` (e.g. Megatron's mpu),
+where the rank's index in `pp_group` is its stage. Backend: NCCL for CUDA tensors (or
+"cpu:gloo,cuda:nccl"), gloo for CPU (the caller initialises the default group); segments on a
+CUDA device under a gloo pipeline group are refused.
 
     >>> # on every rank, after dist.init_process_group(...)  # doctest: +SKIP
     >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
@@ -68,6 +71,7 @@ from schedcc.backends.distributed.groups import (
     CommGroup,
     DataParallel,
     bound_waits,
+    check_backend,
     device_of,
     own_segments,
     process_groups,
@@ -78,7 +82,13 @@ from schedcc.backends.distributed.norms import NormGroup
 from schedcc.backends.distributed.pairs import BroadcastPairs, p2p_mode
 from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
-from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_precision
+from schedcc.backends.engine import (
+    BaseEngine,
+    LossFn,
+    OptimizerFactory,
+    SegmentBuilder,
+    check_precision,
+)
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat
@@ -95,21 +105,28 @@ class Engine(BaseEngine):
 
     Args:
         program: the compiled program (`schedcc.compile(schedule, data_parallel=dp, zero=z)`).
-        segments: either the whole model cut into `p*v` segments (in model order; this rank
-            keeps the ones its stage holds) or only this stage's `v` segments, indexed by chunk.
-            The kept modules are trained in place. Tied parameters (one `Parameter` object in
-            several segments) need all `p*v` segments: only then does every rank see a tie with
-            another rank's segments, refuse a program whose `tied` misses it, and check that the
-            copies start equal. Given only its own segments, a rank sees ties among those alone,
-            and a tie with another rank's segment must be declared (`schedcc.compile(...,
-            tied=[(0, 3)])`); the group's ranks then find the shared parameters by value (see
-            [Note: ties across ranks] in `backends.distributed.ties`).
+        segments: the whole model cut into `p*v` segments (in model order; this rank keeps
+            the ones its stage holds), only this stage's `v` segments, indexed by chunk, or a
+            builder `build(k) -> nn.Module` called for this stage's segments alone, so the rank
+            allocates only its own parameters ([Note: building only what a rank holds] in
+            `backends.engine`). The kept modules are trained in place. Tied parameters (one
+            `Parameter` object in several segments) need all `p*v` segments: only then does
+            every rank see a tie with another rank's segments, refuse a program whose `tied`
+            misses it, and check that the copies start equal. Given only its own segments (or
+            a builder), a rank sees ties among those alone, and a tie with another rank's
+            segment must be declared (`schedcc.compile(..., tied=[(0, 3)])`); the group's
+            ranks then find the shared parameters by value (see [Note: ties across ranks] in
+            `backends.distributed.ties`).
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
         mesh: a `DeviceMesh` with dims ("dp", "pp"), or ("dp", "pp", "tp") when each stage is a
             tensor-parallel group running the user's own tensor-parallel layers ([Note: the
             user's tensor parallelism] in `backends.tensor_parallel`); default: ("dp", "pp")
             over the whole world.
+        rank_order: the default mesh's order: "pp-inner" (the default: a pipeline's stages
+            are consecutive ranks) or "dp-inner" (Megatron-LM's: a stage's data-parallel
+            peers are); see [Note: rank layout] in `backends.distributed.groups`. Not with
+            `mesh` or process groups, which bring their own.
         pp_group, dp_group: the pipeline and data-parallel process groups to use instead of
             a mesh (both or neither); `tp_group` beside them for tensor parallelism (the
             pipeline group then joins one tensor-parallel index of every stage).
@@ -128,7 +145,9 @@ class Engine(BaseEngine):
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
-            do not match `p * data_parallel`, the segments do not match the program, or
+            do not match `p * data_parallel`, an unknown `rank_order`, the segments do not
+            match the program, the builder raised or returned a non-module (naming the
+            segment), the segments are on a CUDA device under a gloo pipeline group, or
             `loss_fn`/`optimizer` is not callable; or (on every rank) segments share a
             `Parameter` the program's `tied` groups do not cover, a tied group's segments share
             none, or the copies of a tied parameter start different on the group's ranks.
@@ -143,11 +162,12 @@ class Engine(BaseEngine):
     def __init__(
         self,
         program: Program,
-        segments: Sequence[nn.Module],
+        segments: Sequence[nn.Module] | SegmentBuilder,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         *,
         mesh=None,
+        rank_order: str | None = None,
         pp_group=None,
         dp_group=None,
         tp_group=None,
@@ -166,7 +186,7 @@ class Engine(BaseEngine):
         super().__init__(program, loss_fn, optimizer)
         check_precision(program, max_grad_norm, mixed_precision)
         shared_memory, self.p2p = p2p_mode(p2p, shared_memory)
-        self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
+        self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group, rank_order)
         self.stage = dist.get_rank(self.pp_group)
         #: the tensor-parallel group of this stage, or None
         self.tp_group = tensor_group(mesh, tp_group)
@@ -178,6 +198,7 @@ class Engine(BaseEngine):
         schedule = program.schedule
         modules = own_segments(schedule, self.stage, segments)
         self.device = device_of(modules)
+        check_backend(self.pp_group, self.device)
         self.data_parallel = DataParallel(self.dp_group)
         #: the process groups of the tied groups this stage holds ([Note: ties across ranks])
         self.ties = TieGroups(program, self.stage, self.pp_group, timeout=self.timeout)

@@ -75,15 +75,21 @@ class Config:
     #: Evaluate on held-out batches every this many steps and after the last (0: never).
     eval_every: int = 0
     eval_batches: int = 2
+    #: The default mesh's order ([Note: rank layout] in `backends.distributed.groups`).
+    rank_order: str = "pp-inner"
 
     @property
     def world_size(self) -> int:
         return self.num_stages * self.data_parallel * self.tp
 
     def describe(self, rank: int) -> str:
-        """`rank 3 (stage 1, dp 1)`: global rank = (dp_index * p + stage) * tp + tp_index."""
+        """`rank 3 (stage 1, dp 1)`: global rank = (dp_index * p + stage) * tp + tp_index
+        ("pp-inner"), or (stage * dp + dp_index) * tp + tp_index ("dp-inner")."""
         rank_tp, tp_index = divmod(rank, self.tp)
-        dp_index, stage = divmod(rank_tp, self.num_stages)
+        if self.rank_order == "dp-inner":
+            stage, dp_index = divmod(rank_tp, self.data_parallel)
+        else:
+            dp_index, stage = divmod(rank_tp, self.num_stages)
         if self.tp > 1:
             return f"rank {rank} (stage {stage}, dp {dp_index}, tp {tp_index})"
         return f"rank {rank} (stage {stage}, dp {dp_index})"
@@ -152,6 +158,14 @@ def register(subparsers) -> None:
         default="fp32",
         help="compute and stage-to-stage tensors in bf16 or fp16 (dynamic loss scaling); "
         "weights and optimizer state stay fp32",
+    )
+    parser.add_argument(
+        "--rank-order",
+        choices=("pp-inner", "dp-inner"),
+        default="pp-inner",
+        help="how ranks are laid out: a pipeline's stages on consecutive ranks (pp-inner, the "
+        "default: one node per pipeline), or a stage's data-parallel peers (dp-inner, "
+        "Megatron-LM's order)",
     )
     parser.add_argument(
         "--no-bind",
@@ -358,6 +372,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         recompute=args.recompute,
         eval_every=args.eval_every or 0,
         eval_batches=args.eval_batches,
+        rank_order=args.rank_order,
     )
     return config, schedule
 
