@@ -236,8 +236,25 @@ def _builder_worker(rank: int, world_size: int) -> int:
         expected = list(LocalEngine(program, whole, gpt_loss, _optimizer).train(batches))
         assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses)
         assert _max_difference(engine.modules, [whole[k] for k in held]) < 1e-12, where
+    _dualpipe_ties_every_copy(rank)
     _cuda_under_gloo_is_refused()
+    dist.barrier()  # rank 0 holds the store: it waits until every rank is done with it
     return 0
+
+
+def _dualpipe_ties_every_copy(rank: int) -> None:
+    """DualPipe's replicas built apart on each rank stay equal: every parameter of a segment's
+    copy is tied to it, the constant ones (norm gains, zero biases) by name."""
+    schedule = schedcc.get_schedule("dualpipe")(2, 4)
+    program = schedcc.compile(schedule, tied=[(0, 1)])
+    engine = Engine(program, _gpt_builder(2), gpt_loss, _optimizer, timeout=30)
+    whole = gpt_segments(GPT(CONFIG, seed=5), 2) * 2
+    batches = _gpt_batches(4, 2)
+    losses = list(engine.train(batches))
+    expected = list(LocalEngine(program, whole, gpt_loss, _optimizer).train(batches))
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (rank, losses)
+    held = [schedule.segment_of(rank, c) for c in range(schedule.num_chunks)]
+    assert _max_difference(engine.modules, [whole[k] for k in held]) < 1e-12, rank
 
 
 def _cuda_under_gloo_is_refused() -> None:
@@ -254,7 +271,8 @@ def _cuda_under_gloo_is_refused() -> None:
 def test_a_rank_built_from_a_builder_holds_only_its_own_segments():
     """On 2 gloo ranks (1F1B, and zb-v whose stage 0 holds both tied ends), the builder is
     called for the rank's own segments only, the rank holds exactly their parameter bytes,
-    and the tied GPT trains as on the local engine; CUDA segments under gloo are refused."""
+    and the tied GPT trains as on the local engine, under DualPipe too; CUDA segments under
+    gloo are refused."""
     assert spawn(_builder_worker, 2, grace=30, threads=1) == 0
 
 
@@ -287,6 +305,7 @@ def _layout_worker(rank: int, world_size: int) -> int:
         assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (order, losses)
     with pytest.raises(ScheduleConfigError, match="rank_order must be one of"):
         Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, rank_order="tp-inner")
+    dist.barrier()  # rank 0 holds the store: it waits until every rank is done with it
     return 0
 
 
