@@ -74,8 +74,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def main(rank: int, world_size: int, config, model: RunModel | None = None) -> int:
     """Train as `rank` of `world_size`; returns the exit code (0, or 1 for a failed check).
 
-    `model` is the run's model already built in this process (under torchrun, where the command
-    checked it), else None: it is built here.
+    `model` is the run's whole model already built in this process, else None (what `schedcc
+    run` passes): only this rank's segments are built here.
     """
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     keep_freed_memory()  # see [Note: keeping freed memory]
@@ -196,8 +196,8 @@ def _own_model(schedule, stage: int, config, model: RunModel | None, rank: int):
     """`(model, {j: module} of the segments stage `stage` holds, the --check reference)`.
 
     `j` is a segment of one model replica (DualPipe holds each twice). The segments are built
-    alone where the factory can (`models.build(..., segments=)`); a model given (torchrun: the
-    one the command checked) keeps its stage's and drops the rest. With `--check`, rank 0 also
+    alone where the factory can (`models.build(..., segments=)`); of a whole model given, the
+    stage's are kept and the rest dropped. With `--check`, rank 0 also
     builds the whole model, the non-pipelined reference (`None` elsewhere), as one list of
     `p*v` segments (a replica's held again for each other replica, as in the engines).
     """

@@ -214,10 +214,10 @@ def run(args) -> int:
 
     model, tied = _model(config, schedule)
     config = dataclasses.replace(config, tied=tied)
+    del model  # each rank builds only its own stage's segments (under torchrun too)
     if launch.in_torchrun():
         rank = int(os.environ["RANK"])
-        return launch.run_rank(job.main, rank, config.world_size, config, model)
-    del model  # each spawned rank builds its own
+        return launch.run_rank(job.main, rank, config.world_size, config)
     try:
         job.check_devices(config.world_size)
     except launch.UserError as exc:
@@ -237,8 +237,9 @@ def _model(config: Config, schedule):
     """`--model` built here, before any rank starts, and its ties, the program compiled with
     them: a bad factory, model, batch or program is one line (exit 2), not one from every rank.
 
-    Under torchrun this process is a rank and trains the model returned; a launching process
-    builds it only to check it (on one thread, so no thread pool exists when it forks the ranks).
+    The whole model is built here only to check it and find its ties (on one thread, so no
+    thread pool exists when it forks the ranks); every rank, this process under torchrun too,
+    then builds only its own stage's segments.
     """
     import torch
 
