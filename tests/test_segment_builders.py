@@ -217,29 +217,41 @@ def _bytes(modules) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
+def _alive_parameter_bytes() -> int:
+    """The bytes of every `nn.Parameter` this process holds."""
+    gc.collect()
+    return sum(p.numel() * p.element_size() for p in gc.get_objects() if type(p) is nn.Parameter)
+
+
 def _builder_worker(rank: int, world_size: int) -> int:
     _init(rank, world_size)
     for name, v in (("1f1b", 1), ("zb-v", 2)):
-        schedule = schedcc.get_schedule(name)(2, 4, v)
-        n = schedule.num_segments
-        held = [schedule.segment_of(rank, c) for c in range(v)]
-        program = schedcc.compile(schedule, tied=[(0, n - 1)])
-        calls: list[int] = []
-        engine = Engine(program, _gpt_builder(n, calls), gpt_loss, _optimizer, timeout=30)
-        whole = gpt_segments(GPT(CONFIG, seed=5), n)
-        where = f"{name} rank {rank}"
-        assert calls == held, (where, calls)
-        own = _bytes(engine.modules)
-        assert own == _bytes(whole[k] for k in held) < _bytes(whole), (where, own)
-        batches = _gpt_batches(4, 2)
-        losses = list(engine.train(batches))
-        expected = list(LocalEngine(program, whole, gpt_loss, _optimizer).train(batches))
-        assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses)
-        assert _max_difference(engine.modules, [whole[k] for k in held]) < 1e-12, where
+        _built_alone(rank, schedcc.get_schedule(name)(2, 4, v))
     _dualpipe_ties_every_copy(rank)
     _cuda_under_gloo_is_refused()
     dist.barrier()  # rank 0 holds the store: it waits until every rank is done with it
     return 0
+
+
+def _built_alone(rank: int, schedule) -> None:
+    """The engine of `schedule` with the tied GPT's builder: what it builds, holds and trains."""
+    n, v = schedule.num_segments, schedule.num_chunks
+    held = [schedule.segment_of(rank, c) for c in range(v)]
+    program = schedcc.compile(schedule, tied=[(0, n - 1)])
+    calls: list[int] = []
+    before = _alive_parameter_bytes()
+    engine = Engine(program, _gpt_builder(n, calls), gpt_loss, _optimizer, timeout=30)
+    made = _alive_parameter_bytes() - before  # everything the engine's making left alive
+    whole = gpt_segments(GPT(CONFIG, seed=5), n)
+    where = f"{schedule!r} rank {rank}"
+    assert calls == held, (where, calls)
+    own = _bytes(whole[k] for k in held)
+    assert made == _bytes(engine.modules) == own < _bytes(whole), (where, made, own)
+    batches = _gpt_batches(4, 2)
+    losses = list(engine.train(batches))
+    expected = list(LocalEngine(program, whole, gpt_loss, _optimizer).train(batches))
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses)
+    assert _max_difference(engine.modules, [whole[k] for k in held]) < 1e-12, where
 
 
 def _dualpipe_ties_every_copy(rank: int) -> None:
@@ -270,7 +282,8 @@ def _cuda_under_gloo_is_refused() -> None:
 
 def test_a_rank_built_from_a_builder_holds_only_its_own_segments():
     """On 2 gloo ranks (1F1B, and zb-v whose stage 0 holds both tied ends), the builder is
-    called for the rank's own segments only, the rank holds exactly their parameter bytes,
+    called for the rank's own segments only, the engine leaves exactly their parameter bytes
+    alive in the process,
     and the tied GPT trains as on the local engine, under DualPipe too; CUDA segments under
     gloo are refused."""
     assert spawn(_builder_worker, 2, grace=30, threads=1) == 0
