@@ -197,9 +197,9 @@ def _own_model(schedule, stage: int, config, model: RunModel | None, rank: int):
 
     `j` is a segment of one model replica (DualPipe holds each twice). The segments are built
     alone where the factory can (`models.build(..., segments=)`); of a whole model given, the
-    stage's are kept and the rest dropped. With `--check`, rank 0 also
-    builds the whole model, the non-pipelined reference (`None` elsewhere), as one list of
-    `p*v` segments (a replica's held again for each other replica, as in the engines).
+    stage's are kept and the rest dropped. With `--check`, rank 0 also builds the whole model,
+    the non-pipelined reference (`None` elsewhere), as one list of `p*v` segments (a replica's
+    held again for each other replica, as in the engines).
     """
     replicas = type(schedule).num_replicas
     length = schedule.num_segments // replicas
