@@ -22,6 +22,7 @@ from torch import nn
 import schedcc
 from schedcc.backends.distributed import engine as distributed_engine
 from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.distributed.groups import default_mesh
 from schedcc.backends.engine import is_builder
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
@@ -318,6 +319,11 @@ def _layout_worker(rank: int, world_size: int) -> int:
         assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (order, losses)
     with pytest.raises(ScheduleConfigError, match="rank_order must be one of"):
         Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, rank_order="tp-inner")
+    mesh = default_mesh("cpu", 2, 2, rank_order="dp-inner")  # a mesh brings its own order
+    with pytest.raises(ScheduleConfigError, match="bring their own order"):
+        Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, mesh=mesh, rank_order="pp-inner")
+    engine = Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, mesh=mesh)
+    assert dist.get_process_group_ranks(engine.pp_group) == LAYOUTS["dp-inner"][0][rank % 2]
     dist.barrier()  # rank 0 holds the store: it waits until every rank is done with it
     return 0
 
@@ -347,7 +353,8 @@ def _config(rank_order: str) -> Config:
 
 def test_the_rank_order_lays_out_pipelines_and_replicas():
     """4 gloo ranks, dp=2 p=2: "pp-inner" makes pipelines of consecutive ranks, "dp-inner"
-    (Megatron-LM's) data-parallel groups of consecutive ranks; both train exactly."""
+    (Megatron-LM's) data-parallel groups of consecutive ranks; both train exactly, and a mesh
+    of either order is taken as it is (not with a `rank_order` beside it)."""
     assert spawn(_layout_worker, 4, grace=30, threads=1) == 0
 
 
