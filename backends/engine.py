@@ -5,7 +5,8 @@
 how tensors travel between them. What a user sees is written here once, so the two cannot drift:
 
 - the arguments are checked alike (a compiled, valid program; `p * v` modules, or on the
-  distributed engine this stage's `v`; callables for `loss_fn` and `optimizer`);
+  distributed engine this stage's `v`, or a builder `build(k) -> nn.Module` called for the
+  segments the engine holds; callables for `loss_fn` and `optimizer`);
 - a batch is checked and split alike, and every bad batch is a `ScheduleConfigError` naming it,
   raised before anything runs;
 - `train(batches)` takes batches `num_batches` at a time (one run of the program each) and
@@ -51,8 +52,11 @@ __all__ = [
     "BaseEngine",
     "LossFn",
     "OptimizerFactory",
+    "SegmentBuilder",
+    "build_segments",
     "check_precision",
     "check_segments",
+    "is_builder",
     "is_pair",
 ]
 
@@ -61,6 +65,9 @@ __all__ = [
 LossFn = Callable[[Any, Any], Any]
 #: A callable from an iterable of parameters to a `torch.optim.Optimizer`.
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+#: `build(k) -> nn.Module`: segment k of the model (`0 <= k < p*v`), called only for the
+#: segments an engine holds (see `build_segments`).
+SegmentBuilder = Callable[[int], nn.Module]
 
 
 class BaseEngine(abc.ABC):
@@ -356,7 +363,7 @@ def check_segments(
     schedule: Schedule, segments: Sequence[nn.Module], *, own_stage: bool = False
 ) -> list[nn.Module]:
     """`segments` as a list: the `p * v` modules of the model in order (or, with `own_stage`,
-    also just one stage's `v`, by chunk).
+    also just one stage's `v`, by chunk). A builder is `build_segments`' (see `is_builder`).
 
     Raises:
         ScheduleConfigError: another count, or an item that is not a `torch.nn.Module`.
@@ -365,8 +372,9 @@ def check_segments(
         segments = list(segments)
     except TypeError:
         raise ScheduleConfigError(
-            f"segments must be a sequence of modules, got a {type(segments).__name__}: cut the "
-            f"model with schedcc.partition(model, {schedule.num_segments})"
+            f"segments must be a sequence of modules or a builder build(k) -> nn.Module, got a "
+            f"{type(segments).__name__}: cut the model with schedcc.partition(model, "
+            f"{schedule.num_segments})"
         ) from None
     n, v = schedule.num_segments, schedule.num_chunks
     if len(segments) != n and not (own_stage and len(segments) == v):
@@ -381,3 +389,53 @@ def check_segments(
                 f"segment {k} is a {type(segment).__name__}, not a torch.nn.Module"
             )
     return segments
+
+
+def is_builder(segments: object) -> bool:
+    """Whether `segments` is a `SegmentBuilder` rather than a sequence of modules (a module is
+    callable too, and an `nn.Sequential` iterates over its layers: neither is a builder)."""
+    return callable(segments) and not isinstance(segments, (nn.Module, Sequence))
+
+
+def build_segments(
+    schedule: Schedule, build: SegmentBuilder, segments: Sequence[int]
+) -> dict[int, nn.Module]:
+    """`{k: build(j)}` for each of `segments`, where `j` is `k`'s segment of the model.
+
+    [Note: building only what a rank holds] An engine given a builder calls it only for the
+    segments it holds: the local engine for all `p*v`, a distributed rank for its stage's `v`;
+    so a rank allocates only its own parameters, as DeepSpeed's `LayerSpec` and
+    torch.distributed.pipelining's per-stage models do. Segments built apart share no
+    `Parameter` object, so a tie (an LM head tied to the embedding) is declared with
+    `schedcc.compile(..., tied=...)` and found by value: the copies must start equal, so the
+    builder seeds each parameter the same way whichever segments it builds ([Note: ties across
+    ranks] in `backends.distributed.ties`). Under a schedule with model replicas (DualPipe),
+    segment `r*L + j` is a copy of segment `j` (`L = p*v / R`): `build(j)` is called once and
+    the module held for both, as when the caller passes the same module twice.
+
+    Raises:
+        ScheduleConfigError: `build(j)` raised (its first line) or returned something that is
+            not a `torch.nn.Module`; both name the segment.
+    """
+    length = schedule.num_segments // type(schedule).num_replicas
+    made: dict[int, nn.Module] = {}
+    for k in segments:
+        j = k % length
+        if j in made:
+            continue
+        try:
+            module = build(j)
+        except Exception as exc:  # the user's code may fail in any way: one line saying how
+            text = str(exc).strip().splitlines()
+            detail = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+            raise ScheduleConfigError(
+                f"segments: build({j}) raised {detail}; the builder must return segment {j} "
+                "of the model as a torch.nn.Module"
+            ) from exc
+        if not isinstance(module, nn.Module):
+            raise ScheduleConfigError(
+                f"segments: build({j}) returned a {type(module).__name__}, not a "
+                f"torch.nn.Module: the builder must return segment {j} of the model"
+            )
+        made[j] = module
+    return {k: made[k % length] for k in segments}

@@ -55,8 +55,11 @@ from schedcc.backends.engine import (
     BaseEngine,
     LossFn,
     OptimizerFactory,
+    SegmentBuilder,
+    build_segments,
     check_precision,
     check_segments,
+    is_builder,
 )
 from schedcc.backends.runtime.boundary import Message
 from schedcc.backends.runtime.clipping import NormMeeting
@@ -64,6 +67,7 @@ from schedcc.backends.runtime.collectives import Meeting, ThreadCollectives
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import (
     TieMeetings,
+    built_ties,
     check_ties,
     private_copies,
     stage_ties,
@@ -87,7 +91,10 @@ class Engine(BaseEngine):
     Args:
         program: a compiled program; it is validated again here (a program that does not validate
             is refused with its `ScheduleError`).
-        segments: the model cut into `p * v` modules, in model order (see `schedcc.partition`).
+        segments: the model cut into `p * v` modules, in model order (see `schedcc.partition`),
+            or a builder `build(k) -> nn.Module`, called here for every segment `k` in order
+            (`backends.engine.build_segments`; segments built apart tie by value, as on the
+            distributed engine: declare the ties with `schedcc.compile(..., tied=...)`).
             They are trained in place. With `data_parallel > 1` they are replica 0; the other
             replicas are deep copies and hold the same weights after every step.
         loss_fn: `loss_fn(output, targets)`: a scalar mean over the microbatch, a
@@ -103,7 +110,8 @@ class Engine(BaseEngine):
             `backends.runtime.precision`).
 
     Raises:
-        ScheduleConfigError: the number of segments is not `p * v`, one is not a module, or
+        ScheduleConfigError: the number of segments is not `p * v`, one is not a module, the
+            builder raised or returned a non-module (naming the segment), or
             `loss_fn`/`optimizer` is not callable; or segments share a `Parameter` object
             (a tied embedding and LM head) that the program's `tied` groups do not cover, or
             a tied group's segments share none (`backends.runtime.tied`).
@@ -121,7 +129,7 @@ class Engine(BaseEngine):
     def __init__(
         self,
         program: Program,
-        segments: Sequence[nn.Module],
+        segments: Sequence[nn.Module] | SegmentBuilder,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         *,
@@ -131,11 +139,20 @@ class Engine(BaseEngine):
         super().__init__(program, loss_fn, optimizer)
         check_precision(program, max_grad_norm, mixed_precision)
         schedule = program.schedule
+        built = is_builder(segments)
+        if built:
+            made = build_segments(schedule, segments, range(schedule.num_segments))
+            segments = [made[k] for k in range(schedule.num_segments)]
         segments = check_segments(schedule, segments)
         # refuse segments that share a parameter the program does not tie, before anything runs
+        held = dict(enumerate(segments))
+        if built:  # built apart: [Note: building only what a rank holds]
+            length = schedule.num_segments // type(schedule).num_replicas
+            ties = built_ties(held, program.tied, range(len(program.tied)), length=length)
+        else:
+            ties = check_ties(held, program.tied, whole=range(len(program.tied)))
+        private = private_copies(ties, range(schedule.num_segments), held)
         tied = program.tied
-        ties = check_ties(dict(enumerate(segments)), tied, whole=range(len(tied)))
-        private = private_copies(ties, range(schedule.num_segments))
         self._tie_members = tie_members(tied, Layout.of(schedule))
         self.segments = segments
         self._layout = layout = Layout.of(schedule)

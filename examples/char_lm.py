@@ -5,15 +5,22 @@
     schedcc run --model examples/char_lm.py:make --schedule interleaved-1f1b -v 2 --check
     schedcc run --model examples/char_lm.py:make --steps 100 --eval-every 20
 
-`make(num_segments, *, seed)` builds the model, cuts it into `num_segments` segments with
-`schedcc.split` and returns them with the loss, the data (the text's last fifth held out for
-`--eval-every`) and an optimizer as a `RunModel`. The
-LM head's weight is the embedding's, so the first and the last segment hold the same Parameter:
-the run finds that tie and compiles with `tied=` by itself. The contract is in
-`schedcc.backends.run.models`.
+`make(num_segments, *, seed, segments=None)` builds the model, cuts it into `num_segments`
+segments with `schedcc.split` and returns them with the loss, the data (the text's last fifth held
+out for `--eval-every`) and an optimizer as a `RunModel`. The LM head's weight is the embedding's,
+so the first and the last segment hold the same Parameter: the run finds that tie and compiles
+with `tied=` by itself. The contract is in `schedcc.backends.run.models`.
+
+Each rank of the run asks only for its own stage's `segments`: the model is then made on the
+meta device (shapes, no memory), cut there, and only those segments are given memory
+(`to_empty`) and values. Every parameter is drawn from a generator seeded by the seed and its
+name, so a segment built alone starts as it does in the whole model, and the head, built apart
+from the embedding, starts as a copy of it (the run finds that copy by value).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +68,6 @@ class CharLM(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
-        nn.init.normal_(self.embed.weight, std=0.1)
 
     def forward(self, chars: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.blocks(self.embed(chars))))
@@ -88,12 +94,21 @@ def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def make(num_segments: int, *, seed: int) -> RunModel:
-    torch.manual_seed(seed)
-    model = CharLM(len(CHARS), depth=max(4, num_segments))
-    segments = schedcc.split(model, even_points(model, num_segments, container="blocks"))
+def make(num_segments: int, *, seed: int, segments: tuple[int, ...] | None = None) -> RunModel:
+    with torch.device("meta"):  # shapes only: memory is given below, to what is asked for
+        model = CharLM(len(CHARS), depth=max(4, num_segments))
+    cut = schedcc.split(model, even_points(model, num_segments, container="blocks"))
+    if segments is None or num_segments == 1:
+        model.to_empty(device="cpu")
+        model.head.weight = model.embed.weight  # to_empty gives each module its own tensor
+        _draw(model, seed)
+        built = cut if segments is None else {0: cut[0]}
+    else:
+        built = {k: cut[k].to_empty(device="cpu") for k in segments}
+        for segment in built.values():
+            _draw(segment, seed)
     return RunModel(
-        segments,
+        built,
         loss,
         batch,
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
@@ -101,3 +116,26 @@ def make(num_segments: int, *, seed: int) -> RunModel:
         unit="characters",
         eval_batch=held_out,
     )
+
+
+def _draw(module: nn.Module, seed: int) -> None:
+    """Each parameter's value, from a generator seeded by `seed` and its name in the model (the
+    head's weight is the embedding's): embeddings normal(0, 0.1), `Linear`s as PyTorch draws
+    them (uniform within `1/sqrt(fan_in)`), norms ones and zeros."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            name = "embed.weight" if name == "head.weight" else name
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+            if name == "embed.weight":
+                param.normal_(0.0, 0.1, generator=gen)
+            elif "norm" in name:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                fan_in = module.get_parameter(_weight_of(name)).shape[1]
+                param.uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=gen)
+
+
+def _weight_of(name: str) -> str:
+    """The weight of the `Linear` that parameter `name` belongs to."""
+    return name.rpartition(".")[0] + ".weight"

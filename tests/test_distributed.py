@@ -167,12 +167,12 @@ def test_data_parallel_with_and_without_zero_equals_local():
 _KILL_AFTER = 7  # instructions into the second step
 
 
-def _dying_worker(rank: int, world_size: int) -> int:
+def _dying_worker(rank: int, world_size: int, p2p: str) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=5))
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), data_parallel=2)
     segments = models.mlp_segments(2, width=8)
-    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=5)
+    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=5, p2p=p2p)
     data = models.TeacherData(width=8)
     if rank == 3:
         calls = []
@@ -191,10 +191,12 @@ def _dying_worker(rank: int, world_size: int) -> int:
     return 0
 
 
-def test_a_killed_rank_ends_every_other_rank_within_the_timeout(capfd):
-    """Rank 3 dies mid-step: the others fail fast, each naming what it waited on; none hangs."""
+@pytest.mark.parametrize("p2p", ["shm", "nccl"])
+def test_a_killed_rank_ends_every_other_rank_within_the_timeout(capfd, p2p):
+    """Rank 3 dies mid-step: the others fail fast, each naming what it waited on; none hangs
+    (shared memory, and the NCCL path with NCCL's semantics emulated)."""
     start = time.monotonic()
-    code = spawn(_dying_worker, 4, grace=25, threads=1)
+    code = spawn(_dying_worker, 4, (p2p,), grace=25, threads=1)
     elapsed = time.monotonic() - start
     err = capfd.readouterr().err
     assert code != 0

@@ -19,10 +19,10 @@ from torch import nn
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
-from schedcc.backends.runtime.syncs import HostSyncs
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import spawn
+from schedcc.backends.runtime.syncs import HostSyncs
 from schedcc.errors import RankFailure, ScheduleConfigError
 from schedcc.semantics import Layout
 from schedcc.testing import Shape

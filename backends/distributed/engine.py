@@ -12,10 +12,13 @@ same machine ([Note: same-host point-to-point] in `backends.distributed.shm`), g
 or gloo broadcasts. Gradients are reduced
 over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO-1).
 
-Ranks: by default a `DeviceMesh` with dims `("dp", "pp")` over the whole world, so the global rank
-is `dp_index * p + stage`; a caller may pass its own `mesh` (same dim names) or its own
-`pp_group`/`dp_group` (e.g. Megatron's mpu), where the rank's index in `pp_group` is its stage.
-Backend: NCCL for CUDA tensors, gloo for CPU (the caller initialises the default group).
+Ranks: by default a `DeviceMesh` over the whole world in `rank_order`: "pp-inner" (dims
+`("dp", "pp")`, global rank `dp_index * p + stage`) or Megatron-LM's "dp-inner" (`("pp", "dp")`,
+`stage * dp + dp_index`), see [Note: rank layout] in `backends.distributed.groups`; a caller may
+pass its own `mesh` (either dim order) or its own `pp_group`/`dp_group` (e.g. Megatron's mpu),
+where the rank's index in `pp_group` is its stage. Backend: NCCL for CUDA tensors (or
+"cpu:gloo,cuda:nccl"), gloo for CPU (the caller initialises the default group); segments on a
+CUDA device under a gloo pipeline group are refused.
 
     >>> # on every rank, after dist.init_process_group(...)  # doctest: +SKIP
     >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
@@ -37,7 +40,10 @@ dies closes its sockets (gloo's and the shared-memory links') and the waiting ra
 with, in one line; a wait that times out says the same. That holds in a collective too (a
 checkpoint's save or load, the loss reduction, ReduceGrads), never a raw gloo traceback. The
 launcher (`backends.run.launch` or torchrun) then ends the other ranks (a stopped one at once), so
-no rank hangs.
+no rank hangs. Under NCCL a point-to-point wait is a stream wait and the host runs ahead; the
+run's end waits for the GPU (`wait_device`), polling, for at most the timeout, and raises
+`RankFailure` then. The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so NCCL's
+own watchdog, which ends the process without a word, fires after the engine has said why.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from schedcc.backends.distributed.groups import (
     CommGroup,
     DataParallel,
     bound_waits,
+    check_backend,
     device_of,
     own_segments,
     process_groups,
@@ -79,9 +86,15 @@ from schedcc.backends.distributed.norms import NormGroup
 from schedcc.backends.distributed.pairs import BroadcastPairs, p2p_mode
 from schedcc.backends.distributed.ties import TieGroups, plan_ties
 from schedcc.backends.distributed.transfers import Transfers, first_line
-from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_precision
+from schedcc.backends.engine import (
+    BaseEngine,
+    LossFn,
+    OptimizerFactory,
+    SegmentBuilder,
+    check_precision,
+)
 from schedcc.backends.runtime.stage import StageRuntime
-from schedcc.backends.runtime.syncs import host_read
+from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S, host_read, wait_device
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat, signature
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
@@ -97,21 +110,28 @@ class Engine(BaseEngine):
 
     Args:
         program: the compiled program (`schedcc.compile(schedule, data_parallel=dp, zero=z)`).
-        segments: either the whole model cut into `p*v` segments (in model order; this rank
-            keeps the ones its stage holds) or only this stage's `v` segments, indexed by chunk.
-            The kept modules are trained in place. Tied parameters (one `Parameter` object in
-            several segments) need all `p*v` segments: only then does every rank see a tie with
-            another rank's segments, refuse a program whose `tied` misses it, and check that the
-            copies start equal. Given only its own segments, a rank sees ties among those alone,
-            and a tie with another rank's segment must be declared (`schedcc.compile(...,
-            tied=[(0, 3)])`); the group's ranks then find the shared parameters by value (see
-            [Note: ties across ranks] in `backends.distributed.ties`).
+        segments: the whole model cut into `p*v` segments (in model order; this rank keeps
+            the ones its stage holds), only this stage's `v` segments, indexed by chunk, or a
+            builder `build(k) -> nn.Module` called for this stage's segments alone, so the rank
+            allocates only its own parameters ([Note: building only what a rank holds] in
+            `backends.engine`). The kept modules are trained in place. Tied parameters (one
+            `Parameter` object in several segments) need all `p*v` segments: only then does
+            every rank see a tie with another rank's segments, refuse a program whose `tied`
+            misses it, and check that the copies start equal. Given only its own segments (or
+            a builder), a rank sees ties among those alone, and a tie with another rank's
+            segment must be declared (`schedcc.compile(..., tied=[(0, 3)])`); the group's
+            ranks then find the shared parameters by value (see [Note: ties across ranks] in
+            `backends.distributed.ties`).
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
         mesh: a `DeviceMesh` with dims ("dp", "pp"), or ("dp", "pp", "tp") when each stage is a
             tensor-parallel group running the user's own tensor-parallel layers ([Note: the
             user's tensor parallelism] in `backends.tensor_parallel`); default: ("dp", "pp")
             over the whole world.
+        rank_order: the default mesh's order: "pp-inner" (the default: a pipeline's stages
+            are consecutive ranks) or "dp-inner" (Megatron-LM's: a stage's data-parallel
+            peers are); see [Note: rank layout] in `backends.distributed.groups`. Not with
+            `mesh` or process groups, which bring their own.
         pp_group, dp_group: the pipeline and data-parallel process groups to use instead of
             a mesh (both or neither); `tp_group` beside them for tensor parallelism (the
             pipeline group then joins one tensor-parallel index of every stage).
@@ -135,7 +155,9 @@ class Engine(BaseEngine):
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
-            do not match `p * data_parallel`, the segments do not match the program, or
+            do not match `p * data_parallel`, an unknown `rank_order`, the segments do not
+            match the program, the builder raised or returned a non-module (naming the
+            segment), the segments are on a CUDA device under a gloo pipeline group, or
             `loss_fn`/`optimizer` is not callable; or (on every rank) segments share a
             `Parameter` the program's `tied` groups do not cover, a tied group's segments share
             none, or the copies of a tied parameter start different on the group's ranks.
@@ -150,11 +172,12 @@ class Engine(BaseEngine):
     def __init__(
         self,
         program: Program,
-        segments: Sequence[nn.Module],
+        segments: Sequence[nn.Module] | SegmentBuilder,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         *,
         mesh=None,
+        rank_order: str | None = None,
         pp_group=None,
         dp_group=None,
         tp_group=None,
@@ -172,7 +195,7 @@ class Engine(BaseEngine):
             )
         super().__init__(program, loss_fn, optimizer)
         check_precision(program, max_grad_norm, mixed_precision)
-        self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group)
+        self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group, rank_order)
         self.p2p = p2p_mode(p2p, dist.get_backend(self.pp_group))
         self.dynamic_shapes = bool(dynamic_shapes)
         self.stage = dist.get_rank(self.pp_group)
@@ -186,6 +209,7 @@ class Engine(BaseEngine):
         schedule = program.schedule
         modules = own_segments(schedule, self.stage, segments)
         self.device = device_of(modules)
+        check_backend(self.pp_group, self.device)
         self.data_parallel = DataParallel(self.dp_group)
         #: the process groups of the tied groups this stage holds ([Note: ties across ranks])
         self.ties = TieGroups(program, self.stage, self.pp_group, timeout=self.timeout)
@@ -195,8 +219,9 @@ class Engine(BaseEngine):
         if self.p2p == "broadcast":  # see [Note: broadcast pairs]
             self._pairs = BroadcastPairs(program, self.stage, self.pp_group, timeout=self.timeout)
         elif self.p2p == "nccl":  # see [Note: one link per direction]
-            links = Links(program, self.stage, self.pp_group, timeout=self.timeout)
             emulate = dist.get_backend(self.pp_group) != "nccl"
+            grace = timedelta(seconds=0 if emulate else WATCHDOG_GRACE_S)  # see wait_device
+            links = Links(program, self.stage, self.pp_group, timeout=self.timeout + grace)
             cuda = self.device.type == "cuda" and not emulate
             self._links = LinkIO(links, self.stage, emulate=emulate, cuda=cuda)
         given = segments if isinstance(segments, Sequence) else modules
@@ -400,10 +425,19 @@ class Engine(BaseEngine):
                 transfers.after(index)
             self._at = None
             transfers.finish(times, clock0)
+            self._wait_device()
         except BaseException as exc:
             transfers.abort(self._reason(exc, ops[index] if visit else None))
             raise
         return times
+
+    def _wait_device(self) -> None:
+        """On CUDA, the run's end: its kernels done within the timeout ([Note: failures])."""
+        if not wait_device(self.device, self.timeout.total_seconds()):
+            raise RankFailure(
+                f"rank {self.rank} (stage {self.stage}) waited {self.timeout.total_seconds():g} s "
+                "for its GPU to end the run: a peer it exchanges with stopped or died"
+            )
 
     def _reason(self, exc: BaseException, op: Any) -> str:
         """One line for the peers: what failed here, and where."""

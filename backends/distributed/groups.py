@@ -1,7 +1,28 @@
 """Setting up the distributed `Engine`: process groups, this stage's segments, its program.
 
-`process_groups` makes the pipeline and data-parallel process groups, `bound_waits` gives the ones
-the engine made its timeout, and `DataParallel` runs the runtime's collectives over one.
+`process_groups` makes the pipeline and data-parallel process groups (over a default mesh in
+the `rank_order` asked for: see [Note: rank layout]), `bound_waits` gives the ones the engine
+made its timeout, and `DataParallel` runs the runtime's collectives over one. `own_segments`
+takes or builds this stage's segments, and `check_backend` refuses CUDA tensors on a gloo group.
+
+[Note: rank layout] A default mesh lays the world out in one of two orders (`RANK_ORDERS`):
+
+- "pp-inner" (the default): the stages of a pipeline are consecutive ranks, global rank
+  `dp_index * p + stage` (`(..) * tp + tp_index` with tensor parallelism, tp innermost). With 8
+  GPUs a node and `p * tp <= 8`, each pipeline stays on one node, so its point-to-point (every
+  microbatch, both ways, on the critical path) runs over NVLink or shared memory, and only the
+  data-parallel reductions (once a step, overlapped with the backward) cross nodes. Under gloo it
+  is what lets neighbouring stages exchange through shared memory.
+- "dp-inner": Megatron-LM's order (tp-cp-ep-dp-pp, tp innermost): global rank
+  `stage * dp + dp_index` (`(..) * tp + tp_index`). A stage's data-parallel peers are
+  consecutive, so the gradient all-reduce (the largest collective for big `dp` and a large
+  stage) stays within a node and the pipeline crosses nodes between stages. Choose it when
+  gradient reduction, not activation traffic, is what a step waits on.
+
+| dp=2 p=2  | pipelines (pp groups) | data-parallel groups |
+|-----------|-----------------------|----------------------|
+| pp-inner  | [0, 1] [2, 3]         | [0, 2] [1, 3]        |
+| dp-inner  | [0, 2] [1, 3]         | [0, 1] [2, 3]        |
 
 `stage_ops` gives the stage's program as the engine runs it, one item per step of the step model:
 single compute and update instructions, and each comm group as one `CommGroup` (posted together
@@ -23,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from schedcc.backends.engine import check_segments
+from schedcc.backends.engine import build_segments, check_segments, is_builder
 from schedcc.backends.runtime.losses import count_carriers
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
@@ -31,16 +52,22 @@ from schedcc.program import Program
 from schedcc.semantics import Layout, Steps, comm_route, decode
 
 __all__ = [
+    "RANK_ORDERS",
     "Channel",
     "CommGroup",
     "DataParallel",
     "bound_waits",
+    "check_backend",
+    "default_mesh",
     "device_of",
     "own_segments",
     "process_groups",
     "stage_ops",
     "tensor_group",
 ]
+
+#: The orders a default mesh lays the ranks out in ([Note: rank layout]), by mesh dims.
+RANK_ORDERS = {"pp-inner": ("dp", "pp"), "dp-inner": ("pp", "dp")}
 
 #: `(kind, segment)`: "A" activations out of the segment, "G" its input gradients, "C" those of
 #: them that carry a batch's count.
@@ -63,11 +90,17 @@ class CommGroup:
         self.recvs = [(op, peer, key) for op, is_send, peer, key in items if not is_send]
 
 
-def process_groups(program: Program, mesh, pp_group, dp_group):
-    """The (pipeline, data-parallel) process groups: the caller's, or a ("dp", "pp") mesh's."""
+def process_groups(program: Program, mesh, pp_group, dp_group, rank_order: str | None = None):
+    """The (pipeline, data-parallel) process groups: the caller's, or a mesh's (the caller's,
+    or a default one over the world in `rank_order`, see [Note: rank layout])."""
     p, dp = program.num_stages, program.data_parallel
     if (pp_group is None) != (dp_group is None):
         raise ScheduleConfigError("pass both pp_group and dp_group, or neither")
+    if rank_order is not None and (mesh is not None or pp_group is not None):
+        raise ScheduleConfigError(
+            f"rank_order={rank_order!r} lays out the default mesh; a mesh or process groups "
+            "passed in bring their own order: pass one or the other"
+        )
     if pp_group is None:
         if mesh is None:
             world = dist.get_world_size()
@@ -77,13 +110,12 @@ def process_groups(program: Program, mesh, pp_group, dp_group):
                     f"{p} * {dp} = {p * dp}"
                 )
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(device_type, (dp, p), mesh_dim_names=("dp", "pp"))
-        if tuple(mesh.mesh_dim_names or ()) not in (("dp", "pp"), ("dp", "pp", "tp")):
+            mesh = default_mesh(device_type, p, dp, rank_order=rank_order)
+        names = tuple(mesh.mesh_dim_names or ())
+        if names not in [(*dims, *tp) for dims in RANK_ORDERS.values() for tp in ((), ("tp",))]:
             raise ScheduleConfigError(
-                "the mesh must have dims ('dp', 'pp') or ('dp', 'pp', 'tp'), got "
-                f"{mesh.mesh_dim_names}"
+                "the mesh must have dims ('dp', 'pp') or ('pp', 'dp'), and 'tp' last for "
+                f"tensor parallelism, got {mesh.mesh_dim_names}"
             )
         pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     if dist.get_world_size(pp_group) != p or dist.get_world_size(dp_group) != dp:
@@ -93,6 +125,43 @@ def process_groups(program: Program, mesh, pp_group, dp_group):
             f"data_parallel={dp}"
         )
     return pp_group, dp_group
+
+
+def default_mesh(device_type: str, p: int, dp: int, tp: int = 1, *, rank_order=None):
+    """A `DeviceMesh` over the world with dims "dp" and "pp" in `rank_order` (default
+    "pp-inner"), and "tp" innermost when `tp > 1` ([Note: rank layout]).
+
+    Raises:
+        ScheduleConfigError: an unknown `rank_order`.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    order = "pp-inner" if rank_order is None else rank_order
+    if order not in RANK_ORDERS:
+        raise ScheduleConfigError(
+            f"rank_order must be one of {', '.join(map(repr, RANK_ORDERS))}, got {rank_order!r}"
+        )
+    names = RANK_ORDERS[order]
+    sizes = {"dp": dp, "pp": p}
+    shape = tuple(sizes[name] for name in names)
+    if tp > 1:
+        names, shape = (*names, "tp"), (*shape, tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def check_backend(group, device: torch.device) -> None:
+    """Refuse a gloo `group` for tensors on a CUDA `device` (gloo moves CPU tensors only).
+
+    Raises:
+        ScheduleConfigError: one line saying the fix.
+    """
+    backend = str(dist.get_backend(group))
+    if device.type == "cuda" and backend == "gloo":
+        raise ScheduleConfigError(
+            f"the segments are on {device} but the pipeline's process group is gloo, which "
+            'moves CPU tensors only: init with dist.init_process_group("nccl") (or '
+            '"cpu:gloo,cuda:nccl"), or keep the segments on the CPU'
+        )
 
 
 def tensor_group(mesh, tp_group):
@@ -105,11 +174,17 @@ def tensor_group(mesh, tp_group):
     return tp_group
 
 
-def own_segments(schedule, stage: int, segments: Sequence[nn.Module]) -> list[nn.Module]:
-    """The segments `stage` holds, by chunk, from all `p*v` segments or from its own `v`."""
+def own_segments(schedule, stage: int, segments) -> list[nn.Module]:
+    """The segments `stage` holds, by chunk: from all `p*v` segments, from its own `v`, or
+    built by a builder for those alone ([Note: building only what a rank holds] in
+    `backends.engine`)."""
+    held = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
+    if is_builder(segments):
+        made = build_segments(schedule, segments, held)
+        return [made[k] for k in held]
     segments = check_segments(schedule, segments, own_stage=True)
     if len(segments) == schedule.num_segments:
-        return [segments[schedule.segment_of(stage, c)] for c in range(schedule.num_chunks)]
+        return [segments[k] for k in held]
     return segments
 
 

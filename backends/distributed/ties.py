@@ -9,16 +9,20 @@ among the segments a rank is given: given all `p*v` segments (each rank built th
 every rank sees every tie, refuses a program whose `tied` does not cover one, and checks that the
 copies on the group's ranks start bitwise equal. Given only its own segments, a rank sees ties
 among those alone; for a group that spans ranks, the program's explicit `tied` says which
-segments share, and the group's ranks find which parameters by value: a parameter is the copy of
-another segment's when their shapes, dtypes and values are bitwise equal. A constant tensor (a
-norm's ones, a zero bias) cannot be told apart that way and is never taken for a tie; a value
-found twice in one segment is refused as ambiguous. Every rank learns every problem (one
+segments share, and the group's ranks find which parameters by value (`ties_by_value`): a
+parameter is the copy of another segment's when their shapes, dtypes and values are bitwise
+equal. A constant tensor (a norm's ones, a zero bias) cannot be told apart that way and is never
+taken for a tie, except with the same name in a copy of its segment in another model replica
+(DualPipe's segment `L + j` is segment `j` built again); a value found twice in one segment is
+refused as ambiguous. A copy found by value is its segment's own `Parameter`, so a stage holding
+two such copies trains each (no private copy, which serves only a `Parameter` object held
+twice). An engine given a builder is in this second case ([Note: building only what a rank
+holds] in `backends.engine`). Every rank learns every problem (one
 `all_gather_object` over the world), so all refuse together, before any weight changes.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -28,7 +32,15 @@ from torch import nn
 
 from schedcc.backends.distributed.groups import sum_in_rank_order
 from schedcc.backends.distributed.transfers import first_line
-from schedcc.backends.runtime.tied import Tie, check_ties, private_copies
+from schedcc.backends.runtime.tied import (
+    Tie,
+    built_ties,
+    check_ties,
+    fingerprint,
+    joined,
+    private_copies,
+    ties_by_value,
+)
 from schedcc.errors import RankFailure, ScheduleConfigError
 from schedcc.program import Program
 from schedcc.semantics import Layout
@@ -111,10 +123,19 @@ def plan_ties(
     held = dict(enumerate(given)) if complete else dict(zip(segments, modules))
     spans = [len(stages) > 1 for stages in groups.members]
     whole = [g for g in range(len(tied)) if complete or not spans[g]]
+    length = schedule.num_segments // type(schedule).num_replicas  # replicas: [Note: replicas]
+    mine = dict(zip(segments, modules))
+
+    def on_this_rank() -> list[Tie]:
+        if complete:
+            return check_ties(held, tied, whole=whole)
+        here = [g for g in whole if set(tied[g]) <= set(held)]  # held apart: also by value
+        return built_ties(held, tied, here, length=length)
+
     if not tied:  # no collective: every rank given all segments refuses alike
-        ties = check_ties(held, tied, whole=whole)
-        return ties, private_copies(ties, segments)
-    ties = _agreed(stage, lambda: check_ties(held, tied, whole=whole))
+        ties = on_this_rank()
+        return ties, private_copies(ties, segments, mine)
+    ties = _agreed(stage, on_this_rank)
 
     def across_ranks() -> list[Tie]:
         found_ties = list(ties)
@@ -123,11 +144,13 @@ def plan_ties(
             if complete:
                 _check_equal([t for t in found_ties if t.group == g], found)
             else:
-                found_ties = [t for t in found_ties if t.group != g] + _by_value(g, tied[g], found)
+                by_value = ties_by_value(g, tied[g], found, length=length)
+                same = [t for t in found_ties if t.group == g]  # by identity, here
+                found_ties = [t for t in found_ties if t.group != g] + joined(same + by_value)
         return sorted(found_ties, key=lambda tie: (tie.group, tie.copies))
 
     ties = _agreed(stage, across_ranks)
-    return ties, private_copies(ties, segments)
+    return ties, private_copies(ties, segments, mine)
 
 
 def _agreed(stage: int, work):
@@ -150,7 +173,7 @@ def _exchange(g: int, segments, modules, groups: TieGroups) -> dict[int, dict[st
     that the group's ranks hold."""
     group = set(groups.tied[g])
     mine = {
-        k: {name: _fingerprint(p) for name, p in module.named_parameters()}
+        k: {name: fingerprint(p) for name, p in module.named_parameters()}
         for k, module in zip(segments, modules)
         if k in group
     }
@@ -160,53 +183,13 @@ def _exchange(g: int, segments, modules, groups: TieGroups) -> dict[int, dict[st
     return found
 
 
-def _fingerprint(param: torch.Tensor) -> tuple:
-    data = param.detach().cpu().contiguous()
-    digest = hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-    constant = data.numel() == 0 or bool((data == data.view(-1)[0]).all())
-    return (tuple(data.shape), str(data.dtype), digest, constant)
-
-
 def _check_equal(ties: list[Tie], found: dict[int, dict[str, tuple]]) -> None:
     """Every copy of each tie starts with the same values on every rank."""
     for tie in ties:
         prints = {k: found[k][name] for k, name in tie.copies if k in found}
-        if len({fingerprint[2] for fingerprint in prints.values()}) > 1:
+        if len({value[2] for value in prints.values()}) > 1:
             raise ScheduleConfigError(
                 f"the copies of tied parameter {tie.name!r} (segments {list(tie.segments)}) "
                 "start with different values on the ranks of its stages: build the model with "
                 "the same seed on every rank, or load the same weights, before the Engine"
             )
-
-
-def _by_value(g: int, group: Sequence[int], found: dict[int, dict[str, tuple]]) -> list[Tie]:
-    """The ties of group g among segments given on different ranks, found by value."""
-    by_key: dict[tuple, list[tuple[int, str]]] = {}
-    for k in sorted(found):
-        for name, (shape, dtype, digest, constant) in found[k].items():
-            if constant:
-                continue
-            copies = by_key.setdefault((shape, dtype, digest), [])
-            if any(j == k for j, _ in copies):
-                raise ScheduleConfigError(
-                    f"tied group {tuple(group)}: segment {k} holds two parameters with the "
-                    f"same values ({copies[-1][1]!r} and {name!r}), so a rank given only its "
-                    "own segments cannot tell which one is tied: pass all p*v segments to the "
-                    "Engine on every rank"
-                )
-            copies.append((k, name))
-    ties = [
-        Tie(g, tuple(copies), key[0], getattr(torch, key[1].removeprefix("torch.")))
-        for key, copies in by_key.items()
-        if len(copies) > 1
-    ]
-    shared = {k for tie in ties for k in tie.segments}
-    alone = [k for k in group if k not in shared]
-    if alone:
-        raise ScheduleConfigError(
-            f"tied group {tuple(group)}: segment(s) {alone} hold no parameter equal to another "
-            "segment's of the group; the copies of a tied parameter must start equal (build "
-            "the model with the same seed on every rank), or pass all p*v segments to the "
-            "Engine on every rank"
-        )
-    return ties

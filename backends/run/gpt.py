@@ -8,7 +8,11 @@ embedding's (`head.weight = tok.weight`). Batches have variable lengths, padded 
 
 `gpt_segments(model, n)` cuts it by hand into `n` segments whose boundary value is the tuple
 `(x, pad_mask, pos_ids)`; they hold the model's own modules, so the first and the last segment
-share the tied Parameter object. `schedcc.split(model, ["blocks.2"])` cuts it automatically.
+share the tied Parameter object. `gpt_segment(config, k, n, seed=...)` builds segment `k` alone,
+with the values it has in the whole model (each parameter is drawn from a generator seeded by
+the seed and its name), so a pipeline rank allocates only its own; the last segment's head
+then starts equal to the first one's embedding, a tie found by value (`compile(...,
+tied=[(0, n - 1)])`). `schedcc.split(model, ["blocks.2"])` cuts it automatically.
 
     >>> model = GPT(GPTConfig(vocab=16, max_len=8, d_model=8, num_heads=2, num_blocks=2))
     >>> (tokens, pad_mask), targets = PaddedBigramData(vocab=16, max_len=8).batch(3, step=0)
@@ -17,10 +21,15 @@ share the tied Parameter object. `schedcc.split(model, ["blocks.2"])` cuts it au
     >>> first, last = gpt_segments(model, 2)
     >>> first.tok.weight is last.head.weight
     True
+    >>> alone = gpt_segment(GPTConfig(vocab=16, max_len=8, d_model=8, num_heads=2, num_blocks=2),
+    ...                     1, 2)
+    >>> torch.equal(alone.head.weight, last.head.weight)
+    True
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -35,6 +44,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "PaddedBigramData",
+    "gpt_segment",
     "gpt_segments",
     "mean_token_loss",
     "position_ids",
@@ -120,28 +130,20 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """`GPT(config, seed=0)(tokens, pad_mask) -> logits (b, s, vocab)`; the head is tied.
 
-    Parameters are drawn from their own generator seeded by `seed` (normal(0, 0.02) for
-    matrices, zero biases, unit norm weights), whatever the global RNG holds.
+    Each parameter is drawn from its own generator, seeded by `seed` and its name, whatever the
+    global RNG holds (normal(0, 0.02) for matrices, zero biases, unit norm weights): so a
+    segment built alone (`gpt_segment`) starts with the values it has here.
     """
 
     def __init__(self, config: GPTConfig | None = None, *, seed: int = 0):
         super().__init__()
         config = config or GPTConfig()
         self.config = config
-        self.tok = nn.Embedding(config.vocab, config.d_model)
-        self.pos = nn.Embedding(config.max_len, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
+        self.tok, self.pos, self.drop = _embeddings(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_blocks))
-        self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab, bias=False)
+        self.norm, self.head = _final(config)
         self.head.weight = self.tok.weight
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, param in self.named_parameters():  # the tied weight once
-                if param.dim() >= 2:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-                else:  # the only 1-D weights are the norms' gains
-                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+        _draw(self, "", seed)  # the tied weight once, as tok.weight
 
     def forward(self, tokens: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
         pos_ids = position_ids(pad_mask)
@@ -151,21 +153,48 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
+def _embeddings(config: GPTConfig) -> tuple[nn.Embedding, nn.Embedding, nn.Dropout]:
+    tok = nn.Embedding(config.vocab, config.d_model)
+    return tok, nn.Embedding(config.max_len, config.d_model), nn.Dropout(config.dropout)
+
+
+def _final(config: GPTConfig) -> tuple[nn.LayerNorm, nn.Linear]:
+    return nn.LayerNorm(config.d_model), nn.Linear(config.d_model, config.vocab, bias=False)
+
+
+def _draw(module: nn.Module, prefix: str, seed: int) -> None:
+    """Give each parameter of `module` its value as the GPT's parameter `prefix + name`."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            name = prefix + name
+            if param.dim() >= 2:
+                digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+                gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+            else:  # the only 1-D weights are the norms' gains
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+
+
 class GPTSegment(nn.Module):
-    """Blocks `lo:hi` of a `GPT`, with the embeddings if first and the norm and head if last.
+    """Blocks of a `GPT`, with the embeddings if first and the norm and head if last.
 
     Boundary value: the tuple `(x, pad_mask, pos_ids)`. The first segment takes the batch's
-    inputs `(tokens, pad_mask)`; the last returns the logits. The modules are the model's own.
+    inputs `(tokens, pad_mask)`; the last returns the logits.
+
+    Args:
+        blocks: the segment's blocks, in order.
+        embed: `(tok, pos, drop)` for the first segment, else None.
+        final: `(norm, head)` for the last segment, else None.
     """
 
-    def __init__(self, model: GPT, lo: int, hi: int, *, first: bool, last: bool):
+    def __init__(self, blocks, *, embed=None, final=None):
         super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.tok, self.pos, self.drop = model.tok, model.pos, model.drop
-        self.blocks = nn.ModuleList(model.blocks[lo:hi])
-        if last:
-            self.norm, self.head = model.norm, model.head
+        self.first, self.last = embed is not None, final is not None
+        if embed is not None:
+            self.tok, self.pos, self.drop = embed
+        self.blocks = nn.ModuleList(blocks)
+        if final is not None:
+            self.norm, self.head = final
 
     def forward(self, *inputs: torch.Tensor):
         if self.first:
@@ -182,7 +211,8 @@ class GPTSegment(nn.Module):
 
 
 def gpt_segments(model: GPT, num_segments: int) -> list[nn.Module]:
-    """`model` cut by hand into `num_segments` `GPTSegment`s (blocks spread evenly, larger first).
+    """`model` cut by hand into `num_segments` `GPTSegment`s (blocks spread evenly, larger
+    first); they hold the model's own modules.
 
     Raises:
         ScheduleConfigError: fewer blocks than segments, or a non-positive count.
@@ -191,21 +221,62 @@ def gpt_segments(model: GPT, num_segments: int) -> list[nn.Module]:
     >>> [len(s.blocks) for s in segments]
     [2, 1]
     """
-    num_blocks = len(model.blocks)
+    last = num_segments - 1
+    return [
+        GPTSegment(
+            model.blocks[lo:hi],
+            embed=(model.tok, model.pos, model.drop) if k == 0 else None,
+            final=(model.norm, model.head) if k == last else None,
+        )
+        for k, (lo, hi) in enumerate(_block_ranges(len(model.blocks), num_segments))
+    ]
+
+
+def gpt_segment(config: GPTConfig, k: int, num_segments: int, *, seed: int = 0) -> GPTSegment:
+    """Segment `k` of `gpt_segments(GPT(config, seed=seed), num_segments)`, built alone: the
+    same modules with the same values, and no other segment's parameters. Its LM head (the
+    last segment's) is a copy of the token embedding, not the first segment's object.
+
+    Raises:
+        ScheduleConfigError: fewer blocks than segments, a non-positive count, or `k` out of
+            range.
+    """
+    ranges = _block_ranges(config.num_blocks, num_segments)
+    if not 0 <= k < num_segments:
+        raise ScheduleConfigError(f"segment {k} of {num_segments}: need 0 <= k < {num_segments}")
+    lo, hi = ranges[k]
+    blocks = [Block(config) for _ in range(lo, hi)]
+    for i, block in zip(range(lo, hi), blocks):
+        _draw(block, f"blocks.{i}.", seed)
+    embed = final = None
+    if k == 0:
+        embed = _embeddings(config)
+        _draw(embed[0], "tok.", seed)
+        _draw(embed[1], "pos.", seed)
+    if k == num_segments - 1:
+        final = _final(config)
+        _draw(final[0], "norm.", seed)
+        if embed is not None:  # one segment: the tie is one Parameter, as in the GPT
+            final[1].weight = embed[0].weight
+        else:
+            _draw(final[1], "tok.", seed)  # the head's weight is the token embedding's
+    return GPTSegment(blocks, embed=embed, final=final)
+
+
+def _block_ranges(num_blocks: int, num_segments: int) -> list[tuple[int, int]]:
+    """Each segment's `(lo, hi)` blocks: spread evenly, the larger first."""
     if not 1 <= num_segments <= num_blocks:
         raise ScheduleConfigError(
             f"cannot cut a GPT of {num_blocks} block(s) into {num_segments} segments: every "
             "segment needs at least one block; use fewer stages or chunks, or more blocks"
         )
     base, extra = divmod(num_blocks, num_segments)
-    segments: list[nn.Module] = []
-    lo = 0
+    ranges, lo = [], 0
     for k in range(num_segments):
         hi = lo + base + (1 if k < extra else 0)
-        last = k == num_segments - 1
-        segments.append(GPTSegment(model, lo, hi, first=k == 0, last=last))
+        ranges.append((lo, hi))
         lo = hi
-    return segments
+    return ranges
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

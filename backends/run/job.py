@@ -1,9 +1,11 @@
 """What one rank of `schedcc run` does: set up torch.distributed, train, report on rank 0.
 
 `main(rank, world_size, config)` is called by `backends.run.launch.spawn` in each local process, or
-directly under torchrun. Each rank builds the whole model (`--model`'s factory, see
-`backends.run.models`), compiles the program with the ties the command found in it (`config.tied`;
-the engine refuses segments whose sharing differs), and trains its own stage. Rank 0 shows the
+directly under torchrun. Each rank finds its stage in the mesh (`--rank-order`), builds only that
+stage's segments (`--model`'s factory given `segments=`, or the whole model with the rest dropped
+for a factory that builds all; see `backends.run.models`), puts them alone on its device,
+compiles the program with the ties the command found in the whole model (`config.tied`; their
+copies on other ranks are found by value), and trains its own stage. Rank 0 shows the
 progress bar, gathers every rank's measured instruction times, and prints the summary (and, with
 `--check`, compares against non-pipelined training).
 """
@@ -11,6 +13,7 @@ progress bar, gathers every rank's measured instruction times, and prints the su
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from datetime import timedelta
@@ -21,6 +24,7 @@ import torch.distributed as dist
 
 from schedcc.backends.batches import local_batches
 from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.distributed.groups import bound_waits, default_mesh
 from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
@@ -70,8 +74,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def main(rank: int, world_size: int, config, model: RunModel | None = None) -> int:
     """Train as `rank` of `world_size`; returns the exit code (0, or 1 for a failed check).
 
-    `model` is the run's model already built in this process (under torchrun, where the command
-    checked it), else None: it is built here.
+    `model` is the run's whole model already built in this process, else None (what `schedcc
+    run` passes): only this rank's segments are built here.
     """
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     keep_freed_memory()  # see [Note: keeping freed memory]
@@ -102,9 +106,6 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
     schedule = get_schedule(config.schedule)(
         config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches
     )
-    replicas = type(schedule).num_replicas  # DualPipe: each replica holds the same modules
-    if model is None:
-        model = models.build(config.model, schedule.num_segments // replicas, seed=config.seed)
     program = compile(
         schedule,
         data_parallel=config.data_parallel,
@@ -113,26 +114,25 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         grad_norm=config.grad_norm,
         recompute=config.recompute,
     )
-    whole = list(model.segments) * replicas
-    initial = copy.deepcopy(whole) if config.check and rank == 0 else None
+    mesh = default_mesh(  # see [Note: rank layout]
+        device.type,
+        config.num_stages,
+        config.data_parallel,
+        config.tp,
+        rank_order=config.rank_order,
+    )
+    bound_waits(  # every wait has the run's timeout ([Note: failures])
+        timedelta(seconds=config.timeout), *map(mesh.get_group, mesh.mesh_dim_names)
+    )
+    model, own, initial = _own_model(schedule, mesh.get_local_rank("pp"), config, model, rank)
     optimizer = optimizer_of(model, config)
-    segments = [segment.to(device) for segment in whole]
-    mesh = None
+    own = {j: segment.to(device) for j, segment in own.items()}  # only this stage's
     if config.tp > 1:  # see [Note: the user's tensor parallelism]
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = (config.data_parallel, config.num_stages, config.tp)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("dp", "pp", "tp"))
-        segments = [shard_layers(segment, mesh.get_group("tp")) for segment in segments]
-        split = (ParallelMLP, ParallelBlock, ParallelGPTBlock)
-        if not any(isinstance(m, split) for seg in segments for m in seg.modules()):
-            raise ScheduleConfigError(
-                f"--tp {config.tp}: model {config.model} has no attention block or "
-                "Linear-activation-Linear run to split over tensor-parallel ranks"
-            )
+        own = {j: shard_layers(segment, mesh.get_group("tp")) for j, segment in own.items()}
+        _check_split(own, config, device)
     engine = Engine(
         program,
-        segments,
+        own.__getitem__,  # a builder: this stage's segments, built above
         model.loss_fn,
         optimizer,
         mesh=mesh,
@@ -190,6 +190,43 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
     gap = abs(evals[-1][1] - expected)
     print(check_line(gap, CHECK_TOLERANCE, what="final evaluation loss"), flush=True)
     return 0 if max(worst, gap) <= CHECK_TOLERANCE else 1
+
+
+def _own_model(schedule, stage: int, config, model: RunModel | None, rank: int):
+    """`(model, {j: module} of the segments stage `stage` holds, the --check reference)`.
+
+    `j` is a segment of one model replica (DualPipe holds each twice). The segments are built
+    alone where the factory can (`models.build(..., segments=)`); of a whole model given, the
+    stage's are kept and the rest dropped. With `--check`, rank 0 also builds the whole model,
+    the non-pipelined reference (`None` elsewhere), as one list of `p*v` segments (a replica's
+    held again for each other replica, as in the engines).
+    """
+    replicas = type(schedule).num_replicas
+    length = schedule.num_segments // replicas
+    held = sorted({schedule.segment_of(stage, c) % length for c in range(schedule.num_chunks)})
+    initial = None
+    if config.check and rank == 0:
+        whole = model or models.build(config.model, length, seed=config.seed)
+        initial = copy.deepcopy(list(whole.segments)) * replicas
+    if model is None:
+        model = models.build(config.model, length, seed=config.seed, segments=held)
+    else:
+        model = dataclasses.replace(model, segments={j: model.segments[j] for j in held})
+    return model, dict(model.segments), initial
+
+
+def _check_split(own: dict, config, device: torch.device) -> None:
+    """`--tp`: some rank's segments hold a run to split over the tensor-parallel ranks, or
+    every rank refuses (agreed over the world, so none waits on one that refused)."""
+    split = (ParallelMLP, ParallelBlock, ParallelGPTBlock)
+    found = any(isinstance(m, split) for segment in own.values() for m in segment.modules())
+    flag = torch.tensor([float(found)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        raise ScheduleConfigError(
+            f"--tp {config.tp}: model {config.model} has no attention block or "
+            "Linear-activation-Linear run to split over tensor-parallel ranks"
+        )
 
 
 def optimizer_of(model: RunModel, config):

@@ -5,16 +5,23 @@ default: the GPT of `backends/run/gpt.py`; `mlp`), `package.module:make` or
 `path/to/file.py:make`, where `make` is
 
     def make(num_segments: int, *, seed: int) -> RunModel
+    def make(num_segments: int, *, seed: int, segments: tuple[int, ...] | None = None) -> RunModel
 
 It builds the model cut into `num_segments` (`p * v`) segments in model order and returns them
-with the loss and the data (`RunModel`). What the run does with it:
+with the loss and the data (`RunModel`). A factory that takes `segments` builds only those when
+given them (`RunModel.segments` is then `{k: module}` for just those), so a rank allocates only
+its own stage's parameters; one that does not builds them all, and the rank keeps its own and
+drops the rest. What the run does with it:
 
 - it calls `make` once in the launching process, to check what comes back and to find the ties
-  before any rank starts, and once on every rank; so `make` must build the same model every
-  time for a given `seed` (seed the parameters itself);
-- a Parameter object held by several segments (`head.weight = tok.weight`) is a tie: the run
-  compiles with `tied=` covering every such sharing (`tied_groups`), and each rank trains its
-  own stage's share of the segments;
+  before any rank starts (the whole model), and once on every rank (with that rank's segments);
+  so `make` must build the same model every time for a given `seed`, and a segment built alone
+  must start with the values it has in the whole model (seed each parameter, or each segment,
+  itself: the built-ins draw each parameter from a generator seeded by its name);
+- a Parameter object held by several segments of the whole model (`head.weight = tok.weight`)
+  is a tie: the run compiles with `tied=` covering every such sharing (`tied_groups`), and each
+  rank trains its own stage's segments; built apart, a tie's copies are found by value, so
+  they must start equal (the last segment's head a copy of the first one's embedding);
 - the segments are built in `torch.get_default_dtype()`: `--check` sets float64 before calling
   `make` and compares with non-pipelined training of a copy of the same segments, so training must
   be deterministic (no dropout);
@@ -28,6 +35,8 @@ A bad NAME, a `make` that raises, or a return value that breaks the contract is 
     >>> model = build("mlp", 2)
     >>> len(model.segments), model.unit
     (2, 'samples')
+    >>> sorted(build("mlp", 4, segments=(1, 3)).segments)
+    [1, 3]
     >>> build("no-such-model", 2)
     Traceback (most recent call last):
     ...
@@ -37,8 +46,10 @@ module:make or path/to/file.py:make
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +58,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from schedcc.backends.batches import batch_size, local_batches, split_pair
-from schedcc.backends.run.gpt import GPT, GPTConfig, PaddedBigramData, gpt_segments, real_tokens
+from schedcc.backends.run.gpt import (
+    GPT,
+    GPTConfig,
+    PaddedBigramData,
+    gpt_segment,
+    gpt_segments,
+    real_tokens,
+)
 from schedcc.backends.run.gpt import token_loss as gpt_loss
 from schedcc.errors import ScheduleConfigError, UserError
 from schedcc.registry import load_object
@@ -58,6 +76,7 @@ __all__ = [
     "RunModel",
     "TeacherData",
     "build",
+    "builds_some",
     "check_batch",
     "held_out",
     "mlp",
@@ -72,9 +91,10 @@ class RunModel:
     """What a `--model` factory returns: a model cut into segments, its loss and its data.
 
     Args:
-        segments: the `num_segments` modules asked for, in model order; what a segment returns
-            is what the next one takes (a tuple as positional arguments, a dict as keyword
-            arguments), the first takes a batch's inputs, the last's output goes to `loss_fn`.
+        segments: the `num_segments` modules asked for, in model order, or, when `make` was
+            given `segments=`, `{k: module}` for just those; what a segment returns is what the
+            next one takes (a tuple as positional arguments, a dict as keyword arguments), the
+            first takes a batch's inputs, the last's output goes to `loss_fn`.
         loss_fn: `loss_fn(output, targets)`: a scalar mean over the microbatch, a
             `(loss_sum, count)` pair (normalised over the whole batch) or a dict of named scalars.
         batch: `batch(batch_size, step) -> (inputs, targets)`, a pure function of `step`;
@@ -107,7 +127,7 @@ class RunModel:
             return RunModel(segments, F.mse_loss, batch)
     """
 
-    segments: Sequence[nn.Module]
+    segments: Sequence[nn.Module] | Mapping[int, nn.Module]
     loss_fn: Callable[[Any, Any], Any]
     batch: Callable[[int, int], tuple[Any, Any]]
     optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None
@@ -170,18 +190,31 @@ def factory(name: str) -> Callable[..., RunModel]:
     return make
 
 
-def build(name: str, num_segments: int, *, seed: int = 0) -> RunModel:
+def build(
+    name: str, num_segments: int, *, seed: int = 0, segments: Sequence[int] | None = None
+) -> RunModel:
     """`--model name`'s factory called for `num_segments` segments, its result checked.
+
+    With `segments` (indices in `range(num_segments)`), the result holds `{k: module}` for just
+    those: built alone by a factory that takes `segments=` (`builds_some`), else cut from the
+    whole model, whose other segments are dropped.
 
     Raises:
         UserError: see `factory`; the factory raised (its exception's first line), returned
-            something other than a `RunModel`, or another number of segments or a segment
+            something other than a `RunModel`, or other segments than asked for or a segment
             that is not a module.
     """
     make = factory(name)
-    call = f"{getattr(make, '__name__', 'make')}({num_segments}, seed={seed})"
+    some = segments is not None and builds_some(make)
+    wanted = tuple(segments) if segments is not None else None
+    extra = f", segments={wanted}" if some else ""
+    call = f"{getattr(make, '__name__', 'make')}({num_segments}, seed={seed}{extra})"
     try:
-        model = make(num_segments, seed=seed)
+        model = (
+            make(num_segments, seed=seed, segments=wanted)
+            if some
+            else make(num_segments, seed=seed)
+        )
     except Exception as exc:  # the user's code may fail in any way: one line saying how
         raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
     if not isinstance(model, RunModel):
@@ -189,19 +222,47 @@ def build(name: str, num_segments: int, *, seed: int = 0) -> RunModel:
             f"--model {name}: {call} returned a {type(model).__name__}, not a RunModel "
             "(from schedcc.backends.run.models import RunModel)"
         )
-    segments = model.segments
-    if not isinstance(segments, Sequence) or len(segments) != num_segments:
-        got = f"{len(segments)}" if isinstance(segments, Sequence) else "no sequence of"
+    if some:
+        got = model.segments
+        if not isinstance(got, Mapping) or sorted(got) != sorted(wanted):  # type: ignore[arg-type]
+            keys = sorted(got) if isinstance(got, Mapping) else f"a {type(got).__name__}"
+            raise UserError(
+                f"--model {name}: {call} returned segments {keys}; asked for segments=, it "
+                f"must return {{k: module}} for exactly {sorted(wanted)}"  # type: ignore[arg-type]
+            )
+        _check_modules(name, got)
+        return model
+    whole = model.segments
+    if not isinstance(whole, Sequence) or len(whole) != num_segments:
+        got = f"{len(whole)}" if isinstance(whole, Sequence) else "no sequence of"
         raise UserError(
             f"--model {name}: {call} returned {got} segment(s); the schedule needs p*v = "
             f"{num_segments}, in model order"
         )
-    for k, segment in enumerate(segments):
+    _check_modules(name, dict(enumerate(whole)))
+    if wanted is None:
+        return model
+    return dataclasses.replace(model, segments={k: whole[k] for k in wanted})
+
+
+def builds_some(make: Callable[..., RunModel]) -> bool:
+    """Whether factory `make` takes `segments=` (builds only the segments it is given)."""
+    try:
+        parameters = inspect.signature(make).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: call it the old way
+        return False
+    return any(
+        p.name == "segments" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in parameters
+    )
+
+
+def _check_modules(name: str, segments: Mapping[int, Any]) -> None:
+    for k, segment in segments.items():
         if not isinstance(segment, nn.Module):
             raise UserError(
                 f"--model {name}: segment {k} is a {type(segment).__name__}, not a torch.nn.Module"
             )
-    return model
 
 
 def check_batch(
@@ -236,15 +297,21 @@ def _first_line(exc: BaseException) -> str:
 # -- built-in models -----------------------------------------------------------------------------
 
 
-def tiny_gpt(num_segments: int, *, seed: int = 0) -> RunModel:
+def tiny_gpt(
+    num_segments: int, *, seed: int = 0, segments: Sequence[int] | None = None
+) -> RunModel:
     """The GPT of `backends/run/gpt.py` (32 wide, `max(4, num_segments)` blocks, LM head tied to
     the token embedding) on padded bigram sequences of 8 to 32 tokens (the length varies); the
-    boundary value is `(x, pad_mask, pos_ids)` and the floor is the chain's entropy."""
+    boundary value is `(x, pad_mask, pos_ids)` and the floor is the chain's entropy. With
+    `segments`, only those are built (`gpt_segment`), with the whole model's values."""
     data = PaddedBigramData(vocab=64, max_len=32, min_len=8, seed=seed)
     config = GPTConfig(vocab=data.vocab, max_len=data.max_len, num_blocks=max(4, num_segments))
-    model = GPT(config, seed=seed)
+    if segments is None:
+        built: Any = gpt_segments(GPT(config, seed=seed), num_segments)
+    else:
+        built = {k: gpt_segment(config, k, num_segments, seed=seed) for k in segments}
     return RunModel(
-        gpt_segments(model, num_segments),
+        built,
         gpt_loss,
         data.batch,
         floor=data.entropy,
@@ -255,12 +322,12 @@ def tiny_gpt(num_segments: int, *, seed: int = 0) -> RunModel:
     )
 
 
-def mlp(num_segments: int, *, seed: int = 0) -> RunModel:
+def mlp(num_segments: int, *, seed: int = 0, segments: Sequence[int] | None = None) -> RunModel:
     """`mlp_segments` learning `TeacherData` (MSE); the floor is the noise variance."""
     data = TeacherData(seed=seed)
-    segments = mlp_segments(num_segments, width=data.width, seed=seed)
+    built = mlp_segments(num_segments, width=data.width, seed=seed, segments=segments)
     return RunModel(
-        segments,
+        built,
         F.mse_loss,
         data.batch,
         floor=data.entropy,
@@ -316,29 +383,56 @@ def split_evenly(layers: list[nn.Module], num_segments: int) -> list[nn.Module]:
     Raises:
         ValueError: fewer layers than segments.
     """
-    if num_segments > len(layers):
+    return [nn.Sequential(*layers[lo:hi]) for lo, hi in _even_ranges(len(layers), num_segments)]
+
+
+def _even_ranges(num_layers: int, num_segments: int) -> list[tuple[int, int]]:
+    """Each segment's `(lo, hi)` layers, sizes differing by <= 1, the larger first."""
+    if num_segments > num_layers:
         raise ValueError(
-            f"cannot cut {len(layers)} layers into {num_segments} segments; "
+            f"cannot cut {num_layers} layers into {num_segments} segments; "
             "use fewer stages/chunks or a deeper model"
         )
-    base, extra = divmod(len(layers), num_segments)
-    out, start = [], 0
+    base, extra = divmod(num_layers, num_segments)
+    ranges, start = [], 0
     for k in range(num_segments):
         size = base + (1 if k < extra else 0)
-        out.append(nn.Sequential(*layers[start : start + size]))
+        ranges.append((start, start + size))
         start += size
-    return out
+    return ranges
 
 
 def mlp_segments(
-    num_segments: int, *, width: int = 32, num_layers: int | None = None, seed: int = 0
-) -> list[nn.Module]:
-    """An MLP of `Linear(width, width)` + `Tanh` layers (the last without), cut evenly."""
-    torch.manual_seed(seed)
+    num_segments: int,
+    *,
+    width: int = 32,
+    num_layers: int | None = None,
+    seed: int = 0,
+    segments: Sequence[int] | None = None,
+) -> Any:
+    """An MLP of `Linear(width, width)` + `Tanh` layers (the last without), cut evenly.
+
+    Layer `i` is initialised as `nn.Linear` is (uniform within `1/sqrt(width)`) from a generator
+    seeded by `seed` and `i`, so with `segments` (indices) only those are built, as
+    `{k: nn.Sequential}`, with the values they have in the whole MLP.
+    """
+    torch.manual_seed(seed)  # the global RNG as callers have known it
     num_layers = num_layers or max(4, num_segments)
-    layers: list[nn.Module] = []
-    for index in range(num_layers):
-        last = index == num_layers - 1
+    ranges = _even_ranges(num_layers, num_segments)
+
+    def layer(index: int) -> nn.Module:
         linear = nn.Linear(width, width)
-        layers.append(linear if last else nn.Sequential(linear, nn.Tanh()))
-    return split_evenly(layers, num_segments)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        bound = 1 / width**0.5
+        with torch.no_grad():
+            linear.weight.uniform_(-bound, bound, generator=gen)
+            linear.bias.uniform_(-bound, bound, generator=gen)
+        return linear if index == num_layers - 1 else nn.Sequential(linear, nn.Tanh())
+
+    def segment(k: int) -> nn.Module:
+        lo, hi = ranges[k]
+        return nn.Sequential(*(layer(i) for i in range(lo, hi)))
+
+    if segments is None:
+        return [segment(k) for k in range(num_segments)]
+    return {k: segment(k) for k in segments}

@@ -13,9 +13,11 @@ test can assert how many a step makes on the CPU (where the same code runs) and
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-__all__ = ["HostSyncs", "host_read"]
+__all__ = ["WATCHDOG_GRACE_S", "HostSyncs", "host_read", "wait_device"]
 
 
 class HostSyncs:
@@ -28,3 +30,30 @@ def host_read(tensor: torch.Tensor) -> list:
     """`tensor`'s values as a Python list, counted in `HostSyncs.count`."""
     HostSyncs.count += 1
     return tensor.tolist()
+
+
+#: Seconds the NCCL watchdog of the engine's own groups waits beyond the engine's timeout, so
+#: the engine's `RankFailure` is the line a stuck run ends with (see `wait_device`).
+WATCHDOG_GRACE_S = 30.0
+
+
+def wait_device(device: torch.device, seconds: float) -> bool:
+    """Wait until everything queued so far on `device`'s current stream has run, for at most
+    `seconds`; whether it has. On the CPU there is nothing to wait for.
+
+    On CUDA this is the one place a run waits for its GPU ([Note: host syncs]): it polls an
+    event rather than blocking, so a peer that died or stopped (whose NCCL kernels never end)
+    becomes the engine's timeout and its one-line `RankFailure`, before NCCL's watchdog (set
+    `WATCHDOG_GRACE_S` later) tears the process down.
+    """
+    if device.type != "cuda":
+        return True
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + seconds
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    HostSyncs.count += 1
+    return True

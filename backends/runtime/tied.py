@@ -16,12 +16,16 @@ at a step boundary) and a load refreshes the private copies from it.
 
 `find_ties` and `check_ties` find ties by object identity among the segments an engine is
 given and refuse a program whose `tied` groups do not cover them, before anything runs;
-`tied_groups` is the `tied=` that covers them (what `schedcc run` compiles with).
+`tied_groups` is the `tied=` that covers them (what `schedcc run` compiles with). Segments built
+apart (a builder, or a rank given only its own) share no object: `ties_by_value` finds a
+declared group's ties among their `fingerprint`s ([Note: ties across ranks] in
+`backends.distributed.ties`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -35,11 +39,15 @@ __all__ = [
     "StageTies",
     "Tie",
     "TieMeetings",
+    "built_ties",
     "check_ties",
     "find_ties",
+    "fingerprint",
     "private_copies",
     "stage_ties",
+    "joined",
     "tied_groups",
+    "ties_by_value",
 ]
 
 
@@ -161,15 +169,122 @@ def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
     return _suggest(find_ties(dict(enumerate(segments))), ())
 
 
-def private_copies(ties: Sequence[Tie], held: Sequence[int]) -> set[tuple[int, str]]:
+def built_ties(
+    held: Mapping[int, nn.Module],
+    tied: Sequence[Sequence[int]],
+    groups: Iterable[int],
+    *,
+    length: int | None = None,
+) -> list[Tie]:
+    """The ties among segments one process holds (`held`, {segment: module}) that were built
+    apart: by object identity (refusing a sharing `tied` does not cover), and within each of
+    `groups` (whose segments are all held) also by value, a parameter found both ways being
+    one tie (`length`: as for `ties_by_value`).
+
+    Raises:
+        ScheduleConfigError: as `check_ties` (without `whole`) and `ties_by_value`.
+    """
+    ties = check_ties(held, tied)
+    for g in groups:
+        found = {k: {n: fingerprint(p) for n, p in held[k].named_parameters()} for k in tied[g]}
+        mine = [t for t in ties if t.group == g] + ties_by_value(g, tied[g], found, length=length)
+        ties = [t for t in ties if t.group != g] + joined(mine)
+    return sorted(ties, key=lambda tie: (tie.group, tie.copies))
+
+
+def joined(ties: Sequence[Tie]) -> list[Tie]:
+    """`ties` (of one group) with those sharing a copy joined into one."""
+    out: list[Tie] = []
+    for tie in ties:
+        copies = set(tie.copies)
+        for other in [t for t in out if copies & set(t.copies)]:
+            out.remove(other)
+            copies |= set(other.copies)
+        out.append(attrs.evolve(tie, copies=tuple(sorted(copies))))
+    return out
+
+
+def private_copies(
+    ties: Sequence[Tie], held: Sequence[int], modules: Mapping[int, nn.Module] | None = None
+) -> set[tuple[int, str]]:
     """The copies among segments `held` (those one process runs) that train a private copy:
-    every one but the first of each tie ([Note: copies of a tied parameter])."""
+    every one but the first of each tie ([Note: copies of a tied parameter]). Given the held
+    `modules` ({segment: module}), only the copies that are the very `Parameter` object of an
+    earlier one: a copy built apart (found by value) already is its segment's own."""
     held = set(held)
     private = set()
     for tie in ties:
         mine = [copy for copy in tie.copies if copy[0] in held]
-        private.update(mine[1:])
+        if modules is None:
+            private.update(mine[1:])
+            continue
+        seen: set[int] = set()
+        for k, name in mine:
+            param = modules[k].get_parameter(name)
+            if id(param) in seen:
+                private.add((k, name))
+            seen.add(id(param))
     return private
+
+
+def fingerprint(param: torch.Tensor) -> tuple:
+    """`(shape, dtype, digest, constant)` of a parameter's values, to find its copies by value;
+    `constant`: every element is the same (a norm's ones, a zero bias)."""
+    data = param.detach().cpu().contiguous()
+    digest = hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    constant = data.numel() == 0 or bool((data == data.view(-1)[0]).all())
+    return (tuple(data.shape), str(data.dtype), digest, constant)
+
+
+def ties_by_value(
+    g: int,
+    group: Sequence[int],
+    found: Mapping[int, Mapping[str, tuple]],
+    *,
+    length: int | None = None,
+) -> list[Tie]:
+    """The ties of tied group `g` (its segments `group`) among segments built apart, found by
+    value: `found` is `{segment: {name: fingerprint}}` over the group's segments.
+
+    A parameter is a copy of another segment's when their shapes, dtypes and values are
+    bitwise equal. A constant cannot be told apart that way and is taken for a tie only with
+    the same name in a copy of its segment in another model replica (`length`: segments per
+    replica, under DualPipe), which is the same module built again.
+
+    Raises:
+        ScheduleConfigError: a value found twice in one segment (ambiguous), or a segment of
+            the group holding no parameter equal to another's.
+    """
+    by_key: dict[tuple, list[tuple[int, str]]] = {}
+    for k in sorted(found):
+        for name, (shape, dtype, digest, constant) in found[k].items():
+            key: tuple = (shape, dtype, digest)
+            if constant:
+                if length is None:
+                    continue
+                key = (*key, k % length, name)
+            copies = by_key.setdefault(key, [])
+            if any(j == k for j, _ in copies):
+                raise ScheduleConfigError(
+                    f"tied group {tuple(group)}: segment {k} holds two parameters with the "
+                    f"same values ({copies[-1][1]!r} and {name!r}), so segments built apart "
+                    "cannot tell which one is tied: pass all p*v segments of one model"
+                )
+            copies.append((k, name))
+    ties = [
+        Tie(g, tuple(copies), key[0], getattr(torch, key[1].removeprefix("torch.")))
+        for key, copies in by_key.items()
+        if len(copies) > 1
+    ]
+    shared = {k for tie in ties for k in tie.segments}
+    alone = [k for k in group if k not in shared]
+    if alone:
+        raise ScheduleConfigError(
+            f"tied group {tuple(group)}: segment(s) {alone} hold no parameter equal to another "
+            "segment's of the group; the copies of a tied parameter must start equal (build "
+            "every segment with the same seed), or pass all p*v segments of one model"
+        )
+    return sorted(ties, key=lambda tie: tie.copies)
 
 
 class ChunkParams:

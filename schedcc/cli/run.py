@@ -74,15 +74,21 @@ class Config:
     #: Evaluate on held-out batches every this many steps and after the last (0: never).
     eval_every: int = 0
     eval_batches: int = 2
+    #: The default mesh's order ([Note: rank layout] in `backends.distributed.groups`).
+    rank_order: str = "pp-inner"
 
     @property
     def world_size(self) -> int:
         return self.num_stages * self.data_parallel * self.tp
 
     def describe(self, rank: int) -> str:
-        """`rank 3 (stage 1, dp 1)`: global rank = (dp_index * p + stage) * tp + tp_index."""
+        """`rank 3 (stage 1, dp 1)`: global rank = (dp_index * p + stage) * tp + tp_index
+        ("pp-inner"), or (stage * dp + dp_index) * tp + tp_index ("dp-inner")."""
         rank_tp, tp_index = divmod(rank, self.tp)
-        dp_index, stage = divmod(rank_tp, self.num_stages)
+        if self.rank_order == "dp-inner":
+            stage, dp_index = divmod(rank_tp, self.data_parallel)
+        else:
+            dp_index, stage = divmod(rank_tp, self.num_stages)
         if self.tp > 1:
             return f"rank {rank} (stage {stage}, dp {dp_index}, tp {tp_index})"
         return f"rank {rank} (stage {stage}, dp {dp_index})"
@@ -154,6 +160,14 @@ def register(subparsers) -> None:
         "weights and optimizer state stay fp32",
     )
     parser.add_argument(
+        "--rank-order",
+        choices=("pp-inner", "dp-inner"),
+        default="pp-inner",
+        help="how ranks are laid out: a pipeline's stages on consecutive ranks (pp-inner, the "
+        "default: one node per pipeline), or a stage's data-parallel peers (dp-inner, "
+        "Megatron-LM's order)",
+    )
+    parser.add_argument(
         "--no-bind",
         action="store_true",
         help="leave the spawned ranks unbound (default: each its own slice of the cores)",
@@ -200,10 +214,10 @@ def run(args) -> int:
 
     model, tied = _model(config, schedule)
     config = dataclasses.replace(config, tied=tied)
+    del model  # each rank builds only its own stage's segments (under torchrun too)
     if launch.in_torchrun():
         rank = int(os.environ["RANK"])
-        return launch.run_rank(job.main, rank, config.world_size, config, model)
-    del model  # each spawned rank builds its own
+        return launch.run_rank(job.main, rank, config.world_size, config)
     try:
         job.check_devices(config.world_size)
     except launch.UserError as exc:
@@ -223,8 +237,9 @@ def _model(config: Config, schedule):
     """`--model` built here, before any rank starts, and its ties, the program compiled with
     them: a bad factory, model, batch or program is one line (exit 2), not one from every rank.
 
-    Under torchrun this process is a rank and trains the model returned; a launching process
-    builds it only to check it (on one thread, so no thread pool exists when it forks the ranks).
+    The whole model is built here only to check it and find its ties (on one thread, so no
+    thread pool exists when it forks the ranks); every rank, this process under torchrun too,
+    then builds only its own stage's segments.
     """
     import torch
 
@@ -357,6 +372,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         recompute=args.recompute,
         eval_every=args.eval_every or 0,
         eval_batches=args.eval_batches,
+        rank_order=args.rank_order,
     )
     return config, schedule
 
