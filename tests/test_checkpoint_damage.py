@@ -11,9 +11,15 @@ step count, step count and the RNG state bitwise as they were.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -359,3 +365,116 @@ def test_every_edited_field_of_a_shard_is_refused_and_nothing_changes(tmp_path, 
                 (directory / file_name).write_bytes(data)
     assert tried > 100
     assert failures == [], "\n".join(failures)
+
+
+# -- on every rank -------------------------------------------------------------------------------
+
+# Each rank (stage) trains a step under float16 and saves; rank 0 edits stage 1's loss scale to
+# "abc" (the manifest's checksum rewritten). Every rank tries the load: refused on both (rank 0's
+# own shard is fine), and neither changed its weights, optimizer, loss scale, counts or RNG.
+_WORKER = textwrap.dedent(
+    """
+    import sys
+    from datetime import timedelta
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    import schedcc
+    from schedcc.backends.checkpoint import files as ckpt
+    from schedcc.backends.distributed.engine import Engine
+    from schedcc.backends.run.launch import spawn
+    from schedcc.errors import CheckpointError
+
+    ROOT = Path(sys.argv[1])
+
+    def snapshot(engine):
+        rt = engine.runtime
+        return [
+            [t.detach().clone() for m in engine.modules for t in m.state_dict().values()],
+            rt.optimizer.state_dict(),
+            rt.norm.scaler.state_dict(),
+            rt.skipped_steps,
+            engine.steps,
+            torch.get_rng_state(),
+        ]
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and a == b
+
+    def worker(rank, world):
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        torch.manual_seed(0)
+        segments = [torch.nn.Linear(6, 6) for _ in range(2)]
+        program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), grad_norm=True)
+        engine = Engine(
+            program,
+            segments,
+            torch.nn.functional.mse_loss,
+            lambda params: torch.optim.Adam(params, lr=0.01),
+            mixed_precision=torch.float16,
+            timeout=60,
+        )
+        gen = torch.Generator().manual_seed(1)
+        x, y = (torch.randn(4, 6, generator=gen) for _ in range(2))
+        engine.train_step(x, y)
+        directory = ckpt.step_dir(ROOT, engine.steps)
+        engine.save(directory)
+        if rank == 0:
+            name = ckpt.shard_name(1, 0)
+            state = torch.load(directory / name, weights_only=True)
+            state["loss_scale"]["scale"] = "abc"
+            ckpt.rewrite_shard(directory, name, state)
+        engine.train_step(x, y)  # other weights, state and counts than the checkpoint's
+        dist.barrier()
+        kept = snapshot(engine)
+        try:
+            engine.load(directory)
+        except CheckpointError as exc:
+            print(f"rank {rank} refused: {exc}", flush=True)
+        except Exception as exc:
+            print(f"rank {rank} failed: {type(exc).__name__}: {exc}", flush=True)
+        else:
+            print(f"rank {rank} loaded the damaged checkpoint", flush=True)
+        print(f"rank {rank} unchanged: {same(kept, snapshot(engine))}", flush=True)
+        return 0
+
+    if __name__ == "__main__":
+        sys.exit(spawn(worker, 2, grace=30.0))
+    """
+)
+
+
+def test_a_damaged_shard_is_refused_on_every_rank_and_no_rank_changes(tmp_path):
+    """2 gloo ranks, float16: stage 1's loss scale "abc" (it used to fail on rank 1 after
+    its weights were replaced) is a `CheckpointError` naming rank 1, the file and the field on
+    both ranks, and neither rank changes anything."""
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the ranks too, whatever happened
+    assert proc.returncode == 0, err
+    for rank in (0, 1):
+        assert (
+            f"rank {rank} refused: rank 1 (stage 1): stage1-dp0.pt: loss_scale['scale'] is "
+            "'abc', not a positive finite number"
+        ) in out, out
+        assert f"rank {rank} unchanged: True" in out, out

@@ -18,13 +18,16 @@ never loaded: a crash during a save leaves the previous checkpoint the newest co
 Loading reads with `torch.load(weights_only=True)`, so a checkpoint can never run code, and
 checks each file's size and sha256 against the manifest before that.
 
-[Note: refuse before changing anything] Loading is two phases: read and check everything (the
-manifest's fields and types, the program's shape, every file's size and checksum, every shard's
-identity and that each tensor, optimizer state and RNG state fits the engine), then apply. Every
-refusal is a `CheckpointError` from the first phase, so a refused checkpoint leaves the engine's
-parameters, optimizer state, RNG state and step count bitwise as they were; on the distributed
-backend every rank checks its own shards and the ranks agree before any applies (no rank loads
-unless every rank can).
+[Note: refuse before changing anything] Loading is two phases: read and check everything, then
+apply. The first checks the manifest's fields and types (its step, in a step directory, that
+directory's), the program's shape, every file's size and checksum, every field of every shard
+against its schema (`backends.checkpoint.schema`), and that each shard fits the engine: identity,
+tensors, ZeRO-3 shards, RNG state, optimizer state as it will be loaded
+(`backends.checkpoint.restore`). Every refusal is a `CheckpointError` from the first phase,
+naming the file and the field, and the second does not fail on what the first accepted, so a
+refused checkpoint leaves the engine's parameters, buffers, optimizer state, loss scale, counts
+and RNG state bitwise as they were; on the distributed backend every rank checks its own shards
+and the ranks agree before any applies (no rank loads unless every rank can).
 """
 
 from __future__ import annotations
