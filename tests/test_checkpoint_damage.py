@@ -189,6 +189,10 @@ def _zero3_edits() -> dict[str, Callable[[dict], Any]]:
     def shard_of_another_dtype(s):
         s["shards"][0] = s["shards"][0].float()
 
+    def every_tensor_of_another_dtype(s):  # consistent in itself, not with rank 0's
+        s["shards"][0] = s["shards"][0].float()
+        s["modules"][0] = {k: v.float() for k, v in s["modules"][0].items()}
+
     def rename(s):
         s["shapes"][0][0] = ("nonexistent", s["shapes"][0][0][1])
 
@@ -199,6 +203,7 @@ def _zero3_edits() -> dict[str, Callable[[dict], Any]]:
         "shards": lambda s: s.update(shards=s["shards"][0]),
         "shards[0]": shorter_shard,
         "shards[0] dtype": shard_of_another_dtype,
+        "shards[0] dtypes": every_tensor_of_another_dtype,
         "shards dropped": lambda s: s.update(shards=[]),
         "shapes": lambda s: s.update(shapes=None),
         "shapes[0]": lambda s: s["shapes"].__setitem__(0, "abc"),

@@ -50,7 +50,8 @@ def whole_states(saved: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     Raises:
         CheckpointError: the ZeRO-3 fields do not describe one chunk's parameters: other
             chunk counts, names not in the chunk's state, sizes other than the shapes', or
-            shards of other sizes or dtypes than one save of `len(saved)` ranks writes.
+            shards of other sizes or dtypes than one save of `len(saved)` ranks writes (the
+            same dtype on every rank).
     """
     if not saved or saved[0]["zero"] != 3:
         return list(saved)
@@ -58,6 +59,13 @@ def whole_states(saved: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         _check_fields(shard_name(state["stage"], rank), state, len(saved))
     parameters = []
     for c, named in enumerate(saved[0]["shapes"]):
+        dtypes = [state["shards"][c].dtype for state in saved]
+        if len(set(dtypes)) != 1:
+            stage, rank = saved[0]["stage"], next(r for r, d in enumerate(dtypes) if d != dtypes[0])
+            raise CheckpointError(
+                f"{shard_name(stage, rank)}: shards[{c}] is {dtypes[rank]}, "
+                f"{shard_name(stage, 0)}'s {dtypes[0]}: shards of different checkpoints were mixed"
+            )
         flat = torch.cat([state["shards"][c] for state in saved])
         whole, offset = {}, 0
         for name, shape in named:
