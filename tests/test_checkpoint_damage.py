@@ -35,14 +35,24 @@ from schedcc.errors import CheckpointError
 WIDTH = 6
 
 
+class _Scaled(torch.nn.Module):
+    """tanh(Linear(x)) times a buffer: a layer with a buffer beside its parameters."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH, dtype=dtype)
+        self.register_buffer("scale", 0.5 + torch.rand(WIDTH, dtype=dtype))  # by the seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * self.scale
+
+
 def _engine(*, seed=0, dp=1, zero=0, float16=False):
-    """2 stages of Linear-Tanh; float16: float32 weights under float16's loss scale."""
+    """2 stages of one `_Scaled` each; float16: float32 weights under float16's loss scale."""
     torch.manual_seed(seed)
     dtype = torch.float32 if float16 else torch.float64
-    layers = []
-    for _ in range(2):
-        layers += [torch.nn.Linear(WIDTH, WIDTH, dtype=dtype), torch.nn.Tanh()]
-    segments = schedcc.partition(torch.nn.Sequential(*layers), 2, method="uniform")
+    model = torch.nn.Sequential(_Scaled(dtype), _Scaled(dtype))
+    segments = schedcc.partition(model, 2, method="uniform")
     schedule = schedcc.get_schedule("1f1b")(2, 2)
     program = schedcc.compile(schedule, data_parallel=dp, zero=zero, grad_norm=float16)
     return Engine(
