@@ -458,6 +458,13 @@ _WORKER = textwrap.dedent(
         else:
             print(f"rank {rank} loaded the damaged checkpoint", flush=True)
         print(f"rank {rank} unchanged: {same(kept, snapshot(engine))}", flush=True)
+        if rank == 1:  # a check that fails otherwise than by refusing: rank 0 must not wait
+            engine.runtime.check_state = lambda saved: 1 / 0
+        try:
+            engine.load(ROOT / "step-00000001")
+        except Exception as exc:
+            print(f"rank {rank} then: {type(exc).__name__}: {exc}", flush=True)
+        print(f"rank {rank} still unchanged: {same(kept, snapshot(engine))}", flush=True)
         return 0
 
     if __name__ == "__main__":
@@ -469,7 +476,8 @@ _WORKER = textwrap.dedent(
 def test_a_damaged_shard_is_refused_on_every_rank_and_no_rank_changes(tmp_path):
     """2 gloo ranks, float16: stage 1's loss scale "abc" (it used to fail on rank 1 after
     its weights were replaced) is a `CheckpointError` naming rank 1, the file and the field on
-    both ranks, and neither rank changes anything."""
+    both ranks, and neither rank changes anything; a check that fails by an error of another
+    kind on rank 1 raises it there and a `CheckpointError` naming it on rank 0 (no wait)."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -493,3 +501,9 @@ def test_a_damaged_shard_is_refused_on_every_rank_and_no_rank_changes(tmp_path):
             "'abc', not a positive finite number"
         ) in out, out
         assert f"rank {rank} unchanged: True" in out, out
+        assert f"rank {rank} still unchanged: True" in out, out
+    assert "rank 1 then: ZeroDivisionError: division by zero" in out, out
+    assert (
+        "rank 0 then: CheckpointError: rank 1 (stage 1) failed: division by zero checking the "
+        "checkpoint"
+    ) in out, out
