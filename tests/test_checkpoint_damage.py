@@ -236,6 +236,23 @@ def test_edited_zero3_shard_fields_are_refused(tmp_path, field, edit):
     _assert_refused(engine, directory, name, field.split(" ")[0].split("[")[0])
 
 
+def test_optimizer_numbering_is_checked_where_the_state_is_re_sharded(tmp_path):
+    """A dp=2 ZeRO-1 checkpoint loaded at dp=1 (re-sharded by parameter number): parameters
+    renumbered (the state with them, on every rank) are refused, not loaded as no optimizer
+    state."""
+
+    def renumber(state):
+        optimizer = state["optimizer"]
+        optimizer["param_groups"][0]["params"] = [5]
+        optimizer["state"] = {5: optimizer["state"][0]}
+
+    directory = _saved(tmp_path, dp=2, zero=1)
+    for rank in range(2):
+        _edit(directory, ckpt.shard_name(1, rank), renumber)
+    engine = _trained(seed=7)
+    _assert_refused(engine, directory, "stage1-dp0.pt", "number the parameters [5]")
+
+
 def test_manifest_step_other_than_its_directory_is_refused(tmp_path):
     """A manifest step of 0 in `step-00000001/` is refused: resuming would take the data from
     the wrong step (and overwrite that step's checkpoint)."""

@@ -33,7 +33,10 @@ __all__ = ["check_settings", "check_state", "probe_state"]
 def check_settings(name: str, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
     """Raise `CheckpointError` unless the parameter groups of `saved` (a shard's optimizer
     state, of the schema's form) have this optimizer's settings: the same names, each of the
-    same kind (a bool for a bool, a finite number for a finite number, ...)."""
+    same kind (a bool for a bool, a finite number for a finite number, ...), and its
+    parameters numbered as `state_dict` numbers them (0, 1, ... over the groups in order, the
+    state keyed by those numbers: re-sharding reads them so)."""
+    _check_numbering(name, saved)
     groups = [set(g) - {"params"} for g in optimizer.param_groups]
     old = [set(g) - {"params"} for g in saved["param_groups"]]
     if old != groups:
@@ -48,6 +51,21 @@ def check_settings(name: str, saved: dict[str, Any], optimizer: torch.optim.Opti
                     f"{name}: optimizer param_groups[{g}][{key!r}] is {group[key]!r}, not of "
                     f"the kind of this optimizer's {current[key]!r}: it was altered"
                 )
+
+
+def _check_numbering(name: str, saved: dict[str, Any]) -> None:
+    ids = [i for group in saved["param_groups"] for i in group["params"]]
+    if ids != list(range(len(ids))):
+        raise CheckpointError(
+            f"{name}: optimizer param_groups number the parameters {ids}, not 0 to "
+            f"{len(ids) - 1} in order as a saved state does: it was altered"
+        )
+    stray = sorted(set(saved["state"]) - set(ids))
+    if stray:
+        raise CheckpointError(
+            f"{name}: optimizer state holds parameter {stray[0]}, which is none of its "
+            f"param_groups' {ids}: it was altered"
+        )
 
 
 def check_state(where: str, target: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
