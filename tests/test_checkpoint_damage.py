@@ -253,6 +253,15 @@ def test_optimizer_numbering_is_checked_where_the_state_is_re_sharded(tmp_path):
     _assert_refused(engine, directory, "stage1-dp0.pt", "number the parameters [5]")
 
 
+def test_ranks_that_disagree_on_a_scalar_state_are_refused_where_it_is_re_sharded(tmp_path):
+    """Re-sharding keeps one rank's Adam `step` for all: a rank whose step differs (shards of
+    two checkpoints) is refused, not silently overruled."""
+    directory = _saved(tmp_path, dp=2, zero=1)
+    _edit(directory, ckpt.shard_name(1, 1), lambda s: s["optimizer"]["state"][0]["step"].add_(1))
+    engine = _trained(seed=7)
+    _assert_refused(engine, directory, "stage 1", "'step'", "cannot be re-sharded")
+
+
 def test_manifest_step_other_than_its_directory_is_refused(tmp_path):
     """A manifest step of 0 in `step-00000001/` is refused: resuming would take the data from
     the wrong step (and overwrite that step's checkpoint)."""
@@ -360,18 +369,24 @@ def _normal(text: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"float16": True}, {"dp": 2, "zero": 3}], ids=["float16", "zero3-dp2"]
+    ("kwargs", "loaded"),
+    [
+        ({"float16": True}, {"float16": True}),
+        ({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3}),
+        ({"dp": 2, "zero": 1}, {}),
+    ],
+    ids=["float16", "zero3-dp2", "zero1-dp2-resharded"],
 )
-def test_every_edited_field_of_a_shard_is_refused_and_nothing_changes(tmp_path, kwargs):
+def test_every_edited_field_of_a_shard_is_refused_and_nothing_changes(tmp_path, kwargs, loaded):
     """Each field of a real shard (stage 1, the last data-parallel rank), at every depth,
     given a value of another type, negative, NaN, inf, of another shape or dtype, a key or
     item short, or an unknown field: `CheckpointError` naming the file and the field, and the
-    engine bitwise unchanged."""
+    engine (of the same layout, or of another: re-sharded) bitwise unchanged."""
     directory = _saved(tmp_path, **kwargs)
     name = ckpt.shard_name(1, kwargs.get("dp", 1) - 1)
     original = _read(directory, name)
     pristine = {p.name: p.read_bytes() for p in directory.iterdir()}
-    engine = _trained(seed=7, **kwargs)
+    engine = _trained(seed=7, **loaded)
     before = _snapshot(engine)
     failures, tried = [], 0
     for path, value in list(_walk(original))[1:]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,17 +69,31 @@ def _check_numbering(name: str, saved: dict[str, Any]) -> None:
         )
 
 
-def check_state(where: str, target: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+def check_state(
+    where: str,
+    target: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    like: Sequence[torch.Tensor] | None = None,
+) -> None:
     """Raise `CheckpointError` unless `target` (the state dict that will be loaded) loads into
     `optimizer` whole: its groups of this optimizer's sizes, settings it accepts, and each
-    parameter's state of the names a step gives and of its parameter's shape and dtype."""
+    parameter's state of the names and kinds a step gives, per element of its parameter's
+    shape and dtype. With `like` (per parameter, a tensor of its shape and dtype: `meta` will
+    do), check a saved state in the layout it was saved in instead, before it is re-sharded."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     lengths = [len(g["params"]) for g in target["param_groups"]]
-    if lengths != [len(g["params"]) for g in optimizer.param_groups]:
+    if like is None and lengths != [len(g["params"]) for g in optimizer.param_groups]:
         raise CheckpointError(
             f"{where}: the checkpoint's optimizer groups hold {lengths} parameters, this "
             f"optimizer's {[len(g['params']) for g in optimizer.param_groups]}"
         )
+    if like is not None and sum(lengths) != len(like):
+        raise CheckpointError(
+            f"{where}: the checkpoint's optimizer groups hold {lengths} parameters, the layout "
+            f"it was saved in {len(like)}"
+        )
+    params = list(like) if like is not None else params
     ids = [i for g in target["param_groups"] for i in g["params"]]
     index = {i: position for position, i in enumerate(ids)}
     if len(index) != len(ids):

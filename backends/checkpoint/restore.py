@@ -14,8 +14,9 @@ half-way —
   it is loaded as (a shard swapped or renamed between stages or ranks is refused);
 - every chunk's tensors: the same names, shapes and dtypes as this model's;
 - the RNG states: the CPU state is one `torch.set_rng_state` accepts (tried, then put back);
-- the optimizer state as it will be loaded (re-laid out first where the data-parallel degree or
-  ZeRO differ, see `backends.checkpoint.state`): the same kind of optimizer (its settings'
+- each shard's optimizer state in the layout it was saved in, and again as it will be loaded
+  (re-laid out first where the data-parallel degree or ZeRO differ, see
+  `backends.checkpoint.state`): the same kind of optimizer (its settings'
   names, each setting of the kind of this optimizer's, and accepted by it), the same parameter
   groups, each parameter's state of the names one step of this optimizer gives, every state
   tensor of its parameter's shape and dtype ([Note: the optimizer's own check]).
@@ -26,6 +27,7 @@ loss scale made from them) and the optimizer state (`load_optimizer`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -145,11 +147,13 @@ def optimizer_state(
         return None
     stage = saved[0]["stage"]
     for rank_saved, state in enumerate(saved):
-        check_settings(shard_name(stage, rank_saved), state["optimizer"], optimizer)
+        name = shard_name(stage, rank_saved)
+        check_settings(name, state["optimizer"], optimizer)
+        check_state(name, state["optimizer"], optimizer, like=_saved_layout(state, modules))
     try:
         target = _laid_out(optimizer, saved, modules, zero=zero, rank=rank, size=size)
-    except CheckpointError:
-        raise
+    except CheckpointError as exc:
+        raise CheckpointError(f"stage {stage}: the checkpoint's optimizer state: {exc}") from None
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise CheckpointError(
             f"stage {stage}: the checkpoint's optimizer state cannot be laid out for "
@@ -266,6 +270,20 @@ def _laid_out(
     for group, old in zip(target["param_groups"], saved[0]["optimizer"]["param_groups"]):
         group.update({key: value for key, value in old.items() if key != "params"})
     return target
+
+
+def _saved_layout(state: dict[str, Any], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Per parameter of the optimizer a shard was saved from, a `meta` tensor of its shape and
+    dtype: under ZeRO each chunk's flat shard (the chunk's values over the ranks, rounded up),
+    else the modules' parameters (`modules` whole: checked against `state["numels"]`)."""
+    if not state["zero"]:
+        return [p.to("meta") for mod in modules for p in mod.parameters()]
+    layout = []
+    for mod, sizes in zip(modules, state["numels"]):
+        dtypes = {p.dtype for p in mod.parameters()} or {torch.get_default_dtype()}
+        shard = max(1, math.ceil(sum(sizes) / state["data_parallel"]))
+        layout.append(torch.empty(shard, dtype=dtypes.pop(), device="meta"))
+    return layout
 
 
 def _same_kind(value: Any, tensor: torch.Tensor) -> bool:
