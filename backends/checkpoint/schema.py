@@ -28,7 +28,7 @@ import torch
 
 from schedcc.errors import CheckpointError
 
-__all__ = ["SHARD", "ZERO3", "check_shard", "check_stage_shards"]
+__all__ = ["SHARD", "ZERO3", "Check", "check_shard", "check_stage_shards"]
 
 #: A check: `check(value, field)` raises `_Bad` naming `field` where `value` does not fit.
 Check = Callable[[Any, str], None]
@@ -87,7 +87,7 @@ def _anything(value: Any, field: str) -> None:
     """A module's extra state: whatever its `get_extra_state` returned."""
 
 
-def tensor(*, dim: int | None = None, dtype: torch.dtype | None = None) -> Check:
+def _tensor(*, dim: int | None = None, dtype: torch.dtype | None = None) -> Check:
     """A dense tensor, of `dim` dimensions and of `dtype` where given."""
     what = "a dense tensor" + (f" of {dim} dimension(s)" if dim is not None else "")
     what += f" of {dtype}" if dtype is not None else ""
@@ -109,7 +109,7 @@ def _state_value(value: Any, field: str) -> None:
     if value is None:
         return
     if isinstance(value, torch.Tensor):
-        tensor()(value, field)
+        _tensor()(value, field)
         if value.dim() == 0 and not _finite_tensor(value):
             raise _Bad(field, value, "a finite scalar")
         return
@@ -120,7 +120,7 @@ def _state_value(value: Any, field: str) -> None:
 def _param_state(value: Any, field: str) -> None:
     """One parameter's optimizer state: named values, its `step` (torch's optimizers' count of
     steps taken) a whole number >= 0."""
-    dict_of(_name, _state_value)(value, field)
+    _dict_of(_name, _state_value)(value, field)
     step = value.get("step")
     if step is None:
         return
@@ -131,11 +131,11 @@ def _param_state(value: Any, field: str) -> None:
 
 def _hyperparameter(value: Any, field: str) -> None:
     """A parameter group's setting: a bool, a number, a name, None, a tensor, or a tuple or
-    list of those (its kind and range against this optimizer's: `backends.checkpoint.restore`)."""
+    list of those (its kind and range against this optimizer's: `backends.checkpoint.optimizer`)."""
     if value is None or isinstance(value, (bool, str)) or _is_number(value):
         return
     if isinstance(value, torch.Tensor):
-        tensor()(value, field)
+        _tensor()(value, field)
         return
     if not isinstance(value, (tuple, list)):
         raise _Bad(field, value, "a bool, a number, a name, None or a tuple of those")
@@ -152,7 +152,7 @@ def _finite_tensor(value: torch.Tensor) -> bool:
 # -- checks of containers ------------------------------------------------------------------------
 
 
-def list_of(item: Check) -> Check:
+def _list_of(item: Check) -> Check:
     """A list (or tuple) whose every item passes `item`."""
 
     def check(value: Any, field: str) -> None:
@@ -164,7 +164,7 @@ def list_of(item: Check) -> Check:
     return check
 
 
-def pair(first: Check, second: Check) -> Check:
+def _pair(first: Check, second: Check) -> Check:
     """A list or tuple of two items, passing `first` and `second`."""
 
     def check(value: Any, field: str) -> None:
@@ -176,7 +176,7 @@ def pair(first: Check, second: Check) -> Check:
     return check
 
 
-def dict_of(key: Check, item: Check) -> Check:
+def _dict_of(key: Check, item: Check) -> Check:
     """A dict whose every key passes `key` and every value `item`."""
 
     def check(value: Any, field: str) -> None:
@@ -189,7 +189,7 @@ def dict_of(key: Check, item: Check) -> Check:
     return check
 
 
-def record(fields: Mapping[str, Check], *, optional: Iterable[str] = ()) -> Check:
+def _record(fields: Mapping[str, Check], *, optional: Iterable[str] = ()) -> Check:
     """A dict of exactly `fields` (those in `optional` may be missing), each passing its check."""
     maybe = frozenset(optional)
 
@@ -201,7 +201,7 @@ def record(fields: Mapping[str, Check], *, optional: Iterable[str] = ()) -> Chec
     return check
 
 
-def optional(check: Check) -> Check:
+def _optional(check: Check) -> Check:
     """None, or a value that passes `check`."""
 
     def maybe(value: Any, field: str) -> None:
@@ -217,7 +217,7 @@ def _group(value: Any, field: str) -> None:
         raise _Bad(field, value, "a parameter group (a dict with 'params')")
     for key, entry in value.items():
         _name(key, f"{field} key {key!r}")
-        check = list_of(_count) if key == "params" else _hyperparameter
+        check = _list_of(_count) if key == "params" else _hyperparameter
         check(entry, f"{field}[{key!r}]")
 
 
@@ -239,39 +239,39 @@ def _check_fields(
 
 # -- the schema ----------------------------------------------------------------------------------
 
-_LOSS_SCALE = record({"scale": _positive_finite, "good": _count})
+_LOSS_SCALE = _record({"scale": _positive_finite, "good": _count})
 
-_OPTIMIZER = record(
+_OPTIMIZER = _record(
     {
-        "state": dict_of(_count, _param_state),
-        "param_groups": list_of(_group),
+        "state": _dict_of(_count, _param_state),
+        "param_groups": _list_of(_group),
     }
 )
 
-_BYTES = tensor(dim=1, dtype=torch.uint8)
+_BYTES = _tensor(dim=1, dtype=torch.uint8)
 
-_RNG = record({"cpu": _BYTES, "cuda": list_of(_BYTES)}, optional=("cuda",))
+_RNG = _record({"cpu": _BYTES, "cuda": _list_of(_BYTES)}, optional=("cuda",))
 
 #: Every field of a shard, and its check ([Note: a shard's schema]).
 SHARD: dict[str, Check] = {
     "stage": _count,
     "rank": _count,
     "data_parallel": _positive_count,
-    "segments": list_of(_count),
+    "segments": _list_of(_count),
     "zero": _zero_level,
-    "numels": list_of(list_of(_count)),
-    "modules": list_of(dict_of(_name, _anything)),
-    "optimizer": optional(_OPTIMIZER),
+    "numels": _list_of(_list_of(_count)),
+    "modules": _list_of(_dict_of(_name, _anything)),
+    "optimizer": _optional(_OPTIMIZER),
     "rng": _RNG,
     "skipped_steps": _count,
-    "loss_scale": optional(_LOSS_SCALE),
+    "loss_scale": _optional(_LOSS_SCALE),
 }
 
 #: The fields a shard holds besides `SHARD`'s when saved under `zero=3`
 #: (`backends.checkpoint.sharded`).
 ZERO3: dict[str, Check] = {
-    "shards": list_of(tensor(dim=1)),
-    "shapes": list_of(list_of(pair(_name, list_of(_count)))),
+    "shards": _list_of(_tensor(dim=1)),
+    "shapes": _list_of(_list_of(_pair(_name, _list_of(_count)))),
 }
 
 #: The fields every data-parallel rank of a stage records alike.
