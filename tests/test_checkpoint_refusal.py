@@ -227,7 +227,7 @@ def test_shard_without_its_identity_refused(tmp_path):
     """A shard that does not record its stage is refused."""
     directory = _saved(tmp_path / "c")
     _edit_shard(directory, STAGE1, lambda s: s.pop("stage"))
-    _assert_refused(directory, r"stage1-dp0\.pt records no 'stage'")
+    _assert_refused(directory, r"stage1-dp0\.pt: stage is missing")
 
 
 def _swap(directory: Path, a: str, b: str) -> None:

@@ -130,7 +130,7 @@ def test_one_ranks_bad_shard_is_refused_on_every_rank_and_nothing_changes(tmp_pa
     assert proc.returncode == 0, err
     for rank in (0, 1):
         assert (
-            f"rank {rank} refused: rank 1 (stage 1): stage 1: optimizer state 'exp_avg' of "
+            f"rank {rank} refused: rank 1 (stage 1): stage1-dp0.pt: optimizer state 'exp_avg' of "
             "parameter 0 has shape (36,), the parameter (6, 6)"
         ) in out, out
         assert f"rank {rank} unchanged: True" in out, out

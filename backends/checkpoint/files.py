@@ -18,13 +18,16 @@ never loaded: a crash during a save leaves the previous checkpoint the newest co
 Loading reads with `torch.load(weights_only=True)`, so a checkpoint can never run code, and
 checks each file's size and sha256 against the manifest before that.
 
-[Note: refuse before changing anything] Loading is two phases: read and check everything (the
-manifest's fields and types, the program's shape, every file's size and checksum, every shard's
-identity and that each tensor, optimizer state and RNG state fits the engine), then apply. Every
-refusal is a `CheckpointError` from the first phase, so a refused checkpoint leaves the engine's
-parameters, optimizer state, RNG state and step count bitwise as they were; on the distributed
-backend every rank checks its own shards and the ranks agree before any applies (no rank loads
-unless every rank can).
+[Note: refuse before changing anything] Loading is two phases: read and check everything, then
+apply. The first checks the manifest's fields and types (its step, in a step directory, that
+directory's), the program's shape, every file's size and checksum, every field of every shard
+against its schema (`backends.checkpoint.schema`), and that each shard fits the engine: identity,
+tensors, ZeRO-3 shards, RNG state, optimizer state as it will be loaded
+(`backends.checkpoint.restore`). Every refusal is a `CheckpointError` from the first phase,
+naming the file and the field, and the second does not fail on what the first accepted, so a
+refused checkpoint leaves the engine's parameters, buffers, optimizer state, loss scale, counts
+and RNG state bitwise as they were; on the distributed backend every rank checks its own shards
+and the ranks agree before any applies (no rank loads unless every rank can).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ __all__ = [
     "latest_checkpoint",
     "read_manifest",
     "read_shard",
+    "rewrite_shard",
     "shard_name",
     "step_dir",
     "verify_files",
@@ -187,6 +191,33 @@ def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
             )
 
 
+def _check_step(directory: str | os.PathLike, step: int) -> None:
+    """A checkpoint in a step directory (`step_dir`) holds that many steps: resuming takes the
+    data from there (`schedcc run --resume`), so another step would shift it."""
+    match = _STEP_DIR.fullmatch(Path(directory).name)
+    if match and int(match.group(1)) != step:
+        raise CheckpointError(
+            f"{Path(directory) / MANIFEST}: step is {step}, but the checkpoint is in "
+            f"{Path(directory).name}, the directory of step {int(match.group(1))}: it was "
+            "altered or moved"
+        )
+
+
+def rewrite_shard(directory: str | os.PathLike, name: str, state: dict[str, Any]) -> None:
+    """Replace the shard `name` of a complete checkpoint with `state`, atomically, and give the
+    manifest its new size and sha256 (for tools that edit a checkpoint; a load checks the new
+    contents as it checks any shard's).
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete or has no shard `name`.
+    """
+    manifest = read_manifest(directory)
+    if name not in manifest["files"]:
+        raise CheckpointError(f"checkpoint {directory} has no shard {name}")
+    manifest["files"][name] = write_shard(directory, name, state)
+    write_manifest(directory, manifest["meta"], manifest["step"], manifest["files"])
+
+
 def verify_files(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Check every file the manifest lists: present, of its size, with its sha256."""
     for name, entry in manifest["files"].items():
@@ -295,6 +326,7 @@ def load_stage_states(
         CheckpointError: incomplete, altered, unsafe, or saved from another program.
     """
     manifest = read_manifest(directory)
+    _check_step(directory, manifest["step"])
     meta = manifest["meta"]
     check_meta(meta, program_meta(program))
     for key, least in (("data_parallel", 1), ("zero", 0)):

@@ -5,13 +5,21 @@ the RNG states. `check_saved` is the first phase of [Note: refuse before changin
 `backends.checkpoint.files`): it checks everything loading relies on, so that loading cannot fail
 half-way —
 
+- every field of every shard, its type and range (`backends.checkpoint.schema`), and that a
+  stage's shards agree where every rank records the same (layout, skipped steps, loss scale,
+  optimizer settings);
+- under ZeRO-3, that the parameter shards make the chunks' parameters whole
+  (`backends.checkpoint.sharded`);
 - the shard's identity: the stage, data-parallel rank and segment indices it records are the ones
   it is loaded as (a shard swapped or renamed between stages or ranks is refused);
 - every chunk's tensors: the same names, shapes and dtypes as this model's;
 - the RNG states: the CPU state is one `torch.set_rng_state` accepts (tried, then put back);
-- the optimizer state as it will be loaded (re-laid out first where the data-parallel degree or
-  ZeRO differ, see `backends.checkpoint.state`): the same kind of optimizer (its hyperparameter
-  names), the same parameter groups, every state tensor of its parameter's shape.
+- each shard's optimizer state in the layout it was saved in, and again as it will be loaded
+  (re-laid out first where the data-parallel degree or ZeRO differ, see
+  `backends.checkpoint.state`): the same kind of optimizer (its settings'
+  names, each setting of the kind of this optimizer's, and accepted by it), the same parameter
+  groups, each parameter's state of the names one step of this optimizer gives, every state
+  tensor of its parameter's shape and dtype ([Note: the optimizer's own check]).
 
 `load_stage` then loads what was checked: the modules' states (and the shards, tied copies and
 loss scale made from them) and the optimizer state (`load_optimizer`).
@@ -19,6 +27,7 @@ loss scale made from them) and the optimizer state (`load_optimizer`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +35,9 @@ import torch
 from torch import nn
 
 from schedcc.backends.checkpoint.files import shard_name
+from schedcc.backends.checkpoint.optimizer import check_settings, check_state
+from schedcc.backends.checkpoint.schema import check_shard, check_stage_shards
+from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.checkpoint.state import canonical_optimizer_state, layout_optimizer_state
 from schedcc.errors import CheckpointError
 
@@ -37,40 +49,34 @@ if TYPE_CHECKING:
 
 __all__ = ["check_saved", "load_optimizer", "load_stage", "optimizer_state"]
 
-#: What every shard records, and of which type (`bool` is never taken for `int`).
-_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "stage": int,
-    "rank": int,
-    "data_parallel": int,
-    "segments": list,
-    "zero": int,
-    "numels": list,
-    "modules": list,
-    "optimizer": (dict, type(None)),
-    "rng": dict,
-}
-
 
 def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
     """Raise `CheckpointError` unless `saved` (every old data-parallel rank's shard of this
-    stage, in rank order) fits `runtime` whole; nothing is changed either way."""
+    stage, in rank order, as read) fits `runtime` whole; nothing is changed either way.
+
+    Under ZeRO-3 call it with the runtime's placeholders in place (`Reducer.placeholders`):
+    the tensors are checked against the whole parameters' shapes."""
     stage, modules = runtime.stage, runtime.modules
     schedule = runtime.program.schedule
     segments = [schedule.segment_of(stage, c) for c in range(len(modules))]
-    for rank, state in enumerate(saved):
-        name = shard_name(stage, rank)
+    names = [shard_name(stage, rank) for rank in range(len(saved))]
+    for name, state in zip(names, saved):
+        check_shard(name, state)
+    for rank, (name, state) in enumerate(zip(names, saved)):
         _check_identity(name, state, stage, rank, len(saved), segments)
+    check_stage_shards(names, saved)
+    whole = whole_states(saved)
+    for name, state in zip(names, whole):
         _check_modules(name, state, modules, segments)
         _check_rng(name, state["rng"])
-    if len({state["zero"] for state in saved}) != 1:
+    if runtime.optimizer is not None and whole[0]["optimizer"] is None:
         raise CheckpointError(
-            f"stage {stage}: the checkpoint's data-parallel shards disagree on ZeRO "
-            f"({[state['zero'] for state in saved]}): shards of different checkpoints were mixed"
+            f"{names[0]} holds no optimizer state, but this stage has an optimizer: it was altered"
         )
     coll = runtime.collectives
     optimizer_state(
         runtime.optimizer,
-        saved,
+        whole,
         modules,
         zero=runtime.program.zero,
         rank=coll.rank,
@@ -99,7 +105,7 @@ def load_stage(
         if ties is not None:
             ties.refresh()
         reducer.refresh_shards()
-        if scaler is not None and saved[0].get("loss_scale"):
+        if scaler is not None and saved[0]["loss_scale"] is not None:
             scaler.load_state_dict(saved[0]["loss_scale"])
         if optimizer is not None:
             load_optimizer(optimizer, saved, modules, zero=zero, rank=rank, size=size)
@@ -134,23 +140,28 @@ def optimizer_state(
 
     Raises:
         CheckpointError: the saved state is not this kind of optimizer's, has other parameter
-            groups, or a state tensor of another shape than its parameter.
+            groups or settings it refuses, or a state of other names, or a state tensor of
+            another shape or dtype than its parameter.
     """
     if optimizer is None:
         return None
-    stage = saved[0].get("stage")
+    stage = saved[0]["stage"]
     for rank_saved, state in enumerate(saved):
-        _check_saved_groups(shard_name(stage, rank_saved), state["optimizer"], optimizer)
+        name = shard_name(stage, rank_saved)
+        check_settings(name, state["optimizer"], optimizer)
+        check_state(name, state["optimizer"], optimizer, like=_saved_layout(state, modules))
     try:
         target = _laid_out(optimizer, saved, modules, zero=zero, rank=rank, size=size)
-    except CheckpointError:
-        raise
+    except CheckpointError as exc:
+        raise CheckpointError(f"stage {stage}: the checkpoint's optimizer state: {exc}") from None
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
         raise CheckpointError(
             f"stage {stage}: the checkpoint's optimizer state cannot be laid out for "
             f"data_parallel={size}, zero={int(zero)}: {type(exc).__name__}: {exc}"
         ) from None
-    _check_state(f"stage {stage}", target, optimizer)
+    relaid = saved[0]["zero"] != zero or len(saved) != size
+    where = f"stage {stage} (re-sharded)" if relaid else shard_name(stage, rank)
+    check_state(where, target, optimizer)
     return target
 
 
@@ -160,13 +171,6 @@ def optimizer_state(
 def _check_identity(
     name: str, state: dict[str, Any], stage: int, rank: int, size: int, segments: list[int]
 ) -> None:
-    for key, kind in _FIELDS.items():
-        value = state.get(key)
-        if not isinstance(value, kind) or type(value) is bool:
-            raise CheckpointError(
-                f"{name} records no {key!r} (got {type(value).__name__}): it is not a shard "
-                "this version of schedcc wrote, or it was altered"
-            )
     if state["stage"] != stage or state["segments"] != segments:
         raise CheckpointError(
             f"{name} holds stage {state['stage']} (segments {state['segments']}) but is loaded "
@@ -175,7 +179,8 @@ def _check_identity(
     if state["rank"] != rank or state["data_parallel"] != size:
         raise CheckpointError(
             f"{name} holds data-parallel rank {state['rank']} of {state['data_parallel']} but is "
-            f"loaded as rank {rank} of {size}: shards were swapped or renamed"
+            f"loaded as rank {rank} of {size} (its rank and data_parallel): shards were swapped "
+            "or renamed"
         )
 
 
@@ -185,17 +190,17 @@ def _check_modules(
     numels = [[p.numel() for p in mod.parameters()] for mod in modules]
     if state["numels"] != numels or len(state["modules"]) != len(modules):
         raise CheckpointError(
-            f"{name}: the checkpoint's parameters have sizes {state['numels']}, this model's "
-            f"{numels}: it was saved from another model"
+            f"{name}: numels is {state['numels']}, this model's parameters' sizes {numels} "
+            f"(in {len(state['modules'])} modules, this model's {len(modules)}): it was saved "
+            "from another model"
         )
-    for segment, module, tensors in zip(segments, modules, state["modules"]):
-        where = f"{name}: segment {segment}"
+    for c, (segment, module, tensors) in enumerate(zip(segments, modules, state["modules"])):
+        where = f"{name}: modules[{c}] (segment {segment})"
         current = module.state_dict()
-        if not isinstance(tensors, dict) or tensors.keys() != current.keys():
-            names = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+        if tensors.keys() != current.keys():
             raise CheckpointError(
-                f"{where} holds {names}, this model's {sorted(current)}: it was saved from "
-                "another model"
+                f"{where} holds {sorted(tensors)}, this model's {sorted(current)}: it was saved "
+                "from another model"
             )
         for key, tensor in current.items():
             value = tensors[key]
@@ -220,74 +225,22 @@ def _check_rng(name: str, rng: dict[str, Any]) -> None:
     cuda = rng.get("cuda")
     if cuda is None or not torch.cuda.is_available():
         return  # only restored where CUDA is there (see `state.set_rng_state`)
-    if not isinstance(cuda, (list, tuple)) or len(cuda) > torch.cuda.device_count():
+    if len(cuda) > torch.cuda.device_count():
         raise CheckpointError(
-            f"{name}: its CUDA RNG states are not one byte tensor per visible GPU"
+            f"{name}: it holds {len(cuda)} CUDA RNG states, for {torch.cuda.device_count()} "
+            "visible GPUs"
         )
-    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
-        raise CheckpointError(f"{name}: its CUDA RNG states are not byte tensors")
-
-
-def _check_saved_groups(name: str, saved: Any, optimizer: torch.optim.Optimizer) -> None:
-    """The saved optimizer has the state dict's form and this optimizer's parameter groups."""
-    if not (
-        isinstance(saved, dict)
-        and isinstance(saved.get("state"), dict)
-        and isinstance(saved.get("param_groups"), list)
-        and all(
-            isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved["param_groups"]
-        )
-    ):
-        raise CheckpointError(f"{name} holds no optimizer state dict (state, param_groups)")
-    groups = [set(g) - {"params"} for g in optimizer.param_groups]
-    old = [set(g) - {"params"} for g in saved["param_groups"]]
-    if old != groups:
-        raise CheckpointError(
-            f"{name}: the optimizer was another kind, or grouped otherwise: parameter groups "
-            f"with {[sorted(g) for g in old]}, this optimizer's {[sorted(g) for g in groups]}"
-        )
-
-
-def _check_state(where: str, target: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-    """`target` loads into `optimizer` whole: each state tensor of its parameter's shape."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    lengths = [len(g["params"]) for g in target["param_groups"]]
-    if lengths != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError(
-            f"{where}: the checkpoint's optimizer groups hold {lengths} parameters, this "
-            f"optimizer's {[len(g['params']) for g in optimizer.param_groups]}"
-        )
-    ids = [i for g in target["param_groups"] for i in g["params"]]
-    index = {i: position for position, i in enumerate(ids)}
-    if len(index) != len(ids):
-        raise CheckpointError(f"{where}: the checkpoint's optimizer names a parameter twice")
-    names = set()
-    for key, entry in target["state"].items():
-        if key not in index or not isinstance(entry, dict):
+    for device, state in enumerate(cuda):
+        current = torch.cuda.get_rng_state(device)
+        try:
+            torch.cuda.set_rng_state(state, device)  # tried, as the CPU's
+        except (RuntimeError, TypeError, ValueError) as exc:
             raise CheckpointError(
-                f"{where}: the checkpoint's optimizer holds state for {key!r}, which is none of "
-                "its parameters"
-            )
-        shape = params[index[key]].shape
-        for name, value in entry.items():
-            names.add(name)
-            if isinstance(value, torch.Tensor):
-                if value.dim() > 0 and value.shape != shape:
-                    raise CheckpointError(
-                        f"{where}: optimizer state {name!r} of parameter {index[key]} has shape "
-                        f"{tuple(value.shape)}, the parameter {tuple(shape)}"
-                    )
-            elif value is not None and not isinstance(value, (int, float)):
-                raise CheckpointError(
-                    f"{where}: optimizer state {name!r} of parameter {index[key]} is a "
-                    f"{type(value).__name__}"
-                )
-    now = {name for entry in optimizer.state.values() for name in entry}
-    if now and names and now != names:
-        raise CheckpointError(
-            f"{where}: the checkpoint's optimizer state holds {sorted(names)}, this optimizer's "
-            f"{sorted(now)}: the optimizer was another kind"
-        )
+                f"{name}: its CUDA RNG state of GPU {device} cannot be restored "
+                f"({_first_line(exc)})"
+            ) from None
+        finally:
+            torch.cuda.set_rng_state(current, device)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -317,6 +270,20 @@ def _laid_out(
     for group, old in zip(target["param_groups"], saved[0]["optimizer"]["param_groups"]):
         group.update({key: value for key, value in old.items() if key != "params"})
     return target
+
+
+def _saved_layout(state: dict[str, Any], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Per parameter of the optimizer a shard was saved from, a `meta` tensor of its shape and
+    dtype: under ZeRO each chunk's flat shard (the chunk's values over the ranks, rounded up),
+    else the modules' parameters (`modules` whole: checked against `state["numels"]`)."""
+    if not state["zero"]:
+        return [p.to("meta") for mod in modules for p in mod.parameters()]
+    layout = []
+    for mod, sizes in zip(modules, state["numels"]):
+        dtypes = {p.dtype for p in mod.parameters()} or {torch.get_default_dtype()}
+        shard = max(1, math.ceil(sum(sizes) / state["data_parallel"]))
+        layout.append(torch.empty(shard, dtype=dtypes.pop(), device="meta"))
+    return layout
 
 
 def _same_kind(value: Any, tensor: torch.Tensor) -> bool:

@@ -132,9 +132,21 @@ def _join(parts: Sequence[dict[str, Any]], total: int) -> dict[str, Any]:
                     "parameter values: it was saved from another model"
                 )
             joined[name] = flat[:total]
-        else:
+        elif all(_same_scalar(v, values[0]) for v in values):
             joined[name] = values[0]  # a scalar (e.g. Adam's step), equal across parts
+        else:
+            raise CheckpointError(
+                f"optimizer state {name!r} is {values[0]!r} for one part and "
+                f"{next(v for v in values if not _same_scalar(v, values[0]))!r} for another: "
+                "it cannot be re-sharded (shards of different checkpoints were mixed)"
+            )
     return joined
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
 
 
 def layout_optimizer_state(

@@ -475,9 +475,10 @@ class Engine(BaseEngine):
         Each rank reads and checks what its stage needs; only if every rank succeeds does any
         rank change its weights, so a bad checkpoint raises `CheckpointError` everywhere and
         nothing is partly loaded. A different data-parallel degree or ZeRO setting is
-        re-sharded.
+        re-sharded. Should a check itself fail otherwise (a bug), that rank raises its error
+        and the others a `CheckpointError` naming it, rather than wait for it.
         """
-        problem = None
+        problem, failure = None, None
         try:
             manifest, states = load_stage_states(
                 path, self.program, [self.stage], tp_rank=self.tp_rank
@@ -485,9 +486,14 @@ class Engine(BaseEngine):
             self.runtime.check_state(states[self.stage])
         except CheckpointError as exc:
             problem = f"rank {self.rank} (stage {self.stage}): {exc}"
+        except Exception as exc:  # the peers must hear of it before this rank raises
+            problem = f"{self._reason(exc, None)} checking the checkpoint"
+            failure = exc
         problems: list = [None] * dist.get_world_size()
         with self._collective("the checkpoint load"):
             dist.all_gather_object(problems, problem)
+        if failure is not None:
+            raise failure
         first = next((text for text in problems if text), None)
         if first is not None:
             raise CheckpointError(first)

@@ -331,7 +331,6 @@ class StageRuntime:
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
         """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
         whole, so that `load_state_dict` cannot fail half-way; nothing is changed."""
-        saved = whole_states(saved)
         with self._reducer.placeholders():  # ZeRO-3: checked against the whole shapes
             check_saved(self, saved)
 
@@ -343,7 +342,6 @@ class StageRuntime:
         """
         self.check_state(saved)
         saved = whole_states(saved)
-        self.skipped_steps = saved[0].get("skipped_steps", 0)
         coll = self.collectives
         load_stage(
             saved,
@@ -356,6 +354,7 @@ class StageRuntime:
             rank=coll.rank,
             size=coll.size,
         )
+        self.skipped_steps = saved[0]["skipped_steps"]
 
     # -- compute --------------------------------------------------------------------------------
 
