@@ -2,18 +2,30 @@
 
 `spawn(fn, world_size, args)` starts `world_size` local processes, each calling
 `fn(rank, world_size, *args)` with `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` and
-`LOCAL_RANK` set (a free port on 127.0.0.1), and watches them: when one fails, it prints which
-rank and how, gives the others `grace` seconds to stop on their own (their own timeouts name the
-instruction they were waiting on), then ends them. A rank that is stopped (SIGSTOP, a debugger)
-cannot stop on its own: once another has failed, it is named and ended at once, so the ranks
-waiting on it end too. It never waits forever.
+`LOCAL_RANK` set (a free port on 127.0.0.1), and watches them: when one fails, it gives the
+others `grace` seconds to stop on their own (their own timeouts name the instruction they were
+waiting on), then ends them, and prints the failure once. A rank that is stopped (SIGSTOP, a
+debugger) cannot stop on its own: once another has failed, it is named and ended at once, so the
+ranks waiting on it end too. It never waits forever.
 
 `in_torchrun()` tells whether this process was started by `torchrun` (or any launcher that sets
 the same variables); then the ranks already exist and nothing is spawned.
 
-[Note: exit codes] A rank exits 0 on success, 1 when training failed or a check did not hold,
-2 for a user's mistake (printed as one line). `spawn` returns 0 when every rank did, else the code
-of the first rank that failed (1 for a rank killed by a signal).
+[Note: exit codes] A rank exits 0 on success, 1 when training failed (the user's code raised,
+a peer was lost, a wait timed out) or a check did not hold, 2 for a user's mistake (a bad
+request, a model or loss that breaks the contract). `spawn` returns 0 when every rank did, else
+the code of the first cause (below), else of the first rank that failed (1 for a rank killed by
+a signal).
+
+[Note: one line per failure] A spawned rank does not print its failure: it writes a
+`RankReport` (code, one line, whether the failure is its own) to a file of the launcher's and
+exits at once. Once every rank has ended, the launcher prints the earliest *cause*, a failure
+the rank met by itself (the user's code raised, a user's mistake, a bug), as one line naming
+the rank; the failures it set off in the other ranks (they lost a peer) are not printed, so one
+bad `loss_fn` is one line and one exit code however the ranks race. With no cause (a rank was
+killed or stopped, and the others timed out), every distinct line is printed once. A traceback
+goes to a log file the line names, or above the line with `--debug`. Under torchrun each rank
+prints its own line.
 
 [Note: a rank that stops responding] The ranks waiting on a stopped rank time out after the
 engine's timeout (every wait has it, see [Note: failures] in `backends.distributed.engine`) and
@@ -25,6 +37,8 @@ the timeout plus a second or two (docs/performance.md, "Failures").
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -32,13 +46,17 @@ import platform
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 
-from schedcc.errors import RankFailure, UserError
+from schedcc.errors import RankFailure, UserError, first_line
 
 __all__ = [
+    "OVERSUBSCRIBE",
+    "RankReport",
+    "check_cores",
     "cores_for",
     "free_port",
     "in_torchrun",
@@ -60,36 +78,119 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_rank(fn: Callable[..., object], rank: int, *args: object) -> int:
-    """Call `fn(rank, *args)` and turn its outcome into an exit code (see the note above).
+def run_rank(
+    fn: Callable[..., object], rank: int, *args: object, debug: bool = False, report=None
+) -> int:
+    """Call `fn(rank, *args)` and turn its outcome into an exit code (see the notes above).
 
-    A `UserError`, `ValueError` or schedcc `ScheduleError` prints one line (exit 2); a
-    `RankFailure` one line (exit 1); anything else its traceback (exit 1).
+    A failure is one line (`outcome`); where it keeps a traceback (the user's code failed, or
+    schedcc's own), `debug` prints it above the line, else it goes to a log file the line names.
+    Given `report` (a path, under `spawn`), the rank writes its `RankReport` there for the
+    launcher to print instead (see [Note: one line per failure]).
     """
-    from schedcc.errors import ScheduleError
-
     try:
         code = fn(rank, *args)
-    except (UserError, ScheduleError, ValueError) as exc:
-        _say(f"schedcc: rank {rank}: error: {exc}")
-        return 2
-    except RankFailure as exc:
-        _say(f"schedcc: rank {rank}: {exc}")
-        return 1
     except KeyboardInterrupt:
         return 130
-    except BaseException:
-        print(f"schedcc: rank {rank} failed:", file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        return 1
+    except BaseException as exc:
+        outcome = RankReport.of(exc)
+        if report is not None:
+            outcome.write(report)
+            _exit(outcome.code)  # before the failed run's frames are freed
+        _say(outcome.line(f"rank {rank}", debug=debug))
+        return outcome.code
     return int(code or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """How a rank failed: its exit code, one line, whether the failure is its own (`cause`, as
+    opposed to a lost peer or a wait that timed out), and the traceback worth keeping ("": none).
+    """
+
+    code: int
+    message: str
+    cause: bool
+    traceback: str = ""
+    time: float = 0.0
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RankReport:
+        """The report of `exc` (see [Note: exit codes]): the user's code failing is exit 1 with
+        its traceback kept; a user's mistake exit 2; a lost peer exit 1, not a cause; anything
+        else exit 1 with its traceback (a bug of schedcc's own)."""
+        from schedcc.errors import ScheduleError, UserCodeError
+
+        now = time.time()
+        if isinstance(exc, UserCodeError):
+            return cls(1, str(exc), True, _traceback(exc), now)
+        if isinstance(exc, (UserError, ScheduleError, ValueError)):
+            return cls(2, f"error: {exc}", True, "", now)
+        if isinstance(exc, RankFailure):
+            return cls(1, str(exc), False, "", now)
+        return cls(1, f"failed: {first_line(exc)}", True, _traceback(exc), now)
+
+    def line(self, rank: str, *, debug: bool) -> str:
+        """`schedcc: RANK: message`, with the traceback above it (`debug`) or in a log file the
+        line names."""
+        line = f"schedcc: {rank}: {self.message}"
+        if not self.traceback:
+            return line
+        if debug:
+            return f"{self.traceback.rstrip()}\n{line}"
+        fd, path = tempfile.mkstemp(prefix="schedcc-run-", suffix=".log")
+        with os.fdopen(fd, "w") as file:
+            file.write(self.traceback)
+        return f"{line} (traceback in {path}; --debug prints it)"
+
+    def write(self, path: str) -> None:
+        """Write the report to `path` whole (renamed into place), for `read`."""
+        with open(f"{path}.part", "w") as file:
+            json.dump(dataclasses.asdict(self), file)
+        os.replace(f"{path}.part", path)
+
+    @classmethod
+    def read(cls, path: str) -> RankReport | None:
+        """The report written to `path`, or None (the rank ended without one)."""
+        try:
+            with open(path) as file:
+                return cls(**json.load(file))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def _traceback(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
 
 
 def _say(line: str) -> None:
     """One line on stderr in one write, so lines of ranks ending together never interleave."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def check_cores(world_size: int, *, oversubscribe: bool = False) -> None:
+    """Raise `UserError` when `world_size` local ranks would share cores: more ranks than
+    cores this process may use, unless `oversubscribe` (or `SCHEDCC_OVERSUBSCRIBE=1`).
+
+    [Note: one core a rank] A rank spins on its peers' messages and computes on its own; more
+    ranks than cores makes each wait on the scheduler as well as on its peers, and a run that
+    takes a second on enough cores takes minutes (64 ranks on 2 cores ran past a minute before
+    its first step). Refused up front, saying the fix, rather than run that slowly.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    if world_size <= cores or oversubscribe or os.environ.get(OVERSUBSCRIBE) == "1":
+        return
+    raise UserError(
+        f"{world_size} ranks (p * dp * tp) would share the {cores} core(s) this process may use: "
+        f"lower -p, --dp or --tp to at most {cores} ranks, or pass --oversubscribe (or set "
+        f"{OVERSUBSCRIBE}=1) to run them anyway, slowly"
+    )
+
+
+#: Set to 1, the environment's `--oversubscribe` (test suites on small machines set it).
+OVERSUBSCRIBE = "SCHEDCC_OVERSUBSCRIBE"
 
 
 def cores_for(rank: int, world_size: int) -> set[int] | None:
@@ -143,7 +244,14 @@ def keep_freed_memory() -> bool:
 
 
 def _child(
-    fn, rank: int, world_size: int, port: int, args: tuple, threads: int | None, bind: bool
+    fn,
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    threads: int | None,
+    bind: bool,
+    report: str,
 ) -> None:
     if bind and (cores := cores_for(rank, world_size)) is not None:
         os.sched_setaffinity(0, cores)  # see [Note: binding ranks to cores]
@@ -157,10 +265,15 @@ def _child(
     )
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    code = run_rank(fn, rank, world_size, *args)
+    _exit(run_rank(fn, rank, world_size, *args, report=report))
+
+
+def _exit(code: int) -> None:
+    """End this rank now: no interpreter teardown, no destructor of a failed run (a process
+    group, a pending send) that could wait on a dead or stopped peer."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: no hang on a peer's dead socket
+    os._exit(code)
 
 
 def spawn(
@@ -173,6 +286,7 @@ def spawn(
     method: str | None = None,
     describe: Callable[[int], str] | None = None,
     bind_cores: bool = False,
+    debug: bool = False,
 ) -> int:
     """Run `fn(rank, world_size, *args)` in `world_size` local processes; returns the exit code.
 
@@ -186,23 +300,52 @@ def spawn(
         describe: `describe(rank)` names a rank in messages (e.g. "rank 1 (stage 1, dp 0)").
         bind_cores: bind each rank to its own slice of the cores (see `cores_for`); nothing is
             bound when there are fewer cores than ranks.
+        debug: print a failed rank's traceback above its line (else a log file holds it).
 
     Example:
         >>> spawn(my_worker, 2, ("cfg",))  # doctest: +SKIP
         0
     """
+    describe = describe or (lambda rank: f"rank {rank}")
     context = multiprocessing.get_context(method or _default_method())
     port = free_port()
-    processes = [
-        context.Process(target=_child, args=(fn, rank, world_size, port, args, threads, bind_cores))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        return _watch(processes, grace, describe or (lambda rank: f"rank {rank}"))
-    finally:
-        _end(processes)
+    with tempfile.TemporaryDirectory(prefix="schedcc-ranks-") as reports:
+        paths = [os.path.join(reports, f"rank-{rank}.json") for rank in range(world_size)]
+        processes = [
+            context.Process(
+                target=_child,
+                args=(fn, rank, world_size, port, args, threads, bind_cores, paths[rank]),
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            code = _watch(processes, grace, describe)
+        finally:
+            _end(processes)
+        return _print_failures(code, [RankReport.read(path) for path in paths], describe, debug)
+
+
+def _print_failures(
+    code: int, reports: list[RankReport | None], describe: Callable[[int], str], debug: bool
+) -> int:
+    """Print the ranks' failures once each; the exit code (see [Note: one line per failure])."""
+    failed = sorted(
+        ((report.time, rank, report) for rank, report in enumerate(reports) if report),
+        key=lambda item: item[:2],
+    )
+    causes = [(rank, report) for _, rank, report in failed if report.cause]
+    if causes:
+        rank, first = causes[0]
+        _say(first.line(describe(rank), debug=debug))
+        return first.code
+    said: set[str] = set()
+    for _, rank, report in failed:
+        if report.message not in said:
+            said.add(report.message)
+            _say(report.line(f"rank {rank}", debug=debug))
+    return code
 
 
 def _default_method() -> str:
@@ -231,7 +374,7 @@ def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
             if failed is None or code < 0 <= failed[1]:
                 failed = (rank, code)  # a rank killed by a signal is the likeliest cause
                 deadline = time.monotonic() + grace
-            if code not in (1, 2):  # 1 and 2: the rank printed its own one-line reason
+            if code not in (1, 2):  # 1 and 2: the rank reported its own one-line reason
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 _say(f"schedcc: {describe(rank)} {how}; stopping the other ranks")
         if failed is not None:

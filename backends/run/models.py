@@ -49,7 +49,7 @@ from torch import nn
 from schedcc.backends.batches import batch_size, local_batches, split_pair
 from schedcc.backends.run.gpt import GPT, GPTConfig, PaddedBigramData, gpt_segments, real_tokens
 from schedcc.backends.run.gpt import token_loss as gpt_loss
-from schedcc.errors import ScheduleConfigError, UserError
+from schedcc.errors import ScheduleConfigError, UserError, call_user
 from schedcc.registry import load_object
 
 __all__ = [
@@ -180,10 +180,9 @@ def build(name: str, num_segments: int, *, seed: int = 0) -> RunModel:
     """
     make = factory(name)
     call = f"{getattr(make, '__name__', 'make')}({num_segments}, seed={seed})"
-    try:
-        model = make(num_segments, seed=seed)
-    except Exception as exc:  # the user's code may fail in any way: one line saying how
-        raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
+    model = call_user(
+        call, lambda: make(num_segments, seed=seed), error=UserError, where=f"--model {name}"
+    )
     if not isinstance(model, RunModel):
         raise UserError(
             f"--model {name}: {call} returned a {type(model).__name__}, not a RunModel "
@@ -216,21 +215,14 @@ def check_batch(
     """Draw the first batch of `field` (`batch` or `eval_batch`) and split it as the engines
     will; raise `UserError` if that fails."""
     call = f"{field}({batch_size}, 0)"
-    try:
-        batch = getattr(model, field)(batch_size, 0)
-    except Exception as exc:
-        raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
+    draw = getattr(model, field)
+    batch = call_user(call, lambda: draw(batch_size, 0), error=UserError, where=f"--model {name}")
     try:
         for r, (inputs, targets) in enumerate(local_batches(batch, 0, data_parallel)):
             where = f"{call} (replica {r})" if data_parallel > 1 else call
             split_pair(inputs, targets, num_microbatches, where=where)
     except ScheduleConfigError as exc:
         raise UserError(f"--model {name}: {exc}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 # -- built-in models -----------------------------------------------------------------------------
