@@ -156,3 +156,23 @@ def _refusing_worker(rank: int, world_size: int) -> int:
 def test_an_optimizer_factory_returning_none_is_refused_on_the_distributed_engine():
     """Every rank refuses the factory that returns None (2 gloo ranks)."""
     assert spawn(_refusing_worker, 2, grace=30.0) == 0
+
+
+def test_a_recompute_policy_that_exits_names_the_policy():
+    """compile(..., recompute=policy) with a policy raising SystemExit: a UserCodeError naming
+    the policy and the (stage, chunk) it was asked about."""
+
+    def policy(stage, chunk):
+        raise SystemExit(0)
+
+    with pytest.raises(UserCodeError, match=r"recompute policy .*policy\(0, 0\) raised SystemExit"):
+        schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), recompute=policy)
+
+
+def test_measure_memory_checks_the_optimizer_factory_too():
+    """`measure_memory` builds the optimizer as the engines do: None is refused, naming it."""
+    from schedcc.backends.runtime.memory import measure_memory
+
+    x, y = batches(1, 2)[0]
+    with pytest.raises(ScheduleConfigError, match="_returns_none returned None"):
+        measure_memory(make_segments(2), x, y, mse, _returns_none)
