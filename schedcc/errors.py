@@ -164,21 +164,22 @@ class UserCodeError(ScheduleConfigError):
 # -- the user-code guard ------------------------------------------------------------------------
 
 # [Note: the user-code guard] schedcc calls code a user wrote (a schedule's constructor,
-# `check()`, `placement()`, `steps()`; a `--model` factory and its `batch`; a segment's forward,
-# `loss_fn`, an optimizer factory) only through `call_user`. Whatever that code raises, `SystemExit`
-# and `GeneratorExit` included, becomes one typed error naming the function, so a schedule that
-# calls `sys.exit(0)` cannot make `schedcc verify` exit 0 with nothing said, and a rank knows a
-# failure of the user's code from one of its own. Only `KeyboardInterrupt` (the user asked to
-# stop) and schedcc's own errors pass unchanged: a `check()` that raises `ScheduleConfigError`
-# says the fix itself, and a `RankFailure` from a collective inside a forward (tensor-parallel
-# layers) is a lost peer, not the user's mistake.
+# `check()`, `placement()`, `steps()`; a recompute policy; a `--model` factory and its `batch`; a
+# segment's forward, `loss_fn`, an optimizer factory) only through `call_user`. Whatever that
+# code raises, `SystemExit` and `GeneratorExit` included, becomes one typed error naming the
+# function, so a schedule that calls `sys.exit(0)` cannot make `schedcc verify` exit 0 with
+# nothing said, and a rank knows a failure of the user's code from one of its own. Only
+# `KeyboardInterrupt` (the user asked to stop) and schedcc's own errors pass unchanged: a
+# `check()` that raises `ScheduleConfigError` says the fix itself, and a `RankFailure` (or, in
+# the backends, a torch `DistError`) from a collective inside a forward (tensor-parallel layers)
+# is a lost peer, not the user's mistake.
 
 #: What `call_user` lets through unchanged, besides the `passing` its caller adds.
 _OWN = (KeyboardInterrupt, ScheduleError, RankFailure, UserError)
 
 
 def call_user(
-    function: str,
+    function: str | Callable[[], str],
     call: Callable[[], _T],
     *,
     error: type[Exception] = UserCodeError,
@@ -189,7 +190,8 @@ def call_user(
     """`call()`, the one guard around a user's code (see [Note: the user-code guard]).
 
     Args:
-        function: what the message calls the code, e.g. `"loss_fn m.loss"`.
+        function: what the message calls the code, e.g. `"loss_fn m.loss"`, or a callable that
+            says it (built only on a failure: a forward's name costs nothing on the hot path).
         call: the call, without arguments.
         error: the error raised instead (`ScheduleCodeError` for a schedule's code).
         where: a prefix naming the context, e.g. the schedule's repr.
@@ -214,7 +216,8 @@ def call_user(
     except passing:
         raise
     except BaseException as exc:
-        message = f"{where}: {function}" if where else function
+        name = function if isinstance(function, str) else function()
+        message = f"{where}: {name}" if where else name
         message += f" raised {first_line(exc)}"
         raise error(f"{message}; {hint}" if hint else message) from exc
 

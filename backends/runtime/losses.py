@@ -217,8 +217,11 @@ def call_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any) -> A
         UserCodeError: `loss_fn` raised (a `ScheduleConfigError` naming it and both shapes;
             most often a target of another shape, which the message then suggests).
     """
-    shapes = f"output {_described(output)}, target {_described(target)}"
-    function = f"loss_fn {name_of(loss_fn)}({shapes})"
+
+    def function() -> str:
+        shapes = f"output {_described(output)}, target {_described(target)}"
+        return f"loss_fn {name_of(loss_fn)}({shapes})"
+
     try:
         return call_user(function, lambda: loss_fn(output, target))
     except UserCodeError as error:

@@ -411,7 +411,10 @@ class StageRuntime:
         module = self.modules[c]
         if self._delay or module in self._shadowed:  # on stashed weights or tied copies
             module = functools.partial(_functional, module, params)
-        name = f"the forward of segment {k} ({name_of(self.modules[c])})"
+
+        def name() -> str:
+            return f"the forward of segment {k} ({name_of(self.modules[c])})"
+
         with self.precision.compute():
             out = call_user(name, lambda: call(module, value), passing=_LOST_PEER)
         return self.precision.boundary(out, last=self._layout.is_last(k))
