@@ -6,11 +6,14 @@ refused before any rank starts (see [Note: one core a rank])."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
-from _cli import run_cli
 
 from schedcc.backends.run import launch
 from schedcc.cli import main
@@ -82,17 +85,37 @@ MODEL = textwrap.dedent(
 )
 
 
-def _run_model(tmp_path, factory: str, *flags: str):
+def _start(tmp_path, factory: str, *flags: str) -> subprocess.Popen:
+    """`schedcc run --model model.py:FACTORY --steps 1 -m 2 FLAGS` started, as `run_cli` runs
+    it (a fresh process outside any torchrun, one thread a rank), output captured."""
     model = tmp_path / "model.py"
     model.write_text(MODEL)
-    return run_cli("--model", f"{model}:{factory}", "--steps", "1", "-m", "2", *flags, timeout=120)
+    argv = ["--model", f"{model}:{factory}", "--steps", "1", "-m", "2", *flags]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _finish(run: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = run.communicate(timeout=180)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+def _run_model(tmp_path, factory: str, *flags: str) -> subprocess.CompletedProcess:
+    return _finish(_start(tmp_path, factory, *flags))
 
 
 def test_a_loss_that_raises_is_one_line_and_exit_1_however_the_ranks_race(tmp_path):
-    """Five runs whose loss raises: each exits 1 with one line naming the rank, loss_fn and the
-    KeyError, no traceback (it is in the log file the line names)."""
-    for _ in range(5):
-        result = _run_model(tmp_path, "make")
+    """Five runs at once (so the ranks race differently) whose loss raises: each exits 1 with
+    one line naming the rank, loss_fn and the KeyError, no traceback (it is in the log file the
+    line names)."""
+    runs = [_start(tmp_path, "make") for _ in range(5)]
+    for result in map(_finish, runs):
         assert result.returncode == 1, result.stderr
         assert "Traceback" not in result.stderr, result.stderr
         (line,) = result.stderr.strip().splitlines()
@@ -103,8 +126,9 @@ def test_a_loss_that_raises_is_one_line_and_exit_1_however_the_ranks_race(tmp_pa
         )
         match = re.fullmatch(pattern, line)
         assert match, line
-        with open(match.group(1)) as log:
-            assert 'raise KeyError("no loss today")' in log.read()
+        log = Path(match.group(1))
+        assert 'raise KeyError("no loss today")' in log.read_text()
+        log.unlink()
 
 
 def test_debug_prints_the_traceback_once_above_the_line(tmp_path):
