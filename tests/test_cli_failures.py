@@ -1,8 +1,8 @@
 """What the commands say when the user's code fails: a schedule calling `sys.exit(0)` is one line
 and exit 2 in every command (never a silent pass); `schedcc run` with a `--model` whose loss
 raises is one line naming the rank, the function and the exception, exit 1, however the ranks
-race (see [Note: one line per failure] in `backends/run/launch.py`); more ranks than cores is
-refused before any rank starts (see [Note: one core a rank])."""
+race (see [Note: one line per failure] in `backends/run/failures.py`); more ranks than cores
+is refused before any rank starts (see [Note: one core a rank] in `backends/run/launch.py`)."""
 
 from __future__ import annotations
 

@@ -14,18 +14,8 @@ the same variables); then the ranks already exist and nothing is spawned.
 [Note: exit codes] A rank exits 0 on success, 1 when training failed (the user's code raised,
 a peer was lost, a wait timed out) or a check did not hold, 2 for a user's mistake (a bad
 request, a model or loss that breaks the contract). `spawn` returns 0 when every rank did, else
-the code of the first cause (below), else of the first rank that failed (1 for a rank killed by
-a signal).
-
-[Note: one line per failure] A spawned rank does not print its failure: it writes a
-`RankReport` (code, one line, whether the failure is its own) to a file of the launcher's and
-exits at once. Once every rank has ended, the launcher prints the earliest *cause*, a failure
-the rank met by itself (the user's code raised, a user's mistake, a bug), as one line naming
-the rank; the failures it set off in the other ranks (they lost a peer) are not printed, so one
-bad `loss_fn` is one line and one exit code however the ranks race. With no cause (a rank was
-killed or stopped, and the others timed out), every distinct line is printed once. A traceback
-goes to a log file the line names, or above the line with `--debug`. Under torchrun each rank
-prints its own line.
+the code of the first cause ([Note: one line per failure] in `backends.run.failures`), else of
+the first rank that failed (1 for a rank killed by a signal).
 
 [Note: a rank that stops responding] The ranks waiting on a stopped rank time out after the
 engine's timeout (every wait has it, see [Note: failures] in `backends.distributed.engine`) and
@@ -37,8 +27,6 @@ the timeout plus a second or two (docs/performance.md, "Failures").
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -48,14 +36,13 @@ import socket
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 
-from schedcc.errors import RankFailure, UserError, first_line
+from schedcc.backends.run.failures import RankReport, print_failures, say
+from schedcc.errors import UserError
 
 __all__ = [
     "OVERSUBSCRIBE",
-    "RankReport",
     "check_cores",
     "cores_for",
     "free_port",
@@ -79,14 +66,18 @@ def free_port() -> int:
 
 
 def run_rank(
-    fn: Callable[..., object], rank: int, *args: object, debug: bool = False, report=None
+    fn: Callable[..., object],
+    rank: int,
+    *args: object,
+    debug: bool = False,
+    report: str | None = None,
 ) -> int:
     """Call `fn(rank, *args)` and turn its outcome into an exit code (see the notes above).
 
-    A failure is one line (`outcome`); where it keeps a traceback (the user's code failed, or
-    schedcc's own), `debug` prints it above the line, else it goes to a log file the line names.
+    A failure is one line (`RankReport.of`); where it keeps a traceback (the user's code failed,
+    or schedcc's own), `debug` prints it above the line, else a log file the line names holds it.
     Given `report` (a path, under `spawn`), the rank writes its `RankReport` there for the
-    launcher to print instead (see [Note: one line per failure]).
+    launcher to print instead and ends the process at once (see [Note: one line per failure]).
     """
     try:
         code = fn(rank, *args)
@@ -97,86 +88,23 @@ def run_rank(
         if report is not None:
             outcome.write(report)
             _exit(outcome.code)  # before the failed run's frames are freed
-        _say(outcome.line(f"rank {rank}", debug=debug))
+        say(outcome.line(f"rank {rank}", debug=debug))
         return outcome.code
     return int(code or 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class RankReport:
-    """How a rank failed: its exit code, one line, whether the failure is its own (`cause`, as
-    opposed to a lost peer or a wait that timed out), and the traceback worth keeping ("": none).
-    """
-
-    code: int
-    message: str
-    cause: bool
-    traceback: str = ""
-    time: float = 0.0
-
-    @classmethod
-    def of(cls, exc: BaseException) -> RankReport:
-        """The report of `exc` (see [Note: exit codes]): the user's code failing is exit 1 with
-        its traceback kept; a user's mistake exit 2; a lost peer exit 1, not a cause; anything
-        else exit 1 with its traceback (a bug of schedcc's own)."""
-        from schedcc.errors import ScheduleError, UserCodeError
-
-        now = time.time()
-        if isinstance(exc, UserCodeError):
-            return cls(1, str(exc), True, _traceback(exc), now)
-        if isinstance(exc, (UserError, ScheduleError, ValueError)):
-            return cls(2, f"error: {exc}", True, "", now)
-        if isinstance(exc, RankFailure):
-            return cls(1, str(exc), False, "", now)
-        return cls(1, f"failed: {first_line(exc)}", True, _traceback(exc), now)
-
-    def line(self, rank: str, *, debug: bool) -> str:
-        """`schedcc: RANK: message`, with the traceback above it (`debug`) or in a log file the
-        line names."""
-        line = f"schedcc: {rank}: {self.message}"
-        if not self.traceback:
-            return line
-        if debug:
-            return f"{self.traceback.rstrip()}\n{line}"
-        fd, path = tempfile.mkstemp(prefix="schedcc-run-", suffix=".log")
-        with os.fdopen(fd, "w") as file:
-            file.write(self.traceback)
-        return f"{line} (traceback in {path}; --debug prints it)"
-
-    def write(self, path: str) -> None:
-        """Write the report to `path` whole (renamed into place), for `read`."""
-        with open(f"{path}.part", "w") as file:
-            json.dump(dataclasses.asdict(self), file)
-        os.replace(f"{path}.part", path)
-
-    @classmethod
-    def read(cls, path: str) -> RankReport | None:
-        """The report written to `path`, or None (the rank ended without one)."""
-        try:
-            with open(path) as file:
-                return cls(**json.load(file))
-        except (OSError, ValueError, TypeError):
-            return None
-
-
-def _traceback(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))
-
-
-def _say(line: str) -> None:
-    """One line on stderr in one write, so lines of ranks ending together never interleave."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+#: Set to 1, the environment's `--oversubscribe` (test suites on small machines set it).
+OVERSUBSCRIBE = "SCHEDCC_OVERSUBSCRIBE"
 
 
 def check_cores(world_size: int, *, oversubscribe: bool = False) -> None:
     """Raise `UserError` when `world_size` local ranks would share cores: more ranks than
     cores this process may use, unless `oversubscribe` (or `SCHEDCC_OVERSUBSCRIBE=1`).
 
-    [Note: one core a rank] A rank spins on its peers' messages and computes on its own; more
-    ranks than cores makes each wait on the scheduler as well as on its peers, and a run that
-    takes a second on enough cores takes minutes (64 ranks on 2 cores ran past a minute before
-    its first step). Refused up front, saying the fix, rather than run that slowly.
+    [Note: one core a rank] A rank polls its peers' messages and computes on its own; more
+    ranks than cores makes each wait on the scheduler as well as on its peers, so a run that
+    takes seconds on enough cores takes minutes (`-p 64` on 2 cores ran past a minute). It is
+    refused up front, saying the fix, rather than run that slowly.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
@@ -187,10 +115,6 @@ def check_cores(world_size: int, *, oversubscribe: bool = False) -> None:
         f"lower -p, --dp or --tp to at most {cores} ranks, or pass --oversubscribe (or set "
         f"{OVERSUBSCRIBE}=1) to run them anyway, slowly"
     )
-
-
-#: Set to 1, the environment's `--oversubscribe` (test suites on small machines set it).
-OVERSUBSCRIBE = "SCHEDCC_OVERSUBSCRIBE"
 
 
 def cores_for(rank: int, world_size: int) -> set[int] | None:
@@ -324,28 +248,7 @@ def spawn(
             code = _watch(processes, grace, describe)
         finally:
             _end(processes)
-        return _print_failures(code, [RankReport.read(path) for path in paths], describe, debug)
-
-
-def _print_failures(
-    code: int, reports: list[RankReport | None], describe: Callable[[int], str], debug: bool
-) -> int:
-    """Print the ranks' failures once each; the exit code (see [Note: one line per failure])."""
-    failed = sorted(
-        ((report.time, rank, report) for rank, report in enumerate(reports) if report),
-        key=lambda item: item[:2],
-    )
-    causes = [(rank, report) for _, rank, report in failed if report.cause]
-    if causes:
-        rank, first = causes[0]
-        _say(first.line(describe(rank), debug=debug))
-        return first.code
-    said: set[str] = set()
-    for _, rank, report in failed:
-        if report.message not in said:
-            said.add(report.message)
-            _say(report.line(f"rank {rank}", debug=debug))
-    return code
+        return print_failures(code, [RankReport.read(path) for path in paths], describe, debug)
 
 
 def _default_method() -> str:
@@ -376,14 +279,14 @@ def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
                 deadline = time.monotonic() + grace
             if code not in (1, 2):  # 1 and 2: the rank reported its own one-line reason
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                _say(f"schedcc: {describe(rank)} {how}; stopping the other ranks")
+                say(f"schedcc: {describe(rank)} {how}; stopping the other ranks")
         if failed is not None:
             _end_stopped(processes, reported, describe)
         if not running:
             break
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            _say(
+            say(
                 f"schedcc: the other ranks did not stop within {grace:g}s after "
                 f"{describe(failed[0])} failed; ending them"  # type: ignore[index]
             )
@@ -403,7 +306,7 @@ def _end_stopped(processes, reported: set[int], describe: Callable[[int], str]) 
     for rank, process in enumerate(processes):
         if rank in reported or process.exitcode is not None or not _is_stopped(process.pid):
             continue
-        _say(
+        say(
             f"schedcc: {describe(rank)} is stopped (SIGSTOP or a debugger) and cannot end by "
             "itself; ending it"
         )
