@@ -5,10 +5,17 @@ subclass. `ScheduleConfigError` is a bad argument to a schedule (a `ValueError`)
 anything is compiled. `UnknownScheduleError` is a name that resolves to no schedule. The
 backends raise the last three: `RuntimeInstructionError` (a stage runtime cannot run an
 instruction), `RankFailure` (a distributed rank failed or timed out) and `UserError` (a bad
-`schedcc run` request). This module imports no torch.
+`schedcc run` request). `UserCodeError` is a user's function that failed (a model's forward,
+`loss_fn`, an optimizer factory); `call_user` is the one guard every call of user code goes
+through (see [Note: the user-code guard]). This module imports no torch.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = [
     "CheckpointError",
@@ -28,9 +35,16 @@ __all__ = [
     "UnknownScheduleError",
     "UnmatchedCommError",
     "UpdateOrderError",
+    "UserCodeError",
+    "USER_FILE_MODULE",
     "UserError",
     "WeightVersionError",
+    "call_user",
+    "first_line",
+    "name_of",
 ]
+
+_T = TypeVar("_T")
 
 
 class ScheduleError(Exception):
@@ -138,3 +152,109 @@ class ShardingError(DependencyError):
     parameters are released, an `Unshard` of a chunk already whole or a `Reshard` of one that is
     not (or whose gradients are not yet reduced), a chunk left whole across a step or at the end
     of the program, or either instruction in a program not compiled with `zero=3`."""
+
+
+class UserCodeError(ScheduleConfigError):
+    """A user's function failed: a segment's forward, `loss_fn`, an optimizer factory, or a
+    `--model`'s `batch` inside a rank. The message names the function and the exception's first
+    line; `__cause__` holds the original exception. `schedcc run` prints it as one line, exit 1.
+    """
+
+
+# -- the user-code guard ------------------------------------------------------------------------
+
+# [Note: the user-code guard] schedcc calls code a user wrote (a schedule's constructor,
+# `check()`, `placement()`, `steps()`; a recompute policy; a `--model` factory and its `batch`; a
+# segment's forward, `loss_fn`, an optimizer factory) only through `call_user`. Whatever that
+# code raises, `SystemExit` and `GeneratorExit` included, becomes one typed error naming the
+# function, so a schedule that calls `sys.exit(0)` cannot make `schedcc verify` exit 0 with
+# nothing said, and a rank knows a failure of the user's code from one of its own. Only
+# `KeyboardInterrupt` (the user asked to stop) and schedcc's own errors pass unchanged: a
+# `check()` that raises `ScheduleConfigError` says the fix itself, and a `RankFailure` (or, in
+# the backends, a torch `DistError`) from a collective inside a forward (tensor-parallel layers)
+# is a lost peer, not the user's mistake.
+
+#: What `call_user` lets through unchanged, besides the `passing` its caller adds.
+_OWN = (KeyboardInterrupt, ScheduleError, RankFailure, UserError)
+
+
+def call_user(
+    function: str | Callable[[], str],
+    call: Callable[[], _T],
+    *,
+    error: type[Exception] = UserCodeError,
+    where: str = "",
+    hint: str = "",
+    passing: tuple[type[BaseException], ...] = (),
+) -> _T:
+    """`call()`, the one guard around a user's code (see [Note: the user-code guard]).
+
+    Args:
+        function: what the message calls the code, e.g. `"loss_fn m.loss"`, or a callable that
+            says it (built only on a failure: a forward's name costs nothing on the hot path).
+        call: the call, without arguments.
+        error: the error raised instead (`ScheduleCodeError` for a schedule's code).
+        where: a prefix naming the context, e.g. the schedule's repr.
+        hint: the fix, appended after a semicolon.
+        passing: more exception types to let through unchanged.
+
+    Raises:
+        error: `call()` raised anything but a `KeyboardInterrupt`, a schedcc error or `passing`;
+            one line, `where: function raised Type: first line; hint`, from the exception.
+
+    >>> call_user("make()", lambda: 3)
+    3
+    >>> call_user("loss_fn f", lambda: exit(0))
+    Traceback (most recent call last):
+    ...
+    schedcc.errors.UserCodeError: loss_fn f raised SystemExit: 0
+    """
+    try:
+        return call()
+    except _OWN:
+        raise
+    except passing:
+        raise
+    except BaseException as exc:
+        name = function if isinstance(function, str) else function()
+        message = f"{where}: {name}" if where else name
+        message += f" raised {first_line(exc)}"
+        raise error(f"{message}; {hint}" if hint else message) from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: the first line of its message` (or `Type` alone when it has none).
+
+    >>> first_line(KeyError("no such key"))
+    "KeyError: 'no such key'"
+    """
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def name_of(function: object) -> str:
+    """How messages name a user's callable: `module.qualname` (`file.py:qualname` for a file
+    that `--model file.py:make` or `--schedule file.py:Class` loaded), a partial's function, or
+    the class of a callable object (a module: its forward).
+
+    >>> import math
+    >>> name_of(math.sqrt), name_of(lambda x: x)
+    ('math.sqrt', 'schedcc.errors.<lambda>')
+    """
+    inner = getattr(function, "func", None)  # functools.partial
+    if inner is not None and callable(inner):
+        return name_of(inner)
+    qualname = getattr(function, "__qualname__", None)
+    if not isinstance(qualname, str):
+        return type(function).__qualname__
+    module = getattr(function, "__module__", None)
+    if not isinstance(module, str):
+        return qualname
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if module.startswith(USER_FILE_MODULE) and isinstance(file, str):
+        return f"{os.path.basename(file)}:{qualname}"
+    return f"{module}.{qualname}"
+
+
+#: The prefix of the module name `schedcc.registry` gives a user's file it loads.
+USER_FILE_MODULE = "_schedcc_user_"

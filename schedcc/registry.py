@@ -15,7 +15,7 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from schedcc.errors import UnknownScheduleError
+from schedcc.errors import USER_FILE_MODULE, UnknownScheduleError
 from schedcc.schedule import Schedule
 
 __all__ = [
@@ -121,9 +121,9 @@ def load_object(target: str, *, what: str, kind: str = "name", error=UnknownSche
             module = _import_file(where, what, error)
         else:
             module = importlib.import_module(where)
-    except error:
+    except (error, KeyboardInterrupt):
         raise
-    except Exception as exc:  # a user's module may fail in any way; say which and why
+    except BaseException as exc:  # a user's module may fail in any way, sys.exit() included
         raise error(f"{what}: cannot import {where}: {type(exc).__name__}: {exc}") from exc
     obj = getattr(module, attr, None)
     if obj is None:
@@ -135,7 +135,7 @@ def _import_file(path: str, what: str, error):
     file = Path(path)
     if not file.is_file():
         raise error(f"{what}: file {path!r} does not exist")
-    module_name = f"_schedcc_user_{abs(hash(str(file.resolve())))}"
+    module_name = f"{USER_FILE_MODULE}{abs(hash(str(file.resolve())))}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, file)

@@ -20,7 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import ClassVar, TypeVar
 
-from schedcc.errors import ScheduleCodeError, ScheduleConfigError, ScheduleError
+from schedcc.errors import (
+    ScheduleCodeError,
+    ScheduleConfigError,
+    ScheduleError,
+    UserCodeError,
+    call_user,
+)
 from schedcc.ir import Instruction
 
 __all__ = [
@@ -40,29 +46,18 @@ _T = TypeVar("_T")
 def describe(schedule: Schedule) -> str:
     """`repr(schedule)`, or the base class's form if the schedule's own `__repr__` fails."""
     try:
-        return repr(schedule)
-    except Exception:
+        return call_user("__repr__()", lambda: repr(schedule))
+    except UserCodeError:
         return Schedule.__repr__(schedule)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def call_user_code(
     owner: str, method: str, call: Callable[[], _T], *, where: str = "", hint: str = ""
 ) -> _T:
-    """`call()`, with any exception but a `ScheduleError` raised as a `ScheduleCodeError` that
+    """`call()` through the user-code guard (`schedcc.errors.call_user`): anything it raises but
+    a schedcc error or `KeyboardInterrupt`, `SystemExit` included, is a `ScheduleCodeError` that
     names `owner.method` (one line: `where`, the original message's first line, `hint`)."""
-    try:
-        return call()
-    except ScheduleError:
-        raise
-    except Exception as exc:
-        message = f"{where}: {owner}.{method}" if where else f"{owner}.{method}"
-        message += f" raised {_first_line(exc)}"
-        raise ScheduleCodeError(f"{message}; {hint}" if hint else message) from exc
+    return call_user(f"{owner}.{method}", call, error=ScheduleCodeError, where=where, hint=hint)
 
 
 class Schedule:

@@ -189,9 +189,10 @@ def _children(pid: int) -> list[int]:
 
 
 def test_schedcc_run_with_a_stopped_rank_ends_within_the_timeout(tmp_path):
-    """`schedcc run --timeout 5` with one rank stopped mid-training: every rank ends within the
-    timeout plus a few seconds (it took the timeout, then the launcher's grace of the timeout
-    plus 10 s, then 3 s more), rank 0 names what it waited on, the launcher the stopped rank."""
+    """`schedcc run --timeout 5` with one rank stopped mid-training: the command returns within
+    the timeout plus 2 s (the ranks' waits time out, the launcher ends the stopped rank at once
+    and exits without tearing torch down), rank 0 names what it waited on, the launcher the
+    stopped rank."""
     root = tmp_path / "ckpt"
     command = [
         sys.executable,
@@ -231,8 +232,8 @@ def test_schedcc_run_with_a_stopped_rank_ends_within_the_timeout(tmp_path):
         elapsed = time.monotonic() - stopped
     finally:
         _end_session(proc)
-    assert elapsed < TIMEOUT + SLACK, err
-    assert proc.returncode != 0
+    assert elapsed < TIMEOUT + 2, err
+    assert proc.returncode == 1
     assert "Traceback" not in err, err
     assert "schedcc: rank 1 (stage 1, dp 0) is stopped (SIGSTOP or a debugger)" in err
     (line,) = [line for line in _rank_lines(err) if line.startswith("schedcc: rank 0:")]

@@ -36,7 +36,7 @@ from schedcc.backends.tensor_parallel import (
     shard_layers,
 )
 from schedcc.compiler import compile
-from schedcc.errors import RankFailure, ScheduleConfigError
+from schedcc.errors import RankFailure, ScheduleConfigError, call_user
 from schedcc.program import Program
 from schedcc.registry import get_schedule
 
@@ -254,7 +254,14 @@ def eval_batch_size(config) -> int:
 
 def _eval_batches(model: RunModel, config):
     """The held-out batches of every evaluation: `--eval-batches` of them, the same each time."""
-    return [model.eval_batch(eval_batch_size(config), k) for k in range(config.eval_batches)]
+    size = eval_batch_size(config)
+    return [_draw(model, config, "eval_batch", size, k) for k in range(config.eval_batches)]
+
+
+def _draw(model: RunModel, config, field: str, size: int, index: int):
+    """`model.<field>(size, index)` (`batch` or `eval_batch`), through the user-code guard."""
+    draw = getattr(model, field)
+    return call_user(f"--model {config.model}: {field}({size}, {index})", lambda: draw(size, index))
 
 
 def _evaluate(engine: Engine, batches, config, dp_index: int) -> float:
@@ -268,7 +275,7 @@ def _evaluate(engine: Engine, batches, config, dp_index: int) -> float:
 
 def _global_batches(model: RunModel, config, start: int = 0):
     for step in range(start, config.steps):
-        yield model.batch(global_batch_size(config), step)
+        yield _draw(model, config, "batch", global_batch_size(config), step)
 
 
 def _resume(engine: Engine, config, rank: int) -> None:
@@ -297,7 +304,8 @@ def _loop(
 
     def local():
         for step, batch in enumerate(_global_batches(model, config, engine.steps), engine.steps):
-            sizes.append(model.size(*batch))
+            count = f"--model {config.model}: count(inputs, targets) of step {step}"
+            sizes.append(call_user(count, lambda batch=batch: model.size(*batch)))
             yield local_batches(batch, step, config.data_parallel)[dp_index]
 
     losses: list[float] = []

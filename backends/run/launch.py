@@ -2,18 +2,20 @@
 
 `spawn(fn, world_size, args)` starts `world_size` local processes, each calling
 `fn(rank, world_size, *args)` with `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE` and
-`LOCAL_RANK` set (a free port on 127.0.0.1), and watches them: when one fails, it prints which
-rank and how, gives the others `grace` seconds to stop on their own (their own timeouts name the
-instruction they were waiting on), then ends them. A rank that is stopped (SIGSTOP, a debugger)
-cannot stop on its own: once another has failed, it is named and ended at once, so the ranks
-waiting on it end too. It never waits forever.
+`LOCAL_RANK` set (a free port on 127.0.0.1), and watches them: when one fails, it gives the
+others `grace` seconds to stop on their own (their own timeouts name the instruction they were
+waiting on), then ends them, and prints the failure once. A rank that is stopped (SIGSTOP, a
+debugger) cannot stop on its own: once another has failed, it is named and ended at once, so the
+ranks waiting on it end too. It never waits forever.
 
 `in_torchrun()` tells whether this process was started by `torchrun` (or any launcher that sets
 the same variables); then the ranks already exist and nothing is spawned.
 
-[Note: exit codes] A rank exits 0 on success, 1 when training failed or a check did not hold,
-2 for a user's mistake (printed as one line). `spawn` returns 0 when every rank did, else the code
-of the first rank that failed (1 for a rank killed by a signal).
+[Note: exit codes] A rank exits 0 on success, 1 when training failed (the user's code raised,
+a peer was lost, a wait timed out) or a check did not hold, 2 for a user's mistake (a bad
+request, a model or loss that breaks the contract). `spawn` returns 0 when every rank did, else
+the code of the first cause ([Note: one line per failure] in `backends.run.failures`), else of
+the first rank that failed (1 for a rank killed by a signal).
 
 [Note: a rank that stops responding] The ranks waiting on a stopped rank time out after the
 engine's timeout (every wait has it, see [Note: failures] in `backends.distributed.engine`) and
@@ -32,13 +34,16 @@ import platform
 import signal
 import socket
 import sys
+import tempfile
 import time
-import traceback
 from collections.abc import Callable
 
-from schedcc.errors import RankFailure, UserError
+from schedcc.backends.run.failures import RankReport, print_failures, say
+from schedcc.errors import UserError
 
 __all__ = [
+    "OVERSUBSCRIBE",
+    "check_cores",
     "cores_for",
     "free_port",
     "in_torchrun",
@@ -60,36 +65,63 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_rank(fn: Callable[..., object], rank: int, *args: object) -> int:
-    """Call `fn(rank, *args)` and turn its outcome into an exit code (see the note above).
+def run_rank(
+    fn: Callable[..., object],
+    rank: int,
+    *args: object,
+    debug: bool = False,
+    report: str | None = None,
+) -> int:
+    """Call `fn(rank, *args)` and turn its outcome into an exit code (see the notes above).
 
-    A `UserError`, `ValueError` or schedcc `ScheduleError` prints one line (exit 2); a
-    `RankFailure` one line (exit 1); anything else its traceback (exit 1).
+    A failure is one line (`RankReport.of`); where it keeps a traceback (the user's code failed,
+    or schedcc's own), `debug` prints it above the line, else a log file the line names holds it.
+    Given `report` (a path, under `spawn`), the rank writes its `RankReport` there for the
+    launcher to print instead and ends the process at once (see [Note: one line per failure]).
     """
-    from schedcc.errors import ScheduleError
-
     try:
         code = fn(rank, *args)
-    except (UserError, ScheduleError, ValueError) as exc:
-        _say(f"schedcc: rank {rank}: error: {exc}")
-        return 2
-    except RankFailure as exc:
-        _say(f"schedcc: rank {rank}: {exc}")
-        return 1
     except KeyboardInterrupt:
         return 130
-    except BaseException:
-        print(f"schedcc: rank {rank} failed:", file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        return 1
+    except BaseException as exc:
+        outcome = RankReport.of(exc)
+        if report is not None:
+            outcome.write(report)
+            _exit(outcome.code)  # before the failed run's frames are freed
+        say(outcome.line(f"rank {rank}", debug=debug))
+        return outcome.code
     return int(code or 0)
 
 
-def _say(line: str) -> None:
-    """One line on stderr in one write, so lines of ranks ending together never interleave."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+#: Local ranks a core may take before `schedcc run` refuses to start them ([Note: one core a
+#: rank]).
+RANKS_PER_CORE = 2
+#: Set to 1, the environment's `--oversubscribe`.
+OVERSUBSCRIBE = "SCHEDCC_OVERSUBSCRIBE"
+
+
+def check_cores(world_size: int, *, oversubscribe: bool = False) -> None:
+    """Raise `UserError` when `world_size` local ranks would crowd the cores: more than
+    `RANKS_PER_CORE` ranks a core this process may use, unless `oversubscribe` (or
+    `SCHEDCC_OVERSUBSCRIBE=1`).
+
+    [Note: one core a rank] A rank polls its peers' messages and computes on its own; each
+    rank past the cores waits on the scheduler as well as on its peers. Two ranks a core still
+    train at a useful pace (the README's `--dp 2` examples on a 2-core laptop, the test suite's
+    4-rank runs), but many more make a run that takes seconds on enough cores take minutes
+    (`-p 64` on 2 cores ran past a minute). That is refused up front, saying the fix, rather
+    than run that slowly.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    most = RANKS_PER_CORE * cores
+    if world_size <= most or oversubscribe or os.environ.get(OVERSUBSCRIBE) == "1":
+        return
+    raise UserError(
+        f"{world_size} ranks (p * dp * tp) would share the {cores} core(s) this process may use: "
+        f"lower -p, --dp or --tp to at most {most} ranks, or pass --oversubscribe (or set "
+        f"{OVERSUBSCRIBE}=1) to run them anyway, slowly"
+    )
 
 
 def cores_for(rank: int, world_size: int) -> set[int] | None:
@@ -143,7 +175,14 @@ def keep_freed_memory() -> bool:
 
 
 def _child(
-    fn, rank: int, world_size: int, port: int, args: tuple, threads: int | None, bind: bool
+    fn,
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    threads: int | None,
+    bind: bool,
+    report: str,
 ) -> None:
     if bind and (cores := cores_for(rank, world_size)) is not None:
         os.sched_setaffinity(0, cores)  # see [Note: binding ranks to cores]
@@ -157,10 +196,15 @@ def _child(
     )
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    code = run_rank(fn, rank, world_size, *args)
+    _exit(run_rank(fn, rank, world_size, *args, report=report))
+
+
+def _exit(code: int) -> None:
+    """End this rank now: no interpreter teardown, no destructor of a failed run (a process
+    group, a pending send) that could wait on a dead or stopped peer."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: no hang on a peer's dead socket
+    os._exit(code)
 
 
 def spawn(
@@ -173,6 +217,7 @@ def spawn(
     method: str | None = None,
     describe: Callable[[int], str] | None = None,
     bind_cores: bool = False,
+    debug: bool = False,
 ) -> int:
     """Run `fn(rank, world_size, *args)` in `world_size` local processes; returns the exit code.
 
@@ -186,23 +231,31 @@ def spawn(
         describe: `describe(rank)` names a rank in messages (e.g. "rank 1 (stage 1, dp 0)").
         bind_cores: bind each rank to its own slice of the cores (see `cores_for`); nothing is
             bound when there are fewer cores than ranks.
+        debug: print a failed rank's traceback above its line (else a log file holds it).
 
     Example:
         >>> spawn(my_worker, 2, ("cfg",))  # doctest: +SKIP
         0
     """
+    describe = describe or (lambda rank: f"rank {rank}")
     context = multiprocessing.get_context(method or _default_method())
     port = free_port()
-    processes = [
-        context.Process(target=_child, args=(fn, rank, world_size, port, args, threads, bind_cores))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        return _watch(processes, grace, describe or (lambda rank: f"rank {rank}"))
-    finally:
-        _end(processes)
+    with tempfile.TemporaryDirectory(prefix="schedcc-ranks-") as reports:
+        paths = [os.path.join(reports, f"rank-{rank}.json") for rank in range(world_size)]
+        processes = [
+            context.Process(
+                target=_child,
+                args=(fn, rank, world_size, port, args, threads, bind_cores, paths[rank]),
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            code = _watch(processes, grace, describe)
+        finally:
+            _end(processes)
+        return print_failures(code, [RankReport.read(path) for path in paths], describe, debug)
 
 
 def _default_method() -> str:
@@ -231,16 +284,16 @@ def _watch(processes, grace: float, describe: Callable[[int], str]) -> int:
             if failed is None or code < 0 <= failed[1]:
                 failed = (rank, code)  # a rank killed by a signal is the likeliest cause
                 deadline = time.monotonic() + grace
-            if code not in (1, 2):  # 1 and 2: the rank printed its own one-line reason
+            if code not in (1, 2):  # 1 and 2: the rank reported its own one-line reason
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                _say(f"schedcc: {describe(rank)} {how}; stopping the other ranks")
+                say(f"schedcc: {describe(rank)} {how}; stopping the other ranks")
         if failed is not None:
             _end_stopped(processes, reported, describe)
         if not running:
             break
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            _say(
+            say(
                 f"schedcc: the other ranks did not stop within {grace:g}s after "
                 f"{describe(failed[0])} failed; ending them"  # type: ignore[index]
             )
@@ -260,7 +313,7 @@ def _end_stopped(processes, reported: set[int], describe: Callable[[int], str]) 
     for rank, process in enumerate(processes):
         if rank in reported or process.exitcode is not None or not _is_stopped(process.pid):
             continue
-        _say(
+        say(
             f"schedcc: {describe(rank)} is stopped (SIGSTOP or a debugger) and cannot end by "
             "itself; ending it"
         )

@@ -67,7 +67,7 @@ from schedcc.backends.run.gpt import (
     real_tokens,
 )
 from schedcc.backends.run.gpt import token_loss as gpt_loss
-from schedcc.errors import ScheduleConfigError, UserError
+from schedcc.errors import ScheduleConfigError, UserError, call_user
 from schedcc.registry import load_object
 
 __all__ = [
@@ -209,14 +209,16 @@ def build(
     wanted = tuple(segments) if segments is not None else None
     extra = f", segments={wanted}" if some else ""
     call = f"{getattr(make, '__name__', 'make')}({num_segments}, seed={seed}{extra})"
-    try:
-        model = (
+    model = call_user(
+        call,
+        lambda: (
             make(num_segments, seed=seed, segments=wanted)
             if some
             else make(num_segments, seed=seed)
-        )
-    except Exception as exc:  # the user's code may fail in any way: one line saying how
-        raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
+        ),
+        error=UserError,
+        where=f"--model {name}",
+    )
     if not isinstance(model, RunModel):
         raise UserError(
             f"--model {name}: {call} returned a {type(model).__name__}, not a RunModel "
@@ -277,21 +279,14 @@ def check_batch(
     """Draw the first batch of `field` (`batch` or `eval_batch`) and split it as the engines
     will; raise `UserError` if that fails."""
     call = f"{field}({batch_size}, 0)"
-    try:
-        batch = getattr(model, field)(batch_size, 0)
-    except Exception as exc:
-        raise UserError(f"--model {name}: {call} raised {_first_line(exc)}") from exc
+    draw = getattr(model, field)
+    batch = call_user(call, lambda: draw(batch_size, 0), error=UserError, where=f"--model {name}")
     try:
         for r, (inputs, targets) in enumerate(local_batches(batch, 0, data_parallel)):
             where = f"{call} (replica {r})" if data_parallel > 1 else call
             split_pair(inputs, targets, num_microbatches, where=where)
     except ScheduleConfigError as exc:
         raise UserError(f"--model {name}: {exc}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 # -- built-in models -----------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from schedcc.backends.runtime.syncs import host_read
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, UserCodeError, call_user, name_of
 from schedcc.ir import INPUT_GRADIENT
 
 if TYPE_CHECKING:
@@ -228,18 +228,23 @@ def _running_sum(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def call_loss(loss_fn: Callable[[Any, Any], Any], output: Any, target: Any) -> Any:
-    """`loss_fn(output, target)`.
+    """`loss_fn(output, target)`, through the user-code guard (`schedcc.errors.call_user`).
 
     Raises:
-        ScheduleConfigError: `loss_fn` failed (most often a target of another shape).
+        UserCodeError: `loss_fn` raised (a `ScheduleConfigError` naming it and both shapes;
+            most often a target of another shape, which the message then suggests).
     """
+
+    def function() -> str:
+        shapes = f"output {_described(output)}, target {_described(target)}"
+        return f"loss_fn {name_of(loss_fn)}({shapes})"
+
     try:
-        return loss_fn(output, target)
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        raise ScheduleConfigError(
-            f"loss_fn(output {_described(output)}, target {_described(target)}) failed: "
-            f"{error}; check the targets' shape"
-        ) from error
+        return call_user(function, lambda: loss_fn(output, target))
+    except UserCodeError as error:
+        if not isinstance(error.__cause__, (RuntimeError, ValueError, TypeError, IndexError)):
+            raise
+        raise UserCodeError(f"{error}; check the targets' shape") from error.__cause__
 
 
 def _described(value: Any) -> str:

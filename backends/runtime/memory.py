@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from schedcc.backends.runtime.values import flatten
+from schedcc.errors import call_user, name_of
 from schedcc.memory import MemoryModel
 
 __all__ = ["SavedBytes", "measure_memory", "signature"]
@@ -95,6 +96,7 @@ def measure_memory(
     ((80.0,), (32.0,), (160.0,))
     """
     from schedcc.backends.runtime.boundary import activation, detached, receive
+    from schedcc.backends.runtime.losses import call_loss
     from schedcc.backends.runtime.recompute import input_bytes
     from schedcc.backends.runtime.values import call
 
@@ -106,8 +108,9 @@ def measure_memory(
         counted = list(module.parameters())
 
         def forward(module=module, value=value, k=k):
-            out = call(module, value)
-            return loss_fn(out, targets) if k == last else out
+            name = f"the forward of segment {k} ({name_of(module)})"
+            out = call_user(name, lambda: call(module, value))
+            return call_loss(loss_fn, out, targets) if k == last else out
 
         out, num_bytes = SavedBytes().run(("measure", k), counted, forward)
         acts.append(num_bytes)
@@ -126,7 +129,9 @@ def _optimizer_bytes(params: list[torch.Tensor], optimizer) -> int:
         return 0
     for p in trained:
         p.grad = torch.zeros_like(p)
-    opt = optimizer(trained)
+    from schedcc.backends.runtime.stage import build_optimizer  # stage imports this module
+
+    opt = build_optimizer(optimizer, trained)
     opt.step()
     return sum(
         t.numel() * t.element_size()

@@ -54,7 +54,7 @@ from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.values import call
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import Reducer
-from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
+from schedcc.errors import RuntimeInstructionError, ScheduleConfigError, call_user, name_of
 from schedcc.ir import (
     Backward,
     BackwardInput,
@@ -76,7 +76,7 @@ from schedcc.semantics import recomputed, tensors_of
 if TYPE_CHECKING:
     from schedcc.program import Program
 
-__all__ = ["StageRuntime"]
+__all__ = ["StageRuntime", "build_optimizer"]
 
 
 class StageRuntime:
@@ -160,7 +160,7 @@ class StageRuntime:
         params = [p for mod in self._views for p in mod.parameters()]
         self._trained = list(self._reducer.shards) if self._zero else params
         # A stage without parameters (e.g. a lone activation) has nothing to step.
-        self.optimizer = optimizer(self._trained) if self._trained else None
+        self.optimizer = build_optimizer(optimizer, self._trained) if self._trained else None
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Forward: self._forward,
             Backward: self._backward,
@@ -415,8 +415,12 @@ class StageRuntime:
         module = self.modules[c]
         if self._delay or module in self._shadowed:  # on stashed weights or tied copies
             module = functools.partial(_functional, module, params)
+
+        def name() -> str:
+            return f"the forward of segment {k} ({name_of(self.modules[c])})"
+
         with self.precision.compute():
-            out = call(module, value)
+            out = call_user(name, lambda: call(module, value), passing=_LOST_PEER)
         return self.precision.boundary(out, last=self._layout.is_last(k))
 
     def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
@@ -552,6 +556,32 @@ class StageRuntime:
 
     def _refused(self, op: Instruction, why: str) -> RuntimeInstructionError:
         return RuntimeInstructionError(f"stage {self.stage}: {op} {why}", stage=self.stage)
+
+
+#: What a forward may raise that is no fault of the user's code: a collective inside it (the
+#: user's tensor-parallel layers) that lost its peer (see [Note: the user-code guard]).
+_LOST_PEER = (torch.distributed.DistError,) if torch.distributed.is_available() else ()
+
+
+def build_optimizer(
+    factory: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer], params: list
+) -> torch.optim.Optimizer:
+    """`factory(params)`, through the user-code guard, checked to be an optimizer.
+
+    Raises:
+        UserCodeError: the factory raised.
+        ScheduleConfigError: it returned something other than a `torch.optim.Optimizer`.
+    """
+    name = name_of(factory)
+    optimizer = call_user(f"the optimizer factory {name}", lambda: factory(params))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        got = "None" if optimizer is None else f"a {type(optimizer).__name__}"
+        raise ScheduleConfigError(
+            f"the optimizer factory {name} returned {got}, not a torch.optim.Optimizer: return "
+            "one built over the parameters it is given, e.g. lambda params: "
+            "torch.optim.SGD(params, lr=0.1)"
+        )
+    return optimizer
 
 
 def _functional(module: nn.Module, params: dict[str, torch.Tensor], /, *args, **kwargs) -> Any:

@@ -57,7 +57,29 @@ def one_line_errors(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 a failed check, 2 bad input)."""
+    """Run the command line; returns the exit status (0 ok, 1 a failed check, 2 bad input).
+
+    Called as the program (`argv` None: `schedcc ...`, `python -m schedcc ...`) by a command
+    that imported torch, it ends the process itself once the command is done (see [Note: a
+    quick exit]).
+    """
+    code = _main(argv)
+    if argv is None and "torch" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+# [Note: a quick exit] Tearing down an interpreter that imported torch (and torch._dynamo, which
+# torch.optim imports) frees tens of thousands of objects: about half a second on an idle
+# machine and two or more on a loaded one, after the command has printed all it has to say.
+# `schedcc run` promises to return within its timeout plus a second or two of a stopped rank
+# ([Note: a rank that stops responding]), so the program skips the teardown: every file it
+# wrote is closed, its ranks are gone, and nothing it needs runs at exit.
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

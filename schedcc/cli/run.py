@@ -202,6 +202,17 @@ def register(subparsers) -> None:
         metavar="K",
         help="held-out batches per evaluation (default 2)",
     )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start more ranks than there are cores (refused otherwise: it runs very slowly); "
+        "SCHEDCC_OVERSUBSCRIBE=1 in the environment does the same",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the traceback of a rank's failure (default: one line naming a log file)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -210,6 +221,11 @@ def run(args) -> int:
     from schedcc.backends.run import launch
 
     config, schedule = _config(args, launch.in_torchrun())
+    if not launch.in_torchrun():
+        try:  # before torch is imported or a model built: see [Note: one core a rank]
+            launch.check_cores(config.world_size, oversubscribe=args.oversubscribe)
+        except launch.UserError as exc:
+            raise UsageError(str(exc)) from None
     from schedcc.backends.run import job  # imports torch
 
     model, tied = _model(config, schedule)
@@ -217,7 +233,7 @@ def run(args) -> int:
     del model  # each rank builds only its own stage's segments (under torchrun too)
     if launch.in_torchrun():
         rank = int(os.environ["RANK"])
-        return launch.run_rank(job.main, rank, config.world_size, config)
+        return launch.run_rank(job.main, rank, config.world_size, config, debug=args.debug)
     try:
         job.check_devices(config.world_size)
     except launch.UserError as exc:
@@ -230,6 +246,7 @@ def run(args) -> int:
         threads=max(1, (os.cpu_count() or 1) // config.world_size),
         describe=config.describe,
         bind_cores=not args.no_bind,
+        debug=args.debug,
     )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, call_user, name_of
 from schedcc.ir import Backward, BackwardInput, Instruction, OverlappedBackward, Recompute
 from schedcc.program import Program
 from schedcc.semantics import peak_activations
@@ -137,12 +137,8 @@ def insert_recompute(program: Program, policy: Policy | OverLimit) -> Program:
 
 
 def _ask(policy: Policy, stage: int, chunk: int) -> bool:
-    try:
-        answer = policy(stage, chunk)
-    except Exception as error:
-        raise ScheduleConfigError(
-            f"the recompute policy failed on (stage {stage}, chunk {chunk}): {error!r}"
-        ) from error
+    function = f"the recompute policy {name_of(policy)}({stage}, {chunk})"
+    answer = call_user(function, lambda: policy(stage, chunk))
     if not isinstance(answer, bool):
         raise ScheduleConfigError(
             f"the recompute policy must return True or False, got {answer!r} for "
