@@ -82,6 +82,7 @@ from schedcc.backends.engine import BaseEngine, LossFn, OptimizerFactory, check_
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat
+from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
 from schedcc.program import Program
@@ -125,6 +126,8 @@ class Engine(BaseEngine):
             per neighbouring pair of stages, as DeepSpeed's first pipeline engine did).
         max_grad_norm, mixed_precision: as the local `Engine`'s (clipping by the whole model's
             gradient norm; bfloat16 or float16 compute with float32 master weights).
+        bucket_bytes: as the local `Engine`'s: about how many bytes of gradients each
+            asynchronous data-parallel reduction carries.
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -157,6 +160,7 @@ class Engine(BaseEngine):
         p2p: str | None = None,
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
@@ -207,6 +211,7 @@ class Engine(BaseEngine):
             max_grad_norm=max_grad_norm,
             mixed_precision=mixed_precision,
             tp_rank=self.tp_rank or 0,
+            bucket_bytes=bucket_bytes,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from schedcc.errors import ScheduleConfigError
+from schedcc.ir import ReduceGrads
 
 if TYPE_CHECKING:
     from schedcc.backends.runtime.collectives import Collectives, Work
@@ -180,6 +181,8 @@ class Reducer:
         self.events: list[tuple[str, int, int]] = []
         #: the shards whose `.grad` this batch's first wait sets (rather than adds to)
         self._fresh = [False] * len(modules)
+        #: the chunks whose reductions are in flight, in launch order
+        self._launched: list[int] = []
         if release:
             for c in range(len(modules)):
                 self.release(c)
@@ -216,19 +219,22 @@ class Reducer:
                 work = coll.all_reduce_async(flat[start:stop])
             grads.pending.append(work)
             self.events.append(("launch", c, j))
+        self._launched.append(c)
 
     def wait(self, c: int | None = None) -> None:
-        """Take chunk c's (None: every chunk's) launched reductions: the `.grad`s hold the sums
-        (under ZeRO this rank's shard's `.grad` takes its slice, and the buffer is dropped)."""
-        for chunk in range(len(self.grads)) if c is None else (c,):
+        """Take chunk c's (None: every chunk's, in launch order) launched reductions: the
+        `.grad`s hold the sums (under ZeRO this rank's shard's `.grad` takes its slice, and the
+        buffer is dropped)."""
+        chunks = (c,) if c is not None else [*self._launched, *range(len(self.grads))]
+        for chunk in dict.fromkeys(chunks):
             self._finish(chunk)
             if self._zero:
                 self.grads[chunk].drop()
 
     def drop_grads(self) -> None:
         """After the step: every chunk's gradients dropped (waited first, if in flight)."""
-        for c, grads in enumerate(self.grads):
-            self._finish(c)
+        self.wait()
+        for grads in self.grads:
             grads.drop()
         self._fresh = [False] * len(self.grads)
 
@@ -246,10 +252,15 @@ class Reducer:
         if not grads.pending:
             return
         for j, work in enumerate(grads.pending):
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as exc:  # the failure of a collective launched at the Reduce
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise RuntimeError(f"the {ReduceGrads(c)} launched earlier: {first}") from exc
             self.events.append(("wait", c, j))
         grads.pending = []
         grads.spent = True
+        self._launched.remove(c)
         if self._zero:
             size, rank = self._shard_size(c), self._collectives.rank
             mine = grads.flat[rank * size : (rank + 1) * size]  # type: ignore[index]
