@@ -17,7 +17,7 @@ from schedcc.backends.local import Engine
 from schedcc.backends.run.launch import spawn
 from schedcc.backends.runtime.zero import buckets
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import WEIGHT_GRADIENT, ReduceGrads
+from schedcc.ir import COMPUTE, WEIGHT_GRADIENT, ReduceGrads, Unshard
 
 WIDTH = 8  # a segment: 64 + 8 float64 values (576 bytes)
 SMALL = 64  # bytes per bucket: the bias alone, then the weight
@@ -173,6 +173,39 @@ def test_a_reduction_is_launched_before_the_last_backward_and_waited_after_it():
         for kind in ("launch", "wait"):
             mine = [(c, j) for k, c, j in events if k == kind]
             assert mine == [(c, j) for c in (1, 0) for j in range(bounds[c])], events
+
+
+def test_zero3_gathers_ahead_and_waits_at_the_chunks_first_compute():
+    """ZeRO-3 (dp=2, interleaved, v=2): each `Unshard`'s all-gather is launched there and
+    waited by the chunk's next compute; the prefetched ones (placed a compute ahead) wait
+    while another compute runs in between."""
+    schedule = schedcc.get_schedule("interleaved-1f1b")(2, 4, num_chunks=2)
+    program = schedcc.compile(schedule, data_parallel=2, zero=3)
+    engine = Engine(program, make_segments(4, width=WIDTH), mse, sgd)
+    records = [[] for _ in engine.runtimes[0]]
+    for runtime, record in zip(engine.runtimes[0], records):
+        run = runtime.run
+
+        def ran(op, run=run, record=record, runtime=runtime):
+            before = len(runtime.reduction_events)
+            run(op)
+            record.append((op, runtime.reduction_events[before:]))
+
+        runtime.run = ran
+    engine.train_step(*batches(1, 8, width=WIDTH)[0])
+    overlapped = 0
+    for record in records:
+        for pos, (op, events) in enumerate(record):
+            gathers = [e for e in events if e[0] == "gather"]
+            assert gathers == ([("gather", op.chunk, 0)] if type(op) is Unshard else [])
+            if type(op) is not Unshard:
+                continue
+            later = [(o, e) for o, e in record[pos + 1 :] if isinstance(o, COMPUTE)]
+            first = next(i for i, (o, _) in enumerate(later) if o.chunk == op.chunk)
+            assert ("gathered", op.chunk, 0) in later[first][1]
+            assert all(("gathered", op.chunk, 0) not in e for _, e in later[:first])
+            overlapped += first > 0
+    assert overlapped > 0
 
 
 def _train(program, segments, bucket_bytes, data, **kwargs):

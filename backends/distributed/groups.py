@@ -181,6 +181,17 @@ class DataParallel:
             works.append(dist.reduce(flat[lo:hi], dst, group=self.dp_group, async_op=True))
         return _AllOf(works)
 
+    def all_gather_async(self, full: torch.Tensor) -> Work:
+        """Launch the in-place all-gather of `full`'s `size` equal parts (this rank's given)."""
+        if self.size == 1:
+            return DONE
+        part = full.numel() // self.size
+        mine = full[self.rank * part : (self.rank + 1) * part]
+        if self._native:
+            return dist.all_gather_into_tensor(full, mine, group=self.dp_group, async_op=True)  # type: ignore[return-value]
+        parts = list(full.split(part))
+        return dist.all_gather(parts, mine, group=self.dp_group, async_op=True)  # type: ignore[return-value]
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """In-place SUM over the group."""
         if self.size > 1:

@@ -74,6 +74,10 @@ class Collectives(Protocol):
         `flat` is `size` equal shards (rank r's: its r-th slice). Once waited, the part of the
         bucket inside this rank's shard holds the sum; the rest of the bucket holds anything."""
 
+    def all_gather_async(self, full: torch.Tensor) -> Work:
+        """Launch the all-gather, in place, of `full`'s `size` equal parts: this rank's part
+        (its `rank`-th) is what it gives; once waited, every part holds that rank's."""
+
 
 class SoloCollectives:
     """The collectives of a single replica (data_parallel == 1): identities."""
@@ -94,6 +98,9 @@ class SoloCollectives:
         return DONE
 
     def reduce_scatter_async(self, flat: torch.Tensor, start: int, stop: int) -> Work:
+        return DONE
+
+    def all_gather_async(self, full: torch.Tensor) -> Work:
         return DONE
 
 
@@ -148,4 +155,10 @@ class ThreadCollectives:
     def reduce_scatter_async(self, flat: torch.Tensor, start: int, stop: int) -> Work:
         """The whole bucket summed in place, met now."""
         self.all_reduce(flat[start:stop])
+        return DONE
+
+    def all_gather_async(self, full: torch.Tensor) -> Work:
+        """Every replica's part gathered into `full`, met now."""
+        part = full.numel() // self.size
+        full.copy_(self.all_gather(full[self.rank * part : (self.rank + 1) * part]))
         return DONE

@@ -56,6 +56,7 @@ from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import BUCKET_BYTES, Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
 from schedcc.ir import (
+    COMPUTE,
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -286,6 +287,8 @@ class StageRuntime:
                 stage=self.stage,
             )
         try:
+            if self._zero == 3 and isinstance(op, COMPUTE):
+                self._reducer.ready(op.chunk)  # the all-gather its Unshard launched ahead
             handler(op)
         except Exception as exc:
             exc.add_note(f"(while stage {self.stage} ran {op})")

@@ -177,12 +177,15 @@ class Reducer:
         if reduced:
             for c, mod in enumerate(modules):
                 _check_one_kind(c, list(mod.parameters()))
-        #: this run's ("launch" or "wait", chunk, bucket), in order (for tests and traces)
+        #: this run's ("launch" or "wait", chunk, bucket) of reductions and ("gather" or
+        #: "gathered", chunk, 0) of ZeRO-3's all-gathers, in order (for tests and traces)
         self.events: list[tuple[str, int, int]] = []
         #: the shards whose `.grad` this batch's first wait sets (rather than adds to)
         self._fresh = [False] * len(modules)
         #: the chunks whose reductions are in flight, in launch order
         self._launched: list[int] = []
+        #: ZeRO-3: the launched all-gathers of the chunks' `unshard`, by chunk
+        self._gathers: dict[int, Work] = {}
         if release:
             for c in range(len(modules)):
                 self.release(c)
@@ -292,12 +295,21 @@ class Reducer:
         """ZeRO-3: make chunk c's parameters whole again from every rank's shard (`full`: their
         rank-ordered concatenation, when the caller has it; else an all-gather). `alias`: the
         shard becomes its slice of the gathered buffer until the release (no second copy while
-        whole), so the parameters and the shard must not be written meanwhile."""
+        whole), so the parameters and the shard must not be written meanwhile; the all-gather
+        is then launched asynchronously into that buffer and waited by `ready` (the chunk's
+        first compute calls it), so it runs while the stage computes what comes before."""
         shard = self.shards[c]
-        if full is None:
+        size, rank = shard.numel(), self._collectives.rank
+        if full is None and alias:
+            full = shard.new_empty(size * self._collectives.size)
+            mine = full[rank * size : (rank + 1) * size]
+            mine.copy_(shard.detach())
+            shard.data = mine
+            self._gathers[c] = self._collectives.all_gather_async(full)
+            self.events.append(("gather", c, 0))
+        elif full is None:
             full = self._collectives.all_gather(shard.detach())
-        if alias:
-            size, rank = shard.numel(), self._collectives.rank
+        elif alias:
             shard.data = full[rank * size : (rank + 1) * size]
         offset = 0
         for p, shape in zip(self._modules[c].parameters(), self.shapes[c]):
@@ -306,9 +318,17 @@ class Reducer:
             offset += n
         self.whole[c] = True
 
+    def ready(self, c: int) -> None:
+        """Before chunk c's parameters are read: the all-gather its `unshard` launched waited."""
+        work = self._gathers.pop(c, None)
+        if work is not None:
+            work.wait()
+            self.events.append(("gathered", c, 0))
+
     def release(self, c: int) -> None:
         """ZeRO-3: drop chunk c's whole parameters (and its whole gradients, their reduction
         taken first: `wait`); this rank keeps only its shard."""
+        self.ready(c)
         self.wait(c)
         if self.whole[c] and self.shards:
             self.shards[c].data = self.shards[c].data.clone()  # out of the gathered buffer
