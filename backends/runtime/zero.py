@@ -205,8 +205,8 @@ class Reducer:
 
     def reduce(self, c: int) -> None:
         """Launch the sum of chunk c's gradients over the group, bucket by bucket, and return;
-        the sums are there once `wait` (or `prepare`, `finish`) has taken them (under ZeRO into
-        this rank's shard's `.grad`)."""
+        the sums are there once `wait` (or `prepare`, `release`, `drop_grads`) has taken them
+        (under ZeRO into this rank's shard's `.grad`)."""
         coll, grads = self._collectives, self.grads[c]
         self._finish(c)  # at most one reduction of a chunk in flight
         flat = grads.attach()
@@ -244,11 +244,6 @@ class Reducer:
     def reset(self) -> None:
         """A new run: its events start empty."""
         self.events = []
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the gradient buffers held now."""
-        return sum(g.flat.numel() * g.flat.element_size() for g in self.grads if g.flat is not None)
 
     def _finish(self, c: int) -> None:
         grads = self.grads[c]
