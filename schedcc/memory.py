@@ -19,11 +19,12 @@ k (chunk c):
   (2BW) also a copy per weight version that computes still use (`held_stash_bytes`);
 - gradients (`gradients[k]`, `parameters[k]` if not given): whole, in the chunk's gradient
   buffer, from its first weight-gradient compute (B or W) until the `OptimizerStep` without
-  ZeRO; under ZeRO >= 1 until its launched reduce-scatters are waited other than by a weight
-  gradient of the chunk (which reuses the buffer): at the chunk's `Reshard` or `GatherParams`,
-  or the stage's `GradNorm` or `OptimizerStep`; and this rank's shard of them, `gradients[k] /
-  dp`, from the chunk's first `ReduceGrads` until the step (`held_gradient_bytes`; [Note:
-  contiguous gradient buckets] in `backends/runtime/zero.py`);
+  ZeRO and under ZeRO-1 (whose shard's gradient is a slice of that buffer); under ZeRO-2 and 3
+  until its launched reduce-scatters are waited other than by a weight gradient of the chunk
+  (which reuses the buffer): at the chunk's `Reshard` or `GatherParams`, or the stage's
+  `GradNorm` or `OptimizerStep`; and this rank's shard of them, `gradients[k] / dp`, from the
+  chunk's first `ReduceGrads` until the step (`held_gradient_bytes`; [Note: contiguous gradient
+  buckets] in `backends/runtime/zero.py`);
 - optimizer state (`optimizer[k]`, divided by `dp` under ZeRO >= 1), counted as held throughout.
 A stage's peak is the most it holds at once (`stage_peak`): the largest total over the points
 of its program, which can be less than the sum of each kind's own peak.
@@ -211,7 +212,7 @@ def held_gradient_bytes(
             if not whole[op.chunk]:
                 whole[op.chunk] = True
                 held += per_chunk[op.chunk]
-        elif zero < 1 and kind is not OptimizerStep:
+        elif zero < 2 and kind is not OptimizerStep:  # ZeRO-1: the shard's is in the buffer
             pass
         elif kind is ReduceGrads:
             c = op.chunk

@@ -90,9 +90,8 @@ def _timeline(name, memory, *, num_batches=1, **compile_args):
 
 def test_peak_bytes_count_stashes_shards_and_recompute():
     """Peak bytes add parameters, gradients and optimizer state to the activations; 2BW holds a
-    stashed copy of the parameters; ZeRO-1 shards the optimizer state and holds the gradients'
-    shard beside the whole buffer its reduce-scatter is launched from, as ZeRO-2 does (ZeRO-3
-    also shards the parameters between uses);
+    stashed copy of the parameters; ZeRO-1 shards the optimizer state and ZeRO-2 also the
+    gradients after each reduce-scatter (ZeRO-3 also the parameters between uses);
     recomputation holds one microbatch's activations plus kept inputs."""
     memory = MemoryModel(activations="1MiB", parameters="4MiB", optimizer="8MiB", inputs="0.25MiB")
     plain = _timeline("1f1b", memory)
@@ -102,7 +101,7 @@ def test_peak_bytes_count_stashes_shards_and_recompute():
     assert stashed.stage_bytes[0].stashed == 4 * MiB
     zero1 = _timeline("1f1b", memory, data_parallel=2, zero=1)
     assert zero1.stage_bytes[0].optimizer == 4 * MiB
-    assert zero1.stage_bytes[0].gradients == (4 + 2) * MiB  # whole until the step's wait + shard
+    assert zero1.stage_bytes[0].gradients == 4 * MiB
     assert zero1.stage_bytes[0].parameters == (4 + 2) * MiB  # whole + the stepped shard
     zero2 = _timeline("1f1b", memory, data_parallel=2, zero=2)
     assert zero2.stage_bytes[0].gradients == (4 + 2) * MiB  # one backward's whole + the shard

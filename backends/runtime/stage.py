@@ -163,7 +163,7 @@ class StageRuntime:
         self._reducer = Reducer(
             self._views,
             self.collectives,
-            zero=bool(self._zero),
+            zero=self._zero,
             release=self._zero == 3,
             bucket_bytes=bucket_bytes,
             reduced=self._reduces,

@@ -7,7 +7,10 @@ and no copy back. The buffer is made, zeroed, when a weight-gradient compute of 
 none (a parameter no backward reaches then holds zeros, as the reduction always counted a
 missing `.grad`), and dropped where the gradients were set to None before it existed: at the step
 without ZeRO (the optimizer reads the views), at the wait that follows the reduction under ZeRO.
-Under ZeRO it is padded to `size * shard`, rank r's shard being its r-th slice.
+Under ZeRO it is padded to `size * shard`, rank r's shard being its r-th slice; under ZeRO-1,
+which reduces each chunk once per batch, the shard's `.grad` is that slice of the buffer (as
+Megatron-LM's distributed optimizer views its gradient buffer), so the buffer lives on to the
+step and nothing else holds a gradient.
 
 The buffer is cut into buckets of about `bucket_bytes` at parameter boundaries, from the last
 parameter back (the order a backward finishes them). `ReduceGrads(c)` comes after the chunk's
@@ -16,8 +19,9 @@ last weight gradient of its batch and after its `ReduceTied`, so every bucket is
 `reduce_scatter_async`) and returns. They are waited only where the program needs the sums: the
 `GradNorm` and the `OptimizerStep`, the chunk's `GatherParams` or `Reshard`, or (ZeRO-2 and 3,
 which reduce after every weight gradient) the chunk's next weight-gradient compute, which then
-reuses the buffer zeroed. Under ZeRO a wait adds this rank's slice into its shard's `.grad` (made
-at the first launch of the batch) and, unless a weight gradient reuses it, drops the buffer. The
+reuses the buffer zeroed. Under ZeRO-2 and 3 a wait adds this rank's slice into its shard's own
+`.grad` (made at the first launch of the batch, the sums of every reduce-scatter of the batch
+added in order, as before) and, unless a weight gradient reuses it, drops the buffer. The
 launch is not moved earlier, into the backward (as torch DDP's hooks do): `ReduceGrads` is where
 the program says the gradients are final, and the compiler already places it right after the
 last weight gradient, so the reduction overlaps what the stage computes after it (the other
@@ -136,7 +140,10 @@ class Reducer:
     Args:
         modules: the stage's segments, by chunk.
         collectives: communication over the stage's data-parallel group.
-        zero: keep a flat shard per chunk (`shards`) for the optimizer to step.
+        zero: keep a flat shard per chunk (`shards`) for the optimizer to step: the ZeRO level
+            (1: one reduce-scatter per chunk and batch, whose result the shard's `.grad` views
+            in the buffer; 2 and 3: one per weight gradient, added into the shard's own
+            `.grad`), or True for 2.
         release: ZeRO-3: the modules' parameters start released (see `release`).
         bucket_bytes: about how many bytes of gradients one launched reduction carries.
         reduced: whether the program reduces this stage's gradients (only then must each
@@ -152,7 +159,7 @@ class Reducer:
         modules: Sequence[nn.Module],
         collectives: Collectives,
         *,
-        zero: bool,
+        zero: int,
         release: bool = False,
         bucket_bytes: int = BUCKET_BYTES,
         reduced: bool = True,
@@ -163,7 +170,7 @@ class Reducer:
             )
         self._modules = modules
         self._collectives = collectives
-        self._zero = zero
+        self._zero = 2 if zero is True else int(zero)
         #: per chunk, the shapes of its parameters in `parameters()` order
         self.shapes = [[p.shape for p in mod.parameters()] for mod in modules]
         self.shards: list[nn.Parameter] = []
@@ -212,7 +219,10 @@ class Reducer:
         flat = grads.attach()
         if self._zero:
             target = self.shards[c]
-            if target.grad is None:
+            if self._zero == 1:  # the one reduction of the batch: this rank's slice is the shard's
+                size, rank = target.numel(), coll.rank
+                target.grad = flat[rank * size : (rank + 1) * size]
+            elif target.grad is None:
                 target.grad = torch.empty_like(target)
                 self._fresh[c] = True
         for j, (start, stop) in enumerate(grads.bounds):
@@ -259,7 +269,7 @@ class Reducer:
         grads.pending = []
         grads.spent = True
         self._launched.remove(c)
-        if self._zero:
+        if self._zero >= 2:
             size, rank = self._shard_size(c), self._collectives.rank
             mine = grads.flat[rank * size : (rank + 1) * size]  # type: ignore[index]
             target = self.shards[c].grad
