@@ -510,7 +510,8 @@ class StageRuntime:
 
     @property
     def reduction_events(self) -> list[tuple[str, int, int]]:
-        """This run's data-parallel reductions: ("launch" or "wait", chunk, bucket), in order."""
+        """This run's data-parallel collectives, in order: ("launch" or "wait", chunk, bucket) of
+        the gradient reductions, ("gather" or "gathered", chunk, 0) of ZeRO-3's all-gathers."""
         return self._reducer.events
 
     def _reduce_tied(self, op: ReduceTied) -> None:
