@@ -14,6 +14,7 @@ from test_distributed import _compare, _init
 
 import schedcc
 from schedcc.backends.local import Engine
+from schedcc.backends.reference import assert_matches_reference
 from schedcc.backends.run.launch import spawn
 from schedcc.backends.runtime.zero import buckets
 from schedcc.errors import ScheduleConfigError
@@ -64,6 +65,20 @@ def test_a_chunk_of_two_dtypes_is_refused_where_it_is_reduced():
     with pytest.raises(ScheduleConfigError, match="chunk 0's parameters differ in dtype"):
         Engine(schedcc.compile(schedule, data_parallel=2), segments, mse, sgd)
     Engine(schedcc.compile(schedule), segments, mse, sgd)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_stage_without_parameters_reduces_nothing_and_trains_exactly(zero):
+    """dp=2: a segment that is a lone activation has no buffer to reduce without ZeRO (and a
+    padded one-element shard under it); training still equals non-pipelined training."""
+    schedule = schedcc.get_schedule("1f1b")(2, 4, num_batches=2)
+    program = schedcc.compile(schedule, data_parallel=2, zero=zero)
+    segments = [make_segments(1)[0], torch.nn.Tanh()]
+    assert_matches_reference(program, segments, mse, sgd, batches(2, 8))
+    engine = Engine(program, segments, mse, sgd)
+    list(engine.train(batches(2, 8)))
+    launched = [e for e in engine.runtimes[0][1].reduction_events if e[0] == "launch"]
+    assert len(launched) == {0: 0, 1: 2, 2: 8}[zero]  # per batch: none, one, one per backward
 
 
 def _measured(runtime, record: list) -> None:

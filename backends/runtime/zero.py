@@ -232,7 +232,8 @@ class Reducer:
                 work = coll.all_reduce_async(flat[start:stop])
             grads.pending.append(work)
             self.events.append(("launch", c, j))
-        self._launched.append(c)
+        if grads.pending:
+            self._launched.append(c)
 
     def wait(self, c: int | None = None) -> None:
         """Take chunk c's (None: every chunk's, in launch order) launched reductions: the
