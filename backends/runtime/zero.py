@@ -20,18 +20,20 @@ last weight gradient of its batch and after its `ReduceTied`, so every bucket is
 `GradNorm` and the `OptimizerStep`, the chunk's `GatherParams` or `Reshard`, or (ZeRO-2 and 3,
 which reduce after every weight gradient) the chunk's next weight-gradient compute, which then
 reuses the buffer zeroed. Under ZeRO-2 and 3 a wait adds this rank's slice into its shard's own
-`.grad` (made at the first launch of the batch, the sums of every reduce-scatter of the batch
-added in order, as before) and, unless a weight gradient reuses it, drops the buffer. The
+`.grad` (made at the first launch of the batch; the sums of the batch's reduce-scatters are
+added in order) and, unless a weight gradient reuses it, drops the buffer. The
 launch is not moved earlier, into the backward (as torch DDP's hooks do): `ReduceGrads` is where
 the program says the gradients are final, and the compiler already places it right after the
 last weight gradient, so the reduction overlaps what the stage computes after it (the other
-chunks' backwards, the drain) and the rest of the pipeline. Sums are those the blocking
-reduction computed, bucket or not: each element is summed alone, in the collectives' order.
+chunks' backwards, the drain) and the rest of the pipeline. Neither the buckets nor the early
+launch change a sum: each element is summed on its own, in the collectives' order.
 
 Under ZeRO-3 (`release=True`) the module's parameters hold no data between uses: `release`
 points each one at an empty tensor (the Parameter objects stay, so autograd and the caller's
 references see the same parameters), and `unshard` all-gathers the shards into one flat buffer
-that the parameters (and, until the release, this rank's shard) view. The shapes are recorded
+that the parameters (and, until the release, this rank's shard) view: launched in place (the
+shard is copied into its slice first) and waited by `ready`, which the chunk's first compute
+calls, so the gather runs while the stage computes what comes before. The shapes are recorded
 once, so sizes never depend on what is held.
 """
 
