@@ -73,6 +73,7 @@ from schedcc.backends.runtime.tied import (
     stage_ties,
 )
 from schedcc.backends.runtime.values import concat
+from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import DeadlockError
 from schedcc.ir import Comm, GradNorm, Instruction, ReduceTied
 from schedcc.program import Program
@@ -108,6 +109,9 @@ class Engine(BaseEngine):
             `grad_norm=True`): compute and boundary tensors in that dtype, float32 master
             weights and optimizer state ([Note: mixed precision] in
             `backends.runtime.precision`).
+        bucket_bytes: about how many bytes of gradients each launched data-parallel
+            reduction carries (default 25 MiB, as torch DDP's; [Note: contiguous gradient
+            buckets] in `backends.runtime.zero`).
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, the
@@ -135,6 +139,7 @@ class Engine(BaseEngine):
         *,
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         super().__init__(program, loss_fn, optimizer)
         check_precision(program, max_grad_norm, mixed_precision)
@@ -179,6 +184,7 @@ class Engine(BaseEngine):
                     ties=stage_copies[r][s],
                     max_grad_norm=max_grad_norm,
                     mixed_precision=mixed_precision,
+                    bucket_bytes=bucket_bytes,
                 )
                 for s in range(schedule.num_stages)
             ]

@@ -17,10 +17,14 @@ k (chunk c):
   chunk's `Unshard` to its `Reshard` (the shard is then a slice of the gathered buffer) and only
   the shard, `parameters[k] / dp`, otherwise (`held_parameter_bytes`); under a weight delay
   (2BW) also a copy per weight version that computes still use (`held_stash_bytes`);
-- gradients (`gradients[k]`, `parameters[k]` if not given): whole from the chunk's first
-  weight-gradient compute (B or W) until its `ReduceGrads` under ZeRO >= 1 (which
-  reduce-scatters them into this rank's shard, `gradients[k] / dp`, kept until the step) or
-  until the `OptimizerStep` without ZeRO (`held_gradient_bytes`);
+- gradients (`gradients[k]`, `parameters[k]` if not given): whole, in the chunk's gradient
+  buffer, from its first weight-gradient compute (B or W) until the `OptimizerStep` without
+  ZeRO and under ZeRO-1 (whose shard's gradient is a slice of that buffer); under ZeRO-2 and 3
+  until its launched reduce-scatters are waited other than by a weight gradient of the chunk
+  (which reuses the buffer): at the chunk's `Reshard` or `GatherParams`, or the stage's
+  `GradNorm` or `OptimizerStep`; and this rank's shard of them, `gradients[k] / dp`, from the
+  chunk's first `ReduceGrads` until the step (`held_gradient_bytes`; [Note: contiguous gradient
+  buckets] in `backends/runtime/zero.py`);
 - optimizer state (`optimizer[k]`, divided by `dp` under ZeRO >= 1), counted as held throughout.
 A stage's peak is the most it holds at once (`stage_peak`): the largest total over the points
 of its program, which can be less than the sum of each kind's own peak.
@@ -41,7 +45,16 @@ from collections.abc import Sequence
 import attrs
 
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import COMPUTE, WEIGHT_GRADIENT, OptimizerStep, ReduceGrads, Reshard, Unshard
+from schedcc.ir import (
+    COMPUTE,
+    WEIGHT_GRADIENT,
+    GatherParams,
+    GradNorm,
+    OptimizerStep,
+    ReduceGrads,
+    Reshard,
+    Unshard,
+)
 
 __all__ = [
     "MemoryModel",
@@ -179,27 +192,38 @@ def held_gradient_bytes(
     first), when chunk c's gradients take `per_chunk[c]` bytes (see [Note: bytes per stage]).
 
     >>> from schedcc.ir import parse
-    >>> ops = [parse(op) for op in "F0 F1 B0 Reduce B1 Reduce Step".split()]
+    >>> ops = [parse(op) for op in "F0 F1 B0 Reduce B1 Reduce Norm Step".split()]
     >>> held_gradient_bytes(ops, [100.0], zero=2, data_parallel=4)
-    [0.0, 0.0, 100.0, 25.0, 125.0, 25.0, 0.0]
+    [0.0, 0.0, 100.0, 125.0, 125.0, 125.0, 25.0, 0.0]
     """
     whole = [False] * len(per_chunk)
     shard = [False] * len(per_chunk)
     held, out = 0.0, []
+
+    def waited(c: int) -> float:  # under ZeRO the wait drops the whole buffer
+        if not whole[c]:
+            return 0.0
+        whole[c] = False
+        return per_chunk[c]
+
     for op in ops:
+        kind = type(op)
         if isinstance(op, WEIGHT_GRADIENT):
             if not whole[op.chunk]:
                 whole[op.chunk] = True
                 held += per_chunk[op.chunk]
-        elif type(op) is ReduceGrads and zero >= 1:
+        elif zero < 2 and kind is not OptimizerStep:  # ZeRO-1: the shard's is in the buffer
+            pass
+        elif kind is ReduceGrads:
             c = op.chunk
-            if whole[c]:
-                whole[c] = False
-                held -= per_chunk[c]
             if not shard[c]:
                 shard[c] = True
                 held += per_chunk[c] / data_parallel
-        elif type(op) is OptimizerStep:
+        elif kind in (Reshard, GatherParams):
+            held -= waited(op.chunk)
+        elif kind is GradNorm:
+            held -= sum(waited(c) for c in range(len(per_chunk)))
+        elif kind is OptimizerStep:
             whole = [False] * len(per_chunk)
             shard = [False] * len(per_chunk)
             held = 0.0

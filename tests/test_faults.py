@@ -149,7 +149,11 @@ COLLECTIVES = [
     ("save", r"failed at the checkpoint save, a collective over ranks \[0, 1\]"),
     ("load", r"failed at the checkpoint load, a collective over ranks \[0, 1\]"),
     ("loss", r"failed at the loss reduction, a collective over ranks \[0, 1\]"),
-    ("reduce", r"failed at Reduce, a collective over the data-parallel ranks \[0, 1\]"),
+    (
+        "reduce",  # launched at the Reduce, waited at the Step
+        r"failed at Step, a collective over the data-parallel ranks \[0, 1\]: the Reduce launched "
+        "earlier",
+    ),
 ]
 
 

@@ -201,6 +201,7 @@ def _refusal_worker(rank: int, world_size: int) -> int:
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
     with pytest.raises(ScheduleConfigError, match="p2p must be one of"):
         Engine(program, models.mlp_segments(2, width=WIDTH), F.mse_loss, _sgd, p2p="mpi")
+    dist.barrier()  # rank 0 holds the store: no rank leaves while another still uses it
     return 0
 
 

@@ -203,9 +203,12 @@ def _zero_worker(rank: int, world_size: int, directory: str) -> int:
         assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-9, where
         mine = segments[engine.stage]
         full = _held([plain[engine.stage]])  # the stage's values, whole
-        # each reduce-scatter leaves this rank only its gradient shard (the whole ones freed)
+        # each reduce-scatter is launched, its whole gradients held until it is waited (at the
+        # chunk's next weight gradient, its Reshard or the Step), then only the shard's
         after_reduce = [held for op, held in grads if type(op) is ReduceGrads]
-        assert after_reduce == [0] * (m * steps), (where, after_reduce)
+        assert after_reduce == [full] * (m * steps), (where, after_reduce)
+        released = [held for op, held in grads if type(op) in (Reshard, OptimizerStep)]
+        assert released == [0] * (steps * (1 + (zero == 3))), (where, released)
         assert engine.runtime._reducer.shards[0].grad is None, where  # stepped and cleared
         if zero == 3:
             assert _held([mine]) == 0, where  # between batches: only the shard

@@ -43,9 +43,14 @@ def _parameter_bytes(runtime) -> int:
 
 
 def _gradient_bytes(runtime) -> int:
-    """Bytes of the gradients the runtime's parameters and shards hold."""
-    params = _trained(runtime) + list(runtime._reducer.shards)
-    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    """Bytes of the gradients the runtime's parameters and shards hold (a shard's gradient
+    that views the parameters' gradient buffer, as under ZeRO-1, counted with it)."""
+    grads = [p.grad for p in _trained(runtime) if p.grad is not None]
+    seen = {g.untyped_storage().data_ptr() for g in grads}
+    for shard in runtime._reducer.shards:
+        if shard.grad is not None and shard.grad.untyped_storage().data_ptr() not in seen:
+            grads.append(shard.grad)
+    return sum(g.numel() * g.element_size() for g in grads)
 
 
 def _measure(runtime, record: list) -> None:

@@ -97,6 +97,7 @@ from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S, host_read, wait_device
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat, signature
+from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
 from schedcc.program import Program
@@ -152,6 +153,8 @@ class Engine(BaseEngine):
             shapes carries a header ([Note: certain shapes] in `backends.distributed.peers`).
         max_grad_norm, mixed_precision: as the local `Engine`'s (clipping by the whole model's
             gradient norm; bfloat16 or float16 compute with float32 master weights).
+        bucket_bytes: as the local `Engine`'s: about how many bytes of gradients each
+            asynchronous data-parallel reduction carries.
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -187,6 +190,7 @@ class Engine(BaseEngine):
         dynamic_shapes: bool = False,
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
@@ -195,6 +199,7 @@ class Engine(BaseEngine):
             )
         super().__init__(program, loss_fn, optimizer)
         check_precision(program, max_grad_norm, mixed_precision)
+        p2p_mode(p2p, None)  # a bad name refused before any group is made
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group, rank_order)
         self.p2p = p2p_mode(p2p, dist.get_backend(self.pp_group))
         self.dynamic_shapes = bool(dynamic_shapes)
@@ -240,6 +245,7 @@ class Engine(BaseEngine):
             max_grad_norm=max_grad_norm,
             mixed_precision=mixed_precision,
             tp_rank=self.tp_rank or 0,
+            bucket_bytes=bucket_bytes,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)

@@ -37,6 +37,7 @@ compared with an earlier one of its channel to decide whether it needs a header
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from schedcc.backends.engine import build_segments, check_segments, is_builder
+from schedcc.backends.runtime.collectives import DONE, Work
 from schedcc.backends.runtime.losses import count_carriers
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
@@ -220,7 +222,10 @@ class DataParallel:
     """`Collectives` over one stage's data-parallel process group (see
     `backends.runtime.collectives`).
 
-    Gloo has no reduce-scatter: there it all-reduces a copy and keeps this rank's slice.
+    Gloo has no reduce-scatter: there it all-reduces (a bucket in place, or a copy) and keeps
+    this rank's slice. Elsewhere (NCCL) a bucket's reduce-scatter is a `reduce` of each rank's
+    part of it to that rank, in place, as DeepSpeed's ZeRO-2 reduces each partition to its
+    owner: a bucket cut at parameter boundaries need not split into equal parts.
     """
 
     def __init__(self, dp_group, *, timeout: timedelta | None = None):
@@ -228,6 +233,39 @@ class DataParallel:
         self.rank = dist.get_rank(dp_group)
         self.size = dist.get_world_size(dp_group)
         self._native = dist.get_backend(dp_group) != "gloo"
+        self._global = [dist.get_global_rank(dp_group, r) for r in range(self.size)]
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Work:
+        """Launch the in-place SUM over the group (the blocking `all_reduce`'s sums)."""
+        if self.size == 1 or tensor.numel() == 0:
+            return DONE
+        return dist.all_reduce(tensor, group=self.dp_group, async_op=True)  # type: ignore[return-value]
+
+    def reduce_scatter_async(self, flat: torch.Tensor, start: int, stop: int) -> Work:
+        """Launch the SUM of the bucket `flat[start:stop]` (of `size` equal shards) so that this
+        rank's part of it holds the sum once waited."""
+        if self.size == 1 or stop <= start:
+            return DONE
+        if not self._native:
+            return dist.all_reduce(flat[start:stop], group=self.dp_group, async_op=True)  # type: ignore[return-value]
+        shard = flat.numel() // self.size
+        works = []
+        for r in range(start // shard, math.ceil(stop / shard)):
+            lo, hi = max(start, r * shard), min(stop, (r + 1) * shard)
+            dst = self._global[r]
+            works.append(dist.reduce(flat[lo:hi], dst, group=self.dp_group, async_op=True))
+        return _AllOf(works)
+
+    def all_gather_async(self, full: torch.Tensor) -> Work:
+        """Launch the in-place all-gather of `full`'s `size` equal parts (this rank's given)."""
+        if self.size == 1:
+            return DONE
+        part = full.numel() // self.size
+        mine = full[self.rank * part : (self.rank + 1) * part]
+        if self._native:
+            return dist.all_gather_into_tensor(full, mine, group=self.dp_group, async_op=True)  # type: ignore[return-value]
+        parts = list(full.split(part))
+        return dist.all_gather(parts, mine, group=self.dp_group, async_op=True)  # type: ignore[return-value]
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """In-place SUM over the group."""
@@ -258,6 +296,17 @@ class DataParallel:
         parts = [torch.empty_like(shard) for _ in range(self.size)]
         dist.all_gather(parts, shard.contiguous(), group=self.dp_group)
         return torch.cat(parts)
+
+
+class _AllOf:
+    """The `Work` of several launched collectives."""
+
+    def __init__(self, works) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
 
 
 def bound_waits(timeout: timedelta, *groups) -> None:

@@ -31,17 +31,17 @@ __all__ = ["P2P_MODES", "BroadcastPairs", "p2p_mode"]
 P2P_MODES = ("shm", "gloo", "broadcast", "nccl")
 
 
-def p2p_mode(p2p: str | None, backend: str) -> str:
+def p2p_mode(p2p: str | None, backend: str | None) -> str:
     """The transport for the engine's `p2p` on a pipeline group of `backend`: by default "nccl"
-    under NCCL, "shm" otherwise.
+    under NCCL, "shm" otherwise (`backend` None: only the name is checked).
 
     Raises:
         ScheduleConfigError: `p2p` is not one of `P2P_MODES`, or a gloo transport under NCCL.
     """
+    if p2p is not None and p2p not in P2P_MODES:
+        raise ScheduleConfigError(f"p2p must be one of {', '.join(P2P_MODES)}, got {p2p!r}")
     if p2p is None:
         return "nccl" if backend == "nccl" else "shm"
-    if p2p not in P2P_MODES:
-        raise ScheduleConfigError(f"p2p must be one of {', '.join(P2P_MODES)}, got {p2p!r}")
     if backend == "nccl" and p2p != "nccl":
         raise ScheduleConfigError(
             f"p2p={p2p!r} moves tensors through gloo or shared memory; under nccl use the "

@@ -4,6 +4,11 @@
 its stage's data-parallel replicas. Three kinds exist: `SoloCollectives` (one replica: identities),
 `ThreadCollectives` (replicas as threads of one process: the local backend) and the distributed
 backend's `DataParallel` (a `torch.distributed` process group).
+
+The gradient reduction launches its collectives asynchronously (`all_reduce_async`,
+`reduce_scatter_async`: a `Work` to wait on; [Note: contiguous gradient buckets] in
+`backends.runtime.zero`). The local backend's replicas sum at the launch, in rank order, and
+hand back work that is already done, so the local engine stays the exact oracle.
 """
 
 from __future__ import annotations
@@ -13,10 +18,36 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "Collectives", "Meeting", "SoloCollectives", "ThreadCollectives"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "DONE",
+    "Collectives",
+    "Meeting",
+    "SoloCollectives",
+    "ThreadCollectives",
+    "Work",
+]
 
 #: Seconds a replica thread waits for the others at a collective before giving up.
 COLLECTIVE_TIMEOUT_S = 120.0
+
+
+class Work(Protocol):
+    """A launched collective: its result is there once `wait` returns."""
+
+    def wait(self) -> None:
+        """Block until the collective is done (on CUDA: until the current stream waits)."""
+
+
+class _Done:
+    """The `Work` of a collective that finished at its launch."""
+
+    def wait(self) -> None:
+        return None
+
+
+#: Work that is already done.
+DONE: Work = _Done()
 
 
 class Collectives(Protocol):
@@ -34,6 +65,19 @@ class Collectives(Protocol):
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The concatenation, in rank order, of every rank's `shard` (flat)."""
 
+    def all_reduce_async(self, tensor: torch.Tensor) -> Work:
+        """Launch the in-place SUM of `tensor` across the ranks; `tensor` must not be touched
+        until the work is waited."""
+
+    def reduce_scatter_async(self, flat: torch.Tensor, start: int, stop: int) -> Work:
+        """Launch the SUM across the ranks of the bucket `flat[start:stop]`, in place, where
+        `flat` is `size` equal shards (rank r's: its r-th slice). Once waited, the part of the
+        bucket inside this rank's shard holds the sum; the rest of the bucket holds anything."""
+
+    def all_gather_async(self, full: torch.Tensor) -> Work:
+        """Launch the all-gather, in place, of `full`'s `size` equal parts: this rank's part
+        (its `rank`-th) is what it gives; once waited, every part holds that rank's."""
+
 
 class SoloCollectives:
     """The collectives of a single replica (data_parallel == 1): identities."""
@@ -49,6 +93,15 @@ class SoloCollectives:
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         return shard.clone()
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Work:
+        return DONE
+
+    def reduce_scatter_async(self, flat: torch.Tensor, start: int, stop: int) -> Work:
+        return DONE
+
+    def all_gather_async(self, full: torch.Tensor) -> Work:
+        return DONE
 
 
 class Meeting:
@@ -93,3 +146,19 @@ class ThreadCollectives:
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._swap(shard.detach().clone()))
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Work:
+        """The in-place sum, met now (the replicas reach their launches in the same order)."""
+        self.all_reduce(tensor)
+        return DONE
+
+    def reduce_scatter_async(self, flat: torch.Tensor, start: int, stop: int) -> Work:
+        """The whole bucket summed in place, met now."""
+        self.all_reduce(flat[start:stop])
+        return DONE
+
+    def all_gather_async(self, full: torch.Tensor) -> Work:
+        """Every replica's part gathered into `full`, met now."""
+        part = full.numel() // self.size
+        full.copy_(self.all_gather(full[self.rank * part : (self.rank + 1) * part]))
+        return DONE

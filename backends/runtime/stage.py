@@ -53,9 +53,10 @@ from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_noth
 from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.values import call
 from schedcc.backends.runtime.versions import WeightVersions
-from schedcc.backends.runtime.zero import Reducer
+from schedcc.backends.runtime.zero import BUCKET_BYTES, Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError, call_user, name_of
 from schedcc.ir import (
+    COMPUTE,
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -102,10 +103,13 @@ class StageRuntime:
         tp_rank: this rank's index in its tensor-parallel group: the norm counts a parameter
             not marked `tensor_model_parallel` (replicated) only on index 0 ([Note: the user's
             tensor parallelism] in `backends.tensor_parallel`).
+        bucket_bytes: about how many bytes of gradients each launched data-parallel reduction
+            carries ([Note: contiguous gradient buckets] in `backends.runtime.zero`).
 
     Raises:
-        ScheduleConfigError: wrong number of modules, or collectives whose size differs from the
-            program's data_parallel.
+        ScheduleConfigError: wrong number of modules, collectives whose size differs from the
+            program's data_parallel, a `bucket_bytes` that is not a positive integer, or (where
+            gradients are reduced) a chunk whose parameters differ in dtype or device.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class StageRuntime:
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
         tp_rank: int = 0,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -153,8 +158,15 @@ class StageRuntime:
         #: where another segment trains the caller's ([Note: copies of a tied parameter])
         self._views = ties.views if ties is not None else self.modules
         self._shadowed = [self.modules[c] for c in ties.shadowed] if ties is not None else []
+        #: whether the program reduces this stage's gradients (in `Reducer`'s buffers)
+        self._reduces = any(type(op) is ReduceGrads for op in program.stages[stage])
         self._reducer = Reducer(
-            self._views, self.collectives, zero=bool(self._zero), release=self._zero == 3
+            self._views,
+            self.collectives,
+            zero=self._zero,
+            release=self._zero == 3,
+            bucket_bytes=bucket_bytes,
+            reduced=self._reduces,
         )
         #: what the stage's optimizer steps: the views' parameters, or under ZeRO the shards
         params = [p for mod in self._views for p in mod.parameters()]
@@ -226,6 +238,7 @@ class StageRuntime:
         #: forward-only runs: the last segment's output per microbatch, where no targets came
         self.outputs: dict[int, Any] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
+        self._reducer.reset()
 
     @property
     def activation_bytes(self) -> int:
@@ -279,6 +292,8 @@ class StageRuntime:
                 stage=self.stage,
             )
         try:
+            if self._zero == 3 and isinstance(op, COMPUTE):
+                self._reducer.ready(op.chunk)  # the all-gather its Unshard launched ahead
             handler(op)
         except Exception as exc:
             exc.add_note(f"(while stage {self.stage} ran {op})")
@@ -452,6 +467,7 @@ class StageRuntime:
 
     def _backward(self, op: Backward) -> None:
         graph = self._graphs.graph(op)
+        self._into_buffer(op.chunk)
         got = full_backward(graph, self._output_grads(op), self._stashed_into(op))
         self._emit_input_grad(op, graph.leaves, got)
         self._graphs.free(op)
@@ -471,8 +487,16 @@ class StageRuntime:
         graph = self._graphs.graph(op)
         if graph.grads is None:
             raise self._refused(op, "runs before its BackwardInput")
+        self._into_buffer(op.chunk)
         weight_backward(graph, self._stashed_into(op))
         self._graphs.free(op)
+
+    def _into_buffer(self, c: int) -> None:
+        """Before a weight gradient of chunk c: where the program reduces, its `.grad`s are
+        views of the chunk's gradient buffer, its launched reduction waited ([Note: contiguous
+        gradient buckets] in `backends.runtime.zero`)."""
+        if self._reduces:
+            self._reducer.prepare(c)
 
     def _stashed_into(self, op) -> Iterable[torch.Tensor] | None:
         """Under weight stashing, the live parameters the gradients of op's stashed weights go
@@ -490,7 +514,13 @@ class StageRuntime:
     # -- updates --------------------------------------------------------------------------------
 
     def _reduce_grads(self, op: ReduceGrads) -> None:
-        self._reducer.reduce(op.chunk)
+        self._reducer.reduce(op.chunk)  # launched: waited where the sums are needed
+
+    @property
+    def reduction_events(self) -> list[tuple[str, int, int]]:
+        """This run's data-parallel collectives, in order: ("launch" or "wait", chunk, bucket) of
+        the gradient reductions, ("gather" or "gathered", chunk, 0) of ZeRO-3's all-gathers."""
+        return self._reducer.events
 
     def _reduce_tied(self, op: ReduceTied) -> None:
         if self.ties is None or self._tie_reduce is None:
@@ -516,6 +546,7 @@ class StageRuntime:
         """This stage's part of `GradNorm` ([Note: one norm, every stage alike]): the batch's
         gradients made final, unscaled under float16, and their squares summed (under ZeRO
         over the data-parallel replicas too)."""
+        self._reducer.wait()
         self._counts.divide_for_norm(self._versions.version)
         return self.norm.part()
 
@@ -524,6 +555,7 @@ class StageRuntime:
         self.norm.apply(total)
 
     def _optimizer_step(self, op: OptimizerStep) -> None:
+        self._reducer.wait()
         self._counts.divide_for_step(self._versions.version)  # the n-th step applies batch n
         skip, self.norm.skip = self.norm.skip, False
         self.skipped_steps += skip
@@ -533,12 +565,14 @@ class StageRuntime:
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self._views:
             mod.zero_grad(set_to_none=True)
+        self._reducer.drop_grads()
         self._versions.advance(snapshot=not self._zero)  # under ZeRO, at the gather
 
     def _gather_params(self, op: GatherParams) -> None:
         c = op.chunk
         if not self._zero:
             raise self._refused(op, "needs ZeRO (compile with zero=1 or 2)")
+        self._reducer.wait(c)
         self._reducer.gather(c)
         if self._delay:
             self._versions.snapshot(c, self._versions.version)

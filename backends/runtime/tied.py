@@ -381,7 +381,10 @@ class StageTies:
                 continue
             grad = total[:-1].view(tie.shape)
             for copy in held:
-                copy.grad = grad.clone()
+                if copy.grad is None:
+                    copy.grad = grad.clone()
+                else:  # in place: it may be a view of its chunk's gradient buffer
+                    copy.grad.copy_(grad)
 
     def reduce(self, group: int, all_reduce) -> None:
         """`ReduceTied(group)` where the collective blocks: `all_reduce(group, tensor)` sums a
