@@ -16,7 +16,8 @@ in rounds: schedcc, schedcc with gloo point-to-point (`p2p="gloo"`: what the sam
 without its same-host transport), schedcc with broadcast pairs (`p2p="broadcast"`), schedcc on
 its NCCL code path with NCCL's blocking semantics emulated over gloo (`p2p="nccl"`: a thread per
 link and an acknowledgement per send, so it measures the protocol's cost on a CPU, not NCCL's
-speed), schedcc in
+speed), DeepSpeed's pipeline engine where it is installed (`pip install deepspeed`; MLP 1f1b
+rows, its one schedule), schedcc in
 bfloat16 (`mixed_precision`, with the bytes each step sends), torch, the floor (one step per turn
 by default, so all see the same machine load; the order rotates from round to round, since
 whichever runner follows the floor measures 8-10% slower), and reports the median over all timed
@@ -42,8 +43,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed, when installed, on this CPU
 
 import argparse
+import importlib.util
+import itertools
+import logging
 import statistics
 import time
 from datetime import timedelta
@@ -74,6 +79,9 @@ ROWS = [
     ("interleaved-1f1b", tpp.ScheduleInterleaved1F1B, 2),
 ]
 MICROBATCHES = (4, 8)
+#: DeepSpeed's pipeline engine is a peer column where it is installed (its TrainSchedule is 1F1B;
+#: the tied GPT would need its TiedLayerSpec, so only the MLP's 1f1b rows run it).
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 class MLP:
@@ -136,9 +144,7 @@ class _Schedcc:
         segments = model.segments(NUM_STAGES * v)
         schedule = schedcc.get_schedule(name)(NUM_STAGES, m, v)
         program = schedcc.compile(schedule, tied=tied_groups(segments))
-        self.engine = Engine(
-            program, segments, model.loss_fn, _sgd, reduce_loss=False, **options
-        )
+        self.engine = Engine(program, segments, model.loss_fn, _sgd, reduce_loss=False, **options)
         self.x, self.y = data
         self.instructions = max(len(ops) for ops in program.stages)
         self.sent = 0
@@ -182,6 +188,40 @@ class _Torch:
             dist.all_reduce(param.grad)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+class _DeepSpeed:
+    """DeepSpeed's `PipelineEngine` on the same segments (one per stage), its own 1F1B
+    `TrainSchedule`, fp32, no clipping, gloo; `train_batch` over the step's microbatches."""
+
+    def __init__(self, model, m: int, data):
+        import deepspeed
+        from deepspeed.pipe import PipelineModule
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="gloo")  # the group already made
+        module = PipelineModule(
+            layers=model.segments(NUM_STAGES),
+            num_stages=NUM_STAGES,
+            loss_fn=model.loss_fn,
+            partition_method="uniform",
+        )
+        config = {
+            "train_micro_batch_size_per_gpu": model.batch // m,
+            "gradient_accumulation_steps": m,
+            "gradient_clipping": 0.0,
+            "steps_per_print": 2**31,
+        }
+        self.engine, *_ = deepspeed.initialize(
+            model=module, optimizer=_sgd(module.parameters()), config=config
+        )
+        x, y = data
+        self.microbatches = itertools.cycle(
+            list(zip(x.split(model.batch // m), y.split(model.batch // m)))
+        )
+
+    def step(self) -> None:
+        self.engine.train_batch(data_iter=self.microbatches)
 
 
 class _Floor:
@@ -282,6 +322,8 @@ def _row(rank: int, model, name: str, cls, v: int, m: int, opts) -> dict:
         "torch": _Torch(model, cls, m, v, data, rank),
         "floor": _Floor(model, m, v, data, rank),
     }
+    if DEEPSPEED and name == "1f1b" and model.name == "mlp":
+        runners["deepspeed"] = _DeepSpeed(model, m, data)
     for runner in runners.values():
         for _ in range(opts.warmup):
             _timed(runner.step)
@@ -324,6 +366,7 @@ def _row(rank: int, model, name: str, cls, v: int, m: int, opts) -> dict:
         "simulated": simulated,
         "overhead_us": (medians["schedcc"] - ideal) / ours.instructions * 1e6,
         "cpu": cpu,
+        "deepspeed": medians.get("deepspeed"),
     }
 
 
@@ -331,6 +374,7 @@ def _worker(rank: int, world_size: int, opts) -> int:
     torch.set_num_threads(1)
     if not opts.default_malloc:
         keep_freed_memory()  # every runner's: they share the process
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))  # DeepSpeed
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(60))
     rows = [
         _row(rank, MODELS[model], name, cls, v, m, opts)
@@ -351,7 +395,7 @@ def _print(rows: list[dict]) -> None:
         "floor/(1-bubble) ms | schedcc/ideal | simulated ms | schedcc/simulated | "
         "overhead us/instr | schedcc gloo-p2p ms | "
         "CPU ms schedcc/gloo-p2p/torch/floor | broadcast-p2p ms | nccl-emulated ms | "
-        "nccl-emulated/ideal | bf16 ms | "
+        "nccl-emulated/ideal | bf16 ms | deepspeed ms | deepspeed/schedcc | "
         "KiB sent per step, rank 0: fp32 / bf16 |"
     )
     print(stamp("step_time"))
@@ -367,10 +411,17 @@ def _print(rows: list[dict]) -> None:
             f"{r['cpu']['gloo'] * 1e3:.1f} / {r['cpu']['torch'] * 1e3:.1f} / "
             f"{r['cpu']['floor'] * 1e3:.1f} | {r['broadcast'] * 1e3:.2f} | "
             f"{r['nccl'] * 1e3:.2f} | {r['nccl'] / r['ideal']:.2f} | "
-            f"{r['bf16'] * 1e3:.2f} | {r['sent']['schedcc'] / 1024:.0f} / "
+            f"{r['bf16'] * 1e3:.2f} | {_deepspeed(r)} | {r['sent']['schedcc'] / 1024:.0f} / "
             f"{r['sent']['bf16'] / 1024:.0f} |",
             flush=True,
         )
+
+
+def _deepspeed(row: dict) -> str:
+    """The DeepSpeed columns: its ms and its time over schedcc's, or dashes where not run."""
+    if row["deepspeed"] is None:
+        return "- | -"
+    return f"{row['deepspeed'] * 1e3:.2f} | {row['deepspeed'] / row['schedcc']:.2f}"
 
 
 def main() -> int:
