@@ -589,7 +589,8 @@ class Engine(BaseEngine):
     @property
     def point_to_point(self) -> str:
         """How this stage's tensors travel (after the first run): "shared memory", "gloo",
-        "shared memory + gloo" (some peers on another machine), "nccl", or "none" (p = 1)."""
+        "shared memory + gloo" (some peers on another machine), "broadcast", "nccl", "nccl
+        (emulated)" (its code path on a gloo group), or "none" (p = 1)."""
         return self._transfers.describe()
 
     @property
