@@ -121,3 +121,16 @@ def test_ascii_keeps_blocks_narrower_than_a_column():
     rows = timeline.to_ascii(color=False, width=20).splitlines()[1:]
     assert rows[0].split("|")[1].startswith("F.")  # F0 and F1 share column 0
     assert rows[1].split("|")[1].startswith("B1")  # a wider block keeps its column
+
+
+def test_a_block_on_a_later_chunk_never_reads_as_chunk_0():
+    """Interleaved 1F1B with 3-column forwards: `F2.1` does not fit, so it shows `2.1`, never
+    `F2` (which names chunk 0's forward)."""
+    import re
+
+    timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(2, 4, 2)))
+    rows = timeline.to_ascii(color=False, width=200).splitlines()[1:]
+    drawn = " ".join(rows)
+    assert re.search(r"(?<![.\d])0\.1", drawn), drawn  # F0.1 as 0.1
+    forwards = re.findall(r"F(\d)(?![.\d])", drawn)
+    assert len(forwards) == 2 * 4, drawn  # chunk 0's forwards only, one per microbatch and stage

@@ -124,14 +124,16 @@ def _scale(makespan: float, unit: float, width: int) -> float:
 
 
 def _block_text(op, width: int, color: bool) -> str:
-    """What a block shows: `F3.1`, `F3` or `3` (kind letter instead, when plain and narrow)."""
+    """What a block shows: `F3.1`, `F3` or `3` (kind letter instead, when plain and narrow). A
+    block on chunk c > 0 never drops its chunk (`F3` would read as chunk 0): `F3.1`, `3.1`, or
+    the kind letter."""
     code, microbatch = op.code, getattr(op, "microbatch", None)
     if microbatch is None:
         return code[:width].ljust(width, code[0])
-    texts = [f"{code}{microbatch}"]
     if getattr(op, "chunk", 0):
-        texts.insert(0, f"{code}{microbatch}.{op.chunk}")
-    texts.append(str(microbatch) if color else code)
+        texts = [f"{code}{microbatch}.{op.chunk}", f"{microbatch}.{op.chunk}", code]
+    else:
+        texts = [f"{code}{microbatch}", str(microbatch) if color else code]
     for text in texts:
         if len(text) <= width:
             return text.ljust(width)
