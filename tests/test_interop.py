@@ -248,3 +248,15 @@ def test_torch_base_classes_are_refused_by_name(name):
     """A base class of torch's schedules is a ScheduleConfigError listing real schedules."""
     with pytest.raises(ScheduleConfigError, match=f"{name} is a base class.*Schedule1F1B"):
         torch_schedule(name, 4, 8)
+
+
+@pytest.mark.parametrize(("name", "v", "tied"), [("dualpipe", 2, ()), ("1f1b", 1, ((0, 1),))])
+def test_copies_torch_cannot_sum_are_refused_unless_the_caller_sums_them(name, v, tied, tmp_path):
+    """DualPipe's replicas and a tied head have copies that only ReduceTied keeps equal: torch's
+    actions cannot say it, so the export refuses unless the caller sums them itself."""
+    program = schedcc.compile(schedcc.get_schedule(name)(2, 4, v), tied=tied)
+    with pytest.raises(schedcc.ScheduleConfigError, match="copies would drift apart"):
+        to_torch_csv(program, tmp_path / "plan.csv")
+    rows = to_torch_actions(program, copies_summed_by_caller=True)
+    assert len(rows) == 2
+    assert all(row for row in rows)

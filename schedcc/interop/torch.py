@@ -78,7 +78,9 @@ _ACTION = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|UNSHARD|RES
 # -- export -------------------------------------------------------------------------------------
 
 
-def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]:
+def to_torch_actions(
+    program: Program, *, comms: bool = True, copies_summed_by_caller: bool = False
+) -> list[list[str]]:
     """`program` as torch action strings, one row per stage (torch: per rank).
 
     With `comms` (torch's "compute_comms" format) the rows hold schedcc's own sends and receives
@@ -88,9 +90,15 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
     the segment (for FSDP-wrapped stage modules), where schedcc placed and proved them. Other
     update instructions (Step, Reduce, Gather) are left out: the caller steps the optimizer.
 
+    torch's actions have no gradient sum between copies of a parameter: a program with model
+    replicas (DualPipe) or tied groups (`ReduceTied`) is refused, since under torch's runtime
+    the copies would drift apart, unless `copies_summed_by_caller` says the caller sums each
+    copy's gradients across its ranks before every optimizer step (as Megatron-LM does for a
+    tied embedding).
+
     Raises:
         ScheduleConfigError: the program covers more than one batch (torch runs one per step),
-            or recomputes (torch's actions have no recompute).
+            recomputes (torch's actions have no recompute), or has copies to sum (above).
     """
     schedule = program.schedule
     if schedule.num_batches != 1:
@@ -100,6 +108,14 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
     if any(type(op) is Recompute for ops in program.stages for op in ops):
         raise ScheduleConfigError(
             "torch's pipeline actions have no recompute (R): compile without recompute to export"
+        )
+    if program.tied and not copies_summed_by_caller:
+        what = "model replicas" if type(schedule).num_replicas > 1 else "tied parameters"
+        raise ScheduleConfigError(
+            f"{schedule!r} has {what} ({len(program.tied)} tied group(s)), whose copies schedcc "
+            "sums with ReduceTied; torch's actions have no such sum, so the copies would drift "
+            "apart: pass copies_summed_by_caller=True if you all-reduce each copy's gradients "
+            "before every optimizer step"
         )
     rows = []
     for stage, ops in enumerate(program.stages):
@@ -128,15 +144,24 @@ def to_torch_actions(program: Program, *, comms: bool = True) -> list[list[str]]
     return rows
 
 
-def to_torch_csv(program: Program, path: str | Path, *, comms: bool = True) -> Path:
-    """Write `to_torch_actions(program, comms=comms)` as a CSV, one row per rank.
+def to_torch_csv(
+    program: Program,
+    path: str | Path,
+    *,
+    comms: bool = True,
+    copies_summed_by_caller: bool = False,
+) -> Path:
+    """Write `to_torch_actions(program, ...)` as a CSV, one row per rank.
 
     Load it with `_PipelineScheduleRuntime._load_csv(path, format="compute_comms")` (or
     `"compute_only"` when `comms=False`). Returns the path.
     """
     path = Path(path)
     with path.open("w", newline="") as file:
-        csv.writer(file).writerows(to_torch_actions(program, comms=comms))
+        rows = to_torch_actions(
+            program, comms=comms, copies_summed_by_caller=copies_summed_by_caller
+        )
+        csv.writer(file).writerows(rows)
     return path
 
 
