@@ -21,10 +21,10 @@ activations per stage (1F1B's stage 0: 4 microbatches of a whole segment).
 p = 4, m = 8 (`COLUMNS=100 schedcc show --schedule dualpipe -p 4 -m 8 -v 2`; microbatches 0-3
 run down, 4-7 up, `.1` marks chunk 1):
 
-    stage 0 |F0 F1 F2 F4 I4 W4 F5 F3 +B5 ....F6+B0  B6.1  .F7.1+B1 B7.1  I2 W2 I3 W3 |
-    stage 1 |...F0 F4 F1 F5 F2 B4.1  F6 +B0  F3+B5.1F7 +B1 B6.1  B2    ..I7 I3 W7 W3 |
-    stage 2 |...F4 F0 F5 F1 F6 B0    F2 +B4.1F7+B1  F3 +B5 B2    B6.1  ..I3 I7 W3 W7 |
-    stage 3 |F4 F5 F6 F0 I0 W0 F1 F7 +B1 ....F2+B4.1B2    .F3  +B5 B3    I6 W6 I7 W7 |
+    stage 0 |F0 F1 F2 4.14.14.15.1F3 5.1 ....F +B0  B6.1  .F7.1+B1 B7.1  I2 W2 I3 W3 |
+    stage 1 |...F0 4.1F1 5.1F2 B4.1  6.1+B0  F3+B5.17.1+B1 B6.1  B2    ..7.1I3 7.1W3 |
+    stage 2 |...4.1F0 5.1F1 6.1B0    F2 +B4.1F +B1  F3 5.1 B2    B6.1  ..I3 7.1W3 7.1|
+    stage 3 |4.15.16.1F0 I0 W0 F1 7.1+B1 ....F2+B4.1B2    .F3  5.1 B3    6.16.17.17.1|
 
 and the compute order per stage:
 

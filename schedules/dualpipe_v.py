@@ -27,10 +27,10 @@ stage) 66.
 p = 4, m = 8 (`COLUMNS=100 schedcc show --schedule dualpipe-v -p 4 -m 8 -v 2`, one time unit
 per column; a pair's `+B` block follows its `F`):
 
-    stage 0 |FFFFFFFFIWFIWFIWFF+B.F+BB4F5+B5F+BB6F7+B7IWIWIWIW|
-    stage 1 |.FFFFFFFFIWFIWFF+B.F+B+BF+B4.F+BB5F+B6B4.IIWIWIWW|
-    stage 2 |..FFFFFFFFIWFF+BF4+F+B+BF+F6+B4F+BB5B4B6I5IIWIWWW|
-    stage 3 |...FFFFFFFFFB0F+F5+F+B+BF+F7+F+BB4B4B5B5I6.IIWWWW|
+    stage 0 |FFFFFFFFIWFIWFIWFF+B.F+BB F +B F+BB F +B IWIWIWIW|
+    stage 1 |.FFFFFFFFIWFIWFF+B.F+B+BF+B .F+BB F+B B4.IIWIWIWW|
+    stage 2 |..FFFFFFFFIWFF+BF +F+B+BF+F +B F+BB B4B I5IIWIWWW|
+    stage 3 |...FFFFFFFFFB F+F5+F+B+BF+F7+F+BB B4B B5I .IIWWWW|
 
 and the compute order per stage (`.1` marks chunk 1, `+B` a backward overlapped with the
 forward before it):
