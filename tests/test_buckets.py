@@ -284,3 +284,19 @@ def test_distributed_buckets_equal_local_under_zero_0_to_3():
     """4 gloo ranks (dp=2 x p=2), several asynchronous buckets per chunk: ZeRO 0 (interleaved,
     two chunks) and ZeRO 1-3 train as the local backend does."""
     assert spawn(_bucket_worker, 4, grace=30, threads=1) == 0
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_gather_before_its_chunks_reduce_keeps_the_accumulated_gradients(zero):
+    """`F0 F1 B1 B0 Gather Reduce Step Gather` (dp = 2): the validator accepts the early Gather
+    (the shards are unchanged), and the gradients the backwards accumulated in the buffer are
+    still there for the Reduce after it."""
+    from schedcc.ir import GatherParams
+
+    program = schedcc.compile(schedcc.get_schedule("gpipe")(1, 2), data_parallel=2, zero=zero)
+    ops = list(program.stages[0])
+    at = max(n for n, op in enumerate(ops) if type(op) is ReduceGrads)
+    early = program.evolve(stages=((*ops[:at], GatherParams(0), *ops[at:]),))
+    schedcc.validate(early)
+    data = batches(2, 4)
+    assert assert_matches_reference(early, make_segments(1), mse, sgd, data) < 1e-12

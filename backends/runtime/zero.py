@@ -240,11 +240,12 @@ class Reducer:
     def wait(self, c: int | None = None) -> None:
         """Take chunk c's (None: every chunk's, in launch order) launched reductions: the
         `.grad`s hold the sums (under ZeRO this rank's shard's `.grad` takes its slice, and the
-        buffer is dropped)."""
+        buffer is dropped). Gradients not yet reduced stay: a `Gather` the program places before
+        its chunk's `Reduce` must not lose what the backwards accumulated."""
         chunks = (c,) if c is not None else [*self._launched, *range(len(self.grads))]
         for chunk in dict.fromkeys(chunks):
             self._finish(chunk)
-            if self._zero:
+            if self._zero and self.grads[chunk].spent:
                 self.grads[chunk].drop()
 
     def drop_grads(self) -> None:
