@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _written import CLASS_A, written
+from test_distributed import _init
 from torch import nn
 
 import schedcc
@@ -29,12 +30,6 @@ from schedcc.testing import Shape
 
 BUILT_INS = sorted({schedcc.get_schedule(n) for n in schedcc.available_schedules()}, key=str)
 WIDTH = 4
-
-
-def _init(rank: int, world_size: int) -> None:
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
 
 
 def _sgd(params):
