@@ -581,9 +581,10 @@ class Engine(BaseEngine):
             raise
         except RuntimeError as exc:  # gloo's errors, and torch's DistError
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            said = self._transfers.reason_left()  # a peer that failed may have said why
             raise RankFailure(
                 f"rank {self.rank} (stage {self.stage}) failed at {what}, a collective over "
-                f"ranks {ranks}: {first_line(exc)}"
+                f"ranks {ranks}: {said or first_line(exc)}"
             ) from exc
 
     @property

@@ -436,6 +436,20 @@ class ShmLinks:
             pass
         return _lost(link, exc)
 
+    def reason_left(self) -> str | None:
+        """The reason a linked peer that failed left on its link (`abort`), if one did: read
+        what has arrived, never waiting. For a collective that lost a peer: the peer's own
+        line says more than the lost connection."""
+        for link in self._links.values():
+            try:
+                while self._read(link, None):
+                    pass
+            except PeerAborted as aborted:
+                return str(aborted)
+            except (OSError, ValueError):
+                continue
+        return None
+
     def abort(self, reason: str) -> None:
         """Tell every linked peer that this stage failed, and why (never waits), and close the
         links: a peer reading from its link raises `PeerAborted` with `reason`."""

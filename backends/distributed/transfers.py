@@ -159,6 +159,10 @@ class Transfers:
             return "broadcast"
         return "shared memory + gloo" if self.shm_peers else "gloo"
 
+    def reason_left(self) -> str | None:
+        """Why a peer linked by shared memory failed, if it said so before it closed."""
+        return self._links.reason_left() if self._links is not None else None
+
     def abort(self, reason: str) -> None:
         """This stage failed mid-run: tell the peers linked by shared memory why (they raise
         it at once), and close the links; the others learn it when this process ends."""

@@ -204,11 +204,14 @@ class Reducer:
     def prepare(self, c: int) -> None:
         """Before a weight-gradient compute of chunk c: its launched reductions waited (the
         buffer is written next), and its `.grad`s views of a buffer that holds what is still
-        to be reduced (zeros after a reduction was taken)."""
+        to be reduced (under ZeRO zeros after a reduction was taken)."""
         grads = self.grads[c]
         self._finish(c)
         if grads.spent:
-            grads.flat.zero_()  # type: ignore[union-attr]
+            if self._zero:  # the sums went to the shard's `.grad`: the buffer starts over
+                grads.flat.zero_()  # type: ignore[union-attr]
+            # without ZeRO the `.grad`s hold the sums, and later gradients add to them (one
+            # replica may reduce a chunk more than once a batch)
             grads.spent = False
         grads.attach()
 
