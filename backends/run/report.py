@@ -208,10 +208,28 @@ def _transports(gathered) -> str:
     return ", ".join(f"{kind} on {n} rank(s)" for kind, n in counts.items())
 
 
-def check_line(worst: float, tolerance: float, *, what: str = "largest parameter") -> str:
-    """The `--check` verdict, one line."""
+def check_line(
+    worst: float, tolerance: float, *, what: str = "largest parameter", objective: str = ""
+) -> str:
+    """The `--check` verdict, one line; `objective` names what both trained (`reference.
+    OBJECTIVES`); a failure of a ratio divided at the step names the fix.
+
+    >>> check_line(2e-16, 1e-9, objective="per-microbatch means")
+    'check: largest parameter difference from non-pipelined training 2e-16 (tolerance 1e-09, \
+objective: per-microbatch means): ok'
+    """
+    from schedcc.backends.reference import OBJECTIVES
+    from schedcc.backends.runtime.losses import RATIO
+
     verdict = "ok" if worst <= tolerance else "FAILED"
-    return (
+    trained = f", objective: {objective}" if objective else ""
+    line = (
         f"check: {what} difference from non-pipelined training {worst:.3g} "
-        f"(tolerance {tolerance:g}): {verdict}"
+        f"(tolerance {tolerance:g}{trained}): {verdict}"
     )
+    if worst > tolerance and objective == OBJECTIVES[RATIO]:
+        line += (
+            "; a model that rounds in float32 inside matches only with the count known up "
+            "front: give the loss as schedcc.TokenLoss(sum_fn, count_fn)"
+        )
+    return line

@@ -45,7 +45,13 @@ from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import full_backward, weight_backward
 from schedcc.backends.runtime.graphs import Graph, Graphs
-from schedcc.backends.runtime.losses import LossBook, LossRecord, StageCounts, call_loss
+from schedcc.backends.runtime.losses import (
+    LossBook,
+    LossRecord,
+    StageCounts,
+    call_loss,
+    up_front_count,
+)
 from schedcc.backends.runtime.memory import SavedBytes, signature
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
@@ -205,7 +211,13 @@ class StageRuntime:
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
         self._book = LossBook.of(self._layout, self._m, self.collectives.size)
         self._counts = StageCounts(
-            self._book, program, self._layout, self._segment, self._trained, self.collectives
+            self._book,
+            program,
+            self._layout,
+            self._segment,
+            self._trained,
+            self.collectives,
+            count_fn=up_front_count(loss_fn),
         )
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
@@ -434,8 +446,10 @@ class StageRuntime:
     def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
         """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
         `record=False` for a recompute, whose forward already recorded it)."""
-        result = call_loss(self.loss_fn, out, self._ports.target(i))
         batch, replica = self._counts.key(i)
+        if not self.forward_only:  # [Note: a count known up front]
+            self._counts.know_up_front(batch, self._ports.batch_targets(batch))
+        result = call_loss(self.loss_fn, out, self._ports.target(i))
         where = f"loss_fn on microbatch {i}"
         objective = self._book.objective(batch, result, where=where, record=record, replica=replica)
         return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
