@@ -4,6 +4,7 @@ inside), and a model with dropout (turned off for the comparison, and said so)."
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from _cli import run_cli
 from _objective_models import TOKEN_LOSS, batch, padded_mean, plain_ratio, token_loss, tokens
 
 import schedcc
+from schedcc.backends.batches import local_batches
 from schedcc.backends.reference import (
     UP_FRONT,
     Chain,
@@ -20,6 +22,7 @@ from schedcc.backends.reference import (
     train_reference,
     without_dropout,
 )
+from schedcc.backends.run.launch import spawn
 from schedcc.errors import UserCodeError
 
 MODELS = "tests/_objective_models.py"
@@ -115,6 +118,34 @@ def test_a_token_loss_trains_exactly_on_dualpipes_two_replicas(float64):
     parts = list(model.segments)
     diff = assert_matches_reference(program, parts + parts, TOKEN_LOSS, _adam, data, atol=1e-12)
     assert diff < 1e-12
+
+
+def _distributed_worker(rank: int, world_size: int) -> int:
+    from test_distributed import _init
+
+    from schedcc.backends.distributed.engine import Engine
+    from schedcc.backends.local import Engine as LocalEngine
+
+    _init(rank, world_size)  # gloo, float64, one thread
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), data_parallel=2)
+    segments = token_loss(2, seed=3).segments
+    oracle = copy.deepcopy(segments)
+    batches = [batch(16, step) for step in range(2)]
+    local = [local_batches(b, step, 2)[rank // 2] for step, b in enumerate(batches)]
+    engine = Engine(program, segments, TOKEN_LOSS, _adam, timeout=30)
+    losses = list(engine.train(local))
+    expected = list(LocalEngine(program, oracle, TOKEN_LOSS, _adam).train(batches))
+    assert losses == expected, (rank, losses, expected)
+    k = engine.stage
+    for got, want in zip(segments[k].parameters(), oracle[k].parameters()):
+        assert torch.equal(got, want), (rank, k)
+    return 0
+
+
+def test_a_token_loss_trains_distributed_as_on_the_local_engine():
+    """On 4 gloo ranks (p = 2, dp = 2) a `TokenLoss` trains bit for bit as on the local engine:
+    the count all-reduced at the first forward, each sum divided before its backward."""
+    assert spawn(_distributed_worker, 4, grace=60, threads=1) == 0
 
 
 def test_a_ratio_divided_at_the_step_misses_on_float32_internals(float64):

@@ -178,18 +178,13 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         ) from exc
     if rank != 0:
         return 0
-    from schedcc.backends.run.report import check_line, summarize
+    from schedcc.backends.run.report import check_line, dropout_line, summarize
 
     summarize(program, config, model, losses, sizes, [g for g in gathered if g["tp"] == 0], evals)
     if not config.check:
         return 0
     if dropped:
-        print(
-            f"check: dropout set to 0 for the run and the reference in {len(dropped)} place(s), "
-            f"{', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''} (masks drawn per "
-            "stage and microbatch cannot match non-pipelined training)",
-            flush=True,
-        )
+        print(dropout_line(dropped), flush=True)
     worst, objective = _check(program, config, model, initial, gathered)
     print(check_line(worst, CHECK_TOLERANCE, objective=objective), flush=True)
     if not evals:

@@ -20,7 +20,7 @@ from schedcc.ir import Comm
 from schedcc.program import Program
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 
-__all__ = ["Progress", "check_line", "measured_runs", "summarize"]
+__all__ = ["Progress", "check_line", "dropout_line", "measured_runs", "summarize"]
 
 
 class Progress:
@@ -233,3 +233,17 @@ objective: per-microbatch means): ok'
             "front: give the loss as schedcc.TokenLoss(sum_fn, count_fn)"
         )
     return line
+
+
+def dropout_line(dropped: Sequence[str], *, shown: int = 3) -> str:
+    """What `--check` turned off (`reference.without_dropout`), one line naming the first few.
+
+    >>> dropout_line(["segment 0 drop (p=0.1)"])
+    'check: dropout set to 0 for the run and the reference in 1 place(s), segment 0 drop \
+(p=0.1) (masks drawn per stage and microbatch cannot match non-pipelined training)'
+    """
+    named = ", ".join(dropped[:shown]) + (", ..." if len(dropped) > shown else "")
+    return (
+        f"check: dropout set to 0 for the run and the reference in {len(dropped)} place(s), "
+        f"{named} (masks drawn per stage and microbatch cannot match non-pipelined training)"
+    )
