@@ -21,7 +21,8 @@ parameter that the optimizer steps (`zero`).
 
 [Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
 is divided by the batch's count at the step instead: [Note: the count divides at the step] in
-`backends.runtime.losses`), gradients are accumulated into the live parameters' `.grad` (by
+`backends.runtime.losses`; a `schedcc.TokenLoss` by its count before the backward: [Note: a
+count known up front]), gradients are accumulated into the live parameters' `.grad` (by
 autograd itself, or from `torch.autograd.grad` of the stashed weights under weight stashing:
 [Note: autograd accumulates] in `backends.runtime.grads`), and the reductions sum in rank order,
 so a pipelined step equals a non-pipelined step on the concatenated global batch up to float
