@@ -3,8 +3,10 @@
 `train_reference` trains the segments chained as one model (each called on what the previous
 returned, `backends.runtime.values.call`) on whole batches, one optimizer step per batch; with
 `weight_delay = d` it applies the PipeDream-2BW rule `W[b+1] = W[b] - lr * grad(loss_b at
-W[b-d])`. A batch's loss is what the engines report: a scalar loss's mean over the local
-batches, a `(loss_sum, count)` loss's total sum over its total count, a dict's parts summed.
+W[b-d])`. It trains the objective the engines train, on each local batch split into the same
+microbatches: a scalar loss's mean over the microbatches (of every local batch), a `(loss_sum,
+count)` loss's total sum over its total count, a dict's parts summed; and it builds it as the last
+segment does (`objective`), so even a model that rounds in float32 inside matches.
 `assert_matches_reference` runs a program on the local backend and the reference side by side on
 copies of the same segments and checks that losses and weights agree.
 
@@ -28,12 +30,24 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
-from schedcc.backends.runtime.losses import MEAN, PARTS, RATIO, interpret
+from schedcc.backends.batches import local_batches, split_pair
+from schedcc.backends.runtime.losses import MEAN, PARTS, RATIO, interpret, up_front_count
 from schedcc.backends.runtime.values import call, concat
 from schedcc.program import Program
 
-__all__ = ["Chain", "assert_matches_reference", "global_batch", "reference_loss", "train_reference"]
+__all__ = [
+    "OBJECTIVES",
+    "UP_FRONT",
+    "Chain",
+    "assert_matches_reference",
+    "global_batch",
+    "objective",
+    "reference_loss",
+    "train_reference",
+    "without_dropout",
+]
 
 
 class Chain(nn.Module):
@@ -59,20 +73,78 @@ def global_batch(batch: Any) -> tuple[Any, Any]:
     )
 
 
+#: What `--check` calls each objective the reference trains (as the engines do).
+OBJECTIVES = {
+    MEAN: "per-microbatch means",
+    PARTS: "per-microbatch means of the parts, summed",
+    RATIO: "token ratio, divided at the step",
+}
+#: A `schedcc.TokenLoss`'s objective ([Note: a count known up front]).
+UP_FRONT = "token ratio, count known up front"
+
+
 def reference_loss(
-    model: Callable[..., Any], loss_fn: Callable[[Any, Any], Any], locals_: Sequence[tuple]
+    model: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], Any],
+    locals_: Sequence[tuple],
+    *,
+    num_microbatches: int = 1,
 ) -> torch.Tensor:
-    """One batch's loss through `model`, from its local batches: the mean of a scalar loss over
-    them, a `(loss_sum, count)` loss's total sum over its total count, a dict's parts summed."""
-    mode, values, counts = None, [], []
-    for inputs, targets in locals_:
-        mode, value, count, _ = interpret(loss_fn(call(model, inputs), targets), "loss_fn")
-        values.append(value)
-        counts.append(count)
-    if mode == RATIO:
-        return torch.stack(values).sum() / torch.stack(counts).sum()
-    assert mode in (MEAN, PARTS)
-    return torch.stack(values).sum() / len(values)
+    """One batch's loss through `model`, from its local batches, each split into
+    `num_microbatches` microbatches as the engines split it: the mean of the microbatches' mean
+    losses (a dict's parts summed), or a `(loss_sum, count)` loss's total sum over its total
+    count. Its gradient is the engines' (see `objective`)."""
+    return objective(model, loss_fn, locals_, num_microbatches=num_microbatches)[0]
+
+
+def objective(
+    model: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], Any],
+    locals_: Sequence[tuple],
+    *,
+    num_microbatches: int = 1,
+) -> tuple[torch.Tensor, str]:
+    """`(loss, what it is)`: `reference_loss`, built as the last segment builds what it
+    backpropagates, and its name in `OBJECTIVES` (or `UP_FRONT`).
+
+    A mean loss is each microbatch's over `m * dp`, summed (gradient accumulation of the
+    microbatch means); a `schedcc.TokenLoss` each microbatch's `loss_sum` over the batch's count,
+    summed ([Note: a count known up front] in `backends.runtime.losses`); another `(loss_sum,
+    count)` loss the total sum over the total count.
+
+    Raises:
+        ScheduleConfigError: a batch that does not split into `num_microbatches`, or a loss that
+            is none of the three forms.
+    """
+    results = []
+    for r, (inputs, targets) in enumerate(locals_):
+        xs, ys = _microbatches(inputs, targets, num_microbatches, f"local batch {r}")
+        for x, y in zip(xs, ys):
+            results.append(interpret(loss_fn(call(model, x), y), "loss_fn"))
+    mode = results[0][0]
+    values = [value for _, value, _, _ in results]
+    if mode != RATIO:
+        assert mode in (MEAN, PARTS)
+        return _added(value / len(values) for value in values), OBJECTIVES[mode]
+    count = _added(count for _, _, count, _ in results)
+    if up_front_count(loss_fn) is None:
+        return torch.stack(values).sum() / count, OBJECTIVES[RATIO]
+    return _added(value / count.to(value.device, value.dtype) for value in values), UP_FRONT
+
+
+def _microbatches(inputs: Any, targets: Any, m: int, where: str) -> tuple[list, list]:
+    if m == 1:
+        return [inputs], [targets]
+    return split_pair(inputs, targets, m, where=where)
+
+
+def _added(values: Iterable[torch.Tensor]) -> torch.Tensor:
+    """`values` added one by one, in order."""
+    total = None
+    for value in values:
+        total = value if total is None else total + value
+    assert total is not None
+    return total
 
 
 def train_reference(
@@ -86,6 +158,8 @@ def train_reference(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
     grad_norms: list[float] | None = None,
+    num_microbatches: int = 1,
+    objectives: list[str] | None = None,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -102,6 +176,9 @@ def train_reference(
         max_grad_norm: clip with `torch.nn.utils.clip_grad_norm_` before each step.
         skip_nonfinite: skip the step of a batch whose gradient norm is inf or NaN.
         grad_norms: if given, each batch's gradient norm (before clipping) is appended to it.
+        num_microbatches: `m`: each local batch is split into `m` microbatches, as the engines
+            split it, so a mean loss is the mean of microbatch means (`objective`).
+        objectives: if given, each batch's objective (`OBJECTIVES`, `UP_FRONT`) is appended.
     """
     model = Chain(segments)
     opt = optimizer(model.parameters())
@@ -115,7 +192,7 @@ def train_reference(
             history = []
         opt.zero_grad(set_to_none=True)
         if not weight_delay:
-            loss = reference_loss(model, loss_fn, locals_)
+            loss, name = objective(model, loss_fn, locals_, num_microbatches=num_microbatches)
             loss.backward()
         else:
             history.append(
@@ -126,10 +203,12 @@ def train_reference(
             def stashed(*args, params=params, **kwargs):  # the model on version b - d
                 return torch.func.functional_call(model, params, args, kwargs)
 
-            loss = reference_loss(stashed, loss_fn, locals_)
+            loss, name = objective(stashed, loss_fn, locals_, num_microbatches=num_microbatches)
             grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
             for p, g in zip(model.parameters(), grads):
                 p.grad = None if g is None else g
+        if objectives is not None:
+            objectives.append(name)
         if max_grad_norm is not None or skip_nonfinite or grad_norms is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
             if grad_norms is not None:
@@ -141,6 +220,31 @@ def train_reference(
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def without_dropout(modules: Iterable[nn.Module]) -> list[str]:
+    """Set every dropout probability in `modules` to 0, in place; what it changed, one text each
+    (`segment 1 drop (p=0.1)`), in order.
+
+    It sets the `p` of every `torch.nn` dropout module (`Dropout`, `Dropout1d`..`3d`,
+    `AlphaDropout`, ...) and every float attribute of a module whose name holds "dropout" (the
+    `dropout` of `MultiheadAttention` and of the RNNs, the `attention_dropout` an attention
+    passes to `scaled_dot_product_attention`). Dropout called with a constant in code
+    (`F.dropout(x, 0.1)`) it cannot see. `schedcc run --check` uses it: a pipeline draws its
+    masks per stage and microbatch, so with dropout on no run equals non-pipelined training.
+    """
+    changed = []
+    for k, module in enumerate(modules):
+        for name, sub in module.named_modules():
+            where = f"segment {k} {name or type(sub).__name__}"
+            if isinstance(sub, _DropoutNd) and sub.p > 0:
+                changed.append(f"{where} (p={sub.p:g})")
+                sub.p = 0.0
+            for attr, value in list(vars(sub).items()):
+                if "dropout" in attr and type(value) is float and value > 0:
+                    changed.append(f"{where}.{attr} ({value:g})")
+                    setattr(sub, attr, 0.0)
+    return changed
 
 
 def _locals(batch: Any) -> list[tuple[Any, Any]]:
@@ -178,14 +282,16 @@ def assert_matches_reference(
     engine = Engine(program, piped, loss_fn, optimizer, max_grad_norm=max_grad_norm)
     losses = list(engine.train(batches))
     length = schedule.num_segments // type(schedule).num_replicas
+    dp = program.data_parallel
     expected = train_reference(
         plain[:length],
         loss_fn,
         optimizer,
-        batches,
+        [local_batches(batch, b, dp) for b, batch in enumerate(batches)],  # as the engine splits
         weight_delay=schedule.weight_delay,
         batches_per_run=schedule.num_batches,
         max_grad_norm=max_grad_norm,
+        num_microbatches=schedule.num_microbatches,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):

@@ -42,6 +42,7 @@ from schedcc.ir import (
     SendGrad,
     Unshard,
 )
+from schedcc.losses import TokenLoss
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule
@@ -82,6 +83,7 @@ __all__ = [
     "SendActivation",
     "SendGrad",
     "Timeline",
+    "TokenLoss",
     "UnknownScheduleError",
     "UnmatchedCommError",
     "Unshard",

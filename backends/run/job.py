@@ -125,6 +125,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         timedelta(seconds=config.timeout), *map(mesh.get_group, mesh.mesh_dim_names)
     )
     model, own, initial = _own_model(schedule, mesh.get_local_rank("pp"), config, model, rank)
+    dropped = _without_dropout(own, initial, schedule) if config.check else []
     optimizer = optimizer_of(model, config)
     own = {j: segment.to(device) for j, segment in own.items()}  # only this stage's
     if config.tp > 1:  # see [Note: the user's tensor parallelism]
@@ -177,13 +178,15 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         ) from exc
     if rank != 0:
         return 0
-    from schedcc.backends.run.report import check_line, summarize
+    from schedcc.backends.run.report import check_line, dropout_line, summarize
 
     summarize(program, config, model, losses, sizes, [g for g in gathered if g["tp"] == 0], evals)
     if not config.check:
         return 0
-    worst = _check(program, config, model, initial, gathered)
-    print(check_line(worst, CHECK_TOLERANCE), flush=True)
+    if dropped:
+        print(dropout_line(dropped), flush=True)
+    worst, objective = _check(program, config, model, initial, gathered)
+    print(check_line(worst, CHECK_TOLERANCE, objective=objective), flush=True)
     if not evals:
         return 0 if worst <= CHECK_TOLERANCE else 1
     expected = _reference_eval(initial, program, model, config)  # `initial` is trained now
@@ -213,6 +216,17 @@ def _own_model(schedule, stage: int, config, model: RunModel | None, rank: int):
     else:
         model = dataclasses.replace(model, segments={j: model.segments[j] for j in held})
     return model, dict(model.segments), initial
+
+
+def _without_dropout(own: dict, initial, schedule) -> list[str]:
+    """`--check`: every dropout probability of this rank's segments and of the reference set to
+    0 (`reference.without_dropout`); what was changed in the whole model (rank 0), else []."""
+    from schedcc.backends.reference import without_dropout
+
+    without_dropout(own.values())
+    if initial is None:
+        return []
+    return without_dropout(initial[: len(initial) // type(schedule).num_replicas])
 
 
 def _check_split(own: dict, config, device: torch.device) -> None:
@@ -342,28 +356,40 @@ def _reference_eval(initial, program: Program, model: RunModel, config) -> float
     from schedcc.backends.reference import Chain, reference_loss
 
     chain = Chain(initial[: len(initial) // type(program.schedule).num_replicas]).eval()
+    split = config.num_microbatches * config.num_batches  # as `Engine.evaluate` splits
     with torch.no_grad():
         losses = [
             float(
-                reference_loss(chain, model.loss_fn, local_batches(batch, k, config.data_parallel))
+                reference_loss(
+                    chain,
+                    model.loss_fn,
+                    local_batches(batch, k, config.data_parallel),
+                    num_microbatches=split,
+                )
             )
             for k, batch in enumerate(_eval_batches(model, config))
         ]
     return sum(losses) / len(losses)
 
 
-def _check(program: Program, config, model: RunModel, initial, gathered) -> float:
+def _check(program: Program, config, model: RunModel, initial, gathered) -> tuple[float, str]:
+    """`(largest parameter difference, the objective compared)`: non-pipelined training of the
+    objective the run trains, on the same local batches and microbatches."""
     from schedcc.backends.reference import train_reference
 
+    dp = config.data_parallel
+    objectives: list[str] = []
     train_reference(
         initial[: len(initial) // type(program.schedule).num_replicas],  # one model replica
         model.loss_fn,
         optimizer_of(model, config),
-        _global_batches(model, config),
+        (local_batches(b, step, dp) for step, b in enumerate(_global_batches(model, config))),
         weight_delay=program.schedule.weight_delay,
         batches_per_run=program.schedule.num_batches,
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.grad_norm,
+        num_microbatches=config.num_microbatches,
+        objectives=objectives,
     )
     pipelined: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for payload in gathered:
@@ -377,4 +403,4 @@ def _check(program: Program, config, model: RunModel, initial, gathered) -> floa
             for name, expected in module.state_dict().items():
                 got = pipelined[k, t][name]
                 worst = max(worst, float((got - expected.cpu()).abs().max()))
-    return worst
+    return worst, objectives[0]

@@ -24,7 +24,7 @@ drops the rest. What the run does with it:
   they must start equal (the last segment's head a copy of the first one's embedding);
 - the segments are built in `torch.get_default_dtype()`: `--check` sets float64 before calling
   `make` and compares with non-pipelined training of a copy of the same segments, so training must
-  be deterministic (no dropout);
+  be deterministic (`--check` sets every dropout probability to 0 for both, and says where);
 - `batch(batch_size, step)` gives the global batch of optimizer step `step` (`batch_size` is
   `m * --microbatch-size * dp`); every rank draws it and keeps its data-parallel share, so it must
   be a pure function of `step` (`--check` and `--resume` replay it too).
@@ -96,7 +96,8 @@ class RunModel:
             next one takes (a tuple as positional arguments, a dict as keyword arguments), the
             first takes a batch's inputs, the last's output goes to `loss_fn`.
         loss_fn: `loss_fn(output, targets)`: a scalar mean over the microbatch, a
-            `(loss_sum, count)` pair (normalised over the whole batch) or a dict of named scalars.
+            `(loss_sum, count)` pair (normalised over the whole batch; a `schedcc.TokenLoss` to
+            divide before the backward) or a dict of named scalars.
         batch: `batch(batch_size, step) -> (inputs, targets)`, a pure function of `step`;
             each may be a tensor or any nesting of tuple, list and dict of tensors and constants,
             and every tensor is split along dim 0 into microbatches.

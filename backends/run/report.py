@@ -20,7 +20,7 @@ from schedcc.ir import Comm
 from schedcc.program import Program
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 
-__all__ = ["Progress", "check_line", "measured_runs", "summarize"]
+__all__ = ["Progress", "check_line", "dropout_line", "measured_runs", "summarize"]
 
 
 class Progress:
@@ -208,10 +208,42 @@ def _transports(gathered) -> str:
     return ", ".join(f"{kind} on {n} rank(s)" for kind, n in counts.items())
 
 
-def check_line(worst: float, tolerance: float, *, what: str = "largest parameter") -> str:
-    """The `--check` verdict, one line."""
+def check_line(
+    worst: float, tolerance: float, *, what: str = "largest parameter", objective: str = ""
+) -> str:
+    """The `--check` verdict, one line; `objective` names what both trained (`reference.
+    OBJECTIVES`); a failure of a ratio divided at the step names the fix.
+
+    >>> check_line(2e-16, 1e-9, objective="per-microbatch means")
+    'check: largest parameter difference from non-pipelined training 2e-16 (tolerance 1e-09, \
+objective: per-microbatch means): ok'
+    """
+    from schedcc.backends.reference import OBJECTIVES
+    from schedcc.backends.runtime.losses import RATIO
+
     verdict = "ok" if worst <= tolerance else "FAILED"
-    return (
+    trained = f", objective: {objective}" if objective else ""
+    line = (
         f"check: {what} difference from non-pipelined training {worst:.3g} "
-        f"(tolerance {tolerance:g}): {verdict}"
+        f"(tolerance {tolerance:g}{trained}): {verdict}"
+    )
+    if worst > tolerance and objective == OBJECTIVES[RATIO]:
+        line += (
+            "; a model that rounds in float32 inside matches only with the count known up "
+            "front: give the loss as schedcc.TokenLoss(sum_fn, count_fn)"
+        )
+    return line
+
+
+def dropout_line(dropped: Sequence[str], *, shown: int = 3) -> str:
+    """What `--check` turned off (`reference.without_dropout`), one line naming the first few.
+
+    >>> dropout_line(["segment 0 drop (p=0.1)"])
+    'check: dropout set to 0 for the run and the reference in 1 place(s), segment 0 drop \
+(p=0.1) (masks drawn per stage and microbatch cannot match non-pipelined training)'
+    """
+    named = ", ".join(dropped[:shown]) + (", ..." if len(dropped) > shown else "")
+    return (
+        f"check: dropout set to 0 for the run and the reference in {len(dropped)} place(s), "
+        f"{named} (masks drawn per stage and microbatch cannot match non-pipelined training)"
     )

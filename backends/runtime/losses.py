@@ -8,7 +8,9 @@
 - `(loss_sum, count)` (`RATIO`): a summed loss and how many items it sums (tokens that are not
   padding, say; a tensor or a number). A batch's loss is its total sum over its total count, over
   every microbatch and every data-parallel replica, and so is the gradient, however unevenly the
-  items fall into microbatches ([Note: the count divides at the step]).
+  items fall into microbatches ([Note: the count divides at the step]). A `schedcc.TokenLoss`
+  is one whose count is a function of the targets: each `loss_sum` is then divided by the
+  batch's count before its backward ([Note: a count known up front]).
 - a dict of named scalars, each a mean over the microbatch (`PARTS`, e.g. a language-model loss
   and an auxiliary one): their sum is optimised as a `MEAN` loss is, and each is reported.
 
@@ -23,6 +25,22 @@ gradient it sends carries the replica's count; each earlier segment's backward o
 microbatch needs that gradient, and passes the count on with its own. Every stage's step follows
 its backward of that microbatch, so it knows `N` by then. With data parallelism each step first
 sums `N` over the stage's replicas (one scalar all-reduce, at a place every replica reaches).
+
+[Note: a count known up front] With `schedcc.TokenLoss(sum_fn, count_fn)` the count is a
+function of the targets, and the stage of the last segment holds every microbatch's targets of
+the batch (its data-parallel replica's, and under model replicas all `m`: each replica's last
+stage loads them all) before the batch's first forward there. So at that forward the stage
+computes the batch's count `N` (`count_fn` of each microbatch's targets, added in order, in
+float64; with `dp > 1` summed over the stage's replicas, one scalar all-reduce at a forward that
+every replica of the stage reaches in the same order, as it does each `Reduce`), and
+backpropagates each microbatch's `loss_sum / N` instead: the gradient of the ratio itself, with
+the seed `1/N` entering the backward where non-pipelined training of the ratio has it. No stage
+divides at its step (every stage holds the same `loss_fn`, so each knows that statically); the
+count a gradient message carries then only reports. This matters for a model that rounds in
+float32 inside (an RMSNorm that upcasts): dividing float32 gradients of the sum by `N` after
+the backward rounds differently from backpropagating `1/N` (about 1e-8 apart unless `N` is a
+power of two), while backpropagating `loss_sum / N` rounds as the reference does (to about
+1e-16 in a float64 model).
 
 With model replicas (DualPipe, [Note: replicas] in `schedcc.semantics.layout`) each replica's last
 segment sees only its own microbatches, so each replica carries its own count `N_r` down its own
@@ -42,6 +60,7 @@ import torch
 from schedcc.backends.runtime.syncs import host_read
 from schedcc.errors import ScheduleConfigError, UserCodeError, call_user, name_of
 from schedcc.ir import INPUT_GRADIENT
+from schedcc.losses import TokenLoss
 
 if TYPE_CHECKING:
     from schedcc.backends.runtime.collectives import Collectives
@@ -60,6 +79,7 @@ __all__ = [
     "divide_grads",
     "interpret",
     "unseen_replica",
+    "up_front_count",
 ]
 
 MEAN, RATIO, PARTS = "mean", "(sum, count)", "dict"
@@ -124,6 +144,9 @@ class LossBook:
         #: Per (batch, model replica), the replica's count under `RATIO` (float64, on the
         #: device), once known: on this data-parallel replica only.
         self.normaliser: dict[tuple[int, int], torch.Tensor] = {}
+        #: Per batch, its whole count (every microbatch and replica) known before its first
+        #: backward: each `loss_sum` is divided by it ([Note: a count known up front]).
+        self.up_front: dict[int, torch.Tensor] = {}
 
     def objective(
         self, batch: int, result: Any, *, where: str, record: bool = True, replica: int = 0
@@ -152,16 +175,26 @@ class LossBook:
                 "of every replica on every stage"
             )
         if not record:
-            return value if mode == RATIO else value / (self._m * self._dp)
+            return self._scaled(batch, mode, value)
         self._values.setdefault(batch, []).append(value.detach())
         if mode == RATIO:
             self._counts.setdefault((batch, replica), []).append(count)
-            return value
+            return self._scaled(batch, mode, value)
         if mode == PARTS:
             book = self._parts.setdefault(batch, {})
             for name, part in parts.items():
                 book.setdefault(name, []).append(part.detach())
         return value / (self._m * self._dp)
+
+    def _scaled(self, batch: int, mode: str, value: torch.Tensor) -> torch.Tensor:
+        """What the last segment backpropagates of a microbatch's loss `value`: a mean over
+        `m * dp`, a `loss_sum` over the batch's count when known up front, else as it is."""
+        if mode != RATIO:
+            return value / (self._m * self._dp)
+        total = self.up_front.get(batch)
+        if total is None:  # [Note: the count divides at the step]
+            return value
+        return value / total.to(value.device, value.dtype)  # [Note: a count known up front]
 
     def close(self, batch: int, replica: int = 0) -> None:
         """Every forward of `batch` on `replica` has run here (its last segment): fix the
@@ -321,6 +354,12 @@ def unseen_replica(layout: Layout) -> str | None:
     return None
 
 
+def up_front_count(loss_fn: Any) -> Callable[[Any], Any] | None:
+    """The `count_fn` of a `schedcc.TokenLoss`, whose count is known up front ([Note: a count
+    known up front]); None for any other loss."""
+    return loss_fn.count_fn if isinstance(loss_fn, TokenLoss) else None
+
+
 def divide_grads(params: Iterable[torch.Tensor], count: torch.Tensor) -> None:
     """Divide every gradient among `params` by the batch's `count`, in place."""
     for p in params:
@@ -339,6 +378,8 @@ class StageCounts:
         segments: this stage's segment of each chunk.
         params: what the stage's optimizer steps (the shards under ZeRO).
         collectives: the stage's data-parallel group, over which a count is summed.
+        count_fn: a `schedcc.TokenLoss`'s `count_fn`: the count is known up front and nothing
+            is divided at the step ([Note: a count known up front]); None: it divides there.
     """
 
     def __init__(
@@ -349,8 +390,11 @@ class StageCounts:
         segments: Sequence[int],
         params: Sequence[torch.Tensor],
         collectives: Collectives,
+        *,
+        count_fn: Callable[[Any], Any] | None = None,
     ) -> None:
         self._book = book
+        self._count_fn = count_fn
         self._m = program.schedule.num_microbatches
         self._replica = layout.replica
         self._carriers = set(count_carriers(program, layout).values())
@@ -387,13 +431,46 @@ class StageCounts:
             self._divide(batch)
         self._divided = False
 
+    def know_up_front(self, batch: int, targets: Sequence[Any]) -> None:
+        """At a forward of `batch` on a last segment, before its first backward: with a
+        `count_fn`, fix the batch's whole count from the targets of its microbatches (once),
+        summed over the data-parallel replicas ([Note: a count known up front]).
+
+        Raises:
+            UserCodeError: `count_fn` raised or returned no count (a `ScheduleConfigError`).
+        """
+        if self._count_fn is None or batch in self._book.up_front:
+            return
+        counts = [self._count_of(batch, i, target) for i, target in enumerate(targets)]
+        total = _running_sum(counts)
+        if self._collectives.size > 1:
+            total = total.clone()
+            self._collectives.all_reduce(total)
+        self._book.up_front[batch] = total
+
+    def _count_of(self, batch: int, index: int, target: Any) -> torch.Tensor:
+        """`count_fn(target)` of microbatch `index` of `batch`, as a float64 tensor."""
+        fn = self._count_fn
+        where = f"count_fn {name_of(fn)} on the targets of microbatch {index} of batch {batch}"
+        count = call_user(where, lambda: fn(target))
+        if not (_is_scalar(count, floating=False) or type(count) in (int, float)):
+            got = tuple(count.shape) if isinstance(count, torch.Tensor) else type(count).__name__
+            raise UserCodeError(
+                f"{where} returned {got}, not a count: return an int or a 0-dim tensor, e.g. "
+                "(targets != -100).sum()"
+            )
+        return torch.as_tensor(count).to(torch.float64)
+
     def key(self, microbatch: int) -> tuple[int, int]:
         """`(batch, model replica)` of a global microbatch ([Note: replicas])."""
         return microbatch // self._m, self._replica[microbatch % self._m]
 
     def _divide(self, batch: int) -> None:
         """Divide the batch's gradients by its count, summed over the model replicas and the
-        data-parallel replicas; nothing without a `(loss_sum, count)` loss."""
+        data-parallel replicas; nothing without a `(loss_sum, count)` loss, or with one whose
+        count was known up front ([Note: a count known up front])."""
+        if self._count_fn is not None:
+            return
         for replica in self._ends:
             self._book.close(batch, replica)
         count = self._book.count(batch)

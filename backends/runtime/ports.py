@@ -60,6 +60,10 @@ class Ports:
         """Whether targets were loaded for `microbatch`'s batch."""
         return microbatch // self._m in self._batch_targets
 
+    def batch_targets(self, batch: int) -> Sequence[Any]:
+        """The targets of every microbatch of `batch`, in order."""
+        return self._batch_targets[batch]
+
     def target(self, microbatch: int) -> Any:
         """The targets of `microbatch`."""
         batch, local = divmod(microbatch, self._m)

@@ -21,7 +21,8 @@ parameter that the optimizer steps (`zero`).
 
 [Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
 is divided by the batch's count at the step instead: [Note: the count divides at the step] in
-`backends.runtime.losses`), gradients are accumulated into the live parameters' `.grad` (by
+`backends.runtime.losses`; a `schedcc.TokenLoss` by its count before the backward: [Note: a
+count known up front]), gradients are accumulated into the live parameters' `.grad` (by
 autograd itself, or from `torch.autograd.grad` of the stashed weights under weight stashing:
 [Note: autograd accumulates] in `backends.runtime.grads`), and the reductions sum in rank order,
 so a pipelined step equals a non-pipelined step on the concatenated global batch up to float
@@ -45,7 +46,13 @@ from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import full_backward, weight_backward
 from schedcc.backends.runtime.graphs import Graph, Graphs
-from schedcc.backends.runtime.losses import LossBook, LossRecord, StageCounts, call_loss
+from schedcc.backends.runtime.losses import (
+    LossBook,
+    LossRecord,
+    StageCounts,
+    call_loss,
+    up_front_count,
+)
 from schedcc.backends.runtime.memory import SavedBytes, signature
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
@@ -217,7 +224,13 @@ class StageRuntime:
         #: a run's losses, and each batch's count ([Note: the count divides at the step])
         self._book = LossBook.of(self._layout, self._m, self.collectives.size)
         self._counts = StageCounts(
-            self._book, program, self._layout, self._segment, self._trained, self.collectives
+            self._book,
+            program,
+            self._layout,
+            self._segment,
+            self._trained,
+            self.collectives,
+            count_fn=up_front_count(loss_fn),
         )
         self._ports = Ports(stage, tensors_of(program), self._m)
         self.reset()
@@ -449,8 +462,10 @@ class StageRuntime:
     def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
         """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
         `record=False` for a recompute, whose forward already recorded it)."""
-        result = call_loss(self.loss_fn, out, self._ports.target(i))
         batch, replica = self._counts.key(i)
+        if not self.forward_only:  # [Note: a count known up front]
+            self._counts.know_up_front(batch, self._ports.batch_targets(batch))
+        result = call_loss(self.loss_fn, out, self._ports.target(i))
         where = f"loss_fn on microbatch {i}"
         objective = self._book.objective(batch, result, where=where, record=record, replica=replica)
         return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
