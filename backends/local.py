@@ -54,6 +54,7 @@ from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.engine import (
     BaseEngine,
     LossFn,
+    LRSchedulerFactory,
     OptimizerFactory,
     SegmentBuilder,
     build_segments,
@@ -108,6 +109,10 @@ class Engine(BaseEngine):
             `grad_norm=True`): compute and boundary tensors in that dtype, float32 master
             weights and optimizer state ([Note: mixed precision] in
             `backends.runtime.precision`).
+        lr_scheduler: `lr_scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler`:
+            each stage's (and replica's) optimizer gets its own, stepped once per optimizer
+            step that is not skipped, as the non-pipelined loop steps it once per batch; its
+            state is saved in checkpoints.
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, the
@@ -135,8 +140,9 @@ class Engine(BaseEngine):
         *,
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
+        lr_scheduler: LRSchedulerFactory | None = None,
     ) -> None:
-        super().__init__(program, loss_fn, optimizer)
+        super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
         schedule = program.schedule
         built = is_builder(segments)
@@ -179,6 +185,7 @@ class Engine(BaseEngine):
                     ties=stage_copies[r][s],
                     max_grad_norm=max_grad_norm,
                     mixed_precision=mixed_precision,
+                    lr_scheduler=lr_scheduler,
                 )
                 for s in range(schedule.num_stages)
             ]

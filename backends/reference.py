@@ -86,6 +86,7 @@ def train_reference(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
     grad_norms: list[float] | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -102,9 +103,12 @@ def train_reference(
         max_grad_norm: clip with `torch.nn.utils.clip_grad_norm_` before each step.
         skip_nonfinite: skip the step of a batch whose gradient norm is inf or NaN.
         grad_norms: if given, each batch's gradient norm (before clipping) is appended to it.
+        lr_scheduler: `lr_scheduler(optimizer)`, stepped after every step taken (not a skipped
+            one).
     """
     model = Chain(segments)
     opt = optimizer(model.parameters())
+    scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     names = [name for name, _ in model.named_parameters()]
     history: list[dict[str, torch.Tensor]] = []
     losses = []
@@ -139,6 +143,8 @@ def train_reference(
                 losses.append(loss.item())
                 continue
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return losses
 
@@ -160,6 +166,7 @@ def assert_matches_reference(
     atol: float = 1e-10,
     rtol: float = 1e-10,
     max_grad_norm: float | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> float:
     """Run `program` on the local backend and the reference on copies of `segments`; compare.
 
@@ -175,7 +182,14 @@ def assert_matches_reference(
 
     schedule = program.schedule
     piped, plain = copy.deepcopy(list(segments)), copy.deepcopy(list(segments))
-    engine = Engine(program, piped, loss_fn, optimizer, max_grad_norm=max_grad_norm)
+    engine = Engine(
+        program,
+        piped,
+        loss_fn,
+        optimizer,
+        max_grad_norm=max_grad_norm,
+        lr_scheduler=lr_scheduler,
+    )
     losses = list(engine.train(batches))
     length = schedule.num_segments // type(schedule).num_replicas
     expected = train_reference(
@@ -186,6 +200,7 @@ def assert_matches_reference(
         weight_delay=schedule.weight_delay,
         batches_per_run=schedule.num_batches,
         max_grad_norm=max_grad_norm,
+        lr_scheduler=lr_scheduler,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):

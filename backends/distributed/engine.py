@@ -89,6 +89,7 @@ from schedcc.backends.distributed.transfers import Transfers, first_line
 from schedcc.backends.engine import (
     BaseEngine,
     LossFn,
+    LRSchedulerFactory,
     OptimizerFactory,
     SegmentBuilder,
     check_precision,
@@ -152,6 +153,8 @@ class Engine(BaseEngine):
             shapes carries a header ([Note: certain shapes] in `backends.distributed.peers`).
         max_grad_norm, mixed_precision: as the local `Engine`'s (clipping by the whole model's
             gradient norm; bfloat16 or float16 compute with float32 master weights).
+        lr_scheduler: as the local `Engine`'s: `lr_scheduler(optimizer)` over this rank's
+            optimizer (under ZeRO its shard optimizer), stepped with every step not skipped.
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -187,13 +190,14 @@ class Engine(BaseEngine):
         dynamic_shapes: bool = False,
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
+        lr_scheduler: LRSchedulerFactory | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
                 "the distributed Engine needs torch.distributed initialised on every rank: call "
                 "dist.init_process_group(...) first (torchrun sets the environment for it)"
             )
-        super().__init__(program, loss_fn, optimizer)
+        super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group, rank_order)
         self.p2p = p2p_mode(p2p, dist.get_backend(self.pp_group))
@@ -240,6 +244,7 @@ class Engine(BaseEngine):
             max_grad_norm=max_grad_norm,
             mixed_precision=mixed_precision,
             tp_rank=self.tp_rank or 0,
+            lr_scheduler=lr_scheduler,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
