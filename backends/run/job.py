@@ -140,6 +140,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         p2p=config.p2p,
         max_grad_norm=config.max_grad_norm,
         mixed_precision=PRECISIONS[config.precision],
+        lr_scheduler=model.lr_scheduler,
     )
     dp_index = dist.get_rank(engine.dp_group)
     if config.resume:
@@ -364,6 +365,7 @@ def _check(program: Program, config, model: RunModel, initial, gathered) -> floa
         batches_per_run=program.schedule.num_batches,
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.grad_norm,
+        lr_scheduler=model.lr_scheduler,
     )
     pipelined: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for payload in gathered:
