@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 from schedcc.backends.run import models
+from schedcc.cli import main
 
 HELPER = textwrap.dedent(
     """
@@ -105,3 +106,29 @@ def test_the_schedcc_command_runs_a_factory_file_beside_its_helper(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert re.search(r"check: .*: ok", result.stdout), result.stdout
+
+
+def test_a_schedule_flag_beside_the_models_own_scheduler_is_one_line(tmp_path, capsys):
+    """--warmup (or --lr-schedule cosine) beside a model that brings its own lr_scheduler: one
+    line naming both, exit 2, before any rank."""
+    path = _write(tmp_path / "models")
+    try:
+        code = main(
+            [
+                "run",
+                "--no-progress",
+                "--steps",
+                "2",
+                "--model",
+                f"{path}:make",
+                "-m",
+                "2",
+                "--warmup",
+                "1",
+            ]
+        )
+    finally:
+        sys.modules.pop("lr_helper", None)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert "brings its own lr_scheduler" in line

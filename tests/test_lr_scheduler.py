@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _cli import run_cli
 from torch import nn
 
 import schedcc
@@ -248,6 +250,44 @@ def test_a_bad_scheduler_factory_is_refused(factory, error, match):
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
     with pytest.raises(error, match=match):
         Engine(program, _segments(2), F.mse_loss, _sgd, lr_scheduler=factory)
+
+
+def test_load_takes_the_manifest_save_returns_or_its_folder(tmp_path):
+    """`engine.load(engine.save(path))` restores what was saved, as `load(path)` does."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
+    engine = Engine(program, _segments(2), F.mse_loss, _sgd, lr_scheduler=_one_cycle)
+    engine.train_step(*_batches(1)[0])
+    manifest = engine.save(tmp_path / "ckpt")
+    assert manifest.name == "manifest.json"
+    for where in (manifest, manifest.parent, str(manifest)):
+        other = Engine(program, _segments(2, seed=3), F.mse_loss, _sgd, lr_scheduler=_one_cycle)
+        other.load(where)
+        assert other.steps == 1
+        assert all(
+            torch.equal(a, b) for a, b in zip(_params(other.segments), _params(engine.segments))
+        )
+
+
+def test_schedcc_run_schedules_the_default_optimizer():
+    """`schedcc run --lr-schedule cosine --warmup 2 --check`: every rank steps the warmup and
+    cosine schedule, and the run equals the non-pipelined loop stepping it."""
+    result = run_cli(
+        "--model",
+        "mlp",
+        "-p",
+        "2",
+        "-m",
+        "2",
+        "--steps",
+        "4",
+        "--lr-schedule",
+        "cosine",
+        "--warmup",
+        "2",
+        "--check",
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"check: .*: ok", result.stdout), result.stdout
 
 
 # -- on gloo ranks --------------------------------------------------------------------------------
