@@ -98,10 +98,12 @@ def _refused_worker(rank: int, world_size: int, p2p: str | None, where: str) -> 
     x, y = _batches(4, 1)[0]
     before = [p.detach().clone() for p in engine.modules[0].parameters()]
     if where == "size":  # 7 samples on the first stage only: m = 4 does not divide them
-        bad, text = _mine(engine, x[:7], y), "rank 0 (stage 0): batch 0: 7 samples cannot"
+        bad, text = _mine(engine, x[:7], y), "batch 0: 7 samples cannot be split into m=4"
     else:  # the first stage passes no inputs
-        bad, text = (None, None) if rank == 0 else _mine(engine, x, y), "inputs are None"
-    with pytest.raises(ScheduleConfigError, match=re.escape(text)):
+        bad, text = (None, None) if rank == 0 else _mine(engine, x, y), "batch 0: inputs are None"
+    # the first stage raises its own error; every other rank names it
+    text = re.escape(text) if rank == 0 else re.escape(f"rank 0 (stage 0): {text}")
+    with pytest.raises(ScheduleConfigError, match=f"^{text}"):
         engine.train_step(*bad)
     assert engine.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, engine.modules[0].parameters()))
@@ -118,6 +120,6 @@ def _refused_worker(rank: int, world_size: int, p2p: str | None, where: str) -> 
 )
 def test_a_bad_batch_on_the_first_stage_is_refused_on_every_rank(p2p, where):
     """A batch that only the first stage holds, and m does not divide (or no inputs where
-    they are read), is refused on every rank with the first stage's message, before anything
-    runs; the engines then train on."""
+    they are read), is refused on every rank before anything runs: the first stage raises its
+    own error, the others name rank 0 and say it; the engines then train on."""
     assert spawn(_refused_worker, 3, (p2p, where), grace=30, threads=1) == 0

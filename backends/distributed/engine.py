@@ -337,10 +337,7 @@ class Engine(BaseEngine):
                 `split_pair` refuses.
         """
         if not is_pair(batch):
-            raise ScheduleConfigError(
-                f"{where} must be (inputs, targets) tensors or values (None for what this "
-                "rank's stage does not read)"
-            )
+            raise ScheduleConfigError(f"{where} must be (inputs, targets) tensors or values")
         inputs, targets = batch
         first, last = self._reads_inputs, self._holds(self._layout.lasts)
         if first and inputs is None:
@@ -360,9 +357,10 @@ class Engine(BaseEngine):
         self, what: str, split: Callable[[], tuple[Any, list[Any] | None, bool]]
     ) -> tuple[Any, bool]:
         """`split()` is `(this stage's microbatches, the inputs' microbatches where it reads
-        them, whether it holds targets)`; once every rank has checked its data, the first
-        problem of any rank is raised on every rank, else `(microbatches, whether the last
-        segment's stage holds targets)` is returned. Sets the run's input signatures, from the
+        them, whether it holds targets)`; once every rank has checked its data, a rank that
+        found a problem raises its own error and every other rank a `ScheduleConfigError`
+        naming the first rank's, else `(microbatches, whether the last segment's stage holds
+        targets)` is returned. Sets the run's input signatures, from the
         first stage where this rank reads no inputs ([Note: data only where needed]).
 
         [Note: data only where needed] Only the stage holding segment 0 (of each model
@@ -379,11 +377,10 @@ class Engine(BaseEngine):
         problem, failure, result, inputs, targets = None, None, None, None, False
         try:
             result, inputs, targets = split()
-        except ScheduleConfigError as exc:
-            problem = f"rank {self.rank} (stage {self.stage}): {exc}"
+        except ScheduleConfigError as exc:  # raised here as the local engine raises it
+            problem, failure = f"rank {self.rank} (stage {self.stage}): {exc}", exc
         except Exception as exc:  # the peers must hear of it before this rank raises
-            problem = f"{self._reason(exc, None)} checking {what}"
-            failure = exc
+            problem, failure = f"{self._reason(exc, None)} checking {what}", exc
         mine = {i: signature(x) for i, x in enumerate(inputs)} if inputs is not None else None
         certain = self.p2p == "nccl" and not self.dynamic_shapes
         entries: list = [None] * dist.get_world_size()
