@@ -311,8 +311,8 @@ class BaseEngine(abc.ABC):
 
     @abc.abstractmethod
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by either engine's `save`, or raise `CheckpointError`
-        and change nothing."""
+        """Restore a checkpoint written by either engine's `save` (its directory, or the
+        manifest path `save` returned), or raise `CheckpointError` and change nothing."""
 
     @abc.abstractmethod
     def _prepare(self, group: list[Any], first: int) -> Any:

@@ -214,7 +214,8 @@ class Engine(BaseEngine):
         return write_manifest(path, program_meta(self.program), self.steps, files)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by `save` (or by the distributed backend).
+        """Restore a checkpoint written by `save` (or by the distributed backend): `path` is its
+        directory, or the manifest path `save` returned.
 
         Everything is read and checked before anything changes: a checkpoint of another
         schedule or shape, or with a missing, truncated or altered file, raises

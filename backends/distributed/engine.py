@@ -548,7 +548,8 @@ class Engine(BaseEngine):
         return Path(path) / MANIFEST
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by `save` (or by the local backend) on every rank.
+        """Restore a checkpoint written by `save` (or by the local backend) on every rank:
+        `path` is its directory, or the manifest path `save` returned.
 
         Each rank reads and checks what its stage needs; only if every rank succeeds does any
         rank change its weights, so a bad checkpoint raises `CheckpointError` everywhere and
