@@ -53,18 +53,25 @@ def _mine(engine: Engine, x, y):
     return (x if first else None, y if last else None)
 
 
-def _where_needed_worker(rank: int, world_size: int, p2p: str | None) -> int:
+def _summed(out, y):
+    """A `(loss_sum, count)` loss: the summed squared error over the positive targets only
+    (their count is known only on the last stage and travels with the gradients)."""
+    keep = y > 0
+    return ((out - y) ** 2 * keep).sum(), keep.sum()
+
+
+def _where_needed_worker(rank: int, world_size: int, p2p: str | None, loss_fn) -> int:
     _init(rank, world_size)
     schedule = schedcc.get_schedule("1f1b")(world_size, 3)
     program = schedcc.compile(schedule)
     segments = models.mlp_segments(world_size, width=WIDTH, seed=1)
     oracle = copy.deepcopy(segments)
     batches = _batches(3, 4)
-    engine = Engine(program, segments, F.mse_loss, _sgd, timeout=20, p2p=p2p)
+    engine = Engine(program, segments, loss_fn, _sgd, timeout=20, p2p=p2p)
     mine = [_mine(engine, x, y) for x, y in batches]
     losses = list(engine.train(mine[:2]))  # the first stage's batches are (x, None)
     losses += [engine.train_step(*batch) for batch in mine[2:]]  # the middle's (None, None)
-    local = LocalEngine(program, oracle, F.mse_loss, _sgd)
+    local = LocalEngine(program, oracle, loss_fn, _sgd)
     expected = list(local.train(batches))
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (rank, losses, expected)
     k = engine.stage
@@ -82,12 +89,17 @@ def _where_needed_worker(rank: int, world_size: int, p2p: str | None) -> int:
     return 0
 
 
-@pytest.mark.parametrize("p2p", [None, "nccl"], ids=["default", "nccl-emulated"])
-def test_each_rank_given_only_what_its_stage_reads_trains_exactly(p2p):
+@pytest.mark.parametrize(
+    ("p2p", "loss_fn"),
+    [(None, F.mse_loss), ("nccl", F.mse_loss), (None, _summed)],
+    ids=["default", "nccl-emulated", "loss-sum-count"],
+)
+def test_each_rank_given_only_what_its_stage_reads_trains_exactly(p2p, loss_fn):
     """At p = 3 the first stage passes (x, None), the middle (None, None) and the last
     (None, y), through `train` and `train_step`, with the sequence length changing at step 2:
-    losses, weights, `evaluate` and `predict` equal the local engine's given whole batches."""
-    assert spawn(_where_needed_worker, 3, (p2p,), grace=30, threads=1) == 0
+    losses, weights, `evaluate` and `predict` equal the local engine's given whole batches,
+    for a mean loss and a `(loss_sum, count)` one."""
+    assert spawn(_where_needed_worker, 3, (p2p, loss_fn), grace=30, threads=1) == 0
 
 
 def _refused_worker(rank: int, world_size: int, p2p: str | None, where: str) -> int:
