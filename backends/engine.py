@@ -6,7 +6,8 @@ how tensors travel between them. What a user sees is written here once, so the t
 
 - the arguments are checked alike (a compiled, valid program; `p * v` modules, or on the
   distributed engine this stage's `v`, or a builder `build(k) -> nn.Module` called for the
-  segments the engine holds; callables for `loss_fn` and `optimizer`);
+  segments the engine holds; callables for `loss_fn`, `optimizer` and `lr_scheduler`, whose
+  scheduler steps with each stage's optimizer);
 - a batch is checked and split alike, and every bad batch is a `ScheduleConfigError` naming it,
   raised before anything runs;
 - `train(batches)` takes batches `num_batches` at a time (one run of the program each) and
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BaseEngine",
+    "LRSchedulerFactory",
     "LossFn",
     "OptimizerFactory",
     "SegmentBuilder",
@@ -65,6 +67,8 @@ __all__ = [
 LossFn = Callable[[Any, Any], Any]
 #: A callable from an iterable of parameters to a `torch.optim.Optimizer`.
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+#: A callable from an optimizer to a `torch.optim.lr_scheduler.LRScheduler` over it.
+LRSchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 #: `build(k) -> nn.Module`: segment k of the model (`0 <= k < p*v`), called only for the
 #: segments an engine holds (see `build_segments`).
 SegmentBuilder = Callable[[int], nn.Module]
@@ -77,14 +81,25 @@ class BaseEngine(abc.ABC):
         program: a compiled program; it is validated again here.
         loss_fn: `loss_fn(output, target)`, a scalar mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
+        lr_scheduler: None, or a callable from an optimizer to a
+            `torch.optim.lr_scheduler.LRScheduler` over it: each stage's optimizer (under ZeRO
+            each rank's shard optimizer) gets its own, stepped after every optimizer step that
+            is not skipped, and saved in checkpoints.
 
     Raises:
-        ScheduleConfigError: `program` is not a `Program`, or `loss_fn` or `optimizer` is not
-            callable (e.g. an optimizer instance instead of a factory).
+        ScheduleConfigError: `program` is not a `Program`, or `loss_fn`, `optimizer` or
+            `lr_scheduler` is not callable (e.g. an optimizer or scheduler instance instead of
+            a factory).
         ScheduleError: the program does not validate.
     """
 
-    def __init__(self, program: Program, loss_fn: LossFn, optimizer: OptimizerFactory) -> None:
+    def __init__(
+        self,
+        program: Program,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        lr_scheduler: LRSchedulerFactory | None = None,
+    ) -> None:
         if not isinstance(program, Program):
             raise ScheduleConfigError(
                 f"Engine needs a compiled Program, got {type(program).__name__}: pass "
@@ -101,6 +116,16 @@ class BaseEngine(abc.ABC):
                 f"optimizer must be a callable from parameters to a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}: pass e.g. lambda params: torch.optim.SGD(params, "
                 "lr=0.1); each stage builds its own over the parameters it holds"
+            )
+        scheduler = torch.optim.lr_scheduler.LRScheduler
+        if lr_scheduler is not None and (
+            isinstance(lr_scheduler, scheduler) or not callable(lr_scheduler)
+        ):
+            raise ScheduleConfigError(
+                f"lr_scheduler must be None or a callable from an optimizer to a "
+                f"torch.optim.lr_scheduler.LRScheduler, got {type(lr_scheduler).__name__}: pass "
+                "e.g. lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=100); "
+                "each stage builds its own over its optimizer"
             )
         self.program = program
         #: Optimizer steps taken so far (batches trained); saved in checkpoints.
@@ -286,8 +311,8 @@ class BaseEngine(abc.ABC):
 
     @abc.abstractmethod
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by either engine's `save`, or raise `CheckpointError`
-        and change nothing."""
+        """Restore a checkpoint written by either engine's `save` (its directory, or the
+        manifest path `save` returned), or raise `CheckpointError` and change nothing."""
 
     @abc.abstractmethod
     def _prepare(self, group: list[Any], first: int) -> Any:

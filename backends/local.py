@@ -54,6 +54,7 @@ from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.engine import (
     BaseEngine,
     LossFn,
+    LRSchedulerFactory,
     OptimizerFactory,
     SegmentBuilder,
     build_segments,
@@ -112,6 +113,10 @@ class Engine(BaseEngine):
         bucket_bytes: about how many bytes of gradients each launched data-parallel
             reduction carries (default 25 MiB, as torch DDP's; [Note: contiguous gradient
             buckets] in `backends.runtime.zero`).
+        lr_scheduler: `lr_scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler`:
+            each stage's (and replica's) optimizer gets its own, stepped once per optimizer
+            step that is not skipped, as the non-pipelined loop steps it once per batch; its
+            state is saved in checkpoints.
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, the
@@ -140,8 +145,9 @@ class Engine(BaseEngine):
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
+        lr_scheduler: LRSchedulerFactory | None = None,
     ) -> None:
-        super().__init__(program, loss_fn, optimizer)
+        super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
         schedule = program.schedule
         built = is_builder(segments)
@@ -185,6 +191,7 @@ class Engine(BaseEngine):
                     max_grad_norm=max_grad_norm,
                     mixed_precision=mixed_precision,
                     bucket_bytes=bucket_bytes,
+                    lr_scheduler=lr_scheduler,
                 )
                 for s in range(schedule.num_stages)
             ]
@@ -213,7 +220,8 @@ class Engine(BaseEngine):
         return write_manifest(path, program_meta(self.program), self.steps, files)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by `save` (or by the distributed backend).
+        """Restore a checkpoint written by `save` (or by the distributed backend): `path` is its
+        directory, or the manifest path `save` returned.
 
         Everything is read and checked before anything changes: a checkpoint of another
         schedule or shape, or with a missing, truncated or altered file, raises

@@ -160,6 +160,7 @@ def train_reference(
     grad_norms: list[float] | None = None,
     num_microbatches: int = 1,
     objectives: list[str] | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -179,9 +180,12 @@ def train_reference(
         num_microbatches: `m`: each local batch is split into `m` microbatches, as the engines
             split it, so a mean loss is the mean of microbatch means (`objective`).
         objectives: if given, each batch's objective (`OBJECTIVES`, `UP_FRONT`) is appended.
+        lr_scheduler: `lr_scheduler(optimizer)`, stepped after every step taken (not a skipped
+            one).
     """
     model = Chain(segments)
     opt = optimizer(model.parameters())
+    scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     names = [name for name, _ in model.named_parameters()]
     history: list[dict[str, torch.Tensor]] = []
     losses = []
@@ -218,6 +222,8 @@ def train_reference(
                 losses.append(loss.item())
                 continue
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     return losses
 
@@ -264,6 +270,7 @@ def assert_matches_reference(
     atol: float = 1e-10,
     rtol: float = 1e-10,
     max_grad_norm: float | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> float:
     """Run `program` on the local backend and the reference on copies of `segments`; compare.
 
@@ -279,7 +286,14 @@ def assert_matches_reference(
 
     schedule = program.schedule
     piped, plain = copy.deepcopy(list(segments)), copy.deepcopy(list(segments))
-    engine = Engine(program, piped, loss_fn, optimizer, max_grad_norm=max_grad_norm)
+    engine = Engine(
+        program,
+        piped,
+        loss_fn,
+        optimizer,
+        max_grad_norm=max_grad_norm,
+        lr_scheduler=lr_scheduler,
+    )
     losses = list(engine.train(batches))
     length = schedule.num_segments // type(schedule).num_replicas
     dp = program.data_parallel
@@ -292,6 +306,7 @@ def assert_matches_reference(
         batches_per_run=schedule.num_batches,
         max_grad_norm=max_grad_norm,
         num_microbatches=schedule.num_microbatches,
+        lr_scheduler=lr_scheduler,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):

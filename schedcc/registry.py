@@ -132,6 +132,9 @@ def load_object(target: str, *, what: str, kind: str = "name", error=UnknownSche
 
 
 def _import_file(path: str, what: str, error):
+    """The module of the file `path`, imported with its folder first on `sys.path`, so that it
+    imports the modules beside it as `python path` would (in every process that loads it:
+    `schedcc run`'s ranks too)."""
     file = Path(path)
     if not file.is_file():
         raise error(f"{what}: file {path!r} does not exist")
@@ -143,9 +146,13 @@ def _import_file(path: str, what: str, error):
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    folder = str(file.resolve().parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[module_name]
         raise
+    finally:
+        sys.path.remove(folder)  # the first entry equal to it: the one put there
     return module

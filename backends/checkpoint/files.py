@@ -44,6 +44,7 @@ from schedcc.errors import CheckpointError
 
 __all__ = [
     "MANIFEST",
+    "checkpoint_directory",
     "check_meta",
     "complete_checkpoints",
     "load_stage_states",
@@ -313,10 +314,19 @@ def program_meta(program) -> dict[str, Any]:
     }
 
 
+def checkpoint_directory(path: str | os.PathLike) -> Path:
+    """The checkpoint directory `path` names: itself, or the folder of its manifest (what
+    `save` returns), so that `engine.load(engine.save(path))` loads what was saved."""
+    path = Path(path)
+    return path.parent if path.name == MANIFEST and path.is_file() else path
+
+
 def load_stage_states(
     directory: str | os.PathLike, program, stages, *, tp_rank: int | None = None
 ) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]]]:
     """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
+
+    `directory` is the checkpoint's directory or its manifest file (`checkpoint_directory`).
 
     Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
     rank of that stage, in rank order (the program's layout may differ: see
@@ -325,6 +335,7 @@ def load_stage_states(
     Raises:
         CheckpointError: incomplete, altered, unsafe, or saved from another program.
     """
+    directory = checkpoint_directory(directory)
     manifest = read_manifest(directory)
     _check_step(directory, manifest["step"])
     meta = manifest["meta"]

@@ -7,12 +7,13 @@ half-way —
 
 - every field of every shard, its type and range (`backends.checkpoint.schema`), and that a
   stage's shards agree where every rank records the same (layout, skipped steps, loss scale,
-  optimizer settings);
+  optimizer settings, learning-rate scheduler);
 - under ZeRO-3, that the parameter shards make the chunks' parameters whole
   (`backends.checkpoint.sharded`);
 - the shard's identity: the stage, data-parallel rank and segment indices it records are the ones
   it is loaded as (a shard swapped or renamed between stages or ranks is refused);
 - every chunk's tensors: the same names, shapes and dtypes as this model's;
+- the learning-rate scheduler's state, where the engine has one: of the same kind of scheduler;
 - the RNG states: the CPU state is one `torch.set_rng_state` accepts (tried, then put back);
 - each shard's optimizer state in the layout it was saved in, and again as it will be loaded
   (re-laid out first where the data-parallel degree or ZeRO differ, see
@@ -27,6 +28,7 @@ loss scale made from them) and the optimizer state (`load_optimizer`).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -73,6 +75,7 @@ def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
         raise CheckpointError(
             f"{names[0]} holds no optimizer state, but this stage has an optimizer: it was altered"
         )
+    _check_lr_scheduler(names[0], whole[0]["lr_scheduler"], runtime.lr_scheduler)
     coll = runtime.collectives
     optimizer_state(
         runtime.optimizer,
@@ -92,13 +95,14 @@ def load_stage(
     *,
     ties: StageTies | None,
     scaler: LossScaler | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     zero: int,
     rank: int,
     size: int,
 ) -> None:
     """Load `saved` (every old data-parallel rank's whole state of one stage, in rank order,
     checked by `check_saved`) into a stage's modules, ZeRO shards (`reducer`), tied copies,
-    loss scale and optimizer, re-sharded to (zero, rank, size)."""
+    loss scale, optimizer (re-sharded to (zero, rank, size)) and learning-rate scheduler."""
     with reducer.placeholders():  # ZeRO-3: loaded whole, kept as this rank's shard
         for mod, state in zip(modules, saved[0]["modules"]):
             mod.load_state_dict(state)
@@ -109,6 +113,8 @@ def load_stage(
             scaler.load_state_dict(saved[0]["loss_scale"])
         if optimizer is not None:
             load_optimizer(optimizer, saved, modules, zero=zero, rank=rank, size=size)
+        if lr_scheduler is not None:  # its own copy: a scheduler keeps the lists it loads
+            lr_scheduler.load_state_dict(copy.deepcopy(saved[0]["lr_scheduler"]))
 
 
 def load_optimizer(
@@ -181,6 +187,29 @@ def _check_identity(
             f"{name} holds data-parallel rank {state['rank']} of {state['data_parallel']} but is "
             f"loaded as rank {rank} of {size} (its rank and data_parallel): shards were swapped "
             "or renamed"
+        )
+
+
+def _check_lr_scheduler(
+    name: str, saved: dict[str, Any] | None, scheduler: torch.optim.lr_scheduler.LRScheduler | None
+) -> None:
+    """A stage given an `lr_scheduler` needs the saved state of the same kind of scheduler over
+    as many parameter groups (a stage without one resumes at the learning rate the optimizer
+    state holds, and ignores a saved scheduler)."""
+    if scheduler is None:
+        return
+    kind = type(scheduler).__name__
+    if saved is None:
+        raise CheckpointError(
+            f"{name} holds no lr_scheduler state, but this engine steps a {kind}: resume "
+            "without lr_scheduler=, or from a checkpoint saved with one"
+        )
+    current = scheduler.state_dict()
+    if saved.keys() != current.keys() or len(saved["base_lrs"]) != len(current["base_lrs"]):
+        raise CheckpointError(
+            f"{name}: lr_scheduler holds {sorted(saved)} for {len(saved['base_lrs'])} parameter "
+            f"group(s), this engine's {kind} {sorted(current)} for {len(current['base_lrs'])}: "
+            "it was saved with another kind of scheduler"
         )
 
 

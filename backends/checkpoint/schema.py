@@ -248,6 +248,25 @@ _OPTIMIZER = _record(
     }
 )
 
+def _lr_scheduler(value: Any, field: str) -> None:
+    """A learning-rate scheduler's state: named values, its counts (`last_epoch`, the steps
+    taken, and `_step_count`) whole numbers and its base rates finite numbers; what else a
+    scheduler records is its own (checked against this engine's scheduler on load)."""
+    _dict_of(_name, _anything)(value, field)
+    checks = {"last_epoch": _count, "_step_count": _count, "base_lrs": _list_of(_finite_number)}
+    for key, check in checks.items():
+        if key not in value:
+            raise _Bad(f"{field}[{key!r}]", _MISSING, "")
+        check(value[key], f"{field}[{key!r}]")
+
+
+def _finite_number(value: Any, field: str) -> None:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    if not (_is_number(value) and math.isfinite(value)):
+        raise _Bad(field, value, "a finite number")
+
+
 _BYTES = _tensor(dim=1, dtype=torch.uint8)
 
 _RNG = _record({"cpu": _BYTES, "cuda": _list_of(_BYTES)}, optional=("cuda",))
@@ -265,6 +284,7 @@ SHARD: dict[str, Check] = {
     "rng": _RNG,
     "skipped_steps": _count,
     "loss_scale": _optional(_LOSS_SCALE),
+    "lr_scheduler": _optional(_lr_scheduler),
 }
 
 #: The fields a shard holds besides `SHARD`'s when saved under `zero=3`
@@ -275,7 +295,16 @@ ZERO3: dict[str, Check] = {
 }
 
 #: The fields every data-parallel rank of a stage records alike.
-_ALIKE = ("stage", "data_parallel", "segments", "zero", "numels", "skipped_steps", "loss_scale")
+_ALIKE = (
+    "stage",
+    "data_parallel",
+    "segments",
+    "zero",
+    "numels",
+    "skipped_steps",
+    "loss_scale",
+    "lr_scheduler",
+)
 
 
 def check_shard(name: str, state: Any) -> None:
@@ -304,7 +333,7 @@ def check_stage_shards(names: Sequence[str], states: Sequence[dict[str, Any]]) -
     """Raise `CheckpointError` unless a stage's shards (each passed `check_shard`), in rank
     order, record alike what every data-parallel rank records alike: the stage, the layout,
     the parameter sizes (under ZeRO-3 their names and shapes), the skipped steps, the loss
-    scale and the optimizer's settings."""
+    scale, the learning-rate scheduler's state and the optimizer's settings."""
     first = states[0]
     keys = _ALIKE + (("shapes",) if first["zero"] == 3 else ())
     for name, state in zip(names[1:], states[1:]):

@@ -2,11 +2,12 @@
 
 A shard file holds what one (stage, data-parallel rank) needs to resume between program runs:
 the chunk modules' state dicts, the optimizer's state dict (under ZeRO only this rank's shard of
-it), the layout it was saved under (`data_parallel`, `zero`, `rank`, parameter counts), its
-identity (`stage` and the `segments` it holds, with `rank`: checked on load, so shards swapped
-between stages or ranks are refused) and the RNG states. Between runs every pipeline is
-drained, so no activation and no stashed weight version is live (a weight-delayed schedule
-restarts its versions at every program run, see `backends.local.Engine.train`).
+it) and its learning-rate scheduler's, the layout it was saved under (`data_parallel`, `zero`,
+`rank`, parameter counts), its identity (`stage` and the `segments` it holds, with `rank`:
+checked on load, so shards swapped between stages or ranks are refused) and the RNG states.
+Between runs every pipeline is drained, so no activation and no stashed weight version is live
+(a weight-delayed schedule restarts its versions at every program run, see
+`backends.local.Engine.train`).
 
 [Note: elastic resume] Where only the data-parallel degree or ZeRO on/off differs, the optimizer
 state is first put in a canonical form — per chunk and per state name, one flat tensor over the
@@ -52,6 +53,7 @@ def stage_state(
     size: int,
     skipped_steps: int,
     loss_scale: dict[str, float] | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint keeps of one stage's data-parallel rank `rank` (of `size`) between
     runs, without the RNG states; under ZeRO-3 the parameters as this rank's shards
@@ -67,6 +69,7 @@ def stage_state(
         "numels": [[p.numel() for p in mod.parameters()] for mod in modules],
         "skipped_steps": skipped_steps,
         "loss_scale": loss_scale,
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
     }
     if zero == 3:  # the parameters are only this rank's shards
         state.update(shard_state(modules, reducer))

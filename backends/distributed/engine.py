@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -89,6 +89,7 @@ from schedcc.backends.distributed.transfers import Transfers, first_line
 from schedcc.backends.engine import (
     BaseEngine,
     LossFn,
+    LRSchedulerFactory,
     OptimizerFactory,
     SegmentBuilder,
     check_precision,
@@ -155,6 +156,8 @@ class Engine(BaseEngine):
             gradient norm; bfloat16 or float16 compute with float32 master weights).
         bucket_bytes: as the local `Engine`'s: about how many bytes of gradients each
             asynchronous data-parallel reduction carries.
+        lr_scheduler: as the local `Engine`'s: `lr_scheduler(optimizer)` over this rank's
+            optimizer (under ZeRO its shard optimizer), stepped with every step not skipped.
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -167,9 +170,12 @@ class Engine(BaseEngine):
         ScheduleError: the program does not validate (it could deadlock or compute wrongly).
 
     The default process group must already exist (`dist.init_process_group`, e.g. under
-    torchrun). A batch is this rank's local `(inputs, targets)`; every rank passes its batches
-    (each checks them alike, so all refuse a bad one together). `train`, `train_step`, `steps`
-    and `peak_activation_bytes` are `BaseEngine`'s.
+    torchrun). A batch is this rank's local `(inputs, targets)`, needed only where it is read:
+    the inputs on the stage holding a model replica's first segment, the targets on the last
+    segment's; other ranks may pass None for either (`train_step(None, None)` on a middle
+    stage, batches `(x, None)` on the first). Each rank checks what it holds and the ranks
+    agree, so all refuse a bad batch together ([Note: data only where needed]). `train`,
+    `train_step`, `steps` and `peak_activation_bytes` are `BaseEngine`'s.
     """
 
     def __init__(
@@ -191,13 +197,14 @@ class Engine(BaseEngine):
         max_grad_norm: float | None = None,
         mixed_precision: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
+        lr_scheduler: LRSchedulerFactory | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
                 "the distributed Engine needs torch.distributed initialised on every rank: call "
                 "dist.init_process_group(...) first (torchrun sets the environment for it)"
             )
-        super().__init__(program, loss_fn, optimizer)
+        super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
         p2p_mode(p2p, None)  # a bad name refused before any group is made
         self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group, rank_order)
@@ -208,6 +215,12 @@ class Engine(BaseEngine):
         self.tp_group = tensor_group(mesh, tp_group)
         self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else None
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        #: where the per-run check of the batches gathers ([Note: data only where needed]):
+        #: the default group under gloo; under NCCL a gloo group over the world, so the gather
+        #: moves Python objects on the host and the GPU is never synchronised for it
+        self._control = None
+        if dist.get_backend() != "gloo":
+            self._control = dist.new_group(backend="gloo", timeout=self.timeout)
         if mesh is None and pp_group is None:  # groups made here: see [Note: failures]
             bound_waits(self.timeout, self.pp_group, self.dp_group)
         self.reduce_loss = reduce_loss
@@ -246,6 +259,7 @@ class Engine(BaseEngine):
             mixed_precision=mixed_precision,
             tp_rank=self.tp_rank or 0,
             bucket_bytes=bucket_bytes,
+            lr_scheduler=lr_scheduler,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
@@ -302,34 +316,100 @@ class Engine(BaseEngine):
         return list(self.runtime.modules)
 
     def _prepare(self, group: list[Any], first: int) -> list[tuple[Any, Any]]:
-        """Every rank checks the batches (so all raise alike, before any exchange); only the
-        stages that read the inputs or the targets keep them."""
+        """This stage's microbatches of each batch, checked where the data is and refused on
+        every rank alike ([Note: data only where needed])."""
         m = self.program.schedule.num_microbatches
-        split, shapes = [], []
-        for index, batch in enumerate(group, first):
-            if not is_pair(batch):
-                raise ScheduleConfigError(
-                    f"batch {index} must be (inputs, targets) tensors or values"
-                )
-            inputs, targets = split_pair(*batch, m, where=f"batch {index}")
-            shapes += inputs
-            split.append(self._own(inputs, targets))
-        self._signatures = {i: signature(x) for i, x in enumerate(shapes)}
-        return split
+
+        def split() -> tuple[list[tuple[Any, Any]], list[Any] | None, bool]:
+            own = [
+                self._split(batch, m, f"batch {index}") for index, batch in enumerate(group, first)
+            ]
+            inputs = [x for _, _, xs in own if xs is not None for x in xs]
+            targets = any(ys is not None for _, ys, _ in own)
+            return [(x, y) for x, y, _ in own], (inputs if self._reads_inputs else None), targets
+
+        return self._agreed("the batches", split)[0]
+
+    @property
+    def _reads_inputs(self) -> bool:
+        """Whether this stage holds a model replica's first segment (and reads inputs)."""
+        return self._holds(self._layout.firsts)
 
     def _holds(self, segments: tuple[int, ...]) -> bool:
         """Whether this rank's stage holds one of `segments` (the replicas' first or last)."""
         return any(self._layout.stage_of[k] == self.stage for k in segments)
 
-    def _own(self, inputs: list[Any], targets: list[Any] | None) -> tuple[Any, Any]:
-        """The microbatches this stage reads, on its device: the inputs where a model replica
-        starts (segment 0's stage), the targets where one ends (the last segment's)."""
-        layout, device = self._layout, self.device
-        first, last = (self._holds(layout.firsts), self._holds(layout.lasts))
+    def _split(self, batch: Any, m: int, where: str) -> tuple[Any, Any, list[Any] | None]:
+        """`(inputs, targets, split inputs)` of one batch for this stage: its `m` microbatches
+        of inputs on its device where a model replica starts (segment 0's stage), of targets
+        where one ends (the last segment's), None for the rest; what it was given checked.
+
+        Raises:
+            ScheduleConfigError: not a pair, no inputs on a stage that reads them, or what
+                `split_pair` refuses.
+        """
+        if not is_pair(batch):
+            raise ScheduleConfigError(f"{where} must be (inputs, targets) tensors or values")
+        inputs, targets = batch
+        first, last = self._reads_inputs, self._holds(self._layout.lasts)
+        if first and inputs is None:
+            raise ScheduleConfigError(
+                f"{where}: inputs are None, but stage {self.stage} holds a model's first "
+                "segment and reads them: pass the batch's inputs on this rank"
+            )
+        xs, ys = split_pair(inputs, targets, m, where=where, need_inputs=first)
+        device = self.device
         return (
-            [to_device(x, device) for x in inputs] if first else None,
-            [to_device(y, device) for y in targets] if last and targets is not None else None,
+            [to_device(x, device) for x in xs] if first else None,
+            [to_device(y, device) for y in ys] if last and targets is not None else None,
+            xs if first else None,
         )
+
+    def _agreed(
+        self, what: str, split: Callable[[], tuple[Any, list[Any] | None, bool]]
+    ) -> tuple[Any, bool]:
+        """`split()` is `(this stage's microbatches, the inputs' microbatches where it reads
+        them, whether it holds targets)`; once every rank has checked its data, a rank that
+        found a problem raises its own error and every other rank a `ScheduleConfigError`
+        naming the first rank's, else `(microbatches, whether the last segment's stage holds
+        targets)` is returned. Sets the run's input signatures, from the
+        first stage where this rank reads no inputs ([Note: data only where needed]).
+
+        [Note: data only where needed] Only the stage holding segment 0 (of each model
+        replica) reads a batch's inputs and only the last segment's reads its targets; other
+        ranks may pass None for either, as DeepSpeed's pipeline engine lets them. So a bad
+        batch is seen only where its data is, and each rank checks what it holds; one small
+        collective per run (`all_gather_object` over every rank, on gloo: on the host, never
+        synchronising a GPU) then gives every rank every
+        problem, and all refuse together before any exchange, data-parallel replicas
+        included. Under p2p="nccl" (without `dynamic_shapes`) the same gather carries the
+        first stage's input signatures, which key what a rank knows of each message ([Note:
+        certain shapes] in `backends.distributed.peers`): a rank without the inputs takes
+        them from it, so the signatures match on every rank of the pipeline.
+        """
+        problem, failure, result, inputs, targets = None, None, None, None, False
+        try:
+            result, inputs, targets = split()
+        except ScheduleConfigError as exc:  # raised here as the local engine raises it
+            problem, failure = f"rank {self.rank} (stage {self.stage}): {exc}", exc
+        except Exception as exc:  # the peers must hear of it before this rank raises
+            problem, failure = f"{self._reason(exc, None)} checking {what}", exc
+        mine = {i: signature(x) for i, x in enumerate(inputs)} if inputs is not None else None
+        certain = self.p2p == "nccl" and not self.dynamic_shapes
+        entries: list = [None] * dist.get_world_size()
+        with self._collective(f"checking {what}"):
+            entry = (problem, mine if certain else None, targets)
+            dist.all_gather_object(entries, entry, group=self._control)
+        if failure is not None:
+            raise failure
+        first = next((text for text, _, _ in entries if text), None)
+        if first is not None:
+            raise ScheduleConfigError(first)
+        if mine is None and certain:
+            mine = entries[self._global_peer[self._layout.stage_of[0]]][1]
+        self._signatures = mine or {}
+        last = self._global_peer[self._layout.stage_of[self._layout.last]]
+        return result, entries[last][2]
 
     def _run(self, split: list[tuple[Any, Any]]) -> list[tuple[float, dict[str, float]]]:
         self._connect()
@@ -341,17 +421,23 @@ class Engine(BaseEngine):
         """The forward-only program on this rank's batch, split into `num_batches * m`."""
         schedule = self.program.schedule
         m, num_batches = schedule.num_microbatches, schedule.num_batches
-        xs, ys = split_pair(inputs, targets, m * num_batches, where="the batch")
-        self._signatures = {i: signature(x) for i, x in enumerate(xs)}
-        split = [
-            self._own(
-                xs[b * m : (b + 1) * m], ys[b * m : (b + 1) * m] if targets is not None else None
-            )
-            for b in range(num_batches)
-        ]
+
+        def split() -> tuple[list[tuple[Any, Any]], list[Any] | None, bool]:
+            xs, ys, given = self._split((inputs, targets), m * num_batches, "the batch")
+            per_batch = [
+                (
+                    xs[b * m : (b + 1) * m] if xs is not None else None,
+                    ys[b * m : (b + 1) * m] if ys is not None else None,
+                )
+                for b in range(num_batches)
+            ]
+            return per_batch, given, ys is not None
+
+        # evaluate (a loss) or predict (outputs): as the last segment's stage was given targets
+        split, evaluating = self._agreed("the batch", split)
         ops, visit, transfers = self._forward_steps()
         self._execute(ops, visit, transfers, split, forward_only=True)
-        if targets is not None:
+        if evaluating:
             return self._losses(num_batches, whole=True, reduce=True)[0][0], None
         outputs = self._gather_outputs() if self._layout.num_replicas > 1 else self.runtime.outputs
         if self.stage != self._layout.stage_of[self._layout.last]:
@@ -476,7 +562,8 @@ class Engine(BaseEngine):
         return Path(path) / MANIFEST
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint written by `save` (or by the local backend) on every rank.
+        """Restore a checkpoint written by `save` (or by the local backend) on every rank:
+        `path` is its directory, or the manifest path `save` returned.
 
         Each rank reads and checks what its stage needs; only if every rank succeeds does any
         rank change its weights, so a bad checkpoint raises `CheckpointError` everywhere and

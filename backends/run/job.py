@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import math
 import os
 import time
 from datetime import timedelta
@@ -46,6 +48,8 @@ __all__ = [
     "check_devices",
     "eval_batch_size",
     "global_batch_size",
+    "lr_factor",
+    "lr_scheduler_of",
     "main",
     "optimizer_of",
 ]
@@ -141,6 +145,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         p2p=config.p2p,
         max_grad_norm=config.max_grad_norm,
         mixed_precision=PRECISIONS[config.precision],
+        lr_scheduler=lr_scheduler_of(model, config),
     )
     dp_index = dist.get_rank(engine.dp_group)
     if config.resume:
@@ -253,6 +258,38 @@ def optimizer_of(model: RunModel, config):
         return torch.optim.Adam(params, lr=lr)
 
     return adam
+
+
+def lr_scheduler_of(model: RunModel, config):
+    """The model's learning-rate scheduler factory, or `--lr-schedule` and `--warmup`'s (None:
+    a constant rate)."""
+    if model.lr_scheduler is not None:
+        return model.lr_scheduler
+    if config.lr_schedule == "constant" and not config.warmup:
+        return None
+    factor = functools.partial(
+        lr_factor, warmup=config.warmup, steps=config.steps, cosine=config.lr_schedule == "cosine"
+    )
+
+    def schedule(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    return schedule
+
+
+def lr_factor(step: int, *, warmup: int, steps: int, cosine: bool) -> float:
+    """The rate's factor after `step` optimizer steps: linear over the first `warmup` (from
+    1/warmup to 1), then 1, or with `cosine` a half cosine from 1 down to 0 at `steps`.
+
+    >>> [round(lr_factor(n, warmup=2, steps=6, cosine=True), 3) for n in range(6)]
+    [0.5, 1.0, 1.0, 0.854, 0.5, 0.146]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if not cosine:
+        return 1.0
+    done = (step - warmup) / max(1, steps - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
 
 
 def global_batch_size(config) -> int:
@@ -390,6 +427,7 @@ def _check(program: Program, config, model: RunModel, initial, gathered) -> tupl
         skip_nonfinite=config.grad_norm,
         num_microbatches=config.num_microbatches,
         objectives=objectives,
+        lr_scheduler=lr_scheduler_of(model, config),
     )
     pipelined: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for payload in gathered:

@@ -103,6 +103,10 @@ class RunModel:
             and every tensor is split along dim 0 into microbatches.
         optimizer: a callable from parameters to a `torch.optim.Optimizer`; default
             `torch.optim.Adam(params, lr=--lr)`.
+        lr_scheduler: a callable from an optimizer to a
+            `torch.optim.lr_scheduler.LRScheduler` over it, stepped once per optimizer step
+            on every rank's optimizer (and by `--check`'s non-pipelined loop); None: a constant
+            rate.
         floor: a loss no model can beat (an entropy, a noise variance), shown beside the final
             loss; None shows none.
         floor_name: what the summary calls it.
@@ -137,6 +141,7 @@ class RunModel:
     count: Callable[[Any, Any], int] | None = None
     unit: str = "samples"
     eval_batch: Callable[[int, int], tuple[Any, Any]] | None = None
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, torch.optim.Optimizer):
@@ -146,7 +151,7 @@ class RunModel:
             )
         for field in ("loss_fn", "batch"):
             _need(callable(getattr(self, field)), field, "a callable")
-        for field in ("optimizer", "count", "eval_batch"):
+        for field in ("optimizer", "count", "eval_batch", "lr_scheduler"):
             value = getattr(self, field)
             _need(value is None or callable(value), field, "None or a callable")
         floor = self.floor

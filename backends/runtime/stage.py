@@ -84,7 +84,7 @@ from schedcc.semantics import recomputed, tensors_of
 if TYPE_CHECKING:
     from schedcc.program import Program
 
-__all__ = ["StageRuntime", "build_optimizer"]
+__all__ = ["StageRuntime", "build_lr_scheduler", "build_optimizer"]
 
 
 class StageRuntime:
@@ -112,6 +112,8 @@ class StageRuntime:
             tensor parallelism] in `backends.tensor_parallel`).
         bucket_bytes: about how many bytes of gradients each launched data-parallel reduction
             carries ([Note: contiguous gradient buckets] in `backends.runtime.zero`).
+        lr_scheduler: `lr_scheduler(optimizer) -> LRScheduler` over the stage's optimizer,
+            stepped after each optimizer step that is not skipped (`build_lr_scheduler`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, collectives whose size differs from the
@@ -135,6 +137,7 @@ class StageRuntime:
         mixed_precision: torch.dtype | None = None,
         tp_rank: int = 0,
         bucket_bytes: int = BUCKET_BYTES,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -180,6 +183,13 @@ class StageRuntime:
         self._trained = list(self._reducer.shards) if self._zero else params
         # A stage without parameters (e.g. a lone activation) has nothing to step.
         self.optimizer = build_optimizer(optimizer, self._trained) if self._trained else None
+        #: the optimizer's learning-rate schedule, stepped with it (None: none given, or no
+        #: optimizer)
+        self.lr_scheduler = (
+            build_lr_scheduler(lr_scheduler, self.optimizer)
+            if lr_scheduler is not None and self.optimizer is not None
+            else None
+        )
         self._dispatch: dict[type, Callable[[Any], None]] = {
             Forward: self._forward,
             Backward: self._backward,
@@ -354,6 +364,7 @@ class StageRuntime:
             size=self.collectives.size,
             skipped_steps=self.skipped_steps,
             loss_scale=scaler.state_dict() if scaler is not None else None,
+            lr_scheduler=self.lr_scheduler,
         )
 
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
@@ -378,6 +389,7 @@ class StageRuntime:
             self._reducer,
             ties=self.ties,
             scaler=self.norm.scaler,
+            lr_scheduler=self.lr_scheduler,
             zero=self._zero,
             rank=coll.rank,
             size=coll.size,
@@ -575,8 +587,10 @@ class StageRuntime:
         skip, self.norm.skip = self.norm.skip, False
         self.skipped_steps += skip
         if self.optimizer is not None:
-            if not skip:
+            if not skip:  # a skipped step leaves the schedule where it was, too
                 self.optimizer.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         for mod in self._views:
             mod.zero_grad(set_to_none=True)
@@ -631,6 +645,33 @@ def build_optimizer(
             "torch.optim.SGD(params, lr=0.1)"
         )
     return optimizer
+
+
+def build_lr_scheduler(
+    factory: Callable[[torch.optim.Optimizer], Any], optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """`factory(optimizer)`, through the user-code guard, checked to be a learning-rate
+    scheduler that steps without a metric.
+
+    Raises:
+        UserCodeError: the factory raised.
+        ScheduleConfigError: it returned something other than a
+            `torch.optim.lr_scheduler.LRScheduler`, or a `ReduceLROnPlateau` (whose step needs
+            a metric the engines do not have).
+    """
+    name = name_of(factory)
+    scheduler = call_user(f"the lr_scheduler factory {name}", lambda: factory(optimizer))
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if plateau or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        got = "None" if scheduler is None else f"a {type(scheduler).__name__}"
+        why = ", whose step needs a metric" if plateau else ""
+        raise ScheduleConfigError(
+            f"the lr_scheduler factory {name} returned {got}{why}, not a "
+            "torch.optim.lr_scheduler.LRScheduler stepped once per optimizer step: return one "
+            "built over the optimizer it is given, e.g. lambda opt: "
+            "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))"
+        )
+    return scheduler
 
 
 def _functional(module: nn.Module, params: dict[str, torch.Tensor], /, *args, **kwargs) -> Any:

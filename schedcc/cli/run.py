@@ -76,6 +76,10 @@ class Config:
     eval_batches: int = 2
     #: The default mesh's order ([Note: rank layout] in `backends.distributed.groups`).
     rank_order: str = "pp-inner"
+    #: The learning rate's schedule when the model brings no scheduler: "constant" or
+    #: "cosine" (to 0 at the last step), after a linear warmup over `warmup` steps.
+    lr_schedule: str = "constant"
+    warmup: int = 0
 
     @property
     def world_size(self) -> int:
@@ -120,6 +124,20 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--lr", type=float, help="learning rate of the default optimizer, Adam (default 0.01)"
+    )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="the learning rate after --warmup: constant (default), or a cosine decay to 0 at "
+        "the last step; stepped with every rank's optimizer",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="raise the learning rate linearly over the first N optimizer steps (default 0)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="write the measured Chrome trace here")
@@ -302,6 +320,11 @@ def _model(config: Config, schedule):
             f"--lr sets the default optimizer's learning rate, but --model {config.model} brings "
             "its own optimizer: set the rate there, or drop --lr"
         )
+    if model.lr_scheduler is not None and (config.lr_schedule != "constant" or config.warmup):
+        raise UsageError(
+            f"--lr-schedule and --warmup schedule the learning rate, but --model {config.model} "
+            "brings its own lr_scheduler: schedule it there, or drop them"
+        )
     tied = tuple(tied_groups(model.segments))  # within one replica; compile ties the copies
     compile(  # a bad program is one line, exit 2
         schedule,
@@ -320,6 +343,8 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.lr is not None and not 0 < args.lr < math.inf:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
+    if not 0 <= args.warmup <= args.steps:
+        raise UsageError(f"--warmup must be 0 to --steps ({args.steps}) steps, got {args.warmup}")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
     if args.tp not in (1, 2, 4):
@@ -390,6 +415,8 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         eval_every=args.eval_every or 0,
         eval_batches=args.eval_batches,
         rank_order=args.rank_order,
+        lr_schedule=args.lr_schedule,
+        warmup=args.warmup,
     )
     return config, schedule
 
