@@ -48,6 +48,7 @@ from torch import nn
 from schedcc.backends.engine import build_segments, check_segments, is_builder
 from schedcc.backends.runtime.collectives import DONE, Work
 from schedcc.backends.runtime.losses import count_carriers
+from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
@@ -312,14 +313,17 @@ class _AllOf:
 def bound_waits(timeout: timedelta, *groups) -> None:
     """Give process groups the engine made the engine's timeout for every wait on them (see
     [Note: failures]); the default group, which a mesh dimension over the world reuses, keeps
-    its own."""
+    its own. An NCCL group takes `WATCHDOG_GRACE_S` more: its waits are stream waits, and the
+    engine's own bounded wait for the GPU (`wait_device`) fires first, with its one line,
+    before NCCL's watchdog ends the process without a word."""
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # as torchtitan does
     if set_timeout is None:
         return
     world = dist.group.WORLD.group_name  # type: ignore[union-attr]
     for group in groups:
         if group.group_name != world and dist.get_world_size(group) > 1:
-            set_timeout(timeout, group)
+            nccl = dist.get_backend(group) == "nccl"
+            set_timeout(timeout + timedelta(seconds=WATCHDOG_GRACE_S if nccl else 0), group)
 
 
 def sum_in_rank_order(tensor: torch.Tensor, group, size: int) -> None:

@@ -31,6 +31,7 @@ from schedcc.backends.distributed.transfers import first_line
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import keep_freed_memory
 from schedcc.backends.run.models import RunModel
+from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S
 from schedcc.backends.tensor_parallel import (
     ParallelBlock,
     ParallelGPTBlock,
@@ -94,7 +95,9 @@ def main(rank: int, world_size: int, config, model: RunModel | None = None) -> i
             backend,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=config.timeout),
+            timeout=timedelta(
+                seconds=config.timeout + (WATCHDOG_GRACE_S if backend == "nccl" else 0)
+            ),
             device_id=device if device.type == "cuda" else None,
         )
         code = _train(rank, config, device, model)
