@@ -326,7 +326,8 @@ class Engine(BaseEngine):
             ]
             inputs = [x for _, _, xs in own if xs is not None for x in xs]
             targets = any(ys is not None for _, ys, _ in own)
-            return [(x, y) for x, y, _ in own], (inputs if self._reads_inputs else None), targets
+            given = all(xs is not None for _, _, xs in own)
+            return [(x, y) for x, y, _ in own], (inputs if given else None), targets
 
         return self._agreed("the batches", split)[0]
 
@@ -342,7 +343,8 @@ class Engine(BaseEngine):
     def _split(self, batch: Any, m: int, where: str) -> tuple[Any, Any, list[Any] | None]:
         """`(inputs, targets, split inputs)` of one batch for this stage: its `m` microbatches
         of inputs on its device where a model replica starts (segment 0's stage), of targets
-        where one ends (the last segment's), None for the rest; what it was given checked.
+        where one ends (the last segment's), None for the rest, and the inputs' microbatches
+        wherever they were given (their signatures); what it was given checked.
 
         Raises:
             ScheduleConfigError: not a pair, no inputs on a stage that reads them, or what
@@ -362,7 +364,7 @@ class Engine(BaseEngine):
         return (
             [to_device(x, device) for x in xs] if first else None,
             [to_device(y, device) for y in ys] if last and targets is not None else None,
-            xs if first else None,
+            xs if inputs is not None else None,  # any stage given them knows their signatures
         )
 
     def _agreed(
@@ -379,13 +381,14 @@ class Engine(BaseEngine):
         replica) reads a batch's inputs and only the last segment's reads its targets; other
         ranks may pass None for either, as DeepSpeed's pipeline engine lets them. So a bad
         batch is seen only where its data is, and each rank checks what it holds; one small
-        collective per run (`all_gather_object` over every rank, on gloo: on the host, never
-        synchronising a GPU) then gives every rank every
-        problem, and all refuse together before any exchange, data-parallel replicas
-        included. Under p2p="nccl" (without `dynamic_shapes`) the same gather carries the
-        first stage's input signatures, which key what a rank knows of each message ([Note:
-        certain shapes] in `backends.distributed.peers`): a rank without the inputs takes
-        them from it, so the signatures match on every rank of the pipeline.
+        all-reduce per run (three flags, on gloo: on the host, never synchronising a GPU) then
+        tells every rank whether any found a problem, and only then do the problems travel
+        (`all_gather_object`), so all refuse together before any exchange, data-parallel
+        replicas included. Under p2p="nccl" (without `dynamic_shapes`) the run's input
+        signatures key what a rank knows of each message ([Note: certain shapes] in
+        `backends.distributed.peers`): a rank given the inputs computes them, and where some
+        rank was not, the flags say so and the first stage's travel to it, so the signatures
+        match on every rank of the pipeline.
         """
         problem, failure, result, inputs, targets = None, None, None, None, False
         try:
@@ -394,22 +397,32 @@ class Engine(BaseEngine):
             problem, failure = f"rank {self.rank} (stage {self.stage}): {exc}", exc
         except Exception as exc:  # the peers must hear of it before this rank raises
             problem, failure = f"{self._reason(exc, None)} checking {what}", exc
-        mine = {i: signature(x) for i, x in enumerate(inputs)} if inputs is not None else None
         certain = self.p2p == "nccl" and not self.dynamic_shapes
-        entries: list = [None] * dist.get_world_size()
-        with self._collective(f"checking {what}"):
-            entry = (problem, mine if certain else None, targets)
-            dist.all_gather_object(entries, entry, group=self._control)
-        if failure is not None:
-            raise failure
-        first = next((text for text, _, _ in entries if text), None)
-        if first is not None:
-            raise ScheduleConfigError(first)
-        if mine is None and certain:
-            mine = entries[self._global_peer[self._layout.stage_of[0]]][1]
+        mine = None
+        if certain and inputs is not None:
+            mine = {i: signature(x) for i, x in enumerate(inputs)}
+        last = self._holds(self._layout.lasts)
+        # one small all-reduce says whether any rank found a problem, lacks the signatures or
+        # holds the targets; only then do Python objects travel
+        flags = torch.tensor([problem is not None, certain and mine is None, last and targets])
+        with self._collective(f"checking {what}", self._control):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        found, lacking, targets_held = flags.tolist()
+        if found:
+            entries: list = [None] * dist.get_world_size()
+            with self._collective(f"checking {what}", self._control):
+                dist.all_gather_object(entries, problem, group=self._control)
+            if failure is not None:
+                raise failure
+            raise ScheduleConfigError(next(text for text in entries if text))
+        if lacking:
+            entries = [None] * dist.get_world_size()
+            with self._collective(f"checking {what}", self._control):
+                dist.all_gather_object(entries, mine, group=self._control)
+            if mine is None:
+                mine = entries[self._global_peer[self._layout.stage_of[0]]]
         self._signatures = mine or {}
-        last = self._global_peer[self._layout.stage_of[self._layout.last]]
-        return result, entries[last][2]
+        return result, bool(targets_held)
 
     def _run(self, split: list[tuple[Any, Any]]) -> list[tuple[float, dict[str, float]]]:
         self._connect()
