@@ -45,10 +45,13 @@ from schedcc.errors import CheckpointError
 __all__ = [
     "MANIFEST",
     "check_meta",
+    "check_step",
     "complete_checkpoints",
+    "is_reshaped",
     "load_stage_states",
     "program_meta",
     "latest_checkpoint",
+    "read_checkpoint",
     "read_manifest",
     "read_shard",
     "rewrite_shard",
@@ -191,7 +194,7 @@ def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
             )
 
 
-def _check_step(directory: str | os.PathLike, step: int) -> None:
+def check_step(directory: str | os.PathLike, step: int) -> None:
     """A checkpoint in a step directory (`step_dir`) holds that many steps: resuming takes the
     data from there (`schedcc run --resume`), so another step would shift it."""
     match = _STEP_DIR.fullmatch(Path(directory).name)
@@ -313,22 +316,16 @@ def program_meta(program) -> dict[str, Any]:
     }
 
 
-def load_stage_states(
-    directory: str | os.PathLike, program, stages, *, tp_rank: int | None = None
-) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]]]:
-    """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
-
-    Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
-    rank of that stage, in rank order (the program's layout may differ: see
-    `backends.checkpoint.state`); with `tp_rank`, those of that tensor-parallel rank.
+def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a complete checkpoint whose files are all as it lists them, its step and
+    layout checked; no shard is read.
 
     Raises:
-        CheckpointError: incomplete, altered, unsafe, or saved from another program.
+        CheckpointError: incomplete, altered, or its manifest malformed.
     """
     manifest = read_manifest(directory)
-    _check_step(directory, manifest["step"])
+    check_step(directory, manifest["step"])
     meta = manifest["meta"]
-    check_meta(meta, program_meta(program))
     for key, least in (("data_parallel", 1), ("zero", 0)):
         if not _is_count(meta.get(key)) or meta[key] < least:
             raise CheckpointError(
@@ -336,7 +333,40 @@ def load_stage_states(
                 f">= {least}"
             )
     verify_files(directory, manifest)
-    old_dp = meta["data_parallel"]
+    return manifest
+
+
+def is_reshaped(meta: dict[str, Any], program) -> bool:
+    """Whether a checkpoint of `meta` loads into `program` by name ([Note: re-shaping by name]
+    in `backends.checkpoint.reshape`): its shape differs in more than the data-parallel degree
+    and ZeRO, which the shards re-shard across as they are."""
+    current = program_meta(program)
+    keys = (meta.keys() | current.keys()) - {"data_parallel", "zero"}
+    return any(meta.get(key) != current.get(key) for key in keys)
+
+
+def load_stage_states(
+    directory: str | os.PathLike,
+    program,
+    stages,
+    *,
+    tp_rank: int | None = None,
+    manifest: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]]]:
+    """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
+
+    Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
+    rank of that stage, in rank order (the program's layout may differ: see
+    `backends.checkpoint.state`); with `tp_rank`, those of that tensor-parallel rank. Pass the
+    `manifest` `read_checkpoint` returned not to read and verify it again.
+
+    Raises:
+        CheckpointError: incomplete, altered, unsafe, or saved from another program.
+    """
+    if manifest is None:
+        manifest = read_checkpoint(directory)
+    check_meta(manifest["meta"], program_meta(program))
+    old_dp = manifest["meta"]["data_parallel"]
     states = {
         s: [read_shard(directory, shard_name(s, r, tp_rank), manifest) for r in range(old_dp)]
         for s in stages

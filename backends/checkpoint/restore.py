@@ -12,7 +12,8 @@ half-way —
   (`backends.checkpoint.sharded`);
 - the shard's identity: the stage, data-parallel rank and segment indices it records are the ones
   it is loaded as (a shard swapped or renamed between stages or ranks is refused);
-- every chunk's tensors: the same names, shapes and dtypes as this model's;
+- every chunk's tensors: the same names, shapes and dtypes as this model's, and its parameters'
+  names (`names`, what a load into another shape maps by) this model's;
 - the RNG states: the CPU state is one `torch.set_rng_state` accepts (tried, then put back);
 - each shard's optimizer state in the layout it was saved in, and again as it will be loaded
   (re-laid out first where the data-parallel degree or ZeRO differ, see
@@ -193,6 +194,12 @@ def _check_modules(
             f"{name}: numels is {state['numels']}, this model's parameters' sizes {numels} "
             f"(in {len(state['modules'])} modules, this model's {len(modules)}): it was saved "
             "from another model"
+        )
+    names = [[key for key, _ in mod.named_parameters()] for mod in modules]
+    if state["names"] != names:
+        raise CheckpointError(
+            f"{name}: names is {state['names']}, this model's parameters' names {names}: it "
+            "was altered, or saved from another model"
         )
     for c, (segment, module, tensors) in enumerate(zip(segments, modules, state["modules"])):
         where = f"{name}: modules[{c}] (segment {segment})"

@@ -65,6 +65,7 @@ def stage_state(
         "rank": rank,
         "data_parallel": size,
         "numels": [[p.numel() for p in mod.parameters()] for mod in modules],
+        "names": [[name for name, _ in mod.named_parameters()] for mod in modules],
         "skipped_steps": skipped_steps,
         "loss_scale": loss_scale,
     }

@@ -1,0 +1,435 @@
+"""Loading a checkpoint into another shape, by the parameters' names; the whole model's state.
+
+[Note: re-shaping by name] A checkpoint's shards hold each chunk's module state and, per chunk,
+its parameters' names in `parameters()` order (`names`). Every tensor of the model has a
+*model-wide name* (`model_names`): its key in its segment's state dict where no two segments
+share a key (the segments keep the model's own module names, as `schedcc.partition` and
+`schedcc.split` do: `"2.weight"` whichever segment holds layer 2), else `segment<k>.<key>`.
+Where the program's shape differs from the checkpoint's in anything but the data-parallel
+degree and ZeRO (another m, schedule, v, p or cut), a load reads every shard of the checkpoint
+(`read_model`), checks each as a load of its own shape would (its schema, its identity, its
+stage's shards agreeing, the ZeRO-3 shards whole, its optimizer state's numbering), and takes
+each parameter's value and optimizer state by name: a ZeRO shard's state is joined over its
+ranks and cut per parameter ([Note: elastic resume] in `backends.checkpoint.state`). For each
+stage of the new program it then builds the shard a save of one data-parallel rank without ZeRO
+would have written (`stage_shard`), which the ordinary checks and load take from there, and
+re-shard to the program's data-parallel degree and ZeRO.
+
+What cannot carry over is refused, before anything changes, with a `CheckpointError` naming the
+tensor and the file: a name of this model the checkpoint lacks, a name of the checkpoint this
+model lacks (a checkpoint loads whole or not at all), another shape or dtype, the stages'
+optimizer settings, skipped steps or loss scales differing (they are one run's, equal on every
+stage), or an optimizer of several parameter groups (its groups are positional: they do not
+map across cuts). The RNG state is per rank: a rank takes the saved state of the rank of the
+same *global index* `dp_rank * p + stage` in the checkpoint (modulo the number of saved
+ranks), so a run of the same shape restores exactly and one of another shape is reseeded from
+a saved state deterministically; the local engine, one process, takes index 0's as it does for
+a checkpoint of its own shape.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from schedcc.backends.checkpoint.files import (
+    check_step,
+    read_manifest,
+    read_shard,
+    shard_name,
+    verify_files,
+)
+from schedcc.backends.checkpoint.optimizer import check_numbering
+from schedcc.backends.checkpoint.schema import check_shard, check_stage_shards, same_value
+from schedcc.backends.checkpoint.sharded import whole_states
+from schedcc.backends.checkpoint.state import canonical_optimizer_state, layout_optimizer_state
+from schedcc.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from schedcc.backends.runtime.stage import StageRuntime
+
+__all__ = [
+    "SavedModel",
+    "export",
+    "missing_from_model",
+    "model_names",
+    "read_model",
+    "rng_index",
+    "runtime_shard",
+    "stage_shard",
+]
+
+
+def model_names(keys: Mapping[int, Sequence[str]]) -> dict[int, dict[str, str]]:
+    """Per segment `k`, each key of its state dict (`keys[k]`) to its model-wide name: the key
+    itself where no two segments share a key, else `segment<k>.<key>` ([Note: re-shaping by
+    name]).
+
+    >>> model_names({0: ["0.weight"], 1: ["1.weight"]})
+    {0: {'0.weight': '0.weight'}, 1: {'1.weight': '1.weight'}}
+    >>> model_names({0: ["weight"], 1: ["weight"]})
+    {0: {'weight': 'segment0.weight'}, 1: {'weight': 'segment1.weight'}}
+    """
+    every = [key for segment in keys.values() for key in segment]
+    own = len(set(every)) == len(every)
+    return {
+        k: {key: key if own else f"segment{k}.{key}" for key in segment}
+        for k, segment in sorted(keys.items())
+    }
+
+
+def rng_index(stage: int, dp_rank: int, num_stages: int) -> int:
+    """A rank's global index, which picks its saved RNG state ([Note: re-shaping by name])."""
+    return dp_rank * num_stages + stage
+
+
+@attrs.define(frozen=True)
+class SavedModel:
+    """The whole model a checkpoint holds, by model-wide name (`read_model`).
+
+    Attributes:
+        tensors: every module state tensor (parameters and buffers), whole, in model order.
+        files: the shard each name was read from (for messages).
+        optimizer: each parameter's optimizer state (names of parameters only; `{}` where a
+            parameter has none yet).
+        settings: the optimizer's settings (one parameter group's, without `params`), or None
+            where the checkpoint holds no optimizer state.
+        rng: the saved RNG states, by global index (`rng_index`).
+        skipped_steps: the run's skipped steps.
+        loss_scale: the run's loss scale, or None.
+    """
+
+    tensors: dict[str, Any]
+    files: dict[str, str]
+    optimizer: dict[str, dict[str, Any]]
+    settings: dict[str, Any] | None
+    rng: list[dict[str, Any]]
+    skipped_steps: int
+    loss_scale: dict[str, Any] | None
+
+
+def read_model(directory: str | os.PathLike, manifest: dict[str, Any]) -> SavedModel:
+    """Read and check every shard of a complete, verified checkpoint (`files.verify_files`) and
+    key what they hold by model-wide name; nothing is applied.
+
+    Raises:
+        CheckpointError: a shard fails its checks (as a load of its own shape would refuse it),
+            or the stages disagree on what one run records alike.
+    """
+    meta = manifest["meta"]
+    num_stages, dp = (meta.get(key) for key in ("num_stages", "data_parallel"))
+    for key, value in (("num_stages", num_stages), ("data_parallel", dp)):
+        if type(value) is not int or value < 1:
+            raise CheckpointError(
+                f"checkpoint {directory}: meta {key} is {value!r}, not an integer >= 1"
+            )
+    stages = [_read_stage(directory, manifest, s, dp) for s in range(num_stages)]
+    _check_alike(directory, stages)
+    keys, held = {}, {}
+    for s, whole in enumerate(stages):
+        per_parameter = _parameter_states(whole)
+        for c, k in enumerate(whole[0]["segments"]):
+            if k in keys:
+                raise CheckpointError(
+                    f"{shard_name(s, 0)}: segments holds segment {k}, which "
+                    f"{held[k][0]} holds too: it was altered"
+                )
+            keys[k] = list(whole[0]["modules"][c])
+            held[k] = (shard_name(s, 0), whole, c, per_parameter[c])
+    names = model_names(keys)
+    tensors, files, optimizer = {}, {}, {}
+    for k in sorted(held):
+        name, whole, c, per_parameter = held[k]
+        for key, value in whole[0]["modules"][c].items():
+            tensors[names[k][key]] = value
+            files[names[k][key]] = name
+        for key, state in zip(whole[0]["names"][c], per_parameter):
+            optimizer[names[k][key]] = state
+    first = stages[0][0]
+    return SavedModel(
+        tensors=tensors,
+        files=files,
+        optimizer=optimizer,
+        settings=_settings(directory, stages),
+        rng=[stages[s][r]["rng"] for r in range(dp) for s in range(num_stages)],
+        skipped_steps=first["skipped_steps"],
+        loss_scale=first["loss_scale"],
+    )
+
+
+def _read_stage(
+    directory: str | os.PathLike, manifest: dict[str, Any], stage: int, dp: int
+) -> list[dict[str, Any]]:
+    """One old stage's shards, checked as a load of their own shape checks them, whole."""
+    names = [shard_name(stage, r) for r in range(dp)]
+    states = [read_shard(directory, name, manifest) for name in names]
+    for name, state in zip(names, states):
+        check_shard(name, state)
+    for rank, (name, state) in enumerate(zip(names, states)):
+        if (state["stage"], state["rank"], state["data_parallel"]) != (stage, rank, dp):
+            raise CheckpointError(
+                f"{name} holds stage {state['stage']}, data-parallel rank {state['rank']} of "
+                f"{state['data_parallel']}, but is the file of stage {stage}, rank {rank} of "
+                f"{dp}: shards were swapped or renamed"
+            )
+    check_stage_shards(names, states)
+    whole = whole_states(states)
+    for name, state in zip(names, whole):
+        _check_names(name, state)
+        if state["optimizer"] is not None:
+            check_numbering(name, state["optimizer"])
+    return whole
+
+
+def _check_names(name: str, state: dict[str, Any]) -> None:
+    """`names` lists, per chunk, distinct keys of its module state of the sizes `numels` gives."""
+    chunks = len(state["modules"])
+    if len(state["names"]) != chunks or len(state["numels"]) != chunks:
+        raise CheckpointError(
+            f"{name}: names holds {len(state['names'])} chunks, numels "
+            f"{len(state['numels'])}, modules {chunks}: it was altered"
+        )
+    for c, (keys, sizes, module) in enumerate(
+        zip(state["names"], state["numels"], state["modules"])
+    ):
+        tensors = [module.get(key) for key in keys]
+        numels = [t.numel() if isinstance(t, torch.Tensor) else None for t in tensors]
+        if len(set(keys)) != len(keys) or numels != sizes:
+            raise CheckpointError(
+                f"{name}: names[{c}] is {keys}, not distinct tensors of modules[{c}] of the "
+                f"sizes numels[{c}] {sizes}: it was altered"
+            )
+
+
+def _parameter_states(whole: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Per chunk, each parameter's optimizer state, as if saved by one rank without ZeRO."""
+    first = whole[0]
+    name = shard_name(first["stage"], 0)
+    if first["optimizer"] is None:
+        return [[{} for _ in sizes] for sizes in first["numels"]]
+    shapes = [
+        [module[key].shape for key in keys]
+        for keys, module in zip(first["names"], first["modules"])
+    ]
+    try:
+        canonical = canonical_optimizer_state(whole, first["numels"])
+        flat = layout_optimizer_state(canonical, first["numels"], shapes, zero=0, rank=0, size=1)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{name}: {exc}") from None
+    except (IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{name}: its optimizer state cannot be cut per parameter: {type(exc).__name__}: {exc}"
+        ) from None
+    states, index = [], 0
+    for sizes in first["numels"]:
+        states.append([flat.get(index + j, {}) for j in range(len(sizes))])
+        index += len(sizes)
+    return states
+
+
+def _check_alike(directory: str | os.PathLike, stages: Sequence[Sequence[dict]]) -> None:
+    """The stages record one run alike: its skipped steps and its loss scale."""
+    first = stages[0][0]
+    for s, whole in enumerate(stages[1:], start=1):
+        for key in ("skipped_steps", "loss_scale"):
+            if not same_value(whole[0][key], first[key]):
+                raise CheckpointError(
+                    f"{shard_name(s, 0)}: {key} is {whole[0][key]!r}, {shard_name(0, 0)}'s "
+                    f"{first[key]!r}: shards of different checkpoints were mixed"
+                )
+
+
+def _settings(
+    directory: str | os.PathLike, stages: Sequence[Sequence[dict]]
+) -> dict[str, Any] | None:
+    """The one parameter group's settings every stage's optimizer was saved with."""
+    found: tuple[str, dict[str, Any]] | None = None
+    for s, whole in enumerate(stages):
+        optimizer = whole[0]["optimizer"]
+        if optimizer is None:
+            continue
+        name = shard_name(s, 0)
+        groups = optimizer["param_groups"]
+        if len(groups) != 1:
+            raise CheckpointError(
+                f"{name}: its optimizer has {len(groups)} parameter groups; a checkpoint "
+                "loads into another shape by parameter name, and parameter groups are "
+                "positional: load it into the shape it was saved from"
+            )
+        settings = {key: value for key, value in groups[0].items() if key != "params"}
+        if found is not None and not same_value(settings, found[1]):
+            raise CheckpointError(
+                f"{name}: optimizer settings {settings!r}, {found[0]}'s {found[1]!r}: stages "
+                "with other settings cannot be merged into another shape"
+            )
+        found = found or (name, settings)
+    return found[1] if found is not None else None
+
+
+def stage_shard(
+    saved: SavedModel,
+    directory: str | os.PathLike,
+    *,
+    stage: int,
+    segments: Sequence[int],
+    modules: Sequence[torch.nn.Module],
+    kinds: Sequence[Mapping[str, tuple[torch.Size, torch.dtype]]],
+    names: Mapping[int, Mapping[str, str]],
+    optimizer: torch.optim.Optimizer | None,
+    rng: int,
+) -> dict[str, Any]:
+    """The shard one rank of `stage` without ZeRO would have saved, built from `saved` by name.
+
+    Args:
+        saved: what `read_model` read.
+        directory: the checkpoint (for messages).
+        stage: the stage in the new program.
+        segments: its segments, by chunk.
+        modules: its chunk modules (their keys and parameter names; not changed).
+        kinds: per chunk, each state tensor's whole shape and dtype.
+        names: the new model's model-wide names (`model_names` of the whole new model).
+        optimizer: the stage's optimizer, or None.
+        rng: the global index whose saved RNG state the rank takes (`rng_index`).
+
+    Raises:
+        CheckpointError: a tensor of this stage that the checkpoint lacks, or of another shape
+            or dtype; or the stage has an optimizer the checkpoint holds no state of, or one of
+            several parameter groups.
+    """
+    where = f"checkpoint {directory}"
+    chunks, params = [], []
+    for c, (k, module) in enumerate(zip(segments, modules)):
+        state = {}
+        for key in module.state_dict():
+            name = names[k][key]
+            if name not in saved.tensors:
+                raise CheckpointError(
+                    f"{where}: this model's {name} (segment {k}) is in none of its files: it "
+                    "was saved from another model"
+                )
+            value = saved.tensors[name]
+            if key in kinds[c] and not _fits(value, kinds[c][key]):
+                shape, dtype = kinds[c][key]
+                raise CheckpointError(
+                    f"{where}: {name} is {_describe(value)} in {saved.files[name]}, this "
+                    f"model's {tuple(shape)} {dtype}: it was saved from another model"
+                )
+            state[key] = value
+        chunks.append(state)
+        params.append([names[k][key] for key, _ in module.named_parameters()])
+    return {
+        "stage": stage,
+        "rank": 0,
+        "data_parallel": 1,
+        "segments": list(segments),
+        "zero": 0,
+        "numels": [[saved.tensors[name].numel() for name in chunk] for chunk in params],
+        "names": [[key for key, _ in module.named_parameters()] for module in modules],
+        "modules": chunks,
+        "optimizer": _optimizer_state(saved, where, optimizer, params),
+        "rng": saved.rng[rng % len(saved.rng)],
+        "skipped_steps": saved.skipped_steps,
+        "loss_scale": saved.loss_scale,
+    }
+
+
+def _optimizer_state(
+    saved: SavedModel,
+    where: str,
+    optimizer: torch.optim.Optimizer | None,
+    params: Sequence[Sequence[str]],
+) -> dict[str, Any] | None:
+    if optimizer is None:
+        return None
+    if saved.settings is None:
+        raise CheckpointError(f"{where} holds no optimizer state, but this stage has an optimizer")
+    if len(optimizer.param_groups) != 1:
+        raise CheckpointError(
+            f"{where}: this stage's optimizer has {len(optimizer.param_groups)} parameter "
+            "groups; a checkpoint loads into another shape by parameter name, and parameter "
+            "groups are positional: use one group, or the shape the checkpoint was saved from"
+        )
+    order = [name for chunk in params for name in chunk]
+    state = {
+        i: {key: _copy(value) for key, value in saved.optimizer[name].items()}
+        for i, name in enumerate(order)
+        if saved.optimizer.get(name)
+    }
+    return {"state": state, "param_groups": [{**saved.settings, "params": list(range(len(order)))}]}
+
+
+def runtime_shard(
+    saved: SavedModel,
+    directory: str | os.PathLike,
+    runtime: StageRuntime,
+    names: Mapping[int, Mapping[str, str]],
+    *,
+    rng: int,
+) -> dict[str, Any]:
+    """`stage_shard` for a stage runtime, checked as any shard it loads (`check_state`), so
+    that loading it cannot fail; nothing is changed.
+
+    Raises:
+        CheckpointError: as `stage_shard`, or the shard does not fit (naming the stage).
+    """
+    schedule = runtime.program.schedule
+    stage = runtime.stage
+    shard = stage_shard(
+        saved,
+        directory,
+        stage=stage,
+        segments=[schedule.segment_of(stage, c) for c in range(len(runtime.modules))],
+        modules=runtime.modules,
+        kinds=runtime.tensor_kinds(),
+        names=names,
+        optimizer=runtime.optimizer,
+        rng=rng,
+    )
+    try:
+        runtime.check_state([shard])
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"checkpoint {directory}, taken by name for stage {stage}: {exc}"
+        ) from None
+    return shard
+
+
+def missing_from_model(
+    saved: SavedModel, directory: str | os.PathLike, names: Mapping[int, Mapping[str, str]]
+) -> None:
+    """Raise `CheckpointError` where the checkpoint holds a tensor the new model lacks."""
+    ours = {name for segment in names.values() for name in segment.values()}
+    extra = [name for name in saved.tensors if name not in ours]
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {directory}: {extra[0]} (in {saved.files[extra[0]]}) is no tensor of "
+            f"this model{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}: a "
+            "checkpoint loads whole or not at all"
+        )
+
+
+def _fits(value: Any, kind: tuple[torch.Size, torch.dtype]) -> bool:
+    return isinstance(value, torch.Tensor) and (value.shape, value.dtype) == tuple(kind)
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
+def export(directory: str | os.PathLike) -> dict[str, Any]:
+    """The whole model's state dict from a checkpoint directory (`schedcc.export`)."""
+    manifest = read_manifest(directory)
+    check_step(directory, manifest["step"])
+    verify_files(directory, manifest)
+    return dict(read_model(Path(directory), manifest).tensors)
