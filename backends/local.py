@@ -44,6 +44,7 @@ from torch import nn
 
 from schedcc.backends.batches import local_batches, same_sizes, split_pair
 from schedcc.backends.checkpoint.files import (
+    cut_of,
     is_reshaped,
     load_stage_states,
     program_meta,
@@ -213,7 +214,7 @@ class Engine(BaseEngine):
                 state = runtime.state_dict()
                 state["rng"] = rng_state()
                 files[shard_name(s, r)] = write_shard(path, shard_name(s, r), state)
-        return write_manifest(path, program_meta(self.program), self.steps, files)
+        return write_manifest(path, self._meta(), self.steps, files)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by `save` (or by the distributed backend).
@@ -225,7 +226,7 @@ class Engine(BaseEngine):
         ([Note: re-shaping by name] in `backends.checkpoint.reshape`).
         """
         manifest = read_checkpoint(path)
-        if is_reshaped(manifest["meta"], self.program):
+        if is_reshaped(manifest["meta"], self._meta()):
             states, rng = self._reshaped(path, manifest)
         else:
             stages = range(self.program.num_stages)
@@ -239,6 +240,10 @@ class Engine(BaseEngine):
                 runtime.load_state_dict(states[s])
         set_rng_state(rng)
         self.steps = manifest["step"]
+
+    def _meta(self) -> dict[str, Any]:
+        keys = {k: list(segment.state_dict()) for k, segment in enumerate(self.segments)}
+        return program_meta(self.program, cut_of(keys))
 
     def _reshaped(self, path, manifest) -> tuple[dict[int, list[dict]], dict]:
         """Each stage's shard taken by name from a checkpoint of another shape, and the RNG

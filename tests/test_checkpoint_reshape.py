@@ -41,9 +41,9 @@ def _adam(params):
     return torch.optim.Adam(params, lr=0.01)
 
 
-def _engine(name, p, m, v=1, dp=1, zero=0, seed=0, model=None):
+def _engine(name, p, m, v=1, dp=1, zero=0, seed=0, model=None, cut="uniform"):
     model = model if model is not None else _layers(seed)
-    segments = schedcc.partition(model, p * v, method="uniform")
+    segments = schedcc.partition(model, p * v, method=cut)
     program = schedcc.compile(
         schedcc.get_schedule(name)(p, m, num_chunks=v), data_parallel=dp, zero=zero
     )
@@ -75,6 +75,10 @@ SHAPES = {
         ("interleaved-1f1b", {"p": 2, "m": 4, "v": 2, "dp": 2, "zero": 3}),
     ),
     "dp 1 -> 2, p 2 -> 4": (("1f1b", {"p": 2, "m": 4}), ("gpipe", {"p": 4, "m": 2, "dp": 2})),
+    "another cut at the same p": (
+        ("1f1b", {"p": 2, "m": 4}),
+        ("1f1b", {"p": 2, "m": 4, "cut": [2]}),
+    ),
 }
 
 

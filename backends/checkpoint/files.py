@@ -37,6 +37,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "MANIFEST",
     "check_meta",
     "check_step",
+    "cut_of",
     "complete_checkpoints",
     "is_reshaped",
     "load_stage_states",
@@ -282,7 +284,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def check_meta(
-    saved: dict[str, Any], current: dict[str, Any], *, elastic=("data_parallel", "zero")
+    saved: dict[str, Any], current: dict[str, Any], *, elastic=("data_parallel", "zero", "cut")
 ) -> None:
     """Refuse a checkpoint whose shape differs from the program's, naming every difference.
 
@@ -300,11 +302,12 @@ def check_meta(
         )
 
 
-def program_meta(program) -> dict[str, Any]:
-    """What a checkpoint records of the program it was saved from (compared on load)."""
+def program_meta(program, cut: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a checkpoint records of the program it was saved from (compared on load), and with
+    `cut` (`cut_of`) how the model is cut into segments."""
     schedule = program.schedule
     cls = type(schedule)
-    return {
+    meta = {
         "schedule": cls.name or cls.__qualname__,
         "num_stages": schedule.num_stages,
         "num_microbatches": schedule.num_microbatches,
@@ -314,6 +317,16 @@ def program_meta(program) -> dict[str, Any]:
         "data_parallel": program.data_parallel,
         "zero": program.zero,
     }
+    if cut is not None:
+        meta["cut"] = list(cut)
+    return meta
+
+
+def cut_of(keys: Mapping[int, Sequence[str]]) -> list[str]:
+    """Per segment `k`, a digest of its state dict's keys `keys[k]` (16 hex digits): the
+    manifest's record of where the model was cut, so that a load at the same p and v but
+    another cut takes the parameters by name."""
+    return [hashlib.sha256("\n".join(keys[k]).encode()).hexdigest()[:16] for k in sorted(keys)]
 
 
 def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
@@ -336,11 +349,11 @@ def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def is_reshaped(meta: dict[str, Any], program) -> bool:
-    """Whether a checkpoint of `meta` loads into `program` by name ([Note: re-shaping by name]
-    in `backends.checkpoint.reshape`): its shape differs in more than the data-parallel degree
-    and ZeRO, which the shards re-shard across as they are."""
-    current = program_meta(program)
+def is_reshaped(meta: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether a checkpoint of `meta` loads by name into a program of `current` (its
+    `program_meta` with the cut): the shape or the cut differs in more than the data-parallel
+    degree and ZeRO, which the shards re-shard across as they are ([Note: re-shaping by name]
+    in `backends.checkpoint.reshape`)."""
     keys = (meta.keys() | current.keys()) - {"data_parallel", "zero"}
     return any(meta.get(key) != current.get(key) for key in keys)
 

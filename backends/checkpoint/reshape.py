@@ -408,8 +408,8 @@ def missing_from_model(
     if extra:
         raise CheckpointError(
             f"checkpoint {directory}: {extra[0]} (in {saved.files[extra[0]]}) is no tensor of "
-            f"this model{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}: a "
-            "checkpoint loads whole or not at all"
+            f"this model{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}: it was "
+            "saved from another model (a checkpoint loads whole or not at all)"
         )
 
 

@@ -63,6 +63,7 @@ from torch import nn
 from schedcc.backends.batches import is_pair, split_pair, to_device
 from schedcc.backends.checkpoint.files import (
     MANIFEST,
+    cut_of,
     is_reshaped,
     load_stage_states,
     program_meta,
@@ -472,9 +473,11 @@ class Engine(BaseEngine):
         entry = write_shard(path, name, state)
         entries: list = [None] * dist.get_world_size()
         with self._collective("the checkpoint save"):
-            dist.all_gather_object(entries, (name, entry))
+            dist.all_gather_object(entries, (name, entry, self._own_keys()))
         if dist.get_rank() == 0:
-            write_manifest(path, program_meta(self.program), self.steps, dict(entries))
+            keys = {k: own for _, _, part in entries for k, own in part.items()}
+            meta = program_meta(self.program, cut_of(keys))
+            write_manifest(path, meta, self.steps, {name: entry for name, entry, _ in entries})
         with self._collective("the checkpoint save"):
             dist.barrier()
         return Path(path) / MANIFEST
@@ -490,10 +493,10 @@ class Engine(BaseEngine):
         `backends.checkpoint.reshape`). Should a check itself fail otherwise (a bug), that rank
         raises its error and the others a `CheckpointError` naming it, rather than wait for it.
         """
-        names = self._model_names()
+        keys = self._model_keys()
         problem, failure = None, None
         try:
-            manifest, saved, rng = self._checked(path, names)
+            manifest, saved, rng = self._checked(path, keys)
         except CheckpointError as exc:
             problem = f"rank {self.rank} (stage {self.stage}): {exc}"
         except Exception as exc:  # the peers must hear of it before this rank raises
@@ -511,10 +514,12 @@ class Engine(BaseEngine):
         set_rng_state(rng)
         self.steps = manifest["step"]
 
-    def _checked(self, path, names) -> tuple[dict, list[dict], dict]:
+    def _checked(self, path, keys) -> tuple[dict, list[dict], dict]:
         """The manifest, this stage's checked shards and this rank's RNG state; no change."""
         manifest = read_checkpoint(path)
-        if self.tp_rank is None and is_reshaped(manifest["meta"], self.program):
+        current = program_meta(self.program, cut_of(keys))
+        if self.tp_rank is None and is_reshaped(manifest["meta"], current):
+            names = model_names(keys)
             model = read_model(path, manifest)
             missing_from_model(model, path, names)
             index = rng_index(self.stage, self.data_parallel.rank, self.program.num_stages)
@@ -527,13 +532,15 @@ class Engine(BaseEngine):
         self.runtime.check_state(saved)
         return manifest, saved, saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"]
 
-    def _model_names(self) -> dict[int, dict[str, str]]:
-        """The whole model's model-wide names (`model_names`), from every rank's segments."""
-        own = {k: list(module.state_dict()) for k, module in self._own_segments().items()}
+    def _own_keys(self) -> dict[int, list[str]]:
+        return {k: list(module.state_dict()) for k, module in self._own_segments().items()}
+
+    def _model_keys(self) -> dict[int, list[str]]:
+        """Per segment of the whole model, its state dict's keys, from every rank's segments."""
         every: list = [None] * dist.get_world_size()
         with self._collective("gathering the model's parameter names"):
-            dist.all_gather_object(every, own)
-        return model_names({k: keys for part in every for k, keys in part.items()})
+            dist.all_gather_object(every, self._own_keys())
+        return {k: keys for part in every for k, keys in part.items()}
 
     def _own_segments(self) -> dict[int, nn.Module]:
         schedule = self.program.schedule
