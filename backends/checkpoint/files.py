@@ -2,11 +2,13 @@
 
 Layout of a checkpoint directory `DIR/step-00000042/`:
 
-    manifest.json        schedule and shape, step count, every file with its size and sha256
+    manifest.json        schedule and shape, the cut (`cut_of`), step count, every file with
+                         its size and sha256
     stage0-dp0.pt        what stage 0 of data-parallel rank 0 holds between runs: its chunks'
-    stage1-dp0.pt        parameters and buffers, the optimizer state (under ZeRO this rank's
-                         shard of it), the RNG states, and the shard's own identity (stage,
-                         data-parallel rank, segment indices), checked on load
+    stage1-dp0.pt        parameters and buffers and their parameters' names, the optimizer
+                         state (under ZeRO this rank's shard of it), the RNG states, and the
+                         shard's own identity (stage, data-parallel rank, segment indices),
+                         checked on load
 
 Between runs of the program no weight version is stashed, so a shard holds the live weights only
 (see `backends.checkpoint.state`).
@@ -23,7 +25,8 @@ apply. The first checks the manifest's fields and types (its step, in a step dir
 directory's), the program's shape, every file's size and checksum, every field of every shard
 against its schema (`backends.checkpoint.schema`), and that each shard fits the engine: identity,
 tensors, ZeRO-3 shards, RNG state, optimizer state as it will be loaded
-(`backends.checkpoint.restore`). Every refusal is a `CheckpointError` from the first phase,
+(`backends.checkpoint.restore`); a checkpoint of another shape is first taken by name
+(`backends.checkpoint.reshape`). Every refusal is a `CheckpointError` from the first phase,
 naming the file and the field, and the second does not fail on what the first accepted, so a
 refused checkpoint leaves the engine's parameters, buffers, optimizer state, loss scale, counts
 and RNG state bitwise as they were; on the distributed backend every rank checks its own shards

@@ -2,7 +2,9 @@
 
 A shard file holds what one (stage, data-parallel rank) needs to resume between program runs:
 the chunk modules' state dicts, the optimizer's state dict (under ZeRO only this rank's shard of
-it), the layout it was saved under (`data_parallel`, `zero`, `rank`, parameter counts), its
+it), the layout it was saved under (`data_parallel`, `zero`, `rank`, parameter counts), per
+chunk its parameters' names in `parameters()` order (`names`: what a load into another shape
+maps the optimizer state by, `backends.checkpoint.reshape`), its
 identity (`stage` and the `segments` it holds, with `rank`: checked on load, so shards swapped
 between stages or ranks are refused) and the RNG states. Between runs every pipeline is
 drained, so no activation and no stashed weight version is live (a weight-delayed schedule
