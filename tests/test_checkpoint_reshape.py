@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -285,3 +289,38 @@ def test_gloo_resume_at_twice_the_data_parallel_degree_under_zero3(tmp_path):
     manifest = json.loads((tmp_path / "after" / ckpt.MANIFEST).read_text())
     assert manifest["meta"]["data_parallel"] == 2
     assert manifest["meta"]["zero"] == 3
+
+
+# -- schedcc run --resume in another shape --------------------------------------------------------
+
+
+def _schedcc_run(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "schedcc", "run", "--no-progress", "--timeout", "20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*command, "--model", "mlp", *args], capture_output=True, text=True, timeout=240, env=env
+    )
+
+
+def test_schedcc_run_resumes_in_another_schedule_m_and_dp(tmp_path):
+    """`schedcc run --resume` continues a 1f1b, m=4 run's step-2 checkpoint under gpipe, m=2,
+    at dp=2 (the same global batch): its step-4 checkpoint holds the weights of the
+    uninterrupted 1f1b run's."""
+    whole = tmp_path / "whole"
+    done = _schedcc_run(
+        "--schedule", "1f1b", "-m", "4", "--steps", "4", "--checkpoint", str(whole), "--every", "2"
+    )
+    assert done.returncode == 0, done.stderr
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole / "step-00000002", resumed / "step-00000002")
+    again = _schedcc_run(
+        "--schedule", "gpipe", "-m", "2", "--dp", "2", "--steps", "4",
+        "--checkpoint", str(resumed), "--every", "2", "--resume",
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout
+    _close(
+        schedcc.export(resumed / "step-00000004"),
+        schedcc.export(whole / "step-00000004"),
+        atol=1e-6,
+    )
