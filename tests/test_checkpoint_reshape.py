@@ -250,6 +250,11 @@ def _gloo_worker(rank: int, world_size: int, directory: str, out: str) -> int:
     engine = DistributedEngine(
         program, segments, torch.nn.functional.mse_loss, _adam, timeout=60, p2p="gloo"
     )
+    before = engine.state_dict()
+    # another model's checkpoint: every rank raises rank 0's refusal, and nothing changes
+    with pytest.raises(CheckpointError, match=r"rank 0 \(stage 0\): .*2\.weight is \(5, 6\)"):
+        engine.load(Path(out) / "other")
+    assert _same(before, engine.state_dict()), rank
     engine.load(directory)
     saved = torch.load(Path(out) / "rngs.pt", weights_only=True)
     assert torch.equal(torch.get_rng_state(), saved[rank % len(saved)]), rank
@@ -267,13 +272,17 @@ def _gloo_worker(rank: int, world_size: int, directory: str, out: str) -> int:
 
 
 def test_gloo_resume_at_twice_the_data_parallel_degree_under_zero3(tmp_path):
-    """A local p=2, m=4 checkpoint resumes on 4 gloo ranks (dp=2, m=2, ZeRO-3): the losses and
+    """Another model's checkpoint is refused on every gloo rank, nothing changed; a local p=2,
+    m=4 checkpoint resumes on 4 gloo ranks (dp=2, m=2, ZeRO-3): the losses and
     the gathered state dict equal the local engine's of the same shape loading it (1e-12) and
     four steps of that shape from the start; each rank takes the RNG state of its global index
     (modulo the two saved); the checkpoint it saves exports to the same weights."""
     old = _engine("1f1b", 2, 4)
     list(old.train(_data(4)[:2]))
     old.save(tmp_path / "c")
+    _engine("1f1b", 2, 4, model=_layers(0, (WIDTH, WIDTH, 5, WIDTH, WIDTH))).save(
+        tmp_path / "other"
+    )
     rngs = _distinct_rngs(tmp_path / "c", num_stages=2, dp=1)
     torch.save(rngs, tmp_path / "rngs.pt")
     assert spawn(_gloo_worker, 4, (str(tmp_path / "c"), str(tmp_path)), grace=60, threads=1) == 0

@@ -129,7 +129,7 @@ def read_model(directory: str | os.PathLike, manifest: dict[str, Any]) -> SavedM
                 f"checkpoint {directory}: meta {key} is {value!r}, not an integer >= 1"
             )
     stages = [_read_stage(directory, manifest, s, dp) for s in range(num_stages)]
-    _check_alike(directory, stages)
+    _check_alike(stages)
     keys, held = {}, {}
     for s, whole in enumerate(stages):
         per_parameter = _parameter_states(whole)
@@ -155,7 +155,7 @@ def read_model(directory: str | os.PathLike, manifest: dict[str, Any]) -> SavedM
         tensors=tensors,
         files=files,
         optimizer=optimizer,
-        settings=_settings(directory, stages),
+        settings=_settings(stages),
         rng=[stages[s][r]["rng"] for r in range(dp) for s in range(num_stages)],
         skipped_steps=first["skipped_steps"],
         loss_scale=first["loss_scale"],
@@ -232,7 +232,7 @@ def _parameter_states(whole: Sequence[dict[str, Any]]) -> list[list[dict[str, An
     return states
 
 
-def _check_alike(directory: str | os.PathLike, stages: Sequence[Sequence[dict]]) -> None:
+def _check_alike(stages: Sequence[Sequence[dict]]) -> None:
     """The stages record one run alike: its skipped steps and its loss scale."""
     first = stages[0][0]
     for s, whole in enumerate(stages[1:], start=1):
@@ -244,9 +244,7 @@ def _check_alike(directory: str | os.PathLike, stages: Sequence[Sequence[dict]])
                 )
 
 
-def _settings(
-    directory: str | os.PathLike, stages: Sequence[Sequence[dict]]
-) -> dict[str, Any] | None:
+def _settings(stages: Sequence[Sequence[dict]]) -> dict[str, Any] | None:
     """The one parameter group's settings every stage's optimizer was saved with."""
     found: tuple[str, dict[str, Any]] | None = None
     for s, whole in enumerate(stages):
