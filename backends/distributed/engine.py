@@ -538,7 +538,7 @@ class Engine(BaseEngine):
     def _model_keys(self) -> dict[int, list[str]]:
         """Per segment of the whole model, its state dict's keys, from every rank's segments."""
         every: list = [None] * dist.get_world_size()
-        with self._collective("gathering the model's parameter names"):
+        with self._collective("the checkpoint load"):
             dist.all_gather_object(every, self._own_keys())
         return {k: keys for part in every for k, keys in part.items()}
 
