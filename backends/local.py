@@ -243,19 +243,21 @@ class Engine(BaseEngine):
 
     def _meta(self) -> dict[str, Any]:
         keys = {k: list(segment.state_dict()) for k, segment in enumerate(self.segments)}
-        return program_meta(self.program, cut_of(keys))
+        return program_meta(self.program, cut_of(keys, self._layout.stage_of))
 
     def _reshaped(self, path, manifest) -> tuple[dict[int, list[dict]], dict]:
         """Each stage's shard taken by name from a checkpoint of another shape, and the RNG
         state of global index 0 (one process: [Note: re-shaping by name])."""
-        saved = read_model(path, manifest)
-        names = model_names({k: list(seg.state_dict()) for k, seg in enumerate(self.segments)})
+        keys = {k: list(segment.state_dict()) for k, segment in enumerate(self.segments)}
+        names = model_names(keys)
+        wanted = {name for segment in names.values() for name in segment.values()}
+        saved = read_model(path, manifest, wanted=wanted, rng=0)
         missing_from_model(saved, path, names)
         states = {
-            s: [runtime_shard(saved, path, runtime, names, rng=0)]
+            s: [runtime_shard(saved, path, runtime, names)]
             for s, runtime in enumerate(self.runtimes[0])
         }
-        return states, saved.rng[0]
+        return states, saved.rng
 
     def _model_state(self, everywhere: bool) -> dict[int, dict[str, Any]]:
         with self.unsharded():

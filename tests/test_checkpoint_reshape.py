@@ -202,6 +202,45 @@ def _distinct_rngs(directory: Path, *, num_stages: int, dp: int) -> list[torch.T
     return states
 
 
+def test_a_rank_reads_only_the_shards_that_hold_its_tensors(tmp_path, monkeypatch):
+    """Loading by name reads the shards of the stages the manifest's cut says hold the wanted
+    names (and the one of the RNG state's global index), not the others."""
+    from schedcc.backends.checkpoint import reshape
+
+    _engine("1f1b", 2, 4, dp=2).save(tmp_path / "c")
+    manifest = ckpt.read_checkpoint(tmp_path / "c")
+    read = []
+
+    def recording(directory, name, manifest):
+        read.append(name)
+        return ckpt.read_shard(directory, name, manifest)
+
+    monkeypatch.setattr(reshape, "read_shard", recording)
+    saved = reshape.read_model(tmp_path / "c", manifest, wanted={"4.weight"}, rng=3)
+    assert read == ["stage1-dp0.pt", "stage1-dp1.pt"]
+    assert set(saved.tensors) == {f"{k}.{w}" for k in (4, 6) for w in ("weight", "bias")}
+    assert len(saved.files) == 8  # every name the checkpoint holds, read or not
+    read.clear()
+    reshape.read_model(tmp_path / "c", manifest, wanted={"4.weight"}, rng=0)
+    assert read == [f"stage{s}-dp{r}.pt" for s in (0, 1) for r in (0, 1)]
+
+
+def test_a_cut_the_shards_contradict_is_refused(tmp_path):
+    """A manifest whose cut places a segment on another stage than its shard says is refused
+    before anything changes."""
+    old = _engine("1f1b", 2, 4)
+    old.save(tmp_path / "c")
+    manifest = json.loads((tmp_path / "c" / ckpt.MANIFEST).read_text())
+    cut = manifest["meta"]["cut"]
+    cut[0]["stage"], cut[1]["stage"] = 1, 0
+    (tmp_path / "c" / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    engine = _engine("interleaved-1f1b", 2, 4, v=2)
+    before = _snapshot(engine)
+    with pytest.raises(CheckpointError, match="the manifest's cut places otherwise"):
+        engine.load(tmp_path / "c")
+    assert _same(before, _snapshot(engine))
+
+
 def _restarting(seed):
     """A builder whose segments number their layers from 0 (the names collide across
     segments, so the model-wide names are segment-prefixed)."""

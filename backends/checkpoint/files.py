@@ -325,11 +325,12 @@ def program_meta(program, cut: Sequence[str] | None = None) -> dict[str, Any]:
     return meta
 
 
-def cut_of(keys: Mapping[int, Sequence[str]]) -> list[str]:
-    """Per segment `k`, a digest of its state dict's keys `keys[k]` (16 hex digits): the
-    manifest's record of where the model was cut, so that a load at the same p and v but
-    another cut takes the parameters by name."""
-    return [hashlib.sha256("\n".join(keys[k]).encode()).hexdigest()[:16] for k in sorted(keys)]
+def cut_of(keys: Mapping[int, Sequence[str]], stage_of: Sequence[int]) -> list[dict[str, Any]]:
+    """Per segment `k` in order, the stage that holds it and its state dict's keys `keys[k]`:
+    the manifest's record of where the model was cut, so that a load at the same p and v but
+    another cut takes the parameters by name, and a rank loading by name reads only the files
+    of the stages that hold its parameters."""
+    return [{"stage": stage_of[k], "keys": list(keys[k])} for k in sorted(keys)]
 
 
 def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:

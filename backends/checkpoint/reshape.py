@@ -6,9 +6,10 @@ its parameters' names in `parameters()` order (`names`). Every tensor of the mod
 share a key (the segments keep the model's own module names, as `schedcc.partition` and
 `schedcc.split` do: `"2.weight"` whichever segment holds layer 2), else `segment<k>.<key>`.
 Where the program's shape differs from the checkpoint's in anything but the data-parallel
-degree and ZeRO (another m, schedule, v, p or cut), a load reads every shard of the checkpoint
-(`read_model`), checks each as a load of its own shape would (its schema, its identity, its
-stage's shards agreeing, the ZeRO-3 shards whole, its optimizer state's numbering), and takes
+degree and ZeRO (another m, schedule, v, p or cut), a load reads the shards of the stages that
+hold its tensors, which the manifest's cut names (`read_model`; `files.cut_of`), checks each as
+a load of its own shape would (its schema, its identity, its stage's shards agreeing, the
+ZeRO-3 shards whole, its optimizer state's numbering, its segments' keys the cut's), and takes
 each parameter's value and optimizer state by name: a ZeRO shard's state is joined over its
 ranks and cut per parameter ([Note: elastic resume] in `backends.checkpoint.state`). For each
 stage of the new program it then builds the shard a save of one data-parallel rank without ZeRO
@@ -18,19 +19,19 @@ re-shard to the program's data-parallel degree and ZeRO.
 What cannot carry over is refused, before anything changes, with a `CheckpointError` naming the
 tensor and the file: a name of this model the checkpoint lacks, a name of the checkpoint this
 model lacks (a checkpoint loads whole or not at all), another shape or dtype, the stages'
-optimizer settings, skipped steps or loss scales differing (they are one run's, equal on every
-stage), or an optimizer of several parameter groups (its groups are positional: they do not
-map across cuts). The RNG state is per rank: a rank takes the saved state of the rank of the
-same *global index* `dp_rank * p + stage` in the checkpoint (modulo the number of saved
-ranks), so a run of the same shape restores exactly and one of another shape is reseeded from
-a saved state deterministically; the local engine, one process, takes index 0's as it does for
-a checkpoint of its own shape.
+optimizer settings, skipped steps or loss scales differing among the stages read (they are
+one run's, equal on every stage), or an optimizer of several parameter groups (its groups are
+positional: they do not map across cuts). The RNG state is per rank: a rank takes the saved
+state of the rank of the same *global index* `dp_rank * p + stage` in the checkpoint (modulo
+the number of saved ranks), so a run of the same shape restores exactly and one of another
+shape is reseeded from a saved state deterministically; the local engine, one process, takes
+index 0's as it does for a checkpoint of its own shape.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ import attrs
 import torch
 
 from schedcc.backends.checkpoint.files import (
+    MANIFEST,
     check_step,
     read_manifest,
     read_shard,
@@ -90,36 +92,45 @@ def rng_index(stage: int, dp_rank: int, num_stages: int) -> int:
 
 @attrs.define(frozen=True)
 class SavedModel:
-    """The whole model a checkpoint holds, by model-wide name (`read_model`).
+    """What a checkpoint holds of the model, by model-wide name (`read_model`).
 
     Attributes:
-        tensors: every module state tensor (parameters and buffers), whole, in model order.
-        files: the shard each name was read from (for messages).
-        optimizer: each parameter's optimizer state (names of parameters only; `{}` where a
-            parameter has none yet).
+        files: every name the checkpoint holds, and the shard that holds it.
+        tensors: the module state tensors (parameters and buffers) of the stages read, whole,
+            in model order.
+        optimizer: each of their parameters' optimizer state (`{}` where it has none yet).
         settings: the optimizer's settings (one parameter group's, without `params`), or None
-            where the checkpoint holds no optimizer state.
-        rng: the saved RNG states, by global index (`rng_index`).
+            where the stages read hold no optimizer state.
+        rng: the saved RNG state of the global index asked for (`rng_index`).
         skipped_steps: the run's skipped steps.
         loss_scale: the run's loss scale, or None.
     """
 
-    tensors: dict[str, Any]
     files: dict[str, str]
+    tensors: dict[str, Any]
     optimizer: dict[str, dict[str, Any]]
     settings: dict[str, Any] | None
-    rng: list[dict[str, Any]]
+    rng: dict[str, Any]
     skipped_steps: int
     loss_scale: dict[str, Any] | None
 
 
-def read_model(directory: str | os.PathLike, manifest: dict[str, Any]) -> SavedModel:
-    """Read and check every shard of a complete, verified checkpoint (`files.verify_files`) and
-    key what they hold by model-wide name; nothing is applied.
+def read_model(
+    directory: str | os.PathLike,
+    manifest: dict[str, Any],
+    *,
+    wanted: Collection[str] | None = None,
+    rng: int = 0,
+) -> SavedModel:
+    """Read and check the shards of a complete, verified checkpoint (`files.verify_files`) that
+    hold the names `wanted` (all where None) and the RNG state of global index `rng`, and key
+    what they hold by model-wide name; nothing is applied. Which stage holds which name is the
+    manifest's `cut` (`files.cut_of`), checked against each shard read.
 
     Raises:
-        CheckpointError: a shard fails its checks (as a load of its own shape would refuse it),
-            or the stages disagree on what one run records alike.
+        CheckpointError: a shard fails its checks (as a load of its own shape would refuse it)
+            or disagrees with the manifest's cut, or the stages read disagree on what one run
+            records alike.
     """
     meta = manifest["meta"]
     num_stages, dp = (meta.get(key) for key in ("num_stages", "data_parallel"))
@@ -128,38 +139,70 @@ def read_model(directory: str | os.PathLike, manifest: dict[str, Any]) -> SavedM
             raise CheckpointError(
                 f"checkpoint {directory}: meta {key} is {value!r}, not an integer >= 1"
             )
-    stages = [_read_stage(directory, manifest, s, dp) for s in range(num_stages)]
-    _check_alike(stages)
+    cut = _saved_cut(directory, meta.get("cut"), num_stages)
+    rng_rank, rng_stage = divmod(rng % (num_stages * dp), num_stages)
+    read = range(num_stages)
+    if cut is not None and wanted is not None:
+        names = model_names({k: keys for k, (_, keys) in cut.items()})
+        holding = {cut[k][0] for k in cut if any(names[k][key] in wanted for key in cut[k][1])}
+        read = sorted(holding | {rng_stage})
+    stages = {s: _read_stage(directory, manifest, s, dp) for s in read}
     keys, held = {}, {}
-    for s, whole in enumerate(stages):
+    for s, whole in stages.items():
         per_parameter = _parameter_states(whole)
         for c, k in enumerate(whole[0]["segments"]):
-            if k in keys:
+            mine = list(whole[0]["modules"][c])
+            if k in keys or (cut is not None and cut.get(k) != (s, mine)):
                 raise CheckpointError(
-                    f"{shard_name(s, 0)}: segments holds segment {k}, which "
-                    f"{held[k][0]} holds too: it was altered"
+                    f"{shard_name(s, 0)}: segments[{c}] is segment {k} of keys {mine}, which "
+                    "the manifest's cut places otherwise: it was altered"
                 )
-            keys[k] = list(whole[0]["modules"][c])
-            held[k] = (shard_name(s, 0), whole, c, per_parameter[c])
-    names = model_names(keys)
-    tensors, files, optimizer = {}, {}, {}
+            keys[k] = mine
+            held[k] = (s, whole, c, per_parameter[c])
+    if cut is None:
+        cut = {k: (held[k][0], keys[k]) for k in keys}
+    names = model_names({k: keys for k, (_, keys) in cut.items()})
+    tensors, optimizer = {}, {}
     for k in sorted(held):
-        name, whole, c, per_parameter = held[k]
+        _, whole, c, per_parameter = held[k]
         for key, value in whole[0]["modules"][c].items():
             tensors[names[k][key]] = value
-            files[names[k][key]] = name
         for key, state in zip(whole[0]["names"][c], per_parameter):
             optimizer[names[k][key]] = state
-    first = stages[0][0]
+    alike = list(stages.values())
+    _check_alike(alike)
     return SavedModel(
+        files={names[k][key]: shard_name(s, 0) for k, (s, ks) in sorted(cut.items()) for key in ks},
         tensors=tensors,
-        files=files,
         optimizer=optimizer,
-        settings=_settings(stages),
-        rng=[stages[s][r]["rng"] for r in range(dp) for s in range(num_stages)],
-        skipped_steps=first["skipped_steps"],
-        loss_scale=first["loss_scale"],
+        settings=_settings(alike),
+        rng=stages[rng_stage][rng_rank]["rng"],
+        skipped_steps=alike[0][0]["skipped_steps"],
+        loss_scale=alike[0][0]["loss_scale"],
     )
+
+
+def _saved_cut(
+    directory: str | os.PathLike, cut: Any, num_stages: int
+) -> dict[int, tuple[int, list[str]]] | None:
+    """The manifest's cut as `{segment: (stage, keys)}`; None where it records none."""
+    if cut is None:
+        return None
+    fits = isinstance(cut, list) and all(
+        isinstance(entry, dict)
+        and entry.keys() == {"stage", "keys"}
+        and type(entry["stage"]) is int
+        and 0 <= entry["stage"] < num_stages
+        and isinstance(entry["keys"], list)
+        and all(isinstance(key, str) for key in entry["keys"])
+        for entry in cut
+    )
+    if not fits:
+        raise CheckpointError(
+            f"{Path(directory) / MANIFEST}: meta cut is not a list of each segment's stage "
+            f"(below num_stages {num_stages}) and keys: it was altered"
+        )
+    return {k: (entry["stage"], entry["keys"]) for k, entry in enumerate(cut)}
 
 
 def _read_stage(
@@ -279,7 +322,6 @@ def stage_shard(
     kinds: Sequence[Mapping[str, tuple[torch.Size, torch.dtype]]],
     names: Mapping[int, Mapping[str, str]],
     optimizer: torch.optim.Optimizer | None,
-    rng: int,
 ) -> dict[str, Any]:
     """The shard one rank of `stage` without ZeRO would have saved, built from `saved` by name.
 
@@ -292,7 +334,6 @@ def stage_shard(
         kinds: per chunk, each state tensor's whole shape and dtype.
         names: the new model's model-wide names (`model_names` of the whole new model).
         optimizer: the stage's optimizer, or None.
-        rng: the global index whose saved RNG state the rank takes (`rng_index`).
 
     Raises:
         CheckpointError: a tensor of this stage that the checkpoint lacks, or of another shape
@@ -305,7 +346,7 @@ def stage_shard(
         state = {}
         for key in module.state_dict():
             name = names[k][key]
-            if name not in saved.tensors:
+            if name not in saved.files:
                 raise CheckpointError(
                     f"{where}: this model's {name} (segment {k}) is in none of its files: it "
                     "was saved from another model"
@@ -330,7 +371,7 @@ def stage_shard(
         "names": [[key for key, _ in module.named_parameters()] for module in modules],
         "modules": chunks,
         "optimizer": _optimizer_state(saved, where, optimizer, params),
-        "rng": saved.rng[rng % len(saved.rng)],
+        "rng": saved.rng,
         "skipped_steps": saved.skipped_steps,
         "loss_scale": saved.loss_scale,
     }
@@ -366,8 +407,6 @@ def runtime_shard(
     directory: str | os.PathLike,
     runtime: StageRuntime,
     names: Mapping[int, Mapping[str, str]],
-    *,
-    rng: int,
 ) -> dict[str, Any]:
     """`stage_shard` for a stage runtime, checked as any shard it loads (`check_state`), so
     that loading it cannot fail; nothing is changed.
@@ -386,7 +425,6 @@ def runtime_shard(
         kinds=runtime.tensor_kinds(),
         names=names,
         optimizer=runtime.optimizer,
-        rng=rng,
     )
     try:
         runtime.check_state([shard])
@@ -402,7 +440,7 @@ def missing_from_model(
 ) -> None:
     """Raise `CheckpointError` where the checkpoint holds a tensor the new model lacks."""
     ours = {name for segment in names.values() for name in segment.values()}
-    extra = [name for name in saved.tensors if name not in ours]
+    extra = [name for name in saved.files if name not in ours]
     if extra:
         raise CheckpointError(
             f"checkpoint {directory}: {extra[0]} (in {saved.files[extra[0]]}) is no tensor of "

@@ -476,7 +476,7 @@ class Engine(BaseEngine):
             dist.all_gather_object(entries, (name, entry, self._own_keys()))
         if dist.get_rank() == 0:
             keys = {k: own for _, _, part in entries for k, own in part.items()}
-            meta = program_meta(self.program, cut_of(keys))
+            meta = program_meta(self.program, cut_of(keys, self._layout.stage_of))
             write_manifest(path, meta, self.steps, {name: entry for name, entry, _ in entries})
         with self._collective("the checkpoint save"):
             dist.barrier()
@@ -489,7 +489,7 @@ class Engine(BaseEngine):
         rank change its weights, so a bad checkpoint raises `CheckpointError` everywhere and
         nothing is partly loaded. A different data-parallel degree or ZeRO setting is
         re-sharded; another schedule, m, v or cut loads by parameter name, each rank reading
-        and checking every shard and loading its own parameters ([Note: re-shaping by name] in
+        and checking the shards that hold its parameters ([Note: re-shaping by name] in
         `backends.checkpoint.reshape`). Should a check itself fail otherwise (a bug), that rank
         raises its error and the others a `CheckpointError` naming it, rather than wait for it.
         """
@@ -517,13 +517,14 @@ class Engine(BaseEngine):
     def _checked(self, path, keys) -> tuple[dict, list[dict], dict]:
         """The manifest, this stage's checked shards and this rank's RNG state; no change."""
         manifest = read_checkpoint(path)
-        current = program_meta(self.program, cut_of(keys))
+        current = program_meta(self.program, cut_of(keys, self._layout.stage_of))
         if self.tp_rank is None and is_reshaped(manifest["meta"], current):
             names = model_names(keys)
-            model = read_model(path, manifest)
-            missing_from_model(model, path, names)
+            wanted = {name for k in self._own_segments() for name in names[k].values()}
             index = rng_index(self.stage, self.data_parallel.rank, self.program.num_stages)
-            shard = runtime_shard(model, path, self.runtime, names, rng=index)
+            model = read_model(path, manifest, wanted=wanted, rng=index)
+            missing_from_model(model, path, names)
+            shard = runtime_shard(model, path, self.runtime, names)
             return manifest, [shard], shard["rng"]
         _, states = load_stage_states(
             path, self.program, [self.stage], tp_rank=self.tp_rank, manifest=manifest
