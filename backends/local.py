@@ -54,7 +54,6 @@ from schedcc.backends.checkpoint.files import (
     write_shard,
 )
 from schedcc.backends.checkpoint.reshape import (
-    missing_from_model,
     model_names,
     read_model,
     runtime_shard,
@@ -250,9 +249,8 @@ class Engine(BaseEngine):
         state of global index 0 (one process: [Note: re-shaping by name])."""
         keys = {k: list(segment.state_dict()) for k, segment in enumerate(self.segments)}
         names = model_names(keys)
-        wanted = {name for segment in names.values() for name in segment.values()}
-        saved = read_model(path, manifest, wanted=wanted, rng=0)
-        missing_from_model(saved, path, names)
+        optimizer = next((rt.optimizer for rt in self.runtimes[0] if rt.optimizer), None)
+        saved = read_model(path, manifest, model=names, rng=0, optimizer=optimizer)
         states = {
             s: [runtime_shard(saved, path, runtime, names)]
             for s, runtime in enumerate(self.runtimes[0])

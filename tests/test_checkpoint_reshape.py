@@ -207,7 +207,8 @@ def test_a_rank_reads_only_the_shards_that_hold_its_tensors(tmp_path, monkeypatc
     names (and the one of the RNG state's global index), not the others."""
     from schedcc.backends.checkpoint import reshape
 
-    _engine("1f1b", 2, 4, dp=2).save(tmp_path / "c")
+    engine = _engine("1f1b", 2, 4, dp=2)
+    engine.save(tmp_path / "c")
     manifest = ckpt.read_checkpoint(tmp_path / "c")
     read = []
 
@@ -216,12 +217,13 @@ def test_a_rank_reads_only_the_shards_that_hold_its_tensors(tmp_path, monkeypatc
         return ckpt.read_shard(directory, name, manifest)
 
     monkeypatch.setattr(reshape, "read_shard", recording)
-    saved = reshape.read_model(tmp_path / "c", manifest, wanted={"4.weight"}, rng=3)
+    names = reshape.model_names({k: list(s.state_dict()) for k, s in enumerate(engine.segments)})
+    saved = reshape.read_model(tmp_path / "c", manifest, model=names, segments=[1], rng=3)
     assert read == ["stage1-dp0.pt", "stage1-dp1.pt"]
     assert set(saved.tensors) == {f"{k}.{w}" for k in (4, 6) for w in ("weight", "bias")}
     assert len(saved.files) == 8  # every name the checkpoint holds, read or not
     read.clear()
-    reshape.read_model(tmp_path / "c", manifest, wanted={"4.weight"}, rng=0)
+    reshape.read_model(tmp_path / "c", manifest, model=names, segments=[1], rng=0)
     assert read == [f"stage{s}-dp{r}.pt" for s in (0, 1) for r in (0, 1)]
 
 

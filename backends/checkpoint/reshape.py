@@ -46,7 +46,8 @@ from schedcc.backends.checkpoint.files import (
     shard_name,
     verify_files,
 )
-from schedcc.backends.checkpoint.optimizer import check_numbering
+from schedcc.backends.checkpoint.optimizer import check_numbering, check_settings, check_state
+from schedcc.backends.checkpoint.restore import check_rng, saved_layout
 from schedcc.backends.checkpoint.schema import check_shard, check_stage_shards, same_value
 from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.checkpoint.state import canonical_optimizer_state, layout_optimizer_state
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SavedModel",
     "export",
-    "missing_from_model",
     "model_names",
     "read_model",
     "rng_index",
@@ -119,18 +119,30 @@ def read_model(
     directory: str | os.PathLike,
     manifest: dict[str, Any],
     *,
-    wanted: Collection[str] | None = None,
+    model: Mapping[int, Mapping[str, str]] | None = None,
+    segments: Collection[int] | None = None,
     rng: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> SavedModel:
-    """Read and check the shards of a complete, verified checkpoint (`files.verify_files`) that
-    hold the names `wanted` (all where None) and the RNG state of global index `rng`, and key
-    what they hold by model-wide name; nothing is applied. Which stage holds which name is the
-    manifest's `cut` (`files.cut_of`), checked against each shard read.
+    """Read and check the shards of a complete, verified checkpoint (`files.verify_files`) and
+    key what they hold by model-wide name; nothing is applied.
+
+    Args:
+        directory: the checkpoint.
+        manifest: its manifest, as `files.read_checkpoint` returned it.
+        model: the loading model's model-wide names (`model_names`), which must be the
+            checkpoint's; None: read the whole checkpoint (`export`).
+        segments: the segments of `model` that are to be loaded here: only the shards that
+            hold them are read (the manifest's `cut` says which, `files.cut_of`, checked
+            against each shard read); None: all.
+        rng: the global index whose saved RNG state is wanted (`rng_index`).
+        optimizer: one of the loading program's; each shard's optimizer state is checked
+            against it in the layout it was saved in, as a load of its own shape checks it.
 
     Raises:
         CheckpointError: a shard fails its checks (as a load of its own shape would refuse it)
-            or disagrees with the manifest's cut, or the stages read disagree on what one run
-            records alike.
+            or disagrees with the manifest's cut, the stages read disagree on what one run
+            records alike, or the checkpoint holds a name `model` lacks or lacks one it holds.
     """
     meta = manifest["meta"]
     num_stages, dp = (meta.get(key) for key in ("num_stages", "data_parallel"))
@@ -142,14 +154,16 @@ def read_model(
     cut = _saved_cut(directory, meta.get("cut"), num_stages)
     rng_rank, rng_stage = divmod(rng % (num_stages * dp), num_stages)
     read = range(num_stages)
-    if cut is not None and wanted is not None:
+    if cut is not None and model is not None:
         names = model_names({k: keys for k, (_, keys) in cut.items()})
+        _check_same_names(directory, _files(cut, names), model)
+        held = model if segments is None else {k: model[k] for k in segments}
+        wanted = {name for segment in held.values() for name in segment.values()}
         holding = {cut[k][0] for k in cut if any(names[k][key] in wanted for key in cut[k][1])}
         read = sorted(holding | {rng_stage})
     stages = {s: _read_stage(directory, manifest, s, dp) for s in read}
     keys, held = {}, {}
     for s, whole in stages.items():
-        per_parameter = _parameter_states(whole)
         for c, k in enumerate(whole[0]["segments"]):
             mine = list(whole[0]["modules"][c])
             if k in keys or (cut is not None and cut.get(k) != (s, mine)):
@@ -158,23 +172,29 @@ def read_model(
                     "the manifest's cut places otherwise: it was altered"
                 )
             keys[k] = mine
-            held[k] = (s, whole, c, per_parameter[c])
+            held[k] = (s, c)
     if cut is None:
         cut = {k: (held[k][0], keys[k]) for k in keys}
     names = model_names({k: keys for k, (_, keys) in cut.items()})
-    tensors, optimizer = {}, {}
+    if model is not None:
+        _check_same_names(directory, _files(cut, names), model)
+    for whole in stages.values():
+        _check_optimizer(whole, optimizer)
+    per_parameter = {s: _parameter_states(whole) for s, whole in stages.items()}
+    tensors, states = {}, {}
     for k in sorted(held):
-        _, whole, c, per_parameter = held[k]
-        for key, value in whole[0]["modules"][c].items():
+        s, c = held[k]
+        first = stages[s][0]
+        for key, value in first["modules"][c].items():
             tensors[names[k][key]] = value
-        for key, state in zip(whole[0]["names"][c], per_parameter):
-            optimizer[names[k][key]] = state
+        for key, state in zip(first["names"][c], per_parameter[s][c]):
+            states[names[k][key]] = state
     alike = list(stages.values())
     _check_alike(alike)
     return SavedModel(
-        files={names[k][key]: shard_name(s, 0) for k, (s, ks) in sorted(cut.items()) for key in ks},
+        files=_files(cut, names),
         tensors=tensors,
-        optimizer=optimizer,
+        optimizer=states,
         settings=_settings(alike),
         rng=stages[rng_stage][rng_rank]["rng"],
         skipped_steps=alike[0][0]["skipped_steps"],
@@ -208,7 +228,8 @@ def _saved_cut(
 def _read_stage(
     directory: str | os.PathLike, manifest: dict[str, Any], stage: int, dp: int
 ) -> list[dict[str, Any]]:
-    """One old stage's shards, checked as a load of their own shape checks them, whole."""
+    """One old stage's shards, checked as a load of their own shape checks them (but for the
+    optimizer state: `_check_optimizer`), whole."""
     names = [shard_name(stage, r) for r in range(dp)]
     states = [read_shard(directory, name, manifest) for name in names]
     for name, state in zip(names, states):
@@ -224,9 +245,68 @@ def _read_stage(
     whole = whole_states(states)
     for name, state in zip(names, whole):
         _check_names(name, state)
-        if state["optimizer"] is not None:
-            check_numbering(name, state["optimizer"])
+        _check_like_first(name, state, names[0], whole[0])
+        check_rng(name, state["rng"])
     return whole
+
+
+def _check_optimizer(
+    whole: Sequence[dict[str, Any]], optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Each shard's optimizer state against `optimizer` (one of the loading program's) in the
+    layout it was saved in; without one, only its numbering (re-sharding reads it)."""
+    for rank, state in enumerate(whole):
+        name, saved = shard_name(state["stage"], rank), state["optimizer"]
+        if saved is not None and optimizer is not None:
+            check_settings(name, saved, optimizer)
+            params = [
+                [mod[key] for key in keys] for keys, mod in zip(state["names"], state["modules"])
+            ]
+            check_state(name, saved, optimizer, like=saved_layout(state, params))
+        elif saved is not None:
+            check_numbering(name, saved)
+
+
+def _files(
+    cut: Mapping[int, tuple[int, Sequence[str]]], names: Mapping[int, Mapping[str, str]]
+) -> dict[str, str]:
+    """Each model-wide name of the checkpoint, and the shard (data-parallel rank 0's) holding it."""
+    return {names[k][key]: shard_name(s, 0) for k, (s, keys) in sorted(cut.items()) for key in keys}
+
+
+def _check_same_names(
+    directory: str | os.PathLike, files: Mapping[str, str], model: Mapping[int, Mapping[str, str]]
+) -> None:
+    """Refuse a checkpoint that lacks a name of `model` or holds one `model` lacks: a
+    checkpoint loads whole or not at all."""
+    for k, segment in sorted(model.items()):
+        for name in segment.values():
+            if name not in files:
+                raise CheckpointError(
+                    f"checkpoint {directory}: this model's {name} (segment {k}) is in none of "
+                    "its files: it was saved from another model"
+                )
+    ours = {name for segment in model.values() for name in segment.values()}
+    extra = [name for name in files if name not in ours]
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {directory}: {extra[0]} (in {files[extra[0]]}) is no tensor of "
+            f"this model{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}: it was "
+            "saved from another model (a checkpoint loads whole or not at all)"
+        )
+
+
+def _check_like_first(name: str, state: dict[str, Any], first: str, other: dict[str, Any]) -> None:
+    """A stage's shards hold module tensors of the same names, shapes and dtypes (the first
+    one's are loaded)."""
+    for c, (mine, theirs) in enumerate(zip(state["modules"], other["modules"])):
+        for key in mine.keys() | theirs.keys():
+            a, b = mine.get(key), theirs.get(key)
+            if _describe(a) != _describe(b):
+                raise CheckpointError(
+                    f"{name}: modules[{c}][{key!r}] is {_describe(a)}, {first}'s "
+                    f"{_describe(b)}: shards of different checkpoints were mixed"
+                )
 
 
 def _check_names(name: str, state: dict[str, Any]) -> None:
@@ -433,20 +513,6 @@ def runtime_shard(
             f"checkpoint {directory}, taken by name for stage {stage}: {exc}"
         ) from None
     return shard
-
-
-def missing_from_model(
-    saved: SavedModel, directory: str | os.PathLike, names: Mapping[int, Mapping[str, str]]
-) -> None:
-    """Raise `CheckpointError` where the checkpoint holds a tensor the new model lacks."""
-    ours = {name for segment in names.values() for name in segment.values()}
-    extra = [name for name in saved.files if name not in ours]
-    if extra:
-        raise CheckpointError(
-            f"checkpoint {directory}: {extra[0]} (in {saved.files[extra[0]]}) is no tensor of "
-            f"this model{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}: it was "
-            "saved from another model (a checkpoint loads whole or not at all)"
-        )
 
 
 def _fits(value: Any, kind: tuple[torch.Size, torch.dtype]) -> bool:

@@ -48,7 +48,14 @@ if TYPE_CHECKING:
     from schedcc.backends.runtime.tied import StageTies
     from schedcc.backends.runtime.zero import Reducer
 
-__all__ = ["check_saved", "load_optimizer", "load_stage", "optimizer_state"]
+__all__ = [
+    "check_rng",
+    "check_saved",
+    "load_optimizer",
+    "load_stage",
+    "optimizer_state",
+    "saved_layout",
+]
 
 
 def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
@@ -69,7 +76,7 @@ def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
     whole = whole_states(saved)
     for name, state in zip(names, whole):
         _check_modules(name, state, modules, segments)
-        _check_rng(name, state["rng"])
+        check_rng(name, state["rng"])
     if runtime.optimizer is not None and whole[0]["optimizer"] is None:
         raise CheckpointError(
             f"{names[0]} holds no optimizer state, but this stage has an optimizer: it was altered"
@@ -150,7 +157,12 @@ def optimizer_state(
     for rank_saved, state in enumerate(saved):
         name = shard_name(stage, rank_saved)
         check_settings(name, state["optimizer"], optimizer)
-        check_state(name, state["optimizer"], optimizer, like=_saved_layout(state, modules))
+        check_state(
+            name,
+            state["optimizer"],
+            optimizer,
+            like=saved_layout(state, [list(mod.parameters()) for mod in modules]),
+        )
     try:
         target = _laid_out(optimizer, saved, modules, zero=zero, rank=rank, size=size)
     except CheckpointError as exc:
@@ -218,7 +230,9 @@ def _check_modules(
                 )
 
 
-def _check_rng(name: str, rng: dict[str, Any]) -> None:
+def check_rng(name: str, rng: dict[str, Any]) -> None:
+    """Raise `CheckpointError` unless the shard `name`'s RNG states can be restored here
+    (each tried, then put back)."""
     cpu = rng.get("cpu")
     current = torch.get_rng_state()
     try:
@@ -279,15 +293,18 @@ def _laid_out(
     return target
 
 
-def _saved_layout(state: dict[str, Any], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+def saved_layout(
+    state: dict[str, Any], chunks: Sequence[Sequence[torch.Tensor]]
+) -> list[torch.Tensor]:
     """Per parameter of the optimizer a shard was saved from, a `meta` tensor of its shape and
     dtype: under ZeRO each chunk's flat shard (the chunk's values over the ranks, rounded up),
-    else the modules' parameters (`modules` whole: checked against `state["numels"]`)."""
+    else the chunks' parameters (`chunks[c]`, chunk c's whole parameters in `parameters()`
+    order: checked against `state["numels"]`)."""
     if not state["zero"]:
-        return [p.to("meta") for mod in modules for p in mod.parameters()]
+        return [p.to("meta") for params in chunks for p in params]
     layout = []
-    for mod, sizes in zip(modules, state["numels"]):
-        dtypes = {p.dtype for p in mod.parameters()} or {torch.get_default_dtype()}
+    for params, sizes in zip(chunks, state["numels"]):
+        dtypes = {p.dtype for p in params} or {torch.get_default_dtype()}
         shard = max(1, math.ceil(sum(sizes) / state["data_parallel"]))
         layout.append(torch.empty(shard, dtype=dtypes.pop(), device="meta"))
     return layout

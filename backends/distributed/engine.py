@@ -73,7 +73,6 @@ from schedcc.backends.checkpoint.files import (
     write_shard,
 )
 from schedcc.backends.checkpoint.reshape import (
-    missing_from_model,
     model_names,
     read_model,
     rng_index,
@@ -520,10 +519,14 @@ class Engine(BaseEngine):
         current = program_meta(self.program, cut_of(keys, self._layout.stage_of))
         if self.tp_rank is None and is_reshaped(manifest["meta"], current):
             names = model_names(keys)
-            wanted = {name for k in self._own_segments() for name in names[k].values()}
-            index = rng_index(self.stage, self.data_parallel.rank, self.program.num_stages)
-            model = read_model(path, manifest, wanted=wanted, rng=index)
-            missing_from_model(model, path, names)
+            model = read_model(
+                path,
+                manifest,
+                model=names,
+                segments=self._own_segments(),
+                rng=rng_index(self.stage, self.data_parallel.rank, self.program.num_stages),
+                optimizer=self.runtime.optimizer,
+            )
             shard = runtime_shard(model, path, self.runtime, names)
             return manifest, [shard], shard["rng"]
         _, states = load_stage_states(
