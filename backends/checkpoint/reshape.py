@@ -153,46 +153,23 @@ def read_model(
             )
     cut = _saved_cut(directory, meta.get("cut"), num_stages)
     rng_rank, rng_stage = divmod(rng % (num_stages * dp), num_stages)
-    read = range(num_stages)
+    read: Collection[int] = range(num_stages)
     if cut is not None and model is not None:
-        names = model_names({k: keys for k, (_, keys) in cut.items()})
-        _check_same_names(directory, _files(cut, names), model)
-        held = model if segments is None else {k: model[k] for k in segments}
-        wanted = {name for segment in held.values() for name in segment.values()}
-        holding = {cut[k][0] for k in cut if any(names[k][key] in wanted for key in cut[k][1])}
-        read = sorted(holding | {rng_stage})
-    stages = {s: _read_stage(directory, manifest, s, dp) for s in read}
-    keys, held = {}, {}
-    for s, whole in stages.items():
-        for c, k in enumerate(whole[0]["segments"]):
-            mine = list(whole[0]["modules"][c])
-            if k in keys or (cut is not None and cut.get(k) != (s, mine)):
-                raise CheckpointError(
-                    f"{shard_name(s, 0)}: segments[{c}] is segment {k} of keys {mine}, which "
-                    "the manifest's cut places otherwise: it was altered"
-                )
-            keys[k] = mine
-            held[k] = (s, c)
+        _check_same_names(directory, _files(cut), model)
+        read = _holding(cut, model, segments) | {rng_stage}
+    stages = {s: _read_stage(directory, manifest, s, dp) for s in sorted(read)}
+    placed = _placed(stages, cut)
     if cut is None:
-        cut = {k: (held[k][0], keys[k]) for k in keys}
-    names = model_names({k: keys for k, (_, keys) in cut.items()})
-    if model is not None:
-        _check_same_names(directory, _files(cut, names), model)
+        cut = {k: (s, list(stages[s][0]["modules"][c])) for k, (s, c) in placed.items()}
+        if model is not None:
+            _check_same_names(directory, _files(cut), model)
     for whole in stages.values():
         _check_optimizer(whole, optimizer)
-    per_parameter = {s: _parameter_states(whole) for s, whole in stages.items()}
-    tensors, states = {}, {}
-    for k in sorted(held):
-        s, c = held[k]
-        first = stages[s][0]
-        for key, value in first["modules"][c].items():
-            tensors[names[k][key]] = value
-        for key, state in zip(first["names"][c], per_parameter[s][c]):
-            states[names[k][key]] = state
+    tensors, states = _by_name(stages, placed, _names(cut))
     alike = list(stages.values())
     _check_alike(alike)
     return SavedModel(
-        files=_files(cut, names),
+        files=_files(cut),
         tensors=tensors,
         optimizer=states,
         settings=_settings(alike),
@@ -202,9 +179,67 @@ def read_model(
     )
 
 
-def _saved_cut(
-    directory: str | os.PathLike, cut: Any, num_stages: int
-) -> dict[int, tuple[int, list[str]]] | None:
+#: Per segment, the stage that holds it and its state dict's keys (the manifest's `cut`).
+_Cut = dict[int, tuple[int, list[str]]]
+
+
+def _names(cut: _Cut) -> dict[int, dict[str, str]]:
+    return model_names({k: keys for k, (_, keys) in cut.items()})
+
+
+def _files(cut: _Cut) -> dict[str, str]:
+    """Each model-wide name of the checkpoint, and the shard (data-parallel rank 0's) holding it."""
+    names = _names(cut)
+    return {names[k][key]: shard_name(s, 0) for k, (s, keys) in sorted(cut.items()) for key in keys}
+
+
+def _holding(
+    cut: _Cut, model: Mapping[int, Mapping[str, str]], segments: Collection[int] | None
+) -> set[int]:
+    """The old stages whose shards hold a tensor of `segments` of the loading `model`."""
+    names = _names(cut)
+    held = model if segments is None else {k: model[k] for k in segments}
+    wanted = {name for segment in held.values() for name in segment.values()}
+    return {cut[k][0] for k in cut if any(names[k][key] in wanted for key in cut[k][1])}
+
+
+def _placed(
+    stages: Mapping[int, Sequence[dict[str, Any]]], cut: _Cut | None
+) -> dict[int, tuple[int, int]]:
+    """`{segment: (stage, chunk)}` of the shards read, each segment once and, where the
+    manifest records a cut, where it places it and of the keys it gives."""
+    placed: dict[int, tuple[int, int]] = {}
+    for s, whole in stages.items():
+        for c, k in enumerate(whole[0]["segments"]):
+            keys = list(whole[0]["modules"][c])
+            if k in placed or (cut is not None and cut.get(k) != (s, keys)):
+                raise CheckpointError(
+                    f"{shard_name(s, 0)}: segments[{c}] is segment {k} of keys {keys}, which "
+                    "the manifest's cut places otherwise: it was altered"
+                )
+            placed[k] = (s, c)
+    return placed
+
+
+def _by_name(
+    stages: Mapping[int, Sequence[dict[str, Any]]],
+    placed: Mapping[int, tuple[int, int]],
+    names: Mapping[int, Mapping[str, str]],
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The tensors of the shards read and their parameters' optimizer states, by name."""
+    per_parameter = {s: _parameter_states(whole) for s, whole in stages.items()}
+    tensors, states = {}, {}
+    for k in sorted(placed):
+        s, c = placed[k]
+        first = stages[s][0]
+        for key, value in first["modules"][c].items():
+            tensors[names[k][key]] = value
+        for key, state in zip(first["names"][c], per_parameter[s][c]):
+            states[names[k][key]] = state
+    return tensors, states
+
+
+def _saved_cut(directory: str | os.PathLike, cut: Any, num_stages: int) -> _Cut | None:
     """The manifest's cut as `{segment: (stage, keys)}`; None where it records none."""
     if cut is None:
         return None
@@ -265,13 +300,6 @@ def _check_optimizer(
             check_state(name, saved, optimizer, like=saved_layout(state, params))
         elif saved is not None:
             check_numbering(name, saved)
-
-
-def _files(
-    cut: Mapping[int, tuple[int, Sequence[str]]], names: Mapping[int, Mapping[str, str]]
-) -> dict[str, str]:
-    """Each model-wide name of the checkpoint, and the shard (data-parallel rank 0's) holding it."""
-    return {names[k][key]: shard_name(s, 0) for k, (s, keys) in sorted(cut.items()) for key in keys}
 
 
 def _check_same_names(
