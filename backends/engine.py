@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from schedcc.backends.batches import is_pair
-from schedcc.backends.checkpoint.reshape import model_names
+from schedcc.backends.checkpoint.model import model_names
 from schedcc.backends.runtime.precision import LOW_PRECISION
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import GradNorm
@@ -283,7 +283,7 @@ class BaseEngine(abc.ABC):
 
     def state_dict(self, *, everywhere: bool = True) -> dict[str, Any] | None:
         """The whole model's state dict: every segment's parameters and buffers, whole (ZeRO-3
-        shards joined) and on the CPU, under model-wide names (`checkpoint.reshape.model_names`):
+        shards joined) and on the CPU, under model-wide names (`checkpoint.model.model_names`):
         the names of the unsplit model where the segments keep the model's own module names (as
         `schedcc.partition` and `schedcc.split` cut it), else `segment<k>.<key>`. A tied
         parameter appears under each of its names.

@@ -53,11 +53,8 @@ from schedcc.backends.checkpoint.files import (
     write_manifest,
     write_shard,
 )
-from schedcc.backends.checkpoint.reshape import (
-    model_names,
-    read_model,
-    runtime_shard,
-)
+from schedcc.backends.checkpoint.model import model_names, read_model
+from schedcc.backends.checkpoint.reshape import runtime_shard
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.engine import (
     BaseEngine,

@@ -107,7 +107,7 @@ def export(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     Every shard is checked as a load checks it (the manifest, each file's size and sha256, each
     shard's fields) and ZeRO-3 shards are joined, so each tensor is whole. The names are the
     unsplit model's where the segments keep the model's own module names (as `partition` and
-    `split` cut it), else `segment<k>.<key>` (`backends.checkpoint.reshape.model_names`); the
+    `split` cut it), else `segment<k>.<key>` (`backends.checkpoint.model.model_names`); the
     same names `Engine.state_dict()` gives. The tensors are on the CPU.
 
     Args:
@@ -118,7 +118,7 @@ def export(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
     >>> # model.load_state_dict(schedcc.export("ckpt/step-00000100"))  # then save_pretrained
     """
-    from schedcc.backends.checkpoint.reshape import export as read_whole
+    from schedcc.backends.checkpoint.model import export as read_whole
 
     return read_whole(checkpoint_dir)
 

@@ -205,7 +205,7 @@ def _distinct_rngs(directory: Path, *, num_stages: int, dp: int) -> list[torch.T
 def test_a_rank_reads_only_the_shards_that_hold_its_tensors(tmp_path, monkeypatch):
     """Loading by name reads the shards of the stages the manifest's cut says hold the wanted
     names (and the one of the RNG state's global index), not the others."""
-    from schedcc.backends.checkpoint import reshape
+    from schedcc.backends.checkpoint import model
 
     engine = _engine("1f1b", 2, 4, dp=2)
     engine.save(tmp_path / "c")
@@ -216,14 +216,14 @@ def test_a_rank_reads_only_the_shards_that_hold_its_tensors(tmp_path, monkeypatc
         read.append(name)
         return ckpt.read_shard(directory, name, manifest)
 
-    monkeypatch.setattr(reshape, "read_shard", recording)
-    names = reshape.model_names({k: list(s.state_dict()) for k, s in enumerate(engine.segments)})
-    saved = reshape.read_model(tmp_path / "c", manifest, model=names, segments=[1], rng=3)
+    monkeypatch.setattr(model, "read_shard", recording)
+    names = model.model_names({k: list(s.state_dict()) for k, s in enumerate(engine.segments)})
+    saved = model.read_model(tmp_path / "c", manifest, model=names, segments=[1], rng=3)
     assert read == ["stage1-dp0.pt", "stage1-dp1.pt"]
     assert set(saved.tensors) == {f"{k}.{w}" for k in (4, 6) for w in ("weight", "bias")}
     assert len(saved.files) == 8  # every name the checkpoint holds, read or not
     read.clear()
-    reshape.read_model(tmp_path / "c", manifest, model=names, segments=[1], rng=0)
+    model.read_model(tmp_path / "c", manifest, model=names, segments=[1], rng=0)
     assert read == [f"stage{s}-dp{r}.pt" for s in (0, 1) for r in (0, 1)]
 
 

@@ -72,12 +72,8 @@ from schedcc.backends.checkpoint.files import (
     write_manifest,
     write_shard,
 )
-from schedcc.backends.checkpoint.reshape import (
-    model_names,
-    read_model,
-    rng_index,
-    runtime_shard,
-)
+from schedcc.backends.checkpoint.model import model_names, read_model, rng_index
+from schedcc.backends.checkpoint.reshape import runtime_shard
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.distributed.groups import (
     CommGroup,
