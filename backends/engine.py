@@ -16,12 +16,13 @@ how tensors travel between them. What a user sees is written here once, so the t
 - `evaluate(inputs, targets)` and `predict(inputs)` run a forward-only program
   (`schedcc.compile(..., forward_only=True)`) with the segments in eval mode, under a copy of
   the RNG state, and change no parameter, gradient, optimizer or RNG state;
-- `save(path) -> Path` (the manifest) and `load(path)`; `peak_activation_bytes` per stage.
+- `save(path) -> Path` (the manifest) and `load(path)` (into any shape, by parameter name);
+  `state_dict()`, the whole model's; `peak_activation_bytes` per stage.
 
 An engine supplies `_prepare` (check and split one run's batches, raising before anything runs),
 `_run` (run the program once, returning each batch's loss and named parts), `_forward_run` (the
 forward-only program on one batch), `_runtimes` (the stage runtimes it holds), `_held_modules`,
-`save` and `load`. Batches are checked and split by `backends.batches`.
+`_model_state`, `save` and `load`. Batches are checked and split by `backends.batches`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 
 from schedcc.backends.batches import is_pair
+from schedcc.backends.checkpoint.model import model_names
 from schedcc.backends.runtime.precision import LOW_PRECISION
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import GradNorm
@@ -58,6 +60,7 @@ __all__ = [
     "build_segments",
     "check_precision",
     "check_segments",
+    "copied_state",
     "is_builder",
     "is_pair",
 ]
@@ -303,7 +306,30 @@ class BaseEngine(abc.ABC):
             for runtime in self._all_runtimes():
                 runtime.release_all()
 
+    def state_dict(self, *, everywhere: bool = True) -> dict[str, Any] | None:
+        """The whole model's state dict: every segment's parameters and buffers, whole (ZeRO-3
+        shards joined) and on the CPU, under model-wide names (`checkpoint.model.model_names`):
+        the names of the unsplit model where the segments keep the model's own module names (as
+        `schedcc.partition` and `schedcc.split` cut it), else `segment<k>.<key>`. A tied
+        parameter appears under each of its names.
+
+        On the distributed engine every rank calls it (it gathers every stage's segments); with
+        `everywhere=False` only rank 0 gets the dict and the others None.
+
+        >>> # model.load_state_dict(engine.state_dict())  # the unsplit model, trained
+        """
+        states = self._model_state(everywhere)
+        if states is None:
+            return None
+        names = model_names({k: list(state) for k, state in states.items()})
+        return {names[k][key]: value for k in sorted(states) for key, value in states[k].items()}
+
     # -- what each engine supplies -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _model_state(self, everywhere: bool) -> dict[int, dict[str, Any]] | None:
+        """Per segment of the model, its state dict whole on the CPU (`copied_state`); None on a
+        rank that is not to get it (`state_dict`)."""
 
     @abc.abstractmethod
     def save(self, path: str | os.PathLike) -> Path:
@@ -414,6 +440,14 @@ def check_segments(
                 f"segment {k} is a {type(segment).__name__}, not a torch.nn.Module"
             )
     return segments
+
+
+def copied_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A module state dict's tensors detached and copied to the CPU (the rest as they are)."""
+    return {
+        key: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+        for key, value in state.items()
+    }
 
 
 def is_builder(segments: object) -> bool:

@@ -44,12 +44,18 @@ from torch import nn
 
 from schedcc.backends.batches import local_batches, same_sizes, split_pair
 from schedcc.backends.checkpoint.files import (
+    checkpoint_directory,
+    cut_of,
+    is_reshaped,
     load_stage_states,
     program_meta,
+    read_checkpoint,
     shard_name,
     write_manifest,
     write_shard,
 )
+from schedcc.backends.checkpoint.model import model_names, read_model
+from schedcc.backends.checkpoint.reshape import runtime_shard
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.engine import (
     BaseEngine,
@@ -60,6 +66,7 @@ from schedcc.backends.engine import (
     build_segments,
     check_precision,
     check_segments,
+    copied_state,
     is_builder,
 )
 from schedcc.backends.runtime.boundary import Message
@@ -217,27 +224,55 @@ class Engine(BaseEngine):
                 state = runtime.state_dict()
                 state["rng"] = rng_state()
                 files[shard_name(s, r)] = write_shard(path, shard_name(s, r), state)
-        return write_manifest(path, program_meta(self.program), self.steps, files)
+        return write_manifest(path, self._meta(), self.steps, files)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by `save` (or by the distributed backend): `path` is its
         directory, or the manifest path `save` returned.
 
-        Everything is read and checked before anything changes: a checkpoint of another
-        schedule or shape, or with a missing, truncated or altered file, raises
+        Everything is read and checked before anything changes: a checkpoint with a missing,
+        truncated or altered file, or one that does not fit this model, raises
         `CheckpointError` and leaves the engine as it was. A different data-parallel degree or
-        ZeRO setting is re-sharded.
+        ZeRO setting is re-sharded; another schedule, m, v or cut loads by parameter name
+        ([Note: re-shaping by name] in `backends.checkpoint.reshape`).
         """
-        stages = range(self.program.num_stages)
-        manifest, states = load_stage_states(path, self.program, stages)
+        path = checkpoint_directory(path)
+        manifest = read_checkpoint(path)
+        if is_reshaped(manifest["meta"], self._meta()):
+            states, rng = self._reshaped(path, manifest)
+        else:
+            stages = range(self.program.num_stages)
+            _, saved = load_stage_states(path, self.program, stages, manifest=manifest)
+            states, rng = saved, saved[0][0]["rng"]
         for runtimes in self.runtimes:
             for s, runtime in enumerate(runtimes):
                 runtime.check_state(states[s])
         for runtimes in self.runtimes:
             for s, runtime in enumerate(runtimes):
                 runtime.load_state_dict(states[s])
-        set_rng_state(states[0][0]["rng"])
+        set_rng_state(rng)
         self.steps = manifest["step"]
+
+    def _meta(self) -> dict[str, Any]:
+        keys = {k: list(segment.state_dict()) for k, segment in enumerate(self.segments)}
+        return program_meta(self.program, cut_of(keys, self._layout.stage_of))
+
+    def _reshaped(self, path, manifest) -> tuple[dict[int, list[dict]], dict]:
+        """Each stage's shard taken by name from a checkpoint of another shape, and the RNG
+        state of global index 0 (one process: [Note: re-shaping by name])."""
+        keys = {k: list(segment.state_dict()) for k, segment in enumerate(self.segments)}
+        names = model_names(keys)
+        optimizer = next((rt.optimizer for rt in self.runtimes[0] if rt.optimizer), None)
+        saved = read_model(path, manifest, model=names, rng=0, optimizer=optimizer)
+        states = {
+            s: [runtime_shard(saved, path, runtime, names)]
+            for s, runtime in enumerate(self.runtimes[0])
+        }
+        return states, saved.rng
+
+    def _model_state(self, everywhere: bool) -> dict[int, dict[str, Any]]:
+        with self.unsharded():
+            return {k: copied_state(seg.state_dict()) for k, seg in enumerate(self.segments)}
 
     # -- batches --------------------------------------------------------------------------------
 

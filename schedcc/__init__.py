@@ -1,10 +1,14 @@
 """schedcc: a pluggable, provable pipeline-parallel schedule compiler for PyTorch.
 
 Write a schedule as a generator of instructions, then compile, validate, simulate, draw and run
-it. Importing schedcc does not import torch; only `partition` and the backends do, lazily.
+it. Importing schedcc does not import torch; only `partition`, `split`, `export` and the backends
+do, lazily.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 from schedcc.compiler import compile
 from schedcc.errors import (
@@ -91,11 +95,34 @@ __all__ = [
     "WeightVersionError",
     "available_schedules",
     "compile",
+    "export",
     "get_schedule",
     "simulate",
     "tune",
     "validate",
 ]
+
+
+def export(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The whole model's state dict, read from a checkpoint directory; no process group needed.
+
+    Every shard is checked as a load checks it (the manifest, each file's size and sha256, each
+    shard's fields) and ZeRO-3 shards are joined, so each tensor is whole. The names are the
+    unsplit model's where the segments keep the model's own module names (as `partition` and
+    `split` cut it), else `segment<k>.<key>` (`backends.checkpoint.model.model_names`); the
+    same names `Engine.state_dict()` gives. The tensors are on the CPU.
+
+    Args:
+        checkpoint_dir: a directory `Engine.save` (or `schedcc run --checkpoint`) wrote.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete, altered or unreadable.
+
+    >>> # model.load_state_dict(schedcc.export("ckpt/step-00000100"))  # then save_pretrained
+    """
+    from schedcc.backends.checkpoint.model import export as read_whole
+
+    return read_whole(checkpoint_dir)
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,9 @@ def partition(
     """Cut `model` into `n` contiguous `nn.Sequential` segments, in model order.
 
     The segments hold the model's own layers (no copies), so training the segments trains the
-    model.
+    model, under the model's own names: a segment's layers keep their indices in the model
+    (`"2.weight"` is layer 2's weight in whichever segment holds it), so a segment's state dict
+    is part of the model's, and checkpoints load across cuts by name.
 
     Args:
         model: an `nn.Sequential` or a list of layers.
@@ -53,6 +56,7 @@ def partition(
     from torch import nn
 
     if isinstance(model, nn.Sequential):
+        names = [name for name, _ in model.named_children()]
         layers = list(model.children())
     elif isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
         raise PartitionError(_not_sequential(model, n))
@@ -64,6 +68,7 @@ def partition(
                 "partition cuts an nn.Sequential or a list of layers; got an object of type "
                 f"{type(model).__name__}"
             ) from None
+        names = [str(i) for i in range(len(layers))]
     for index, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise PartitionError(
@@ -71,7 +76,10 @@ def partition(
             )
     sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     bounds = segment_bounds(sizes, n, method)
-    return [nn.Sequential(*layers[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+    return [
+        nn.Sequential(OrderedDict((names[i], layers[i]) for i in range(lo, hi)))
+        for lo, hi in itertools.pairwise(bounds)
+    ]
 
 
 def _not_sequential(model: nn.Module, n: Any) -> str:

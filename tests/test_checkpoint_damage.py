@@ -47,14 +47,15 @@ class _Scaled(torch.nn.Module):
         return torch.tanh(self.linear(x)) * self.scale
 
 
-def _engine(*, seed=0, dp=1, zero=0, float16=False):
+def _engine(*, seed=0, dp=1, zero=0, float16=False, schedule="1f1b", m=2):
     """2 stages of one `_Scaled` each; float16: float32 weights under float16's loss scale."""
     torch.manual_seed(seed)
     dtype = torch.float32 if float16 else torch.float64
     model = torch.nn.Sequential(_Scaled(dtype), _Scaled(dtype))
     segments = schedcc.partition(model, 2, method="uniform")
-    schedule = schedcc.get_schedule("1f1b")(2, 2)
-    program = schedcc.compile(schedule, data_parallel=dp, zero=zero, grad_norm=float16)
+    program = schedcc.compile(
+        schedcc.get_schedule(schedule)(2, m), data_parallel=dp, zero=zero, grad_norm=float16
+    )
     return Engine(
         program,
         segments,
@@ -374,14 +375,23 @@ def _normal(text: str) -> str:
         ({"float16": True}, {"float16": True}),
         ({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3}),
         ({"dp": 2, "zero": 1}, {}),
+        ({"dp": 2, "zero": 3}, {"schedule": "gpipe", "m": 4}),
+        ({"dp": 2, "zero": 1, "float16": True}, {"schedule": "gpipe", "m": 4, "float16": True}),
     ],
-    ids=["float16", "zero3-dp2", "zero1-dp2-resharded"],
+    ids=[
+        "float16",
+        "zero3-dp2",
+        "zero1-dp2-resharded",
+        "zero3-dp2-by-name",
+        "zero1-dp2-float16-by-name",
+    ],
 )
 def test_every_edited_field_of_a_shard_is_refused_and_nothing_changes(tmp_path, kwargs, loaded):
     """Each field of a real shard (stage 1, the last data-parallel rank), at every depth,
     given a value of another type, negative, NaN, inf, of another shape or dtype, a key or
     item short, or an unknown field: `CheckpointError` naming the file and the field, and the
-    engine (of the same layout, or of another: re-sharded) bitwise unchanged."""
+    engine (of the same layout, or of another: re-sharded, or of another schedule and m: taken
+    by name) bitwise unchanged."""
     directory = _saved(tmp_path, **kwargs)
     name = ckpt.shard_name(1, kwargs.get("dp", 1) - 1)
     original = _read(directory, name)

@@ -177,20 +177,20 @@ def test_parameter_of_another_shape_refused(tmp_path):
     directory = _saved(tmp_path / "c")
 
     def reshape(state):
-        weight = state["modules"][0]["0.weight"]
-        state["modules"][0]["0.weight"] = weight.reshape(-1)[: WIDTH * WIDTH].reshape(
+        weight = state["modules"][0]["2.weight"]
+        state["modules"][0]["2.weight"] = weight.reshape(-1)[: WIDTH * WIDTH].reshape(
             WIDTH * 2, WIDTH // 2
         )
 
     _edit_shard(directory, STAGE1, reshape)
-    _assert_refused(directory, r"0\.weight is \(12, 3\) torch.float64, this model's \(6, 6\)")
+    _assert_refused(directory, r"2\.weight is \(12, 3\) torch.float64, this model's \(6, 6\)")
 
 
 def test_parameter_of_another_dtype_refused(tmp_path):
     """A float32 parameter for a float64 model is refused, not silently cast."""
     directory = _saved(tmp_path / "c")
-    _edit_shard(directory, STAGE1, lambda s: s["modules"][0].update({"0.bias": torch.zeros(6)}))
-    _assert_refused(directory, r"0\.bias is \(6,\) torch.float32")
+    _edit_shard(directory, STAGE1, lambda s: s["modules"][0].update({"2.bias": torch.zeros(6)}))
+    _assert_refused(directory, r"2\.bias is \(6,\) torch.float32")
 
 
 def test_optimizer_state_of_another_shape_refused(tmp_path):

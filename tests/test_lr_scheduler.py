@@ -325,3 +325,25 @@ def test_on_gloo_ranks_a_scheduled_run_and_its_resume_equal_the_loop(tmp_path):
     """1f1b on 2 gloo ranks with a warmup-cosine schedule, saved after 3 steps and resumed on a
     fresh engine, equals the non-pipelined loop with the same scheduler."""
     assert spawn(_gloo_worker, 2, (str(tmp_path / "ckpt"),), grace=30, threads=1) == 0
+
+
+def test_a_scheduled_run_resumes_under_another_microbatch_count(tmp_path):
+    """Saved after two steps at m = 2 and loaded by name into m = 4 (the same batches, so the
+    same objective): the scheduler goes on where it was, and the run equals one at m = 4 from the
+    start."""
+    data = _batches(4)
+
+    def engine_of(m: int) -> Engine:
+        program = schedcc.compile(schedcc.get_schedule("1f1b")(2, m))
+        return Engine(program, _segments(2), F.mse_loss, _adam, lr_scheduler=_warmup_cosine)
+
+    first = engine_of(2)
+    list(first.train(data[:2]))
+    later = engine_of(4)
+    later.load(first.save(tmp_path / "ckpt"))
+    resumed = list(later.train(data[2:]))
+    straight = engine_of(4)
+    expected = list(straight.train(data))[2:]
+    assert resumed == pytest.approx(expected, abs=1e-12, rel=0)
+    for got, want in zip(later._runtimes(), straight._runtimes()):
+        assert got.lr_scheduler.state_dict() == want.lr_scheduler.state_dict()

@@ -2,11 +2,13 @@
 
 Layout of a checkpoint directory `DIR/step-00000042/`:
 
-    manifest.json        schedule and shape, step count, every file with its size and sha256
+    manifest.json        schedule and shape, the cut (`cut_of`), step count, every file with
+                         its size and sha256
     stage0-dp0.pt        what stage 0 of data-parallel rank 0 holds between runs: its chunks'
-    stage1-dp0.pt        parameters and buffers, the optimizer state (under ZeRO this rank's
-                         shard of it), the RNG states, and the shard's own identity (stage,
-                         data-parallel rank, segment indices), checked on load
+    stage1-dp0.pt        parameters and buffers and their parameters' names, the optimizer
+                         state (under ZeRO this rank's shard of it), the RNG states, and the
+                         shard's own identity (stage, data-parallel rank, segment indices),
+                         checked on load
 
 Between runs of the program no weight version is stashed, so a shard holds the live weights only
 (see `backends.checkpoint.state`).
@@ -23,7 +25,8 @@ apply. The first checks the manifest's fields and types (its step, in a step dir
 directory's), the program's shape, every file's size and checksum, every field of every shard
 against its schema (`backends.checkpoint.schema`), and that each shard fits the engine: identity,
 tensors, ZeRO-3 shards, RNG state, optimizer state as it will be loaded
-(`backends.checkpoint.restore`). Every refusal is a `CheckpointError` from the first phase,
+(`backends.checkpoint.restore`); a checkpoint of another shape is first taken by name
+(`backends.checkpoint.reshape`). Every refusal is a `CheckpointError` from the first phase,
 naming the file and the field, and the second does not fail on what the first accepted, so a
 refused checkpoint leaves the engine's parameters, buffers, optimizer state, loss scale, counts
 and RNG state bitwise as they were; on the distributed backend every rank checks its own shards
@@ -37,6 +40,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +50,14 @@ __all__ = [
     "MANIFEST",
     "checkpoint_directory",
     "check_meta",
+    "check_step",
+    "cut_of",
     "complete_checkpoints",
+    "is_reshaped",
     "load_stage_states",
     "program_meta",
     "latest_checkpoint",
+    "read_checkpoint",
     "read_manifest",
     "read_shard",
     "rewrite_shard",
@@ -192,7 +200,7 @@ def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
             )
 
 
-def _check_step(directory: str | os.PathLike, step: int) -> None:
+def check_step(directory: str | os.PathLike, step: int) -> None:
     """A checkpoint in a step directory (`step_dir`) holds that many steps: resuming takes the
     data from there (`schedcc run --resume`), so another step would shift it."""
     match = _STEP_DIR.fullmatch(Path(directory).name)
@@ -280,7 +288,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def check_meta(
-    saved: dict[str, Any], current: dict[str, Any], *, elastic=("data_parallel", "zero")
+    saved: dict[str, Any], current: dict[str, Any], *, elastic=("data_parallel", "zero", "cut")
 ) -> None:
     """Refuse a checkpoint whose shape differs from the program's, naming every difference.
 
@@ -298,11 +306,12 @@ def check_meta(
         )
 
 
-def program_meta(program) -> dict[str, Any]:
-    """What a checkpoint records of the program it was saved from (compared on load)."""
+def program_meta(program, cut: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a checkpoint records of the program it was saved from (compared on load), and with
+    `cut` (`cut_of`) how the model is cut into segments."""
     schedule = program.schedule
     cls = type(schedule)
-    return {
+    meta = {
         "schedule": cls.name or cls.__qualname__,
         "num_stages": schedule.num_stages,
         "num_microbatches": schedule.num_microbatches,
@@ -312,6 +321,9 @@ def program_meta(program) -> dict[str, Any]:
         "data_parallel": program.data_parallel,
         "zero": program.zero,
     }
+    if cut is not None:
+        meta["cut"] = list(cut)
+    return meta
 
 
 def checkpoint_directory(path: str | os.PathLike) -> Path:
@@ -321,25 +333,25 @@ def checkpoint_directory(path: str | os.PathLike) -> Path:
     return path.parent if path.name == MANIFEST and path.is_file() else path
 
 
-def load_stage_states(
-    directory: str | os.PathLike, program, stages, *, tp_rank: int | None = None
-) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]]]:
-    """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
+def cut_of(keys: Mapping[int, Sequence[str]], stage_of: Sequence[int]) -> list[dict[str, Any]]:
+    """Per segment `k` in order, the stage that holds it and its state dict's keys `keys[k]`:
+    the manifest's record of where the model was cut, so that a load at the same p and v but
+    another cut takes the parameters by name, and a rank loading by name reads only the files
+    of the stages that hold its parameters."""
+    return [{"stage": stage_of[k], "keys": list(keys[k])} for k in sorted(keys)]
 
-    `directory` is the checkpoint's directory or its manifest file (`checkpoint_directory`).
 
-    Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
-    rank of that stage, in rank order (the program's layout may differ: see
-    `backends.checkpoint.state`); with `tp_rank`, those of that tensor-parallel rank.
+def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a complete checkpoint whose files are all as it lists them, its step and
+    layout checked; no shard is read.
 
     Raises:
-        CheckpointError: incomplete, altered, unsafe, or saved from another program.
+        CheckpointError: incomplete, altered, or its manifest malformed.
     """
     directory = checkpoint_directory(directory)
     manifest = read_manifest(directory)
-    _check_step(directory, manifest["step"])
+    check_step(directory, manifest["step"])
     meta = manifest["meta"]
-    check_meta(meta, program_meta(program))
     for key, least in (("data_parallel", 1), ("zero", 0)):
         if not _is_count(meta.get(key)) or meta[key] < least:
             raise CheckpointError(
@@ -347,7 +359,43 @@ def load_stage_states(
                 f">= {least}"
             )
     verify_files(directory, manifest)
-    old_dp = meta["data_parallel"]
+    return manifest
+
+
+def is_reshaped(meta: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether a checkpoint of `meta` loads by name into a program of `current` (its
+    `program_meta` with the cut): the shape or the cut differs in more than the data-parallel
+    degree and ZeRO, which the shards re-shard across as they are ([Note: re-shaping by name]
+    in `backends.checkpoint.reshape`)."""
+    keys = (meta.keys() | current.keys()) - {"data_parallel", "zero"}
+    return any(meta.get(key) != current.get(key) for key in keys)
+
+
+def load_stage_states(
+    directory: str | os.PathLike,
+    program,
+    stages,
+    *,
+    tp_rank: int | None = None,
+    manifest: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[int, list[dict[str, Any]]]]:
+    """Check a checkpoint against `program` and read every shard of `stages`, nothing applied.
+
+    `directory` is the checkpoint's directory or its manifest file (`checkpoint_directory`).
+
+    Returns `(manifest, states)` with `states[stage]` the saved states of every data-parallel
+    rank of that stage, in rank order (the program's layout may differ: see
+    `backends.checkpoint.state`); with `tp_rank`, those of that tensor-parallel rank. Pass the
+    `manifest` `read_checkpoint` returned not to read and verify it again.
+
+    Raises:
+        CheckpointError: incomplete, altered, unsafe, or saved from another program.
+    """
+    directory = checkpoint_directory(directory)
+    if manifest is None:
+        manifest = read_checkpoint(directory)
+    check_meta(manifest["meta"], program_meta(program))
+    old_dp = manifest["meta"]["data_parallel"]
     states = {
         s: [read_shard(directory, shard_name(s, r, tp_rank), manifest) for r in range(old_dp)]
         for s in stages

@@ -28,7 +28,7 @@ import torch
 
 from schedcc.errors import CheckpointError
 
-__all__ = ["check_settings", "check_state", "probe_state"]
+__all__ = ["check_numbering", "check_settings", "check_state", "probe_state"]
 
 
 def check_settings(name: str, saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
@@ -37,7 +37,7 @@ def check_settings(name: str, saved: dict[str, Any], optimizer: torch.optim.Opti
     same kind (a bool for a bool, a finite number for a finite number, ...), and its
     parameters numbered as `state_dict` numbers them (0, 1, ... over the groups in order, the
     state keyed by those numbers: re-sharding reads them so)."""
-    _check_numbering(name, saved)
+    check_numbering(name, saved)
     groups = [set(g) - {"params"} for g in optimizer.param_groups]
     old = [set(g) - {"params"} for g in saved["param_groups"]]
     if old != groups:
@@ -54,7 +54,9 @@ def check_settings(name: str, saved: dict[str, Any], optimizer: torch.optim.Opti
                 )
 
 
-def _check_numbering(name: str, saved: dict[str, Any]) -> None:
+def check_numbering(name: str, saved: dict[str, Any]) -> None:
+    """Raise `CheckpointError` unless the optimizer state `saved` numbers its parameters 0, 1,
+    ... over its groups in order, and holds state only for those."""
     ids = [i for group in saved["param_groups"] for i in group["params"]]
     if ids != list(range(len(ids))):
         raise CheckpointError(

@@ -12,7 +12,8 @@ half-way —
   (`backends.checkpoint.sharded`);
 - the shard's identity: the stage, data-parallel rank and segment indices it records are the ones
   it is loaded as (a shard swapped or renamed between stages or ranks is refused);
-- every chunk's tensors: the same names, shapes and dtypes as this model's;
+- every chunk's tensors: the same names, shapes and dtypes as this model's, and its parameters'
+  names (`names`, what a load into another shape maps by) this model's;
 - the learning-rate scheduler's state, where the engine has one: of the same kind of scheduler;
 - the RNG states: the CPU state is one `torch.set_rng_state` accepts (tried, then put back);
 - each shard's optimizer state in the layout it was saved in, and again as it will be loaded
@@ -49,7 +50,14 @@ if TYPE_CHECKING:
     from schedcc.backends.runtime.tied import StageTies
     from schedcc.backends.runtime.zero import Reducer
 
-__all__ = ["check_saved", "load_optimizer", "load_stage", "optimizer_state"]
+__all__ = [
+    "check_rng",
+    "check_saved",
+    "load_optimizer",
+    "load_stage",
+    "optimizer_state",
+    "saved_layout",
+]
 
 
 def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
@@ -70,7 +78,7 @@ def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
     whole = whole_states(saved)
     for name, state in zip(names, whole):
         _check_modules(name, state, modules, segments)
-        _check_rng(name, state["rng"])
+        check_rng(name, state["rng"])
     if runtime.optimizer is not None and whole[0]["optimizer"] is None:
         raise CheckpointError(
             f"{names[0]} holds no optimizer state, but this stage has an optimizer: it was altered"
@@ -155,7 +163,12 @@ def optimizer_state(
     for rank_saved, state in enumerate(saved):
         name = shard_name(stage, rank_saved)
         check_settings(name, state["optimizer"], optimizer)
-        check_state(name, state["optimizer"], optimizer, like=_saved_layout(state, modules))
+        check_state(
+            name,
+            state["optimizer"],
+            optimizer,
+            like=saved_layout(state, [list(mod.parameters()) for mod in modules]),
+        )
     try:
         target = _laid_out(optimizer, saved, modules, zero=zero, rank=rank, size=size)
     except CheckpointError as exc:
@@ -223,6 +236,12 @@ def _check_modules(
             f"(in {len(state['modules'])} modules, this model's {len(modules)}): it was saved "
             "from another model"
         )
+    names = [[key for key, _ in mod.named_parameters()] for mod in modules]
+    if state["names"] != names:
+        raise CheckpointError(
+            f"{name}: names is {state['names']}, this model's parameters' names {names}: it "
+            "was altered, or saved from another model"
+        )
     for c, (segment, module, tensors) in enumerate(zip(segments, modules, state["modules"])):
         where = f"{name}: modules[{c}] (segment {segment})"
         current = module.state_dict()
@@ -240,7 +259,9 @@ def _check_modules(
                 )
 
 
-def _check_rng(name: str, rng: dict[str, Any]) -> None:
+def check_rng(name: str, rng: dict[str, Any]) -> None:
+    """Raise `CheckpointError` unless the shard `name`'s RNG states can be restored here
+    (each tried, then put back)."""
     cpu = rng.get("cpu")
     current = torch.get_rng_state()
     try:
@@ -301,15 +322,18 @@ def _laid_out(
     return target
 
 
-def _saved_layout(state: dict[str, Any], modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+def saved_layout(
+    state: dict[str, Any], chunks: Sequence[Sequence[torch.Tensor]]
+) -> list[torch.Tensor]:
     """Per parameter of the optimizer a shard was saved from, a `meta` tensor of its shape and
     dtype: under ZeRO each chunk's flat shard (the chunk's values over the ranks, rounded up),
-    else the modules' parameters (`modules` whole: checked against `state["numels"]`)."""
+    else the chunks' parameters (`chunks[c]`, chunk c's whole parameters in `parameters()`
+    order: checked against `state["numels"]`)."""
     if not state["zero"]:
-        return [p.to("meta") for mod in modules for p in mod.parameters()]
+        return [p.to("meta") for params in chunks for p in params]
     layout = []
-    for mod, sizes in zip(modules, state["numels"]):
-        dtypes = {p.dtype for p in mod.parameters()} or {torch.get_default_dtype()}
+    for params, sizes in zip(chunks, state["numels"]):
+        dtypes = {p.dtype for p in params} or {torch.get_default_dtype()}
         shard = max(1, math.ceil(sum(sizes) / state["data_parallel"]))
         layout.append(torch.empty(shard, dtype=dtypes.pop(), device="meta"))
     return layout

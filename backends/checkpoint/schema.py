@@ -28,7 +28,7 @@ import torch
 
 from schedcc.errors import CheckpointError
 
-__all__ = ["SHARD", "ZERO3", "Check", "check_shard", "check_stage_shards"]
+__all__ = ["SHARD", "ZERO3", "Check", "check_shard", "check_stage_shards", "same_value"]
 
 #: A check: `check(value, field)` raises `_Bad` naming `field` where `value` does not fit.
 Check = Callable[[Any, str], None]
@@ -285,6 +285,7 @@ SHARD: dict[str, Check] = {
     "skipped_steps": _count,
     "loss_scale": _optional(_LOSS_SCALE),
     "lr_scheduler": _optional(_lr_scheduler),
+    "names": _list_of(_list_of(_name)),
 }
 
 #: The fields a shard holds besides `SHARD`'s when saved under `zero=3`
@@ -301,6 +302,7 @@ _ALIKE = (
     "segments",
     "zero",
     "numels",
+    "names",
     "skipped_steps",
     "loss_scale",
     "lr_scheduler",
@@ -338,13 +340,13 @@ def check_stage_shards(names: Sequence[str], states: Sequence[dict[str, Any]]) -
     keys = _ALIKE + (("shapes",) if first["zero"] == 3 else ())
     for name, state in zip(names[1:], states[1:]):
         for key in keys:
-            if not _same(state.get(key), first.get(key)):
+            if not same_value(state.get(key), first.get(key)):
                 raise CheckpointError(
                     f"{name}: {key} is {_show(state.get(key))}, {names[0]}'s "
                     f"{_show(first.get(key))}: shards of different checkpoints were mixed"
                 )
         for field, mine, theirs in _settings(state, first):
-            if not _same(mine, theirs):
+            if not same_value(mine, theirs):
                 raise CheckpointError(
                     f"{name}: {field} is {_show(mine)}, {names[0]}'s {_show(theirs)}: shards "
                     "of different checkpoints were mixed"
@@ -363,7 +365,7 @@ def _settings(state: dict[str, Any], first: dict[str, Any]) -> Iterator[tuple[st
             yield f"optimizer param_groups[{g}][{key!r}]", group[key], other.get(key)
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     """Equal, tensors by value (`==` on them is elementwise)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
@@ -373,9 +375,9 @@ def _same(a: Any, b: Any) -> bool:
             and torch.equal(a, b)
         )
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
 
 

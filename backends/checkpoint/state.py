@@ -3,11 +3,12 @@
 A shard file holds what one (stage, data-parallel rank) needs to resume between program runs:
 the chunk modules' state dicts, the optimizer's state dict (under ZeRO only this rank's shard of
 it) and its learning-rate scheduler's, the layout it was saved under (`data_parallel`, `zero`,
-`rank`, parameter counts), its identity (`stage` and the `segments` it holds, with `rank`:
-checked on load, so shards swapped between stages or ranks are refused) and the RNG states.
-Between runs every pipeline is drained, so no activation and no stashed weight version is live
-(a weight-delayed schedule restarts its versions at every program run, see
-`backends.local.Engine.train`).
+`rank`, parameter counts), per chunk its parameters' names in `parameters()` order (`names`:
+what a load into another shape maps the optimizer state by, `backends.checkpoint.reshape`), its
+identity (`stage` and the `segments` it holds, with `rank`: checked on load, so shards swapped
+between stages or ranks are refused) and the RNG states. Between runs every pipeline is
+drained, so no activation and no stashed weight version is live (a weight-delayed schedule
+restarts its versions at every program run, see `backends.local.Engine.train`).
 
 [Note: elastic resume] Where only the data-parallel degree or ZeRO on/off differs, the optimizer
 state is first put in a canonical form — per chunk and per state name, one flat tensor over the
@@ -67,6 +68,7 @@ def stage_state(
         "rank": rank,
         "data_parallel": size,
         "numels": [[p.numel() for p in mod.parameters()] for mod in modules],
+        "names": [[name for name, _ in mod.named_parameters()] for mod in modules],
         "skipped_steps": skipped_steps,
         "loss_scale": loss_scale,
         "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,

@@ -63,12 +63,18 @@ from torch import nn
 from schedcc.backends.batches import is_pair, split_pair, to_device
 from schedcc.backends.checkpoint.files import (
     MANIFEST,
+    checkpoint_directory,
+    cut_of,
+    is_reshaped,
     load_stage_states,
     program_meta,
+    read_checkpoint,
     shard_name,
     write_manifest,
     write_shard,
 )
+from schedcc.backends.checkpoint.model import model_names, read_model, rng_index
+from schedcc.backends.checkpoint.reshape import runtime_shard
 from schedcc.backends.checkpoint.state import rng_state, set_rng_state
 from schedcc.backends.distributed.groups import (
     CommGroup,
@@ -93,6 +99,7 @@ from schedcc.backends.engine import (
     OptimizerFactory,
     SegmentBuilder,
     check_precision,
+    copied_state,
 )
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S, host_read, wait_device
@@ -567,9 +574,11 @@ class Engine(BaseEngine):
         entry = write_shard(path, name, state)
         entries: list = [None] * dist.get_world_size()
         with self._collective("the checkpoint save"):
-            dist.all_gather_object(entries, (name, entry))
+            dist.all_gather_object(entries, (name, entry, self._own_keys()))
         if dist.get_rank() == 0:
-            write_manifest(path, program_meta(self.program), self.steps, dict(entries))
+            keys = {k: own for _, _, part in entries for k, own in part.items()}
+            meta = program_meta(self.program, cut_of(keys, self._layout.stage_of))
+            write_manifest(path, meta, self.steps, {name: entry for name, entry, _ in entries})
         with self._collective("the checkpoint save"):
             dist.barrier()
         return Path(path) / MANIFEST
@@ -581,15 +590,16 @@ class Engine(BaseEngine):
         Each rank reads and checks what its stage needs; only if every rank succeeds does any
         rank change its weights, so a bad checkpoint raises `CheckpointError` everywhere and
         nothing is partly loaded. A different data-parallel degree or ZeRO setting is
-        re-sharded. Should a check itself fail otherwise (a bug), that rank raises its error
-        and the others a `CheckpointError` naming it, rather than wait for it.
+        re-sharded; another schedule, m, v or cut loads by parameter name, each rank reading
+        and checking the shards that hold its parameters ([Note: re-shaping by name] in
+        `backends.checkpoint.reshape`). Should a check itself fail otherwise (a bug), that rank
+        raises its error and the others a `CheckpointError` naming it, rather than wait for it.
         """
+        path = checkpoint_directory(path)
+        keys = self._model_keys()
         problem, failure = None, None
         try:
-            manifest, states = load_stage_states(
-                path, self.program, [self.stage], tp_rank=self.tp_rank
-            )
-            self.runtime.check_state(states[self.stage])
+            manifest, saved, rng = self._checked(path, keys)
         except CheckpointError as exc:
             problem = f"rank {self.rank} (stage {self.stage}): {exc}"
         except Exception as exc:  # the peers must hear of it before this rank raises
@@ -603,10 +613,70 @@ class Engine(BaseEngine):
         first = next((text for text in problems if text), None)
         if first is not None:
             raise CheckpointError(first)
-        saved = states[self.stage]
         self.runtime.load_state_dict(saved)
-        set_rng_state(saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"])
+        set_rng_state(rng)
         self.steps = manifest["step"]
+
+    def _checked(self, path, keys) -> tuple[dict, list[dict], dict]:
+        """The manifest, this stage's checked shards and this rank's RNG state; no change."""
+        manifest = read_checkpoint(path)
+        current = program_meta(self.program, cut_of(keys, self._layout.stage_of))
+        if self.tp_rank is None and is_reshaped(manifest["meta"], current):
+            names = model_names(keys)
+            model = read_model(
+                path,
+                manifest,
+                model=names,
+                segments=self._own_segments(),
+                rng=rng_index(self.stage, self.data_parallel.rank, self.program.num_stages),
+                optimizer=self.runtime.optimizer,
+            )
+            shard = runtime_shard(model, path, self.runtime, names)
+            return manifest, [shard], shard["rng"]
+        _, states = load_stage_states(
+            path, self.program, [self.stage], tp_rank=self.tp_rank, manifest=manifest
+        )
+        saved = states[self.stage]
+        self.runtime.check_state(saved)
+        return manifest, saved, saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"]
+
+    def _own_keys(self) -> dict[int, list[str]]:
+        return {k: list(module.state_dict()) for k, module in self._own_segments().items()}
+
+    def _model_keys(self) -> dict[int, list[str]]:
+        """Per segment of the whole model, its state dict's keys, from every rank's segments."""
+        every: list = [None] * dist.get_world_size()
+        with self._collective("the checkpoint load"):
+            dist.all_gather_object(every, self._own_keys())
+        return {k: keys for part in every for k, keys in part.items()}
+
+    def _own_segments(self) -> dict[int, nn.Module]:
+        schedule = self.program.schedule
+        return {
+            schedule.segment_of(self.stage, c): module
+            for c, module in enumerate(self.runtime.modules)
+        }
+
+    def _model_state(self, everywhere: bool) -> dict[int, dict[str, Any]] | None:
+        if self.tp_group is not None:
+            raise ScheduleConfigError(
+                "state_dict joins whole segments; under tensor parallelism each rank holds a "
+                "slice of its stage's: save a checkpoint instead"
+            )
+        with self.unsharded():
+            own = {}
+            if self.data_parallel.rank == 0:
+                own = {k: copied_state(m.state_dict()) for k, m in self._own_segments().items()}
+        every: list | None = [None] * dist.get_world_size()
+        with self._collective("gathering the model's state dict"):
+            if everywhere:
+                dist.all_gather_object(every, own)
+            else:
+                every = every if dist.get_rank() == 0 else None
+                dist.gather_object(own, every, dst=0)
+        if every is None:
+            return None
+        return {k: state for part in every for k, state in part.items()}
 
     def _unshard_all(self) -> None:
         with self._collective("gathering the ZeRO-3 parameter shards", self.dp_group):

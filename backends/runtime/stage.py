@@ -367,6 +367,19 @@ class StageRuntime:
             lr_scheduler=self.lr_scheduler,
         )
 
+    def tensor_kinds(self) -> list[dict[str, tuple[torch.Size, torch.dtype]]]:
+        """Per chunk, each tensor of its module state's whole shape and dtype (under ZeRO-3
+        too, where the modules hold only shards between runs)."""
+        with self._reducer.placeholders():
+            return [
+                {
+                    key: (value.shape, value.dtype)
+                    for key, value in module.state_dict().items()
+                    if isinstance(value, torch.Tensor)
+                }
+                for module in self.modules
+            ]
+
     def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
         """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
         whole, so that `load_state_dict` cannot fail half-way; nothing is changed."""
