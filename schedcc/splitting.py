@@ -41,48 +41,118 @@ from schedcc.errors import ScheduleConfigError
 if TYPE_CHECKING:
     from torch import fx, nn
 
-__all__ = ["even_points", "split"]
+__all__ = ["even_points", "split", "tied_groups"]
 
 
 def split(
-    model: nn.Module, points: Sequence[str], *, example_inputs: Any = None
+    model: nn.Module,
+    points: Sequence[str],
+    *,
+    example_inputs: Any = None,
+    tracer: str = "auto",
 ) -> list[nn.Module]:
     """Cut `model` before each named submodule's call into `len(points) + 1` segments.
 
     Segments follow the calling convention of `schedcc.backends.runtime.values.call`: the first
-    takes the model's inputs (a tuple as positional, a dict as keyword arguments), each later one
-    takes the tuple its predecessor returns, the last returns the model's output. They hold the
-    model's own submodules and Parameters (no copies): shared Parameters stay shared.
+    takes the model's inputs (a tuple as positional, a dict or other Mapping as keyword
+    arguments), each later one takes the tuple its predecessor returns, the last returns the
+    model's output (a Hugging Face `ModelOutput` too). They hold the model's own Parameters (no
+    copies): shared Parameters stay shared, and `tied_groups(segments)` is the `tied=` to
+    compile with.
 
     Args:
         model: any module whose `forward` calls each point exactly once, in the given order.
         points: qualified submodule names, e.g. `["blocks.2", "blocks.4"]` for three segments.
-        example_inputs: if given, a batch's inputs; the chained segments must compute exactly
-            what the model computes on them, or `split` refuses.
+        example_inputs: a batch's inputs (a microbatch's, or a whole batch's). With them, the
+            model is traced with `torch.export` (any Python in its `forward`, every input
+            dimension left free unless the code fixes it); and the chained segments must compute
+            exactly what the model computes on them, or `split` refuses.
+        tracer: `"auto"` (export when `example_inputs` are given, falling back to torch.fx),
+            `"export"` or `"fx"` (submodules called as they are, eagerly: any shapes and
+            ranks, no inputs needed, but the glue code around the points must be traceable).
 
     Raises:
         ScheduleConfigError: a point that is not a submodule, not called exactly once, out of
-            call order or inside another point; glue code that `torch.fx` cannot trace; segments
-            that differ from the model on `example_inputs`.
+            call order or inside another point; a model neither tracer can capture (the message
+            carries both reasons); segments that differ from the model on `example_inputs`.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
     >>> [type(s).__name__ for s in split(model, ["1", "2"])]
     ['Segment0', 'Segment1', 'Segment2']
+    >>> x = torch.ones(3, 2)
+    >>> first, second = split(model, ["2"], example_inputs=x)  # torch.export
+    >>> torch.equal(second(*first(x)), model(x))
+    True
+    >>> second.get_parameter("2.weight") is model[2].weight
+    True
     """
-    from torch import fx
-
     names = _check_points(model, points)
-    graph = _trace(model, names)
-    cuts = _cut_nodes(graph, names)
-    segment_of = _assign(graph, cuts)
-    boundaries = _boundaries(graph, segment_of, len(cuts) + 1)
-    segments = [
-        fx.GraphModule(model, _segment_graph(graph, segment_of, boundaries, k), f"Segment{k}")
-        for k in range(len(cuts) + 1)
-    ]
+    if tracer not in ("auto", "export", "fx"):
+        raise ScheduleConfigError(f"tracer must be 'auto', 'export' or 'fx', got {tracer!r}")
+    if tracer == "export" and example_inputs is None:
+        raise ScheduleConfigError("tracer='export' needs example_inputs: a batch's inputs")
+    why_not_export = "pass example_inputs= (a batch's inputs) to trace with torch.export"
+    if example_inputs is not None and tracer != "fx":
+        try:
+            return _split_exported(model, names, example_inputs)
+        except ScheduleConfigError as error:
+            if tracer == "export":
+                raise
+            why_not_export = f"torch.export failed too: {error}"
+    segments = _split_traced(model, names, why_not_export)
     if example_inputs is not None:
         _check_equal(model, segments, example_inputs)
+    return segments
+
+
+def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
+    """The `tied=` that covers every Parameter object `segments` (a model's, in order) share:
+    groups of segment indices, merged where they overlap; `[]` when nothing is shared.
+
+    >>> from schedcc.backends.run.gpt import GPT, GPTConfig
+    >>> tied_groups(split(GPT(GPTConfig(num_blocks=4)), ["blocks.1", "blocks.3"]))
+    [(0, 2)]
+    """
+    from schedcc.backends.runtime.tied import tied_groups as groups
+
+    return groups(segments)
+
+
+def _split_exported(model: nn.Module, names: list[str], example_inputs: Any) -> list[nn.Module]:
+    """`split` over torch.export ([Note: cutting an exported model] in `schedcc.exporting`)."""
+    from schedcc.exporting import export_graph, point_starts, segment_codegen
+
+    exported = export_graph(model, example_inputs)
+    cuts = point_starts(exported.graph, names)
+
+    def codegen(k: int, last: bool, placeholders: list[str]) -> Any:
+        return segment_codegen(exported.in_info, placeholders, first=k == 0, last=last)
+
+    segments = _cut(exported.graph, cuts, exported.source, codegen)
+    _check_equal(model, segments, example_inputs)
+    return segments
+
+
+def _split_traced(model: nn.Module, names: list[str], why_not_export: str) -> list[nn.Module]:
+    """`split` over torch.fx ([Note: splitting keeps the model's own modules])."""
+    graph = _trace(model, names, why_not_export)
+    return _cut(graph, _cut_nodes(graph, names), model, None)
+
+
+def _cut(graph: fx.Graph, cuts: list, source: nn.Module, codegen: Any) -> list[nn.Module]:
+    """The segments of `graph` cut before each of `cuts`, their attributes from `source`."""
+    from torch import fx
+
+    segment_of = _assign(graph, cuts)
+    boundaries = _boundaries(graph, segment_of, len(cuts) + 1)
+    segments = []
+    for k in range(len(cuts) + 1):
+        part = _segment_graph(graph, segment_of, boundaries, k)
+        if codegen is not None:
+            placeholders = [node.name for node in part.nodes if node.op == "placeholder"]
+            part._codegen = codegen(k, k == len(cuts), placeholders)
+        segments.append(fx.GraphModule(source, part, f"Segment{k}"))
     return segments
 
 
@@ -155,7 +225,7 @@ def _check_points(model: nn.Module, points: Sequence[str]) -> list[str]:
     return names
 
 
-def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
+def _trace(model: nn.Module, names: list[str], why_not_export: str) -> fx.Graph:
     """The fx graph of `model` with every submodule a leaf except the points' ancestors."""
     from torch import fx
 
@@ -172,7 +242,7 @@ def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
             f"schedcc.split could not trace {type(model).__name__}'s forward around the split "
             f"points with torch.fx ({type(error).__name__}: {error}). Submodules are called as "
             "they are, so move Python control flow on tensor values into a submodule, or cut "
-            "at other points"
+            f"at other points; {why_not_export}"
         ) from error
 
 

@@ -1,0 +1,164 @@
+"""Hugging Face models cut unmodified by `schedcc.split` (torch.export): GPT-2, Llama tied and
+untied, BERT masked LM and T5, into 2 and 4 segments, trained on BatchEncoding batches with a
+loss on the ModelOutput; float64 pipelined training equals plain training of the model to 1e-9
+on the local engine (1f1b, interleaved-1f1b, zb-v) and on two gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _hf import FAMILIES, batches, build, points, token_loss  # noqa: E402
+
+import schedcc  # noqa: E402
+from schedcc.backends.distributed.engine import Engine as DistributedEngine  # noqa: E402
+from schedcc.backends.local import Engine  # noqa: E402
+from schedcc.backends.run.launch import spawn  # noqa: E402
+from schedcc.errors import ScheduleConfigError  # noqa: E402
+
+#: (schedule, num_chunks): 1f1b cuts into 2 segments, the others into 4.
+SCHEDULES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)]
+
+#: family -> the tie groups its 2- and 4-segment cuts must report.
+TIES = {
+    "gpt2": ([(0, 1)], [(0, 3)]),
+    "llama-tied": ([(0, 1)], [(0, 3)]),
+    "llama-untied": ([], []),
+    "bert": ([(0, 1)], [(0, 3)]),
+    "t5": ([(0, 1)], [(0, 1, 3)]),
+}
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.5)
+
+
+_CUTS: dict = {}
+
+
+def _cut(name: str, num_segments: int):
+    """`(model, segments)` of family `name` cut into `num_segments`, exported once per module."""
+    if (name, num_segments) not in _CUTS:
+        model = build(name)
+        example = batches(name, 1, 2)[0][0]
+        _CUTS[name, num_segments] = (
+            model,
+            schedcc.split(model, points(name, num_segments), example_inputs=example),
+        )
+    return copy.deepcopy(_CUTS[name, num_segments])  # one copy: ties stay ties
+
+
+@pytest.fixture(scope="module")
+def cut():
+    """The module's cache of exported cuts (`_cut`), cleared at its end."""
+    yield _cut
+    _CUTS.clear()
+
+
+def _train_plain(model, data) -> list[float]:
+    """The model itself, trained on whole batches: what the pipeline must equal.
+
+    The gradient of the mean token loss is taken as the engines take it, the summed loss's
+    gradient divided by the count ([Note: the count divides at the step]): T5's layer norm
+    computes in float32, so a gradient scaled by 1/count on its way down rounds differently
+    there, by about 1e-8, which is the model's own precision and not the pipeline's.
+    """
+    opt = _sgd(model.parameters())
+    losses = []
+    for inputs, labels in data:
+        opt.zero_grad()
+        total, count = token_loss(model(**inputs), labels)
+        total.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= count
+        opt.step()
+        losses.append((total / count).item())
+    return losses
+
+
+def _assert_same(model, plain) -> None:
+    for name, p in model.named_parameters():
+        q = plain.get_parameter(name)
+        assert torch.allclose(p, q, atol=1e-9, rtol=0), (name, (p - q).abs().max().item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuts_keep_the_models_own_parameters_and_ties(cut, family):
+    """Every segment parameter is the model's own object, the tie groups are the model's, and
+    the last segment returns the model's ModelOutput."""
+    for index, n in enumerate((2, 4)):
+        model, segments = cut(family, n)
+        own = {id(p) for p in model.parameters()}
+        assert all(id(p) in own for s in segments for p in s.parameters())
+        assert schedcc.tied_groups(segments) == TIES[family][index]
+        inputs, _ = batches(family, 1, 4, length=5)[0]  # another batch size and length
+        value = inputs
+        for segment in segments:
+            value = schedcc.backends.runtime.values.call(segment, value)
+        want = model(**inputs)
+        assert type(value) is type(want)
+        assert torch.equal(value.logits, want.logits)
+
+
+@pytest.mark.parametrize(("schedule_name", "v"), SCHEDULES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipelined_training_equals_plain_training(cut, family, schedule_name, v):
+    """Two steps of 2-stage training of the cut model equal two plain steps of the model."""
+    n = 2 * v
+    model, segments = cut(family, n)
+    plain = copy.deepcopy(model)
+    data = batches(family, 2, 4)
+    schedule = schedcc.get_schedule(schedule_name)(2, 2, v, 2)
+    program = schedcc.compile(schedule, tied=schedcc.tied_groups(segments))
+    losses = list(Engine(program, segments, token_loss, _sgd).train(data))
+    expected = _train_plain(plain, data)
+    assert losses == pytest.approx(expected, abs=1e-9, rel=0)
+    assert losses[1] != losses[0]  # the step changed the weights
+    _assert_same(model, plain)
+
+
+def test_gpt2_without_example_inputs_says_to_give_them():
+    """fx cannot trace GPT-2's decorated forward; the error says to pass example_inputs."""
+    with pytest.raises(ScheduleConfigError, match="pass example_inputs="):
+        schedcc.split(build("gpt2"), ["transformer.h.2"])
+
+
+def test_partition_of_an_hf_model_names_a_split_that_works():
+    """partition refuses a GPT2LMHeadModel and names split with example_inputs."""
+    with pytest.raises(ScheduleConfigError, match=r"split\(model, \['transformer.h.2'\], exam"):
+        schedcc.partition(build("gpt2"), 2)
+
+
+def _gloo_worker(rank: int, world_size: int) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    for family in ("gpt2", "llama-untied", "bert", "t5"):
+        model, segments = copy.deepcopy(_CUTS[family, 2])
+        plain = copy.deepcopy(model)
+        data = batches(family, 2, 4)
+        program = schedcc.compile(
+            schedcc.get_schedule("1f1b")(2, 2, 1, 2), tied=schedcc.tied_groups(segments)
+        )
+        engine = DistributedEngine(program, segments, token_loss, _sgd, timeout=30)
+        losses = list(engine.train(data))
+        expected = _train_plain(plain, data)
+        assert losses == pytest.approx(expected, abs=1e-9, rel=0), (family, rank)
+        for name, p in segments[rank].named_parameters():
+            q = plain.get_parameter(name)
+            assert torch.allclose(p, q, atol=1e-9, rtol=0), (family, rank, name)
+    return 0
+
+
+def test_every_family_on_two_gloo_ranks(cut):
+    """GPT-2, Llama, BERT and T5, each cut in two, on 2 gloo ranks: plain training's losses and
+    weights (each rank checks its own segment)."""
+    for family in ("gpt2", "llama-untied", "bert", "t5"):
+        cut(family, 2)  # exported here; the forked ranks inherit the cuts
+    assert spawn(_gloo_worker, 2, grace=30, threads=1) == 0
