@@ -30,7 +30,14 @@ from schedcc.errors import ScheduleConfigError
 if TYPE_CHECKING:
     from torch import fx, nn
 
-__all__ = ["ExportedGraph", "export_graph", "point_starts", "segment_codegen"]
+__all__ = [
+    "ExportedGraph",
+    "export",
+    "exported_graph",
+    "module_names",
+    "point_starts",
+    "segment_codegen",
+]
 
 
 class ExportedGraph:
@@ -43,8 +50,9 @@ class ExportedGraph:
         self.out_spec = out_spec  # the pytree spec of the model's output
 
 
-def export_graph(model: nn.Module, example_inputs: Any) -> ExportedGraph:
-    """Export `model` on `example_inputs` (called by `values.call`'s convention).
+def export(model: nn.Module, example_inputs: Any) -> Any:
+    """`model` exported on `example_inputs` (passed as `values.call` passes them): non-strict,
+    every input dimension `Dim.AUTO`.
 
     Raises:
         ScheduleConfigError: torch.export fails; the message carries export's reason.
@@ -54,20 +62,91 @@ def export_graph(model: nn.Module, example_inputs: Any) -> ExportedGraph:
     args, kwargs = _arguments(example_inputs)
     dims = _free_dims(args, kwargs)
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dims)
+        return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dims)
     except Exception as error:  # export raises many kinds, all meaning "cannot capture"
         raise ScheduleConfigError(
             f"torch.export could not capture {type(model).__name__}'s forward on example_inputs "
             f"({type(error).__name__}: {_first_line(error)})"
         ) from error
-    unlifted = exported.module(check_guards=False)
+
+
+def exported_graph(program: Any, model: nn.Module | None = None) -> ExportedGraph:
+    """The graph of an `ExportedProgram` to cut, its attributes looked up on `model` first.
+
+    Without `model`, they come from `program.module()`, which holds the exported model's own
+    Parameters and buffers (torch.export keeps the objects it was given).
+    """
+    unlifted = program.module(check_guards=False)
     graph = unlifted.graph
-    for node in list(graph.nodes):  # guard checks and dead constants are not the model's
+    for node in list(graph.nodes):  # guard checks are not the model's
         if node.op == "call_module" and not node.users:
             graph.erase_node(node)
     graph.eliminate_dead_code()
+    _name_by_use(graph, unlifted if model is None else model)
     info = graph._codegen.pytree_info
-    return ExportedGraph(graph, _attributes(model, unlifted), info, info.out_spec)
+    source = unlifted if model is None else _attributes(model, unlifted)
+    return ExportedGraph(graph, source, info, info.out_spec)
+
+
+def _name_by_use(graph: fx.Graph, model: nn.Module) -> None:
+    """Read a tensor of several names (a tie) under the name the module using it gives it.
+
+    Export reads a tied Parameter under one of its names everywhere (GPT-2's embedding lookup
+    reads `lm_head.weight`); each use here gets its own `get_attr` of the name nearest the
+    module in whose call it is used (`transformer.wte.weight` for the lookup), so a segment
+    names what it holds as the model's module does. The object is the same either way.
+    """
+    import itertools
+
+    names: dict[int, list[str]] = {}
+    for name, tensor in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
+        names.setdefault(id(tensor), []).append(name)
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        aliases = names.get(id(_resolve(model, node.target)), [])
+        if len(aliases) < 2:
+            continue
+        for user in list(node.users):
+            stack = list((user.meta.get("nn_module_stack") or {}).values())
+            where = stack[-1][0] + "." if stack else ""
+            best = max(aliases, key=lambda name: (_common_prefix(name, where), name == node.target))
+            if best != node.target:
+                with graph.inserting_before(user):
+                    alias = graph.get_attr(best)
+                alias.meta = dict(node.meta)
+                user.replace_input_with(node, alias)
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _resolve(model: nn.Module, target: str) -> Any:
+    value: Any = model
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _common_prefix(name: str, where: str) -> int:
+    """How many leading dotted parts `name` shares with the module path `where`."""
+    count = 0
+    for a, b in zip(name.split("."), where.split(".")):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def module_names(graph: fx.Graph) -> set[str]:
+    """Every submodule whose call the exported graph records (a split point must be one)."""
+    return {
+        path
+        for node in graph.nodes
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values()
+        if path
+    }
 
 
 def point_starts(graph: fx.Graph, names: list[str]) -> list[fx.Node]:

@@ -61,7 +61,9 @@ def split(
     compile with.
 
     Args:
-        model: any module whose `forward` calls each point exactly once, in the given order.
+        model: any module whose `forward` calls each point exactly once, in the given order;
+            or a `torch.export.ExportedProgram` of one, cut as it is (its module holds the
+            exported model's own Parameters, so one export serves several cuts).
         points: qualified submodule names, e.g. `["blocks.2", "blocks.4"]` for three segments.
         example_inputs: a batch's inputs (a microbatch's, or a whole batch's). With them, the
             model is traced with `torch.export` (any Python in its `forward`, every input
@@ -87,15 +89,22 @@ def split(
     >>> second.get_parameter("2.weight") is model[2].weight
     True
     """
-    names = _check_points(model, points)
+    from torch.export import ExportedProgram
+
     if tracer not in ("auto", "export", "fx"):
         raise ScheduleConfigError(f"tracer must be 'auto', 'export' or 'fx', got {tracer!r}")
+    if isinstance(model, ExportedProgram):
+        return _split_program(model, points, example_inputs)
+    names = _check_points(model, points)
     if tracer == "export" and example_inputs is None:
         raise ScheduleConfigError("tracer='export' needs example_inputs: a batch's inputs")
     why_not_export = "pass example_inputs= (a batch's inputs) to trace with torch.export"
     if example_inputs is not None and tracer != "fx":
+        from schedcc.exporting import export
+
         try:
-            return _split_exported(model, names, example_inputs)
+            program = export(model, example_inputs)
+            return _split_exported(model, program, names, example_inputs)
         except ScheduleConfigError as error:
             if tracer == "export":
                 raise
@@ -119,18 +128,34 @@ def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
     return groups(segments)
 
 
-def _split_exported(model: nn.Module, names: list[str], example_inputs: Any) -> list[nn.Module]:
-    """`split` over torch.export ([Note: cutting an exported model] in `schedcc.exporting`)."""
-    from schedcc.exporting import export_graph, point_starts, segment_codegen
+def _split_program(program: Any, points: Sequence[str], example_inputs: Any) -> list[nn.Module]:
+    """`split` of an `ExportedProgram`: its graph cut as it is, its own module's attributes."""
+    from schedcc.exporting import module_names
 
-    exported = export_graph(model, example_inputs)
+    unlifted = program.module(check_guards=False)
+    known = module_names(unlifted.graph) | {name for name, _ in unlifted.named_modules()}
+    names = _check_names(points, known, "the exported program")
+    segments = _split_exported(None, program, names, None)
+    if example_inputs is not None:
+        _check_equal(unlifted, segments, example_inputs)
+    return segments
+
+
+def _split_exported(
+    model: nn.Module | None, program: Any, names: list[str], example_inputs: Any
+) -> list[nn.Module]:
+    """`split` over torch.export ([Note: cutting an exported model] in `schedcc.exporting`)."""
+    from schedcc.exporting import exported_graph, point_starts, segment_codegen
+
+    exported = exported_graph(program, model)
     cuts = point_starts(exported.graph, names)
 
     def codegen(k: int, last: bool, placeholders: list[str]) -> Any:
         return segment_codegen(exported.in_info, placeholders, first=k == 0, last=last)
 
     segments = _cut(exported.graph, cuts, exported.source, codegen)
-    _check_equal(model, segments, example_inputs)
+    if example_inputs is not None:
+        _check_equal(model, segments, example_inputs)
     return segments
 
 
@@ -200,18 +225,23 @@ def even_points(model: nn.Module, num_segments: int, *, container: str | None = 
 
 
 def _check_points(model: nn.Module, points: Sequence[str]) -> list[str]:
+    names = dict(model.named_modules(remove_duplicate=False))
+    children = ", ".join(n for n, _ in model.named_children())
+    return _check_names(points, names, f"{type(model).__name__} (its children: {children})")
+
+
+def _check_names(points: Sequence[str], known: Any, what: str) -> list[str]:
+    """`points` as a list, each a known submodule name, none twice, none inside another."""
     if isinstance(points, str) or not all(isinstance(p, str) for p in points):
         raise ScheduleConfigError(
             f"split points must be a list of submodule names, e.g. ['blocks.2'], got {points!r}"
         )
     names = list(points)
-    modules = dict(model.named_modules(remove_duplicate=False))
     for name in names:
-        if name not in modules or not name:
-            children = ", ".join(n for n, _ in model.named_children())
+        if name not in known or not name:
             raise ScheduleConfigError(
-                f"{name!r} is not a submodule of {type(model).__name__} (its children: "
-                f"{children}); name a submodule by its qualified name, e.g. 'blocks.2'"
+                f"{name!r} is not a submodule of {what}; name a submodule by its qualified "
+                "name, e.g. 'blocks.2'"
             )
     if len(set(names)) != len(names):
         raise ScheduleConfigError(f"split points {names} name a submodule twice")

@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from _hf import FAMILIES, batches, build, points, token_loss  # noqa: E402
 
 import schedcc  # noqa: E402
+from schedcc import exporting  # noqa: E402
 from schedcc.backends.distributed.engine import Engine as DistributedEngine  # noqa: E402
 from schedcc.backends.local import Engine  # noqa: E402
 from schedcc.backends.run.launch import spawn  # noqa: E402
@@ -39,25 +40,34 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.5)
 
 
+_EXPORTS: dict = {}
 _CUTS: dict = {}
 
 
 def _cut(name: str, num_segments: int):
-    """`(model, segments)` of family `name` cut into `num_segments`, exported once per module."""
-    if (name, num_segments) not in _CUTS:
+    """`(model, segments)` of family `name` cut into `num_segments`: one export per family,
+    cut as many ways as asked, each cut made once per module and copied for each test."""
+    if name not in _EXPORTS:
         model = build(name)
         example = batches(name, 1, 2)[0][0]
-        _CUTS[name, num_segments] = (
-            model,
-            schedcc.split(model, points(name, num_segments), example_inputs=example),
-        )
+        _EXPORTS[name] = model, example, exporting.export(model, example)
+    if (name, num_segments) not in _CUTS:
+        model, example, program = _EXPORTS[name]
+        cut_points = points(name, num_segments)
+        segments = schedcc.split(program, cut_points, example_inputs=example)
+        _CUTS[name, num_segments] = model, segments
     return copy.deepcopy(_CUTS[name, num_segments])  # one copy: ties stay ties
 
 
 @pytest.fixture(scope="module")
 def cut():
-    """The module's cache of exported cuts (`_cut`), cleared at its end."""
+    """The module's cache of exported cuts (`_cut`), cleared at its end; one thread meanwhile
+    (these models are tiny, and threads only contend on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield _cut
+    torch.set_num_threads(threads)
+    _EXPORTS.clear()
     _CUTS.clear()
 
 
@@ -122,6 +132,17 @@ def test_pipelined_training_equals_plain_training(cut, family, schedule_name, v)
     assert losses == pytest.approx(expected, abs=1e-9, rel=0)
     assert losses[1] != losses[0]  # the step changed the weights
     _assert_same(model, plain)
+
+
+def test_an_unmodified_gpt2_is_cut_by_split(cut):
+    """`split(GPT2LMHeadModel(config), ["transformer.h.2"], example_inputs=...)` cuts the model
+    itself: the head's tie to the embedding is one Parameter in both segments."""
+    model = build("gpt2")
+    inputs = batches("gpt2", 1, 2)[0][0]
+    first, second = schedcc.split(model, ["transformer.h.2"], example_inputs=inputs)
+    assert first.get_parameter("transformer.wte.weight") is model.transformer.wte.weight
+    assert second.get_parameter("lm_head.weight") is model.transformer.wte.weight
+    assert schedcc.tied_groups([first, second]) == [(0, 1)]
 
 
 def test_gpt2_without_example_inputs_says_to_give_them():
