@@ -61,6 +61,7 @@ def export(model: nn.Module, example_inputs: Any) -> Any:
 
     args, kwargs = _arguments(example_inputs)
     dims = _free_dims(args, kwargs)
+    _register_dataclasses(model, args, kwargs)
     try:
         return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dims)
     except Exception as error:  # export raises many kinds, all meaning "cannot capture"
@@ -68,6 +69,30 @@ def export(model: nn.Module, example_inputs: Any) -> Any:
             f"torch.export could not capture {type(model).__name__}'s forward on example_inputs "
             f"({type(error).__name__}: {_first_line(error)})"
         ) from error
+
+
+def _register_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Register with torch's pytree every dataclass class in the model's output that is not
+    yet a pytree node (Hugging Face registers its `ModelOutput`s itself), so export can
+    flatten it: the model runs once, without gradients, on the example."""
+    import dataclasses
+
+    import torch
+    import torch.utils._pytree as pytree
+
+    with torch.no_grad(), torch.random.fork_rng():
+        output = model(*args, **kwargs)
+    pending = [output]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, (tuple, list)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if type(value) not in pytree.SUPPORTED_NODES:
+                torch.export.register_dataclass(type(value))
+            pending.extend(getattr(value, field.name) for field in dataclasses.fields(value))
 
 
 def exported_graph(program: Any, model: nn.Module | None = None) -> ExportedGraph:
