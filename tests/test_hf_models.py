@@ -157,6 +157,21 @@ def test_partition_of_an_hf_model_names_a_split_that_works():
         schedcc.partition(build("gpt2"), 2)
 
 
+def test_the_hf_example_trains(cut, capsys):
+    """examples/train_hf_gpt2.py runs a few steps on the local engine and its loss falls."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "train_hf_gpt2.py"
+    spec = importlib.util.spec_from_file_location("train_hf_gpt2", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(steps=3)
+    assert len(losses) == 3
+    assert losses[-1] < losses[0]
+    assert capsys.readouterr().out.splitlines()[-1] == f"step 2: loss {losses[-1]:.4f}"
+
+
 def _gloo_worker(rank: int, world_size: int) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
