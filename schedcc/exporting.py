@@ -36,6 +36,7 @@ __all__ = [
     "exported_graph",
     "module_names",
     "point_starts",
+    "unlifted_module",
     "segment_codegen",
 ]
 
@@ -60,9 +61,9 @@ def export(model: nn.Module, example_inputs: Any) -> Any:
     import torch
 
     args, kwargs = _arguments(example_inputs)
-    dims = _free_dims(args, kwargs)
     _register_dataclasses(model, args, kwargs)
-    try:
+    try:  # Dim.AUTO is torch >= 2.6: an older torch falls back to fx too
+        dims = _free_dims(args, kwargs)
         return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dims)
     except Exception as error:  # export raises many kinds, all meaning "cannot capture"
         raise ScheduleConfigError(
@@ -101,7 +102,7 @@ def exported_graph(program: Any, model: nn.Module | None = None) -> ExportedGrap
     Without `model`, they come from `program.module()`, which holds the exported model's own
     Parameters and buffers (torch.export keeps the objects it was given).
     """
-    unlifted = program.module(check_guards=False)
+    unlifted = unlifted_module(program)
     graph = unlifted.graph
     for node in list(graph.nodes):  # guard checks are not the model's
         if node.op == "call_module" and not node.users:
@@ -162,6 +163,14 @@ def _common_prefix(name: str, where: str) -> int:
             break
         count += 1
     return count
+
+
+def unlifted_module(program: Any) -> nn.Module:
+    """`program.module()`, without the guard check torch >= 2.9 adds to its graph."""
+    try:
+        return program.module(check_guards=False)
+    except TypeError:  # an older torch: no guards to leave out
+        return program.module()
 
 
 def module_names(graph: fx.Graph) -> set[str]:

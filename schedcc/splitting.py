@@ -7,26 +7,31 @@
     >>> first.tok.weight is second.head.weight  # the tie is one Parameter, in both segments
     True
 
-[Note: splitting keeps the model's own modules] `split` traces the model with `torch.fx`,
-treating every submodule as a leaf except the ancestors of the split points, so the graph holds
-one `call_module` node per block-level call and the tracer only ever reads the glue code around
-them (the model's own `forward` and, for a point like `blocks.2.attn`, `blocks.2`'s). The graph is
-cut before each point's call; each segment is an `fx.GraphModule` built from the original model,
-and `GraphModule` installs the very module and Parameter objects the graph names (no copies). So
-a segment trains the model in place, and a Parameter that two segments use, like a tied
-embedding and LM head, is one object in both: a tie the engines can see by identity.
+[Note: splitting keeps the model's own modules] Without `example_inputs` (or with
+`tracer="fx"`, or where export fails) `split` traces the model with `torch.fx`, treating every
+submodule as a leaf except the ancestors of the split points, so the graph holds one
+`call_module` node per block-level call and the tracer only ever reads the glue code around them
+(the model's own `forward` and, for a point like `blocks.2.attn`, `blocks.2`'s). The graph is cut
+before each point's call; each segment is an `fx.GraphModule` built from the original model, and
+`GraphModule` installs the very module and Parameter objects the graph names (no copies). So a
+segment trains the model in place, and a Parameter that two segments use, like a tied embedding
+and LM head, is one object in both: a tie the engines can see by identity.
 
-torch.distributed.pipelining's `pipeline(model, mb_args, split_spec=...)` traces with
-`torch.export` instead. Tried on this project's GPT (torch 2.13): the last stage's tied
-`head.weight` is a separate tensor from the first stage's `tok.weight` (so the copies drift unless
-their gradients are synchronised by hand), the sequence length of the example is baked into
-`view` shapes (a shorter batch fails), and the first stage takes its inputs in another order
-than the model's `forward`. Leaves traced by `fx` run as ordinary eager calls, so none of that
-happens here.
+With `example_inputs` it exports the model instead, and cuts the exported graph the same way
+([Note: cutting an exported model] in `schedcc.exporting`): the segments' `get_attr`s resolve
+against the model, so they too hold its own Parameters. torch.distributed.pipelining's
+`pipeline(model, mb_args, split_spec=...)` exports as well, but (tried on this project's GPT,
+torch 2.13) its last stage's tied `head.weight` is a separate tensor from the first stage's
+`tok.weight` (the copies drift unless their gradients are synchronised by hand), the example's
+sequence length is baked into `view` shapes (a shorter batch fails), and its first stage takes
+its inputs in another order than the model's `forward`. Here the ties are the model's objects,
+every input dimension is exported free (`Dim.AUTO`), and the first segment flattens its
+arguments by export's own input spec, so none of that happens.
 
 A boundary value is the tuple of every value computed before a cut and used after it, in the
 order the model computes them (for a GPT: the hidden state, the padding mask and the position
-ids); a value that skips a segment passes through it. Parameters and buffers the glue code reads
+ids; in an exported graph also the integer sizes the code read from a shape); a value that skips
+a segment passes through it. Parameters and buffers the glue code reads
 (`get_attr`) never cross: each segment that reads one holds it. The first segment has the
 model's `forward` signature; the last returns what the model returns.
 """
@@ -94,6 +99,8 @@ def split(
     if tracer not in ("auto", "export", "fx"):
         raise ScheduleConfigError(f"tracer must be 'auto', 'export' or 'fx', got {tracer!r}")
     if isinstance(model, ExportedProgram):
+        if tracer == "fx":
+            raise ScheduleConfigError("an ExportedProgram is cut as exported: not with tracer='fx'")
         return _split_program(model, points, example_inputs)
     names = _check_points(model, points)
     if tracer == "export" and example_inputs is None:
@@ -130,9 +137,9 @@ def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
 
 def _split_program(program: Any, points: Sequence[str], example_inputs: Any) -> list[nn.Module]:
     """`split` of an `ExportedProgram`: its graph cut as it is, its own module's attributes."""
-    from schedcc.exporting import module_names
+    from schedcc.exporting import module_names, unlifted_module
 
-    unlifted = program.module(check_guards=False)
+    unlifted = unlifted_module(program)
     known = module_names(unlifted.graph) | {name for name, _ in unlifted.named_modules()}
     names = _check_names(points, known, "the exported program")
     segments = _split_exported(None, program, names, None)

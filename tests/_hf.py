@@ -7,9 +7,11 @@ the decoder and the LM head). Dropout is off, so a forward is a function of its 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-import transformers
+
+transformers = pytest.importorskip("transformers")
 
 __all__ = ["FAMILIES", "VOCAB", "batches", "build", "points", "token_loss"]
 

@@ -150,6 +150,8 @@ def test_an_exported_program_is_cut_as_it_is():
     assert torch.equal(chain(three, _inputs(3, 4)).logits, model(**_inputs(3, 4)).logits)
     with pytest.raises(ScheduleConfigError, match=r"'blocks\.7' is not a submodule of the exp"):
         schedcc.split(program, ["blocks.7"])
+    with pytest.raises(ScheduleConfigError, match="not with tracer='fx'"):
+        schedcc.split(program, ["blocks.1"], tracer="fx")
 
 
 class Branchy(nn.Module):
@@ -241,6 +243,8 @@ def test_a_mapping_is_a_dict_of_keyword_arguments():
     assert halves[1]["a"].tolist() == [2.0, 3.0]
     assert torch.equal(concat(halves)["a"], torch.arange(4.0))
     assert type(unflatten(*flatten(Batch(x=torch.ones(1))))) is dict
+    output = Output(logits=torch.ones(2))  # a dataclass is one argument, never keywords
+    assert call(lambda value: value, output) is output
 
 
 def test_a_dataclass_round_trips_and_crosses_the_wire():

@@ -84,7 +84,7 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES) if dtype is no
 def call(segment: Callable[..., Any], value: Any) -> Any:
     """Call `segment` on `value`: a tuple as positional arguments, a dict (or any `Mapping`, such
     as a tokenizer's `BatchEncoding`) as keyword arguments, anything else (a tensor, a list, a
-    constant, a dataclass) as the one argument.
+    constant, a dataclass: a `ModelOutput` too, though it is a Mapping) as the one argument.
 
     The first segment receives a batch's inputs this way, every later one what its predecessor
     returned.
@@ -96,7 +96,7 @@ def call(segment: Callable[..., Any], value: Any) -> Any:
     """
     if type(value) is tuple:
         return segment(*value)
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping) and not dataclasses.is_dataclass(value):  # a ModelOutput is both
         bad = [key for key in value if not isinstance(key, str)]
         if bad:
             raise ScheduleConfigError(
