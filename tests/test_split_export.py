@@ -7,14 +7,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import schedcc
 from schedcc import exporting
+from schedcc.backends.distributed.engine import Engine as DistributedEngine
 from schedcc.backends.local import Engine
+from schedcc.backends.run.launch import spawn
 from schedcc.backends.runtime.values import (
     call,
     concat,
@@ -283,19 +287,28 @@ class _Head(nn.Module):
         return self.linear(value.logits) + value.aux.unsqueeze(-1)
 
 
-def test_a_dataclass_boundary_and_mapping_batches_train_on_the_local_engine():
-    """A dataclass crossing a stage, Mapping inputs: equal to plain training."""
+def _dataclass_case():
+    """Two segments passing an `Output` between them, Mapping batches, a 1f1b program."""
     torch.manual_seed(0)
     segments = [_Embed(), _Head()]
-    plain = copy.deepcopy(segments)
     gen = torch.Generator().manual_seed(2)
     data = [
         (Encoding({"x": torch.randn(4, 3, generator=gen, dtype=torch.float64)}),
          torch.randn(4, 2, generator=gen, dtype=torch.float64))
         for _ in range(2)
     ]  # fmt: skip
-    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2, 1, 2))
-    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    return segments, data, schedcc.compile(schedcc.get_schedule("1f1b")(2, 2, 1, 2))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_a_dataclass_boundary_and_mapping_batches_train_on_the_local_engine():
+    """A dataclass crossing a stage, Mapping inputs: equal to plain training."""
+    segments, data, program = _dataclass_case()
+    plain = copy.deepcopy(segments)
+    opt = _sgd
     losses = list(Engine(program, segments, nn.functional.mse_loss, opt).train(data))
     plain_opt = opt([p for s in plain for p in s.parameters()])
     for (inputs, target), got in zip(data, losses):
@@ -307,3 +320,24 @@ def test_a_dataclass_boundary_and_mapping_batches_train_on_the_local_engine():
     for mine, theirs in zip(segments, plain):
         for p, q in zip(mine.parameters(), theirs.parameters()):
             assert torch.allclose(p, q, atol=1e-12, rtol=0)
+
+
+def _dataclass_worker(rank: int, world_size: int) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    segments, data, program = _dataclass_case()
+    local = Engine(program, copy.deepcopy(segments), nn.functional.mse_loss, _sgd)
+    expected = list(local.train(data))
+    for p2p in ("gloo", "shm"):
+        engine = DistributedEngine(
+            program, copy.deepcopy(segments), nn.functional.mse_loss, _sgd, timeout=30, p2p=p2p
+        )
+        losses = list(engine.train(data))
+        assert losses == pytest.approx(expected, abs=1e-12, rel=0), (p2p, rank)
+    return 0
+
+
+def test_a_dataclass_crosses_gloo_ranks():
+    """The Output boundary travels between two gloo ranks (its class by name in the header),
+    over gloo and shared memory: the local engine's losses."""
+    assert spawn(_dataclass_worker, 2, grace=30, threads=1) == 0
