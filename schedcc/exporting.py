@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, call_user, first_line
 
 if TYPE_CHECKING:
     from torch import fx, nn
@@ -36,8 +36,8 @@ __all__ = [
     "exported_graph",
     "module_names",
     "point_starts",
-    "unlifted_module",
     "segment_codegen",
+    "unlifted_module",
 ]
 
 
@@ -56,7 +56,8 @@ def export(model: nn.Module, example_inputs: Any) -> Any:
     every input dimension `Dim.AUTO`.
 
     Raises:
-        ScheduleConfigError: torch.export fails; the message carries export's reason.
+        ScheduleConfigError: the model's forward fails on `example_inputs`, or torch.export
+            does; the message carries the reason.
     """
     import torch
 
@@ -68,7 +69,7 @@ def export(model: nn.Module, example_inputs: Any) -> Any:
     except Exception as error:  # export raises many kinds, all meaning "cannot capture"
         raise ScheduleConfigError(
             f"torch.export could not capture {type(model).__name__}'s forward on example_inputs "
-            f"({type(error).__name__}: {_first_line(error)})"
+            f"({first_line(error)})"
         ) from error
 
 
@@ -82,7 +83,12 @@ def _register_dataclasses(model: nn.Module, args: tuple, kwargs: dict) -> None:
     import torch.utils._pytree as pytree
 
     with torch.no_grad(), torch.random.fork_rng():
-        output = model(*args, **kwargs)
+        output = call_user(
+            f"{type(model).__name__}'s forward on example_inputs",
+            lambda: model(*args, **kwargs),
+            error=ScheduleConfigError,
+            hint="example_inputs are a batch's inputs, as the engines pass them to the model",
+        )
     pending = [output]
     while pending:
         value = pending.pop()
@@ -252,11 +258,6 @@ def _free_dims(args: tuple, kwargs: dict) -> Any:
     if kwargs:  # values.call passes a dict as keyword arguments only
         return {name: pytree.tree_map(dims, value) for name, value in kwargs.items()}
     return tuple(pytree.tree_map(dims, value) for value in args)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else ""
 
 
 def _attributes(model: nn.Module, exported: nn.Module) -> nn.Module:

@@ -185,7 +185,8 @@ class Twice(nn.Module):
 
 def test_auto_falls_back_to_fx_and_export_alone_says_why():
     """Where export fails, "auto" cuts with fx (checked on the inputs); "export" raises export's
-    reason; a point called twice, an unknown tracer or export without inputs are refused."""
+    reason; inputs the model fails on, a point called twice, an unknown tracer or export without
+    inputs are refused."""
     model, x = Branchy(), torch.ones(3, 2)
     first, second = schedcc.split(model, ["b"], example_inputs=x)
     assert isinstance(first.a, nn.Linear)  # fx kept the submodule: an eager call
@@ -194,6 +195,8 @@ def test_auto_falls_back_to_fx_and_export_alone_says_why():
         schedcc.split(model, ["b"], example_inputs=x, tracer="export")
     with pytest.raises(ScheduleConfigError, match=r"'f' is called 2 times .* torch\.export saw"):
         schedcc.split(Twice(), ["f"], example_inputs=x, tracer="export")
+    with pytest.raises(ScheduleConfigError, match="Branchy's forward on example_inputs raised"):
+        schedcc.split(model, ["b"], example_inputs=torch.ones(3, 5), tracer="export")
     with pytest.raises(ScheduleConfigError, match="tracer must be"):
         schedcc.split(model, ["b"], tracer="jit")
     with pytest.raises(ScheduleConfigError, match="tracer='export' needs example_inputs"):
