@@ -146,6 +146,18 @@ def test_an_unmodified_gpt2_is_cut_by_split(cut):
     assert schedcc.tied_groups([first, second]) == [(0, 1)]
 
 
+def test_the_bare_gpt2_model_is_cut_too(cut):
+    """`GPT2Model` (item assignment on a traced value: fx fails) is cut at `h.2`; the last
+    segment returns its ModelOutput, the hidden states exactly the model's."""
+    model = build("gpt2").transformer
+    inputs = batches("gpt2", 1, 2)[0][0]
+    segments = schedcc.split(model, ["h.2"], example_inputs=inputs)
+    other, _ = batches("gpt2", 1, 3, length=6, seed=5)[0]
+    value = segments[1](*segments[0](**other))
+    assert type(value).__name__ == "BaseModelOutputWithPastAndCrossAttentions"
+    assert torch.equal(value.last_hidden_state, model(**other).last_hidden_state)
+
+
 def test_gpt2_without_example_inputs_says_to_give_them():
     """fx cannot trace GPT-2's decorated forward; the error says to pass example_inputs."""
     with pytest.raises(ScheduleConfigError, match="pass example_inputs="):
