@@ -18,7 +18,8 @@ does (export's input spec flattens them); the last rebuilds the model's output s
 
 Export specialises what Python decides while tracing: a branch on `self.training`, on a config
 flag or on a shape is fixed, as fx fixes the glue code; `split` checks the segments against the
-model on `example_inputs`.
+model on `example_inputs`. Devices are the exception: `follow_device` makes each segment create
+its tensors on the device it is moved to.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "ExportedGraph",
     "export",
     "exported_graph",
+    "follow_device",
     "module_names",
     "point_starts",
     "segment_codegen",
@@ -217,6 +219,37 @@ def point_starts(graph: fx.Graph, names: list[str]) -> list[fx.Node]:
             f"split points {names} are not in the order the model calls them; use {in_order}"
         )
     return [first[name] for name in names]
+
+
+def follow_device(part: fx.Graph) -> None:
+    """Make the tensors a segment's code creates follow the segment's device.
+
+    An exported graph spells out the device (and dtype) of every tensor its `forward` makes or
+    moves, as it was while tracing (`arange(..., device=cpu)`, `to(x, cpu, torch.bool)`), and
+    asserts the metadata of some inputs. Here each device argument reads the device of a tensor
+    the segment holds at run time instead, so
+    a segment moved with `.to(device)` (a rank's GPU) makes its tensors there, and the asserts,
+    which would refuse that move, are dropped. Dtypes stay as traced: export in the dtype you
+    train in.
+    """
+    import torch
+
+    assert_metadata = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+    held = next((node.target for node in part.nodes if node.op == "get_attr"), None)
+    for node in list(part.nodes):
+        if node.op != "call_function":
+            continue
+        if assert_metadata is not None and node.target is assert_metadata.default:
+            part.erase_node(node)
+        elif held is not None and any(
+            isinstance(a, torch.device) for a in (*node.args, *node.kwargs.values())
+        ):
+            with part.inserting_before(node):
+                device = part.call_function(getattr, (part.get_attr(held), "device"))
+            node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
+            node.kwargs = {
+                k: device if isinstance(a, torch.device) else a for k, a in node.kwargs.items()
+            }
 
 
 def segment_codegen(info: Any, placeholders: list[str], *, first: bool, last: bool) -> Any:

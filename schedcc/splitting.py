@@ -181,7 +181,10 @@ def _cut(graph: fx.Graph, cuts: list, source: nn.Module, codegen: Any) -> list[n
     segments = []
     for k in range(len(cuts) + 1):
         part = _segment_graph(graph, segment_of, boundaries, k)
-        if codegen is not None:
+        if codegen is not None:  # an exported graph
+            from schedcc.exporting import follow_device
+
+            follow_device(part)
             placeholders = [node.name for node in part.nodes if node.op == "placeholder"]
             part._codegen = codegen(k, k == len(cuts), placeholders)
         segments.append(fx.GraphModule(source, part, f"Segment{k}"))

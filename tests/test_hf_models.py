@@ -118,6 +118,22 @@ def test_cuts_keep_the_models_own_parameters_and_ties(cut, family):
             assert torch.equal(value.logits, want.logits)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moved_segments_make_their_tensors_where_they_are(cut, family):
+    """Segments exported on the CPU and moved (to the meta device here, a rank's GPU in a run)
+    create their masks and positions there: no device was baked into the cut."""
+    _, segments = cut(family, 4)
+    inputs, _ = batches(family, 1, 3)[0]
+    value = {key: tensor.to("meta") for key, tensor in inputs.items()}
+    for segment in segments:
+        value = schedcc.backends.runtime.values.call(segment.to("meta"), value)
+    assert value.logits.device.type == "meta"
+    assert (
+        value.logits.shape[:2]
+        == inputs["decoder_input_ids" if family == "t5" else "input_ids"].shape
+    )
+
+
 @pytest.mark.parametrize(("schedule_name", "v"), SCHEDULES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pipelined_training_equals_plain_training(cut, family, schedule_name, v):

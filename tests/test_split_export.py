@@ -76,6 +76,7 @@ class TiedLM(nn.Module):
         gate = torch.ones_like(h)
         gate[:, 0] = 2.0  # item assignment on a traced value
         h = h * gate * mask.unsqueeze(-1) + torch.tensor([0.25])
+        h = h + 0.01 * torch.arange(h.shape[1], device=h.device).unsqueeze(-1)  # positions
         for block in self.blocks:
             h = h + torch.tanh(block(h)) * self.scale
         return Output(logits=self.head(self.norm(h)))
@@ -118,6 +119,16 @@ def test_segments_hold_the_models_own_parameters_named_by_use():
     assert schedcc.tied_groups([first, middle, last]) == [(0, 2)]
     own = {id(p) for p in model.parameters()}
     assert {id(p) for s in (first, middle, last) for p in s.parameters()} == own
+
+
+def test_moved_segments_make_their_tensors_where_they_are():
+    """The positions `forward` makes follow the segments to another device (meta here): the
+    device seen while tracing is not baked into the cut."""
+    segments = schedcc.split(_model(), ["blocks.1"], example_inputs=_inputs())
+    inputs = {key: tensor.to("meta") for key, tensor in _inputs(2, 3).items()}
+    out = chain([segment.to("meta") for segment in segments], inputs)
+    assert out.logits.device.type == "meta"
+    assert out.logits.shape == (2, 3, 11)
 
 
 def test_segments_pickle_together_with_their_tie():
