@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from schedcc.errors import ScheduleConfigError, call_user, first_line
 
 if TYPE_CHECKING:
@@ -43,14 +45,15 @@ __all__ = [
 ]
 
 
+@attrs.frozen
 class ExportedGraph:
-    """An exported model's graph, where its attributes come from, and its input/output specs."""
+    """An exported model's graph, where its attributes come from, and its input spec."""
 
-    def __init__(self, graph: fx.Graph, source: nn.Module, in_info: Any, out_spec: Any) -> None:
-        self.graph = graph
-        self.source = source  # resolves get_attr targets: the model's own, then export's
-        self.in_info = in_info  # torch.fx's _PyTreeInfo of the model's inputs
-        self.out_spec = out_spec  # the pytree spec of the model's output
+    graph: fx.Graph
+    #: resolves the graph's get_attr targets: the model's own objects, then export's constants
+    source: nn.Module
+    #: torch.fx's `_PyTreeInfo` of the model's inputs (and, as `out_spec`, its output)
+    in_info: Any
 
 
 def export(model: nn.Module, example_inputs: Any) -> Any:
@@ -119,7 +122,7 @@ def exported_graph(program: Any, model: nn.Module | None = None) -> ExportedGrap
     _name_by_use(graph, unlifted if model is None else model)
     info = graph._codegen.pytree_info
     source = unlifted if model is None else _attributes(model, unlifted)
-    return ExportedGraph(graph, source, info, info.out_spec)
+    return ExportedGraph(graph, source, info)
 
 
 def _name_by_use(graph: fx.Graph, model: nn.Module) -> None:

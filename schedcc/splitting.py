@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from schedcc import exporting
 from schedcc.errors import ScheduleConfigError
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ def split(
     Raises:
         ScheduleConfigError: a point that is not a submodule, not called exactly once, out of
             call order or inside another point; a model neither tracer can capture (the message
-            carries both reasons); segments that differ from the model on `example_inputs`.
+            carries both reasons), or that fails on `example_inputs`; segments that differ
+            from the model on `example_inputs`.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
@@ -107,10 +109,8 @@ def split(
         raise ScheduleConfigError("tracer='export' needs example_inputs: a batch's inputs")
     why_not_export = "pass example_inputs= (a batch's inputs) to trace with torch.export"
     if example_inputs is not None and tracer != "fx":
-        from schedcc.exporting import export
-
         try:
-            program = export(model, example_inputs)
+            program = exporting.export(model, example_inputs)
             return _split_exported(model, program, names, example_inputs)
         except ScheduleConfigError as error:
             if tracer == "export":
@@ -137,10 +137,8 @@ def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
 
 def _split_program(program: Any, points: Sequence[str], example_inputs: Any) -> list[nn.Module]:
     """`split` of an `ExportedProgram`: its graph cut as it is, its own module's attributes."""
-    from schedcc.exporting import module_names, unlifted_module
-
-    unlifted = unlifted_module(program)
-    known = module_names(unlifted.graph) | {name for name, _ in unlifted.named_modules()}
+    unlifted = exporting.unlifted_module(program)
+    known = exporting.module_names(unlifted.graph) | {n for n, _ in unlifted.named_modules()}
     names = _check_names(points, known, "the exported program")
     segments = _split_exported(None, program, names, None)
     if example_inputs is not None:
@@ -152,15 +150,9 @@ def _split_exported(
     model: nn.Module | None, program: Any, names: list[str], example_inputs: Any
 ) -> list[nn.Module]:
     """`split` over torch.export ([Note: cutting an exported model] in `schedcc.exporting`)."""
-    from schedcc.exporting import exported_graph, point_starts, segment_codegen
-
-    exported = exported_graph(program, model)
-    cuts = point_starts(exported.graph, names)
-
-    def codegen(k: int, last: bool, placeholders: list[str]) -> Any:
-        return segment_codegen(exported.in_info, placeholders, first=k == 0, last=last)
-
-    segments = _cut(exported.graph, cuts, exported.source, codegen)
+    exported = exporting.exported_graph(program, model)
+    cuts = exporting.point_starts(exported.graph, names)
+    segments = _cut(exported.graph, cuts, exported.source, exported)
     if example_inputs is not None:
         _check_equal(model, segments, example_inputs)
     return segments
@@ -172,8 +164,12 @@ def _split_traced(model: nn.Module, names: list[str], why_not_export: str) -> li
     return _cut(graph, _cut_nodes(graph, names), model, None)
 
 
-def _cut(graph: fx.Graph, cuts: list, source: nn.Module, codegen: Any) -> list[nn.Module]:
-    """The segments of `graph` cut before each of `cuts`, their attributes from `source`."""
+def _cut(
+    graph: fx.Graph, cuts: list, source: nn.Module, exported: exporting.ExportedGraph | None
+) -> list[nn.Module]:
+    """The segments of `graph` cut before each of `cuts`, their attributes from `source`; an
+    exported graph's segments also follow their device and flatten the model's inputs (the
+    first) and rebuild its output (the last) by export's specs."""
     from torch import fx
 
     segment_of = _assign(graph, cuts)
@@ -181,12 +177,12 @@ def _cut(graph: fx.Graph, cuts: list, source: nn.Module, codegen: Any) -> list[n
     segments = []
     for k in range(len(cuts) + 1):
         part = _segment_graph(graph, segment_of, boundaries, k)
-        if codegen is not None:  # an exported graph
-            from schedcc.exporting import follow_device
-
-            follow_device(part)
+        if exported is not None:
+            exporting.follow_device(part)
             placeholders = [node.name for node in part.nodes if node.op == "placeholder"]
-            part._codegen = codegen(k, k == len(cuts), placeholders)
+            part._codegen = exporting.segment_codegen(
+                exported.in_info, placeholders, first=k == 0, last=k == len(cuts)
+            )
         segments.append(fx.GraphModule(source, part, f"Segment{k}"))
     return segments
 
