@@ -230,10 +230,9 @@ def follow_device(part: fx.Graph) -> None:
     An exported graph spells out the device (and dtype) of every tensor its `forward` makes or
     moves, as it was while tracing (`arange(..., device=cpu)`, `to(x, cpu, torch.bool)`), and
     asserts the metadata of some inputs. Here each device argument reads the device of a tensor
-    the segment holds at run time instead, so
-    a segment moved with `.to(device)` (a rank's GPU) makes its tensors there, and the asserts,
-    which would refuse that move, are dropped. Dtypes stay as traced: export in the dtype you
-    train in.
+    the segment holds at run time instead, so a segment moved with `.to(device)` (a rank's GPU)
+    makes its tensors there, and the asserts, which would refuse that move, are dropped. Dtypes
+    stay as traced: export in the dtype you train in.
     """
     import torch
 
@@ -271,11 +270,12 @@ def segment_codegen(info: Any, placeholders: list[str], *, first: bool, last: bo
 
 def _arguments(example_inputs: Any) -> tuple[tuple, dict]:
     """`(args, kwargs)` for a segment call on `example_inputs` (`values.call`'s convention)."""
+    import dataclasses
     from collections.abc import Mapping
 
     if type(example_inputs) is tuple:
         return example_inputs, {}
-    if isinstance(example_inputs, Mapping):
+    if isinstance(example_inputs, Mapping) and not dataclasses.is_dataclass(example_inputs):
         return (), dict(example_inputs)
     return (example_inputs,), {}
 
