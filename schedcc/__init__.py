@@ -1,8 +1,8 @@
 """schedcc: a pluggable, provable pipeline-parallel schedule compiler for PyTorch.
 
 Write a schedule as a generator of instructions, then compile, validate, simulate, draw and run
-it. Importing schedcc does not import torch; only `partition`, `split`, `export` and the backends
-do, lazily.
+it. Importing schedcc does not import torch; only `partition`, `split`, `tied_groups`, `export`
+and the backends do, lazily.
 """
 
 from __future__ import annotations
@@ -126,15 +126,16 @@ def export(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def __getattr__(name: str):
-    """`schedcc.partition` and `schedcc.split`, imported on first use (they need torch)."""
+    """`schedcc.partition`, `schedcc.split` and `schedcc.tied_groups`, imported on first use
+    (they need torch)."""
     if name == "partition":
         from schedcc.partitioning import partition
 
         globals()["partition"] = partition
         return partition
-    if name == "split":
-        from schedcc.splitting import split
+    if name in ("split", "tied_groups"):
+        from schedcc import splitting
 
-        globals()["split"] = split
-        return split
+        globals()[name] = getattr(splitting, name)
+        return globals()[name]
     raise AttributeError(f"module 'schedcc' has no attribute {name!r}")

@@ -93,7 +93,8 @@ def _not_sequential(model: nn.Module, n: Any) -> str:
     return (
         f"partition cuts an nn.Sequential (or a list of layers) in order, but a "
         f"{type(model).__name__} is an nn.Module whose forward decides how its submodules are "
-        f"called; cut it at named submodules with schedcc.split(model, {points}) instead"
+        f"called; cut it at named submodules with schedcc.split(model, {points}, "
+        "example_inputs=inputs) instead (inputs: a batch's inputs, as the model takes them)"
     )
 
 

@@ -7,26 +7,31 @@
     >>> first.tok.weight is second.head.weight  # the tie is one Parameter, in both segments
     True
 
-[Note: splitting keeps the model's own modules] `split` traces the model with `torch.fx`,
-treating every submodule as a leaf except the ancestors of the split points, so the graph holds
-one `call_module` node per block-level call and the tracer only ever reads the glue code around
-them (the model's own `forward` and, for a point like `blocks.2.attn`, `blocks.2`'s). The graph is
-cut before each point's call; each segment is an `fx.GraphModule` built from the original model,
-and `GraphModule` installs the very module and Parameter objects the graph names (no copies). So
-a segment trains the model in place, and a Parameter that two segments use, like a tied
-embedding and LM head, is one object in both: a tie the engines can see by identity.
+[Note: splitting keeps the model's own modules] Without `example_inputs` (or with
+`tracer="fx"`, or where export fails) `split` traces the model with `torch.fx`, treating every
+submodule as a leaf except the ancestors of the split points, so the graph holds one
+`call_module` node per block-level call and the tracer only ever reads the glue code around them
+(the model's own `forward` and, for a point like `blocks.2.attn`, `blocks.2`'s). The graph is cut
+before each point's call; each segment is an `fx.GraphModule` built from the original model, and
+`GraphModule` installs the very module and Parameter objects the graph names (no copies). So a
+segment trains the model in place, and a Parameter that two segments use, like a tied embedding
+and LM head, is one object in both: a tie the engines can see by identity.
 
-torch.distributed.pipelining's `pipeline(model, mb_args, split_spec=...)` traces with
-`torch.export` instead. Tried on this project's GPT (torch 2.13): the last stage's tied
-`head.weight` is a separate tensor from the first stage's `tok.weight` (so the copies drift unless
-their gradients are synchronised by hand), the sequence length of the example is baked into
-`view` shapes (a shorter batch fails), and the first stage takes its inputs in another order
-than the model's `forward`. Leaves traced by `fx` run as ordinary eager calls, so none of that
-happens here.
+With `example_inputs` it exports the model instead, and cuts the exported graph the same way
+([Note: cutting an exported model] in `schedcc.exporting`): the segments' `get_attr`s resolve
+against the model, so they too hold its own Parameters. torch.distributed.pipelining's
+`pipeline(model, mb_args, split_spec=...)` exports as well, but (tried on this project's GPT,
+torch 2.13) its last stage's tied `head.weight` is a separate tensor from the first stage's
+`tok.weight` (the copies drift unless their gradients are synchronised by hand), the example's
+sequence length is baked into `view` shapes (a shorter batch fails), and its first stage takes
+its inputs in another order than the model's `forward`. Here the ties are the model's objects,
+every input dimension is exported free (`Dim.AUTO`), and the first segment flattens its
+arguments by export's own input spec, so none of that happens.
 
 A boundary value is the tuple of every value computed before a cut and used after it, in the
 order the model computes them (for a GPT: the hidden state, the padding mask and the position
-ids); a value that skips a segment passes through it. Parameters and buffers the glue code reads
+ids; in an exported graph also the integer sizes the code read from a shape); a value that skips
+a segment passes through it. Parameters and buffers the glue code reads
 (`get_attr`) never cross: each segment that reads one holds it. The first segment has the
 model's `forward` signature; the last returns what the model returns.
 """
@@ -36,53 +41,149 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from schedcc import exporting
 from schedcc.errors import ScheduleConfigError
 
 if TYPE_CHECKING:
     from torch import fx, nn
 
-__all__ = ["even_points", "split"]
+__all__ = ["even_points", "split", "tied_groups"]
 
 
 def split(
-    model: nn.Module, points: Sequence[str], *, example_inputs: Any = None
+    model: nn.Module,
+    points: Sequence[str],
+    *,
+    example_inputs: Any = None,
+    tracer: str = "auto",
 ) -> list[nn.Module]:
     """Cut `model` before each named submodule's call into `len(points) + 1` segments.
 
     Segments follow the calling convention of `schedcc.backends.runtime.values.call`: the first
-    takes the model's inputs (a tuple as positional, a dict as keyword arguments), each later one
-    takes the tuple its predecessor returns, the last returns the model's output. They hold the
-    model's own submodules and Parameters (no copies): shared Parameters stay shared.
+    takes the model's inputs (a tuple as positional, a dict or other Mapping as keyword
+    arguments), each later one takes the tuple its predecessor returns, the last returns the
+    model's output (a Hugging Face `ModelOutput` too). They hold the model's own Parameters (no
+    copies): shared Parameters stay shared, and `tied_groups(segments)` is the `tied=` to
+    compile with.
 
     Args:
-        model: any module whose `forward` calls each point exactly once, in the given order.
+        model: any module whose `forward` calls each point exactly once, in the given order;
+            or a `torch.export.ExportedProgram` of one, cut as it is (its module holds the
+            exported model's own Parameters, so one export serves several cuts).
         points: qualified submodule names, e.g. `["blocks.2", "blocks.4"]` for three segments.
-        example_inputs: if given, a batch's inputs; the chained segments must compute exactly
-            what the model computes on them, or `split` refuses.
+        example_inputs: a batch's inputs (a microbatch's, or a whole batch's). With them, the
+            model is traced with `torch.export` (any Python in its `forward`, every input
+            dimension left free unless the code fixes it); and the chained segments must compute
+            exactly what the model computes on them, or `split` refuses.
+        tracer: `"auto"` (export when `example_inputs` are given, falling back to torch.fx),
+            `"export"` or `"fx"` (submodules called as they are, eagerly: any shapes and
+            ranks, no inputs needed, but the glue code around the points must be traceable).
 
     Raises:
         ScheduleConfigError: a point that is not a submodule, not called exactly once, out of
-            call order or inside another point; glue code that `torch.fx` cannot trace; segments
-            that differ from the model on `example_inputs`.
+            call order or inside another point; a model neither tracer can capture (the message
+            carries both reasons), or that fails on `example_inputs`; segments that differ
+            from the model on `example_inputs`.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
     >>> [type(s).__name__ for s in split(model, ["1", "2"])]
     ['Segment0', 'Segment1', 'Segment2']
+    >>> x = torch.ones(3, 2)
+    >>> first, second = split(model, ["2"], example_inputs=x)  # torch.export
+    >>> torch.equal(second(*first(x)), model(x))
+    True
+    >>> second.get_parameter("2.weight") is model[2].weight
+    True
     """
-    from torch import fx
+    from torch.export import ExportedProgram
 
+    if tracer not in ("auto", "export", "fx"):
+        raise ScheduleConfigError(f"tracer must be 'auto', 'export' or 'fx', got {tracer!r}")
+    if isinstance(model, ExportedProgram):
+        if tracer == "fx":
+            raise ScheduleConfigError("an ExportedProgram is cut as exported: not with tracer='fx'")
+        return _split_program(model, points, example_inputs)
     names = _check_points(model, points)
-    graph = _trace(model, names)
-    cuts = _cut_nodes(graph, names)
-    segment_of = _assign(graph, cuts)
-    boundaries = _boundaries(graph, segment_of, len(cuts) + 1)
-    segments = [
-        fx.GraphModule(model, _segment_graph(graph, segment_of, boundaries, k), f"Segment{k}")
-        for k in range(len(cuts) + 1)
-    ]
+    if tracer == "export" and example_inputs is None:
+        raise ScheduleConfigError("tracer='export' needs example_inputs: a batch's inputs")
+    why_not_export = "pass example_inputs= (a batch's inputs) to trace with torch.export"
+    if example_inputs is not None and tracer != "fx":
+        try:
+            program = exporting.export(model, example_inputs)
+            return _split_exported(model, program, names, example_inputs)
+        except ScheduleConfigError as error:
+            if tracer == "export":
+                raise
+            why_not_export = f"torch.export failed too: {error}"
+    segments = _split_traced(model, names, why_not_export)
     if example_inputs is not None:
         _check_equal(model, segments, example_inputs)
+    return segments
+
+
+def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
+    """The `tied=` that covers every Parameter object `segments` (a model's, in order) share:
+    groups of segment indices, merged where they overlap; `[]` when nothing is shared.
+
+    >>> from schedcc.backends.run.gpt import GPT, GPTConfig
+    >>> tied_groups(split(GPT(GPTConfig(num_blocks=4)), ["blocks.1", "blocks.3"]))
+    [(0, 2)]
+    """
+    from schedcc.backends.runtime.tied import tied_groups as groups
+
+    return groups(segments)
+
+
+def _split_program(program: Any, points: Sequence[str], example_inputs: Any) -> list[nn.Module]:
+    """`split` of an `ExportedProgram`: its graph cut as it is, its own module's attributes."""
+    unlifted = exporting.unlifted_module(program)
+    known = exporting.module_names(unlifted.graph) | {n for n, _ in unlifted.named_modules()}
+    names = _check_names(points, known, "the exported program")
+    segments = _split_exported(None, program, names, None)
+    if example_inputs is not None:
+        _check_equal(unlifted, segments, example_inputs)
+    return segments
+
+
+def _split_exported(
+    model: nn.Module | None, program: Any, names: list[str], example_inputs: Any
+) -> list[nn.Module]:
+    """`split` over torch.export ([Note: cutting an exported model] in `schedcc.exporting`)."""
+    exported = exporting.exported_graph(program, model)
+    cuts = exporting.point_starts(exported.graph, names)
+    segments = _cut(exported.graph, cuts, exported.source, exported)
+    if example_inputs is not None:
+        _check_equal(model, segments, example_inputs)
+    return segments
+
+
+def _split_traced(model: nn.Module, names: list[str], why_not_export: str) -> list[nn.Module]:
+    """`split` over torch.fx ([Note: splitting keeps the model's own modules])."""
+    graph = _trace(model, names, why_not_export)
+    return _cut(graph, _cut_nodes(graph, names), model, None)
+
+
+def _cut(
+    graph: fx.Graph, cuts: list, source: nn.Module, exported: exporting.ExportedGraph | None
+) -> list[nn.Module]:
+    """The segments of `graph` cut before each of `cuts`, their attributes from `source`; an
+    exported graph's segments also follow their device and flatten the model's inputs (the
+    first) and rebuild its output (the last) by export's specs."""
+    from torch import fx
+
+    segment_of = _assign(graph, cuts)
+    boundaries = _boundaries(graph, segment_of, len(cuts) + 1)
+    segments = []
+    for k in range(len(cuts) + 1):
+        part = _segment_graph(graph, segment_of, boundaries, k)
+        if exported is not None:
+            exporting.follow_device(part)
+            placeholders = [node.name for node in part.nodes if node.op == "placeholder"]
+            part._codegen = exporting.segment_codegen(
+                exported.in_info, placeholders, first=k == 0, last=k == len(cuts)
+            )
+        segments.append(fx.GraphModule(source, part, f"Segment{k}"))
     return segments
 
 
@@ -130,18 +231,23 @@ def even_points(model: nn.Module, num_segments: int, *, container: str | None = 
 
 
 def _check_points(model: nn.Module, points: Sequence[str]) -> list[str]:
+    names = dict(model.named_modules(remove_duplicate=False))
+    children = ", ".join(n for n, _ in model.named_children())
+    return _check_names(points, names, f"{type(model).__name__} (its children: {children})")
+
+
+def _check_names(points: Sequence[str], known: Any, what: str) -> list[str]:
+    """`points` as a list, each a known submodule name, none twice, none inside another."""
     if isinstance(points, str) or not all(isinstance(p, str) for p in points):
         raise ScheduleConfigError(
             f"split points must be a list of submodule names, e.g. ['blocks.2'], got {points!r}"
         )
     names = list(points)
-    modules = dict(model.named_modules(remove_duplicate=False))
     for name in names:
-        if name not in modules or not name:
-            children = ", ".join(n for n, _ in model.named_children())
+        if name not in known or not name:
             raise ScheduleConfigError(
-                f"{name!r} is not a submodule of {type(model).__name__} (its children: "
-                f"{children}); name a submodule by its qualified name, e.g. 'blocks.2'"
+                f"{name!r} is not a submodule of {what}; name a submodule by its qualified "
+                "name, e.g. 'blocks.2'"
             )
     if len(set(names)) != len(names):
         raise ScheduleConfigError(f"split points {names} name a submodule twice")
@@ -155,7 +261,7 @@ def _check_points(model: nn.Module, points: Sequence[str]) -> list[str]:
     return names
 
 
-def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
+def _trace(model: nn.Module, names: list[str], why_not_export: str) -> fx.Graph:
     """The fx graph of `model` with every submodule a leaf except the points' ancestors."""
     from torch import fx
 
@@ -172,7 +278,7 @@ def _trace(model: nn.Module, names: list[str]) -> fx.Graph:
             f"schedcc.split could not trace {type(model).__name__}'s forward around the split "
             f"points with torch.fx ({type(error).__name__}: {error}). Submodules are called as "
             "they are, so move Python control flow on tensor values into a submodule, or cut "
-            "at other points"
+            f"at other points; {why_not_export}"
         ) from error
 
 

@@ -187,7 +187,7 @@ def test_too_many_segments_are_refused():
 
 def test_partition_points_a_gpt_to_split():
     """`schedcc.partition` on a GPT says to use `schedcc.split` with points that fit it."""
-    with pytest.raises(ScheduleConfigError, match=r"schedcc\.split\(model, \['blocks\.3'\]\)"):
+    with pytest.raises(ScheduleConfigError, match=r"split\(model, \['blocks\.3'\], example"):
         schedcc.partition(_model(), 2)
 
 

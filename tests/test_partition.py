@@ -124,7 +124,8 @@ class _Tower(nn.Module):
 def test_a_module_it_cannot_cut_points_to_split():
     """A module that is not a Sequential is refused with the `schedcc.split` call to use instead,
     never a bare TypeError."""
-    with pytest.raises(ScheduleConfigError, match=r"schedcc\.split\(model, \['layers\.2'\]\)"):
+    split_call = r"schedcc\.split\(model, \['layers\.2'\], example_inputs=inputs\)"
+    with pytest.raises(ScheduleConfigError, match=split_call):
         schedcc.partition(_Tower(), 2)
     with pytest.raises(ScheduleConfigError, match=r"schedcc\.split\(model, \[the names"):
         schedcc.partition(nn.Linear(2, 2), 2)

@@ -4,10 +4,13 @@ Longer than the project's ~400-line habit on purpose: the value vocabulary and i
 encoding are one format, and a change to one is a change to the other.
 
 A *value* is any nesting of tuple, list and dict of tensors (any dtype) and constants (None,
-bool, int, float, str, torch.Size). A transport moves it as a flat list of tensors plus two small
-descriptions: the *spec* (the nesting and the constants, hashable and picklable) and the *meta*
-(dtype, shape and whether it takes a gradient, per tensor). Both encode to 1-D int64 tensors,
-so gloo and NCCL can send them.
+bool, int, float, str, torch.Size). Any other `Mapping` (a tokenizer's `BatchEncoding`) is read
+as a dict and rebuilt as one; a dataclass instance (a Hugging Face `ModelOutput`) is rebuilt as
+its own class from its `__init__` fields. A transport moves a value as a flat list of tensors
+plus two small descriptions: the *spec* (the nesting and the constants, hashable and picklable)
+and the *meta* (dtype, shape and whether it takes a gradient, per tensor). Both encode to 1-D
+int64 tensors, so gloo and NCCL can send them (a dataclass by its class's name, found among the
+modules the receiver has imported).
 
     >>> import torch
     >>> value = (torch.ones(4, 3), {"mask": torch.zeros(4, dtype=torch.bool), "n": 3})
@@ -30,8 +33,10 @@ sides of a channel agree on which gradients are sent, in which order.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -59,7 +64,7 @@ __all__ = [
 Spec = tuple
 
 # One integer tag per kind, used both in specs and in their encoding.
-_TENSOR, _NONE, _BOOL, _INT, _FLOAT, _STR, _SIZE, _TUPLE, _LIST, _DICT = range(10)
+_TENSOR, _NONE, _BOOL, _INT, _FLOAT, _STR, _SIZE, _TUPLE, _LIST, _DICT, _OBJECT = range(11)
 _TAGS = {tuple: _TUPLE, list: _LIST, dict: _DICT}
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -77,8 +82,9 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES) if dtype is no
 
 
 def call(segment: Callable[..., Any], value: Any) -> Any:
-    """Call `segment` on `value`: a tuple as positional arguments, a dict as keyword arguments,
-    anything else (a tensor, a list, a constant) as the one argument.
+    """Call `segment` on `value`: a tuple as positional arguments, a dict (or any `Mapping`, such
+    as a tokenizer's `BatchEncoding`) as keyword arguments, anything else (a tensor, a list, a
+    constant, a dataclass: a `ModelOutput` too, though it is a Mapping) as the one argument.
 
     The first segment receives a batch's inputs this way, every later one what its predecessor
     returned.
@@ -90,7 +96,7 @@ def call(segment: Callable[..., Any], value: Any) -> Any:
     """
     if type(value) is tuple:
         return segment(*value)
-    if type(value) is dict:
+    if isinstance(value, Mapping) and not dataclasses.is_dataclass(value):  # a ModelOutput is both
         bad = [key for key in value if not isinstance(key, str)]
         if bad:
             raise ScheduleConfigError(
@@ -108,9 +114,9 @@ def flatten(value: Any, *, name: str = "value") -> tuple[list[torch.Tensor], Spe
     """`value`'s tensors in depth-first order and its spec; `unflatten` is the inverse.
 
     Raises:
-        ScheduleConfigError: something that is not a tensor, a constant, or a tuple, list or dict
-            of them (or an int outside int64, or a dict key that is not a constant), named by its
-            path from `name`.
+        ScheduleConfigError: something that is not a tensor, a constant, or a tuple, list, dict
+            (any Mapping) or dataclass of them (or an int outside int64, or a dict key that is
+            not a constant), named by its path from `name`.
 
     >>> import torch
     >>> tensors, spec = flatten({"x": torch.zeros(2), "k": [1, None]})
@@ -136,6 +142,10 @@ def _flatten(value: Any, tensors: list, path: tuple, paths: list | None = None) 
         return (_TENSOR,)
     kind = type(value)
     tag = _TAGS.get(kind)
+    if tag is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _flatten_object(value, tensors, path, paths)
+    if tag is None and isinstance(value, Mapping):
+        tag = _DICT
     if tag == _DICT:
         items = []
         for key, item in value.items():
@@ -154,11 +164,18 @@ def _flatten(value: Any, tensors: list, path: tuple, paths: list | None = None) 
     if spec is None:
         raise ScheduleConfigError(
             f"{_path(path)} is a {kind.__name__}: a boundary value is a tensor, None, bool, int, "
-            "float, str, torch.Size, or a tuple, list or dict of them"
+            "float, str, torch.Size, or a tuple, list, dict (any Mapping) or dataclass of them"
         )
     if spec[0] == _INT and not _INT64[0] <= value <= _INT64[1]:
         raise ScheduleConfigError(f"{_path(path)} = {value} does not fit in int64")
     return spec
+
+
+def _flatten_object(value: Any, tensors: list, path: tuple, paths: list | None) -> Spec:
+    """A dataclass's spec: its class, its `__init__` fields' names and their specs."""
+    names = tuple(field.name for field in dataclasses.fields(value) if field.init)
+    items = tuple(_flatten(getattr(value, n), tensors, (*path, n), paths) for n in names)
+    return (_OBJECT, type(value), names, items)
 
 
 def _constant(value: Any) -> Spec | None:
@@ -205,6 +222,9 @@ def _unflatten(stream: Iterator[torch.Tensor], spec: Spec) -> Any:
         return [_unflatten(stream, item) for item in spec[1]]
     if tag == _DICT:
         return {_constant_value(key): _unflatten(stream, item) for key, item in spec[1]}
+    if tag == _OBJECT:
+        _, cls, names, items = spec
+        return cls(**{name: _unflatten(stream, item) for name, item in zip(names, items)})
     return _constant_value(spec)
 
 
@@ -304,6 +324,12 @@ def encode_spec(spec: Spec) -> torch.Tensor:
 
 def _encode(spec: Spec, words: list[int]) -> None:
     tag = spec[0]
+    if tag == _OBJECT:  # the class by name, its fields as a dict of them
+        _, cls, names, items = spec
+        words.append(tag)
+        _encode((_STR, f"{cls.__module__}:{cls.__qualname__}"), words)
+        _encode((_DICT, tuple(((_STR, n), item) for n, item in zip(names, items))), words)
+        return
     words.append(tag)
     if tag in (_BOOL, _INT):
         words.append(int(spec[1]))
@@ -348,10 +374,29 @@ def _decode(stream: Iterator[int]) -> Spec:
         return (tag, b"".join(chunks)[:size].decode())
     if tag == _SIZE:
         return (tag, tuple(next(stream) for _ in range(next(stream))))
+    if tag == _OBJECT:
+        cls = _dataclass_named(_decode(stream)[1])
+        fields = _decode(stream)[1]
+        return (tag, cls, tuple(key[1] for key, _ in fields), tuple(item for _, item in fields))
     count = next(stream)
     if tag == _DICT:
         return (tag, tuple((_decode(stream), _decode(stream)) for _ in range(count)))
     return (tag, tuple(_decode(stream) for _ in range(count)))
+
+
+def _dataclass_named(name: str) -> type:
+    """The dataclass `module:qualname` names, from a module already imported (decoding never
+    imports, so a peer's message runs no code)."""
+    module_name, _, qualname = name.partition(":")
+    value: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        value = getattr(value, part, None)
+    if not (isinstance(value, type) and dataclasses.is_dataclass(value)):
+        raise ScheduleConfigError(
+            f"a boundary value holds a {name}, which is not a dataclass of an imported module "
+            "on this rank; import its module before the run"
+        )
+    return value
 
 
 # -- microbatches ---------------------------------------------------------------------------------
@@ -460,6 +505,8 @@ def _describe(spec: Spec) -> str:
     tag = spec[0]
     if tag == _TENSOR:
         return "a tensor"
+    if tag == _OBJECT:
+        return f"a {spec[1].__name__}"
     if tag in (_TUPLE, _LIST, _DICT):
         return f"a {('tuple', 'list', 'dict')[tag - _TUPLE]} of {len(spec[1])}"
     return repr(_constant_value(spec))
