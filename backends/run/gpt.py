@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from schedcc.errors import ScheduleConfigError
+from schedcc.losses import TokenLoss
 
 __all__ = [
     "IGNORE_INDEX",
@@ -290,6 +291,20 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tenso
         logits.flatten(0, 1), flat, ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss_sum, (flat != IGNORE_INDEX).sum()
+
+
+def token_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed next-token cross-entropy over the real (non-padding) targets."""
+    return token_loss(logits, targets)[0]
+
+
+def real_targets(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets are real (not `IGNORE_INDEX`): a function of the targets alone."""
+    return (targets != IGNORE_INDEX).sum()
+
+
+#: The run's loss: the token ratio, its count known from the targets up front (`TokenLoss`).
+GPT_LOSS = TokenLoss(token_sum, real_targets)
 
 
 def mean_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -60,13 +60,13 @@ from torch import nn
 from schedcc.backends.batches import batch_size, local_batches, split_pair
 from schedcc.backends.run.gpt import (
     GPT,
+    GPT_LOSS,
     GPTConfig,
     PaddedBigramData,
     gpt_segment,
     gpt_segments,
     real_tokens,
 )
-from schedcc.backends.run.gpt import token_loss as gpt_loss
 from schedcc.errors import ScheduleConfigError, UserError, call_user
 from schedcc.registry import load_object
 
@@ -313,7 +313,7 @@ def tiny_gpt(
         built = {k: gpt_segment(config, k, num_segments, seed=seed) for k in segments}
     return RunModel(
         built,
-        gpt_loss,
+        GPT_LOSS,
         data.batch,
         floor=data.entropy,
         floor_name="entropy floor",
