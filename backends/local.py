@@ -14,10 +14,9 @@ every op's partner group is posted, and only then does the stage go on. That is 
 itself, so a program runs here exactly when the validator accepts it (posting a group's sends
 before waiting on any receive is what runs `F0 [RG0 SA0] B0` against `[RA0] F0 B0 [SG0]`; waiting
 on each receive in turn is a stricter model, which deadlocked there). The distributed backend runs
-the same model under NCCL (a group is one `batch_isend_irecv`) and a relaxation of it under gloo:
-eager sends, receives posted ahead, shared memory's inline messages. None adds a wait or changes
-a pairing, so none can hang or change a number: [Note: eager point-to-point] in
-`backends.distributed.eager` gives the argument.
+a relaxation of it on every transport (NCCL's per-direction links, gloo, shared memory): eager
+sends, receives posted ahead. None adds a wait or changes a pairing, so none can hang or change
+a number: [Note: eager point-to-point] in `backends.distributed.eager` gives the argument.
 
     >>> import torch, schedcc
     >>> from schedcc.backends.local import Engine

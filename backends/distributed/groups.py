@@ -25,8 +25,8 @@ takes or builds this stage's segments, and `check_backend` refuses CUDA tensors 
 | dp-inner  | [0, 2] [1, 3]         | [0, 1] [2, 3]        |
 
 `stage_ops` gives the stage's program as the engine runs it, one item per step of the step model:
-single compute and update instructions, and each comm group as one `CommGroup` (posted together
-under NCCL by `Transfers.exchange`; op by op under gloo, see [Note: eager point-to-point]).
+single compute and update instructions, and each comm group as one `CommGroup` (its ops posted
+and waited one by one around the computes on every transport, see [Note: eager point-to-point]).
 
 Each comm op moves one message on a *channel*: `("A", k)` the activations out of segment k,
 `("G", k)` the input gradients out of segment k, and `("C", k)` those of them that carry their
