@@ -132,6 +132,26 @@ def test_a_run_of_several_steps_gives_the_rate_first_and_the_norm_last():
     assert records[-1]["grad_norm"] == engine.last_grad_norm
 
 
+def test_a_skipped_float16_step_is_recorded_with_the_halved_scale():
+    """float16 with a loss scale so large the gradients overflow: the first record counts the
+    skipped step, its scale is the halved one, and a step at a scale that fits trains."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), grad_norm=True)
+    segments = [s.float() for s in _segments(2)]
+    engine = Engine(program, segments, F.mse_loss, _sgd, mixed_precision=torch.float16)
+    for rt in engine.runtimes[0]:
+        rt.norm.scaler.scale = 2.0**100
+    records: list[dict] = []
+    data = [(x.float(), y.float()) for x, y in _batches(2)]
+    list(engine.train(data[:1], on_step=records.append))
+    for rt in engine.runtimes[0]:
+        rt.norm.scaler.scale = 2.0**8
+    list(engine.train(data[1:], on_step=records.append))
+    assert [r["skipped_steps"] for r in records] == [1, 1]
+    assert [r["loss_scale"] for r in records] == [2.0**99, 2.0**8]
+    assert math.isnan(records[0]["grad_norm"]) or math.isinf(records[0]["grad_norm"])
+    assert math.isfinite(records[1]["grad_norm"])
+
+
 def test_recording_adds_no_host_sync():
     """The same training reads the device as often with `on_step` as without."""
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), grad_norm=True)
@@ -271,3 +291,15 @@ def test_schedcc_run_refuses_tensorboard_without_the_package(tmp_path):
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "pip install tensorboard" in line
+
+
+def test_a_resumed_schedcc_run_appends_to_its_stream(tmp_path):
+    """`--resume` continues the JSONL: steps 1..4 once each, with the counts of their batches."""
+    path, ckpt = tmp_path / "run.jsonl", str(tmp_path / "ckpt")
+    args = ("--model", "mlp", "-p", "2", "-m", "2", "--metrics", str(path), "--checkpoint", ckpt)
+    first = run_cli(*args, "--steps", "2", "--every", "2")
+    assert first.returncode == 0, first.stderr
+    second = run_cli(*args, "--steps", "4", "--resume")
+    assert second.returncode == 0, second.stderr
+    assert [r["step"] for r in _read(path)] == [1, 2, 3, 4]
+    assert len({r["samples"] for r in _read(path)}) == 1
