@@ -218,7 +218,9 @@ class BaseEngine(abc.ABC):
             return None
         return time.perf_counter(), self._learning_rate()
 
-    def _report(self, on_step: OnStep | None, watch, losses: list) -> None:
+    def _report(
+        self, on_step: OnStep | None, watch: tuple[float, float | None] | None, losses: list
+    ) -> None:
         """After a run (counted in `steps`): its steps' records to `on_step`, if `watch`ed
         ([Note: metrics without host syncs] in `backends.metrics`)."""
         if watch is None or on_step is None:

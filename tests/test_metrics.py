@@ -152,6 +152,15 @@ def test_a_skipped_float16_step_is_recorded_with_the_halved_scale():
     assert math.isfinite(records[1]["grad_norm"])
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_under_zero_the_rate_is_the_shard_optimizers(zero):
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), data_parallel=2, zero=zero)
+    engine = Engine(program, _segments(2), F.mse_loss, _sgd, lr_scheduler=_halving)
+    records: list[dict] = []
+    losses = list(engine.train(_batches(3), on_step=records.append))
+    assert [(r["loss"], r["lr"]) for r in records] == list(zip(losses, [0.2, 0.1, 0.05]))
+
+
 def test_recording_adds_no_host_sync():
     """The same training reads the device as often with `on_step` as without."""
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2), grad_norm=True)
