@@ -12,7 +12,9 @@ how tensors travel between them. What a user sees is written here once, so the t
   raised before anything runs;
 - `train(batches)` takes batches `num_batches` at a time (one run of the program each) and
   `train_step(inputs, targets)` runs one flush step; `steps` counts optimizer steps taken;
-  `last_metrics` holds the named parts of the last batch's loss;
+  `last_metrics` holds the named parts of the last batch's loss; both take `on_step`, called
+  with one record per optimizer step on the one process that writes metrics
+  (`backends.metrics`);
 - `evaluate(inputs, targets)` and `predict(inputs)` run a forward-only program
   (`schedcc.compile(..., forward_only=True)`) with the segments in eval mode, under a copy of
   the RNG state, and change no parameter, gradient, optimizer or RNG state;
@@ -30,6 +32,7 @@ from __future__ import annotations
 import abc
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import islice
@@ -41,6 +44,7 @@ from torch import nn
 
 from schedcc.backends.batches import is_pair
 from schedcc.backends.checkpoint.model import model_names
+from schedcc.backends.metrics import OnStep, step_records
 from schedcc.backends.runtime.precision import LOW_PRECISION
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import GradNorm
@@ -140,13 +144,19 @@ class BaseEngine(abc.ABC):
 
     # -- training -------------------------------------------------------------------------------
 
-    def train(self, batches: Iterable[Any]) -> Iterator[float]:
+    def train(self, batches: Iterable[Any], *, on_step: OnStep | None = None) -> Iterator[float]:
         """Train on `batches`, yielding each batch's loss.
 
         The program covers `num_batches` optimizer steps; the batches are taken that many at a
         time, checked, and the program runs once per group. Each run starts from the current
         weights as version 0, so a weight-delayed schedule (2BW) drains at group boundaries
         exactly as at the end of one program.
+
+        Args:
+            batches: `(inputs, targets)` pairs, one per optimizer step.
+            on_step: None, or called after each run with each of its steps' records (in
+                order, before their losses are yielded) where `writes_metrics`: e.g. a
+                `backends.metrics.JsonlWriter` (see `backends.metrics.step_records`).
 
         Raises:
             ScheduleConfigError: a bad batch (a whole group is checked before it runs), or fewer
@@ -161,15 +171,20 @@ class BaseEngine(abc.ABC):
                     f"the program covers {per_run} batches per run but only {len(group)} were "
                     f"left: pass a multiple of {per_run} batches, or compile with num_batches=1"
                 )
-            losses = self._run(self._prepare(group, first))
+            prepared = self._prepare(group, first)
+            watch = self._watch(on_step)
+            losses = self._run(prepared)
             first += per_run
             self.steps += per_run  # the run took them all, whether or not each loss is read
+            self._report(on_step, watch, losses)
             for loss, parts in losses:
                 self.last_metrics = parts
                 yield loss
 
-    def train_step(self, inputs: Any, targets: Any) -> float:
+    def train_step(self, inputs: Any, targets: Any, *, on_step: OnStep | None = None) -> float:
         """One optimizer step on one batch, for flush schedules; returns its loss.
+
+        `on_step`, if given, is called with the step's record, as `train`'s.
 
         Raises:
             ScheduleConfigError: the program covers more than one batch or delays weights (a
@@ -182,10 +197,54 @@ class BaseEngine(abc.ABC):
                 f"{schedule.weight_delay} and num_batches={schedule.num_batches}: use "
                 "train(batches), which runs the program once per num_batches batches"
             )
-        ((loss, parts),) = self._run(self._prepare([(inputs, targets)], 0))
+        prepared = self._prepare([(inputs, targets)], 0)
+        watch = self._watch(on_step)
+        ((loss, parts),) = losses = self._run(prepared)
         self.steps += 1
+        self._report(on_step, watch, losses)
         self.last_metrics = parts
         return loss
+
+    @property
+    def writes_metrics(self) -> bool:
+        """Whether this process calls `on_step`: the local engine does; of the distributed
+        engine's ranks, only global rank 0."""
+        return True
+
+    def _watch(self, on_step: OnStep | None) -> tuple[float, float | None] | None:
+        """Before a run: `(its start time, the learning rate it starts at)` where `on_step`
+        is to be called, else None."""
+        if on_step is None or not self.writes_metrics:
+            return None
+        return time.perf_counter(), self._learning_rate()
+
+    def _report(
+        self, on_step: OnStep | None, watch: tuple[float, float | None] | None, losses: list
+    ) -> None:
+        """After a run (counted in `steps`): its steps' records to `on_step`, if `watch`ed
+        ([Note: metrics without host syncs] in `backends.metrics`)."""
+        if watch is None or on_step is None:
+            return
+        start, lr = watch
+        records = step_records(
+            losses,
+            first_step=self.steps - len(losses),
+            seconds=time.perf_counter() - start,
+            lr=lr,
+            grad_norm=self.last_grad_norm,
+            loss_scale=self.loss_scale,
+            skipped_steps=self.skipped_steps,
+        )
+        for record in records:
+            on_step(record)
+
+    def _learning_rate(self) -> float | None:
+        """`param_groups[0]["lr"]` of the first held optimizer (a stage without trained
+        parameters has none); None where none is held."""
+        for runtime in self._runtimes():
+            if runtime.optimizer is not None:
+                return float(runtime.optimizer.param_groups[0]["lr"])
+        return None
 
     # -- evaluation -----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,14 +38,18 @@ def partition(
         model: an `nn.Sequential` or a list of layers.
         n: the number of segments, `p * v` for a pipeline.
         method: `"parameters"` balances parameter counts (ties broken toward equal layer counts),
-            `"uniform"` balances layer counts, or a list of the `n - 1` layer indices where
-            segments 1..n-1 start.
+            `"uniform"` balances layer counts, `"type:REGEX"` balances the counts of the layers
+            whose class name `REGEX` matches (`re.search`, ignoring case, as DeepSpeed's
+            `partition_method`: `"type:Block"`, `"type:(Block|Layer)"`), the other layers riding
+            with their neighbours (ties broken toward equal layer counts), or a list of the
+            `n - 1` layer indices where segments 1..n-1 start.
 
     Raises:
         PartitionError: `model` is another kind of module (the message names the
             `schedcc.split(model, [...])` call to use instead), `n` is not positive or exceeds
             the number of layers, the boundaries are not `n - 1` increasing indices inside the
-            model, or the method is unknown.
+            model, the method is unknown, or a `"type:REGEX"` is not a regular expression or
+            matches fewer layers than there are segments.
 
     >>> import torch
     >>> layers = [torch.nn.Linear(4, 4) for _ in range(5)]
@@ -52,6 +57,9 @@ def partition(
     [2, 2, 1]
     >>> [len(s) for s in partition(layers, 2, [1])]
     [1, 4]
+    >>> blocks = [torch.nn.Embedding(4, 4), *layers, torch.nn.Linear(4, 2)]
+    >>> [len(s) for s in partition(blocks, 2, "type:linear")]
+    [4, 3]
     """
     from torch import nn
 
@@ -74,12 +82,42 @@ def partition(
             raise PartitionError(
                 f"layer {index} is a {type(layer).__name__}, not a torch.nn.Module"
             )
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    if isinstance(method, str) and method.startswith("type:"):
+        sizes, method = _type_weights(layers, method, n), "parameters"
+    else:
+        sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     bounds = segment_bounds(sizes, n, method)
     return [
         nn.Sequential(OrderedDict((names[i], layers[i]) for i in range(lo, hi)))
         for lo, hi in itertools.pairwise(bounds)
     ]
+
+
+def _type_weights(layers: Sequence[nn.Module], method: str, n: Any) -> list[int]:
+    """1 for each layer whose class name the method's `type:REGEX` matches, else 0.
+
+    [Note: partitioning by layer type] The weights are balanced as parameter counts are
+    (`_balanced`): each segment gets as equal a share of the matching layers as a contiguous cut
+    allows, and a layer that does not match (an embedding, a final norm, a head) weighs nothing,
+    so it rides with its neighbours in whichever segment keeps the layer counts most equal.
+    """
+    pattern = method[len("type:") :]
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)
+    except re.error as exc:
+        raise PartitionError(
+            f"partition method {method!r}: {pattern!r} is not a regular expression ({exc}); "
+            "write e.g. 'type:Block' or 'type:(Block|Layer)'"
+        ) from None
+    weights = [int(regex.search(type(layer).__name__) is not None) for layer in layers]
+    if not any(weights) or (isinstance(n, int) and sum(weights) < n):
+        classes = sorted({type(layer).__name__ for layer in layers})
+        raise PartitionError(
+            f"partition method {method!r} matches {sum(weights)} layer(s), fewer than the {n} "
+            f"segments, each of which needs one; the layers' classes are {', '.join(classes)}: "
+            "match one of them, or use 'parameters' or 'uniform'"
+        )
+    return weights
 
 
 def _not_sequential(model: nn.Module, n: Any) -> str:
@@ -118,8 +156,8 @@ def segment_bounds(sizes: Sequence[int], n: int, method: str | Sequence[int] = "
         if method == "parameters":
             return _balanced(sizes, n)
         raise PartitionError(
-            f"unknown partition method {method!r}: use 'parameters', 'uniform' or a list of "
-            f"{n - 1} boundaries"
+            f"unknown partition method {method!r}: use 'parameters', 'uniform', "
+            f"'type:REGEX' (a layer class name pattern) or a list of {n - 1} boundaries"
         )
     return _explicit(list(method), num_layers, n)
 

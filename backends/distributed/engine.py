@@ -319,6 +319,10 @@ class Engine(BaseEngine):
     def _runtimes(self) -> list[StageRuntime]:
         return [self.runtime]
 
+    @property
+    def writes_metrics(self) -> bool:
+        return dist.get_rank() == 0  # one rank writes the metrics stream
+
     def _held_modules(self) -> list[nn.Module]:
         return list(self.runtime.modules)
 

@@ -12,6 +12,7 @@ progress bar, gathers every rank's measured instruction times, and prints the su
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -365,9 +366,12 @@ def _loop(
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     held_out = _eval_batches(model, config) if config.eval_every else []
-    with Progress(config.steps, enabled=show, completed=engine.steps) as progress:
+    with (
+        Progress(config.steps, enabled=show, completed=engine.steps) as progress,
+        _metrics(engine, model, config, sizes) as on_step,
+    ):
         last = time.perf_counter()
-        for loss in engine.train(local()):
+        for loss in engine.train(local(), on_step=on_step):
             now = time.perf_counter()
             losses.append(loss)
             progress.advance(loss, now - last, skipped=engine.skipped_steps)
@@ -379,6 +383,25 @@ def _loop(
                 progress.evaluated(evals[-1][1])
             last = time.perf_counter()
     return losses, sizes, evals
+
+
+@contextlib.contextmanager
+def _metrics(engine: Engine, model: RunModel, config, sizes: list[int]):
+    """`--metrics`: the `on_step` that writes each step's record with what its global batch
+    counts for (`model.unit`, e.g. "tokens", from `sizes`), on the rank that writes; None else.
+    A resumed run appends to the stream it continues."""
+    from schedcc.backends.metrics import open_metrics
+
+    if not config.metrics or not engine.writes_metrics:
+        yield None
+        return
+    start = engine.steps  # sizes[0] is the first step this process trains
+    with open_metrics(config.metrics, append=config.resume) as writer:
+
+        def on_step(record):
+            writer({**record, model.unit: sizes[record["step"] - 1 - start]})
+
+        yield on_step
 
 
 def _state(engine: Engine, schedule) -> dict[int, dict[str, torch.Tensor]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import tempfile
@@ -80,6 +81,8 @@ class Config:
     #: "cosine" (to 0 at the last step), after a linear warmup over `warmup` steps.
     lr_schedule: str = "constant"
     warmup: int = 0
+    #: `--metrics`: a JSONL file, or `tb:DIR` (`backends.metrics.open_metrics`); None: none.
+    metrics: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -141,6 +144,11 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="write the measured Chrome trace here")
+    parser.add_argument(
+        "--metrics",
+        metavar="PATH",
+        help="write one record per optimizer step: JSONL to PATH, or TensorBoard with tb:DIR",
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -379,6 +387,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
     grad_norm = _grad_norm(args, schedule, dp)  # a bad program fails here, exit 2
     _check_trace(args.trace)
+    _check_metrics(args.metrics)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
     if args.eval_every and args.eval_every % batches_per_run:
@@ -417,6 +426,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         rank_order=args.rank_order,
         lr_schedule=args.lr_schedule,
         warmup=args.warmup,
+        metrics=args.metrics,
     )
     return config, schedule
 
@@ -464,6 +474,35 @@ def _check_trace(trace: str | None) -> None:
     if not os.path.isdir(directory):
         raise UsageError(f"--trace: directory {directory} does not exist")
     _check_writable_directory("--trace", directory, made_by_run=False)
+
+
+def _check_metrics(metrics: str | None) -> None:
+    """`--metrics` can be written: a JSONL file as `--trace`'s, or `tb:DIR` with the
+    `tensorboard` package installed and DIR a directory this process can make or write in."""
+    if metrics is None:
+        return
+    if not metrics.startswith("tb:"):
+        if not metrics:
+            raise UsageError("--metrics needs a file name, e.g. run.jsonl, or tb:DIR")
+        if os.path.isdir(metrics):
+            raise UsageError(
+                f"--metrics {metrics} is a directory; give a file name, e.g. "
+                f"{metrics}/metrics.jsonl, or tb:{metrics} for TensorBoard"
+            )
+        directory = os.path.dirname(os.path.abspath(metrics))
+        if not os.path.isdir(directory):
+            raise UsageError(f"--metrics: directory {directory} does not exist")
+        _check_writable_directory("--metrics", directory, made_by_run=False)
+        return
+    directory = metrics[len("tb:") :]
+    if not directory:
+        raise UsageError("--metrics tb: needs a log directory, e.g. tb:runs/first")
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UsageError(
+            f"--metrics {metrics}: TensorBoard logs need the tensorboard package (pip install "
+            "tensorboard); or give a .jsonl file name"
+        )
+    _check_writable_directory("--metrics", directory)
 
 
 def _check_writable_directory(flag: str, path: str, *, made_by_run: bool = True) -> None:
