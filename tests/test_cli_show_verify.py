@@ -251,3 +251,21 @@ def test_every_cost_field_is_a_costs_key():
     with pytest.raises(argparse.ArgumentTypeError, match="overlap must be a fraction"):
         parse_costs("overlap=2")
     assert parse_costs("F=3,W=0.5,Reduce=2").reduce == 2.0
+
+
+def test_verify_imports_a_schedule_files_neighbours(tmp_path, monkeypatch, capsys):
+    """`schedcc verify --schedule sub/file.py:Class` where the file imports a module beside it:
+    the file's folder is on the import path while it loads (and only then)."""
+    folder = tmp_path / "sub"
+    folder.mkdir()
+    (folder / "helper_orders.py").write_text(
+        "from schedcc.schedules.one_f_one_b import OneFOneB\n\n\n"
+        "class Mine(OneFOneB):\n    name = 'mine-1f1b'\n"
+    )
+    (folder / "my_schedule.py").write_text("from helper_orders import Mine\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    code = main(["verify", "--schedule", "sub/my_schedule.py:Mine", "-p", "2", "-m", "4"])
+    assert code == 0, capsys.readouterr().err
+    assert "2 of 2 shapes pass" in capsys.readouterr().out
+    assert sys.path == before
