@@ -33,6 +33,7 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     GatherParams,
+    GradNorm,
     Instruction,
     OptimizerStep,
     OverlappedBackward,
@@ -47,6 +48,7 @@ from schedcc.ir import (
     Unshard,
 )
 from schedcc.losses import TokenLoss
+from schedcc.memory import MemoryModel
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule
@@ -64,13 +66,15 @@ __all__ = [
     "CostModel",
     "DeadlockError",
     "DependencyError",
-    "OverlapError",
     "Forward",
     "GatherParams",
+    "GradNorm",
     "IncompleteScheduleError",
     "Instruction",
     "MemoryBoundError",
+    "MemoryModel",
     "OptimizerStep",
+    "OverlapError",
     "OverlappedBackward",
     "Program",
     "Recompute",
