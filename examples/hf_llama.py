@@ -9,7 +9,9 @@
 downloaded), cuts it with `schedcc.split` before evenly spaced decoder layers (torch.export, the
 example batch telling it how the model is called) and returns it as a `RunModel`. Batches are
 `BatchEncoding`s of right-padded sequences whose lengths vary within and across steps (a pure
-function of the step); padded positions have the label -100.
+function of the step); padded positions have the label -100. Each rank of the run builds the
+whole (tiny) model and keeps its own segments; examples/char_lm.py shows a factory that builds
+only a rank's own (`segments=`).
 
 The loss is a `schedcc.TokenLoss`: summed cross entropy over the real tokens, divided by the
 batch's count of them, which the engines read from the labels before the first backward. Llama's

@@ -115,10 +115,19 @@ def test_the_llama_batches_are_padded_and_a_pure_function_of_the_step():
     assert len(widths) > 1
 
 
-@pytest.mark.parametrize(
-    ("factory", "objective"),
-    [("make", "token ratio, count known up front"), ("make_mean", "per-microbatch means")],
-)
+#: factory -> the objective `--check` names for it
+LLAMA_RUNS = {"make": "token ratio, count known up front", "make_mean": "per-microbatch means"}
+
+
+def test_the_guides_schedcc_run_lines_are_the_ones_tested():
+    """Each `schedcc run` line in docs/migrating.md is one the Llama test below runs."""
+    lines = re.findall(r"^schedcc run .*$", GUIDE.read_text(), re.M)
+    tested = {f"schedcc run --model examples/hf_llama.py:{f} --check --steps 2" for f in LLAMA_RUNS}
+    assert len(lines) == len(tested), lines
+    assert set(lines) == tested, lines
+
+
+@pytest.mark.parametrize(("factory", "objective"), LLAMA_RUNS.items())
 def test_an_hf_llama_passes_schedcc_run_check(factory, objective):
     """`schedcc run --model examples/hf_llama.py:FACTORY --check --steps 2` trains the Llama
     cut by `schedcc.split` on 2 ranks and equals non-pipelined training within 1e-9, on the
