@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests._cli import ROOT, run_cli
+from _cli import ROOT, run_cli
 
 GUIDE = ROOT / "docs" / "migrating.md"
 #: a python block and the marker above it: `(marker, path of an example: block, code)`
