@@ -1,7 +1,7 @@
-"""README.md is what a newcomer copies: every ```python block of it runs, in order, in one
-namespace (a block right after `<!-- not run -->` needs processes or a GPU and is skipped), and
-every relative link of README.md, docs/training.md and docs/cli.md names a file (and a heading,
-for a `#anchor`) that exists."""
+"""README.md is what a newcomer copies: every ```python block of it (and of docs/training.md)
+runs, in order, in one namespace (a block right after `<!-- not run -->` needs processes or a GPU
+and is skipped), and every relative link of README.md, docs/training.md and docs/cli.md names a
+file (and a heading, for a `#anchor`) that exists."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from _cli import ROOT
 
 README = ROOT / "README.md"
-LINKED = [README, ROOT / "docs" / "training.md", ROOT / "docs" / "cli.md"]
+TRAINING = ROOT / "docs" / "training.md"
+LINKED = [README, TRAINING, ROOT / "docs" / "cli.md"]
 #: a python block and the marker right above it, if any: `(marker, code)`
 PYTHON_BLOCK = re.compile(r"(<!-- not run -->\n)?```python\n(.*?)```", re.S)
 #: a Markdown link's target: `[text](target)`
@@ -39,21 +40,37 @@ def test_blocks_are_found_and_marked():
     assert any("class GPipe(Schedule)" in code for code in runs)
 
 
-def test_readme_python_blocks_run(capsys):
-    """Every unmarked block runs after the ones before it, as pasted into one python session."""
-    namespace: dict = {"__name__": "__readme__"}
-    dtype = torch.get_default_dtype()
+def _run_blocks(doc: Path) -> None:
+    """Run `doc`'s unmarked python blocks in order in one fresh namespace, on one thread (the
+    machine's cores are shared), leaving torch's RNG, default dtype and threads as they were."""
+    namespace: dict = {"__name__": "__doc_blocks__"}
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_num_threads(1)
     with torch.random.fork_rng():
         try:
-            for index, (run, code) in enumerate(_blocks(README.read_text())):
+            for index, (run, code) in enumerate(_blocks(doc.read_text())):
                 if run:
-                    exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+                    exec(compile(code, f"{doc.name} python block {index}", "exec"), namespace)
         finally:
             torch.set_default_dtype(dtype)
+            torch.set_num_threads(threads)
+
+
+def test_readme_python_blocks_run(capsys):
+    """Every unmarked block runs after the ones before it, as pasted into one python session."""
+    _run_blocks(README)
     out = capsys.readouterr().out
     assert "stage 0: F0 SA0 F1 SA1 RG1 B1 RG0 B0 Step" in out  # README's GPipe, as printed there
     final = float(re.search(r"loss after 50 steps: (\S+)", out).group(1))
     assert final < 0.1  # the first example trains
+
+
+def test_training_guide_python_blocks_run(capsys):
+    """docs/training.md's local-engine GPT example trains and evaluates as written."""
+    _run_blocks(TRAINING)
+    out = capsys.readouterr().out
+    assert "step 19: loss" in out
+    assert "torch.Size([16," in out  # predict's logits, a batch of 16
 
 
 def test_readme_keeps_the_test_command():
