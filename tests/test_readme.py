@@ -5,6 +5,9 @@ file (and a heading, for a `#anchor`) that exists."""
 
 from __future__ import annotations
 
+import code
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -101,3 +104,22 @@ def test_relative_links_exist(doc):
         if missing or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
             broken.append(target)
     assert not broken, f"{doc.name}: broken links {broken}"
+
+
+def test_first_example_pastes_into_the_interactive_prompt():
+    """README's first example, fed line by line to a `python` prompt (the classic one, where a
+    blank line ends a block), trains as it does run as a file."""
+    first = next(code for run, code in _blocks(README.read_text()) if run)
+    console = code.InteractiveConsole({"__name__": "__console__"})
+    errors = []
+    console.write = errors.append  # the console reports a SyntaxError or traceback here
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()) as out:
+            for line in [*first.splitlines(), ""]:
+                console.push(line)
+    finally:
+        torch.set_num_threads(threads)
+    assert not errors, "".join(errors)
+    assert "loss after 50 steps" in out.getvalue()
