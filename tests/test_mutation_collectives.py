@@ -180,10 +180,11 @@ def _gloo_rank(rank: int, world_size: int, count: int, seed: int) -> int:
         oracle = copy.deepcopy(segments)
         data = batches(2 * program.schedule.num_batches, 2 * program.schedule.num_microbatches)
         clip = 0.5 if program.grad_norm else None
-        engine = Engine(program, segments, mse, adam, timeout=60, max_grad_norm=clip)
+        p2p = ("shm", "nccl")[number % 2]  # nccl: its semantics emulated on gloo
+        engine = Engine(program, segments, mse, adam, timeout=60, max_grad_norm=clip, p2p=p2p)
         got = list(engine.train(data))
         want = list(LocalEngine(program, oracle, mse, adam, max_grad_norm=clip).train(data))
-        where = f"program {number}:\n{program.to_text()}"
+        where = f"program {number} (p2p={p2p}):\n{program.to_text()}"
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, where
         for c in range(program.schedule.num_chunks):
             k = program.schedule.segment_of(engine.stage, c)
@@ -195,7 +196,8 @@ def _gloo_rank(rank: int, world_size: int, count: int, seed: int) -> int:
 
 def test_a_sample_of_accepted_collective_mutants_trains_on_gloo_as_on_the_local_backend():
     """Accepted mutants of tied, clipped and DualPipe programs run on two gloo ranks (shared
-    memory) to the local backend's numbers."""
+    memory, and NCCL's protocol with its semantics emulated, in turn) to the local backend's
+    numbers."""
     from schedcc.backends.run.launch import spawn
 
     assert spawn(_gloo_rank, 2, (4, 20261201), grace=10) == 0
