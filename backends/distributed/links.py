@@ -127,14 +127,13 @@ class LinkIO:
         self._stage = stage
         self._emulate = emulate
         self._cuda = cuda
-        self._lanes: dict[tuple[int, int, int], _EmulatedLane] = {}
 
     def send(self, tensor: torch.Tensor, peer: int, lane: int):
         key = (self._stage, peer, lane)
         group, me, other = self._links.get(*key)
         assert me != other
         if self._emulate:
-            return self._lane(key, group, other).submit(tensor, sending=True)
+            return _EmulatedLane.of(group, other).submit(tensor, sending=True)
         return _Handle(group.send([tensor], other, 0), self._cuda)
 
     def recv(self, tensor: torch.Tensor, peer: int, lane: int):
@@ -142,14 +141,8 @@ class LinkIO:
         group, other, me = self._links.get(*key)
         assert me != other
         if self._emulate:
-            return self._lane(key, group, other).submit(tensor, sending=False)
+            return _EmulatedLane.of(group, other).submit(tensor, sending=False)
         return _Handle(group.recv([tensor], other, 0), self._cuda)
-
-    def _lane(self, key, group, other: int) -> _EmulatedLane:
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = _EmulatedLane.of(group, other)
-        return lane
 
 
 class _Handle:

@@ -70,7 +70,6 @@ class Side:
     def __init__(self, stream: Stream, *, rule: str = "basis"):
         self.stream = stream
         self.rule = rule
-        self.certain = rule == "certain"
         self.index = {op: n for n, op in enumerate(stream.ops)}  # op -> place in a run
         self.history: dict[int, tuple[Spec, tuple[TensorMeta, ...]]] = {}
         self.processed = 0  # receiving: messages processed so far, over every run
@@ -82,7 +81,7 @@ class Side:
 
     def begin(self, signatures: Mapping[int, Hashable] | None) -> None:
         """A run starts: its microbatches' input shapes (`signatures[i]`, or None: unknown)."""
-        if self.certain:
+        if self.rule == "certain":
             sig = signatures or {}
             self.keys = [
                 (channel, sig.get(op.microbatch))  # type: ignore[attr-defined]
@@ -95,7 +94,7 @@ class Side:
 
     def known(self, number: int) -> Known:
         """What the receiver knows of message `number` before it comes, or None (a header)."""
-        if self.certain:
+        if self.rule == "certain":
             return self.seen.get(self.keys[number % len(self.stream.ops)])
         if self.rule == "none":
             return None
@@ -112,7 +111,7 @@ class Side:
         """Run `run` ended: remember its messages' shapes (certain) and drop what no basis can
         be any more (a basis is at most a run back)."""
         size = len(self.stream.ops)
-        if self.certain:
+        if self.rule == "certain":
             for n in range(size):
                 got = self.history.get(run * size + n)
                 if got is not None:

@@ -54,9 +54,9 @@ class Transfers:
     cannot know them ([Note: a header only when it changes] in `backends.distributed.streams`).
 
     `p2p`: "shm" (shared memory between same-host stages, gloo send/recv otherwise), "gloo",
-    "broadcast" (gloo, through `pairs`) or "nccl" (per-direction links, `links`; `emulate`: on a
-    gloo group, with NCCL's blocking semantics; `dynamic_shapes`: every message sends its
-    header, for boundaries whose shapes the inputs' shapes do not decide).
+    "broadcast" (gloo, through `pairs`) or "nccl" (per-direction links, `links`, NCCL's own or
+    its semantics emulated on gloo; `dynamic_shapes`: every message sends its header, for
+    boundaries whose shapes the inputs' shapes do not decide).
     """
 
     def __init__(
