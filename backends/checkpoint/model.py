@@ -15,15 +15,14 @@ import torch
 
 from schedcc.backends.checkpoint.files import (
     MANIFEST,
-    check_step,
-    read_manifest,
+    checkpoint_directory,
+    read_checkpoint,
     read_shard,
     shard_name,
-    verify_files,
 )
 from schedcc.backends.checkpoint.optimizer import check_numbering, check_settings, check_state
 from schedcc.backends.checkpoint.restore import check_rng, saved_layout
-from schedcc.backends.checkpoint.schema import check_shard, check_stage_shards, same_value
+from schedcc.backends.checkpoint.schema import check_shard, check_stage_shards, describe, same_value
 from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.checkpoint.state import canonical_optimizer_state, layout_optimizer_state
 from schedcc.errors import CheckpointError
@@ -132,17 +131,17 @@ def read_model(
     for whole in stages.values():
         _check_optimizer(whole, optimizer)
     tensors, states = _by_name(stages, placed, _names(cut))
-    alike = list(stages.values())
-    _check_alike(alike)
+    _check_alike(stages)
+    first = stages[min(stages)][0]
     return SavedModel(
         files=_files(cut),
         tensors=tensors,
         optimizer=states,
-        settings=_settings(alike),
+        settings=_settings(stages),
         rng=stages[rng_stage][rng_rank]["rng"],
-        skipped_steps=alike[0][0]["skipped_steps"],
-        loss_scale=alike[0][0]["loss_scale"],
-        lr_scheduler=alike[0][0].get("lr_scheduler"),
+        skipped_steps=first["skipped_steps"],
+        loss_scale=first["loss_scale"],
+        lr_scheduler=first.get("lr_scheduler"),
     )
 
 
@@ -297,10 +296,10 @@ def _check_like_first(name: str, state: dict[str, Any], first: str, other: dict[
     for c, (mine, theirs) in enumerate(zip(state["modules"], other["modules"])):
         for key in mine.keys() | theirs.keys():
             a, b = mine.get(key), theirs.get(key)
-            if _describe(a) != _describe(b):
+            if describe(a) != describe(b):
                 raise CheckpointError(
-                    f"{name}: modules[{c}][{key!r}] is {_describe(a)}, {first}'s "
-                    f"{_describe(b)}: shards of different checkpoints were mixed"
+                    f"{name}: modules[{c}][{key!r}] is {describe(a)}, {first}'s "
+                    f"{describe(b)}: shards of different checkpoints were mixed"
                 )
 
 
@@ -350,23 +349,26 @@ def _parameter_states(whole: Sequence[dict[str, Any]]) -> list[list[dict[str, An
     return states
 
 
-def _check_alike(stages: Sequence[Sequence[dict]]) -> None:
-    """The stages record one run alike: its skipped steps, its loss scale and its learning-rate
-    scheduler's state."""
-    first = stages[0][0]
-    for s, whole in enumerate(stages[1:], start=1):
+def _check_alike(stages: Mapping[int, Sequence[dict]]) -> None:
+    """The stages read (by stage) record one run alike: its skipped steps, its loss scale and
+    its learning-rate scheduler's state."""
+    lowest = min(stages)
+    first = stages[lowest][0]
+    for s, whole in stages.items():
         for key in ("skipped_steps", "loss_scale", "lr_scheduler"):
             if not same_value(whole[0].get(key), first.get(key)):
                 raise CheckpointError(
-                    f"{shard_name(s, 0)}: {key} is {whole[0].get(key)!r}, {shard_name(0, 0)}'s "
-                    f"{first.get(key)!r}: shards of different checkpoints were mixed"
+                    f"{shard_name(s, 0)}: {key} is {whole[0].get(key)!r}, "
+                    f"{shard_name(lowest, 0)}'s {first.get(key)!r}: shards of different "
+                    "checkpoints were mixed"
                 )
 
 
-def _settings(stages: Sequence[Sequence[dict]]) -> dict[str, Any] | None:
-    """The one parameter group's settings every stage's optimizer was saved with."""
+def _settings(stages: Mapping[int, Sequence[dict]]) -> dict[str, Any] | None:
+    """The one parameter group's settings every stage read (by stage) saved its optimizer
+    with."""
     found: tuple[str, dict[str, Any]] | None = None
-    for s, whole in enumerate(stages):
+    for s, whole in sorted(stages.items()):
         optimizer = whole[0]["optimizer"]
         if optimizer is None:
             continue
@@ -388,15 +390,8 @@ def _settings(stages: Sequence[Sequence[dict]]) -> dict[str, Any] | None:
     return found[1] if found is not None else None
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {value.dtype}"
-    return f"a {type(value).__name__}"
-
-
 def export(directory: str | os.PathLike) -> dict[str, Any]:
-    """The whole model's state dict from a checkpoint directory (`schedcc.export`)."""
-    manifest = read_manifest(directory)
-    check_step(directory, manifest["step"])
-    verify_files(directory, manifest)
-    return dict(read_model(Path(directory), manifest).tensors)
+    """The whole model's state dict from a checkpoint directory, or its manifest path
+    (`schedcc.export`)."""
+    directory = checkpoint_directory(directory)
+    return dict(read_model(directory, read_checkpoint(directory)).tensors)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from schedcc.backends.checkpoint.schema import describe
 from schedcc.errors import CheckpointError
 
 __all__ = ["check_numbering", "check_settings", "check_state", "probe_state"]
@@ -217,12 +218,12 @@ def _check_entry(
         if kind == _PER_ELEMENT:
             _check_per_element(what, value, param)
         elif _kind(value) != kind:
-            raise CheckpointError(f"{what} is {_describe(value)}, not {kind}")
+            raise CheckpointError(f"{what} is {describe(value)}, not {kind}")
 
 
 def _check_per_element(what: str, value: Any, param: torch.Tensor) -> None:
     if not isinstance(value, torch.Tensor):
-        raise CheckpointError(f"{what} is {_describe(value)}, not a tensor")
+        raise CheckpointError(f"{what} is {describe(value)}, not a tensor")
     if value.shape != param.shape:
         raise CheckpointError(
             f"{what} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}"
@@ -262,9 +263,3 @@ def _same_kind(value: Any, current: Any) -> bool:
 
 def _finite(tensor: torch.Tensor) -> bool:
     return not tensor.dtype.is_floating_point or bool(torch.isfinite(tensor).all())
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {value.dtype}"
-    return f"a {type(value).__name__}"

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from schedcc.backends.checkpoint.model import SavedModel
+from schedcc.backends.checkpoint.schema import describe
 from schedcc.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def stage_shard(
             if key in kinds[c] and not _fits(value, kinds[c][key]):
                 shape, dtype = kinds[c][key]
                 raise CheckpointError(
-                    f"{where}: {name} is {_describe(value)} in {saved.files[name]}, this "
+                    f"{where}: {name} is {describe(value)} in {saved.files[name]}, this "
                     f"model's {tuple(shape)} {dtype}: it was saved from another model"
                 )
             state[key] = value
@@ -176,9 +177,3 @@ def _fits(value: Any, kind: tuple[torch.Size, torch.dtype]) -> bool:
 
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {value.dtype}"
-    return f"a {type(value).__name__}"

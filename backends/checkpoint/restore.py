@@ -39,7 +39,7 @@ from torch import nn
 
 from schedcc.backends.checkpoint.files import shard_name
 from schedcc.backends.checkpoint.optimizer import check_settings, check_state
-from schedcc.backends.checkpoint.schema import check_shard, check_stage_shards
+from schedcc.backends.checkpoint.schema import check_shard, check_stage_shards, describe
 from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.checkpoint.state import canonical_optimizer_state, layout_optimizer_state
 from schedcc.errors import CheckpointError
@@ -254,7 +254,7 @@ def _check_modules(
             value = tensors[key]
             if isinstance(tensor, torch.Tensor) and not _same_kind(value, tensor):
                 raise CheckpointError(
-                    f"{where}: {key} is {_describe(value)}, this model's {_describe(tensor)}: "
+                    f"{where}: {key} is {describe(value)}, this model's {describe(tensor)}: "
                     "it was saved from another model"
                 )
 
@@ -345,12 +345,6 @@ def _same_kind(value: Any, tensor: torch.Tensor) -> bool:
         and value.shape == tensor.shape
         and value.dtype == tensor.dtype
     )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {value.dtype}"
-    return f"a {type(value).__name__}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -28,7 +28,15 @@ import torch
 
 from schedcc.errors import CheckpointError
 
-__all__ = ["SHARD", "ZERO3", "Check", "check_shard", "check_stage_shards", "same_value"]
+__all__ = [
+    "SHARD",
+    "ZERO3",
+    "Check",
+    "check_shard",
+    "check_stage_shards",
+    "describe",
+    "same_value",
+]
 
 #: A check: `check(value, field)` raises `_Bad` naming `field` where `value` does not fit.
 Check = Callable[[Any, str], None]
@@ -248,6 +256,7 @@ _OPTIMIZER = _record(
     }
 )
 
+
 def _lr_scheduler(value: Any, field: str) -> None:
     """A learning-rate scheduler's state: named values, its counts (`last_epoch`, the steps
     taken, and `_step_count`) whole numbers and its base rates finite numbers; what else a
@@ -386,3 +395,10 @@ def _show(value: Any) -> str:
         return f"a tensor {tuple(value.shape)} {value.dtype}"
     text = repr(value)
     return text if len(text) <= 60 else f"a {type(value).__name__}"
+
+
+def describe(value: Any) -> str:
+    """A saved value as a refusal names it: a tensor's shape and dtype, else its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return f"a {type(value).__name__}"
