@@ -46,7 +46,7 @@ from schedcc.backends.batches import is_pair
 from schedcc.backends.checkpoint.model import model_names
 from schedcc.backends.metrics import OnStep, step_records
 from schedcc.backends.runtime.precision import LOW_PRECISION
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, first_line
 from schedcc.ir import GradNorm
 from schedcc.program import Program
 from schedcc.validate import validate
@@ -544,8 +544,7 @@ def build_segments(
         try:
             module = build(j)
         except Exception as exc:  # the user's code may fail in any way: one line saying how
-            text = str(exc).strip().splitlines()
-            detail = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+            detail = first_line(exc)
             raise ScheduleConfigError(
                 f"segments: build({j}) raised {detail}; the builder must return segment {j} "
                 "of the model as a torch.nn.Module"

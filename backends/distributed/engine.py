@@ -104,7 +104,7 @@ from schedcc.backends.engine import (
 from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S, host_read, wait_device
 from schedcc.backends.runtime.tied import stage_ties
-from schedcc.backends.runtime.values import concat, signature
+from schedcc.backends.runtime.values import concat, shapes_of
 from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
@@ -411,7 +411,7 @@ class Engine(BaseEngine):
         certain = self.p2p == "nccl" and not self.dynamic_shapes
         mine = None
         if certain and inputs is not None:
-            mine = {i: signature(x) for i, x in enumerate(inputs)}
+            mine = {i: shapes_of(x) for i, x in enumerate(inputs)}
         last = self._holds(self._layout.lasts)
         # one small all-reduce says whether any rank found a problem, lacks the signatures or
         # holds the targets; only then do Python objects travel

@@ -605,9 +605,7 @@ class StageRuntime:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        for mod in self._views:
-            mod.zero_grad(set_to_none=True)
-        self._reducer.drop_grads()
+        self._reducer.drop_grads()  # every chunk's `.grad`s, the buffers' views, set to None
         self._versions.advance(snapshot=not self._zero)  # under ZeRO, at the gather
 
     def _gather_params(self, op: GatherParams) -> None:

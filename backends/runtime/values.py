@@ -274,11 +274,11 @@ def tensor_meta(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
     )
 
 
-def signature(value: Any) -> tuple[Spec, tuple[TensorMeta, ...]]:
+def shapes_of(value: Any) -> tuple[Spec, tuple[TensorMeta, ...]]:
     """A value's spec and meta (hashable): what its shapes, dtypes and nesting are.
 
     >>> import torch
-    >>> signature(torch.ones(2, 3)) == signature(torch.zeros(2, 3))
+    >>> shapes_of(torch.ones(2, 3)) == shapes_of(torch.zeros(2, 3))
     True
     """
     tensors, spec = flatten(value)

@@ -39,6 +39,7 @@ once, so sizes never depend on what is held.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -63,7 +64,7 @@ def buckets(numels: Sequence[int], element_size: int, bucket_bytes: int, length:
     """The `(start, stop)` ranges of a flat buffer of `length` elements holding parameters of
     `numels` elements in order: cut at parameter boundaries, from the last parameter back, each
     closed once it holds `bucket_bytes` (a larger parameter is a bucket alone); the first range
-    also covers the padding past the parameters. None for an empty buffer.
+    also covers the padding past the parameters. `[]` for an empty buffer.
 
     >>> buckets([4, 4, 4], 8, 64, 14)
     [(4, 14), (0, 4)]
@@ -97,7 +98,7 @@ class GradBuffer:
         self.params = list(params)
         self.shapes = list(shapes)
         numels = [shape.numel() for shape in self.shapes]
-        self.offsets = [sum(numels[:j]) for j in range(len(numels))]
+        self.offsets = list(itertools.accumulate(numels, initial=0))[:-1]
         self.length = length
         first = self.params[0] if self.params else None
         self.dtype = first.dtype if first is not None else torch.get_default_dtype()
@@ -107,6 +108,8 @@ class GradBuffer:
         self.bounds = buckets(numels, element, bucket_bytes, length)
         #: the buffer, or None while the chunk holds no gradients
         self.flat: torch.Tensor | None = None
+        #: each parameter's view of `flat` (made with it: `attach` runs at every backward)
+        self.views: list[torch.Tensor] = []
         #: the launched reductions not yet waited, one per bucket
         self.pending: list[Work] = []
         #: whether the buffer's sums were taken (its next weight gradient starts from zeros)
@@ -116,23 +119,26 @@ class GradBuffer:
         """The buffer, made (zeroed) if the chunk holds none, with every parameter's `.grad`
         its view; a `.grad` something else put in its place is copied in first."""
         if self.flat is None:
-            self.flat = torch.zeros(self.length, dtype=self.dtype, device=self.device)
+            flat = self.flat = torch.zeros(self.length, dtype=self.dtype, device=self.device)
+            self.views = [
+                flat[offset : offset + shape.numel()].view(shape)
+                for shape, offset in zip(self.shapes, self.offsets)
+            ]
             self.spent = False
-        flat = self.flat
-        for p, shape, offset in zip(self.params, self.shapes, self.offsets):
-            view = flat[offset : offset + shape.numel()].view(shape)
+        for p, view in zip(self.params, self.views):
             grad = p.grad
-            if grad is None or grad.data_ptr() != view.data_ptr() or grad.shape != shape:
+            if grad is not view:
                 if grad is not None:
                     view.copy_(grad)
                 p.grad = view
-        return flat
+        return self.flat
 
     def drop(self) -> None:
         """Free the buffer: no parameter holds a gradient."""
         for p in self.params:
             p.grad = None
         self.flat = None
+        self.views = []
         self.spent = False
 
 
