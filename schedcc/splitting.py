@@ -111,7 +111,9 @@ def split(
     if example_inputs is not None and tracer != "fx":
         try:
             program = exporting.export(model, example_inputs)
-            return _split_exported(model, program, names, example_inputs)
+            segments = _split_exported(exporting.exported_graph(program, model), names)
+            _check_equal(model, segments, example_inputs)
+            return segments
         except ScheduleConfigError as error:
             if tracer == "export":
                 raise
@@ -137,25 +139,20 @@ def tied_groups(segments: Sequence[nn.Module]) -> list[tuple[int, ...]]:
 
 def _split_program(program: Any, points: Sequence[str], example_inputs: Any) -> list[nn.Module]:
     """`split` of an `ExportedProgram`: its graph cut as it is, its own module's attributes."""
-    unlifted = exporting.unlifted_module(program)
-    known = exporting.module_names(unlifted.graph) | {n for n, _ in unlifted.named_modules()}
+    exported = exporting.exported_graph(program)  # its source: the program's own module
+    source = exported.source
+    known = exporting.module_names(exported.graph) | {n for n, _ in source.named_modules()}
     names = _check_names(points, known, "the exported program")
-    segments = _split_exported(None, program, names, None)
+    segments = _split_exported(exported, names)
     if example_inputs is not None:
-        _check_equal(unlifted, segments, example_inputs)
+        _check_equal(source, segments, example_inputs)
     return segments
 
 
-def _split_exported(
-    model: nn.Module | None, program: Any, names: list[str], example_inputs: Any
-) -> list[nn.Module]:
+def _split_exported(exported: exporting.ExportedGraph, names: list[str]) -> list[nn.Module]:
     """`split` over torch.export ([Note: cutting an exported model] in `schedcc.exporting`)."""
-    exported = exporting.exported_graph(program, model)
     cuts = exporting.point_starts(exported.graph, names)
-    segments = _cut(exported.graph, cuts, exported.source, exported)
-    if example_inputs is not None:
-        _check_equal(model, segments, example_inputs)
-    return segments
+    return _cut(exported.graph, cuts, exported.source, exported)
 
 
 def _split_traced(model: nn.Module, names: list[str], why_not_export: str) -> list[nn.Module]:
