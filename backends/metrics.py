@@ -38,6 +38,7 @@ __all__ = [
     "StepRecord",
     "TensorBoardWriter",
     "open_metrics",
+    "spec_problem",
     "step_records",
     "tensorboard_available",
 ]
@@ -187,6 +188,29 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def spec_problem(spec: str) -> str | None:
+    """What makes `spec` (`open_metrics`' argument, `schedcc run --metrics`) unusable before
+    anything is written, in words that follow the spec, or None."""
+    if spec.startswith(TENSORBOARD_PREFIX):
+        if not spec[len(TENSORBOARD_PREFIX) :]:
+            prefix = TENSORBOARD_PREFIX
+            return f"{prefix} needs a log directory, e.g. {prefix}runs/first"
+        if not tensorboard_available():
+            return (
+                f"{spec}: TensorBoard logs need the tensorboard package (pip install "
+                "tensorboard); or give a .jsonl file name"
+            )
+        return None
+    if not spec:
+        return f"needs a file name, e.g. run.jsonl, or {TENSORBOARD_PREFIX}DIR"
+    if os.path.isdir(spec):
+        return (
+            f"{spec} is a directory; give a file name, e.g. {spec}/metrics.jsonl, or "
+            f"{TENSORBOARD_PREFIX}{spec} for TensorBoard"
+        )
+    return None
+
+
 def open_metrics(spec: str, *, append: bool = False) -> MetricsWriter:
     """The writer `spec` names: `"tb:DIR"` a `TensorBoardWriter` logging to DIR, anything else a
     `JsonlWriter` to that file (`append` as its).
@@ -195,16 +219,9 @@ def open_metrics(spec: str, *, append: bool = False) -> MetricsWriter:
         ScheduleConfigError: an empty spec, a path that is a directory, a file that cannot be
             written, or `tb:` without the `tensorboard` package.
     """
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise ScheduleConfigError(f"metrics {problem}")
     if spec.startswith(TENSORBOARD_PREFIX):
-        directory = spec[len(TENSORBOARD_PREFIX) :]
-        if not directory:
-            raise ScheduleConfigError("metrics tb: needs a log directory, e.g. tb:runs/first")
-        return TensorBoardWriter(directory)
-    if not spec:
-        raise ScheduleConfigError("metrics needs a file name, e.g. run.jsonl, or tb:DIR")
-    if os.path.isdir(spec):
-        raise ScheduleConfigError(
-            f"metrics file {spec} is a directory; give a file name, e.g. {spec}/metrics.jsonl, "
-            f"or {TENSORBOARD_PREFIX}{spec} for TensorBoard"
-        )
+        return TensorBoardWriter(spec[len(TENSORBOARD_PREFIX) :])
     return JsonlWriter(spec, append=append)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import math
 import os
 import tempfile
@@ -481,28 +480,18 @@ def _check_metrics(metrics: str | None) -> None:
     `tensorboard` package installed and DIR a directory this process can make or write in."""
     if metrics is None:
         return
-    if not metrics.startswith("tb:"):
-        if not metrics:
-            raise UsageError("--metrics needs a file name, e.g. run.jsonl, or tb:DIR")
-        if os.path.isdir(metrics):
-            raise UsageError(
-                f"--metrics {metrics} is a directory; give a file name, e.g. "
-                f"{metrics}/metrics.jsonl, or tb:{metrics} for TensorBoard"
-            )
-        directory = os.path.dirname(os.path.abspath(metrics))
-        if not os.path.isdir(directory):
-            raise UsageError(f"--metrics: directory {directory} does not exist")
-        _check_writable_directory("--metrics", directory, made_by_run=False)
+    from schedcc.backends.metrics import TENSORBOARD_PREFIX, spec_problem  # imports no torch
+
+    problem = spec_problem(metrics)
+    if problem is not None:
+        raise UsageError(f"--metrics {problem}")
+    if metrics.startswith(TENSORBOARD_PREFIX):
+        _check_writable_directory("--metrics", metrics[len(TENSORBOARD_PREFIX) :])
         return
-    directory = metrics[len("tb:") :]
-    if not directory:
-        raise UsageError("--metrics tb: needs a log directory, e.g. tb:runs/first")
-    if importlib.util.find_spec("tensorboard") is None:
-        raise UsageError(
-            f"--metrics {metrics}: TensorBoard logs need the tensorboard package (pip install "
-            "tensorboard); or give a .jsonl file name"
-        )
-    _check_writable_directory("--metrics", directory)
+    directory = os.path.dirname(os.path.abspath(metrics))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--metrics: directory {directory} does not exist")
+    _check_writable_directory("--metrics", directory, made_by_run=False)
 
 
 def _check_writable_directory(flag: str, path: str, *, made_by_run: bool = True) -> None:
