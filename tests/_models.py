@@ -43,3 +43,19 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def sgd(params):
     """Plain SGD, lr 0.1."""
     return torch.optim.SGD(params, lr=0.1)
+
+
+def linear_segments(num_segments: int, *, width: int = 4, seed: int = 0) -> list[nn.Module]:
+    """`num_segments` float64 `Linear(width, width)` segments, seeded."""
+    torch.manual_seed(seed)
+    return [nn.Linear(width, width, dtype=torch.float64) for _ in range(num_segments)]
+
+
+def tanh_batches(count: int, size: int = 8, *, width: int = 4, seed: int = 1) -> list:
+    """`count` float64 `(x, tanh(x flipped))` batches of `size` rows."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.randn(size, width, generator=gen, dtype=torch.float64)
+        out.append((x, torch.tanh(x.flip(-1))))
+    return out

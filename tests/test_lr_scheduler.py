@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _cli import run_cli
+from _models import linear_segments, tanh_batches
 from torch import nn
 
 import schedcc
@@ -30,17 +31,11 @@ WIDTH = 4
 
 
 def _segments(n: int, seed: int = 0) -> list[nn.Module]:
-    torch.manual_seed(seed)
-    return [nn.Linear(WIDTH, WIDTH, dtype=torch.float64) for _ in range(n)]
+    return linear_segments(n, width=WIDTH, seed=seed)
 
 
-def _batches(count: int, size: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        x = torch.randn(size, WIDTH, generator=gen, dtype=torch.float64)
-        out.append((x, torch.tanh(x.flip(-1))))
-    return out
+def _batches(count: int, size: int = 8, seed: int = 1) -> list:
+    return tanh_batches(count, size, width=WIDTH, seed=seed)
 
 
 def _sgd(params):

@@ -17,7 +17,7 @@ from _cli import ROOT
 
 README = ROOT / "README.md"
 TRAINING = ROOT / "docs" / "training.md"
-LINKED = [README, TRAINING, ROOT / "docs" / "cli.md"]
+LINKED = [README, TRAINING, ROOT / "docs" / "cli.md", ROOT / "docs" / "migrating.md"]
 #: a python block and the marker right above it, if any: `(marker, code)`
 PYTHON_BLOCK = re.compile(r"(<!-- not run -->\n)?```python\n(.*?)```", re.S)
 #: a Markdown link's target: `[text](target)`
