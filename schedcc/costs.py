@@ -25,10 +25,21 @@ from schedcc.ir import (
     COMM,
     COMPUTE,
     UPDATE,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
     Comm,
+    Forward,
+    GatherParams,
+    GradNorm,
     Instruction,
+    OptimizerStep,
     OverlappedBackward,
     Recompute,
+    ReduceGrads,
+    ReduceTied,
+    Reshard,
+    Unshard,
     parse,
 )
 from schedcc.memory import MemoryModel
@@ -42,22 +53,23 @@ __all__ = [
     "overlapped_pair",
 ]
 
-#: The cost field each instruction code reads (comm instructions all read `comm`).
-_FIELD = {
-    "F": "forward",
-    "B": "backward",
-    "I": "backward_input",
-    "W": "backward_weight",
-    "R": "recompute",
-    "Reduce": "reduce",
-    "Tied": "reduce",
-    "Norm": "norm",
-    "Step": "step",
-    "Gather": "gather",
-    "Unshard": "gather",
-    "Reshard": "release",
+#: The cost field each instruction class reads (comm instructions all read `comm`).
+_FIELD: dict[type[Instruction], str] = {
+    Forward: "forward",
+    Backward: "backward",
+    BackwardInput: "backward_input",
+    BackwardWeight: "backward_weight",
+    Recompute: "recompute",
+    ReduceGrads: "reduce",
+    ReduceTied: "reduce",
+    GradNorm: "norm",
+    OptimizerStep: "step",
+    GatherParams: "gather",
+    Unshard: "gather",
+    Reshard: "release",
 }
-FIELD_OF_CODE = MappingProxyType(_FIELD)
+#: The same keyed by instruction code (`F`, `Tied`, ...), as `--costs` and `tune` name them.
+FIELD_OF_CODE = MappingProxyType({cls.code: field for cls, field in _FIELD.items()})
 ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
 
 
@@ -71,7 +83,7 @@ def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
         return model.forward
     if cls is OverlappedBackward:
         return overlapped_pair(model) - model.forward
-    return getattr(model, _FIELD[cls.code])
+    return getattr(model, _FIELD[cls])
 
 
 def overlapped_pair(model: CostModel) -> float:
@@ -265,7 +277,7 @@ def _kind_of(event: object) -> str | None:
     if isinstance(op, Comm):
         return "comm"
     # a measured overlapped backward ran as a backward (the CPU backends run the pair in order)
-    return "backward" if isinstance(op, OverlappedBackward) else _FIELD[op.code]
+    return "backward" if isinstance(op, OverlappedBackward) else _FIELD[type(op)]
 
 
 def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:

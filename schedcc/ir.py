@@ -9,6 +9,20 @@ instructions in order; the segment an instruction touches is `schedule.segment_o
     'F3.1'
     >>> parse("SG2") == SendGrad(2)
     True
+
+How an instruction is spelled lives in one table, `INSTRUCTIONS` (class, code, printed form;
+see [Note: the instruction table]). To add an instruction:
+
+1. write its class here, an attrs `frozen=True, slots=True` subclass of `Compute`, `Comm` or
+   `Update` with a "Roughly:" docstring and int fields only;
+2. add its row to `INSTRUCTIONS`: `Spelling(Offload, "Off", "{microbatch}[.{chunk}]")` spells
+   `Offload(3, chunk=1)` as `Off3.1`. Its `code`, `str`, `parse`, the error messages and its
+   group (`COMPUTE`, `COMM`, `UPDATE`) follow from the row, and `tests/test_instruction_table.py`
+   round-trips it;
+3. export it (`__all__` here and in `schedcc/__init__.py`), then give it its meaning where the
+   other instructions have theirs: the step model (`schedcc.semantics`), the rules
+   (`schedcc.validate.RULES`), the costs (`schedcc.costs`) and one handler in each runtime's
+   table (`backends/runtime/stage.py`'s `_dispatch`).
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ __all__ = [
     "Forward",
     "GatherParams",
     "GradNorm",
+    "INSTRUCTIONS",
     "Instruction",
     "OnMicrobatch",
     "OptimizerStep",
@@ -47,10 +62,78 @@ __all__ = [
     "Reshard",
     "SendActivation",
     "SendGrad",
+    "Spelling",
     "Unshard",
     "Update",
     "parse",
+    "spelling",
 ]
+
+
+#: One field of a printed form: its name, and whether it is left out when 0 (after a dot).
+_FIELD = re.compile(r"\{(\w+)\}|\[\.\{(\w+)\}\]")
+
+
+@attrs.frozen
+class Spelling:
+    """How the instructions of one class are written: `code`, then the fields `form` names.
+
+    In `form`, `{field}` is an int field printed as is and `[.{field}]` one printed after a dot
+    only when it is not 0 (a row of `INSTRUCTIONS`; see [Note: the instruction table]).
+
+    >>> row = Spelling(Forward, "F", "{microbatch}[.{chunk}]")
+    >>> row.write(Forward(3, chunk=1)), row.write(Forward(3)), row.read("F3.1")
+    ('F3.1', 'F3', Forward(microbatch=3, chunk=1))
+    >>> print(row.pattern.pattern)
+    F([0-9]+)(?:\\.([0-9]+))?
+    """
+
+    cls: type[Instruction]
+    code: str
+    form: str = ""
+    #: `(field, optional)` for each field of `form`, in order
+    fields: tuple[tuple[str, bool], ...] = attrs.field(init=False, repr=False)
+    #: what `parse` matches: the code, then the fields' digits
+    pattern: re.Pattern[str] = attrs.field(init=False, repr=False)
+
+    @fields.default
+    def _fields(self) -> tuple[tuple[str, bool], ...]:
+        assert _FIELD.sub("", self.form) == "", f"{self.form!r}: only {{f}} and [.{{f}}]"
+        found = _FIELD.findall(self.form)
+        fields = tuple((plain or dotted, bool(dotted)) for plain, dotted in found)
+        names = tuple(field.name for field in attrs.fields(self.cls))
+        assert tuple(name for name, _ in fields) == names, f"{self.form!r} must show {names}"
+        return fields
+
+    @pattern.default
+    def _pattern(self) -> re.Pattern[str]:
+        assert self.code, f"{self.cls.__name__} needs a code"
+        assert not set(self.code) & set("0123456789."), f"{self.code!r}: no digit or dot"
+        parts = [r"(?:\.([0-9]+))?" if optional else "([0-9]+)" for _, optional in self.fields]
+        return re.compile(re.escape(self.code) + "".join(parts))
+
+    @property
+    def example(self) -> str:
+        """The printed form with every field 1 (`F1.1`, `Tied1`, `Step`), for messages."""
+        return self.write(self.cls(*[1] * len(self.fields)))
+
+    def write(self, op: Instruction) -> str:
+        """`op`'s printed form (what `str(op)` returns)."""
+        text = self.code
+        for name, optional in self.fields:
+            value = getattr(op, name)
+            if not optional:
+                text += str(value)
+            elif value:
+                text += f".{value}"
+        return text
+
+    def read(self, text: str) -> Instruction | None:
+        """The instruction `text` spells, or None when it is not this row's form."""
+        match = self.pattern.fullmatch(text)
+        if match is None:
+            return None
+        return self.cls(*[int(digits) if digits else 0 for digits in match.groups()])
 
 
 @attrs.frozen(slots=True)
@@ -58,12 +141,16 @@ class Instruction:
     """Base of every instruction.
 
     Tell kinds apart by type (`isinstance(op, Comm)`, `type(op) in WEIGHT_GRADIENT`); `code` is
-    the printed name (`F`, `SA`, `Step`, ...) and `group` ("compute", "comm" or "update") is kept
-    for display.
+    the printed name (`F`, `SA`, `Step`, ...: the class's row of `INSTRUCTIONS`) and `group`
+    ("compute", "comm" or "update") is kept for display.
     """
 
     group: ClassVar[str] = ""
     code: ClassVar[str] = ""
+
+    def __str__(self) -> str:
+        row = _BY_CLASS.get(type(self)) or _row_of(type(self))
+        return repr(self) if row is None else row.write(self)  # a base class has no row
 
 
 @attrs.frozen(slots=True)
@@ -76,11 +163,6 @@ class OnMicrobatch(Instruction):
 
     microbatch: int
     chunk: int = 0
-
-    def __str__(self) -> str:
-        if self.chunk:
-            return f"{self.code}{self.microbatch}.{self.chunk}"
-        return f"{self.code}{self.microbatch}"
 
 
 @attrs.frozen(slots=True)
@@ -110,28 +192,20 @@ class Update(Instruction):
 class Forward(Compute):
     """Roughly: `outputs[i, c] = segment[c](inputs[i, c])`, with the loss on the last segment."""
 
-    code: ClassVar[str] = "F"
-
 
 @attrs.frozen(slots=True)
 class Backward(Compute):
     """Roughly: `grads[i, c] = d outputs[i, c] / d inputs, weights`, accumulated into `.grad`."""
-
-    code: ClassVar[str] = "B"
 
 
 @attrs.frozen(slots=True)
 class BackwardInput(Compute):
     """Roughly: `grads[i, c] = d outputs[i, c] / d inputs`; keeps what `BackwardWeight` needs."""
 
-    code: ClassVar[str] = "I"
-
 
 @attrs.frozen(slots=True)
 class BackwardWeight(Compute):
     """Roughly: `weight.grad += d outputs[i, c] / d weights`, from what `BackwardInput` kept."""
-
-    code: ClassVar[str] = "W"
 
 
 @attrs.frozen(slots=True)
@@ -142,8 +216,6 @@ class Recompute(Compute):
     saves nothing for a backward); `R` rebuilds the graph, and the microbatch's activations are
     held from `R` to its last backward piece (see [Note: recomputation] in docs/design.md).
     """
-
-    code: ClassVar[str] = "R"
 
 
 @attrs.frozen(slots=True)
@@ -161,14 +233,11 @@ class OverlappedBackward(Backward):
     ('+B1', OverlappedBackward(microbatch=1, chunk=2))
     """
 
-    code: ClassVar[str] = "+B"
-
 
 @attrs.frozen(slots=True)
 class SendActivation(Comm):
     """Roughly: `send(outputs[i, c], to=stage of segment k + 1)`."""
 
-    code: ClassVar[str] = "SA"
     is_send: ClassVar[bool] = True
 
 
@@ -176,14 +245,11 @@ class SendActivation(Comm):
 class RecvActivation(Comm):
     """Roughly: `inputs[i, c] = recv(from=stage of segment k - 1)`."""
 
-    code: ClassVar[str] = "RA"
-
 
 @attrs.frozen(slots=True)
 class SendGrad(Comm):
     """Roughly: `send(d loss / d inputs[i, c], to=stage of segment k - 1)`."""
 
-    code: ClassVar[str] = "SG"
     is_send: ClassVar[bool] = True
     carries_grad: ClassVar[bool] = True
 
@@ -192,7 +258,6 @@ class SendGrad(Comm):
 class RecvGrad(Comm):
     """Roughly: `output_grads[i, c] = recv(from=stage of segment k + 1)`."""
 
-    code: ClassVar[str] = "RG"
     carries_grad: ClassVar[bool] = True
 
 
@@ -200,32 +265,19 @@ class RecvGrad(Comm):
 class ReduceGrads(Update):
     """Roughly: `grads[c] = mean over data-parallel ranks` (reduce-scatter under ZeRO)."""
 
-    code: ClassVar[str] = "Reduce"
     chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.code}.{self.chunk}" if self.chunk else self.code
 
 
 @attrs.frozen(slots=True)
 class OptimizerStep(Update):
     """Roughly: `weights = optimizer.step(weights, grads); grads = 0; version += 1`."""
 
-    code: ClassVar[str] = "Step"
-
-    def __str__(self) -> str:
-        return self.code
-
 
 @attrs.frozen(slots=True)
 class GatherParams(Update):
     """Roughly: `weights[c] = all_gather(this rank's updated shard of weights[c])` (ZeRO-1)."""
 
-    code: ClassVar[str] = "Gather"
     chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.code}.{self.chunk}" if self.chunk else self.code
 
 
 @attrs.frozen(slots=True)
@@ -233,11 +285,7 @@ class ReduceTied(Update):
     """Roughly: `grad[w] = sum of grad[copy] over every copy of w` for each parameter `w` that
     the segments of `Program.tied[tie]` share (a collective among their stages)."""
 
-    code: ClassVar[str] = "Tied"
     tie: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.code}{self.tie}"
 
 
 @attrs.frozen(slots=True)
@@ -245,22 +293,13 @@ class GradNorm(Update):
     """Roughly: `norm = sqrt(sum over every stage and shard of |grad|^2)`; clip the gradients by
     it, or mark the step skipped when it is not finite (a collective among all stages)."""
 
-    code: ClassVar[str] = "Norm"
-
-    def __str__(self) -> str:
-        return self.code
-
 
 @attrs.frozen(slots=True)
 class Unshard(Update):
     """Roughly: `weights[c] = all_gather(every rank's shard of weights[c])` (ZeRO-3: the chunk's
     parameters are whole from here until its `Reshard`)."""
 
-    code: ClassVar[str] = "Unshard"
     chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.code}.{self.chunk}" if self.chunk else self.code
 
 
 @attrs.frozen(slots=True)
@@ -268,23 +307,44 @@ class Reshard(Update):
     """Roughly: `del weights[c]` but this rank's shard (ZeRO-3: no compute on chunk c until the
     next `Unshard`)."""
 
-    code: ClassVar[str] = "Reshard"
     chunk: int = 0
 
-    def __str__(self) -> str:
-        return f"{self.code}.{self.chunk}" if self.chunk else self.code
 
-
-COMPUTE = (
-    Forward,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Recompute,
-    OverlappedBackward,
+#: [Note: the instruction table] Every instruction's spelling, one row per class: its code,
+#: then the fields its printed form shows after the code. `{field}` is an int printed as is;
+#: `[.{field}]` is printed after a dot, and only when it is not 0. `parse`, every `str`, the
+#: error messages, the drawings and the golden files read this table and nothing else; the
+#: class groups below (`COMPUTE`, `COMM`, `UPDATE`) are read off it too.
+INSTRUCTIONS: tuple[Spelling, ...] = (
+    Spelling(Forward, "F", "{microbatch}[.{chunk}]"),
+    Spelling(Backward, "B", "{microbatch}[.{chunk}]"),
+    Spelling(BackwardInput, "I", "{microbatch}[.{chunk}]"),
+    Spelling(BackwardWeight, "W", "{microbatch}[.{chunk}]"),
+    Spelling(Recompute, "R", "{microbatch}[.{chunk}]"),
+    Spelling(OverlappedBackward, "+B", "{microbatch}[.{chunk}]"),
+    Spelling(SendActivation, "SA", "{microbatch}[.{chunk}]"),
+    Spelling(RecvActivation, "RA", "{microbatch}[.{chunk}]"),
+    Spelling(SendGrad, "SG", "{microbatch}[.{chunk}]"),
+    Spelling(RecvGrad, "RG", "{microbatch}[.{chunk}]"),
+    Spelling(ReduceGrads, "Reduce", "[.{chunk}]"),
+    Spelling(OptimizerStep, "Step"),
+    Spelling(GatherParams, "Gather", "[.{chunk}]"),
+    Spelling(ReduceTied, "Tied", "{tie}"),
+    Spelling(GradNorm, "Norm"),
+    Spelling(Unshard, "Unshard", "[.{chunk}]"),
+    Spelling(Reshard, "Reshard", "[.{chunk}]"),
 )
-COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, GradNorm, Unshard, Reshard)
+
+_BY_CLASS: dict[type[Instruction], Spelling] = {row.cls: row for row in INSTRUCTIONS}
+_BY_CODE: dict[str, Spelling] = {row.code: row for row in INSTRUCTIONS}
+assert len(_BY_CLASS) == len(_BY_CODE) == len(INSTRUCTIONS), "a class or code written twice"
+for _row in INSTRUCTIONS:
+    _row.cls.code = _row.code
+del _row
+
+COMPUTE = tuple(row.cls for row in INSTRUCTIONS if issubclass(row.cls, Compute))
+COMM = tuple(row.cls for row in INSTRUCTIONS if issubclass(row.cls, Comm))
+UPDATE = tuple(row.cls for row in INSTRUCTIONS if issubclass(row.cls, Update))
 #: ZeRO-3's instructions that make a chunk's parameters whole and release them again.
 SHARDING = (Unshard, Reshard)
 #: The computes that add to a chunk's weight gradients (`.grad`).
@@ -294,32 +354,46 @@ INPUT_GRADIENT = (Backward, BackwardInput, OverlappedBackward)
 SENDS = (SendActivation, SendGrad)
 RECEIVES = (RecvActivation, RecvGrad)
 
-_BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
-_ON_MICROBATCH = re.compile(r"(F|B|I|W|R|\+B|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
-_ON_CHUNK = re.compile(r"(Reduce|Gather|Unshard|Reshard)(?:\.(\d+))?")
-_TIED = re.compile(r"Tied(\d+)")
+_CODE = re.compile(r"[^0-9.]*")
+
+
+def spelling(cls: type[Instruction]) -> Spelling:
+    """The row of `INSTRUCTIONS` that spells instructions of class `cls` (a subclass the table
+    does not name is spelled as the nearest class it does).
+
+    Raises:
+        TypeError: `cls` is no instruction class of the table (a base such as `Compute`).
+
+    >>> spelling(ReduceTied).code, spelling(ReduceTied).example
+    ('Tied', 'Tied1')
+    """
+    row = _row_of(cls)
+    if row is None:
+        raise TypeError(f"{cls.__name__} has no row in schedcc.ir.INSTRUCTIONS; add one")
+    return row
+
+
+def _row_of(cls: type) -> Spelling | None:
+    row = _BY_CLASS.get(cls)
+    if row is None:
+        row = next((_BY_CLASS[base] for base in cls.__mro__ if base in _BY_CLASS), None)
+    return row
 
 
 def parse(text: str) -> Instruction:
-    """The instruction whose `str` is `text`; raises `ValueError` for anything else.
+    """The instruction whose `str` is `text`; raises `ValueError` for anything else, naming
+    every code of `INSTRUCTIONS`.
 
     >>> parse("B7.2")
     Backward(microbatch=7, chunk=2)
+    >>> parse("Tied0"), parse("Step")
+    (ReduceTied(tie=0), OptimizerStep())
     """
     text = text.strip()
-    if match := _ON_MICROBATCH.fullmatch(text):
-        code, microbatch, chunk = match.groups()
-        return _BY_CODE[code](int(microbatch), int(chunk or 0))
-    if match := _ON_CHUNK.fullmatch(text):
-        code, chunk = match.groups()
-        return _BY_CODE[code](int(chunk or 0))
-    if match := _TIED.fullmatch(text):
-        return ReduceTied(int(match.group(1)))
-    if text == OptimizerStep.code:
-        return OptimizerStep()
-    if text == GradNorm.code:
-        return GradNorm()
-    raise ValueError(
-        f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, +B1, SA2, RA2, "
-        "SG2, RG2, Reduce, Reduce.1, Norm, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
-    )
+    code = _CODE.match(text).group()
+    row = _BY_CODE.get(code)
+    op = row.read(text) if row is not None else None
+    if op is None:
+        examples = ", ".join(row.example for row in INSTRUCTIONS)
+        raise ValueError(f"cannot parse instruction {text!r}: expected one of {examples}")
+    return op

@@ -28,6 +28,7 @@ from schedcc.ir import (
     Forward,
     GatherParams,
     GradNorm,
+    OnMicrobatch,
     OptimizerStep,
     OverlappedBackward,
     Recompute,
@@ -127,13 +128,11 @@ def _block_text(op, width: int, color: bool) -> str:
     """What a block shows: `F3.1`, `F3` or `3` (kind letter instead, when plain and narrow). A
     block on chunk c > 0 never drops its chunk (`F3` would read as chunk 0): `F3.1`, `3.1`, or
     the kind letter."""
-    code, microbatch = op.code, getattr(op, "microbatch", None)
-    if microbatch is None:
+    code, text = op.code, str(op)
+    if not isinstance(op, OnMicrobatch):
         return code[:width].ljust(width, code[0])
-    if getattr(op, "chunk", 0):
-        texts = [f"{code}{microbatch}.{op.chunk}", f"{microbatch}.{op.chunk}", code]
-    else:
-        texts = [f"{code}{microbatch}", str(microbatch) if color else code]
+    number = text[len(code) :]  # `3.1` or `3`: the printed form without its code
+    texts = [text, number, code] if op.chunk else [text, number if color else code]
     for text in texts:
         if len(text) <= width:
             return text.ljust(width)

@@ -15,9 +15,11 @@ from schedcc.ir import (
     OnMicrobatch,
     OptimizerStep,
     OverlappedBackward,
+    RecvActivation,
+    RecvGrad,
     SendActivation,
 )
-from schedcc.rules import Context, Problem, short
+from schedcc.rules import Context, Problem
 from schedcc.semantics import first_over
 
 __all__ = ["check_complete", "check_dependencies", "check_memory"]
@@ -140,19 +142,19 @@ def _needs(ctx: Context, s: int, op: OnMicrobatch, key: int) -> str:
     local = ctx.tensors.maker_stage(key) == s
     if isinstance(op, Comm):
         if type(op) is SendActivation:
-            return f"the forward that produces it, {short('F', i, c)}, before it"
-        return f"the backward that produces it, {short('B', i, c)} or {short('I', i, c)}"
+            return f"the forward that produces it, {Forward(i, c)}, before it"
+        return f"the backward that produces it, {Backward(i, c)} or {BackwardInput(i, c)}"
     if type(op) is Forward:
         if local:
-            return f"{short('F', i, chunk_of[k])} (the forward of segment {k}) before it"
-        return f"its input received first: a RecvActivation {short('RA', i, c)} before it"
+            return f"{Forward(i, chunk_of[k])} (the forward of segment {k}) before it"
+        return f"its input received first: a RecvActivation {RecvActivation(i, c)} before it"
     if type(op) is BackwardWeight:
-        return f"its BackwardInput {short('I', i, c)} before it"
+        return f"its BackwardInput {BackwardInput(i, c)} before it"
     if not is_gradient:
-        return f"its forward {short('F', i, c)} before it"
+        return f"its forward {Forward(i, c)} before it"
     if local:
-        return f"the backward of segment {k} ({short('B', i, chunk_of[k])})"
-    return f"its output gradient received first: {short('RG', i, c)} before it"
+        return f"the backward of segment {k} ({Backward(i, chunk_of[k])})"
+    return f"its output gradient received first: {RecvGrad(i, c)} before it"
 
 
 def check_memory(ctx: Context) -> Iterator[Problem]:

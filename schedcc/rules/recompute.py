@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from schedcc.errors import RecomputeError
 from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Recompute
-from schedcc.rules import Context, Problem, short
+from schedcc.rules import Context, Problem
 
 __all__ = ["check_recompute"]
 
@@ -53,12 +53,12 @@ def _misplaced(ctx, s, pos, op, key, forwarded, backwarded, rebuilt) -> Problem 
     elif key not in forwarded:
         text = (
             f"{where} recomputes microbatch {i} on chunk {c} before its forward "
-            f"{short('F', i, c)} ran on stage {s}; move it after {short('F', i, c)}"
+            f"{Forward(i, c)} ran on stage {s}; move it after {Forward(i, c)}"
         )
     elif key in backwarded:
         text = (
             f"{where} recomputes microbatch {i} on chunk {c} after its backward began; move it "
-            f"before {short('B', i, c)} (or {short('I', i, c)})"
+            f"before {Backward(i, c)} (or {BackwardInput(i, c)})"
         )
     else:
         return None
