@@ -399,7 +399,5 @@ def stage_held(
 
 def stage_peak(program, memory: MemoryModel, stage: int) -> StageBytes:
     """The peak bytes of `program`'s `stage` by kind (`StageBytes`; see `stage_held`)."""
-    from schedcc.semantics import rule_versions
-
-    row = rule_versions(program)[stage]
+    row = program.rule_versions[stage]
     return stage_held(program, memory, stage, program.stages[stage], row)[2]

@@ -9,10 +9,19 @@ import attrs
 
 from schedcc.ir import Instruction, parse
 from schedcc.schedule import Schedule
-from schedcc.semantics.model import STAGE_CACHES
+from schedcc.semantics.model import (
+    StepModel,
+    build_reference_walk,
+    build_rule_versions,
+    build_step_model,
+)
+from schedcc.semantics.steps import Walk
+from schedcc.semantics.tensors import Tensors
 
 if TYPE_CHECKING:
     import networkx as nx
+
+    from schedcc.errors import ScheduleError
 
 __all__ = ["Program"]
 
@@ -25,7 +34,9 @@ class Program:
         schedule: the schedule it was compiled from (shape, placement, weight delay).
         stages: `stages[s]` is stage s's instructions, in the order it runs them.
         data_parallel: data-parallel replicas of the pipeline (each runs the same program).
-        zero: 0 (plain all-reduce), 1 (ZeRO-1) or 2 (reduce-scatter after every backward).
+        zero: 0 (plain all-reduce), 1 (ZeRO-1: reduce-scatter, sharded step, all-gather), 2
+            (reduce-scatter after every backward) or 3 (as 2, and each chunk's parameters stay
+            sharded between uses: whole from its `Unshard` to its `Reshard`), as `compile`.
         versions: `versions[s][pos]` is the weight version instruction `pos` of stage `s` uses
             (computes), or the version a step produces; None elsewhere. Set by `assign_versions`.
         tied: groups of segments that share parameters, each a sorted tuple of segment indices
@@ -34,6 +45,13 @@ class Program:
             evaluation): no backward, no update, and every forward uses the live weights.
         grad_norm: the compiler places a `GradNorm` before every step (`compile(...,
             grad_norm=True)`), for global gradient clipping and non-finite step skipping.
+
+    [Note: derived facts] What the semantics, the validator and the backends read off a program
+    is computed on first use and kept with it, as the cached properties below and nowhere else:
+    `tensors`, `step_model`, `rule_versions`, `reference_walk`, `graph` and the validator's
+    `problems`. A program is immutable, so a fact once read stays true; `evolve` builds a new
+    program, which starts with none of them (a copy is proved anew). A new fact is one more
+    cached property here, named in this list (`tests/test_program_facts.py` checks both).
     """
 
     schedule: Schedule
@@ -54,22 +72,58 @@ class Program:
         return sum(len(ops) for ops in self.stages)
 
     @cached_property
+    def tensors(self) -> Tensors:
+        """The tensor keys of the schedule's segments (`Tensors.of(self.schedule)`)."""
+        return Tensors.of(self.schedule)
+
+    @cached_property
+    def step_model(self) -> StepModel:
+        """The steps, comm partners and collectives (`schedcc.semantics.build_step_model`).
+
+        >>> import schedcc
+        >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
+        >>> program.step_model.partner[0][1], program.step_model.problems
+        ((1, 0), ())
+        """
+        return build_step_model(self)
+
+    @cached_property
+    def rule_versions(self) -> tuple[tuple[int | None, ...], ...]:
+        """The weight versions the weight-version rule gives each instruction (what
+        `assign_versions` records as `versions` and `check_versions` checks)."""
+        return build_rule_versions(self)
+
+    @cached_property
+    def reference_walk(self) -> Walk:
+        """The walk of the step model timed with the default costs ([Note: the reference
+        walk] in `schedcc.semantics.model`): what the deadlock rule and `simulate` share."""
+        return build_reference_walk(self)
+
+    @cached_property
     def graph(self) -> nx.DiGraph:
-        """The dependency DAG, built on first use (see `schedcc.semantics.graph`)."""
+        """The dependency DAG (see `schedcc.semantics.graph`)."""
         from schedcc.semantics.graph import build_graph
 
         return build_graph(self)
 
+    @cached_property
+    def problems(self) -> tuple[ScheduleError, ...]:
+        """Every problem the validator's rules find (`validate(self, collect=True)`); the
+        program is proved when there is none. `validate` and `ensure_valid` read it, so a
+        program is validated once.
+
+        >>> import schedcc
+        >>> schedcc.compile(schedcc.get_schedule("1f1b")(2, 4)).problems
+        ()
+        """
+        from schedcc.validate import find_problems
+
+        return find_problems(self)
+
     def evolve(self, **changes) -> Program:
-        """A copy with some fields replaced. What the semantics read off the schedule, stages
-        and tied groups (steps, partners, versions) is carried over when none of them changes;
-        the graph and the validator's proof are not."""
-        copy = attrs.evolve(self, **changes)
-        if not {"schedule", "stages", "tied"} & changes.keys():
-            for key in STAGE_CACHES:
-                if key in self.__dict__:
-                    copy.__dict__[key] = self.__dict__[key]
-        return copy
+        """A copy with some fields replaced; it starts without the derived facts ([Note:
+        derived facts]), so it is validated anew."""
+        return attrs.evolve(self, **changes)
 
     def to_text(self) -> str:
         """One line per stage: `stage 0: F0 F1 SA0 ...` (what golden files store)."""

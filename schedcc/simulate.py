@@ -39,10 +39,6 @@ from schedcc.semantics import (
     Walk,
     held_bytes,
     peak_activations,
-    reference_walk,
-    rule_versions,
-    step_model,
-    tensors_of,
     versions_of,
     walk,
 )
@@ -183,7 +179,7 @@ class Timeline:
             ScheduleConfigError: the cost model has no `memory`.
         """
         memory = self._memory()
-        rows = rule_versions(self.program)
+        rows = self.program.rule_versions
         return tuple(
             stage_held(self.program, memory, s, ops, row)[2]
             for s, (ops, row) in enumerate(zip(self.program.stages, rows))
@@ -328,12 +324,12 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
     with paused_gc():
         tables = _tables(costs, len(stages))
         if eager:
-            events = _eager_events(program, costs, tables, tensors_of(program))
+            events = _eager_events(program, costs, tables, program.tensors)
             return Timeline(program, events=events, costs=costs)
-        model = step_model(program)
+        model = program.step_model
         steps, partner, problems = model.steps, model.partner, model.problems
         if costs == _DEFAULT:  # the validator's walk: [Note: the reference walk]
-            result = reference_walk(program)
+            result = program.reference_walk
         else:
             durations = _durations(costs, tables, stages, steps)
             result = walk(steps, partner, durations, links=model.links)
@@ -378,7 +374,7 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    meets = step_model(program).meets or None  # ReduceTied and GradNorm collectives
+    meets = program.step_model.meets or None  # ReduceTied and GradNorm collectives
     spans = eager_spans(program.stages, tensors, cost, meets=meets)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")

@@ -2,7 +2,9 @@
 
 `validate(program)` raises the first problem as its own `ScheduleError` subclass, with the
 stage-by-position grid around it and `<-- here` on the failing row; `validate(program,
-collect=True)` returns every problem instead. Each rule is linear in the program size.
+collect=True)` returns every problem instead. Each rule is linear in the program size. The
+problems are found once per program and kept on it (`Program.problems`), so a program is
+validated once however many readers ask.
 
     >>> import schedcc
     >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(4, 8), validate=False)
@@ -34,7 +36,7 @@ from schedcc.rules.updates import (
     check_versions,
 )
 
-__all__ = ["RULES", "ensure_valid", "render_grid", "validate"]
+__all__ = ["RULES", "ensure_valid", "find_problems", "render_grid", "validate"]
 
 #: The rules, in the order they run.
 RULES: tuple[Rule, ...] = (
@@ -57,8 +59,10 @@ RULES: tuple[Rule, ...] = (
     check_bytes,
 )
 
-#: Set on a program (in its `__dict__`) once a validation found nothing wrong with it.
-_PROVED = "_schedcc_proved"
+#: The rules that only a caller's limits (`max_activations`, `max_bytes`) make find anything;
+#: they run last, so a program's other problems come first.
+_LIMITS = (check_memory, check_bytes)
+assert RULES[-len(_LIMITS) :] == _LIMITS
 
 
 def validate(
@@ -96,20 +100,35 @@ def validate(
             f"max_activations must be a positive integer (or None), got {max_activations!r}"
         )
     limit = _byte_limit(program, max_bytes, memory)
-    found: list[ScheduleError] = []
+    limited = max_activations is not None or limit is not None
     with paused_gc():
-        ctx = Context(program, max_activations, max_bytes=limit, memory=memory)
-        for rule in RULES:
-            for problem in rule(ctx):
-                error = _as_error(program, problem)
-                if not collect:
-                    raise error
-                found.append(error)
-            if found and rule is check_replicas:  # the other rules read one program per stage
-                break
-    if not found:
-        program.__dict__[_PROVED] = True
+        if collect and limited:
+            found = _run(program, Context(program, max_activations, max_bytes=limit, memory=memory))
+        else:
+            found = list(program.problems)
+            if limited and not found:
+                context = Context(program, max_activations, max_bytes=limit, memory=memory)
+                found = _run(program, context, _LIMITS)
+    if found and not collect:
+        raise found[0]
     return found if collect else None
+
+
+def find_problems(program: Program) -> tuple[ScheduleError, ...]:
+    """Every problem `RULES` find in `program` without limits, in order (what
+    `Program.problems` keeps; read it there)."""
+    with paused_gc():
+        return tuple(_run(program, Context(program, None)))
+
+
+def _run(program: Program, ctx: Context, rules: tuple[Rule, ...] | None = None) -> list:
+    """The problems `rules` (all of `RULES` by default) find, as errors."""
+    found: list[ScheduleError] = []
+    for rule in RULES if rules is None else rules:
+        found.extend(_as_error(program, problem) for problem in rule(ctx))
+        if found and rule is check_replicas:  # the other rules read one program per stage
+            break
+    return found
 
 
 def _byte_limit(program: Program, max_bytes, memory) -> float | None:
@@ -129,8 +148,8 @@ def _byte_limit(program: Program, max_bytes, memory) -> float | None:
 
 
 def ensure_valid(program: Program) -> None:
-    """Validate `program` unless a validation already proved it (the proof is kept on the
-    program, which is immutable; `compile(validate=True)` proves what it returns).
+    """Raise `program`'s first problem, if it has one (`Program.problems`, found once: the
+    program is immutable; `compile(validate=True)` proves what it returns).
 
     Raises:
         ScheduleError: the first problem, as `validate` does.
@@ -140,8 +159,8 @@ def ensure_valid(program: Program) -> None:
     >>> ensure_valid(program)  # validates once; a second call returns at once
     >>> ensure_valid(program)
     """
-    if not program.__dict__.get(_PROVED):
-        validate(program)
+    if program.problems:
+        raise program.problems[0]
 
 
 def _as_error(program: Program, problem: Problem) -> ScheduleError:

@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 import schedcc
 from schedcc.backends.distributed.eager import RECV_LOOKAHEAD, EagerPlan
 from schedcc.backends.distributed.groups import CommGroup, stage_ops
-from schedcc.semantics import Layout, comm_route, tensors_of
+from schedcc.semantics import Layout, comm_route
 
 
 def _run_relaxed(program, lookahead: int) -> None:
     layout = Layout.of(program.schedule)
     p = program.num_stages
     steps = [stage_ops(program, s, layout) for s in range(p)]
-    tensors = tensors_of(program)
+    tensors = program.tensors
     plans = [EagerPlan(steps[s], tensors, s, lookahead) for s in range(p)]
     sent: dict[tuple[int, int], list] = {}  # channel -> payloads, in posting order
     posted: dict[tuple[int, int], list] = {}  # channel -> receive payloads, in posting order
@@ -98,7 +98,7 @@ def test_sends_leave_right_after_their_compute():
     """Interleaved 1F1B on 2 stages: stage 1's SA2 goes right after F2, not after B0 too."""
     program = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(2, 8, 2))
     steps = stage_ops(program, 1, Layout.of(program.schedule))
-    eager = EagerPlan(steps, tensors_of(program), 1)
+    eager = EagerPlan(steps, program.tensors, 1)
     after = {
         str(steps[i]): [str(op) for op, *_ in sends]
         for i, sends in enumerate(eager.sends_after)
@@ -119,7 +119,7 @@ def test_receive_buffers_waiting_at_once_stay_bounded(name, p, m, v):
     program = schedcc.compile(schedcc.get_schedule(name)(p, m, v))
     layout = Layout.of(program.schedule)
     for stage in range(p):
-        eager = EagerPlan(stage_ops(program, stage, layout), tensors_of(program), stage)
+        eager = EagerPlan(stage_ops(program, stage, layout), program.tensors, stage)
         waiting = most = 0
         for posts, waits in zip(eager.post_before, eager.wait_before):
             waiting += len(posts)

@@ -17,7 +17,6 @@ from schedcc.backends.runtime.recompute import KeptInput, RngState
 from schedcc.backends.runtime.zero import Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
 from schedcc.ir import BackwardWeight, Recompute
-from schedcc.semantics import tensors_of
 
 
 def test_graphs_count_the_bytes_they_hold_and_keep_the_peak():
@@ -50,7 +49,7 @@ def test_graphs_refuse_a_missing_graph_or_kept_input_naming_stage_and_instructio
 
 def _counts(grad: torch.Tensor) -> tuple[StageCounts, torch.nn.Parameter]:
     program = schedcc.compile(schedcc.get_schedule("1f1b")(1, 2))
-    layout = tensors_of(program).layout
+    layout = program.tensors.layout
     book = LossBook.of(layout, 2, 1)
     param = torch.nn.Parameter(torch.zeros(3))
     param.grad = grad.clone()

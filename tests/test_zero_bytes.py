@@ -24,7 +24,6 @@ from schedcc.memory import (
     held_stash_bytes,
     stage_held,
 )
-from schedcc.semantics import rule_versions
 
 WIDTH = 8  # one segment: 72 float64 values, split evenly in two shards
 
@@ -88,7 +87,7 @@ def _compare(program, segments, fresh, zero: int) -> list:
         grads = chunk_sizes(program, memory, s, "gradients")
         _, simulated_params = held_parameter_bytes(ops, params, zero=zero, data_parallel=2)
         simulated_grads = held_gradient_bytes(ops, grads, zero=zero, data_parallel=2)
-        _, simulated_total, peak = stage_held(program, memory, s, ops, rule_versions(program)[s])
+        _, simulated_total, peak = stage_held(program, memory, s, ops, program.rule_versions[s])
         assert [simulated_params[pos] for pos in at] == [p for _, p, _, _ in record], s
         assert [simulated_grads[pos] for pos in at] == [g for _, _, g, _ in record], s
         assert [simulated_total[pos] for pos in at] == [p + g + a for _, p, g, a in record], s
@@ -152,7 +151,7 @@ def test_simulated_stash_equals_measured_under_2bw():
         _measure_stash(runtime, record)
     list(engine.train(batches(3, 8, width=WIDTH)))
     memory = measure_memory(make_segments(2, width=WIDTH), *batches(1, 2, width=WIDTH)[0], mse)
-    rows = rule_versions(program)
+    rows = program.rule_versions
     for s, (ops, record) in enumerate(zip(program.stages, records)):
         at = [pos for pos, op in enumerate(ops) if not isinstance(op, COMM)]
         assert [op for op, _ in record] == [ops[pos] for pos in at]

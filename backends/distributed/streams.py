@@ -34,7 +34,7 @@ from schedcc.backends.distributed.eager import EagerPlan
 from schedcc.backends.distributed.groups import Channel, CommGroup, stage_ops
 from schedcc.ir import Instruction
 from schedcc.program import Program
-from schedcc.semantics import Layout, tensors_of
+from schedcc.semantics import Layout
 
 __all__ = ["SHM", "GLOO", "NCCL", "Stream", "receive_streams", "send_streams", "stream_bases"]
 
@@ -113,7 +113,7 @@ def _receives(
                     where.append(index)
     if kind in (SHM, NCCL):  # NCCL uses no basis ([Note: certain shapes]): none is planned
         return ops, channels, [_LATER] * len(ops), [float(w) for w in where]
-    plan = EagerPlan(steps, tensors_of(program), receiver)
+    plan = EagerPlan(steps, program.tensors, receiver)
     posted: dict[Instruction, float] = {}
     waited: dict[Instruction, float] = {}
     for index in range(len(steps)):

@@ -38,7 +38,7 @@ from schedcc.backends.runtime.stage import StageRuntime
 from schedcc.errors import RankFailure
 from schedcc.ir import Instruction
 from schedcc.program import Program
-from schedcc.semantics import Layout, tensors_of
+from schedcc.semantics import Layout
 
 __all__ = ["Transfers", "first_line"]
 
@@ -87,7 +87,7 @@ class Transfers:
         self.dynamic_shapes = dynamic_shapes
         self._peers = {peer for step in steps if type(step) is CommGroup for peer in step.peers}
         # see [Note: eager point-to-point]
-        self.eager = EagerPlan(steps, tensors_of(program), self.stage)
+        self.eager = EagerPlan(steps, program.tensors, self.stage)
         #: Per step, the receives to post first (the shared-memory ones need none).
         self._to_post = self.eager.post_before
         self._shared_memory = p2p == "shm" and device.type == "cpu"  # CPU tensors

@@ -28,7 +28,7 @@ class Ports:
 
     Args:
         stage: the stage.
-        tensors: the program's tensor keys (`schedcc.semantics.tensors_of(program)`).
+        tensors: the program's tensor keys (`program.tensors`).
         num_microbatches: `m`.
     """
 

@@ -79,7 +79,7 @@ from schedcc.ir import (
     Reshard,
     Unshard,
 )
-from schedcc.semantics import recomputed, tensors_of
+from schedcc.semantics import recomputed
 
 if TYPE_CHECKING:
     from schedcc.program import Program
@@ -160,7 +160,7 @@ class StageRuntime:
         self._zero = program.zero
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
         #: which segments start and end a model replica ([Note: replicas]): inputs and loss
-        self._layout = tensors_of(program).layout
+        self._layout = program.tensors.layout
         #: the tied parameters this stage holds; the local backend meets its stages for a
         #: `ReduceTied` itself, through `ties.parts` and `ties.apply`
         self.ties, self._tie_reduce = ties, tie_reduce
@@ -242,7 +242,7 @@ class StageRuntime:
             self.collectives,
             count_fn=up_front_count(loss_fn),
         )
-        self._ports = Ports(stage, tensors_of(program), self._m)
+        self._ports = Ports(stage, program.tensors, self._m)
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------

@@ -8,7 +8,6 @@ versions exist when needed is the validator's `check_versions` rule.
 from __future__ import annotations
 
 from schedcc.program import Program
-from schedcc.semantics.model import rule_versions
 
 __all__ = ["assign_versions"]
 
@@ -21,4 +20,4 @@ def assign_versions(program: Program) -> Program:
     >>> program.stages[0][-1], program.versions[0][-1]
     (OptimizerStep(), 2)
     """
-    return program.evolve(versions=rule_versions(program))
+    return program.evolve(versions=program.rule_versions)

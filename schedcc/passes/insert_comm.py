@@ -65,7 +65,7 @@ def insert_comm(program: Program) -> Program:
     """
     if any(not _COMM.isdisjoint(map(type, ops)) for ops in program.stages):
         return program
-    tensors = Tensors.of(program.schedule)
+    tensors = program.tensors
     plan = _Plan(program, tensors)
     start = _simulate(program, plan)
     stages, exact, first = _lower(program, plan, start)

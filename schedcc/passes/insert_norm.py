@@ -21,7 +21,6 @@ from __future__ import annotations
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import GradNorm, Instruction, OnMicrobatch, OptimizerStep, Update
 from schedcc.program import Program
-from schedcc.semantics import Tensors, step_model
 from schedcc.semantics.collectives import earliest_cut, with_dependents
 
 __all__ = ["insert_norm"]
@@ -45,8 +44,8 @@ def insert_norm(program: Program) -> Program:
         return program
     m = program.schedule.num_microbatches
     steps = [_steps(ops) for ops in stages]
-    partner = step_model(program).partner
-    tensors = Tensors.of(program.schedule)
+    partner = program.step_model.partner
+    tensors = program.tensors
     out = []
     for s, ops in enumerate(stages):
         new: list[Instruction] = []
@@ -69,7 +68,7 @@ def insert_norm(program: Program) -> Program:
     # The n-th norms of all stages meet: every stage up to just before its n-th norm must be a
     # consistent cut, or one stage waits in it for what another sends only after its own.
     norms_at = [[pos for pos, op in enumerate(ops) if type(op) is GradNorm] for ops in out]
-    model = step_model(normed)
+    model = normed.step_model
     prefix = [-1] * len(stages)
     for n in range(min(map(len, norms_at), default=0)):
         seeds = {s: model.steps.step_at[s][row[n]] - 1 for s, row in enumerate(norms_at)}

@@ -40,7 +40,7 @@ from schedcc.ir import (
     ReduceTied,
 )
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps, Tensors, match_comm, step_model, walk
+from schedcc.semantics import Layout, Steps, match_comm, walk
 from schedcc.semantics.collectives import (
     earliest_cut,
     step_blocker,
@@ -157,7 +157,7 @@ def _reorder_for_ties(program: Program) -> tuple[Program, dict[int, tuple]]:
     """
     schedule = program.schedule
     m, delay = schedule.num_microbatches, schedule.weight_delay
-    tensors = Tensors.of(schedule)
+    tensors = program.tensors
     ties = _tie_points(program)
     for _ in range(program.num_instructions):  # each round moves one op or stretch
         if not _blocked(program.stages, ties, m, delay):
@@ -169,7 +169,7 @@ def _reorder_for_ties(program: Program) -> tuple[Program, dict[int, tuple]]:
         )
         for stages in moves:
             candidate = program.evolve(stages=stages)
-            model = step_model(candidate)
+            model = candidate.step_model
             if not model.problems and not walk(model.steps, model.partner, links=model.links).stuck:
                 program, ties = candidate, _tie_points(candidate)
                 break
@@ -326,7 +326,7 @@ def _tie_points(program: Program) -> dict[int, tuple]:
         for pos in reversed(mark[s]):
             marked[s].insert(pos + 1, OptimizerStep())
     steps = Steps.of(marked)
-    partner, _ = match_comm(marked, Tensors.of(program.schedule))
+    partner, _ = match_comm(marked, program.tensors)
     prefix = [-1] * program.num_stages
     for batch in sorted({b for by_batch in seeds.values() for b in by_batch}):
         at = {

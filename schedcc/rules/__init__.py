@@ -17,9 +17,9 @@ from schedcc.errors import ScheduleError
 from schedcc.ir import COMM, Instruction
 from schedcc.memory import MemoryModel
 from schedcc.program import Program
-from schedcc.semantics import CommProblem, StepModel, step_model, tensors_of
+from schedcc.semantics import CommProblem, StepModel
 
-__all__ = ["Context", "Problem", "Rule", "short"]
+__all__ = ["Context", "Problem", "Rule"]
 
 _COMM = frozenset(COMM)
 
@@ -51,13 +51,13 @@ class Context:
         self.max_activations = max_activations
         #: the byte limit and the model that counts bytes (`schedcc.rules.bytes`)
         self.max_bytes, self.memory = max_bytes, memory
-        self.tensors = tensors_of(program)
+        self.tensors = program.tensors
         self.layout = self.tensors.layout
 
-    @cached_property
+    @property
     def model(self) -> StepModel:
-        """The program's step model (kept on the program for the simulators)."""
-        return step_model(self.program)
+        """The program's step model (`Program.step_model`, shared with the simulators)."""
+        return self.program.step_model
 
     @property
     def matching(self) -> tuple[list[list[tuple[int, int] | None]], tuple[CommProblem, ...]]:
@@ -85,7 +85,3 @@ class Context:
 
 Rule = Callable[[Context], Iterator[Problem]]
 
-
-def short(code: str, microbatch: int, chunk: int) -> str:
-    """An instruction's printed form from its parts: `short("F", 3, 1) == "F3.1"`."""
-    return f"{code}{microbatch}.{chunk}" if chunk else f"{code}{microbatch}"

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from schedcc.errors import MemoryBoundError
 from schedcc.memory import format_size, stage_held
 from schedcc.rules import Context, Problem
-from schedcc.semantics import rule_versions
 
 __all__ = ["check_bytes"]
 
@@ -25,7 +24,7 @@ def check_bytes(ctx: Context) -> Iterator[Problem]:
     if limit is None or memory is None:
         return
     program = ctx.program
-    versions = rule_versions(program)
+    versions = program.rule_versions
     for s, ops in enumerate(ctx.stages):
         before, after, _ = stage_held(program, memory, s, ops, versions[s])
         if before > limit:

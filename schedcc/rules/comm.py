@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from schedcc.errors import DeadlockError, UnmatchedCommError
 from schedcc.ir import SENDS, GradNorm, ReduceTied
 from schedcc.rules import Context, Problem
-from schedcc.semantics import reference_walk
 
 __all__ = ["check_comm", "check_deadlock"]
 
@@ -46,7 +45,7 @@ def check_deadlock(ctx: Context) -> Iterator[Problem]:
     if problems or ctx.model.tie_problems or ctx.model.norm_problems:  # other rules report
         return
     stages, steps = ctx.stages, ctx.model.steps
-    result = reference_walk(ctx.program)  # timed, for the simulator: [Note: the reference walk]
+    result = ctx.program.reference_walk  # timed, for the simulator: [Note: the reference walk]
     if not result.stuck:
         return
     cycle = result.wait_for_cycle()

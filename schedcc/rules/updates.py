@@ -24,8 +24,8 @@ from schedcc.ir import (
     OptimizerStep,
     ReduceGrads,
 )
-from schedcc.rules import Context, Problem, short
-from schedcc.semantics import HELD, kept_versions, rule_versions, stashes
+from schedcc.rules import Context, Problem
+from schedcc.semantics import HELD, kept_versions, stashes
 
 __all__ = [
     "check_gathers",
@@ -182,7 +182,7 @@ def check_gathers(ctx: Context) -> Iterator[Problem]:
 def check_versions(ctx: Context) -> Iterator[Problem]:
     """Each compute's weight version exists when it runs, and at most d + 1 are kept."""
     m, delay = ctx.schedule.num_microbatches, ctx.schedule.weight_delay
-    for s, (ops, versions) in enumerate(zip(ctx.stages, rule_versions(ctx.program))):
+    for s, (ops, versions) in enumerate(zip(ctx.stages, ctx.program.rule_versions)):
         produced = oldest = 0  # versions made so far on this stage; the oldest one kept
         for pos, version in enumerate(versions):
             if version is None:
@@ -241,7 +241,7 @@ def check_update_window(ctx: Context) -> Iterator[Problem]:
                 yield Problem(
                     WeightVersionError,
                     f"{ctx.where(s, pos)} changes the weights of chunk {c} between "
-                    f"{short('F', i, c)} and its backward, whose graph still holds them "
+                    f"{Forward(i, c)} and its backward, whose graph still holds them "
                     "(weight_delay 0 stashes none); move it after the backward or before the "
                     "forward",
                     s,

@@ -12,7 +12,8 @@ simulators and the backends all call it, so they agree by construction (docs/des
   `Walk`, `wait_for_cycle`): deadlock freedom and timing;
 - `versions`: the weight-version rule (`version_used`, `kept_versions`, `stashes`);
 - `memory`: activation counting (`HELD`, `held_changes`, `peak_activations`, `first_over`);
-- `model`: those facts of one program, made once and kept with it (`step_model`);
+- `model`: those facts of one program, built for `Program`'s cached properties
+  (`build_step_model`, read as `program.step_model`);
 - `graph`: the program as a networkx DAG (`build_graph`, for `Program.graph`).
 """
 
@@ -27,13 +28,11 @@ from schedcc.semantics.memory import (
     recomputed,
 )
 from schedcc.semantics.model import (
-    STAGE_CACHES,
     UNIT_COSTS,
     StepModel,
-    reference_walk,
-    rule_versions,
-    step_model,
-    tensors_of,
+    build_reference_walk,
+    build_rule_versions,
+    build_step_model,
     unit_durations,
 )
 from schedcc.semantics.steps import Steps, Walk, wait_for_cycle, walk
@@ -50,7 +49,6 @@ from schedcc.semantics.versions import kept_versions, stashes, version_used, ver
 
 __all__ = [
     "HELD",
-    "STAGE_CACHES",
     "UNIT_COSTS",
     "CommProblem",
     "CommUse",
@@ -62,6 +60,9 @@ __all__ = [
     "TensorId",
     "Tensors",
     "Walk",
+    "build_reference_walk",
+    "build_rule_versions",
+    "build_step_model",
     "comm_route",
     "decode",
     "first_over",
@@ -71,11 +72,7 @@ __all__ = [
     "match_comm",
     "peak_activations",
     "recomputed",
-    "reference_walk",
-    "rule_versions",
     "stashes",
-    "step_model",
-    "tensors_of",
     "unit_durations",
     "version_used",
     "versions_of",

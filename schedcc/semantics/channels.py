@@ -44,7 +44,7 @@ def match_comm(
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
     >>> program.to_text()
     'stage 0: F0 SA0 RG0 B0 Step\\nstage 1: RA0 F0 B0 SG0 Step'
-    >>> partner, problems = match_comm(program.stages, Tensors.of(program.schedule))
+    >>> partner, problems = match_comm(program.stages, program.tensors)
     >>> partner[0][1], problems
     ((1, 0), [])
     """

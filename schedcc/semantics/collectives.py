@@ -129,8 +129,7 @@ def tie_links(program: Any, layout: Layout, steps: Steps, links: Links):
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1), tied=[(0, 1)])
     >>> program.to_text()
     'stage 0: F0 SA0 RG0 B0 Tied0 Step\\nstage 1: RA0 F0 B0 SG0 Tied0 Step'
-    >>> from schedcc.semantics import step_model
-    >>> model = step_model(program)  # Tied0 is step 3 of stage 0 and step 4 of stage 1
+    >>> model = program.step_model  # Tied0 is step 3 of stage 0 and step 4 of stage 1
     >>> model.links[0][3], model.links[1][4], model.steps.offset[1]
     ((9,), (3,), 5)
     """

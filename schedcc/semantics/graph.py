@@ -31,7 +31,6 @@ from schedcc.semantics.collectives import match_collectives
 from schedcc.semantics.layout import Layout
 from schedcc.semantics.norms import match_norms
 from schedcc.semantics.steps import Steps
-from schedcc.semantics.tensors import Tensors
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -54,7 +53,7 @@ def build_graph(program: Program) -> nx.DiGraph:
     """
     import networkx as nx
 
-    tensors = Tensors.of(program.schedule)
+    tensors = program.tensors
     graph = nx.DiGraph()
     maker: dict[int, tuple[int, int]] = {}  # tensor key -> the node of the compute that makes it
     for s, ops in enumerate(program.stages):

@@ -1,10 +1,10 @@
-"""`step_model(program)`: a program read once through the semantics, kept with the program.
+"""The step model of a program: what `Program.step_model`, `Program.rule_versions` and
+`Program.reference_walk` are built from.
 
 The validator (its comm and deadlock rules), the simulators and the drawings all read the same
 facts of a program: its tensor keys, its steps, each comm op's partner, the weight versions and
-one walk of the step model. A `Program` is immutable, so they are computed on first use and kept
-in the program's `__dict__`; `Program.evolve` carries them to a copy with the same schedule and
-stages (`STAGE_CACHES`), and a copy with others starts without them.
+one walk of the step model. The functions here build them; a `Program` keeps what they build as
+its cached properties ([Note: derived facts] in `schedcc.program`), so read them there.
 
 [Note: the reference walk] Whether the step model completes does not depend on how long each
 step takes, so the deadlock rule walks it timed with the default costs (`UNIT_COSTS`: F = 1,
@@ -15,7 +15,7 @@ the default costs is then that walk, not a second one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -37,14 +37,15 @@ from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
 from schedcc.semantics.tensors import Tensors
 from schedcc.semantics.versions import versions_of
 
+if TYPE_CHECKING:
+    from schedcc.program import Program
+
 __all__ = [
-    "STAGE_CACHES",
     "UNIT_COSTS",
     "StepModel",
-    "reference_walk",
-    "rule_versions",
-    "step_model",
-    "tensors_of",
+    "build_reference_walk",
+    "build_rule_versions",
+    "build_step_model",
     "unit_durations",
 ]
 
@@ -57,11 +58,6 @@ UNIT_COSTS: dict[type, float] = {
     Recompute: 1.0,
     OverlappedBackward: 1.5,  # `CostModel()`'s pair, 2.5, less its forward (`overlapped_pair`)
 }
-
-_TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_step_model"
-_VERSIONS, _WALK = "_schedcc_versions", "_schedcc_reference_walk"
-#: The `__dict__` keys of what depends only on a program's schedule and stages.
-STAGE_CACHES = (_TENSORS, _MODEL, _VERSIONS, _WALK)
 
 
 @attrs.frozen(slots=True)
@@ -83,64 +79,47 @@ class StepModel:
     kinds: frozenset[type] = frozenset()
 
 
-def tensors_of(program: Any) -> Tensors:
-    """The `Tensors` of `program.schedule`, made once per program."""
-    tensors = program.__dict__.get(_TENSORS)
-    if tensors is None:
-        tensors = program.__dict__[_TENSORS] = Tensors.of(program.schedule)
-    return tensors
-
-
-def step_model(program: Any) -> StepModel:
-    """The `StepModel` of `program` (a `Program`), made once per program.
+def build_step_model(program: Program) -> StepModel:
+    """The `StepModel` of `program` (read it as `program.step_model`, built once).
 
     >>> import schedcc
-    >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
-    >>> model = step_model(program)
-    >>> model.partner[0][1], model.problems, step_model(program) is model
-    ((1, 0), (), True)
+    >>> model = build_step_model(schedcc.compile(schedcc.get_schedule("gpipe")(2, 1)))
+    >>> model.partner[0][1], model.problems
+    ((1, 0), ())
     """
-    model = program.__dict__.get(_MODEL)
-    if model is None:
-        tensors = tensors_of(program)
-        partner, problems = match_comm(program.stages, tensors)
-        steps = Steps.of(program.stages)
-        links = links_of(steps, partner)
-        meets, tie_problems = [], []
-        kinds = frozenset({type(op) for ops in program.stages for op in ops})
-        # a ReduceTied in a program without ties meets nothing: matched, it is reported
-        if getattr(program, "tied", ()) or ReduceTied in kinds:  # [Note: tied collectives]
-            links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
-        norm_problems = []
-        if GradNorm in kinds:
-            links, meets, norm_problems = norm_links(program.stages, steps, links, meets)
-        model = StepModel(
-            tensors,
-            steps,
-            partner,
-            tuple(problems),
-            links,
-            meets,
-            tuple(tie_problems),
-            tuple(norm_problems),
-            kinds,
-        )
-        program.__dict__[_MODEL] = model
-    return model
+    tensors = program.tensors
+    partner, problems = match_comm(program.stages, tensors)
+    steps = Steps.of(program.stages)
+    links = links_of(steps, partner)
+    meets, tie_problems = [], []
+    kinds = frozenset({type(op) for ops in program.stages for op in ops})
+    # a ReduceTied in a program without ties meets nothing: matched, it is reported
+    if program.tied or ReduceTied in kinds:  # [Note: tied collectives]
+        links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
+    norm_problems = []
+    if GradNorm in kinds:
+        links, meets, norm_problems = norm_links(program.stages, steps, links, meets)
+    return StepModel(
+        tensors,
+        steps,
+        partner,
+        tuple(problems),
+        links,
+        meets,
+        tuple(tie_problems),
+        tuple(norm_problems),
+        kinds,
+    )
 
 
-def rule_versions(program: Any) -> tuple[tuple[int | None, ...], ...]:
-    """`versions_of` every stage of `program`: the versions the weight-version rule gives (what
-    `assign_versions` records and `check_versions` checks), made once per program."""
-    versions = program.__dict__.get(_VERSIONS)
-    if versions is None:
-        schedule = program.schedule
-        m, delay = schedule.num_microbatches, schedule.weight_delay
-        if getattr(program, "forward_only", False):  # no step: every forward uses version 0
-            delay = schedule.num_batches
-        versions = tuple(versions_of(ops, m, delay) for ops in program.stages)
-        program.__dict__[_VERSIONS] = versions
-    return versions
+def build_rule_versions(program: Program) -> tuple[tuple[int | None, ...], ...]:
+    """`versions_of` every stage of `program`: the versions the weight-version rule gives (read
+    it as `program.rule_versions`, built once)."""
+    schedule = program.schedule
+    m, delay = schedule.num_microbatches, schedule.weight_delay
+    if program.forward_only:  # no step: every forward uses version 0
+        delay = schedule.num_batches
+    return tuple(versions_of(ops, m, delay) for ops in program.stages)
 
 
 def unit_durations(stages: Sequence[Sequence[Instruction]], steps: Steps) -> list[list[float]]:
@@ -151,13 +130,9 @@ def unit_durations(stages: Sequence[Sequence[Instruction]], steps: Steps) -> lis
     ]
 
 
-def reference_walk(program: Any) -> Walk:
+def build_reference_walk(program: Program) -> Walk:
     """The walk of `program`'s step model timed with `UNIT_COSTS` (see [Note: the reference
-    walk]), made once per program."""
-    result = program.__dict__.get(_WALK)
-    if result is None:
-        model = step_model(program)
-        durations = unit_durations(program.stages, model.steps)
-        result = walk(model.steps, model.partner, durations, links=model.links)
-        program.__dict__[_WALK] = result
-    return result
+    walk]; read it as `program.reference_walk`, built once)."""
+    model = program.step_model
+    durations = unit_durations(program.stages, model.steps)
+    return walk(model.steps, model.partner, durations, links=model.links)

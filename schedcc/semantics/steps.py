@@ -149,7 +149,7 @@ def walk(
     >>> import schedcc
     >>> from schedcc.semantics import Tensors, match_comm
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
-    >>> partner, _ = match_comm(program.stages, Tensors.of(program.schedule))
+    >>> partner, _ = match_comm(program.stages, program.tensors)
     >>> steps = Steps.of(program.stages)
     >>> walk(steps, partner, [[1.0] * len(row) for row in steps.bounds]).end
     ((1.0, 5.0, 6.0, 7.0), (2.0, 3.0, 4.0, 5.0, 6.0))
