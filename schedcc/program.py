@@ -26,6 +26,26 @@ if TYPE_CHECKING:
 __all__ = ["Program"]
 
 
+class _Derived(cached_property):
+    """A cached property of `Program` read from the fields `inputs` ([Note: derived facts])."""
+
+    #: the fields the fact is read from; None: every field (it is never handed to a copy)
+    inputs: frozenset[str] | None = None
+
+
+def _derived(*inputs: str):
+    """Declare a derived fact of `Program` read from the fields `inputs` (every field when none
+    is named): a cached property that `Program.evolve` hands to a copy with those unchanged."""
+
+    def fact(method):
+        prop = _Derived(method)
+        if inputs:
+            prop.inputs = frozenset(inputs)
+        return prop
+
+    return fact
+
+
 @attrs.frozen(slots=False, eq=False)
 class Program:
     """What the compiler produces and the validator, simulator and backends consume.
@@ -47,11 +67,14 @@ class Program:
             grad_norm=True)`), for global gradient clipping and non-finite step skipping.
 
     [Note: derived facts] What the semantics, the validator and the backends read off a program
-    is computed on first use and kept with it, as the cached properties below and nowhere else:
-    `tensors`, `step_model`, `rule_versions`, `reference_walk`, `graph` and the validator's
-    `problems`. A program is immutable, so a fact once read stays true; `evolve` builds a new
-    program, which starts with none of them (a copy is proved anew). A new fact is one more
-    cached property here, named in this list (`tests/test_program_facts.py` checks both).
+    is computed on first use and kept with it, as the facts below and nowhere else: `tensors`,
+    `step_model`, `rule_versions`, `reference_walk`, `graph` and the validator's `problems`.
+    A program is immutable, so a fact once read stays true. Each fact names the fields it is
+    read from (`_derived(...)`); `evolve` hands a fact to the copy only when none of those
+    fields is among the changes (assign_versions' copy keeps the step model), and the graph and
+    the problems, which read every field, never: a copy is proved by its own validation. A new
+    fact is one more `_derived` property here, named in this list (`tests/test_program_facts.py`
+    checks both and that each fact's fields are all it reads).
     """
 
     schedule: Schedule
@@ -71,12 +94,12 @@ class Program:
     def num_instructions(self) -> int:
         return sum(len(ops) for ops in self.stages)
 
-    @cached_property
+    @_derived("schedule")
     def tensors(self) -> Tensors:
         """The tensor keys of the schedule's segments (`Tensors.of(self.schedule)`)."""
         return Tensors.of(self.schedule)
 
-    @cached_property
+    @_derived("schedule", "stages", "tied")
     def step_model(self) -> StepModel:
         """The steps, comm partners and collectives (`schedcc.semantics.build_step_model`).
 
@@ -87,26 +110,26 @@ class Program:
         """
         return build_step_model(self)
 
-    @cached_property
+    @_derived("schedule", "stages", "forward_only")
     def rule_versions(self) -> tuple[tuple[int | None, ...], ...]:
         """The weight versions the weight-version rule gives each instruction (what
         `assign_versions` records as `versions` and `check_versions` checks)."""
         return build_rule_versions(self)
 
-    @cached_property
+    @_derived("schedule", "stages", "tied")
     def reference_walk(self) -> Walk:
         """The walk of the step model timed with the default costs ([Note: the reference
         walk] in `schedcc.semantics.model`): what the deadlock rule and `simulate` share."""
         return build_reference_walk(self)
 
-    @cached_property
+    @_derived()
     def graph(self) -> nx.DiGraph:
         """The dependency DAG (see `schedcc.semantics.graph`)."""
         from schedcc.semantics.graph import build_graph
 
         return build_graph(self)
 
-    @cached_property
+    @_derived()
     def problems(self) -> tuple[ScheduleError, ...]:
         """Every problem the validator's rules find (`validate(self, collect=True)`); the
         program is proved when there is none. `validate` and `ensure_valid` read it, so a
@@ -121,9 +144,14 @@ class Program:
         return find_problems(self)
 
     def evolve(self, **changes) -> Program:
-        """A copy with some fields replaced; it starts without the derived facts ([Note:
-        derived facts]), so it is validated anew."""
-        return attrs.evolve(self, **changes)
+        """A copy with some fields replaced; it keeps the derived facts read from none of them,
+        and builds the others anew ([Note: derived facts]): a copy is validated anew."""
+        copy = attrs.evolve(self, **changes)
+        kept, built = vars(copy), vars(self)
+        for name, fact in _FACTS.items():
+            if name in built and fact.inputs is not None and fact.inputs.isdisjoint(changes):
+                kept[name] = built[name]
+        return copy
 
     def to_text(self) -> str:
         """One line per stage: `stage 0: F0 F1 SA0 ...` (what golden files store)."""
@@ -145,3 +173,11 @@ class Program:
             f"Program({self.schedule!r}, {self.num_instructions} instructions, "
             f"data_parallel={self.data_parallel}, zero={self.zero})"
         )
+
+
+#: every derived fact, by name (the list of [Note: derived facts])
+_FACTS = {name: fact for name, fact in vars(Program).items() if isinstance(fact, _Derived)}
+assert all(
+    fact.inputs is None or fact.inputs <= attrs.fields_dict(Program).keys()
+    for fact in _FACTS.values()
+), "a derived fact names a field Program does not have"
