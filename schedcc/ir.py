@@ -123,9 +123,9 @@ class Spelling:
         for name, optional in self.fields:
             value = getattr(op, name)
             if not optional:
-                text += str(value)
+                text = f"{text}{value}"
             elif value:
-                text += f".{value}"
+                text = f"{text}.{value}"
         return text
 
     def read(self, text: str) -> Instruction | None:
@@ -149,7 +149,7 @@ class Instruction:
     code: ClassVar[str] = ""
 
     def __str__(self) -> str:
-        row = _BY_CLASS.get(type(self)) or _row_of(type(self))
+        row = _row_of(type(self))
         return repr(self) if row is None else row.write(self)  # a base class has no row
 
 
@@ -374,10 +374,10 @@ def spelling(cls: type[Instruction]) -> Spelling:
 
 
 def _row_of(cls: type) -> Spelling | None:
-    row = _BY_CLASS.get(cls)
-    if row is None:
-        row = next((_BY_CLASS[base] for base in cls.__mro__ if base in _BY_CLASS), None)
-    return row
+    try:
+        return _BY_CLASS[cls]
+    except KeyError:  # a subclass the table does not name, or a base class
+        return next((_BY_CLASS[base] for base in cls.__mro__ if base in _BY_CLASS), None)
 
 
 def parse(text: str) -> Instruction:
