@@ -357,22 +357,27 @@ class Engine(BaseEngine):
 
     def _losses(self, count: int, *, whole: bool = False) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss (over every replica) and named parts; `whole`: of all batches as
-        one (the forward-only program's batch)."""
-        records = [
-            runtimes[s].loss_records
-            for runtimes in self.runtimes
-            for s in self._ends(self._layout.lasts)
-        ]
+        one (the forward-only program's batch). The sums are added as the distributed engine
+        adds them, so both give the same bits: each stage's records in batch order, then the
+        stages, then the data-parallel replicas."""
+        lasts = self._ends(self._layout.lasts)
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
         out = []
         for group in groups:
-            parts = [rec[b] for rec in records for b in group if b in rec]
-            total = sum(r.total for r in parts)
-            number = sum(r.count for r in parts)
+            held = [
+                [[rec[b] for b in group if b in rec] for rec in (rs[s].loss_records for s in lasts)]
+                for rs in self.runtimes
+            ]
+
+            def added(pick, held=held) -> float:
+                return sum(sum(sum(pick(r) for r in stage) for stage in rs) for rs in held)
+
+            total, number = added(lambda r: r.total), added(lambda r: r.count)
             loss = total / number if number else float("nan")
             named = {"loss": loss}
-            for name in parts[0].parts if parts else ():  # a dict loss: each named part
-                named[name] = sum(r.parts[name] for r in parts) / number
+            first = next((r for rs in held for stage in rs for r in stage), None)
+            for name in first.parts if first is not None else ():  # a dict loss: its parts
+                named[name] = added(lambda r, name=name: r.parts[name]) / number
             out.append((loss, named))
         return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from _builtin_schedules import names
 from hypothesis import strategies as st
 
 from schedcc.testing import Shape, schedules, shapes
@@ -23,8 +24,8 @@ __all__ = [
     "tensors",
 ]
 
-#: The built-in schedule names (one per class; aliases left out).
-BUILTIN_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "2bw")
+#: Every built-in schedule's name (one per class; aliases left out): tests/_builtin_schedules.py.
+BUILTIN_SCHEDULES = names()
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.bool)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from _models import batches, make_segments, mse, sgd
+from _mutations import accepted, mutate, mutations, trains_exactly
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mutation import accepted, mutate, mutations, trains_exactly
 
 import schedcc
 from schedcc import CostModel, simulate

@@ -121,12 +121,12 @@ def test_a_token_loss_trains_exactly_on_dualpipes_two_replicas(float64):
 
 
 def _distributed_worker(rank: int, world_size: int) -> int:
-    from test_distributed import _init
+    from _ranks import init
 
     from schedcc.backends.distributed.engine import Engine
     from schedcc.backends.local import Engine as LocalEngine
 
-    _init(rank, world_size)  # gloo, float64, one thread
+    init(rank, world_size)  # gloo, float64, one thread
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), data_parallel=2)
     segments = token_loss(2, seed=3).segments
     oracle = copy.deepcopy(segments)

@@ -1,10 +1,11 @@
 """Golden per-stage compute orders of the built-in schedules, compared exactly.
 
-Each file under tests/golden/ holds `collect(schedule).to_text()` (the compute order the schedule
-yields, before the compiler adds comm and updates). They were checked by hand against the papers
-and Megatron-LM (see the schedule modules' docstrings). Regenerating is a manual, reviewed step:
+Each file under tests/schedules/golden/ holds `collect(schedule).to_text()` (the compute order the
+schedule yields, before the compiler adds comm and updates). They were checked by hand against the
+papers and Megatron-LM (see the schedule modules' docstrings). Regenerating is a manual, reviewed
+step:
 
-    .venv/bin/python tests/test_golden.py      # rewrites tests/golden/*.txt; review the diff
+    .venv/bin/python tests/schedules/test_golden.py   # rewrites golden/*.txt; review the diff
 """
 
 from __future__ import annotations
@@ -69,5 +70,5 @@ def _regenerate() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:]:
-        sys.exit("usage: python tests/test_golden.py   (rewrites tests/golden/*.txt)")
+        sys.exit("usage: python tests/schedules/test_golden.py   (rewrites its golden/*.txt)")
     _regenerate()

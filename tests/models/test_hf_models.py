@@ -192,7 +192,7 @@ def test_the_hf_example_trains(cut, capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parent.parent / "examples" / "train_hf_gpt2.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_hf_gpt2.py"
     spec = importlib.util.spec_from_file_location("train_hf_gpt2", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

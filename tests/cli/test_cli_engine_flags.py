@@ -10,7 +10,7 @@ from pathlib import Path
 
 from _cli import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:

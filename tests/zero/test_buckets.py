@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 from _models import batches, make_segments, mse, sgd
+from _ranks import compare, init
 from _tied_models import tied_segments
-from test_distributed import _compare, _init
 
 import schedcc
 from schedcc.backends.local import Engine
@@ -273,10 +273,10 @@ def test_buckets_under_a_weight_delay_and_clipping_change_no_bit():
 
 
 def _bucket_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
-    _compare(rank, "interleaved-1f1b", 2, 2, 1, 1, dp=2, zero=0, bucket_bytes=SMALL)
+    init(rank, world_size)
+    compare(rank, "interleaved-1f1b", 2, 2, 1, 1, dp=2, zero=0, bucket_bytes=SMALL)
     for zero in (1, 2, 3):
-        _compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=zero, bucket_bytes=SMALL)
+        compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=zero, bucket_bytes=SMALL)
     return 0
 
 

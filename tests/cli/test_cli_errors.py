@@ -166,4 +166,3 @@ def test_a_torch_base_class_is_one_line(capsys):
     err = _one_line_exit_2(["verify", "--torch", "PipelineScheduleSingle"], capsys)
     assert "PipelineScheduleSingle is a base class" in err
     assert "Schedule1F1B" in err
-

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 from _models import make_segments
+from _mutations import accepted, mutate, mutations
 from _tied_models import WIDTH, adam, batches, mse, tied_segments
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mutation import accepted, mutate, mutations
 
 import schedcc
 from schedcc.backends.reference import assert_matches_reference

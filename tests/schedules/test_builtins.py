@@ -1,13 +1,15 @@
-"""The built-in schedules: they compile and validate over a grid of shapes, with the expected
-instruction counts, activation peaks and weight versions; interleaved 1F1B equals Megatron-LM's
-order; each configuration rule raises a readable `ScheduleConfigError`."""
+"""The built-in schedules: each is registered, validates and trains exactly over the shapes it
+accepts (the properties every built-in shares, over tests/_builtin_schedules.py's table), with the
+expected instruction counts, activation peaks and weight versions; interleaved 1F1B equals
+Megatron-LM's order; each configuration rule raises a readable `ScheduleConfigError`."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
-from hypothesis import given
+from _builtin_schedules import BUILTINS, names
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import BUILTIN_SCHEDULES, shapes
 
@@ -15,10 +17,12 @@ import schedcc
 from schedcc import Backward, Forward, ScheduleConfigError, WeightVersionError
 from schedcc.costs import CostModel
 from schedcc.passes import collect
+from schedcc.registry import registered_classes
 from schedcc.schedules.interleaved import Interleaved1F1B
 from schedcc.schedules.one_f_one_b import OneFOneB
 from schedcc.schedules.pipedream_2bw import PipeDream2BW
 from schedcc.simulate import simulate
+from schedcc.testing import check_schedule
 
 
 def _peak_activations(ops) -> int:
@@ -29,7 +33,51 @@ def _peak_activations(ops) -> int:
     return peak
 
 
+def test_the_table_names_every_registered_schedule():
+    """tests/_builtin_schedules.py lists each registered class once, under its own name."""
+    classes = set(registered_classes().values())
+    assert {schedcc.get_schedule(name) for name in BUILTIN_SCHEDULES} == classes
+    assert len(BUILTIN_SCHEDULES) == len(classes)
+
+
 @pytest.mark.parametrize("name", BUILTIN_SCHEDULES)
+def test_registered_by_name(name):
+    """Each built-in is found by its name through the entry-point registry."""
+    assert schedcc.get_schedule(name).name == name
+    assert name in schedcc.available_schedules()
+
+
+@pytest.mark.parametrize("builtin", BUILTINS, ids=lambda b: b.name)
+def test_validates_over_the_shapes_it_accepts(builtin):
+    """Each compiles, validates and simulates over random shapes it accepts, with data
+    parallelism and ZeRO-1 too."""
+    cls = schedcc.get_schedule(builtin.name)
+    examples = settings().max_examples
+    stages, microbatches = builtin.validate_bounds
+    check_schedule(
+        cls, max_examples=examples, max_stages=stages, max_microbatches=microbatches,
+        max_chunks=builtin.max_chunks,
+    )  # fmt: skip
+    check_schedule(
+        cls, max_examples=max(3, examples // 3), max_stages=4, max_microbatches=10,
+        max_chunks=builtin.max_chunks, data_parallel=2, zero=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("builtin", BUILTINS, ids=lambda b: b.name)
+def test_trains_like_non_pipelined_over_random_shapes(builtin):
+    """On the local backend in float64, each equals non-pipelined training to 1e-10 over random
+    shapes it accepts (two batches a program at most)."""
+    pytest.importorskip("torch")
+    stages, microbatches = builtin.train_bounds
+    check_schedule(
+        schedcc.get_schedule(builtin.name), max_examples=max(2, settings().max_examples // 5),
+        max_stages=stages, max_microbatches=microbatches, max_chunks=builtin.max_chunks,
+        max_batches=2, numerics=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", names(backward="B", placement="looped"))
 @given(data=st.data())
 def test_builtin_compiles_with_expected_counts(name, data):
     """Each stage runs m * v * batches forwards and backwards and one step per batch, and every
@@ -50,23 +98,25 @@ def test_builtin_compiles_with_expected_counts(name, data):
     assert totals["SA"] == totals["RA"] == totals["SG"] == totals["RG"] == expected
 
 
-@pytest.mark.parametrize("name", BUILTIN_SCHEDULES)
+@pytest.mark.parametrize("builtin", BUILTINS, ids=lambda b: b.name)
+@settings(suppress_health_check=[HealthCheck.filter_too_much])  # v and m >= 2p are drawn, then kept
 @given(data=st.data())
-def test_builtin_reduces_each_chunk_once_per_batch_with_data_parallel(name, data):
+def test_builtin_reduces_each_chunk_once_per_batch_with_data_parallel(builtin, data):
     """With two data-parallel replicas each stage reduces every chunk once per batch."""
-    cls = schedcc.get_schedule(name)
-    shape = data.draw(shapes(cls, max_stages=4, max_microbatches=8))
+    cls = schedcc.get_schedule(builtin.name)
+    shape = data.draw(shapes(cls, max_stages=4, max_microbatches=builtin.train_bounds[1]))
     program = schedcc.compile(shape.build(cls), data_parallel=2)
     for ops in program.stages:
         assert Counter(op.code for op in ops)["Reduce"] == shape.num_chunks * shape.num_batches
 
 
-@pytest.mark.parametrize("name", BUILTIN_SCHEDULES)
+@pytest.mark.parametrize("builtin", BUILTINS, ids=lambda b: b.name)
+@settings(suppress_health_check=[HealthCheck.filter_too_much])  # v and m >= 2p are drawn, then kept
 @given(data=st.data())
-def test_builtin_uses_the_versions_its_weight_delay_says(name, data):
+def test_builtin_uses_the_versions_its_weight_delay_says(builtin, data):
     """A compute of batch b uses version max(0, b - weight_delay) and step n produces n + 1."""
-    cls = schedcc.get_schedule(name)
-    shape = data.draw(shapes(cls, max_stages=4, max_microbatches=8))
+    cls = schedcc.get_schedule(builtin.name)
+    shape = data.draw(shapes(cls, max_stages=4, max_microbatches=builtin.train_bounds[1]))
     program = schedcc.compile(shape.build(cls))
     m, delay = shape.num_microbatches, cls.weight_delay
     for ops, versions in zip(program.stages, program.versions):

@@ -7,7 +7,6 @@ raises, which makes the launch exit non-zero.
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import time
@@ -17,13 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ranks import compare, compare_program, init, optimizer
 from _written import CLASS_A, written
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
-from schedcc.backends.distributed.groups import CommGroup
-from schedcc.backends.distributed.shm import ShmLinks, host_key
-from schedcc.backends.local import Engine as LocalEngine
+from schedcc.backends.distributed.shm import ShmLinks
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import cores_for, spawn
 from schedcc.errors import RankFailure, ScheduleConfigError
@@ -39,61 +37,13 @@ SCHEDULES = [
 ]
 
 
-def _optimizer(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _init(rank: int, world_size: int) -> None:
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
-
-
-def _compare(rank, name, p, v, batches_per_run, steps, dp=1, zero=0, linked=True, **kwargs):
-    """Train one program distributed and locally from the same weights; raise on a difference.
-
-    `linked`: whether neighbouring stages should exchange through shared memory (all ranks run on
-    this machine) rather than gloo.
-    """
-    schedule = schedcc.get_schedule(name)(p, 4, v, batches_per_run)
-    _compare_program(rank, schedule, steps, dp=dp, zero=zero, linked=linked, **kwargs)
-
-
-def _compare_program(rank, schedule, steps, dp=1, zero=0, linked=True, **kwargs):
-    """`_compare` for any schedule (e.g. a hand-written program)."""
-    p, v, m = schedule.num_stages, schedule.num_chunks, schedule.num_microbatches
-    program = schedcc.compile(schedule, data_parallel=dp, zero=zero)
-    segments = models.mlp_segments(p * v, width=8, seed=1)
-    oracle = copy.deepcopy(segments)
-    data = models.TeacherData(width=8, seed=2)
-    batches = [data.batch(2 * m * dp, step) for step in range(steps)]
-    dp_index = rank // p
-    local = [(x.chunk(dp)[dp_index], y.chunk(dp)[dp_index]) for x, y in batches]
-    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=30, **kwargs)
-    losses = list(engine.train(local))
-    peers = {s for op in engine._ops if type(op) is CommGroup for s in op.peers}
-    shm_peers = engine._transfers.shm_peers
-    assert shm_peers == (peers if linked and host_key() else set()), shm_peers
-    replicas = [list(zip(x.chunk(dp), y.chunk(dp))) for x, y in batches] if dp > 1 else batches
-    expected = list(LocalEngine(program, oracle, F.mse_loss, _optimizer).train(replicas))
-    where = f"{schedule!r} dp={dp} zero={zero} rank {rank}"
-    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
-    traced = [op for _, op, _, _ in engine.trace_events()]
-    assert traced == list(program.stages[engine.stage]), where  # each instruction once, in order
-    assert engine.current_instruction is None, where  # between runs it waits on nothing
-    for c in range(v):
-        k = schedule.segment_of(engine.stage, c)
-        for got, want in zip(segments[k].parameters(), oracle[k].parameters()):
-            assert torch.allclose(got, want, rtol=0, atol=1e-12), (where, k)
-
-
 def _pipeline_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     for case in SCHEDULES:
-        _compare(rank, *case)
+        compare(rank, *case)
     # the same over gloo, and a pair where only one side offers shared memory (it uses gloo)
-    _compare(rank, "interleaved-1f1b", 2, 2, 1, 2, linked=False, p2p="gloo")
-    _compare(rank, "1f1b", 2, 1, 1, 2, linked=False, p2p="shm" if rank == 0 else "gloo")
+    compare(rank, "interleaved-1f1b", 2, 2, 1, 2, linked=False, p2p="gloo")
+    compare(rank, "1f1b", 2, 1, 1, 2, linked=False, p2p="shm" if rank == 0 else "gloo")
     _linking_fails(rank)
     return 0
 
@@ -108,7 +58,7 @@ def _linking_fails(rank: int) -> None:
     ShmLinks.connect = classmethod(refuse)
     try:
         program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
-        engine = Engine(program, models.mlp_segments(2, width=8, seed=1), F.mse_loss, _optimizer)
+        engine = Engine(program, models.mlp_segments(2, width=8, seed=1), F.mse_loss, optimizer)
         x, y = models.TeacherData(width=8, seed=2).batch(4, 0)
         expected = f"rank {rank} \\(stage {rank}\\) could not link with its peers on this machine"
         with pytest.raises(RankFailure, match=f"{expected}: linking refused"):
@@ -118,9 +68,9 @@ def _linking_fails(rank: int) -> None:
 
 
 def _written_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
-    _compare_program(rank, written(*CLASS_A), 2)  # shared memory
-    _compare_program(rank, written(*CLASS_A), 2, linked=False, p2p="gloo")  # gloo p2p
+    init(rank, world_size)
+    compare_program(rank, written(*CLASS_A), 2)  # shared memory
+    compare_program(rank, written(*CLASS_A), 2, linked=False, p2p="gloo")  # gloo p2p
     return 0
 
 
@@ -131,14 +81,14 @@ def test_a_comm_group_that_receives_before_it_sends_equals_local():
 
 
 def _data_parallel_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    _compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=0)  # the engine builds its own mesh
-    _compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=1, mesh=mesh)
+    compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=0)  # the engine builds its own mesh
+    compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=1, mesh=mesh)
     groups = {"pp_group": mesh.get_group("pp"), "dp_group": mesh.get_group("dp")}
-    _compare(rank, "gpipe", 2, 1, 1, 2, dp=2, zero=1, **groups)  # Megatron-style groups
+    compare(rank, "gpipe", 2, 1, 1, 2, dp=2, zero=1, **groups)  # Megatron-style groups
     return 0
 
 
@@ -148,9 +98,9 @@ def test_distributed_equals_local_for_every_schedule():
 
 
 def _three_stage_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     for name, v, per_run in (("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("zb-v", 2, 1)):
-        _compare(rank, name, 3, v, per_run, 2)
+        compare(rank, name, 3, v, per_run, 2)
     return 0
 
 
@@ -172,7 +122,7 @@ def _dying_worker(rank: int, world_size: int, p2p: str) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=5))
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), data_parallel=2)
     segments = models.mlp_segments(2, width=8)
-    engine = Engine(program, segments, F.mse_loss, _optimizer, timeout=5, p2p=p2p)
+    engine = Engine(program, segments, F.mse_loss, optimizer, timeout=5, p2p=p2p)
     data = models.TeacherData(width=8)
     if rank == 3:
         calls = []
@@ -245,9 +195,9 @@ def test_bound_ranks_each_get_their_own_cores():
 def _uneven_batch_worker(rank: int, world_size: int) -> int:
     """Every rank, whether or not its stage reads the inputs or the targets, refuses a batch that
     does not split into m microbatches, before any exchange (so none waits on another)."""
-    _init(rank, world_size)
+    init(rank, world_size)
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
-    engine = Engine(program, models.mlp_segments(2, width=8), F.mse_loss, _optimizer, timeout=5)
+    engine = Engine(program, models.mlp_segments(2, width=8), F.mse_loss, optimizer, timeout=5)
     x, y = models.TeacherData(width=8).batch(6, 0)
     with pytest.raises(ScheduleConfigError, match="batch 0: 6 samples cannot be split into m=4"):
         engine.train_step(x, y)

@@ -14,7 +14,7 @@ import pytest
 
 from schedcc.backends.run.launch import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 

@@ -11,7 +11,7 @@ from _cli import run_cli
 
 from schedcc.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

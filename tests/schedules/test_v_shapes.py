@@ -4,11 +4,10 @@ and hold a half and a third of zb-v's activations, as their docstrings say."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import schedcc
-from schedcc.testing import check_schedule
 
 NAMES = ("v-half", "v-min")
 #: The most chunk activations a stage holds, by schedule, for p stages (module docstring).
@@ -18,22 +17,6 @@ BOUND = {"v-half": lambda p: 2 * (p // 2) + 2, "v-min": lambda p: 2 * ((p + 1) /
 def _peak(name, p, m):
     program = schedcc.compile(schedcc.get_schedule(name)(p, m))
     return max(schedcc.simulate(program).peak_activations)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_registered_by_name(name):
-    """Each is found by name through the entry-point registry."""
-    assert schedcc.get_schedule(name).name == name
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_validates_over_the_shapes_it_accepts(name):
-    """Each compiles, validates and simulates over random shapes it accepts (two chunks)."""
-    examples = settings().max_examples
-    check_schedule(
-        schedcc.get_schedule(name), max_examples=examples, max_stages=8, max_microbatches=20,
-        max_chunks=2,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)

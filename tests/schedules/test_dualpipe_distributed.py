@@ -2,7 +2,7 @@
 overlapped pairs run as forward then backward on each rank; under dualpipe microbatches enter at
 both ends, each rank trains both of its mirrored segments and the copies' gradients are summed
 across the ranks. Training equals the local backend exactly (which equals non-pipelined training,
-tests/test_dualpipe.py)."""
+tests/schedules/test_dualpipe.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from test_distributed import _compare as _compare_built_in
-from test_distributed import _init, _optimizer
+from _ranks import compare as compare_built_in
+from _ranks import init, optimizer
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
@@ -33,17 +33,17 @@ def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwar
     oracle = copy.deepcopy(segments)
     data = models.TeacherData(width=8, seed=2)
     batches = [data.batch(2 * m, step) for step in range(2 * batches_per_run)]
-    engine = Engine(program, segments, loss_fn, _optimizer, timeout=60, **kwargs)
+    engine = Engine(program, segments, loss_fn, optimizer, timeout=60, **kwargs)
     losses = list(engine.train(batches))
-    expected = list(LocalEngine(program, oracle, loss_fn, _optimizer).train(batches))
+    expected = list(LocalEngine(program, oracle, loss_fn, optimizer).train(batches))
     where = f"{schedule!r} rank {rank}"
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
     assert engine.evaluate(*batches[0]) == LocalEngine(
-        program, copy.deepcopy(oracle), loss_fn, _optimizer
+        program, copy.deepcopy(oracle), loss_fn, optimizer
     ).evaluate(*batches[0]), where
     predicted = engine.predict(batches[0][0])  # both replicas' outputs, on segment 2p-1's stage
     if engine.stage == schedule.placement(schedule.num_segments - 1)[0]:
-        want = LocalEngine(program, copy.deepcopy(oracle), loss_fn, _optimizer).predict(
+        want = LocalEngine(program, copy.deepcopy(oracle), loss_fn, optimizer).predict(
             batches[0][0]
         )
         assert torch.allclose(predicted, want, rtol=0, atol=1e-12), where
@@ -56,9 +56,9 @@ def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwar
 
 
 def _worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
-    _compare_built_in(rank, "dualpipe-v", 2, 2, 1, 2)
-    _compare_built_in(rank, "dualpipe-v", 2, 2, 2, 2, linked=False, p2p="gloo")
+    init(rank, world_size)
+    compare_built_in(rank, "dualpipe-v", 2, 2, 1, 2)
+    compare_built_in(rank, "dualpipe-v", 2, 2, 2, 2, linked=False, p2p="gloo")
     _compare(rank, 4, 1)
     _compare(rank, 6, 2, p2p="gloo")
     _compare(rank, 4, 2, loss_fn=_masked_sum)

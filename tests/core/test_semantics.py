@@ -32,7 +32,7 @@ from schedcc import (
 from schedcc.ir import RECEIVES, SENDS, Comm, Compute, parse
 from schedcc.semantics import Tensors, match_comm, version_used
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _zb_h1_order(text: str, p: int = 2, m: int = 4) -> OrderSchedule:

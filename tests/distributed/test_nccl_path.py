@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ranks import init
 from _written import CLASS_A, written
-from test_distributed import _init
 from torch import nn
 
 import schedcc
@@ -87,7 +87,7 @@ def _train_and_compare(rank: int, schedule, *, steps: int = 3, **kwargs) -> Engi
 
 
 def _built_ins_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     for cls in BUILT_INS:
         for shape in _shapes(cls, world_size):
             _train_and_compare(rank, shape.build(cls))
@@ -102,7 +102,7 @@ def test_every_built_in_trains_exactly_on_the_nccl_path(p):
 
 
 def _hung_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     if world_size == 2:
         _train_and_compare(rank, written(*CLASS_A), steps=2)
     else:
@@ -118,7 +118,7 @@ def test_programs_that_hung_the_comm_group_rounds_train(p):
 
 
 def _syncs_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     schedule = schedcc.get_schedule("1f1b")(2, 4)
     program = schedcc.compile(schedule)
     engine = Engine(
@@ -157,7 +157,7 @@ class _Trim(nn.Module):
 
 
 def _valued_worker(rank: int, world_size: int, dynamic: bool) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     schedule = schedcc.get_schedule("gpipe")(2, 2)
     program = schedcc.compile(schedule)
     torch.manual_seed(3)
@@ -192,7 +192,7 @@ def test_a_boundary_whose_values_decide_its_shapes(dynamic):
 
 
 def _refusal_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
     with pytest.raises(ScheduleConfigError, match="p2p must be one of"):
         Engine(program, models.mlp_segments(2, width=WIDTH), F.mse_loss, _sgd, p2p="mpi")
@@ -206,7 +206,7 @@ def test_an_unknown_transport_is_refused():
 
 
 def _lane_worker(rank: int, world_size: int) -> int:
-    _init(rank, world_size)
+    init(rank, world_size)
     from schedcc.backends.distributed.links import DATA, LinkIO, Links
 
     program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))

@@ -18,83 +18,21 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _models import batches, make_segments, mse
+from _models import make_segments
+from _mutations import KINDS, accepted, adam, mutate, mutations, program_data, trains_exactly
 from _orders import OrderSchedule, random_orders
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import schedcc
-from schedcc import GatherParams, OptimizerStep, Program, ReduceGrads, ScheduleError, validate
-from schedcc.backends.reference import assert_matches_reference
+from schedcc import Program, ScheduleError
 
-_KINDS = ("drop", "duplicate", "swap", "move", "cross", "update")
 _SMALL = {"max_stages": 3, "max_microbatches": 4, "max_chunks": 2}
 _PARALLEL = st.sampled_from([(1, 0), (2, 0), (2, 1), (2, 2)])
 _BUILTINS = st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "2bw"])
 #: Mutants are cheap and the point is to try many: four times the profile's examples (ci 100 per
 #: property, dev 800).
 _MANY = settings(max_examples=4 * settings().max_examples)
-
-
-@st.composite
-def mutations(draw, max_count: int = 3):
-    """A list of (kind, stage, position, other) with the last three as fractions in [0, 1)."""
-    unit = st.floats(0, 1, exclude_max=True)
-    edit = st.tuples(st.sampled_from(_KINDS), unit, unit, unit, unit)
-    return draw(st.lists(edit, min_size=1, max_size=max_count))
-
-
-def mutate(stages, edits, num_chunks: int) -> tuple[tuple, ...]:
-    """`stages` with the edits applied (an edit that finds an empty stage does nothing)."""
-    out = [list(ops) for ops in stages]
-    for kind, at_stage, at, other, where in edits:
-        ops = out[int(at_stage * len(out))]
-        if kind == "update":
-            chunk = int(other * num_chunks)
-            op = (ReduceGrads(chunk), OptimizerStep(), GatherParams(chunk))[int(where * 3)]
-            ops.insert(int(at * (len(ops) + 1)), op)
-            continue
-        if not ops:
-            continue
-        j, k = int(at * len(ops)), int(other * len(ops))
-        if kind == "drop":
-            del ops[j]
-        elif kind == "duplicate":
-            ops.insert(k, ops[j])
-        elif kind == "swap":
-            ops[j], ops[k] = ops[k], ops[j]
-        elif kind == "move":
-            ops.insert(k, ops.pop(j))
-        else:  # cross: to another stage
-            target = out[int(where * len(out))]
-            target.insert(int(other * (len(target) + 1)), ops.pop(j))
-    return tuple(tuple(ops) for ops in out)
-
-
-def _data(program: Program, seed: int = 1):
-    """Two program runs' worth of float64 batches, evenly split over microbatches and replicas."""
-    schedule = program.schedule
-    size = 2 * schedule.num_microbatches * program.data_parallel
-    return batches(2 * schedule.num_batches, size, seed=seed)
-
-
-def _adam(params):
-    return torch.optim.Adam(params, lr=0.05)
-
-
-def trains_exactly(program: Program) -> None:
-    """The local backend trains `program` to the numbers of non-pipelined training (float64)."""
-    segments = make_segments(program.schedule.num_segments, seed=3)
-    assert_matches_reference(program, segments, mse, _adam, _data(program))
-
-
-def accepted(program: Program) -> bool:
-    """Whether the validator accepts `program`; any error but a `ScheduleError` propagates."""
-    try:
-        validate(program)
-    except ScheduleError:
-        return False
-    return True
 
 
 @_MANY
@@ -171,7 +109,7 @@ def accepted_mutants(count: int, seed: int) -> list[Program]:
         name, p, m, v, dp, zero = rng.choice(_GLOO_BASES)
         base = schedcc.compile(schedcc.get_schedule(name)(p, m, v), data_parallel=dp, zero=zero)
         edits = [
-            (rng.choice(_KINDS), rng.random(), rng.random(), rng.random(), rng.random())
+            (rng.choice(KINDS), rng.random(), rng.random(), rng.random(), rng.random())
             for _ in range(rng.randint(1, 2))
         ]
         mutated = base.evolve(stages=mutate(base.stages, edits, v))
@@ -190,10 +128,10 @@ def _gloo_rank(rank: int, world_size: int, count: int, seed: int) -> None:
         for p2p in ("shm", "gloo", "nccl"):  # nccl: its semantics emulated on gloo
             segments = make_segments(program.schedule.num_segments, seed=3)
             oracle = copy.deepcopy(segments)
-            data = _data(program)
-            engine = Engine(program, segments, F.mse_loss, _adam, timeout=60, p2p=p2p)
+            data = program_data(program)
+            engine = Engine(program, segments, F.mse_loss, adam, timeout=60, p2p=p2p)
             got = list(engine.train(data))
-            want = list(LocalEngine(program, oracle, F.mse_loss, _adam).train(data))
+            want = list(LocalEngine(program, oracle, F.mse_loss, adam).train(data))
             where = f"program {number} (p2p={p2p}):\n{program.to_text()}"
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12, where
             for s, c in ((engine.stage, c) for c in range(program.schedule.num_chunks)):

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import batches, make_segments, mse, sgd
+from _mutations import accepted, mutate, mutations, trains_exactly
 from hypothesis import given
 from hypothesis import strategies as st
-from test_mutation import accepted, mutate, mutations, trains_exactly
 from torch import nn
 
 import schedcc

@@ -18,7 +18,7 @@ from schedcc.backends.run.models import RunModel
 from schedcc.backends.runtime.tied import tied_groups
 from schedcc.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "char_lm.py"
 
 

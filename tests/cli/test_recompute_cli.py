@@ -11,7 +11,7 @@ from pathlib import Path
 
 from schedcc.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_verify_checks_the_recomputing_programs(capsys):

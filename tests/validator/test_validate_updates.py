@@ -1,4 +1,4 @@
-"""The validator's update-instruction rules (issue 16's classes B, C and D): a program whose
+"""The validator's update-instruction rules: a program whose
 Reduce, Step or Gather would train wrong numbers or crash mid-step is refused before it runs.
 
 Each program below is hand-written (the schedule yields every instruction, so the compiler
@@ -42,7 +42,7 @@ def written(*texts: str, num_microbatches: int = 1, num_batches: int = 1) -> Wri
     return cls(len(texts), num_microbatches, num_batches=num_batches)
 
 
-#: Issue 16, class A: stage 0's comm group [RG0 SA0] is posted whole (rendezvous): valid.
+#: Class A: stage 0's comm group [RG0 SA0] is posted whole (rendezvous): valid.
 CLASS_A = ("F0 RG0 SA0 B0 Step", "RA0 F0 B0 SG0 Step")
 #: Class B (zero=1): stage 0 gathers before its step, so its step is never gathered.
 CLASS_B = ("F0 SA0 RG0 B0 Reduce Gather Step", "RA0 F0 B0 SG0 Reduce Step Gather")
@@ -69,9 +69,10 @@ def test_class_a_rendezvous_group_is_accepted():
     ],
     ids=["B", "C", "D"],
 )
-def test_issue_16_update_classes_are_refused(texts, zero, error, says):
-    """Classes B, C and D of issue 16 (accepted before, then wrong numbers or a crash at run
-    time) are refused by compile with the rule's own error, naming what to change."""
+def test_misplaced_updates_are_refused(texts, zero, error, says):
+    """Three misplaced-update programs (B: a Gather before its chunk's Step; C: a Gather
+    without ZeRO; D: a Gather between a forward and its backward) are refused by compile with the
+    rule's own error, naming what to change."""
     with pytest.raises(error, match=re.escape(says)) as info:
         schedcc.compile(written(*texts), zero=zero)
     assert isinstance(info.value, ScheduleError)
