@@ -48,7 +48,7 @@ from schedcc.ir import (
     Unshard,
 )
 from schedcc.losses import TokenLoss
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule

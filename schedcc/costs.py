@@ -31,7 +31,7 @@ from schedcc.ir import (
     Recompute,
     parse,
 )
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 
 __all__ = [
     "ALL_KINDS",
@@ -143,7 +143,7 @@ class CostModel:
             pair costs its longer half) and none (1: `F + B`); measure yours and set it.
         release: a `Reshard` (ZeRO-3 dropping a chunk's gathered parameters).
         recompute: a `Recompute` (None: the same as this model's `forward`).
-        memory: bytes per segment (`schedcc.memory.MemoryModel`), for `Timeline.peak_bytes`
+        memory: bytes per segment (`schedcc.MemoryModel`), for `Timeline.peak_bytes`
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.

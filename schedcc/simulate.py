@@ -30,22 +30,25 @@ import attrs
 from schedcc._gc import paused_gc
 from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
-from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
-from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, stage_held
+from schedcc.ir import COMPUTE, Compute, Instruction
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.semantics import (
+    StageBytes,
     Steps,
     Tensors,
     Walk,
-    held_bytes,
+    critical_steps,
     peak_activations,
+    peak_live_versions,
     reference_walk,
-    rule_versions,
+    stage_peak,
     step_model,
     tensors_of,
     versions_of,
     walk,
 )
+from schedcc.semantics.stage_bytes import peak_activation_bytes
 from schedcc.simulate_eager import eager_spans
 from schedcc.validate import ensure_valid
 
@@ -144,7 +147,7 @@ class Timeline:
     @cached_property
     def peak_activations(self) -> tuple[int, ...]:
         """Per stage, the most microbatch activations held at once: each from its F to its last
-        backward piece, B or W (`schedcc.semantics.memory`, the validator's count); none in a
+        backward piece, B or W (`schedcc.semantics.activations`, the validator's count); none in a
         forward-only program, whose forwards keep nothing for a backward."""
         if self.program.forward_only:
             return (0,) * self.num_stages
@@ -155,24 +158,17 @@ class Timeline:
         """Per stage, the most activation bytes held at once: `peak_activations` weighted by
         each segment's `costs.memory.activations`, plus the inputs recomputed forwards keep
         until their `Recompute` (what the engines' `peak_activation_bytes` measure; [Note:
-        bytes per stage] in `schedcc.memory`).
+        bytes per stage] in `schedcc.semantics.stage_bytes`).
 
         Raises:
             ScheduleConfigError: the cost model has no `memory`.
         """
         memory = self._memory()
-        if self.program.forward_only:
-            return (0.0,) * self.num_stages
-        peaks = []
-        for s, ops in enumerate(self.program.stages):
-            sizes = chunk_sizes(self.program, memory, s, "activations")
-            inputs = chunk_sizes(self.program, memory, s, "inputs")
-            peaks.append(max(held_bytes(ops, sizes, inputs), default=0.0))
-        return tuple(peaks)
+        return tuple(peak_activation_bytes(self.program, memory, s) for s in range(self.num_stages))
 
     @cached_property
     def stage_bytes(self) -> tuple[StageBytes, ...]:
-        """Per stage, the bytes it holds by kind (`schedcc.memory.StageBytes`): the most
+        """Per stage, the bytes it holds by kind (`schedcc.semantics.StageBytes`): the most
         activations (as `peak_activation_bytes`), parameters (whole, or ZeRO shards: under
         ZeRO-3 whole only from a chunk's `Unshard` to its `Reshard`), 2BW's stashed weight
         copies (one per version its computes still use), gradients (shards after a ZeRO
@@ -183,11 +179,7 @@ class Timeline:
             ScheduleConfigError: the cost model has no `memory`.
         """
         memory = self._memory()
-        rows = rule_versions(self.program)
-        return tuple(
-            stage_held(self.program, memory, s, ops, row)[2]
-            for s, (ops, row) in enumerate(zip(self.program.stages, rows))
-        )
+        return tuple(stage_peak(self.program, memory, s) for s in range(self.num_stages))
 
     @property
     def peak_bytes(self) -> tuple[float, ...]:
@@ -208,11 +200,8 @@ class Timeline:
 
     @cached_property
     def peak_versions(self) -> tuple[int, ...]:
-        """Per stage, the most weight versions held at once.
-
-        Version 0 is live from the start and version n from the n-th optimizer step; a version
-        stays live while it is the newest or until its last use by a compute on the stage.
-        """
+        """Per stage, the most weight versions held at once
+        (`schedcc.semantics.versions.peak_live_versions`)."""
         program = self.program
         versions = program.versions
         if versions is None:
@@ -229,7 +218,12 @@ class Timeline:
         """
         if self._run is None:
             return ()
-        return _critical_path(self.program.stages, self._run)
+        stages, run = self.program.stages, self._run
+        return tuple(
+            Event(s, stages[s][pos], run.walk.start[s][j], run.walk.end[s][j])
+            for s, j in critical_steps(run.steps, run.partner, run.walk)
+            for pos in range(*run.steps.bounds[s][j])
+        )
 
     def summary(self) -> str:
         """One line: makespan, bubble and peak activations per stage."""
@@ -239,7 +233,7 @@ class Timeline:
             f"peak activations per stage [{peaks}], peak weight versions {max(self.peak_versions)}"
         )
 
-    # -- drawing (schedcc.draw) -----------------------------------------------------------------
+    # -- exporters: each drawn by its module in schedcc.draw --------------------------------------
 
     def to_ascii(self, *, width: int | None = None, color: bool | None = None) -> str:
         """A row per stage, one column per time unit (scaled to `width`); see `schedcc.draw`."""
@@ -255,49 +249,9 @@ class Timeline:
 
     def to_chrome_trace(self, path: str | PathLike) -> Path:
         """Trace Event Format JSON (opens in Perfetto / chrome://tracing)."""
-        from schedcc.draw.chrome import comm_flows, write_chrome_trace
+        from schedcc.draw.chrome import save
 
-        flows = comm_flows(self.program, self.events)
-        return write_chrome_trace(self.events, path, flows=flows, metadata=_meta(self))
-
-
-def peak_live_versions(ops, row) -> int:
-    """The most weight versions one stage holds at once (`Timeline.peak_versions`), from its
-    program and the version of each position (`row`)."""
-    born = {0: -1}
-    last_use: dict[int, int] = {}
-    for pos, op in enumerate(ops):
-        version = row[pos]
-        if version is None:
-            continue
-        if type(op) is OptimizerStep:
-            born[version] = pos
-        else:
-            last_use[version] = pos
-    deltas: dict[int, int] = {}
-    for version, birth in born.items():
-        newer = born.get(version + 1, len(ops))
-        death = max(last_use.get(version, birth) + 1, newer)
-        deltas[birth] = deltas.get(birth, 0) + 1
-        deltas[death] = deltas.get(death, 0) - 1
-    live = peak = 0
-    for pos in sorted(deltas):
-        live += deltas[pos]
-        peak = max(peak, live)
-    return peak
-
-
-def _meta(timeline: Timeline) -> dict:
-    schedule = timeline.program.schedule
-    return {
-        "schedule": schedule.name or type(schedule).__name__,
-        "num_stages": schedule.num_stages,
-        "num_microbatches": schedule.num_microbatches,
-        "num_chunks": schedule.num_chunks,
-        "num_batches": schedule.num_batches,
-        "makespan": timeline.makespan,
-        "bubble_fraction": timeline.bubble_fraction,
-    }
+        return save(self, path)
 
 
 def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = False) -> Timeline:
@@ -401,35 +355,3 @@ def _stage_busy(ops, run: _Run, s: int) -> float:
         for j, (lo, _) in enumerate(run.steps.bounds[s])
         if isinstance(ops[lo], Compute)
     )
-
-
-def _critical_path(stages, run: _Run) -> tuple[Event, ...]:
-    """Walk back from the step that ends last, always through the event that set each start."""
-    steps, partner, walked = run.steps, run.partner, run.walk
-    if not any(steps.bounds):
-        return ()
-    ends = [row[-1] if row else 0.0 for row in walked.end]
-    s = max(range(len(ends)), key=lambda t: (ends[t], -t))
-    j = len(steps.bounds[s]) - 1
-    path: list[Event] = []
-    at_done = True  # False: we reached this group at its posted event, through a partner
-    while j >= 0:
-        lo, hi = steps.bounds[s][j]
-        start, end = walked.start[s][j], walked.end[s][j]
-        path.extend(Event(s, stages[s][pos], start, end) for pos in reversed(range(lo, hi)))
-        if at_done and steps.is_group[s][j]:
-            best = None
-            for pos in range(lo, hi):
-                ps, ppos = partner[s][pos]
-                pstep = steps.step_at[ps][ppos]
-                posted = walked.start[ps][pstep]
-                if posted > start and (best is None or posted > walked.start[best[0]][best[1]]):
-                    best = (ps, pstep)
-            if best is not None:
-                s, j = best
-                at_done = False
-                continue
-        at_done = True
-        j -= 1
-    path.reverse()
-    return tuple(path)

@@ -28,7 +28,6 @@ from schedcc.compiler import compile
 from schedcc.costs import FIELD_OF_CODE, CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import COMPUTE, Recompute
-from schedcc.memory import parse_size
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.schedule import (
     Schedule,
@@ -38,6 +37,7 @@ from schedcc.schedule import (
     uses_chunks,
 )
 from schedcc.simulate import simulate
+from schedcc.sizes import parse_size
 
 __all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
 

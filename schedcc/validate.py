@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError, ScheduleError
-from schedcc.memory import MemoryModel, parse_size
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.rules import Context, Problem, Rule
 from schedcc.rules.bytes import check_bytes
@@ -33,6 +33,7 @@ from schedcc.rules.updates import (
     check_update_window,
     check_versions,
 )
+from schedcc.sizes import parse_size
 
 __all__ = ["RULES", "ensure_valid", "render_grid", "validate"]
 
@@ -77,7 +78,7 @@ def validate(
         max_activations: also check that no stage holds more microbatch activations than this.
         max_bytes: also check that no stage holds more bytes than this (a number or a size
             such as "12GiB"), counted with `memory` ([Note: bytes per stage] in
-            `schedcc.memory`).
+            `schedcc.semantics.stage_bytes`).
         memory: the `MemoryModel` that `max_bytes` counts with.
 
     Raises:

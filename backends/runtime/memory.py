@@ -19,7 +19,7 @@ from torch import nn
 
 from schedcc.backends.runtime.values import flatten
 from schedcc.errors import call_user, name_of
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 
 __all__ = ["SavedBytes", "measure_memory", "signature"]
 
@@ -81,7 +81,7 @@ def measure_memory(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
 ) -> MemoryModel:
-    """The `schedcc.memory.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
+    """The `schedcc.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
 
     Runs one microbatch through the segments in model order, counting what each forward saves
     for its backward as the engines do (the last segment's with `loss_fn`), the bytes of each

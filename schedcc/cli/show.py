@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from schedcc.cli import args as shared
-from schedcc.cli import memory as memory_args
+from schedcc.cli import memory_flags
 from schedcc.compiler import compile
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
@@ -62,7 +62,7 @@ def register(subparsers) -> None:
         action="store_true",
         help="draw the forward-only program evaluation runs (compile(..., forward_only=True))",
     )
-    memory_args.add_memory(
+    memory_flags.add_memory(
         parser,
         recompute_help="recompute every forward before its backward (compile(..., recompute=True))",
     )
@@ -110,7 +110,7 @@ def run(args) -> int:
         forward_only=args.forward_only,
         recompute=args.recompute,
     )
-    costs = memory_args.with_memory(args.costs, args.memory)
+    costs = memory_flags.with_memory(args.costs, args.memory)
     timeline = simulate(program, costs, eager=args.eager)
     if not math.isfinite(timeline.makespan):
         raise ScheduleConfigError(
@@ -145,5 +145,5 @@ def run(args) -> int:
         print(f"wrote {output}")
     print(timeline.summary())
     if args.memory is not None:
-        print(memory_args.bytes_line(timeline.peak_bytes))
+        print(memory_flags.bytes_line(timeline.peak_bytes))
     return 0

@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 from schedcc.cli import args as shared
-from schedcc.cli import memory as memory_args
+from schedcc.cli import memory_flags
 from schedcc.costs import CostModel, cost_fields
-from schedcc.memory import format_size
 from schedcc.registry import get_schedule, registered_classes
+from schedcc.sizes import format_size
 from schedcc.tune import TuneResult, tune
 
 __all__ = ["register", "run"]
@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     shared.add_stages(parser, required=True)
     shared.add_microbatches(parser, default=[8], many=True)
     shared.add_chunks(parser, default=[1, 2], many=True)
-    memory_args.add_memory(
+    memory_flags.add_memory(
         parser,
         limit=True,
         recompute_help="also rank every shape with full recomputation (compile(..., "
@@ -65,8 +65,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks))
-    memory_args.check_limit(args.memory_limit, args.memory)
-    costs = memory_args.with_memory(_costs(args.costs, args.costs_from), args.memory)
+    memory_flags.check_limit(args.memory_limit, args.memory)
+    costs = memory_flags.with_memory(_costs(args.costs, args.costs_from), args.memory)
     result = tune(
         _with_registered(args.schedule) if args.schedule else None,
         num_stages=args.num_stages,

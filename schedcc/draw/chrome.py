@@ -19,7 +19,7 @@ from pathlib import Path
 
 from schedcc.ir import SENDS, Comm, Instruction
 
-__all__ = ["chrome_trace", "comm_flows", "write_chrome_trace"]
+__all__ = ["chrome_trace", "comm_flows", "save", "write_chrome_trace"]
 
 _CATEGORY = {"compute": "compute", "comm": "comm", "update": "update"}
 
@@ -109,6 +109,27 @@ def write_chrome_trace(
     trace = chrome_trace(events, flows=flows, metadata=metadata, unit_us=unit_us)
     path.write_text(json.dumps(trace, separators=(",", ":")))
     return path
+
+
+def save(timeline, path: str | PathLike) -> Path:
+    """Write `timeline`'s trace to `path` (`Timeline.to_chrome_trace`): its events, an arrow
+    from each send to its receive, and the schedule's shape, makespan and bubble as metadata.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    schedule = timeline.program.schedule
+    metadata = {
+        "schedule": schedule.name or type(schedule).__name__,
+        "num_stages": schedule.num_stages,
+        "num_microbatches": schedule.num_microbatches,
+        "num_chunks": schedule.num_chunks,
+        "num_batches": schedule.num_batches,
+        "makespan": timeline.makespan,
+        "bubble_fraction": timeline.bubble_fraction,
+    }
+    flows = comm_flows(timeline.program, timeline.events)
+    return write_chrome_trace(timeline.events, path, flows=flows, metadata=metadata)
 
 
 def comm_flows(program, events: Iterable[EventLike]) -> list[tuple[EventLike, EventLike]]:

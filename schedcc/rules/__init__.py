@@ -15,7 +15,7 @@ import attrs
 
 from schedcc.errors import ScheduleError
 from schedcc.ir import COMM, Instruction
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.semantics import CommProblem, StepModel, step_model, tensors_of
 

@@ -9,16 +9,18 @@ simulators and the backends all call it, so they agree by construction (docs/des
   comm op carries, on which channel (`Tensors`, `Route`, `comm_route`, `decode`);
 - `channels`: sends paired with receives, FIFO per channel (`match_comm`);
 - `steps`: programs cut into steps and one walk of the step model's events (`Steps`, `walk`,
-  `Walk`, `wait_for_cycle`): deadlock freedom and timing;
-- `versions`: the weight-version rule (`version_used`, `kept_versions`, `stashes`);
-- `memory`: activation counting (`HELD`, `held_changes`, `peak_activations`, `first_over`);
+  `Walk`, `wait_for_cycle`, `critical_steps`): deadlock freedom and timing;
+- `versions`: the weight-version rule (`version_used`, `kept_versions`, `stashes`,
+  `peak_live_versions`);
+- `activations`: activation counting (`HELD`, `held_changes`, `peak_activations`, `first_over`,
+  `held_bytes`);
+- `stage_bytes`: the bytes a stage holds by kind under a `MemoryModel` (`stage_held`,
+  `stage_peak`, `StageBytes`);
 - `model`: those facts of one program, made once and kept with it (`step_model`);
 - `graph`: the program as a networkx DAG (`build_graph`, for `Program.graph`).
 """
 
-from schedcc.semantics.channels import CommProblem, match_comm
-from schedcc.semantics.layout import Layout
-from schedcc.semantics.memory import (
+from schedcc.semantics.activations import (
     HELD,
     first_over,
     held_bytes,
@@ -26,6 +28,8 @@ from schedcc.semantics.memory import (
     peak_activations,
     recomputed,
 )
+from schedcc.semantics.channels import CommProblem, match_comm
+from schedcc.semantics.layout import Layout
 from schedcc.semantics.model import (
     STAGE_CACHES,
     UNIT_COSTS,
@@ -36,7 +40,8 @@ from schedcc.semantics.model import (
     tensors_of,
     unit_durations,
 )
-from schedcc.semantics.steps import Steps, Walk, wait_for_cycle, walk
+from schedcc.semantics.stage_bytes import StageBytes, stage_held, stage_peak
+from schedcc.semantics.steps import Steps, Walk, critical_steps, wait_for_cycle, walk
 from schedcc.semantics.tensors import (
     CommUse,
     ComputeUse,
@@ -46,7 +51,13 @@ from schedcc.semantics.tensors import (
     comm_route,
     decode,
 )
-from schedcc.semantics.versions import kept_versions, stashes, version_used, versions_of
+from schedcc.semantics.versions import (
+    kept_versions,
+    peak_live_versions,
+    stashes,
+    version_used,
+    versions_of,
+)
 
 __all__ = [
     "HELD",
@@ -57,12 +68,14 @@ __all__ = [
     "ComputeUse",
     "Layout",
     "Route",
+    "StageBytes",
     "StepModel",
     "Steps",
     "TensorId",
     "Tensors",
     "Walk",
     "comm_route",
+    "critical_steps",
     "decode",
     "first_over",
     "held_bytes",
@@ -70,9 +83,12 @@ __all__ = [
     "kept_versions",
     "match_comm",
     "peak_activations",
+    "peak_live_versions",
     "recomputed",
     "reference_walk",
     "rule_versions",
+    "stage_held",
+    "stage_peak",
     "stashes",
     "step_model",
     "tensors_of",

@@ -19,7 +19,7 @@ import attrs
 
 from schedcc.ir import COMM, Instruction
 
-__all__ = ["Links", "Steps", "Walk", "links_of", "wait_for_cycle", "walk"]
+__all__ = ["Links", "Steps", "Walk", "critical_steps", "links_of", "wait_for_cycle", "walk"]
 
 #: `links[s][j]`: for a comm group, the flat indices of its partner groups; None otherwise.
 Links = tuple[tuple[tuple[int, ...] | None, ...], ...]
@@ -207,6 +207,45 @@ def walk(
         tuple(tuple(end[offset[s] : offset[s + 1]]) for s in range(num_stages)),
         {s: (cursor[s], *_stage_step(offset, blocked[s])) for s in sorted(blocked)},
     )
+
+
+def critical_steps(
+    steps: Steps, partner: Sequence[Sequence[tuple[int, int] | None]], walked: Walk
+) -> list[tuple[int, int]]:
+    """`(stage, step)` of a chain of steps, in time order, from time 0 to the end of `walked`
+    with no slack.
+
+    Walking back from the step that ends last, each step's start was set by the one before it:
+    the previous step on its stage, or the partner group its comm group waited for (reached at
+    that group's posted time, so the chain goes on from its stage's step before it).
+    """
+    if not any(steps.bounds):
+        return []
+    ends = [row[-1] if row else 0.0 for row in walked.end]
+    s = max(range(len(ends)), key=lambda t: (ends[t], -t))
+    j = len(steps.bounds[s]) - 1
+    chain: list[tuple[int, int]] = []
+    at_done = True  # False: we reached this group at its posted event, through a partner
+    while j >= 0:
+        chain.append((s, j))
+        start = walked.start[s][j]
+        if at_done and steps.is_group[s][j]:
+            best = None
+            lo, hi = steps.bounds[s][j]
+            for pos in range(lo, hi):
+                ps, ppos = partner[s][pos]
+                pstep = steps.step_at[ps][ppos]
+                posted = walked.start[ps][pstep]
+                if posted > start and (best is None or posted > walked.start[best[0]][best[1]]):
+                    best = (ps, pstep)
+            if best is not None:
+                s, j = best
+                at_done = False
+                continue
+        at_done = True
+        j -= 1
+    chain.reverse()
+    return chain
 
 
 def _stage_step(offset: Sequence[int], index: int) -> tuple[int, int]:

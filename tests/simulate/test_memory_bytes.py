@@ -15,7 +15,8 @@ from schedcc import CostModel, MemoryBoundError, ScheduleConfigError
 from schedcc.backends.local import Engine
 from schedcc.backends.runtime.memory import measure_memory
 from schedcc.cli import main
-from schedcc.memory import MemoryModel, parse_size
+from schedcc.memory_model import MemoryModel
+from schedcc.sizes import parse_size
 
 MiB = 2**20
 _WIDTH = 16

@@ -1,7 +1,7 @@
 """The byte model under ZeRO 0/1/2/3 at dp=2 against what the local engine holds.
 
 After every instruction of every stage, the simulator's parameter, gradient and total bytes
-(`schedcc.memory.stage_held`, `Timeline.stage_bytes`) equal the bytes the engine's runtime
+(`schedcc.semantics.stage_held`, `Timeline.stage_bytes`) equal the bytes the engine's runtime
 holds then: its parameters' and shards' storages, its gradients' and its activations'.
 """
 
@@ -17,14 +17,14 @@ from schedcc.backends.local import Engine
 from schedcc.backends.runtime.memory import measure_memory
 from schedcc.costs import CostModel
 from schedcc.ir import COMM, ReduceTied
-from schedcc.memory import (
+from schedcc.semantics import rule_versions
+from schedcc.semantics.stage_bytes import (
     chunk_sizes,
     held_gradient_bytes,
     held_parameter_bytes,
     held_stash_bytes,
     stage_held,
 )
-from schedcc.semantics import rule_versions
 
 WIDTH = 8  # one segment: 72 float64 values, split evenly in two shards
 

@@ -1,11 +1,9 @@
-"""`MemoryModel`: the bytes a stage holds, per segment, for the simulator and the validator.
+"""Bytes per stage: what a stage holds at each point of its program, by kind.
 
-A program counts microbatch activations (`schedcc.semantics.memory`); a `MemoryModel` turns
-them into bytes: what one microbatch's forward of each segment saves for its backward, and what
-each segment's parameters, gradients and optimizer state take. Given by hand (sizes as numbers
-or strings such as "64MiB"), or measured on the real segments with
-`schedcc.backends.runtime.memory.measure_memory` (what the engines' `peak_activation_bytes`
-count, the same way).
+A `MemoryModel` gives the bytes of each segment; this module follows them through one stage's
+program, the way the engines hold them, for the simulator (`Timeline.stage_bytes`), the
+validator (`check_bytes`) and `schedcc.tune`. Activations are counted as
+`schedcc.semantics.activations` counts them.
 
 [Note: bytes per stage] At each point of a stage's program it holds, for each of its segments
 k (chunk c):
@@ -28,23 +26,14 @@ k (chunk c):
 - optimizer state (`optimizer[k]`, divided by `dp` under ZeRO >= 1), counted as held throughout.
 A stage's peak is the most it holds at once (`stage_peak`): the largest total over the points
 of its program, which can be less than the sum of each kind's own peak.
-
-    >>> from schedcc.memory import MemoryModel, parse_size
-    >>> MemoryModel(activations="1KiB", parameters=[10, 20]).at("parameters", 1)
-    20.0
-    >>> parse_size("1.5GiB")
-    1610612736
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Sequence
 
 import attrs
 
-from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     COMPUTE,
     WEIGHT_GRADIENT,
@@ -55,89 +44,21 @@ from schedcc.ir import (
     Reshard,
     Unshard,
 )
+from schedcc.memory_model import MemoryModel
+from schedcc.semantics.activations import held_bytes
+from schedcc.semantics.model import rule_versions
 
 __all__ = [
-    "MemoryModel",
     "StageBytes",
-    "format_size",
+    "chunk_sizes",
     "held_gradient_bytes",
     "held_parameter_bytes",
     "held_stash_bytes",
-    "parse_size",
+    "peak_activation_bytes",
     "resident_parameters",
+    "stage_held",
     "stage_peak",
 ]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_size(text: str | float) -> int:
-    """A byte count from `text`: a number with an optional unit (B, KB, MB, GB, TB in powers of
-    1000; KiB, MiB, GiB, TiB in powers of 1024), e.g. "512MiB", "12GiB", "1.5e9".
-
-    Raises:
-        ScheduleConfigError: not a non-negative finite size with a known unit.
-
-    >>> parse_size("512MiB"), parse_size("12GiB"), parse_size(100)
-    (536870912, 12884901888, 100)
-    """
-    if isinstance(text, bool):
-        raise ScheduleConfigError(f"expected a size such as 512MiB or 12GiB, got {text!r}")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        match = _SIZE.fullmatch(str(text))
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ScheduleConfigError(
-                f"expected a size such as 512MiB, 12GiB or 1.5e9 (bytes), got {text!r}"
-            )
-        value, unit = float(match.group(1)), match.group(2).lower()
-    if not 0 <= value < math.inf:
-        raise ScheduleConfigError(f"a size must be a finite number >= 0, got {text!r}")
-    return round(value * _UNITS[unit])
-
-
-def format_size(num_bytes: float) -> str:
-    """`num_bytes` in the largest binary unit that keeps it >= 1 (e.g. "1.50 MiB").
-
-    >>> format_size(1536 * 1024), format_size(12)
-    ('1.50 MiB', '12 B')
-    """
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{num_bytes:g} B"
-
-
-def _sizes(value: object) -> float | tuple[float, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, int, float)):
-        return float(parse_size(value)) if isinstance(value, str) else _checked(value)
-    if isinstance(value, Sequence):
-        return tuple(float(parse_size(v)) if isinstance(v, str) else _checked(v) for v in value)
-    raise ScheduleConfigError(
-        f"MemoryModel: a size is a number of bytes, a string such as '64MiB', or one per "
-        f"segment in a list; got {value!r}"
-    )
-
-
-def _checked(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ScheduleConfigError(f"MemoryModel: expected a number of bytes, got {value!r}")
-    return float(parse_size(value))
 
 
 def resident_parameters(parameter_bytes: float, *, zero: int, data_parallel: int) -> float:
@@ -232,71 +153,6 @@ def held_gradient_bytes(
 
 
 @attrs.frozen(slots=True)
-class MemoryModel:
-    """Bytes per segment (see [Note: bytes per stage]).
-
-    Args:
-        activations: what one microbatch's forward of a segment saves for its backward.
-        parameters: a segment's parameters.
-        optimizer: a segment's optimizer state (e.g. 2x parameters for Adam, 0 for plain SGD).
-        inputs: one microbatch's input of a segment (what a recomputed forward keeps until
-            its `Recompute`).
-        gradients: a segment's gradients (None: the same as `parameters`).
-
-    Each is one size for every segment, or a list with one per segment (model order, length
-    `p * v`); a size is a number of bytes or a string with a unit ("64MiB").
-
-    Raises:
-        ScheduleConfigError: a negative, non-numeric or unparsable size.
-    """
-
-    activations: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
-    parameters: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
-    optimizer: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
-    inputs: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
-    gradients: float | tuple[float, ...] | None = attrs.field(default=None, converter=_sizes)
-
-    def at(self, field: str, segment: int) -> float:
-        """The bytes of `field` ("activations", "parameters", "optimizer", "inputs",
-        "gradients") of `segment`."""
-        value = getattr(self, field)
-        if value is None:  # gradients: as large as the parameters
-            value = self.parameters
-        if isinstance(value, tuple):
-            return value[segment % len(value)]  # one replica's sizes stand for every copy
-        return value
-
-    def check(self, num_segments: int, num_replicas: int = 1) -> None:
-        """Raise `ScheduleConfigError` unless every per-segment list has `num_segments` sizes,
-        or, with model replicas (DualPipe), one replica's `num_segments / num_replicas`: segment
-        `r * L + j` is a copy of segment `j` and has its sizes."""
-        allowed = {num_segments, num_segments // num_replicas}
-        for field in ("activations", "parameters", "optimizer", "inputs", "gradients"):
-            value = getattr(self, field)
-            if isinstance(value, tuple) and len(value) not in allowed:
-                raise ScheduleConfigError(
-                    f"MemoryModel.{field} has {len(value)} sizes but the program has "
-                    f"{num_segments} segments (p * v): give one per segment, or one for all"
-                )
-
-    def scaled(self, factor: float) -> MemoryModel:
-        """Every size times `factor` (`schedcc.tune`: a chunk of a stage cut in v is 1/v)."""
-
-        def times(value):
-            if value is None:
-                return None
-            return tuple(v * factor for v in value) if isinstance(value, tuple) else value * factor
-
-        return MemoryModel(
-            activations=times(self.activations),
-            parameters=times(self.parameters),
-            optimizer=times(self.optimizer),
-            inputs=times(self.inputs),
-            gradients=times(self.gradients),
-        )
-
-
-@attrs.frozen(slots=True)
 class StageBytes:
     """What one stage holds, in bytes, by kind (see [Note: bytes per stage]): each kind the
     most of it held at once over the program, and `total` the most of all of them held at once
@@ -363,8 +219,6 @@ def stage_held(
     first instruction (parameters, stashed copies and optimizer state), after each
     instruction, and its peak by kind (`StageBytes`); `row` is the weight version of each
     position (`schedcc.semantics.rule_versions`), for 2BW's stashed copies."""
-    from schedcc.semantics.memory import held_bytes
-
     dp, zero = program.data_parallel, program.zero
     params = chunk_sizes(program, memory, stage, "parameters")
     delay = program.schedule.weight_delay
@@ -399,7 +253,16 @@ def stage_held(
 
 def stage_peak(program, memory: MemoryModel, stage: int) -> StageBytes:
     """The peak bytes of `program`'s `stage` by kind (`StageBytes`; see `stage_held`)."""
-    from schedcc.semantics import rule_versions
-
     row = rule_versions(program)[stage]
     return stage_held(program, memory, stage, program.stages[stage], row)[2]
+
+
+def peak_activation_bytes(program, memory: MemoryModel, stage: int) -> float:
+    """The most activation bytes `program`'s `stage` holds at once: its held microbatches
+    weighted by each segment's `memory.activations`, plus the inputs recomputed forwards keep
+    until their `Recompute` (none in a forward-only program, whose forwards keep nothing)."""
+    if program.forward_only:
+        return 0.0
+    sizes = chunk_sizes(program, memory, stage, "activations")
+    inputs = chunk_sizes(program, memory, stage, "inputs")
+    return max(held_bytes(program.stages[stage], sizes, inputs), default=0.0)

@@ -10,7 +10,8 @@ import attrs
 
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
-from schedcc.memory import MemoryModel, format_size, parse_size
+from schedcc.memory_model import MemoryModel
+from schedcc.sizes import format_size, parse_size
 
 __all__ = [
     "add_memory",
