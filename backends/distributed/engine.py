@@ -15,10 +15,10 @@ over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO
 Ranks: by default a `DeviceMesh` over the whole world in `rank_order`: "pp-inner" (dims
 `("dp", "pp")`, global rank `dp_index * p + stage`) or Megatron-LM's "dp-inner" (`("pp", "dp")`,
 `stage * dp + dp_index`), see [Note: rank layout] in `backends.distributed.groups`; a caller may
-pass its own `mesh` (either dim order) or its own `pp_group`/`dp_group` (e.g. Megatron's mpu),
-where the rank's index in `pp_group` is its stage. Backend: NCCL for CUDA tensors (or
-"cpu:gloo,cuda:nccl"), gloo for CPU (the caller initialises the default group); segments on a
-CUDA device under a gloo pipeline group are refused.
+pass its own groups: a `DeviceMesh` (either dim order) or a `Groups(pp=..., dp=...)` of
+process groups it made (e.g. Megatron's mpu), where the rank's index in `pp` is its stage.
+Backend: NCCL for CUDA tensors (or "cpu:gloo,cuda:nccl"), gloo for CPU (the caller initialises
+the default group); segments on a CUDA device under a gloo pipeline group are refused.
 
     >>> # on every rank, after dist.init_process_group(...)  # doctest: +SKIP
     >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
@@ -32,19 +32,18 @@ point-to-point. What both engines share (argument and batch checks, `train`, `tr
 `steps`, `save`/`load`, `peak_activation_bytes`) is `backends.engine.BaseEngine`.
 
 [Note: failures] Every wait has the engine's `timeout`: point-to-point waits are given it, and the
-process groups the engine makes itself (the mesh's) take it as their own, for every collective on
-them (torch's default for a new group is 30 minutes); the default group keeps the timeout it was
+process groups the engine makes itself (a default mesh's) take it as their own, for every collective
+on them (torch's default for a new group is 30 minutes); the default group keeps the timeout it was
 made with (`schedcc run` makes it with `--timeout`), as do groups the caller passes. A peer that
 dies closes its sockets (gloo's and the shared-memory links') and the waiting rank raises
 `RankFailure` naming its stage, the instruction or collective it waited on and the ranks it waited
 with, in one line; a wait that times out says the same. That holds in a collective too (a
 checkpoint's save or load, the loss reduction, ReduceGrads), never a raw gloo traceback. The
 launcher (`backends.run.launch` or torchrun) then ends the other ranks (a stopped one at once), so
-no rank hangs. Under NCCL a point-to-point wait is a stream wait and the host runs ahead; the
-run's end waits for the GPU (`wait_device`), polling, for at most the timeout, and raises
-`RankFailure` then. The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so NCCL's
-own watchdog, which ends the process without a word, fires after the engine has said why.
-"""
+no rank hangs. Under NCCL a point-to-point wait is a stream wait and the host runs ahead; the run's
+end waits for the GPU (`wait_device`), polling, for at most the timeout, and raises `RankFailure`
+then. The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so NCCL's own watchdog,
+which ends the process without a word, fires after the engine has said why. """
 
 from __future__ import annotations
 
@@ -133,17 +132,15 @@ class Engine(BaseEngine):
             `backends.distributed.ties`).
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
-        mesh: a `DeviceMesh` with dims ("dp", "pp"), or ("dp", "pp", "tp") when each stage is a
-            tensor-parallel group running the user's own tensor-parallel layers ([Note: the
-            user's tensor parallelism] in `backends.tensor_parallel`); default: ("dp", "pp")
-            over the whole world.
+        groups: the process groups, one value: a `DeviceMesh` with dims ("dp", "pp") (either
+            order), or ("dp", "pp", "tp") when each stage is a tensor-parallel group running the
+            user's own tensor-parallel layers ([Note: the user's tensor parallelism] in
+            `backends.tensor_parallel`); or a `Groups(pp=..., dp=..., tp=None)` of groups the
+            caller made. Default: a ("dp", "pp") mesh over the whole world in `rank_order`.
         rank_order: the default mesh's order: "pp-inner" (the default: a pipeline's stages
             are consecutive ranks) or "dp-inner" (Megatron-LM's: a stage's data-parallel
             peers are); see [Note: rank layout] in `backends.distributed.groups`. Not with
-            `mesh` or process groups, which bring their own.
-        pp_group, dp_group: the pipeline and data-parallel process groups to use instead of
-            a mesh (both or neither); `tp_group` beside them for tensor parallelism (the
-            pipeline group then joins one tensor-parallel index of every stage).
+            `groups`, which bring their own.
         timeout: the longest any wait may take (seconds or a timedelta).
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
             run); otherwise only the last stage knows it and the others yield NaN. Always on
@@ -192,11 +189,8 @@ class Engine(BaseEngine):
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         *,
-        mesh=None,
+        groups=None,
         rank_order: str | None = None,
-        pp_group=None,
-        dp_group=None,
-        tp_group=None,
         timeout: float | timedelta = 60.0,
         reduce_loss: bool = True,
         p2p: str | None = None,
@@ -214,12 +208,12 @@ class Engine(BaseEngine):
         super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
         p2p_mode(p2p, None)  # a bad name refused before any group is made
-        self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group, rank_order)
+        self.pp_group, self.dp_group = process_groups(program, groups, rank_order)
         self.p2p = p2p_mode(p2p, dist.get_backend(self.pp_group))
         self.dynamic_shapes = bool(dynamic_shapes)
         self.stage = dist.get_rank(self.pp_group)
         #: the tensor-parallel group of this stage, or None
-        self.tp_group = tensor_group(mesh, tp_group)
+        self.tp_group = tensor_group(groups)
         self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else None
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         #: where the per-run check of the batches gathers ([Note: data only where needed]):
@@ -228,7 +222,7 @@ class Engine(BaseEngine):
         self._control = None
         if dist.get_backend() != "gloo":
             self._control = dist.new_group(backend="gloo", timeout=self.timeout)
-        if mesh is None and pp_group is None:  # groups made here: see [Note: failures]
+        if groups is None:  # groups made here: see [Note: failures]
             bound_waits(self.timeout, self.pp_group, self.dp_group)
         self.reduce_loss = reduce_loss
         schedule = program.schedule

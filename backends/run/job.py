@@ -144,7 +144,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         own.__getitem__,  # a builder: this stage's segments, built above
         model.loss_fn,
         optimizer,
-        mesh=mesh,
+        groups=mesh,
         timeout=config.timeout,
         p2p=config.p2p,
         max_grad_norm=config.max_grad_norm,

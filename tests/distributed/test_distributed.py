@@ -21,6 +21,7 @@ from _written import CLASS_A, written
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.distributed.groups import Groups
 from schedcc.backends.distributed.shm import ShmLinks
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import cores_for, spawn
@@ -75,7 +76,7 @@ def _written_worker(rank: int, world_size: int) -> int:
 
 
 def test_a_comm_group_that_receives_before_it_sends_equals_local():
-    """Issue 16's class A (`F0 [RG0 SA0] B0 Step` / `[RA0] F0 B0 [SG0] Step`, hand-written) trains
+    """Class A (`F0 [RG0 SA0] B0 Step` / `[RA0] F0 B0 [SG0] Step`, hand-written) trains
     on 2 ranks, over shared memory and over gloo point-to-point, to the local backend's numbers."""
     assert spawn(_written_worker, 2, grace=30, threads=1) == 0
 
@@ -86,9 +87,13 @@ def _data_parallel_worker(rank: int, world_size: int) -> int:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=0)  # the engine builds its own mesh
-    compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=1, mesh=mesh)
-    groups = {"pp_group": mesh.get_group("pp"), "dp_group": mesh.get_group("dp")}
-    compare(rank, "gpipe", 2, 1, 1, 2, dp=2, zero=1, **groups)  # Megatron-style groups
+    compare(rank, "1f1b", 2, 1, 1, 2, dp=2, zero=1, groups=mesh)
+    groups = Groups(pp=mesh.get_group("pp"), dp=mesh.get_group("dp"))  # Megatron-style groups
+    compare(rank, "gpipe", 2, 1, 1, 2, dp=2, zero=1, groups=groups)
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), data_parallel=2)
+    segments = models.mlp_segments(2, width=8, seed=1)
+    with pytest.raises(ScheduleConfigError, match="takes a DeviceMesh or a schedcc Groups"):
+        Engine(program, segments, F.mse_loss, optimizer, groups={"pp": mesh.get_group("pp")})
     return 0
 
 

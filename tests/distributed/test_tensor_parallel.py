@@ -59,7 +59,7 @@ def _worker(rank: int, world_size: int, directory: str, dp: int, p: int, zero: i
     mine = [ParallelMLP.from_dense(d.first, d.second, tp_group) for d in dense]
     schedule = schedcc.get_schedule("1f1b")(p, 4)
     program = schedcc.compile(schedule, data_parallel=dp, zero=zero, grad_norm=True)
-    engine = Engine(program, mine, _mse, _adam, mesh=mesh, timeout=60, max_grad_norm=0.5)
+    engine = Engine(program, mine, _mse, _adam, groups=mesh, timeout=60, max_grad_norm=0.5)
     rows = 8 * dp  # the global batch; each data-parallel rank trains its own 8 rows
     data = [
         (torch.randn(rows, WIDTH, generator=gen), torch.randn(rows, WIDTH, generator=gen))

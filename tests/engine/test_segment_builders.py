@@ -321,8 +321,8 @@ def _layout_worker(rank: int, world_size: int) -> int:
         Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, rank_order="tp-inner")
     mesh = default_mesh("cpu", 2, 2, rank_order="dp-inner")  # a mesh brings its own order
     with pytest.raises(ScheduleConfigError, match="bring their own order"):
-        Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, mesh=mesh, rank_order="pp-inner")
-    engine = Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, mesh=mesh)
+        Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, groups=mesh, rank_order="pp-inner")
+    engine = Engine(program, _mlp_builder(2), F.mse_loss, _optimizer, groups=mesh)
     assert dist.get_process_group_ranks(engine.pp_group) == LAYOUTS["dp-inner"][0][rank % 2]
     dist.barrier()  # rank 0 holds the store: it waits until every rank is done with it
     return 0
