@@ -326,21 +326,26 @@ class Engine(BaseEngine):
     def _held_modules(self) -> list[nn.Module]:
         return list(self.runtime.modules)
 
-    def _prepare(self, group: list[Any], first: int) -> list[tuple[Any, Any]]:
-        """This stage's microbatches of each batch, checked where the data is and refused on
-        every rank alike ([Note: data only where needed])."""
+    def _prepare(
+        self, group: list[Any], first: int, sizes: list[tuple[int, ...]] | None = None
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[int, ...] | None]]:
+        """This stage's microbatches of each batch (of `sizes`, where given), checked where the
+        data is and refused on every rank alike ([Note: data only where needed]); and `sizes`
+        per batch."""
         m = self.program.schedule.num_microbatches
+        per_batch = sizes or [None] * len(group)
 
         def split() -> tuple[list[tuple[Any, Any]], list[Any] | None, bool]:
             own = [
-                self._split(batch, m, f"batch {index}") for index, batch in enumerate(group, first)
+                self._split(batch, m, f"batch {index}", sizes=per_batch[index - first])
+                for index, batch in enumerate(group, first)
             ]
             inputs = [x for _, _, xs in own if xs is not None for x in xs]
             targets = any(ys is not None for _, ys, _ in own)
             given = all(xs is not None for _, _, xs in own)
             return [(x, y) for x, y, _ in own], (inputs if given else None), targets
 
-        return self._agreed("the batches", split)[0]
+        return self._agreed("the batches", split)[0], per_batch
 
     @property
     def _reads_inputs(self) -> bool:
@@ -351,7 +356,9 @@ class Engine(BaseEngine):
         """Whether this rank's stage holds one of `segments` (the replicas' first or last)."""
         return any(self._layout.stage_of[k] == self.stage for k in segments)
 
-    def _split(self, batch: Any, m: int, where: str) -> tuple[Any, Any, list[Any] | None]:
+    def _split(
+        self, batch: Any, m: int, where: str, *, sizes: tuple[int, ...] | None = None
+    ) -> tuple[Any, Any, list[Any] | None]:
         """`(inputs, targets, split inputs)` of one batch for this stage: its `m` microbatches
         of inputs on its device where a model replica starts (segment 0's stage), of targets
         where one ends (the last segment's), None for the rest, and the inputs' microbatches
@@ -370,7 +377,7 @@ class Engine(BaseEngine):
                 f"{where}: inputs are None, but stage {self.stage} holds a model's first "
                 "segment and reads them: pass the batch's inputs on this rank"
             )
-        xs, ys = split_pair(inputs, targets, m, where=where, need_inputs=first)
+        xs, ys = split_pair(inputs, targets, m, where=where, need_inputs=first, sizes=sizes)
         device = self.device
         return (
             [to_device(x, device) for x in xs] if first else None,
@@ -435,9 +442,10 @@ class Engine(BaseEngine):
         self._signatures = mine or {}
         return result, bool(targets_held)
 
-    def _run(self, split: list[tuple[Any, Any]]) -> list[tuple[float, dict[str, float]]]:
+    def _run(self, prepared) -> list[tuple[float, dict[str, float]]]:
+        split, sizes = prepared
         self._connect()
-        times = self._execute(self._ops, self._visit, self._transfers, split)
+        times = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
         self.step_times.append(times)
         return self._losses(len(split))
 
@@ -517,14 +525,18 @@ class Engine(BaseEngine):
             self._forward = (ops, visit, transfers)
         return self._forward
 
-    def _execute(self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False):
-        """Run a program's steps once on `split` (per batch, this stage's microbatches); the
-        (start, end) of each step. A failure tells the peers first ([Note: failures])."""
+    def _execute(
+        self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False, sizes=()
+    ):
+        """Run a program's steps once on `split` (per batch, this stage's microbatches, of
+        `sizes` where given); the (start, end) of each step. A failure tells the peers first
+        ([Note: failures])."""
         runtime = self.runtime
         runtime.reset(forward_only=forward_only)
         transfers.begin(self._signatures)
+        sizes = list(sizes) or [None] * len(split)
         for batch, (inputs, targets) in enumerate(split):
-            runtime.load_batch(batch, inputs, targets)
+            runtime.load_batch(batch, inputs, targets, sizes=sizes[batch])
         clock, clock0 = time.perf_counter, self._clock0
         times = [(0.0, 0.0)] * len(ops)  # a comm group not visited: its waits', from `finish`
         try:
