@@ -82,22 +82,48 @@ def test_a_pair_handler_is_called_for_every_pair_and_stays_exact(name, dp, loss_
     assert _largest_difference(engine, oracle) < 1e-12
 
 
-def test_a_handler_for_any_compute_kind_wraps_its_work():
-    """A Backward handler sees every plain Backward (not the overlapped ones), runs it with
-    call.run(), and leaves the numbers as they were."""
+def _recording(kind):
+    """A dualpipe-v engine (and its oracle) whose handler for `kind` records each call's
+    `(stage, instruction)` in the returned list and runs it."""
     program, engine, oracle = _engines("dualpipe-v", 4)
     seen = []
 
-    def backward(call):
+    def record(call):
         seen.append((call.stage, call.instruction))
         call.run()
 
-    engine.register_handler(Backward, backward)
+    engine.register_handler(kind, record)
+    return program, engine, oracle, seen
+
+
+def _of_kind(program, kind) -> list:
+    return [(s, op) for s, ops in enumerate(program.stages) for op in ops if type(op) is kind]
+
+
+def test_a_handler_for_any_compute_kind_wraps_its_work():
+    """A Backward handler sees every plain Backward (not the overlapped ones), runs it with
+    call.run(), and leaves the numbers as they were."""
+    program, engine, oracle, seen = _recording(Backward)
     data = batches(1, 8)
     assert engine.train_step(*data[0]) == oracle.train_step(*data[0])
-    plain = [(s, op) for s, ops in enumerate(program.stages) for op in ops if type(op) is Backward]
-    assert sorted(seen, key=str) == sorted(plain, key=str)
+    assert sorted(seen, key=str) == sorted(_of_kind(program, Backward), key=str)
     assert _largest_difference(engine, oracle) == 0.0
+
+
+def test_a_forward_handler_sees_every_forward_but_the_paired_ones():
+    """Under dualpipe-v a Forward handler is called for each forward that no pair holds, in
+    training, and for every forward of evaluation; numbers stay the same."""
+    program, engine, oracle, seen = _recording(Forward)
+    data = batches(1, 8)
+    assert engine.train_step(*data[0]) == oracle.train_step(*data[0])
+    paired = {(s, ops[pos - 1]) for s, ops in enumerate(program.stages) for pos, op in
+              enumerate(ops) if type(op) is OverlappedBackward}  # fmt: skip
+    alone = _of_kind(program, Forward)
+    assert paired
+    assert sorted(seen, key=str) == sorted(set(alone) - paired, key=str)
+    seen.clear()
+    assert engine.evaluate(*data[0]) == oracle.evaluate(*data[0])
+    assert len(seen) == len(alone)
 
 
 def test_a_handler_that_raises_names_the_pair():

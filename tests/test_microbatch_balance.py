@@ -7,6 +7,7 @@ import copy
 
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 from strategies import lengths_and_microbatches, microbatch_sizes
 
 from schedcc import ScheduleConfigError
@@ -64,10 +65,14 @@ def test_bad_lengths_are_refused(lengths, m, words):
         balance(lengths, m)
 
 
-@given(microbatch_sizes(4))
-def test_random_unequal_sizes_train_exactly(sizes):
-    """1F1B (p = 2, m = 4) on random sizes equals non-pipelined training of the whole batch
-    to 1e-10 in float64 (a mean loss), on the real local engine."""
+#: Flush schedules (train_step) of one and two chunks, split backwards and V shapes among them.
+_FLUSH = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
+
+
+@given(microbatch_sizes(4), st.sampled_from(_FLUSH))
+def test_random_unequal_sizes_train_exactly(sizes, schedule):
+    """Flush schedules (p = 2, m = 4) on random sizes equal non-pipelined training of the
+    whole batch to 1e-10 in float64 (a mean loss), on the real local engine."""
     import torch
     import torch.nn.functional as F
     from _models import make_segments, sgd
@@ -76,8 +81,9 @@ def test_random_unequal_sizes_train_exactly(sizes):
     from schedcc.backends.local import Engine
     from schedcc.backends.reference import Chain
 
-    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
-    segments = make_segments(2)
+    name, v = schedule
+    program = schedcc.compile(schedcc.get_schedule(name)(2, 4, v))
+    segments = make_segments(2 * v)
     plain = Chain(copy.deepcopy(segments))
     engine = Engine(program, segments, F.mse_loss, sgd)
     gen = torch.Generator().manual_seed(sum(sizes))

@@ -2,7 +2,8 @@
 
 [Note: custom handlers] A handler registered for a compute instruction kind (`Forward`,
 `Backward`, `BackwardInput`, `BackwardWeight`, `Recompute`, `OverlappedBackward`) is called in
-place of the runtime's own handler for every instruction of that exact kind, with an
+place of the runtime's own handler for every instruction of that exact kind (but a pair's
+forward, which its pair's handler runs, and a `Backward` handler sees no `+B`), with an
 `InstructionCall`: which stage and instruction, the stage's modules, and `run()`, the built-in
 work, which the handler calls once (around it, anything: a profiler range, a stream, a hook
 on the user's MoE all-to-all). So a handler may change how an instruction runs, never what it
@@ -213,6 +214,8 @@ class Handlers:
         self._held: Forward | None = None
         self._releasing: Forward | None = None
         self._side: torch.cuda.Stream | None = None
+        #: whether the run is a training one (a forward-only program has no pairs)
+        self.training = True
 
     def register(self, kind: type, fn: Handler) -> None:
         """Run every instruction of exactly `kind` through `fn` ([Note: custom handlers])."""
@@ -222,7 +225,8 @@ class Handlers:
     def run(self, op: Instruction, work: Callable[[], None]) -> None:
         """Run `op`: `work()` itself, or through the handler registered for its kind."""
         fn = self._by_kind.get(type(op))
-        if fn is None or type(op) is OverlappedBackward:  # a pair runs at `run_pair`
+        paired = type(op) is OverlappedBackward or (self.training and op in self._pairs)
+        if fn is None or paired:  # a pair's handler runs both halves, at `run_pair`
             work()
             return
         self._call(fn, InstructionCall(self.stage, op, self._modules, self._device, work))
@@ -230,7 +234,7 @@ class Handlers:
     def holds_back(self, op: Forward) -> bool:
         """Whether the forward `op` starts an overlapped pair and is to run with its backward
         (it is then held until `run_pair`); False while the pair itself runs it."""
-        if op not in self._pairs or op is self._releasing:
+        if not self.training or op not in self._pairs or op is self._releasing:
             return False
         self._held = op
         return True

@@ -261,6 +261,7 @@ class StageRuntime:
         batches given targets and keeps the outputs (`outputs`) of the others.
         """
         self.forward_only = forward_only
+        self.handlers.training = not forward_only  # no pair to hold a forward back for
         self._graphs.reset()
         self._book.reset()
         self._ports.reset()
@@ -428,7 +429,7 @@ class StageRuntime:
     # -- compute --------------------------------------------------------------------------------
 
     def _forward(self, op: Forward) -> None:
-        if not self.forward_only and self.handlers.holds_back(op):
+        if self.handlers.holds_back(op):
             return  # runs with its overlapped backward: [Note: running an overlapped pair]
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
