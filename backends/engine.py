@@ -147,7 +147,13 @@ class BaseEngine(abc.ABC):
 
     # -- training -------------------------------------------------------------------------------
 
-    def train(self, batches: Iterable[Any], *, on_step: OnStep | None = None) -> Iterator[float]:
+    def train(
+        self,
+        batches: Iterable[Any],
+        *,
+        on_step: OnStep | None = None,
+        microbatch_sizes: Iterable[Sequence[int]] | None = None,
+    ) -> Iterator[float]:
         """Train on `batches`, yielding each batch's loss.
 
         The program covers `num_batches` optimizer steps; the batches are taken that many at a
@@ -160,13 +166,16 @@ class BaseEngine(abc.ABC):
             on_step: None, or called after each run with each of its steps' records (in
                 order, before their losses are yielded) where `writes_metrics`: e.g. a
                 `backends.metrics.JsonlWriter` (see `backends.metrics.step_records`).
+            microbatch_sizes: None (equal microbatches), or one list of `m` sizes per batch,
+                taken alongside them (as `train_step`'s).
 
         Raises:
-            ScheduleConfigError: a bad batch (a whole group is checked before it runs), or fewer
-                batches left than one program covers.
+            ScheduleConfigError: a bad batch (a whole group is checked before it runs), fewer
+                batches left than one program covers, or bad or missing sizes for a batch.
         """
-        per_run = self.program.schedule.num_batches
+        m, per_run = self.program.schedule.num_microbatches, self.program.schedule.num_batches
         stream = iter(batches)
+        sizes = iter(microbatch_sizes) if microbatch_sizes is not None else None
         first = 0
         while group := list(islice(stream, per_run)):
             if len(group) < per_run:
@@ -174,7 +183,17 @@ class BaseEngine(abc.ABC):
                     f"the program covers {per_run} batches per run but only {len(group)} were "
                     f"left: pass a multiple of {per_run} batches, or compile with num_batches=1"
                 )
-            prepared = self._prepare(group, first)
+            given = None
+            if sizes is not None:
+                given = [next(sizes, None) for _ in group]
+                if any(n is None for n in given):
+                    raise ScheduleConfigError(
+                        f"microbatch_sizes ran out at batch {first + given.index(None)}: give "
+                        "one list of sizes per batch"
+                    )
+                given = [check_sizes(n, m, where=f"batch {first + j}: microbatch_sizes")
+                         for j, n in enumerate(given)]  # fmt: skip
+            prepared = self._prepare(group, first, given)
             watch = self._watch(on_step)
             losses = self._run(prepared)
             first += per_run

@@ -100,6 +100,51 @@ def test_the_reference_trains_the_same_objective():
     assert worst < 1e-10
 
 
+@pytest.mark.parametrize("name", ["2bw", "1f1b"])
+def test_train_takes_sizes_per_batch(name):
+    """train(batches, microbatch_sizes=...) takes one list per batch: under 2BW (weight delay,
+    two batches a run) it equals the non-pipelined PipeDream-2BW rule on the same
+    microbatches, and under 1F1B sizes that change per batch train as train_step does."""
+    schedule = schedcc.get_schedule(name)(2, 4, num_batches=2)
+    program = schedcc.compile(schedule)
+    data = [_data(12, seed=s) for s in range(4)]
+    segments = make_segments(2, width=WIDTH)
+    if name == "2bw":
+        from schedcc.backends.reference import train_reference
+
+        plain = copy.deepcopy(segments)
+        got = list(
+            Engine(program, segments, F.mse_loss, sgd).train(data, microbatch_sizes=[SIZES] * 4)
+        )
+        want = train_reference(
+            plain, F.mse_loss, sgd, data, weight_delay=1, batches_per_run=2,
+            num_microbatches=4, microbatch_sizes=SIZES,
+        )  # fmt: skip
+        others = plain
+    else:
+        sizes = [SIZES, [6, 2, 3, 1], [3, 3, 3, 3], [1, 1, 1, 9]]
+        one = schedcc.compile(schedcc.get_schedule(name)(2, 4))
+        others = copy.deepcopy(segments)
+        stepped = Engine(one, others, F.mse_loss, sgd)
+        want = [stepped.train_step(*b, microbatch_sizes=n) for b, n in zip(data, sizes)]
+        got = list(Engine(program, segments, F.mse_loss, sgd).train(data, microbatch_sizes=sizes))
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-10
+    for a, b in zip(segments, others):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert (p - q).abs().max().item() < 1e-10
+
+
+def test_train_refuses_too_few_or_bad_sizes():
+    """Fewer size lists than batches, or a bad one, is a ScheduleConfigError naming the batch."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    engine = Engine(program, make_segments(2, width=WIDTH), F.mse_loss, sgd)
+    data = [_data(12, seed=s) for s in range(2)]
+    with pytest.raises(ScheduleConfigError, match="ran out at batch 1"):
+        list(engine.train(data, microbatch_sizes=[SIZES]))
+    with pytest.raises(ScheduleConfigError, match=r"batch 0: microbatch_sizes\[3\] is 0"):
+        list(engine.train(data, microbatch_sizes=[[6, 3, 3, 0], SIZES]))
+
+
 def test_sizes_differ_from_equal_microbatches_only_where_they_should():
     """Equal sizes given explicitly train what no sizes train (the mean of equal means)."""
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
