@@ -39,17 +39,25 @@ _token_loss = TokenLoss(
 )
 
 
+def _parts(out, y):
+    """A dict loss: two named means over the microbatch, their sum optimised."""
+    return {"mse": F.mse_loss(out, y), "l1": F.l1_loss(out, y)}
+
+
 def _plain(loss_fn, out, y):
-    """The non-pipelined objective of the whole batch: a mean, or the sum over the count."""
+    """The non-pipelined objective of the whole batch: a mean, the sum over the count, or the
+    parts' sum."""
     result = loss_fn(out, y)
+    if isinstance(result, dict):
+        return sum(result.values())
     return result[0] / result[1] if isinstance(result, tuple) else result
 
 
-def _train_both(name, loss_fn, *, steps=3, dp=1, sizes=SIZES, p=2, v=1):
+def _train_both(name, loss_fn, *, steps=3, dp=1, sizes=SIZES, p=2, v=1, recompute=False):
     """Train a pipelined copy with `sizes` and a non-pipelined copy on whole batches; return
     the largest difference in losses and weights."""
     schedule = schedcc.get_schedule(name)(p, len(sizes), v)
-    program = schedcc.compile(schedule, data_parallel=dp)
+    program = schedcc.compile(schedule, data_parallel=dp, recompute=recompute)
     segments = make_segments(schedule.num_segments, width=WIDTH)
     piped, plain = copy.deepcopy(segments), Chain(copy.deepcopy(segments))
     engine = Engine(program, piped, loss_fn, sgd)
@@ -75,6 +83,27 @@ def test_unequal_sizes_equal_the_whole_batch(name, v, loss_fn):
     """Sizes [1, 3, 2, 6] with a mean loss, a (loss_sum, count) loss and a TokenLoss equal
     non-pipelined training of the whole 12-sample batch to 1e-10 (float64, three steps)."""
     assert _train_both(name, loss_fn, v=v) < 1e-10
+
+
+@pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum, _parts], ids=str)
+def test_unequal_sizes_under_recompute(loss_fn):
+    """With every forward recomputed (R replays it, recording no loss) sizes [1, 3, 2, 6]
+    still train exactly; a dict loss's parts are weighed as its sum is."""
+    assert _train_both("1f1b", loss_fn, recompute=True) < 1e-10
+
+
+def test_a_dict_losss_parts_are_means_over_the_samples():
+    """Each named part reported for unequal microbatches is the whole batch's mean."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    segments = make_segments(2, width=WIDTH)
+    plain = Chain(copy.deepcopy(segments))
+    engine = Engine(program, segments, _parts, sgd)
+    x, y = _data(12)
+    loss = engine.train_step(x, y, microbatch_sizes=SIZES)
+    want = {name: value.item() for name, value in _parts(plain(x), y).items()}
+    assert abs(loss - sum(want.values())) < 1e-12
+    for name, value in want.items():
+        assert abs(engine.last_metrics[name] - value) < 1e-12, name
 
 
 @pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum], ids=str)
