@@ -19,14 +19,15 @@ the live parameters (the module's own, the latest version), the weight versions 
 forwards still need (weight_delay >= 1, weight stashing; `versions`), and under ZeRO a flat shard
 parameter that the optimizer steps (`zero`).
 
-[Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
-is divided by the batch's count at the step instead: [Note: the count divides at the step] in
-`backends.runtime.losses`; a `schedcc.TokenLoss` by its count before the backward: [Note: a
-count known up front]), gradients are accumulated into the live parameters' `.grad` (by
-autograd itself, or from `torch.autograd.grad` of the stashed weights under weight stashing:
-[Note: autograd accumulates] in `backends.runtime.grads`), and the reductions sum in rank order,
-so a pipelined step equals a non-pipelined step on the concatenated global batch up to float
-rounding.
+[Note: exactness] The last segment scales a mean loss by 1/(m * dp) (by its size over the
+local batch's, n_j / (N * dp), for microbatches of unequal size: [Note: unequal microbatches]
+in `backends.runtime.losses`; a `(loss_sum, count)` loss is divided by the batch's count at the
+step instead: [Note: the count divides at the step]; a `schedcc.TokenLoss` by its count before
+the backward: [Note: a count known up front]), gradients are accumulated into the live
+parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed weights
+under weight stashing: [Note: autograd accumulates] in `backends.runtime.grads`), and the
+reductions sum in rank order, so a pipelined step equals a non-pipelined step on the
+concatenated global batch up to float rounding.
 """
 
 from __future__ import annotations
