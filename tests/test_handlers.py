@@ -15,7 +15,9 @@ import schedcc
 from schedcc import Backward, Forward, OverlappedBackward, ReduceGrads, ScheduleConfigError
 from schedcc.backends.local import Engine
 from schedcc.backends.run.launch import spawn
+from schedcc.backends.runtime.losses import count_carriers
 from schedcc.errors import RuntimeInstructionError
+from schedcc.semantics import Layout
 
 
 def _masked_sum(out, y):
@@ -64,10 +66,12 @@ def test_a_pair_handler_is_called_for_every_pair_and_stays_exact(name, dp, loss_
     of the program (every replica's), with the pair's two instructions, and training equals
     the engine without it to 1e-12 (which equals non-pipelined training)."""
     program, engine, oracle = _engines(name, 8, dp=dp, loss_fn=loss_fn, num_batches=2)
-    seen = []
+    seen, in_order = [], set()
 
     def pair(call):
         seen.append(str(call))
+        if call.in_order:
+            in_order.add(call.backward.microbatch)
         assert type(call.forward) is Forward
         assert call.backward is call.instruction
         assert call.modules is not None
@@ -78,8 +82,32 @@ def test_a_pair_handler_is_called_for_every_pair_and_stays_exact(name, dp, loss_
     data = batches(4, 16 * dp)
     got, want = list(engine.train(data)), list(oracle.train(data))
     assert sorted(seen) == sorted(_pairs(program) * dp * 2)  # two runs of the program
+    carriers = set(count_carriers(program, Layout.of(program.schedule)).values())
+    paired = {
+        op.microbatch for ops in program.stages for op in ops if type(op) is OverlappedBackward
+    }
+    assert in_order == carriers & paired  # the pairs whose backward carries a count
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12
     assert _largest_difference(engine, oracle) < 1e-12
+
+
+def test_a_pair_whose_backward_carries_a_count_says_so(monkeypatch):
+    """A pair whose backward carries its batch's count tells the handler to keep the halves in
+    order (the built-ins pair no such backward: here every backward claims to carry one)."""
+    from schedcc.backends.runtime.losses import StageCounts
+
+    monkeypatch.setattr(StageCounts, "carries", lambda self, microbatch: True)
+    program, engine, oracle = _engines("dualpipe-v", 4, loss_fn=_masked_sum)
+    flags = []
+
+    def pair(call):
+        flags.append(call.in_order)
+        call.run()
+
+    engine.register_handler(OverlappedBackward, pair)
+    data = batches(1, 8)[0]
+    assert abs(engine.train_step(*data) - oracle.train_step(*data)) < 1e-12
+    assert flags == [True] * len(_pairs(program))
 
 
 def _recording(kind):

@@ -16,8 +16,7 @@ between the two, and the backward needs nothing the forward makes). The runtime 
 forward back when it reaches it, and at the `OverlappedBackward` runs the pair as one
 `OverlappedPair`: `run_forward()` then `run_backward()`, each once. That order is the host's
 (what the halves record, a loss and its count, reads in program order); on the device their
-work may overlap.
-The distributed engine sends what the forward makes only after the pair
+work may overlap. The distributed engine sends what the forward makes only after the pair
 (`backends.distributed.eager`), and the local one at the comm group after it. By default, on a
 CUDA device the forward runs on a side stream while the backward runs on the current one, and
 the current stream then waits for the side one (autograd runs each backward kernel on its
@@ -26,9 +25,10 @@ current one, so the forward reads finished inputs and reuses no memory still in 
 CPU the pair runs in order, forward then backward, which is exact. The one pair per batch whose
 backward carries the batch's count of a `(loss_sum, count)` loss ([Note: the count divides at
 the step] in `backends.runtime.losses`) runs in order on CUDA too: that backward reads the
-count the forward may have just recorded. A handler registered for
-`OverlappedBackward` replaces that default: the user's own overlap (torchtitan's MoE
-all-to-all overlap calls both halves in chunks), with the same two halves to call.
+count the forward may have just recorded (`OverlappedPair.in_order` says so to a handler). A
+handler registered for `OverlappedBackward` replaces that default with the user's own overlap
+(a MoE layer's all-to-all hidden behind the other half's compute, say), with the same two
+halves to call.
 """
 
 from __future__ import annotations
@@ -129,9 +129,11 @@ class OverlappedPair(InstructionCall):
 
     Attributes:
         forward: the pair's `Forward`; `instruction` (and `backward`) its `OverlappedBackward`.
+        in_order: whether the backward's device work must follow the forward's (it reads the
+            batch's count that the forward records), as the default runs it.
     """
 
-    __slots__ = ("_backward_work", "_halves", "forward")
+    __slots__ = ("_halves", "forward", "in_order")
 
     def __init__(
         self,
@@ -141,9 +143,12 @@ class OverlappedPair(InstructionCall):
         modules: Sequence[nn.Module],
         device: torch.device,
         halves: tuple[Callable[[], None], Callable[[], None]],
+        *,
+        in_order: bool = False,
     ) -> None:
-        super().__init__(stage, backward, modules, device, self._in_order)
+        super().__init__(stage, backward, modules, device, self._both)
         self.forward = forward
+        self.in_order = in_order
         self._halves = list(halves)
 
     @property
@@ -171,7 +176,7 @@ class OverlappedPair(InstructionCall):
         self._halves[index] = None
         work()
 
-    def _in_order(self) -> None:
+    def _both(self) -> None:
         """`run()`: the forward half, then the backward half."""
         self.run_forward()
         self.run_backward()
@@ -271,8 +276,9 @@ class Handlers:
             finally:
                 self._releasing = None
 
+        halves = (run_forward, backward_work)
         pair = OverlappedPair(
-            self.stage, forward, backward, self._modules, self._device, (run_forward, backward_work)
+            self.stage, forward, backward, self._modules, self._device, halves, in_order=in_order
         )
         fn = self._by_kind.get(OverlappedBackward)
         if fn is not None:
