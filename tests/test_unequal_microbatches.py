@@ -235,6 +235,11 @@ def _worker(rank: int, world_size: int) -> int:
                 assert abs(got - want) < 1e-12, (rank, p2p, got, want)
             for a, b in zip(segments[rank].parameters(), oracle[rank].parameters()):
                 assert torch.allclose(a, b, rtol=0, atol=1e-12), (rank, p2p)
+    before = engine.steps
+    for mine in ([SIZES, [6, 2, 3, 1]][rank], [SIZES, None][rank]):
+        with pytest.raises(ScheduleConfigError, match="the ranks were given different"):
+            engine.train_step(*_data(12), microbatch_sizes=mine)
+    assert engine.steps == before
     dist.destroy_process_group()
     return 0
 
@@ -243,5 +248,6 @@ def _worker(rank: int, world_size: int) -> int:
 def test_unequal_sizes_on_two_gloo_ranks_equal_the_local_engine():
     """On 2 gloo ranks (shared memory, and NCCL's code path whose headers travel only for new
     shapes), sizes [1, 3, 2, 6] and [6, 2, 3, 1] with a mean and a (loss_sum, count) loss
-    give the local engine's losses and weights to 1e-12."""
+    give the local engine's losses and weights to 1e-12; ranks given different sizes (or
+    sizes on one rank only) all refuse the step with a ScheduleConfigError."""
     assert spawn(_worker, 2, grace=120, threads=1) == 0

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -345,7 +346,7 @@ class Engine(BaseEngine):
             given = all(xs is not None for _, _, xs in own)
             return [(x, y) for x, y, _ in own], (inputs if given else None), targets
 
-        return self._agreed("the batches", split)[0], per_batch
+        return self._agreed("the batches", split, sizes=per_batch)[0], per_batch
 
     @property
     def _reads_inputs(self) -> bool:
@@ -386,7 +387,11 @@ class Engine(BaseEngine):
         )
 
     def _agreed(
-        self, what: str, split: Callable[[], tuple[Any, list[Any] | None, bool]]
+        self,
+        what: str,
+        split: Callable[[], tuple[Any, list[Any] | None, bool]],
+        *,
+        sizes: list[tuple[int, ...] | None] | None = None,
     ) -> tuple[Any, bool]:
         """`split()` is `(this stage's microbatches, the inputs' microbatches where it reads
         them, whether it holds targets)`; once every rank has checked its data, a rank that
@@ -406,7 +411,8 @@ class Engine(BaseEngine):
         signatures key what a rank knows of each message ([Note: certain shapes] in
         `backends.distributed.peers`): a rank given the inputs computes them, and where some
         rank was not, the flags say so and the first stage's travel to it, so the signatures
-        match on every rank of the pipeline.
+        match on every rank of the pipeline. The same all-reduce compares the `sizes` of
+        unequal microbatches every rank was given (a checksum's largest and smallest value).
         """
         problem, failure, result, inputs, targets = None, None, None, None, False
         try:
@@ -422,10 +428,18 @@ class Engine(BaseEngine):
         last = self._holds(self._layout.lasts)
         # one small all-reduce says whether any rank found a problem, lacks the signatures or
         # holds the targets; only then do Python objects travel
-        flags = torch.tensor([problem is not None, certain and mine is None, last and targets])
+        key = zlib.crc32(repr(sizes).encode()) if sizes is not None and any(sizes) else 0
+        flags = torch.tensor(
+            [problem is not None, certain and mine is None, last and targets, key, -key]
+        )
         with self._collective(f"checking {what}", self._control):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-        found, lacking, targets_held = flags.tolist()
+        found, lacking, targets_held, most, least = flags.tolist()
+        if most != -least:
+            raise ScheduleConfigError(
+                f"rank {self.rank} (stage {self.stage}): the ranks were given different "
+                f"microbatch_sizes (this one {sizes}): give every rank the same sizes"
+            )
         if found:
             entries: list = [None] * dist.get_world_size()
             with self._collective(f"checking {what}", self._control):
