@@ -289,25 +289,36 @@ class Engine(BaseEngine):
             for rt in replicas:
                 rt.unshard_all([flat.clone() for flat in full])
 
-    def _prepare(self, group: list[Any], first: int) -> list[Microbatches]:
-        return [self._split(batch, first + j) for j, batch in enumerate(group)]
+    def _prepare(
+        self, group: list[Any], first: int, sizes: list[tuple[int, ...]] | None = None
+    ) -> tuple[list[Microbatches], list[tuple[int, ...] | None]]:
+        per_batch = sizes or [None] * len(group)
+        split = [
+            self._split(b, first + j, sizes=n) for j, (b, n) in enumerate(zip(group, per_batch))
+        ]
+        return split, per_batch
 
-    def _split(self, batch: Any, index: int, m: int | None = None) -> Microbatches:
-        """Per replica, the microbatches of inputs and targets; checks everything first."""
+    def _split(
+        self, batch: Any, index: int, m: int | None = None, sizes: tuple[int, ...] | None = None
+    ) -> Microbatches:
+        """Per replica, the microbatches of inputs and targets (of `sizes` samples each, where
+        given); checks everything first."""
         dp, m = self.program.data_parallel, m or self.program.schedule.num_microbatches
         local = local_batches(batch, index, dp)
         same_sizes(local, index)
         where = [f"batch {index}" + (f" (replica {r})" if dp > 1 else "") for r in range(dp)]
-        return [split_pair(x, y, m, where=w) for (x, y), w in zip(local, where)]
+        return [split_pair(x, y, m, where=w, sizes=sizes) for (x, y), w in zip(local, where)]
 
     def _held_modules(self) -> list[nn.Module]:
         return [mod for runtimes in self.runtimes for rt in runtimes for mod in rt.modules]
 
     # -- running --------------------------------------------------------------------------------
 
-    def _run(self, batches: list[Microbatches]) -> list[tuple[float, dict[str, float]]]:
-        """Run the program once over `batches` (per batch, per replica microbatches)."""
-        self._load(batches, forward_only=False)
+    def _run(self, prepared) -> list[tuple[float, dict[str, float]]]:
+        """Run the program once over what `_prepare` made: per batch, per replica
+        microbatches, and per batch its microbatches' sizes (None: equal)."""
+        batches, sizes = prepared
+        self._load(batches, forward_only=False, sizes=sizes)
         return self._losses(len(batches))
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
@@ -339,16 +350,25 @@ class Engine(BaseEngine):
         """The stages holding `segments` (the replicas' first or last ones)."""
         return sorted({self._layout.stage_of[k] for k in segments})
 
-    def _load(self, batches: list[Microbatches], *, forward_only: bool, targets: bool = True):
-        """Load `batches` into every runtime and run the program (or the forward-only one)."""
+    def _load(
+        self,
+        batches: list[Microbatches],
+        *,
+        forward_only: bool,
+        targets: bool = True,
+        sizes: Sequence[tuple[int, ...] | None] = (),
+    ):
+        """Load `batches` (of `sizes`, where given) into every runtime and run the program (or
+        the forward-only one)."""
         firsts, lasts = self._ends(self._layout.firsts), self._ends(self._layout.lasts)
+        sizes = list(sizes) or [None] * len(batches)
         for r, runtimes in enumerate(self.runtimes):
             for s, rt in enumerate(runtimes):
                 rt.reset(forward_only=forward_only)
                 for b, local in enumerate(batches):
                     inputs, target = local[r]
                     target = target if s in lasts and targets else None
-                    rt.load_batch(b, inputs if s in firsts else None, target)
+                    rt.load_batch(b, inputs if s in firsts else None, target, sizes=sizes[b])
         ops = self._forward_ops if forward_only else self._ops
         if len(self.runtimes) == 1:
             self._run_replica(0, ops)

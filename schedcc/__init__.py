@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from schedcc import microbatches
 from schedcc.compiler import compile
 from schedcc.errors import (
     CheckpointError,
@@ -101,6 +102,7 @@ __all__ = [
     "compile",
     "export",
     "get_schedule",
+    "microbatches",
     "simulate",
     "tune",
     "validate",

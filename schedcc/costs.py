@@ -112,6 +112,32 @@ def _memory_model(instance, attribute, value) -> None:
         raise ScheduleConfigError(f"CostModel.memory must be a MemoryModel, got {value!r}")
 
 
+def _factors(value: Iterable[float] | None) -> tuple[float, ...]:
+    """`per_microbatch` as a tuple of positive finite numbers (a `ScheduleConfigError` else)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping)):
+        raise ScheduleConfigError(
+            f"CostModel.per_microbatch must be a sequence of numbers, one per microbatch of a "
+            f"batch, got {value!r}"
+        )
+    try:
+        factors = tuple(value)
+    except TypeError:
+        raise ScheduleConfigError(
+            f"CostModel.per_microbatch must be a sequence of numbers, one per microbatch of a "
+            f"batch, got {value!r}"
+        ) from None
+    for j, factor in enumerate(factors):
+        bad = isinstance(factor, bool) or not isinstance(factor, (int, float))
+        if bad or not 0 < factor < inf:
+            raise ScheduleConfigError(
+                f"CostModel.per_microbatch[{j}] must be a positive finite number (microbatch "
+                f"{j}'s compute relative to the model's costs), got {factor!r}"
+            )
+    return factors
+
+
 def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
     table = dict(value or {})
     for key, model in table.items():
@@ -147,6 +173,13 @@ class CostModel:
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
+        per_microbatch: one factor per microbatch of a batch (`m` of them, e.g. its samples
+            or tokens relative to the mean): a compute of microbatch `i` costs what the model
+            says times `per_microbatch[i % m]` (microbatches of unequal size, see
+            `schedcc.microbatches`); comm and updates are not scaled. An overlapped pair's
+            forward takes its factor and the backward's rest (`overlapped_pair`) takes the
+            backward's. Read from the top-level model only; the simulators refuse another
+            count than the program's `m`. Empty (the default): every microbatch alike.
 
     Resolution, most specific first: `per_stage[s].per_chunk[c]`, `per_stage[s]`,
     `per_chunk[c]`, then this model's own fields. A comm group reads the model of its first op.
@@ -174,6 +207,7 @@ class CostModel:
     overlap: float = attrs.field(default=0.5, validator=_fraction)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
+    per_microbatch: tuple[float, ...] = attrs.field(default=(), converter=_factors)
 
     def at(self, stage: int, chunk: int = 0) -> CostModel:
         """The model that applies to `chunk` on `stage` (see the resolution order above)."""
@@ -183,8 +217,29 @@ class CostModel:
         return self.per_chunk.get(chunk, self)
 
     def cost(self, stage: int, op: Instruction) -> float:
-        """The duration of `op` on `stage` (comm ops: the group cost)."""
-        return kind_cost(self.at(stage, getattr(op, "chunk", 0)), type(op))
+        """The duration of `op` on `stage` (comm ops: the group cost), a compute scaled by its
+        microbatch's `per_microbatch` factor.
+
+        >>> CostModel(per_microbatch=[1, 3]).cost(0, parse("F3")), CostModel().cost(0, parse("B3"))
+        (3.0, 2.0)
+        """
+        cost = kind_cost(self.at(stage, getattr(op, "chunk", 0)), type(op))
+        if self.per_microbatch and isinstance(op, COMPUTE):
+            cost *= self.per_microbatch[op.microbatch % len(self.per_microbatch)]
+        return cost
+
+    def check_microbatches(self, num_microbatches: int) -> None:
+        """Raise unless `per_microbatch` is empty or gives `num_microbatches` factors.
+
+        Raises:
+            ScheduleConfigError: another count, naming both.
+        """
+        given = len(self.per_microbatch)
+        if given and given != num_microbatches:
+            raise ScheduleConfigError(
+                f"CostModel.per_microbatch gives {given} factors but the program has m="
+                f"{num_microbatches} microbatches per batch: give one factor per microbatch"
+            )
 
     @classmethod
     def from_trace(
@@ -282,4 +337,4 @@ def cost_fields() -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(CostModel) if f.name not in _OVERRIDES)
 
 
-_OVERRIDES = ("per_stage", "per_chunk", "memory")
+_OVERRIDES = ("per_stage", "per_chunk", "memory", "per_microbatch")

@@ -278,6 +278,7 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
     if not isinstance(costs, CostModel):
         raise ScheduleConfigError(f"costs must be a CostModel, got {costs!r}")
     ensure_valid(program)  # the validator's error for a program it refuses
+    costs.check_microbatches(program.schedule.num_microbatches)
     stages = program.stages
     with paused_gc():
         tables = _tables(costs, len(stages))
@@ -301,12 +302,12 @@ _DEFAULT = CostModel()
 
 
 def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:
-    """Per stage, the cost of each instruction class, or None where a per-chunk override can
-    apply (then each op resolves its own model)."""
+    """Per stage, the cost of each instruction class, or None where a per-chunk override or a
+    per-microbatch factor can apply (then each op resolves its own cost)."""
     tables: list[dict | None] = []
     for s in range(num_stages):
         model = costs.per_stage.get(s, costs)
-        if model.per_chunk or (model is costs and costs.per_chunk):
+        if costs.per_microbatch or model.per_chunk or (model is costs and costs.per_chunk):
             tables.append(None)
         else:
             tables.append({cls: kind_cost(model, cls) for cls in ALL_KINDS})

@@ -267,6 +267,9 @@ class _Tuner:
         self, name: str, cls: type[Schedule], m: int, v: int, recompute: bool = False
     ) -> Candidate | Skipped:
         """The simulated candidate, or why the shape is skipped; a schedule's failure raises."""
+        factors = len(self.costs.per_microbatch)
+        if factors and factors != m:
+            return Skipped(name, m, v, f"costs.per_microbatch gives {factors} microbatches")
         try:
             schedule = build_schedule(cls, self.num_stages, m, num_chunks=v)
         except ScheduleConfigError as exc:

@@ -18,6 +18,8 @@ __all__ = [
     "boundary_values",
     "constants",
     "keys",
+    "lengths_and_microbatches",
+    "microbatch_sizes",
     "nestings",
     "schedules",
     "shapes",
@@ -88,3 +90,16 @@ def assert_same(a, b):
 def boundary_values():
     """Random boundary values: nestings of tuples, lists and dicts of tensors and constants."""
     return nestings(st.one_of(tensors(), constants))
+
+
+@st.composite
+def lengths_and_microbatches(draw, max_samples: int = 40, max_length: int = 64):
+    """`(lengths, m)`: the token counts of a batch's samples (some 0: all padding) and a number
+    of microbatches they can fill (`1 <= m <= len(lengths)`)."""
+    lengths = draw(st.lists(st.integers(0, max_length), min_size=1, max_size=max_samples))
+    return lengths, draw(st.integers(1, len(lengths)))
+
+
+def microbatch_sizes(num_microbatches: int, max_size: int = 5):
+    """`num_microbatches` sizes of 1 to `max_size` samples (`train_step`'s `microbatch_sizes`)."""
+    return st.lists(st.integers(1, max_size), min_size=num_microbatches, max_size=num_microbatches)

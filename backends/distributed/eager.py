@@ -17,7 +17,9 @@ groups then only say in which order messages go; `EagerPlan` says where, per ste
 
 Computes are the steps that are not comm groups (update instructions included); a receive's
 consumer is the forward (activation) or the first backward (gradient) of its microbatch and
-chunk, a send's producer the same for what it sends.
+chunk, a send's producer the same for what it sends, except that the forward of an overlapped
+pair (`F3 +B1.1`) runs with its backward, so what it makes is sent after the pair ([Note:
+running an overlapped pair] in `backends.runtime.handlers`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedcc.backends.distributed.groups import CommGroup
-from schedcc.ir import Instruction
+from schedcc.ir import Forward, Instruction, OverlappedBackward
 from schedcc.semantics import Tensors
 
 __all__ = ["RECV_LOOKAHEAD", "EagerPlan", "Transfer"]
@@ -65,9 +67,11 @@ class EagerPlan:
         for index in computes:
             op = steps[index]
             assert type(op) is not CommGroup
-            for key in (tensors.makes(stage, op), *tensors.needs(stage, op)):
-                if key is not None:
-                    position.setdefault(key, index)
+            made = tensors.makes(stage, op)
+            if made is not None:
+                position.setdefault(made, _made_at(steps, index))
+            for key in tensors.needs(stage, op):
+                position.setdefault(key, index)
         sends: list[tuple[int, Transfer]] = []  # (producer step, send), program order
         recvs: list[tuple[int, Transfer]] = []  # (consumer step, receive), program order
         for g, step in enumerate(steps):
@@ -104,6 +108,15 @@ class EagerPlan:
         for (consumer, recv), post in zip(recvs, reversed(posts)):
             self.post_before[computes[post]].append(recv)
             self.wait_before[consumer].append(recv)
+
+
+def _made_at(steps: Sequence[Instruction | CommGroup], index: int) -> int:
+    """The step after which what step `index` makes exists: its own, or for the forward of an
+    overlapped pair the pair's backward, right after it."""
+    following = steps[index + 1] if index + 1 < len(steps) else None
+    if type(steps[index]) is Forward and type(following) is OverlappedBackward:
+        return index + 1
+    return index
 
 
 def _carried(tensors: Tensors, stage: int, op: Instruction) -> int:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -320,21 +321,26 @@ class Engine(BaseEngine):
     def _held_modules(self) -> list[nn.Module]:
         return list(self.runtime.modules)
 
-    def _prepare(self, group: list[Any], first: int) -> list[tuple[Any, Any]]:
-        """This stage's microbatches of each batch, checked where the data is and refused on
-        every rank alike ([Note: data only where needed])."""
+    def _prepare(
+        self, group: list[Any], first: int, sizes: list[tuple[int, ...]] | None = None
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[int, ...] | None]]:
+        """This stage's microbatches of each batch (of `sizes`, where given), checked where the
+        data is and refused on every rank alike ([Note: data only where needed]); and `sizes`
+        per batch."""
         m = self.program.schedule.num_microbatches
+        per_batch = sizes or [None] * len(group)
 
         def split() -> tuple[list[tuple[Any, Any]], list[Any] | None, bool]:
             own = [
-                self._split(batch, m, f"batch {index}") for index, batch in enumerate(group, first)
+                self._split(batch, m, f"batch {index}", sizes=per_batch[index - first])
+                for index, batch in enumerate(group, first)
             ]
             inputs = [x for _, _, xs in own if xs is not None for x in xs]
             targets = any(ys is not None for _, ys, _ in own)
             given = all(xs is not None for _, _, xs in own)
             return [(x, y) for x, y, _ in own], (inputs if given else None), targets
 
-        return self._agreed("the batches", split)[0]
+        return self._agreed("the batches", split, sizes=per_batch)[0], per_batch
 
     @property
     def _reads_inputs(self) -> bool:
@@ -345,7 +351,9 @@ class Engine(BaseEngine):
         """Whether this rank's stage holds one of `segments` (the replicas' first or last)."""
         return any(self._layout.stage_of[k] == self.stage for k in segments)
 
-    def _split(self, batch: Any, m: int, where: str) -> tuple[Any, Any, list[Any] | None]:
+    def _split(
+        self, batch: Any, m: int, where: str, *, sizes: tuple[int, ...] | None = None
+    ) -> tuple[Any, Any, list[Any] | None]:
         """`(inputs, targets, split inputs)` of one batch for this stage: its `m` microbatches
         of inputs on its device where a model replica starts (segment 0's stage), of targets
         where one ends (the last segment's), None for the rest, and the inputs' microbatches
@@ -364,7 +372,7 @@ class Engine(BaseEngine):
                 f"{where}: inputs are None, but stage {self.stage} holds a model's first "
                 "segment and reads them: pass the batch's inputs on this rank"
             )
-        xs, ys = split_pair(inputs, targets, m, where=where, need_inputs=first)
+        xs, ys = split_pair(inputs, targets, m, where=where, need_inputs=first, sizes=sizes)
         device = self.device
         return (
             [to_device(x, device) for x in xs] if first else None,
@@ -373,7 +381,11 @@ class Engine(BaseEngine):
         )
 
     def _agreed(
-        self, what: str, split: Callable[[], tuple[Any, list[Any] | None, bool]]
+        self,
+        what: str,
+        split: Callable[[], tuple[Any, list[Any] | None, bool]],
+        *,
+        sizes: list[tuple[int, ...] | None] | None = None,
     ) -> tuple[Any, bool]:
         """`split()` is `(this stage's microbatches, the inputs' microbatches where it reads
         them, whether it holds targets)`; once every rank has checked its data, a rank that
@@ -393,7 +405,8 @@ class Engine(BaseEngine):
         signatures key what a rank knows of each message ([Note: certain shapes] in
         `backends.distributed.peers`): a rank given the inputs computes them, and where some
         rank was not, the flags say so and the first stage's travel to it, so the signatures
-        match on every rank of the pipeline.
+        match on every rank of the pipeline. The same all-reduce compares the `sizes` of
+        unequal microbatches every rank was given (a checksum's largest and smallest value).
         """
         problem, failure, result, inputs, targets = None, None, None, None, False
         try:
@@ -409,10 +422,18 @@ class Engine(BaseEngine):
         last = self._holds(self._layout.lasts)
         # one small all-reduce says whether any rank found a problem, lacks the signatures or
         # holds the targets; only then do Python objects travel
-        flags = torch.tensor([problem is not None, certain and mine is None, last and targets])
+        key = zlib.crc32(repr(sizes).encode()) if sizes is not None and any(sizes) else 0
+        flags = torch.tensor(
+            [problem is not None, certain and mine is None, last and targets, key, -key]
+        )
         with self._collective(f"checking {what}", self._control):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-        found, lacking, targets_held = flags.tolist()
+        found, lacking, targets_held, most, least = flags.tolist()
+        if most != -least:
+            raise ScheduleConfigError(
+                f"rank {self.rank} (stage {self.stage}): the ranks were given different "
+                f"microbatch_sizes (this one {sizes}): give every rank the same sizes"
+            )
         if found:
             entries: list = [None] * dist.get_world_size()
             with self._collective(f"checking {what}", self._control):
@@ -429,9 +450,10 @@ class Engine(BaseEngine):
         self._signatures = mine or {}
         return result, bool(targets_held)
 
-    def _run(self, split: list[tuple[Any, Any]]) -> list[tuple[float, dict[str, float]]]:
+    def _run(self, prepared) -> list[tuple[float, dict[str, float]]]:
+        split, sizes = prepared
         self._connect()
-        times = self._execute(self._ops, self._visit, self._transfers, split)
+        times = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
         self.step_times.append(times)
         return self._losses(len(split))
 
@@ -511,14 +533,18 @@ class Engine(BaseEngine):
             self._forward = (ops, visit, transfers)
         return self._forward
 
-    def _execute(self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False):
-        """Run a program's steps once on `split` (per batch, this stage's microbatches); the
-        (start, end) of each step. A failure tells the peers first ([Note: failures])."""
+    def _execute(
+        self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False, sizes=()
+    ):
+        """Run a program's steps once on `split` (per batch, this stage's microbatches, of
+        `sizes` where given); the (start, end) of each step. A failure tells the peers first
+        ([Note: failures])."""
         runtime = self.runtime
         runtime.reset(forward_only=forward_only)
         transfers.begin(self._signatures)
+        sizes = list(sizes) or [None] * len(split)
         for batch, (inputs, targets) in enumerate(split):
-            runtime.load_batch(batch, inputs, targets)
+            runtime.load_batch(batch, inputs, targets, sizes=sizes[batch])
         clock, clock0 = time.perf_counter, self._clock0
         times = [(0.0, 0.0)] * len(ops)  # a comm group not visited: its waits', from `finish`
         try:

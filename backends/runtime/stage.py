@@ -19,14 +19,15 @@ the live parameters (the module's own, the latest version), the weight versions 
 forwards still need (weight_delay >= 1, weight stashing; `versions`), and under ZeRO a flat shard
 parameter that the optimizer steps (`zero`).
 
-[Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
-is divided by the batch's count at the step instead: [Note: the count divides at the step] in
-`backends.runtime.losses`; a `schedcc.TokenLoss` by its count before the backward: [Note: a
-count known up front]), gradients are accumulated into the live parameters' `.grad` (by
-autograd itself, or from `torch.autograd.grad` of the stashed weights under weight stashing:
-[Note: autograd accumulates] in `backends.runtime.grads`), and the reductions sum in rank order,
-so a pipelined step equals a non-pipelined step on the concatenated global batch up to float
-rounding.
+[Note: exactness] The last segment scales a mean loss by 1/(m * dp) (by its size over the
+local batch's, n_j / (N * dp), for microbatches of unequal size: [Note: unequal microbatches]
+in `backends.runtime.losses`; a `(loss_sum, count)` loss is divided by the batch's count at the
+step instead: [Note: the count divides at the step]; a `schedcc.TokenLoss` by its count before
+the backward: [Note: a count known up front]), gradients are accumulated into the live
+parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed weights
+under weight stashing: [Note: autograd accumulates] in `backends.runtime.grads`), and the
+reductions sum in rank order, so a pipelined step equals a non-pipelined step on the
+concatenated global batch up to float rounding.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import full_backward, weight_backward
 from schedcc.backends.runtime.graphs import Graph, Graphs
+from schedcc.backends.runtime.handlers import Handlers
 from schedcc.backends.runtime.losses import (
     LossBook,
     LossRecord,
@@ -206,6 +208,11 @@ class StageRuntime:
             GradNorm: self._grad_norm,
         }
         device = next((p.device for m in self.modules for p in m.parameters()), None)
+        #: the user's handlers, and the overlapped pairs ([Note: custom handlers] in
+        #: `backends.runtime.handlers`)
+        self.handlers = Handlers(
+            stage, program.stages[stage], self.modules, device or torch.device("cpu")
+        )
         low = mixed_precision if mixed_precision in LOW_PRECISION else None  # float32: none
         self.precision = Precision(low, device)
         scaler = LossScaler() if mixed_precision == torch.float16 else None
@@ -255,6 +262,7 @@ class StageRuntime:
         batches given targets and keeps the outputs (`outputs`) of the others.
         """
         self.forward_only = forward_only
+        self.handlers.training = not forward_only  # no pair to hold a forward back for
         self._graphs.reset()
         self._book.reset()
         self._ports.reset()
@@ -295,14 +303,24 @@ class StageRuntime:
         """`loss_records` as float64 tensors on the device, unread (`LossBook.device_records`)."""
         return self._book.device_records()
 
-    def load_batch(self, batch: int, inputs: Sequence[Any] | None, targets: Sequence[Any] | None):
+    def load_batch(
+        self,
+        batch: int,
+        inputs: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        *,
+        sizes: Sequence[int] | None = None,
+    ):
         """Give the runtime the `m` microbatches of `batch` (an index within the program), each
-        a boundary value (`backends.runtime.values`).
+        a boundary value (`backends.runtime.values`), of `sizes` samples each where they are
+        unequal ([Note: unequal microbatches] in `backends.runtime.losses`).
 
         `inputs` is read only on the stage holding segment 0, `targets` only on the stage
         holding the last segment; other stages may pass None.
         """
         self._ports.load_batch(batch, inputs, targets)
+        if sizes is not None:
+            self._book.sized(batch, sizes)
 
     def run(self, op: Instruction) -> None:
         """Execute a compute or update instruction."""
@@ -317,7 +335,7 @@ class StageRuntime:
         try:
             if self._zero == 3 and isinstance(op, COMPUTE):
                 self._reducer.ready(op.chunk)  # the all-gather its Unshard launched ahead
-            handler(op)
+            self.handlers.run(op, functools.partial(handler, op))
         except Exception as exc:
             exc.add_note(f"(while stage {self.stage} ran {op})")
             raise
@@ -412,6 +430,8 @@ class StageRuntime:
     # -- compute --------------------------------------------------------------------------------
 
     def _forward(self, op: Forward) -> None:
+        if self.handlers.holds_back(op):
+            return  # runs with its overlapped backward: [Note: running an overlapped pair]
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         value, leaves = self._ports.input_of(i, c, k)
@@ -492,7 +512,9 @@ class StageRuntime:
             self._counts.know_up_front(batch, self._ports.batch_targets(batch))
         result = call_loss(self.loss_fn, out, self._ports.target(i))
         where = f"loss_fn on microbatch {i}"
-        objective = self._book.objective(batch, result, where=where, record=record, replica=replica)
+        objective = self._book.objective(
+            batch, result, where=where, record=record, replica=replica, index=i % self._m
+        )
         return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
@@ -513,9 +535,16 @@ class StageRuntime:
         self._graphs.free(op)
 
     def _overlapped_backward(self, op: OverlappedBackward) -> None:
-        """The backward half of an overlapped pair (`F3.1 +B1`): its forward ran just before
-        it, so on one device the pair runs in order, forward then backward."""
-        self._backward(op)
+        """The backward half of an overlapped pair (`F3.1 +B1`), run with the forward held back
+        just before it ([Note: running an overlapped pair] in `backends.runtime.handlers`)."""
+        carries = self._counts.carries(op.microbatch)
+        backward = functools.partial(self._backward, op)
+        self.handlers.run_pair(op, self._forward, backward, in_order=carries)
+
+    def register_handler(self, kind: type, fn: Callable[[Any], Any]) -> None:
+        """Run every instruction of `kind` on this stage through `fn` ([Note: custom handlers]
+        in `backends.runtime.handlers`)."""
+        self.handlers.register(kind, fn)
 
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graphs.graph(op)
