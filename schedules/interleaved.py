@@ -69,6 +69,7 @@ class Interleaved1F1B(Schedule):
     """Interleaved 1F1B (Megatron-LM virtual stages): v looped chunks per stage, depth-first."""
 
     name = "interleaved-1f1b"
+    chunks = "any"
 
     def groups(self) -> list[range]:
         """The microbatch groups of batch 0 that run depth-first through the chunks.
@@ -88,7 +89,7 @@ class Interleaved1F1B(Schedule):
             start = stop
         return groups
 
-    def order(self) -> list[tuple[int, int]]:
+    def forward_order(self) -> list[tuple[int, int]]:
         """The `(microbatch, chunk)` sequence every stage forwards in, for batch 0."""
         return [(i, c) for group in self.groups() for c in range(self.num_chunks) for i in group]
 
@@ -101,8 +102,8 @@ class Interleaved1F1B(Schedule):
         largest = max(len(group) for group in self.groups())
         return min((p - stage - 1) * 2 + (v - 1) * largest, total)
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
-        order, v, warmup = self.order(), self.num_chunks, self.num_warmup(stage)
+    def order(self, stage: int) -> Iterator[Instruction]:
+        order, v, warmup = self.forward_order(), self.num_chunks, self.num_warmup(stage)
         for batch in range(self.num_batches):
             first = batch * self.num_microbatches
             forwards = [Forward(first + i, c) for i, c in order]

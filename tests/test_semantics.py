@@ -70,7 +70,7 @@ class Hangs(schedcc.Schedule):
 
     name = "hangs"
 
-    def steps(self, stage):
+    def order(self, stage):
         if stage == 0:
             return [Forward(0), RecvGrad(0), schedcc.Backward(0), SendActivation(0)]
         return [RecvActivation(0), Forward(0), schedcc.Backward(0), SendGrad(0)]

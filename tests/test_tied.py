@@ -131,17 +131,17 @@ def test_a_schedule_that_yields_updates_must_yield_reduce_tied():
     """Updates are all-or-nothing: a schedule yielding its own steps but no ReduceTied is
     refused when compiled with tied segments."""
 
-    class OwnSteps(Schedule):
+    class OwnOrder(Schedule):
         name = "own-steps"
 
-        def steps(self, stage):
+        def order(self, stage):
             yield Forward(0)
             yield Backward(0)
             yield OptimizerStep()
 
-    compile(OwnSteps(2, 1))
+    compile(OwnOrder(2, 1))
     with pytest.raises(UpdateOrderError, match=r"before ReduceTied\(0\)"):
-        compile(OwnSteps(2, 1), tied=[(0, 1)])
+        compile(OwnOrder(2, 1), tied=[(0, 1)])
 
 
 GPIPE_TIED = """
