@@ -1,7 +1,7 @@
 """The simulator: how long a program takes, where its bubbles are and what it holds in memory.
 
-`simulate(program, costs)` times the very step model the validator proves deadlock-free (see
-[Note: the step model] in `schedcc.semantics.steps`): each stage runs its program in order, a
+`simulate(program, costs)` times the very rendezvous model the validator proves deadlock-free (see
+[Note: the rendezvous model] in `schedcc.semantics.units`): each stage runs its program in order, a
 compute or update takes its cost, a comm group is posted when its stage reaches it and done once
 every partner group is posted, plus the comm cost. One linear pass; the result is a `Timeline`.
 A program is validated before it is timed (once: the proof is kept on the program), so a
@@ -34,14 +34,14 @@ from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
 from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, stage_held
 from schedcc.program import Program
 from schedcc.semantics import (
-    Steps,
     Tensors,
+    Units,
     Walk,
     held_bytes,
     peak_activations,
     reference_walk,
+    rendezvous_model,
     rule_versions,
-    step_model,
     tensors_of,
     versions_of,
     walk,
@@ -63,9 +63,9 @@ class Event(NamedTuple):
 
 @attrs.frozen(slots=True)
 class _Run:
-    """What `simulate` keeps to answer questions lazily: the steps, the pairing and the walk."""
+    """What `simulate` keeps to answer questions lazily: the units, the pairing and the walk."""
 
-    steps: Steps
+    units: Units
     partner: list
     walk: Walk
     tables: list[dict | None]  # per stage: cost per instruction class, None if per chunk
@@ -100,12 +100,12 @@ class Timeline:
             return tuple(Event(*event) for event in self._events)
         if self._run is None:
             return ()
-        steps, walked = self._run.steps, self._run.walk
+        units, walked = self._run.units, self._run.walk
         events = []
         with paused_gc():
             for s, ops in enumerate(self.program.stages):
                 starts, ends = walked.start[s], walked.end[s]
-                for op, j in zip(ops, steps.step_at[s]):
+                for op, j in zip(ops, units.unit_at[s]):
                     events.append(Event(s, op, starts[j], ends[j]))
             return tuple(events)
 
@@ -224,7 +224,7 @@ class Timeline:
     def critical_path(self) -> tuple[Event, ...]:
         """A chain of events, in time order, from time 0 to the makespan with no slack.
 
-        Each event's start is set by the one before it: the previous step on its stage, or the
+        Each event's start is set by the one before it: the previous unit on its stage, or the
         partner group its comm group waited for. Empty for a measured or an eager timeline.
         """
         if self._run is None:
@@ -301,7 +301,7 @@ def _meta(timeline: Timeline) -> dict:
 
 
 def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = False) -> Timeline:
-    """Time `program` under `costs` on the step model the validator proves; linear.
+    """Time `program` under `costs` on the rendezvous model the validator proves; linear.
 
     Args:
         program: a compiled program (`schedcc.compile`).
@@ -330,16 +330,16 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
         if eager:
             events = _eager_events(program, costs, tables, tensors_of(program))
             return Timeline(program, events=events, costs=costs)
-        model = step_model(program)
-        steps, partner, problems = model.steps, model.partner, model.problems
+        model = rendezvous_model(program)
+        units, partner, problems = model.units, model.partner, model.problems
         if costs == _DEFAULT:  # the validator's walk: [Note: the reference walk]
             result = reference_walk(program)
         else:
-            durations = _durations(costs, tables, stages, steps)
-            result = walk(steps, partner, durations, links=model.links)
+            durations = _durations(costs, tables, stages, units)
+            result = walk(units, partner, durations, links=model.links)
     if result.stuck or problems:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
-    return Timeline(program, costs=costs, run=_Run(steps, partner, result, tables))
+    return Timeline(program, costs=costs, run=_Run(units, partner, result, tables))
 
 
 #: The default cost model, whose walk is the reference walk (`UNIT_COSTS` are its durations).
@@ -359,11 +359,11 @@ def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:
     return tables
 
 
-def _durations(costs: CostModel, tables, stages, steps: Steps) -> list[list[float]]:
-    """`durations[s][j]`: the cost of step j on stage s (one dict lookup per step, usually)."""
+def _durations(costs: CostModel, tables, stages, units: Units) -> list[list[float]]:
+    """`durations[s][j]`: the cost of unit j on stage s (one dict lookup per unit, usually)."""
     out = []
     for s, ops in enumerate(stages):
-        table, bounds = tables[s], steps.bounds[s]
+        table, bounds = tables[s], units.bounds[s]
         if table is None:
             out.append([costs.cost(s, ops[lo]) for lo, _ in bounds])
         else:
@@ -378,7 +378,7 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    meets = step_model(program).meets or None  # ReduceTied and GradNorm collectives
+    meets = rendezvous_model(program).meets or None  # ReduceTied and GradNorm collectives
     spans = eager_spans(program.stages, tensors, cost, meets=meets)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
@@ -398,33 +398,33 @@ def _stage_busy(ops, run: _Run, s: int) -> float:
     starts, ends = run.walk.start[s], run.walk.end[s]
     return sum(
         ends[j] - starts[j]
-        for j, (lo, _) in enumerate(run.steps.bounds[s])
+        for j, (lo, _) in enumerate(run.units.bounds[s])
         if isinstance(ops[lo], Compute)
     )
 
 
 def _critical_path(stages, run: _Run) -> tuple[Event, ...]:
-    """Walk back from the step that ends last, always through the event that set each start."""
-    steps, partner, walked = run.steps, run.partner, run.walk
-    if not any(steps.bounds):
+    """Walk back from the unit that ends last, always through the event that set each start."""
+    units, partner, walked = run.units, run.partner, run.walk
+    if not any(units.bounds):
         return ()
     ends = [row[-1] if row else 0.0 for row in walked.end]
     s = max(range(len(ends)), key=lambda t: (ends[t], -t))
-    j = len(steps.bounds[s]) - 1
+    j = len(units.bounds[s]) - 1
     path: list[Event] = []
     at_done = True  # False: we reached this group at its posted event, through a partner
     while j >= 0:
-        lo, hi = steps.bounds[s][j]
+        lo, hi = units.bounds[s][j]
         start, end = walked.start[s][j], walked.end[s][j]
         path.extend(Event(s, stages[s][pos], start, end) for pos in reversed(range(lo, hi)))
-        if at_done and steps.is_group[s][j]:
+        if at_done and units.is_group[s][j]:
             best = None
             for pos in range(lo, hi):
                 ps, ppos = partner[s][pos]
-                pstep = steps.step_at[ps][ppos]
-                posted = walked.start[ps][pstep]
+                punit = units.unit_at[ps][ppos]
+                posted = walked.start[ps][punit]
                 if posted > start and (best is None or posted > walked.start[best[0]][best[1]]):
-                    best = (ps, pstep)
+                    best = (ps, punit)
             if best is not None:
                 s, j = best
                 at_done = False

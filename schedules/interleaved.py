@@ -43,8 +43,8 @@ p = 4, m = 8, v = 2, compute order per stage (`F3.1` is microbatch 3 on chunk 1)
     stage 2: F0 F1 F2 F3 F0.1 F1.1 F2.1 B0.1 F3.1 B1.1 F4 B2.1 F5 B3.1 F6 B0 F7 B1 F4.1 B2 ...
     stage 3: F0 F1 F2 F3 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3.1 B3.1 F4 B0 F5 B1 F6 B2 F7 B3 ...
 
-[Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the step model the
-validator proves and `simulate` times by default, and Megatron-LM's own blocking
+[Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the rendezvous model
+the validator proves and `simulate` times by default, and Megatron-LM's own blocking
 `send_forward_recv_backward`), Megatron-LM's order (torch's too) idles beyond the ideal makespan
 `(F + B) * (v * m + p - 1)` once m is a multiple of p above p (v = 2, m = 8: 57 time units against
 51 at F = 1, B = 2). The idling is the rendezvous's, not the order's: with sends that never wait

@@ -1,18 +1,18 @@
-"""The executable semantics of a program: the one step model everything else reads.
+"""The executable semantics of a program: the one rendezvous model everything else reads.
 
 What a program means is written once, here, and the compiler passes, the validator, the
 simulators and the backends all call it, so they agree by construction (docs/design.md,
-"Semantics: the step model"):
+"Semantics: the rendezvous model"):
 
 - `layout`: where each segment lives (`Layout`);
 - `tensors`: tensor identity, one int per tensor, and what each compute needs and makes and each
   comm op carries, on which channel (`Tensors`, `Route`, `comm_route`, `decode`);
 - `channels`: sends paired with receives, FIFO per channel (`match_comm`);
-- `steps`: programs cut into steps and one walk of the step model's events (`Steps`, `walk`,
-  `Walk`, `wait_for_cycle`): deadlock freedom and timing;
+- `units`: programs cut into units (a compute or update, or a comm group) and one walk of their
+  events (`Units`, `walk`, `Walk`, `wait_for_cycle`): deadlock freedom and timing;
 - `versions`: the weight-version rule (`version_used`, `kept_versions`, `stashes`);
 - `memory`: activation counting (`HELD`, `held_changes`, `peak_activations`, `first_over`);
-- `model`: those facts of one program, made once and kept with it (`step_model`);
+- `model`: those facts of one program, made once and kept with it (`rendezvous_model`);
 - `graph`: the program as a networkx DAG (`build_graph`, for `Program.graph`).
 """
 
@@ -29,14 +29,13 @@ from schedcc.semantics.memory import (
 from schedcc.semantics.model import (
     STAGE_CACHES,
     UNIT_COSTS,
-    StepModel,
+    RendezvousModel,
     reference_walk,
+    rendezvous_model,
     rule_versions,
-    step_model,
     tensors_of,
     unit_durations,
 )
-from schedcc.semantics.steps import Steps, Walk, wait_for_cycle, walk
 from schedcc.semantics.tensors import (
     CommUse,
     ComputeUse,
@@ -46,6 +45,7 @@ from schedcc.semantics.tensors import (
     comm_route,
     decode,
 )
+from schedcc.semantics.units import Units, Walk, wait_for_cycle, walk
 from schedcc.semantics.versions import kept_versions, stashes, version_used, versions_of
 
 __all__ = [
@@ -57,8 +57,8 @@ __all__ = [
     "ComputeUse",
     "Layout",
     "Route",
-    "StepModel",
-    "Steps",
+    "RendezvousModel",
+    "Units",
     "TensorId",
     "Tensors",
     "Walk",
@@ -74,7 +74,7 @@ __all__ = [
     "reference_walk",
     "rule_versions",
     "stashes",
-    "step_model",
+    "rendezvous_model",
     "tensors_of",
     "unit_durations",
     "version_used",
