@@ -3,8 +3,10 @@ old name `steps` still works for one release, with one DeprecationWarning."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import warnings
+from pathlib import Path
 
 import pytest
 from _cli import verify_rows
@@ -127,6 +129,29 @@ def test_the_cli_refuses_a_count_outside_chunks_in_one_line(tmp_path, monkeypatc
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "chunks = (1,)" in err
+
+
+def test_the_compiler_reads_chunks_too():
+    """A schedule whose class stops declaring its count after it was built is refused by
+    `compile` (collect) with a config error naming chunks, before its order runs."""
+    cls = type("Changing", (NeedsFour,), {})
+    schedule = cls(2, 4)
+    cls.chunks = (1,)
+    with pytest.raises(ScheduleConfigError, match=r"num_chunks=4 is not one of Changing\.chunks"):
+        schedcc.compile(schedule)
+
+
+def test_the_schedule_module_needs_no_compiler():
+    """Nothing is probed, so `schedcc/schedule.py` imports no pass, not even lazily (the circle
+    with collect is gone): only the errors and the instructions."""
+    tree = ast.parse((Path(schedcc.__file__).parent / "schedule.py").read_text())
+    nodes = list(ast.walk(tree))
+    imported = {node.module for node in nodes if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in nodes if isinstance(node, ast.Import) for a in node.names}
+    assert {name for name in imported if name and name.startswith("schedcc")} == {
+        "schedcc.errors",
+        "schedcc.ir",
+    }
 
 
 @pytest.mark.parametrize("chunks", [(), (0,), (1, "2"), "some", 2, [1, 2], (True,)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from itertools import islice
 
-from schedcc.errors import ScheduleCodeError, call_user_code, describe
+from schedcc.errors import ScheduleCodeError, ScheduleConfigError, call_user_code, describe
 from schedcc.ir import COMM, COMPUTE, UPDATE
 from schedcc.program import Program
 from schedcc.schedule import Schedule
@@ -28,6 +28,7 @@ def collect(schedule: Schedule, *, data_parallel: int = 1, zero: int = 0) -> Pro
     """The program whose stage s runs exactly what `schedule.order(s)` yields.
 
     Raises:
+        ScheduleConfigError: `schedule.num_chunks` is not one of its class's `chunks`.
         ScheduleCodeError: `order()` raised, returned something that is not iterable, yielded
             something that is not an instruction, or a microbatch or chunk out of range, or
             more than `max_instructions(schedule)` instructions; the message names the class,
@@ -35,6 +36,11 @@ def collect(schedule: Schedule, *, data_parallel: int = 1, zero: int = 0) -> Pro
     """
     num_microbatches = schedule.num_microbatches_total
     num_chunks = schedule.num_chunks
+    if not type(schedule).supports_chunks(num_chunks):  # the constructor refuses it first
+        raise ScheduleConfigError(
+            f"{describe(schedule)}: num_chunks={num_chunks} is not one of "
+            f"{type(schedule).__name__}.chunks = {type(schedule).chunks!r}"
+        )
     stages = []
     for stage in range(schedule.num_stages):
         ops = _stage_ops(schedule, stage)
