@@ -254,8 +254,10 @@ def _checked_chunks(cls: type[Schedule]) -> Chunks:
     chunks = cls.chunks
     if isinstance(chunks, str) and chunks == "any":
         return "any"
+    if isinstance(chunks, range) and len(chunks) > 0 and min(chunks[0], chunks[-1]) >= 1:
+        return chunks
     if (
-        isinstance(chunks, (tuple, range))
+        isinstance(chunks, tuple)
         and len(chunks) > 0
         and all(type(v) is int and v >= 1 for v in chunks)
     ):
@@ -283,17 +285,16 @@ def _ascending(chunks: Chunks, upto: int) -> Iterable[int]:
 def _refusal(cls: type[Schedule], num_chunks: int) -> str:
     """Why `cls` does not take `num_chunks`, naming its `chunks` and the fix."""
     chunks = _checked_chunks(cls)
-    counts = sorted(set(chunks))
-    if len(counts) == 1:
-        only = counts[0]
-        runs = f"runs exactly {_WORDS.get(only, f'{only} chunks')} per stage"
+    name = cls.name or cls.__name__
+    if isinstance(chunks, tuple) and len(set(chunks)) == 1:
+        only = chunks[0]
+        runs = f"exactly {_WORDS.get(only, f'{only} chunks')} per stage (its chunks = {chunks!r})"
         fix = f"pass num_chunks={only} (-v {only})"
     else:
-        runs = f"runs num_chunks in {', '.join(map(str, counts))}"
-        fix = "pass one of those (-v N)"
+        runs, fix = f"only the chunk counts in its chunks = {chunks!r}", "pass one of those"
     return (
-        f"{cls.name or cls.__name__} {runs} (its chunks = {chunks!r}), got "
-        f"num_chunks={num_chunks}; {fix}, or declare the counts it supports in its chunks"
+        f"{name} runs {runs}, got num_chunks={num_chunks}; {fix}, or declare the counts it "
+        "supports in its chunks"
     )
 
 

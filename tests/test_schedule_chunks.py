@@ -154,7 +154,9 @@ def test_the_schedule_module_needs_no_compiler():
     }
 
 
-@pytest.mark.parametrize("chunks", [(), (0,), (1, "2"), "some", 2, [1, 2], (True,)])
+@pytest.mark.parametrize(
+    "chunks", [(), (0,), (1, "2"), "some", 2, [1, 2], (True,), range(3), range(3, 3)]
+)
 def test_a_malformed_chunks_is_a_config_error_naming_it(chunks):
     """`chunks` that is not a tuple or range of positive ints, or "any": a typed error."""
     cls = type("Bad", (OneChunk,), {"chunks": chunks})
