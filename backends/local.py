@@ -10,7 +10,7 @@ distributed backend is tested against.
 reaches a comm group *posts* all of it: each send's tensor goes into a mailbox keyed by the route
 the validator pairs it with (`comm_route`), and each receive is marked as expected. The group is
 *done* once each send is expected by its receiver and each receive has its tensor, i.e. once
-every op's partner group is posted, and only then does the stage go on. That is the step model
+every op's partner group is posted, and only then does the stage go on. That is the rendezvous model
 itself, so a program runs here exactly when the validator accepts it (posting a group's sends
 before waiting on any receive is what runs `F0 [RG0 SA0] B0` against `[RA0] F0 B0 [SG0]`; waiting
 on each receive in turn is a stricter model, which deadlocked there). The distributed backend runs
@@ -84,7 +84,7 @@ from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import DeadlockError
 from schedcc.ir import Comm, GradNorm, Instruction, ReduceTied
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps, comm_route
+from schedcc.semantics import Layout, Units, comm_route
 from schedcc.semantics.collectives import tie_members
 
 __all__ = ["Engine"]
@@ -463,9 +463,9 @@ class _CommGroup:
 def _stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction | _CommGroup]:
     """Stage `stage`'s program: its compute and update instructions, and its comm groups."""
     ops = program.stages[stage]
-    steps = Steps.of([ops])
+    units = Units.of([ops])
     items: list[Instruction | _CommGroup] = []
-    for (lo, hi), group in zip(steps.bounds[0], steps.is_group[0]):
+    for (lo, hi), group in zip(units.bounds[0], units.is_group[0]):
         if not group:
             items.append(ops[lo])
             continue

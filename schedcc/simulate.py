@@ -1,7 +1,7 @@
 """The simulator: how long a program takes, where its bubbles are and what it holds in memory.
 
-`simulate(program, costs)` times the very step model the validator proves deadlock-free (see
-[Note: the step model] in `schedcc.semantics.steps`): each stage runs its program in order, a
+`simulate(program, costs)` times the very rendezvous model the validator proves deadlock-free (see
+[Note: the rendezvous model] in `schedcc.semantics.units`): each stage runs its program in order, a
 compute or update takes its cost, a comm group is posted when its stage reaches it and done once
 every partner group is posted, plus the comm cost. One linear pass; the result is a `Timeline`.
 A program is validated before it is timed (once: the proof is kept on the program), so a
@@ -35,15 +35,15 @@ from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.semantics import (
     StageBytes,
-    Steps,
     Tensors,
+    Units,
     Walk,
-    critical_steps,
+    critical_units,
     peak_activations,
     peak_live_versions,
     reference_walk,
+    rendezvous_model,
     stage_peak,
-    step_model,
     tensors_of,
     versions_of,
     walk,
@@ -66,9 +66,9 @@ class Event(NamedTuple):
 
 @attrs.frozen(slots=True)
 class _Run:
-    """What `simulate` keeps to answer questions lazily: the steps, the pairing and the walk."""
+    """What `simulate` keeps to answer questions lazily: the units, the pairing and the walk."""
 
-    steps: Steps
+    units: Units
     partner: list
     walk: Walk
     tables: list[dict | None]  # per stage: cost per instruction class, None if per chunk
@@ -103,12 +103,12 @@ class Timeline:
             return tuple(Event(*event) for event in self._events)
         if self._run is None:
             return ()
-        steps, walked = self._run.steps, self._run.walk
+        units, walked = self._run.units, self._run.walk
         events = []
         with paused_gc():
             for s, ops in enumerate(self.program.stages):
                 starts, ends = walked.start[s], walked.end[s]
-                for op, j in zip(ops, steps.step_at[s]):
+                for op, j in zip(ops, units.unit_at[s]):
                     events.append(Event(s, op, starts[j], ends[j]))
             return tuple(events)
 
@@ -213,7 +213,7 @@ class Timeline:
     def critical_path(self) -> tuple[Event, ...]:
         """A chain of events, in time order, from time 0 to the makespan with no slack.
 
-        Each event's start is set by the one before it: the previous step on its stage, or the
+        Each event's start is set by the one before it: the previous unit on its stage, or the
         partner group its comm group waited for. Empty for a measured or an eager timeline.
         """
         if self._run is None:
@@ -221,8 +221,8 @@ class Timeline:
         stages, run = self.program.stages, self._run
         return tuple(
             Event(s, stages[s][pos], run.walk.start[s][j], run.walk.end[s][j])
-            for s, j in critical_steps(run.steps, run.partner, run.walk)
-            for pos in range(*run.steps.bounds[s][j])
+            for s, j in critical_units(run.units, run.partner, run.walk)
+            for pos in range(*run.units.bounds[s][j])
         )
 
     def summary(self) -> str:
@@ -255,7 +255,7 @@ class Timeline:
 
 
 def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = False) -> Timeline:
-    """Time `program` under `costs` on the step model the validator proves; linear.
+    """Time `program` under `costs` on the rendezvous model the validator proves; linear.
 
     Args:
         program: a compiled program (`schedcc.compile`).
@@ -285,16 +285,16 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
         if eager:
             events = _eager_events(program, costs, tables, tensors_of(program))
             return Timeline(program, events=events, costs=costs)
-        model = step_model(program)
-        steps, partner, problems = model.steps, model.partner, model.problems
+        model = rendezvous_model(program)
+        units, partner, problems = model.units, model.partner, model.problems
         if costs == _DEFAULT:  # the validator's walk: [Note: the reference walk]
             result = reference_walk(program)
         else:
-            durations = _durations(costs, tables, stages, steps)
-            result = walk(steps, partner, durations, links=model.links)
+            durations = _durations(costs, tables, stages, units)
+            result = walk(units, partner, durations, links=model.links)
     if result.stuck or problems:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
-    return Timeline(program, costs=costs, run=_Run(steps, partner, result, tables))
+    return Timeline(program, costs=costs, run=_Run(units, partner, result, tables))
 
 
 #: The default cost model, whose walk is the reference walk (`UNIT_COSTS` are its durations).
@@ -314,11 +314,11 @@ def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:
     return tables
 
 
-def _durations(costs: CostModel, tables, stages, steps: Steps) -> list[list[float]]:
-    """`durations[s][j]`: the cost of step j on stage s (one dict lookup per step, usually)."""
+def _durations(costs: CostModel, tables, stages, units: Units) -> list[list[float]]:
+    """`durations[s][j]`: the cost of unit j on stage s (one dict lookup per unit, usually)."""
     out = []
     for s, ops in enumerate(stages):
-        table, bounds = tables[s], steps.bounds[s]
+        table, bounds = tables[s], units.bounds[s]
         if table is None:
             out.append([costs.cost(s, ops[lo]) for lo, _ in bounds])
         else:
@@ -333,7 +333,7 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    meets = step_model(program).meets or None  # ReduceTied and GradNorm collectives
+    meets = rendezvous_model(program).meets or None  # ReduceTied and GradNorm collectives
     spans = eager_spans(program.stages, tensors, cost, meets=meets)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
@@ -353,6 +353,6 @@ def _stage_busy(ops, run: _Run, s: int) -> float:
     starts, ends = run.walk.start[s], run.walk.end[s]
     return sum(
         ends[j] - starts[j]
-        for j, (lo, _) in enumerate(run.steps.bounds[s])
+        for j, (lo, _) in enumerate(run.units.bounds[s])
         if isinstance(ops[lo], Compute)
     )

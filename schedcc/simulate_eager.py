@@ -1,6 +1,6 @@
 """The eager timeline: a program timed as the distributed engine runs it over gloo.
 
-[Note: eager simulation] The step model is rendezvous: a comm group is done only once its
+[Note: eager simulation] The rendezvous model is rendezvous: a comm group is done only once its
 partners are posted, so a send waits for its receiver, and the compiler's groups pair a send with
 a receive (as Megatron-LM's `send_forward_recv_backward` does). That is the safe model for NCCL
 and what the validator proves. An executor whose sends never wait (the distributed engine over
@@ -13,7 +13,7 @@ its message's flight, from the producer's end to the arrival. A program that val
 get stuck this way (every wait of the rendezvous model is kept or dropped, none added), and no
 compute starts later than it would there (docs/design.md, "Rendezvous and eager").
 A `ReduceTied` is a collective: it starts once every member of it has reached it, as in the
-step model ([Note: tied collectives] in `schedcc.semantics.collectives`). An overlapped pair
+rendezvous model ([Note: tied collectives] in `schedcc.semantics.collectives`). An overlapped pair
 (`F3.1 +B1`, [Note: overlapped pairs] in `schedcc.rules.overlap`) starts once the inputs of both
 have arrived, and the forward's output leaves at the pair's end, as the compiler's sends do.
 """
@@ -51,8 +51,8 @@ def eager_spans(
 ) -> list[list[tuple[float, float]]] | None:
     """`spans[s][pos] = (start, end)` of every instruction in the eager timeline (see the note
     above); None if the program gets stuck (it does not validate). Linear: a stage that waits for
-    a tensor is resumed once, when the tensor's producer has run. `meets` is the step model's
-    (`StepModel.meets`): each `ReduceTied`'s other members."""
+    a tensor is resumed once, when the tensor's producer has run. `meets` is the rendezvous model's
+    (`RendezvousModel.meets`): each `ReduceTied`'s other members."""
     plans, flight = _plans(stages, tensors, cost)
     arrived = _collectives(plans, meets) if meets else []
     produced: dict[int, float] = {}  # tensor key -> when its producer ended

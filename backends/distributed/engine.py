@@ -109,7 +109,7 @@ from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps
+from schedcc.semantics import Layout, Units
 
 __all__ = ["Engine"]
 
@@ -266,12 +266,12 @@ class Engine(BaseEngine):
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
         #: This stage's program as the engine runs it: compute and update instructions, and
-        #: each comm group as one `CommGroup`, indexed like the step model's steps.
+        #: each comm group as one `CommGroup`, indexed like the rendezvous model's units.
         self._ops = ops = stage_ops(program, self.stage, self._layout)
         self._global_peer = {
             s: dist.get_global_rank(self.pp_group, s) for s in range(program.num_stages)
         }
-        self._bounds = Steps.of([program.stages[self.stage]]).bounds[0]
+        self._bounds = Units.of([program.stages[self.stage]]).bounds[0]
         self._transfers = self._transfers_for(program, ops)
         #: The indices of `_ops` that `_run` visits: a comm group does nothing where it stands
         #: (its ops are posted and waited around the computes: [Note: eager point-to-point]).
@@ -279,13 +279,13 @@ class Engine(BaseEngine):
         #: per microbatch of the run, the spec and meta of its inputs ([Note: certain shapes])
         self._signatures: dict[int, Any] = {}
         self._connected = False
-        #: the forward-only program's steps, visited steps and transfers, made on first use
+        #: the forward-only program's units, visited units and transfers, made on first use
         self._forward: tuple[list, list[int], Transfers] | None = None
         self._at: int | None = None
         self._clock0 = 0.0
-        #: Per run of the program: (start, end) seconds of each of `_ops` (a step of the step
+        #: Per run of the program: (start, end) seconds of each of `_ops` (a unit of the rendezvous
         #: model), since the engine's clock 0.
-        self.step_times: list[list[tuple[float, float]]] = []
+        self.unit_times: list[list[tuple[float, float]]] = []
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -298,7 +298,7 @@ class Engine(BaseEngine):
         """`(stage, instruction, start, end)` per instruction of run `run` (seconds)."""
         ops = self.program.stages[self.stage]
         events = []
-        for (lo, hi), (start, end) in zip(self._bounds, self.step_times[run]):
+        for (lo, hi), (start, end) in zip(self._bounds, self.unit_times[run]):
             events.extend((self.stage, ops[pos], start, end) for pos in range(lo, hi))
         return events
 
@@ -454,7 +454,7 @@ class Engine(BaseEngine):
         split, sizes = prepared
         self._connect()
         times = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
-        self.step_times.append(times)
+        self.unit_times.append(times)
         return self._losses(len(split))
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
@@ -475,7 +475,7 @@ class Engine(BaseEngine):
 
         # evaluate (a loss) or predict (outputs): as the last segment's stage was given targets
         split, evaluating = self._agreed("the batch", split)
-        ops, visit, transfers = self._forward_steps()
+        ops, visit, transfers = self._forward_units()
         self._execute(ops, visit, transfers, split, forward_only=True)
         if evaluating:
             return self._losses(num_batches, whole=True, reduce=True)[0][0], None
@@ -520,8 +520,8 @@ class Engine(BaseEngine):
             links=self._links,
         )
 
-    def _forward_steps(self) -> tuple[list, list[int], Transfers]:
-        """The forward-only program's steps, visited steps and transfers (sharing the training
+    def _forward_units(self) -> tuple[list, list[int], Transfers]:
+        """The forward-only program's units, visited units and transfers (sharing the training
         program's links), made on first use."""
         if self._forward is None:
             self._connect()
@@ -536,8 +536,8 @@ class Engine(BaseEngine):
     def _execute(
         self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False, sizes=()
     ):
-        """Run a program's steps once on `split` (per batch, this stage's microbatches, of
-        `sizes` where given); the (start, end) of each step. A failure tells the peers first
+        """Run a program's units once on `split` (per batch, this stage's microbatches, of
+        `sizes` where given); the (start, end) of each unit. A failure tells the peers first
         ([Note: failures])."""
         runtime = self.runtime
         runtime.reset(forward_only=forward_only)

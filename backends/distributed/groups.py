@@ -24,9 +24,10 @@ takes or builds this stage's segments, and `check_backend` refuses CUDA tensors 
 | pp-inner  | [0, 1] [2, 3]         | [0, 2] [1, 3]        |
 | dp-inner  | [0, 2] [1, 3]         | [0, 1] [2, 3]        |
 
-`stage_ops` gives the stage's program as the engine runs it, one item per step of the step model:
-single compute and update instructions, and each comm group as one `CommGroup` (its ops posted
-and waited one by one around the computes on every transport, see [Note: eager point-to-point]).
+`stage_ops` gives the stage's program as the engine runs it, one item per unit of the rendezvous
+model: single compute and update instructions, and each comm group as one `CommGroup` (its ops
+posted and waited one by one around the computes on every transport, see [Note: eager
+point-to-point]).
 
 Each comm op moves one message on a *channel*: `("A", k)` the activations out of segment k,
 `("G", k)` the input gradients out of segment k, and `("C", k)` those of them that carry their
@@ -53,7 +54,7 @@ from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps, comm_route, decode
+from schedcc.semantics import Layout, Units, comm_route, decode
 
 __all__ = [
     "RANK_ORDERS",
@@ -227,10 +228,10 @@ def device_of(modules: Sequence[nn.Module]) -> torch.device:
 def stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction | CommGroup]:
     """The stage's program as the engine runs it: compute/update instructions and comm groups."""
     ops = program.stages[stage]
-    steps = Steps.of([ops])
+    units = Units.of([ops])
     carriers = set(count_carriers(program, layout).values())
     items: list[Instruction | CommGroup] = []
-    for (lo, hi), is_group in zip(steps.bounds[0], steps.is_group[0]):
+    for (lo, hi), is_group in zip(units.bounds[0], units.is_group[0]):
         if not is_group:
             items.append(ops[lo])
             continue

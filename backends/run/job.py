@@ -168,7 +168,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
     mine = {
         "stage": engine.stage,
         "dp": dp_index,
-        "times": engine.step_times,
+        "times": engine.unit_times,
         "peak": engine.runtime.peak_activation_bytes,
         "p2p": engine.point_to_point,
         "skipped": engine.skipped_steps,

@@ -21,8 +21,7 @@ from schedcc.cli import args as shared
 from schedcc.cli.args import UsageError, positive_int
 from schedcc.compiler import compile
 from schedcc.errors import ScheduleConfigError
-from schedcc.registry import get_schedule
-from schedcc.schedule import build_schedule
+from schedcc.registry import build_schedule, get_schedule
 
 __all__ = ["Config", "register", "run"]
 

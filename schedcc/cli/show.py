@@ -15,8 +15,7 @@ from schedcc.cli import memory_flags
 from schedcc.compiler import compile
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
-from schedcc.registry import get_schedule
-from schedcc.schedule import build_schedule
+from schedcc.registry import build_schedule, get_schedule
 from schedcc.simulate import simulate
 
 __all__ = ["register", "run"]

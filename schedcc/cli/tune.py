@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     )
     shared.add_stages(parser, required=True)
     shared.add_microbatches(parser, default=[8], many=True)
-    shared.add_chunks(parser, default=[1, 2], many=True)
+    shared.add_chunks(parser, many=True)
     memory_flags.add_memory(
         parser,
         limit=True,
@@ -64,7 +64,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks))
+    shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks or [2]))
     memory_flags.check_limit(args.memory_limit, args.memory)
     costs = memory_flags.with_memory(_costs(args.costs, args.costs_from), args.memory)
     result = tune(

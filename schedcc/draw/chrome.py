@@ -138,10 +138,10 @@ def comm_flows(program, events: Iterable[EventLike]) -> list[tuple[EventLike, Ev
     Works for a measured run too: events are looked up by `(stage, instruction)`, in any order;
     a pair with a side missing from `events` is left out.
     """
-    from schedcc.semantics import step_model
+    from schedcc.semantics import rendezvous_model
 
     by_op = {(e[0], e[1]): e for e in events if isinstance(e[1], Comm)}
-    partner = step_model(program).partner
+    partner = rendezvous_model(program).partner
     pairs = []
     for s, row in enumerate(partner):
         ops = program.stages[s]

@@ -5,9 +5,9 @@ Simulate the computes alone with the default costs (F=1, B=2, I=1, W=1), each st
 stage is free and its inputs exist. Then walk the instructions in time slices: at each time,
 first append the transfers that meet then (the send at the producer's current end, the receive
 at the consumer's), then the computes that start then. Every send/receive pair is appended at
-one moment of the walk, so every edge of the step model runs forward in walk order and the result
-cannot deadlock, wherever the moment lies between the producer's end and the consumer's start. A
-compute order that is not dependency-respecting has no such walk: it is reported as a
+one moment of the walk, so every edge of the rendezvous model runs forward in walk order and the
+result cannot deadlock, wherever the moment lies between the producer's end and the consumer's
+start. A compute order that is not dependency-respecting has no such walk: it is reported as a
 `DependencyError` (within a stage), `DeadlockError` (across stages) or `IncompleteScheduleError`
 (an input nobody computes).
 
@@ -209,7 +209,7 @@ def _lower(program: Program, plan: _Plan, start: list[list[int]]):
 
     Returns the stages, whether every pair met where both stages were idle (then the program
     replays the compute-only simulation exactly, see [Note: meeting time]) and the makespan of
-    the step model on them with the default costs and free comm, timed as they are appended
+    the rendezvous model on them with the default costs and free comm, timed as they are appended
     ([Note: timing a walk-ordered lowering]).
     """
     horizon = 1 + max(map(max, filter(None, start)), default=0)
@@ -237,9 +237,9 @@ def _lower(program: Program, plan: _Plan, start: list[list[int]]):
 
 def _emit(program: Program, plan: _Plan, slices, pairs):
     """The stages from the walk's moments (at each, its transfers, then its computes), and
-    their makespan in the step model with the default costs and free comm.
+    their makespan in the rendezvous model with the default costs and free comm.
 
-    [Note: timing a walk-ordered lowering] Appending in walk order visits the step model in a
+    [Note: timing a walk-ordered lowering] Appending in walk order visits the rendezvous model in a
     topological order, so it can be timed on the way: a stage's open comm group was posted at
     `posted[s]` (-1: none open) and is done at the latest posted time of its partner groups
     (`done[s]`), known once the stage's next compute closes it.

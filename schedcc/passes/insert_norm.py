@@ -21,7 +21,7 @@ from __future__ import annotations
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import GradNorm, Instruction, OnMicrobatch, OptimizerStep, Update
 from schedcc.program import Program
-from schedcc.semantics import Tensors, step_model
+from schedcc.semantics import Tensors, rendezvous_model
 from schedcc.semantics.collectives import earliest_cut, with_dependents
 
 __all__ = ["insert_norm"]
@@ -45,7 +45,7 @@ def insert_norm(program: Program) -> Program:
         return program
     m = program.schedule.num_microbatches
     steps = [_steps(ops) for ops in stages]
-    partner = step_model(program).partner
+    partner = rendezvous_model(program).partner
     tensors = Tensors.of(program.schedule)
     out = []
     for s, ops in enumerate(stages):
@@ -69,11 +69,11 @@ def insert_norm(program: Program) -> Program:
     # The n-th norms of all stages meet: every stage up to just before its n-th norm must be a
     # consistent cut, or one stage waits in it for what another sends only after its own.
     norms_at = [[pos for pos, op in enumerate(ops) if type(op) is GradNorm] for ops in out]
-    model = step_model(normed)
+    model = rendezvous_model(normed)
     prefix = [-1] * len(stages)
     for n in range(min(map(len, norms_at), default=0)):
-        seeds = {s: model.steps.step_at[s][row[n]] - 1 for s, row in enumerate(norms_at)}
-        earliest_cut(model.steps.bounds, model.steps.step_at, model.partner, prefix, seeds)
+        seeds = {s: model.units.unit_at[s][row[n]] - 1 for s, row in enumerate(norms_at)}
+        earliest_cut(model.units.bounds, model.units.unit_at, model.partner, prefix, seeds)
         late = [s for s, j in seeds.items() if prefix[s] > j]
         if late:
             raise ScheduleConfigError(

@@ -1,22 +1,23 @@
-"""The executable semantics of a program: the one step model everything else reads.
+"""The executable semantics of a program: the one rendezvous model everything else reads.
 
 What a program means is written once, here, and the compiler passes, the validator, the
 simulators and the backends all call it, so they agree by construction (docs/design.md,
-"Semantics: the step model"):
+"Semantics: the rendezvous model"):
 
 - `layout`: where each segment lives (`Layout`);
 - `tensors`: tensor identity, one int per tensor, and what each compute needs and makes and each
   comm op carries, on which channel (`Tensors`, `Route`, `comm_route`, `decode`);
 - `channels`: sends paired with receives, FIFO per channel (`match_comm`);
-- `steps`: programs cut into steps and one walk of the step model's events (`Steps`, `walk`,
-  `Walk`, `wait_for_cycle`, `critical_steps`): deadlock freedom and timing;
+- `units`: programs cut into units (a compute or update, or a comm group) and one walk of their
+  events (`Units`, `walk`, `Walk`, `wait_for_cycle`, `critical_units`): deadlock freedom and
+  timing;
 - `versions`: the weight-version rule (`version_used`, `kept_versions`, `stashes`,
   `peak_live_versions`);
 - `activations`: activation counting (`HELD`, `held_changes`, `peak_activations`, `first_over`,
   `held_bytes`);
 - `stage_bytes`: the bytes a stage holds by kind under a `MemoryModel` (`stage_held`,
   `stage_peak`, `StageBytes`);
-- `model`: those facts of one program, made once and kept with it (`step_model`);
+- `model`: those facts of one program, made once and kept with it (`rendezvous_model`);
 - `graph`: the program as a networkx DAG (`build_graph`, for `Program.graph`).
 """
 
@@ -33,15 +34,14 @@ from schedcc.semantics.layout import Layout
 from schedcc.semantics.model import (
     STAGE_CACHES,
     UNIT_COSTS,
-    StepModel,
+    RendezvousModel,
     reference_walk,
+    rendezvous_model,
     rule_versions,
-    step_model,
     tensors_of,
     unit_durations,
 )
 from schedcc.semantics.stage_bytes import StageBytes, stage_held, stage_peak
-from schedcc.semantics.steps import Steps, Walk, critical_steps, wait_for_cycle, walk
 from schedcc.semantics.tensors import (
     CommUse,
     ComputeUse,
@@ -51,6 +51,7 @@ from schedcc.semantics.tensors import (
     comm_route,
     decode,
 )
+from schedcc.semantics.units import Units, Walk, critical_units, wait_for_cycle, walk
 from schedcc.semantics.versions import (
     kept_versions,
     peak_live_versions,
@@ -68,14 +69,14 @@ __all__ = [
     "ComputeUse",
     "Layout",
     "Route",
+    "RendezvousModel",
     "StageBytes",
-    "StepModel",
-    "Steps",
+    "Units",
     "TensorId",
     "Tensors",
     "Walk",
     "comm_route",
-    "critical_steps",
+    "critical_units",
     "decode",
     "first_over",
     "held_bytes",
@@ -90,7 +91,7 @@ __all__ = [
     "stage_held",
     "stage_peak",
     "stashes",
-    "step_model",
+    "rendezvous_model",
     "tensors_of",
     "unit_durations",
     "version_used",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, call_user_code
 
 if TYPE_CHECKING:
     from schedcc.schedule import Schedule
@@ -50,8 +50,6 @@ class Layout:
         Raises:
             ScheduleConfigError: `replica_of` gives a microbatch no replica in range.
         """
-        from schedcc.schedule import call_user_code
-
         table = schedule.segment_table()
         num_segments = schedule.num_segments
         stage_of = [0] * num_segments

@@ -1,12 +1,12 @@
-"""`step_model(program)`: a program read once through the semantics, kept with the program.
+"""`rendezvous_model(program)`: a program read once through the semantics, kept with the program.
 
 The validator (its comm and deadlock rules), the simulators and the drawings all read the same
-facts of a program: its tensor keys, its steps, each comm op's partner, the weight versions and
-one walk of the step model. A `Program` is immutable, so they are computed on first use and kept
-in the program's `__dict__`; `Program.evolve` carries them to a copy with the same schedule and
+facts of a program: its tensor keys, its units, each comm op's partner, the weight versions and
+one walk of the rendezvous model. A `Program` is immutable, so they are computed on first use and
+kept in the program's `__dict__`; `Program.evolve` carries them to a copy with the same schedule and
 stages (`STAGE_CACHES`), and a copy with others starts without them.
 
-[Note: the reference walk] Whether the step model completes does not depend on how long each
+[Note: the reference walk] Whether the rendezvous model completes does not depend on how long each
 step takes, so the deadlock rule walks it timed with the default costs (`UNIT_COSTS`: F = 1,
 B = 2, I = W = R = 1, comm and updates free, `CostModel()`'s) and keeps the walk: `simulate` under
 the default costs is then that walk, not a second one.
@@ -33,17 +33,17 @@ from schedcc.ir import (
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
 from schedcc.semantics.collectives import Meets, TieProblem, tie_links
 from schedcc.semantics.norms import NormProblem, norm_links
-from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
 from schedcc.semantics.tensors import Tensors
+from schedcc.semantics.units import Links, Units, Walk, links_of, walk
 from schedcc.semantics.versions import versions_of
 
 __all__ = [
     "STAGE_CACHES",
     "UNIT_COSTS",
-    "StepModel",
+    "RendezvousModel",
     "reference_walk",
     "rule_versions",
-    "step_model",
+    "rendezvous_model",
     "tensors_of",
     "unit_durations",
 ]
@@ -58,19 +58,19 @@ UNIT_COSTS: dict[type, float] = {
     OverlappedBackward: 1.5,  # `CostModel()`'s pair, 2.5, less its forward (`overlapped_pair`)
 }
 
-_TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_step_model"
+_TENSORS, _MODEL = "_schedcc_tensors", "_schedcc_rendezvous_model"
 _VERSIONS, _WALK = "_schedcc_versions", "_schedcc_reference_walk"
 #: The `__dict__` keys of what depends only on a program's schedule and stages.
 STAGE_CACHES = (_TENSORS, _MODEL, _VERSIONS, _WALK)
 
 
 @attrs.frozen(slots=True)
-class StepModel:
-    """A program's tensor keys, steps, comm partners and pairing problems (`match_comm`), and
+class RendezvousModel:
+    """A program's tensor keys, units, comm partners and pairing problems (`match_comm`), and
     each comm group's partner groups (`links_of`, what `walk` follows)."""
 
     tensors: Tensors
-    steps: Steps
+    units: Units
     partner: Partner
     problems: tuple[CommProblem, ...]
     links: Links
@@ -91,32 +91,32 @@ def tensors_of(program: Any) -> Tensors:
     return tensors
 
 
-def step_model(program: Any) -> StepModel:
-    """The `StepModel` of `program` (a `Program`), made once per program.
+def rendezvous_model(program: Any) -> RendezvousModel:
+    """The `RendezvousModel` of `program` (a `Program`), made once per program.
 
     >>> import schedcc
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
-    >>> model = step_model(program)
-    >>> model.partner[0][1], model.problems, step_model(program) is model
+    >>> model = rendezvous_model(program)
+    >>> model.partner[0][1], model.problems, rendezvous_model(program) is model
     ((1, 0), (), True)
     """
     model = program.__dict__.get(_MODEL)
     if model is None:
         tensors = tensors_of(program)
         partner, problems = match_comm(program.stages, tensors)
-        steps = Steps.of(program.stages)
-        links = links_of(steps, partner)
+        units = Units.of(program.stages)
+        links = links_of(units, partner)
         meets, tie_problems = [], []
         kinds = frozenset({type(op) for ops in program.stages for op in ops})
         # a ReduceTied in a program without ties meets nothing: matched, it is reported
         if getattr(program, "tied", ()) or ReduceTied in kinds:  # [Note: tied collectives]
-            links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
+            links, meets, tie_problems = tie_links(program, tensors.layout, units, links)
         norm_problems = []
         if GradNorm in kinds:
-            links, meets, norm_problems = norm_links(program.stages, steps, links, meets)
-        model = StepModel(
+            links, meets, norm_problems = norm_links(program.stages, units, links, meets)
+        model = RendezvousModel(
             tensors,
-            steps,
+            units,
             partner,
             tuple(problems),
             links,
@@ -143,21 +143,21 @@ def rule_versions(program: Any) -> tuple[tuple[int | None, ...], ...]:
     return versions
 
 
-def unit_durations(stages: Sequence[Sequence[Instruction]], steps: Steps) -> list[list[float]]:
+def unit_durations(stages: Sequence[Sequence[Instruction]], units: Units) -> list[list[float]]:
     """`durations[s][j]` of every step under `UNIT_COSTS` (what `walk` takes)."""
     get = UNIT_COSTS.get  # a comm group's first op is a comm op: it costs nothing here
     return [
-        [get(type(ops[lo]), 0.0) for lo, _ in bounds] for ops, bounds in zip(stages, steps.bounds)
+        [get(type(ops[lo]), 0.0) for lo, _ in bounds] for ops, bounds in zip(stages, units.bounds)
     ]
 
 
 def reference_walk(program: Any) -> Walk:
-    """The walk of `program`'s step model timed with `UNIT_COSTS` (see [Note: the reference
+    """The walk of `program`'s rendezvous model timed with `UNIT_COSTS` (see [Note: the reference
     walk]), made once per program."""
     result = program.__dict__.get(_WALK)
     if result is None:
-        model = step_model(program)
-        durations = unit_durations(program.stages, model.steps)
-        result = walk(model.steps, model.partner, durations, links=model.links)
+        model = rendezvous_model(program)
+        durations = unit_durations(program.stages, model.units)
+        result = walk(model.units, model.partner, durations, links=model.links)
         program.__dict__[_WALK] = result
     return result

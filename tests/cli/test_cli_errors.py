@@ -16,18 +16,18 @@ from schedcc import Backward, Forward, Schedule
 
 
 class Raises(Schedule):
-    def steps(self, stage):
+    def order(self, stage):
         raise RuntimeError("boom\\nsecond line")
         yield
 
 
 class ReturnsNone(Schedule):
-    def steps(self, stage):
+    def order(self, stage):
         return None
 
 
 class YieldsText(Schedule):
-    def steps(self, stage):
+    def order(self, stage):
         yield "F0"
 
 
@@ -35,7 +35,7 @@ class OtherSignature(Schedule):
     def __init__(self, stages):
         super().__init__(stages, 1)
 
-    def steps(self, stage):
+    def order(self, stage):
         yield Forward(0)
 
 
@@ -43,11 +43,11 @@ class CheckRaises(Schedule):
     def check(self):
         raise KeyError("num_chunks")
 
-    def steps(self, stage):
+    def order(self, stage):
         yield Forward(0)
 
 
-class NoSteps(Schedule):
+class NoOrder(Schedule):
     pass
 
 
@@ -55,12 +55,12 @@ class PlacementRaises(Schedule):
     def placement(self, segment):
         raise IndexError("no such segment")
 
-    def steps(self, stage):
+    def order(self, stage):
         yield Forward(0)
 
 
 class Forever(Schedule):
-    def steps(self, stage):
+    def order(self, stage):
         op = Forward(0)
         while True:
             yield op
@@ -68,12 +68,12 @@ class Forever(Schedule):
 
 #: (class, what the one line must say: the class and the method it came from)
 CASES = [
-    ("Raises", "Raises.steps(0) raised RuntimeError: boom"),
-    ("ReturnsNone", "ReturnsNone.steps(0) returned None, which is not iterable"),
-    ("YieldsText", "YieldsText.steps(0) yielded 'F0', which is not a schedcc instruction"),
+    ("Raises", "Raises.order(0) raised RuntimeError: boom"),
+    ("ReturnsNone", "ReturnsNone.order(0) returned None, which is not iterable"),
+    ("YieldsText", "YieldsText.order(0) yielded 'F0', which is not a schedcc instruction"),
     ("OtherSignature", "OtherSignature.__init__() raised TypeError"),
     ("CheckRaises", "CheckRaises.check() raised KeyError"),
-    ("NoSteps", "NoSteps does not define steps(stage)"),
+    ("NoOrder", "NoOrder does not define order(stage)"),
     ("PlacementRaises", "PlacementRaises.placement(0) raised IndexError: no such segment"),
 ]
 COMMANDS = {
@@ -108,8 +108,8 @@ def _one_line_exit_2(argv, capsys) -> str:
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(("cls", "says"), CASES)
 def test_a_failing_schedule_is_one_line_in_every_command(broken, capsys, command, cls, says):
-    """steps() raising, returning None or yielding text, another constructor signature, check()
-    or placement() raising, no steps(): one line naming the class and method, exit 2."""
+    """order() raising, returning None or yielding text, another constructor signature, check()
+    or placement() raising, no order(): one line naming the class and method, exit 2."""
     argv = [*COMMANDS[command], "--schedule", f"broken.py:{cls}"]
     assert says in _one_line_exit_2(argv, capsys)
 
@@ -137,9 +137,9 @@ def _schedcc(*argv: str, cwd=None) -> str:
 
 @pytest.mark.parametrize("command", ["show", "verify", "tune"])
 def test_a_generator_that_never_ends_is_one_line(broken, command):
-    """steps() that never returns hits collect's limit: one line naming the stage and limit."""
+    """order() that never returns hits collect's limit: one line naming the stage and limit."""
     line = _schedcc(*COMMANDS[command], "--schedule", "broken.py:Forever", cwd=broken)
-    assert "Forever.steps(0) yielded more than" in line
+    assert "Forever.order(0) yielded more than" in line
     assert "for stage 0" in line
 
 

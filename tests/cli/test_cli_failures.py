@@ -24,7 +24,7 @@ from schedcc import Schedule
 
 
 class Exits(Schedule):
-    def steps(self, stage):
+    def order(self, stage):
         raise SystemExit(0)
         yield
 """
@@ -49,14 +49,14 @@ def _code_and_err(argv, capsys) -> tuple[int, str]:
 def test_a_schedule_that_exits_is_one_line_and_exit_2_in_every_command(
     tmp_path, monkeypatch, capsys, command
 ):
-    """steps() raising SystemExit(0): show, verify, tune and run exit 2 with one line naming
+    """order() raising SystemExit(0): show, verify, tune and run exit 2 with one line naming
     the method, not 0 with nothing said."""
     (tmp_path / "exits.py").write_text(EXITS)
     monkeypatch.chdir(tmp_path)
     code, err = _code_and_err([*COMMANDS[command], "--schedule", "exits.py:Exits"], capsys)
     assert code == 2, err
     (line,) = err.strip().splitlines()
-    assert "Exits.steps(0) raised SystemExit: 0" in line
+    assert "Exits.order(0) raised SystemExit: 0" in line
 
 
 MODEL = textwrap.dedent(

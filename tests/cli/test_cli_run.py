@@ -65,7 +65,7 @@ def test_run_accepts_a_schedule_from_a_user_file(tmp_path):
 
             class AllForwardAllBackward(Schedule):
                 name = "afab"
-                def steps(self, stage):
+                def order(self, stage):
                     mbs = self.microbatches(0)
                     yield from (Forward(i) for i in mbs)
                     yield from (Backward(i) for i in reversed(mbs))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _cli import verify_rows
 
 from schedcc.cli import main
 
@@ -17,7 +18,7 @@ from schedcc import Schedule, Forward, Backward
 class Backward0First(Schedule):
     """Runs the backward of microbatch 0 before any forward on the last stage: invalid."""
     name = "broken"
-    def steps(self, stage):
+    def order(self, stage):
         mbs = self.microbatches(0)
         if stage == self.num_stages - 1:
             yield Backward(0)
@@ -191,15 +192,16 @@ from schedcc import Schedule, Forward, Backward
 class GPipe(Schedule):
     """README's GPipe: yields Forward(i) and Backward(i), chunk 0 only."""
     name = "my-gpipe"
-    def steps(self, stage):
+    def order(self, stage):
         for b in range(self.num_batches):
             mbs = self.microbatches(b)
             yield from (Forward(i) for i in mbs)
             yield from (Backward(i) for i in reversed(mbs))
 
 class BackwardChunksInOrder(Schedule):
-    """Runs each microbatch's backwards chunk 0 first: right for v = 1 only."""
-    def steps(self, stage):
+    """Runs each microbatch's backwards chunk 0 first: right for v = 1 only, declared any."""
+    chunks = "any"
+    def order(self, stage):
         for b in range(self.num_batches):
             mbs = self.microbatches(b)
             for c in range(self.num_chunks):
@@ -210,23 +212,29 @@ class BackwardChunksInOrder(Schedule):
 
 
 def test_verify_passes_a_one_chunk_schedule_with_no_flags(tmp_path, monkeypatch, capsys):
-    """README's GPipe (chunk 0 only) passes `verify` with no flags: its grid keeps v = 1."""
+    """README's GPipe (no chunks declared) passes `verify` with no flags: its grid has v = 1 only
+    (5 stage counts, 6 microbatch counts, 2 batch counts)."""
     (tmp_path / "one_chunk.py").write_text(ONE_CHUNK)
     monkeypatch.chdir(tmp_path)
     assert main(["verify", "--schedule", "one_chunk.py:GPipe"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out
-    assert "v=1 only: GPipe uses one chunk per stage" in out
+    assert "my-gpipe: 60 shapes" in out
+    rows = verify_rows(out)
+    assert len(rows) == 60
+    assert {row[2] for row in rows} == {"1"}
 
 
-def test_verify_hints_when_only_more_chunks_fail(tmp_path, monkeypatch, capsys):
-    """A schedule that fails only with v > 1: exit 1 and a hint to reject v != 1 in check()."""
+def test_verify_fails_where_declared_chunks_are_wrong(tmp_path, monkeypatch, capsys):
+    """A schedule declaring any chunk count but right only for v = 1: exit 1, every failing row
+    at v = 2, every v = 1 row passing."""
     (tmp_path / "one_chunk.py").write_text(ONE_CHUNK)
     monkeypatch.chdir(tmp_path)
     assert main(["verify", "--schedule", "one_chunk.py:BackwardChunksInOrder", "-p", "2"]) == 1
     out = capsys.readouterr().out
-    assert "hint: BackwardChunksInOrder passes with v=1 but fails with v=2" in out
-    assert "raise ScheduleConfigError when self.num_chunks != 1" in out
+    rows = verify_rows(out)
+    assert {row[2] for row in rows if row[4] == "FAIL"} == {"2"}
+    assert {row[4] for row in rows if row[2] == "1"} == {"pass"}
 
 
 def test_verify_takes_dp_and_zero(capsys):

@@ -15,7 +15,7 @@ from schedcc import Schedule, Forward, Backward
 class AllForwardsFirst(Schedule):
     name = "all-forwards-first"
 
-    def steps(self, stage):
+    def order(self, stage):
         yield from (Forward(i) for i in range(self.num_microbatches))
         yield from (Backward(i) for i in range(self.num_microbatches))
 """
@@ -27,7 +27,8 @@ def _json(capsys, *argv):
 
 
 def test_ranks_every_registered_schedule(capsys):
-    """Every registered schedule appears once per shape it accepts, fastest per microbatch first."""
+    """Every registered schedule appears once per shape it accepts, fastest per microbatch first;
+    with no -v each is tried at the first two of its own chunks (zb-v at 2 only, never 1)."""
     code, report = _json(capsys, "-p", "4", "-m", "8,16")
     assert code == 0
     names = {row["schedule"] for row in report["ranked"]}
@@ -35,7 +36,10 @@ def test_ranks_every_registered_schedule(capsys):
     assert "pipedream-flush" not in names  # aliases are not listed twice
     times = [row["time_per_microbatch"] for row in report["ranked"]]
     assert times == sorted(times)
-    assert ("zb-v", 1) in {(s["schedule"], s["num_chunks"]) for s in report["skipped"]}
+    tried = {(row["schedule"], row["num_chunks"]) for row in report["ranked"] + report["skipped"]}
+    assert {("zb-v", 2), ("1f1b", 1), ("interleaved-1f1b", 1), ("interleaved-1f1b", 2)} <= tried
+    assert ("zb-v", 1) not in tried
+    assert ("1f1b", 2) not in tried
 
 
 def test_zero_bubble_beats_1f1b_at_equal_memory(capsys):

@@ -1,4 +1,4 @@
-"""collect: a user's steps() that fails, returns a non-iterable or never ends is a typed error."""
+"""collect: a user's order() that fails, returns a non-iterable or never ends is a typed error."""
 
 from __future__ import annotations
 
@@ -10,29 +10,31 @@ from schedcc.schedule import ScheduleCodeError
 
 
 class _Forever(Schedule):
-    def steps(self, stage):
+    chunks = "any"
+
+    def order(self, stage):
         while True:
             yield Forward(0)
 
 
 class _Raises(Schedule):
-    def steps(self, stage):
+    def order(self, stage):
         if stage == 1:
             raise ValueError("stage one is special\nmore detail")
         yield Forward(0)
 
 
 class _ReturnsInt(Schedule):
-    def steps(self, stage):
+    def order(self, stage):
         return 3
 
 
-class _NoSteps(Schedule):
+class _NoOrder(Schedule):
     pass
 
 
 def test_a_generator_that_never_ends_stops_at_the_limit():
-    """An endless steps() is refused after max_instructions, naming the stage and the limit."""
+    """An endless order() is refused after max_instructions, naming the stage and the limit."""
     schedule = _Forever(2, 4)
     limit = max_instructions(schedule)
     assert limit >= 64 * 4
@@ -47,25 +49,25 @@ def test_the_limit_grows_with_the_shape():
 
 
 def test_steps_raising_names_the_class_method_and_first_line():
-    """steps() raising is a one-line ScheduleCodeError: class, method, the error's first line."""
+    """order() raising is a one-line ScheduleCodeError: class, method, the error's first line."""
     with pytest.raises(ScheduleCodeError) as info:
         collect(_Raises(2, 1))
     assert str(info.value) == (
-        "_Raises(p=2, m=1): _Raises.steps(1) raised ValueError: stage one is special"
+        "_Raises(p=2, m=1): _Raises.order(1) raised ValueError: stage one is special"
     )
     assert isinstance(info.value.__cause__, ValueError)
 
 
 def test_steps_returning_a_non_iterable_says_so():
-    """steps() returning 3 is a ScheduleCodeError saying it is not iterable."""
+    """order() returning 3 is a ScheduleCodeError saying it is not iterable."""
     with pytest.raises(
-        ScheduleCodeError, match=r"_ReturnsInt\.steps\(0\) returned 3, which is not"
+        ScheduleCodeError, match=r"_ReturnsInt\.order\(0\) returned 3, which is not"
     ):
         collect(_ReturnsInt(1, 1))
 
 
 def test_a_class_without_steps_says_so():
-    """A Schedule subclass that does not define steps() is a ScheduleCodeError, not a
+    """A Schedule subclass that does not define order() is a ScheduleCodeError, not a
     NotImplementedError."""
-    with pytest.raises(ScheduleCodeError, match="_NoSteps does not define steps"):
-        collect(_NoSteps(1, 1))
+    with pytest.raises(ScheduleCodeError, match="_NoOrder does not define order"):
+        collect(_NoOrder(1, 1))

@@ -31,7 +31,7 @@ from schedcc import (
 )
 from schedcc.ir import SENDS, WEIGHT_GRADIENT, Comm, Compute
 from schedcc.passes import assign_versions, build_graph, collect, insert_comm, insert_updates
-from schedcc.semantics import Steps, Tensors, match_comm, unit_durations, walk
+from schedcc.semantics import Tensors, Units, match_comm, unit_durations, walk
 
 _PARALLEL = st.sampled_from([(1, 0), (2, 0), (2, 1), (2, 2), (1, 1)])
 
@@ -253,11 +253,11 @@ def test_schedule_that_yields_updates_owns_all_of_them():
 def test_1f1b_pairs_send_activation_with_recv_grad(p, m):
     """In 1F1B's steady state each send-activation shares one comm group with a recv-grad."""
     program = schedcc.compile(schedcc.get_schedule("1f1b")(p, m))
-    steps = Steps.of(program.stages)
+    units = Units.of(program.stages)
     for s in range(p - 1):
         ops = program.stages[s]
         paired = 0
-        for (lo, hi), is_group in zip(steps.bounds[s], steps.is_group[s]):
+        for (lo, hi), is_group in zip(units.bounds[s], units.is_group[s]):
             codes = {op.code for op in ops[lo:hi]}
             if is_group and codes == {"SA", "RG"}:
                 paired += 1
@@ -332,10 +332,10 @@ def test_both_lowerings_keep_their_timing_promises(schedule):
 
 
 def _rendezvous_makespan(stages, tensors) -> float:
-    """The step model's makespan under the default costs with free comm."""
-    steps = Steps.of(stages)
+    """The rendezvous model's makespan under the default costs with free comm."""
+    units = Units.of(stages)
     partner, problems = match_comm(stages, tensors)
     assert not problems
-    result = walk(steps, partner, unit_durations(stages, steps))
+    result = walk(units, partner, unit_durations(stages, units))
     assert not result.stuck
     return max((row[-1] for row in result.end if row), default=0)

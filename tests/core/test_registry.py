@@ -38,7 +38,7 @@ def test_file_colon_class(tmp_path):
 
             class Mine(Schedule):
                 '''All forwards, then all backwards.'''
-                def steps(self, stage):
+                def order(self, stage):
                     yield from (Forward(i) for i in range(self.num_microbatches))
                     yield from (Backward(i) for i in range(self.num_microbatches))
             """

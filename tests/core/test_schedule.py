@@ -6,11 +6,14 @@ import pytest
 from _orders import OrderSchedule
 
 from schedcc import Forward, Schedule, ScheduleConfigError, get_schedule
-from schedcc.schedule import ScheduleCodeError, build_schedule, uses_chunks
+from schedcc.registry import build_schedule
+from schedcc.schedule import ScheduleCodeError
 
 
 class _Plain(Schedule):
-    def steps(self, stage):
+    chunks = "any"
+
+    def order(self, stage):
         yield Forward(0)
 
 
@@ -74,10 +77,10 @@ def test_microbatches_are_global_per_batch():
     assert repr(schedule) == "_Plain(p=2, m=4, batches=3)"
 
 
-def test_steps_must_be_written():
-    """The base class's steps() says the subclass must define it."""
-    with pytest.raises(NotImplementedError, match="must define steps"):
-        Schedule(1, 1).steps(0)
+def test_order_must_be_written():
+    """The base class's order() says the subclass must define it."""
+    with pytest.raises(NotImplementedError, match="must define order"):
+        Schedule(1, 1).order(0)
 
 
 class _CheckRaises(_Plain):
@@ -129,17 +132,3 @@ def test_build_schedule_keeps_the_class_default_chunks():
     """num_chunks=None keeps the class's own default: ZB-V gets two chunks."""
     assert build_schedule(get_schedule("zb-v"), 4, 8).num_chunks == 2
     assert build_schedule(_Plain, 2, 2, num_chunks=3, num_batches=2).num_batches == 2
-
-
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [("gpipe", True), ("interleaved-1f1b", True), ("zb-v", True), ("1f1b", False)],
-)
-def test_uses_chunks_of_builtins(name, expected):
-    """Schedules that place work on a second chunk use chunks; 1F1B rejects v = 2."""
-    assert uses_chunks(get_schedule(name)) is expected
-
-
-def test_uses_chunks_is_false_for_a_one_chunk_schedule():
-    """A schedule that accepts v = 2 but never yields chunk 1 does not use chunks."""
-    assert uses_chunks(_Plain) is False

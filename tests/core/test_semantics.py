@@ -1,4 +1,5 @@
-"""The one step model (`schedcc.semantics`): what every part of schedcc reads a program through.
+"""The one rendezvous model (`schedcc.semantics`): what every part of schedcc reads a program
+through.
 
 Memory is counted from a microbatch's forward to its last backward piece everywhere; the
 simulators refuse what the validator refuses; tensor identity, versions and the module
@@ -70,7 +71,7 @@ class Hangs(schedcc.Schedule):
 
     name = "hangs"
 
-    def steps(self, stage):
+    def order(self, stage):
         if stage == 0:
             return [Forward(0), RecvGrad(0), schedcc.Backward(0), SendActivation(0)]
         return [RecvActivation(0), Forward(0), schedcc.Backward(0), SendGrad(0)]
@@ -161,7 +162,7 @@ def _runtime_imports(path: Path) -> set[str]:
 
 
 def test_semantics_imports_no_program_and_simulate_no_pass():
-    """The step model imports neither `Program` nor a compiler pass (no program -> passes ->
+    """The rendezvous model imports neither `Program` nor a compiler pass (no program -> passes ->
     semantics -> program cycle), and the simulator imports no compiler pass."""
     for path in (ROOT / "schedcc" / "semantics").glob("*.py"):
         imports = _runtime_imports(path)
@@ -188,13 +189,13 @@ def test_the_reference_walk_is_the_default_simulation():
 
 
 def test_evolve_keeps_what_depends_on_the_stages_only():
-    """A copy with other versions keeps the step model; one with other stages does not, nor
+    """A copy with other versions keeps the rendezvous model; one with other stages does not, nor
     does any copy keep the validator's proof."""
-    from schedcc.semantics import step_model
+    from schedcc.semantics import rendezvous_model
 
     program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
-    model = step_model(program)
-    assert step_model(program.evolve(versions=None)) is model
+    model = rendezvous_model(program)
+    assert rendezvous_model(program.evolve(versions=None)) is model
     moved = program.evolve(stages=program.stages[::-1])
-    assert "_schedcc_step_model" not in moved.__dict__
+    assert "_schedcc_rendezvous_model" not in moved.__dict__
     assert "_schedcc_proved" not in program.evolve(versions=None).__dict__

@@ -81,7 +81,7 @@ class _RecomputeEarly(Schedule):
 
     name = "recompute-early"
 
-    def steps(self, stage):
+    def order(self, stage):
         mbs = self.microbatches(0)
         for i in mbs:
             yield Forward(i)
@@ -110,7 +110,7 @@ def _written(order: str) -> type[Schedule]:
     class Written(Schedule):
         name = "written"
 
-        def steps(self, stage):
+        def order(self, stage):
             for word in order.split():
                 yield parse(word)
 

@@ -24,7 +24,7 @@ class SplitGPipe(Schedule):
         self.w_order = w_order
         super().__init__(*args, **kwargs)
 
-    def steps(self, stage: int):
+    def order(self, stage: int):
         for b in range(self.num_batches):
             mbs = self.microbatches(b)
             yield from (Forward(i) for i in mbs)

@@ -58,8 +58,8 @@ def test_the_guard_lets_an_interrupt_and_schedccs_own_errors_through(exc):
     assert info.value is exc
 
 
-class _ExitingSteps(Schedule):
-    def steps(self, stage):
+class _ExitingOrder(Schedule):
+    def order(self, stage):
         raise SystemExit(0)
         yield
 
@@ -68,7 +68,7 @@ class _ExitingCheck(Schedule):
     def check(self):
         raise SystemExit(0)
 
-    def steps(self, stage):
+    def order(self, stage):
         yield Forward(0)
         yield Backward(0)
 
@@ -77,15 +77,15 @@ class _ClosingPlacement(Schedule):
     def placement(self, segment):
         raise GeneratorExit
 
-    def steps(self, stage):
+    def order(self, stage):
         yield Forward(0)
 
 
 def test_a_schedule_that_exits_is_a_schedule_code_error():
-    """steps() raising SystemExit(0), check() too, placement() raising GeneratorExit: each is a
+    """order() raising SystemExit(0), check() too, placement() raising GeneratorExit: each is a
     ScheduleCodeError naming the class and the method, never an exit."""
-    with pytest.raises(ScheduleCodeError, match=r"_ExitingSteps.steps\(0\) raised SystemExit: 0"):
-        schedcc.compile(_ExitingSteps(2, 2))
+    with pytest.raises(ScheduleCodeError, match=r"_ExitingOrder.order\(0\) raised SystemExit: 0"):
+        schedcc.compile(_ExitingOrder(2, 2))
     with pytest.raises(ScheduleCodeError, match=r"_ExitingCheck.check\(\) raised SystemExit: 0"):
         _ExitingCheck(2, 2)
     with pytest.raises(ScheduleCodeError, match=r"placement\(0\) raised GeneratorExit"):

@@ -12,7 +12,7 @@ from _models import batches, make_segments, mse, sgd
 import schedcc
 from schedcc.backends.reference import assert_matches_reference
 from schedcc.ir import OverlappedBackward, Recompute, Reshard, Unshard
-from schedcc.schedule import build_schedule
+from schedcc.registry import build_schedule
 
 
 def _pairs_intact(program) -> None:

@@ -45,7 +45,7 @@ def test_equals_torchs_dualpipev_order(p, m):
     theirs = torch_schedule("ScheduleDualPipeV", p, m, num_chunks=2)
     ours = _dualpipe_v(p, m)
     for stage in range(p):
-        assert list(ours.steps(stage)) == list(theirs.steps(stage)), stage
+        assert list(ours.order(stage)) == list(theirs.order(stage)), stage
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)])
@@ -84,7 +84,7 @@ def test_docstring_drawing_and_orders_are_the_schedule():
         assert f"    {line}\n" in dualpipe_v.__doc__
     drawn = " ".join(dualpipe_v.__doc__.split("stage 0:", 1)[1].split())
     for stage in range(4):
-        assert " ".join(map(str, schedule.steps(stage))) in drawn, stage
+        assert " ".join(map(str, schedule.order(stage))) in drawn, stage
 
 
 @pytest.mark.parametrize(("shape", "match"), [((4, 7), "at least 2p = 8"), ((2, 4, 3), "-v 2")])
@@ -198,13 +198,14 @@ def test_dualpipe_docstring_drawing_and_orders_are_the_schedule():
         assert f"    {line}\n" in dualpipe.__doc__
     drawn = " ".join(dualpipe.__doc__.split("stage 0:", 1)[1].split())
     for stage in range(4):
-        assert " ".join(map(str, schedule.steps(stage))) in drawn, stage
+        assert " ".join(map(str, schedule.order(stage))) in drawn, stage
 
 
 class _TwoReplicas(schedcc.Schedule):
     """gpipe over two model replicas in a V: microbatch i runs replica i % 2 (or `bad`)."""
 
     name = "two-replicas"
+    chunks = (2,)
     num_replicas = 2
 
     def __init__(self, num_stages, num_microbatches, *, stray=False, bad=None):
@@ -218,7 +219,7 @@ class _TwoReplicas(schedcc.Schedule):
     def replica_of(self, microbatch):
         return self.bad if self.bad is not None else microbatch % 2
 
-    def steps(self, stage):
+    def order(self, stage):
         m, p = self.num_microbatches, self.num_stages
         for i in range(m):
             yield Forward(i, chunk=i % 2)

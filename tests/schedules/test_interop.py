@@ -123,7 +123,7 @@ def test_torch_comm_order_validates_and_is_timed():
 def test_torch_1f1b_mislabels_the_last_rank():
     """torch 2.13's Schedule1F1B runs F1..F8 on the last rank for m = 8: schedcc catches it."""
     schedule = torch_schedule("Schedule1F1B", 4, 8)
-    forwards = [op.microbatch for op in schedule.steps(3) if op.code == "F"]
+    forwards = [op.microbatch for op in schedule.order(3) if op.code == "F"]
     if forwards == list(range(8)):
         pytest.skip("this torch labels Schedule1F1B's last rank correctly")
     assert forwards == list(range(1, 9))
@@ -207,7 +207,7 @@ def test_cli_verify_torch_catches_the_mislabel(capsys):
     from schedcc.cli import main
 
     schedule = torch_schedule("Schedule1F1B", 4, 8)
-    if [op.microbatch for op in schedule.steps(3) if op.code == "F"] == list(range(8)):
+    if [op.microbatch for op in schedule.order(3) if op.code == "F"] == list(range(8)):
         pytest.skip("this torch labels Schedule1F1B's last rank correctly")
     code = main(["verify", "--torch", "Schedule1F1B", "-p", "4", "-m", "8"])
     out = capsys.readouterr().out

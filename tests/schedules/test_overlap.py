@@ -33,7 +33,7 @@ class Written(Schedule):
         self.orders = [[parse(op) for op in order.split()] for order in orders]
         super().__init__(len(orders), num_microbatches)
 
-    def steps(self, stage):
+    def order(self, stage):
         return iter(self.orders[stage])
 
 
@@ -120,7 +120,7 @@ def test_torch_overlap_actions_round_trip():
     rows = to_torch_actions(program, comms=False)
     assert rows[0] == ["0F0", "(0F1;0B0)OVERLAP_F_B", "0B1"]
     back = from_torch_actions(rows, 2)
-    assert list(back.steps(0)) == list(program.schedule.steps(0))
+    assert list(back.order(0)) == list(program.schedule.order(0))
 
 
 @given(schedule=random_orders(max_stages=4, max_microbatches=6), data=st.data())

@@ -92,7 +92,7 @@ def test_docstring_orders_are_the_schedules(name):
     for line in timeline.to_ascii(width=86, color=False).splitlines()[1:]:
         assert f"    {line}\n" in text
     for stage in range(4):
-        assert f"stage {stage}: " + " ".join(map(str, schedule.steps(stage))) in drawn
+        assert f"stage {stage}: " + " ".join(map(str, schedule.order(stage))) in drawn
 
 
 def test_one_chunk_is_refused():

@@ -24,9 +24,9 @@ from schedcc.semantics import Layout, comm_route, tensors_of
 def _run_relaxed(program, lookahead: int) -> None:
     layout = Layout.of(program.schedule)
     p = program.num_stages
-    steps = [stage_ops(program, s, layout) for s in range(p)]
+    units = [stage_ops(program, s, layout) for s in range(p)]
     tensors = tensors_of(program)
-    plans = [EagerPlan(steps[s], tensors, s, lookahead) for s in range(p)]
+    plans = [EagerPlan(units[s], tensors, s, lookahead) for s in range(p)]
     sent: dict[tuple[int, int], list] = {}  # channel -> payloads, in posting order
     posted: dict[tuple[int, int], list] = {}  # channel -> receive payloads, in posting order
     where: list[dict] = [{} for _ in range(p)]  # receive op -> (channel, index), per stage
@@ -41,9 +41,9 @@ def _run_relaxed(program, lookahead: int) -> None:
     while progress:
         progress = False
         for s in range(p):
-            while cursor[s] < len(steps[s]):
+            while cursor[s] < len(units[s]):
                 index = cursor[s]
-                if type(steps[s][index]) is CommGroup:  # comm groups carry no actions
+                if type(units[s][index]) is CommGroup:  # comm groups carry no actions
                     assert not plans[s].post_before[index]
                     assert not plans[s].sends_after[index]
                     cursor[s] += 1
@@ -59,8 +59,8 @@ def _run_relaxed(program, lookahead: int) -> None:
                 assert all(op in where[s] for op, *_ in waits), "a receive waited, never posted"
                 if any(len(sent.get(c, [])) <= k for c, k in (where[s][op] for op, *_ in waits)):
                     break  # blocked on a peer
-                step = steps[s][index]
-                done[s].add(tensors.makes(s, step))
+                unit = units[s][index]
+                done[s].add(tensors.makes(s, unit))
                 for op, *_ in plans[s].sends_after[index]:
                     assert tensors.route(s, op).tensor in done[s], f"{op} posted before its compute"
                     channel, payload = route(s, op)
@@ -68,7 +68,7 @@ def _run_relaxed(program, lookahead: int) -> None:
                 cursor[s] += 1
                 pre[s] = False
                 progress = True
-    stuck = [s for s in range(p) if cursor[s] < len(steps[s])]
+    stuck = [s for s in range(p) if cursor[s] < len(units[s])]
     assert not stuck, f"stages {stuck} never finished: the eager plan would hang"
     assert sent == posted, "a receive paired with another tensor's send"
 
@@ -97,10 +97,10 @@ def test_eager_plan_runs_the_builtins(name, p, m, v):
 def test_sends_leave_right_after_their_compute():
     """Interleaved 1F1B on 2 stages: stage 1's SA2 goes right after F2, not after B0 too."""
     program = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(2, 8, 2))
-    steps = stage_ops(program, 1, Layout.of(program.schedule))
-    eager = EagerPlan(steps, tensors_of(program), 1)
+    units = stage_ops(program, 1, Layout.of(program.schedule))
+    eager = EagerPlan(units, tensors_of(program), 1)
     after = {
-        str(steps[i]): [str(op) for op, *_ in sends]
+        str(units[i]): [str(op) for op, *_ in sends]
         for i, sends in enumerate(eager.sends_after)
         if sends
     }

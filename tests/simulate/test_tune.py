@@ -13,7 +13,7 @@ from schedcc.tune import Candidate, Skipped, TuneResult
 class OneChunkGPipe(Schedule):
     """README's GPipe: written for one chunk per stage (it never yields chunk 1)."""
 
-    def steps(self, stage):
+    def order(self, stage):
         for batch in range(self.num_batches):
             mbs = self.microbatches(batch)
             yield from (Forward(i) for i in mbs)
@@ -23,12 +23,12 @@ class OneChunkGPipe(Schedule):
 class ForwardsOnly(Schedule):
     """Never runs a backward: its program does not validate."""
 
-    def steps(self, stage):
+    def order(self, stage):
         yield from (Forward(i) for i in range(self.num_microbatches))
 
 
-class StepsRaise(Schedule):
-    def steps(self, stage):
+class OrderRaises(Schedule):
+    def order(self, stage):
         raise ZeroDivisionError("division by zero")
 
 
@@ -94,9 +94,9 @@ def test_a_schedule_that_does_not_validate_is_an_error_not_a_drop():
 
 
 def test_a_schedule_whose_code_fails_is_a_code_error():
-    """steps() raising is a ScheduleCodeError naming the class and method."""
-    with pytest.raises(ScheduleCodeError, match=r"StepsRaise\.steps\(0\) raised ZeroDivision"):
-        schedcc.tune([StepsRaise], num_stages=2, num_microbatches=2, num_chunks=1)
+    """order() raising is a ScheduleCodeError naming the class and method."""
+    with pytest.raises(ScheduleCodeError, match=r"OrderRaises\.order\(0\) raised ZeroDivision"):
+        schedcc.tune([OrderRaises], num_stages=2, num_microbatches=2, num_chunks=1)
 
 
 def test_costs_that_overflow_are_a_config_error():

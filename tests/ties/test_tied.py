@@ -1,5 +1,5 @@
 """Tied parameters in the core: `ReduceTied`, `compile(tied=...)`, its placement, the validator's
-rules, the step model's collective and the simulators' cost of it."""
+rules, the rendezvous model's collective and the simulators' cost of it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from schedcc import (
 )
 from schedcc.errors import DeadlockError, ScheduleConfigError, UpdateOrderError
 from schedcc.ir import UPDATE, WEIGHT_GRADIENT, OptimizerStep, ReduceGrads, parse
-from schedcc.semantics import Layout, step_model
+from schedcc.semantics import Layout, rendezvous_model
 from schedcc.validate import validate
 
 BUILT_INS = [
@@ -120,7 +120,7 @@ def test_every_member_sums_once_per_batch_before_reduce_and_step(name, kwargs, p
 def test_copies_on_one_stage_meet_nobody():
     """zb-v puts segments 0 and 2p - 1 on stage 0: its ReduceTied is a collective of one."""
     program = compile(get_schedule("zb-v")(3, 6, 2), tied=[(0, 5)])
-    model = step_model(program)
+    model = rendezvous_model(program)
     ties = [pos for pos, op in enumerate(program.stages[0]) if type(op) is ReduceTied]
     assert len(ties) == 1
     assert all(type(op) is not ReduceTied for op in program.stages[1])
@@ -131,17 +131,17 @@ def test_a_schedule_that_yields_updates_must_yield_reduce_tied():
     """Updates are all-or-nothing: a schedule yielding its own steps but no ReduceTied is
     refused when compiled with tied segments."""
 
-    class OwnSteps(Schedule):
+    class OwnOrder(Schedule):
         name = "own-steps"
 
-        def steps(self, stage):
+        def order(self, stage):
             yield Forward(0)
             yield Backward(0)
             yield OptimizerStep()
 
-    compile(OwnSteps(2, 1))
+    compile(OwnOrder(2, 1))
     with pytest.raises(UpdateOrderError, match=r"before ReduceTied\(0\)"):
-        compile(OwnSteps(2, 1), tied=[(0, 1)])
+        compile(OwnOrder(2, 1), tied=[(0, 1)])
 
 
 GPIPE_TIED = """

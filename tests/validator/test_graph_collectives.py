@@ -15,7 +15,7 @@ import schedcc
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import GradNorm, ReduceTied, parse
 from schedcc.passes import assign_versions
-from schedcc.semantics import Steps
+from schedcc.semantics import Units
 from schedcc.semantics.collectives import match_collectives
 from schedcc.semantics.layout import Layout
 from schedcc.semantics.norms import match_norms
@@ -40,7 +40,7 @@ def _moved(program, stage: int, src: int, dst: int):
 
 def _expected_collective_edges(program) -> set:
     """From the op before each other member's step to each member of each collective."""
-    steps = Steps.of(program.stages)
+    units = Units.of(program.stages)
     tables = [match_norms(program.stages)[0]]
     if program.tied:
         layout = Layout.of(program.schedule)
@@ -50,7 +50,7 @@ def _expected_collective_edges(program) -> set:
         for s, row in enumerate(meets):
             for pos, others in enumerate(row):
                 for t, q in others or ():
-                    start = steps.bounds[t][steps.step_at[t][q]][0]
+                    start = units.bounds[t][units.unit_at[t][q]][0]
                     if start:
                         edges.add(((t, start - 1), (s, pos)))
     return edges

@@ -33,7 +33,7 @@ class Written(Schedule):
     name = "written"
     texts: tuple[str, ...] = ()
 
-    def steps(self, stage: int):
+    def order(self, stage: int):
         return [parse(token) for token in self.texts[stage].split()]
 
 

@@ -1,8 +1,8 @@
-"""The step model: each stage's program cut into steps, and one walk of their events.
+"""The rendezvous model: each stage's program cut into units, and one walk of their events.
 
-[Note: the step model] (docs/design.md, "Semantics: the step model") Each stage's program is
-cut into steps: one per compute or update instruction, one per maximal run of consecutive comm
-instructions (a comm group, posted together). A compute step is one event; a group has a
+[Note: the rendezvous model] (docs/design.md, "Semantics: the rendezvous model") Each stage's
+program is cut into units: one per compute or update instruction, one per maximal run of consecutive
+comm instructions (a comm group, posted together). A compute unit is one event; a group has a
 *posted* event (when the stage reaches it) and a *done* event (once every op's partner group has
 been posted: rendezvous). `walk` visits the events in a topological order, giving each a time; a
 stage that can never finish its program is waiting at a group whose partner is never posted: a
@@ -19,7 +19,7 @@ import attrs
 
 from schedcc.ir import COMM, Instruction
 
-__all__ = ["Links", "Steps", "Walk", "critical_steps", "links_of", "wait_for_cycle", "walk"]
+__all__ = ["Links", "Units", "Walk", "critical_units", "links_of", "wait_for_cycle", "walk"]
 
 #: `links[s][j]`: for a comm group, the flat indices of its partner groups; None otherwise.
 Links = tuple[tuple[tuple[int, ...] | None, ...], ...]
@@ -28,39 +28,39 @@ _COMM = frozenset(COMM)
 
 
 @attrs.frozen(slots=True)
-class Steps:
-    """Each stage's program cut into steps (see [Note: the step model]).
+class Units:
+    """Each stage's program cut into units (see [Note: the rendezvous model]).
 
-    `bounds[s][j]` is the `[start, end)` position range of step j on stage s; `is_group[s][j]`
-    tells a comm group from a single compute or update instruction; `step_at[s][pos]` is the
-    step that holds position pos.
+    `bounds[s][j]` is the `[start, end)` position range of unit j on stage s; `is_group[s][j]`
+    tells a comm group from a single compute or update instruction; `unit_at[s][pos]` is the
+    unit that holds position pos.
 
     >>> from schedcc.ir import parse
-    >>> steps = Steps.of([[parse(op) for op in "F0 RG0 SA0 B0 Step".split()]])
-    >>> steps.bounds[0], steps.is_group[0]
+    >>> units = Units.of([[parse(op) for op in "F0 RG0 SA0 B0 Step".split()]])
+    >>> units.bounds[0], units.is_group[0]
     (((0, 1), (1, 3), (3, 4), (4, 5)), (False, True, False, False))
     """
 
     bounds: tuple[tuple[tuple[int, int], ...], ...]
     is_group: tuple[tuple[bool, ...], ...]
-    step_at: tuple[tuple[int, ...], ...]
+    unit_at: tuple[tuple[int, ...], ...]
 
     @property
     def offset(self) -> list[int]:
-        """`offset[s]`: the flat index of stage s's first step (`offset[-1]`: all steps)."""
+        """`offset[s]`: the flat index of stage s's first unit (`offset[-1]`: all units)."""
         return list(accumulate((len(b) for b in self.bounds), initial=0))
 
     @classmethod
-    def of(cls, stages: Sequence[Sequence[Instruction]]) -> Steps:
-        bounds, is_group, step_at = [], [], []
+    def of(cls, stages: Sequence[Sequence[Instruction]]) -> Units:
+        bounds, is_group, unit_at = [], [], []
         for ops in stages:
             starts: list[int] = []
             groups: list[bool] = []
             at: list[int] = []
-            previous, j = False, -1  # was the op before a comm op? the current step
+            previous, j = False, -1  # was the op before a comm op? the current unit
             for pos, op in enumerate(ops):
                 comm = type(op) in _COMM
-                if not (comm and previous):  # a new step starts here
+                if not (comm and previous):  # a new unit starts here
                     starts.append(pos)
                     groups.append(comm)
                     j += 1
@@ -68,8 +68,8 @@ class Steps:
                 previous = comm
             bounds.append(tuple(zip(starts, [*starts[1:], len(ops)])))
             is_group.append(tuple(groups))
-            step_at.append(tuple(at))
-        return cls(tuple(bounds), tuple(is_group), tuple(step_at))
+            unit_at.append(tuple(at))
+        return cls(tuple(bounds), tuple(is_group), tuple(unit_at))
 
 
 def wait_for_cycle(waits_for: Mapping[int, int]) -> list[int]:
@@ -95,9 +95,9 @@ def wait_for_cycle(waits_for: Mapping[int, int]) -> list[int]:
 
 @attrs.frozen(slots=True)
 class Walk:
-    """The result of `walk`: per stage and step, start and end times (posted and done, for a group).
+    """The result of `walk`: per stage and unit, start and end times (posted and done, for a group).
 
-    `stuck` maps each stage that cannot finish to `(step, peer stage, peer step)`: the group it
+    `stuck` maps each stage that cannot finish to `(unit, peer stage, peer unit)`: the group it
     waits at and the partner group that is never posted. Empty when the program completes.
     """
 
@@ -110,13 +110,13 @@ class Walk:
         return wait_for_cycle({s: peer for s, (_, peer, _) in self.stuck.items()})
 
 
-def links_of(steps: Steps, partner: Sequence[Sequence[tuple[int, int] | None]]) -> Links:
-    """Per stage and step: for a comm group, the flat indices of its partner groups (-1 for an
-    op without a partner), None for a single instruction. Step j of stage s has flat index
-    `steps.offset[s] + j` (see `walk`)."""
-    offset, step_at = steps.offset, steps.step_at
+def links_of(units: Units, partner: Sequence[Sequence[tuple[int, int] | None]]) -> Links:
+    """Per stage and unit: for a comm group, the flat indices of its partner groups (-1 for an
+    op without a partner), None for a single instruction. Unit j of stage s has flat index
+    `units.offset[s] + j` (see `walk`)."""
+    offset, unit_at = units.offset, units.unit_at
     links = []
-    for s, (bounds, groups) in enumerate(zip(steps.bounds, steps.is_group)):
+    for s, (bounds, groups) in enumerate(zip(units.bounds, units.is_group)):
         partner_s = partner[s]
         row: list[tuple[int, ...] | None] = []
         for (lo, hi), group in zip(bounds, groups):
@@ -126,45 +126,45 @@ def links_of(steps: Steps, partner: Sequence[Sequence[tuple[int, int] | None]]) 
             peers = []
             for pos in range(lo, hi):
                 peer = partner_s[pos]
-                peers.append(-1 if peer is None else offset[peer[0]] + step_at[peer[0]][peer[1]])
+                peers.append(-1 if peer is None else offset[peer[0]] + unit_at[peer[0]][peer[1]])
             row.append(tuple(peers))
         links.append(tuple(row))
     return tuple(links)
 
 
 def walk(
-    steps: Steps,
+    units: Units,
     partner: Sequence[Sequence[tuple[int, int] | None]],
     durations: Sequence[Sequence[float]] | None = None,
     *,
     links: Links | None = None,
 ) -> Walk:
-    """Visit every step in a topological order of the step model, timing it.
+    """Visit every unit in a topological order of the rendezvous model, timing it.
 
     `partner[s][pos]` is the matched op of each comm op (`schedcc.semantics.match_comm`);
-    `durations[s][j]` is step j's run time (a compute or update) or comm cost (a group) on stage
-    s (all 0 if omitted); `links` is `links_of(steps, partner)` if the caller keeps it. Linear in
+    `durations[s][j]` is unit j's run time (a compute or update) or comm cost (a group) on stage
+    s (all 0 if omitted); `links` is `links_of(units, partner)` if the caller keeps it. Linear in
     the number of instructions.
 
     >>> import schedcc
     >>> from schedcc.semantics import Tensors, match_comm
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
     >>> partner, _ = match_comm(program.stages, Tensors.of(program.schedule))
-    >>> steps = Steps.of(program.stages)
-    >>> walk(steps, partner, [[1.0] * len(row) for row in steps.bounds]).end
+    >>> units = Units.of(program.stages)
+    >>> walk(units, partner, [[1.0] * len(row) for row in units.bounds]).end
     ((1.0, 5.0, 6.0, 7.0), (2.0, 3.0, 4.0, 5.0, 6.0))
     """
     if links is None:
-        links = links_of(steps, partner)
-    offset = steps.offset
-    num_stages, total = len(steps.bounds), offset[-1]
-    start, end = [0.0] * total, [0.0] * total  # by flat step index
+        links = links_of(units, partner)
+    offset = units.offset
+    num_stages, total = len(units.bounds), offset[-1]
+    start, end = [0.0] * total, [0.0] * total  # by flat unit index
     posted = bytearray(total)
     clock, cursor = [0.0] * num_stages, [0] * num_stages
     waiting: dict[int, list[int]] = {}  # flat index of a group -> stages waiting for its post
     blocked: dict[int, int] = {}  # stage -> the flat index it waits for
     pending, queued = list(range(num_stages)), [True] * num_stages
-    zero = [0.0] * max((len(b) for b in steps.bounds), default=0)
+    zero = [0.0] * max((len(b) for b in units.bounds), default=0)
     while pending:
         s = pending.pop()
         queued[s] = False
@@ -205,39 +205,39 @@ def walk(
     return Walk(
         tuple(tuple(start[offset[s] : offset[s + 1]]) for s in range(num_stages)),
         tuple(tuple(end[offset[s] : offset[s + 1]]) for s in range(num_stages)),
-        {s: (cursor[s], *_stage_step(offset, blocked[s])) for s in sorted(blocked)},
+        {s: (cursor[s], *_stage_unit(offset, blocked[s])) for s in sorted(blocked)},
     )
 
 
-def critical_steps(
-    steps: Steps, partner: Sequence[Sequence[tuple[int, int] | None]], walked: Walk
+def critical_units(
+    units: Units, partner: Sequence[Sequence[tuple[int, int] | None]], walked: Walk
 ) -> list[tuple[int, int]]:
-    """`(stage, step)` of a chain of steps, in time order, from time 0 to the end of `walked`
+    """`(stage, unit)` of a chain of units, in time order, from time 0 to the end of `walked`
     with no slack.
 
-    Walking back from the step that ends last, each step's start was set by the one before it:
-    the previous step on its stage, or the partner group its comm group waited for (reached at
-    that group's posted time, so the chain goes on from its stage's step before it).
+    Walking back from the unit that ends last, each unit's start was set by the one before it:
+    the previous unit on its stage, or the partner group its comm group waited for (reached at
+    that group's posted time, so the chain goes on from its stage's unit before it).
     """
-    if not any(steps.bounds):
+    if not any(units.bounds):
         return []
     ends = [row[-1] if row else 0.0 for row in walked.end]
     s = max(range(len(ends)), key=lambda t: (ends[t], -t))
-    j = len(steps.bounds[s]) - 1
+    j = len(units.bounds[s]) - 1
     chain: list[tuple[int, int]] = []
     at_done = True  # False: we reached this group at its posted event, through a partner
     while j >= 0:
         chain.append((s, j))
         start = walked.start[s][j]
-        if at_done and steps.is_group[s][j]:
+        if at_done and units.is_group[s][j]:
             best = None
-            lo, hi = steps.bounds[s][j]
+            lo, hi = units.bounds[s][j]
             for pos in range(lo, hi):
                 ps, ppos = partner[s][pos]
-                pstep = steps.step_at[ps][ppos]
-                posted = walked.start[ps][pstep]
+                punit = units.unit_at[ps][ppos]
+                posted = walked.start[ps][punit]
                 if posted > start and (best is None or posted > walked.start[best[0]][best[1]]):
-                    best = (ps, pstep)
+                    best = (ps, punit)
             if best is not None:
                 s, j = best
                 at_done = False
@@ -248,7 +248,7 @@ def critical_steps(
     return chain
 
 
-def _stage_step(offset: Sequence[int], index: int) -> tuple[int, int]:
-    """The (stage, step) of a flat step index."""
+def _stage_unit(offset: Sequence[int], index: int) -> tuple[int, int]:
+    """The (stage, unit) of a flat unit index."""
     stage = bisect_right(offset, index) - 1
     return stage, index - offset[stage]
