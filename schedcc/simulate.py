@@ -34,10 +34,12 @@ from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
 from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, stage_held
 from schedcc.program import Program
 from schedcc.semantics import (
+    CopyLanes,
     Steps,
     Tensors,
     Walk,
     held_bytes,
+    host_bytes,
     peak_activations,
     reference_walk,
     rule_versions,
@@ -169,6 +171,21 @@ class Timeline:
             inputs = chunk_sizes(self.program, memory, s, "inputs")
             peaks.append(max(held_bytes(ops, sizes, inputs), default=0.0))
         return tuple(peaks)
+
+    @cached_property
+    def peak_host_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most activation bytes held on the host at once: those of each
+        microbatch from its `Offload` to its `Reload` ([Note: offloading] in
+        `schedcc.rules.offload`); `peak_activation_bytes` counts the device only.
+
+        Raises:
+            ScheduleConfigError: the cost model has no `memory`.
+        """
+        memory = self._memory()
+        return tuple(
+            max(host_bytes(ops, chunk_sizes(self.program, memory, s, "activations")), default=0.0)
+            for s, ops in enumerate(self.program.stages)
+        )
 
     @cached_property
     def stage_bytes(self) -> tuple[StageBytes, ...]:
@@ -336,7 +353,8 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
             result = reference_walk(program)
         else:
             durations = _durations(costs, tables, stages, steps)
-            result = walk(steps, partner, durations, links=model.links)
+            lanes = CopyLanes.of(stages, steps)  # [Note: offloading]
+            result = walk(steps, partner, durations, links=model.links, lanes=lanes)
     if result.stuck or problems:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
     return Timeline(program, costs=costs, run=_Run(steps, partner, result, tables))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from itertools import islice
 
-from schedcc.ir import COMM, COMPUTE, UPDATE
+from schedcc.ir import COMM, COMPUTE, COPY, UPDATE
 from schedcc.program import Program
 from schedcc.schedule import Schedule, ScheduleCodeError, call_user_code, describe
 
@@ -125,4 +125,4 @@ def _is_index(value: object, bound: int) -> bool:
     return type(value) is int and 0 <= value < bound
 
 
-_CONCRETE = frozenset((*COMPUTE, *COMM, *UPDATE))
+_CONCRETE = frozenset((*COMPUTE, *COMM, *COPY, *UPDATE))

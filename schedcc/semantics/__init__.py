@@ -23,6 +23,7 @@ from schedcc.semantics.memory import (
     first_over,
     held_bytes,
     held_changes,
+    host_bytes,
     peak_activations,
     recomputed,
 )
@@ -36,7 +37,7 @@ from schedcc.semantics.model import (
     tensors_of,
     unit_durations,
 )
-from schedcc.semantics.steps import Steps, Walk, wait_for_cycle, walk
+from schedcc.semantics.steps import CopyLanes, Steps, Walk, wait_for_cycle, walk
 from schedcc.semantics.tensors import (
     CommUse,
     ComputeUse,
@@ -55,6 +56,7 @@ __all__ = [
     "CommProblem",
     "CommUse",
     "ComputeUse",
+    "CopyLanes",
     "Layout",
     "Route",
     "StepModel",
@@ -67,6 +69,7 @@ __all__ = [
     "first_over",
     "held_bytes",
     "held_changes",
+    "host_bytes",
     "kept_versions",
     "match_comm",
     "peak_activations",
