@@ -92,6 +92,30 @@ def test_every_builtin_with_offload_trains_like_without_it(cls):
         assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, data)
 
 
+@pytest.mark.parametrize(
+    ("name", "v", "options"),
+    [
+        ("1f1b", 1, {"data_parallel": 2, "zero": 3}),
+        ("zb-h1", 1, {"data_parallel": 2, "zero": 1}),
+        ("2bw", 1, {}),
+        ("interleaved-1f1b", 2, {"recompute": {0}}),
+        ("1f1b-offload", 1, {"recompute": True, "grad_norm": True}),
+    ],
+)
+def test_offload_combines_with_zero_recompute_and_weight_stashing(name, v, options):
+    """Offloading under ZeRO-1/3 with two replicas, with 2BW's stashed weights, beside
+    recomputation (each forward offloaded or recomputed, not both) and with a gradient norm
+    trains like non-pipelined training."""
+    schedule = schedcc.get_schedule(name)(3, 6, v)
+    program = schedcc.compile(schedule, offload=True, **options)
+    assert _offloads(program) > 0
+    dp = options.get("data_parallel", 1)
+    data = batches(2, 12 * dp)
+    if dp > 1:  # each replica's local batch
+        data = [[(x[:12], y[:12]), (x[12:], y[12:])] for x, y in data]
+    assert_matches_reference(program, make_segments(schedule.num_segments), mse, sgd, data)
+
+
 def _width_segments(n: int) -> list[nn.Module]:
     torch.manual_seed(0)
     return [

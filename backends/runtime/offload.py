@@ -45,15 +45,16 @@ class OffloadedSaved:
     tensor([2., 2., 2.])
     """
 
-    __slots__ = ("_by_key", "_skip", "event", "on_host", "slots")
+    __slots__ = ("_by_key", "_skip", "device", "event", "on_host", "slots")
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self._skip = {p.untyped_storage().data_ptr() for p in params}
         self._by_key: dict[tuple, _Slot] = {}  # a tensor saved twice is copied once
         self.slots: list[_Slot] = []
         self.on_host = False
-        #: under CUDA, the copy lane's event the next backward piece waits for
+        #: under CUDA, the copy lane's event the next backward piece waits for, and its device
         self.event: torch.cuda.Event | None = None
+        self.device: torch.device | None = None
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Slot:
         if tensor.untyped_storage().data_ptr() in self._skip:
@@ -72,7 +73,7 @@ class OffloadedSaved:
     def ready(self) -> None:
         """Before a backward piece reads the tensors: wait for the reload (CUDA)."""
         if self.event is not None:
-            torch.cuda.current_stream(self.event.device).wait_event(self.event)
+            torch.cuda.current_stream(self.device).wait_event(self.event)
             self.event = None
 
 
@@ -102,7 +103,7 @@ class CopyLane:
             else:
                 slot.tensor = torch.empty_like(host).copy_(host)
         saved.on_host = False
-        saved.event = event
+        saved.event, saved.device = event, device
 
     # -- CUDA: pinned host memory on a side stream ----------------------------------------------
 
