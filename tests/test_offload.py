@@ -373,3 +373,17 @@ def test_offloaded_training_on_gloo_equals_the_local_engine_without_offload():
     """On 2 gloo ranks, 1f1b-offload and interleaved 1F1B with `offload=True` train to the local
     engine's losses and weights without offloading, within 1e-12."""
     assert spawn(_gloo_worker, 2, grace=30, threads=1) == 0
+
+
+def test_show_offload_draws_the_copy_lane_and_the_host_bytes(capsys):
+    """`schedcc show --offload --costs O=0.5,L=0.5 --memory ...` draws copy rows and prints the
+    device and the host peak bytes per stage."""
+    from schedcc.cli import main
+
+    argv = ["show", "--schedule", "1f1b", "-p", "3", "-m", "6", "--offload"]
+    costs = ["--costs", "O=0.5,L=0.5", "--memory", "activations=1MiB,parameters=0"]
+    assert main([*argv, *costs]) == 0
+    out = capsys.readouterr().out
+    assert "  copy" in out
+    assert "peak bytes per stage [2.00 MiB, 2.00 MiB, 1.00 MiB]" in out
+    assert "on the host: peak bytes per stage [2.00 MiB, 1.00 MiB, 0 B]" in out
