@@ -60,9 +60,10 @@ def compile(
             back before their backward (an `Offload` and a `Reload` placed by
             `schedcc.passes.insert_offload`): False (only those the schedule yields itself),
             True (every forward with a compute to overlap), a fraction in (0, 1] (on each
-            stage, that share, the longest-held first), a collection of stages or of
+            stage, that share, spread evenly), a collection of stages or of
             `(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, or `ByteLimit(max_bytes,
-            memory)` (on each stage, the longest-held first until its device bytes fit).
+            memory)` (on each stage, at each point over the limit the forward held there that
+            comes back last, until its device activation bytes fit).
         grad_norm: put a `GradNorm` before every stage's step: one scalar all-reduce over all
             stages that gives the whole model's gradient norm, which an engine needs for
             `max_grad_norm` clipping, fp16 loss scaling, and for skipping a step whose gradients

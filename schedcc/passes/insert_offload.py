@@ -14,10 +14,11 @@ program (it runs right after insert_comm): on each stage, for each chosen forwar
 A forward is offloaded only where that leaves a compute between its `O` and its `L` (one that
 runs while its bytes are on the host), and never one its stage recomputes. Which ones, a policy
 says (as `recompute=` does): `True` (every forward it can), a collection of stages or of
-`(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, a fraction `0 < f < 1` (on each stage,
-that share of them, those held longest first: PipeOffload's selective offload), or
-`ByteLimit(max_bytes, memory)` (on each stage, the longest-held first until its device
-activation bytes fit).
+`(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, a fraction `0 < f <= 1` (on each stage,
+that share of them, spread evenly over its program, so that its peak drops by about that share:
+PipeOffload's selective offload), or
+`ByteLimit(max_bytes, memory)` (on each stage, until its device activation bytes fit: at each
+point over the limit, the forward held there that comes back last).
 
 A schedule may yield its own `Offload`s and `Reload`s (`1f1b-offload` does): insert_comm keeps
 each where the schedule put it relative to its computes (`detach_copies`, `attach_copies`), and
@@ -69,9 +70,9 @@ _COMM = frozenset(COMM)
 
 @attrs.frozen
 class ByteLimit:
-    """Offload, on each stage, the forwards held longest first, until the stage's device
-    activation bytes (counted with `memory`, [Note: bytes per stage] in `schedcc.memory`) stay
-    within `max_bytes`, or nothing more can be offloaded.
+    """Offload on each stage until its device activation bytes (counted with `memory`, [Note:
+    bytes per stage] in `schedcc.memory`) stay within `max_bytes`, or nothing more can go: at
+    the first point over the limit, the forward held there that comes back last.
 
     >>> import schedcc
     >>> memory = schedcc.MemoryModel(activations=[100.0] * 4, parameters=[0.0] * 4)
@@ -158,8 +159,7 @@ def insert_offload(program: Program, policy: Policy | _Fraction | ByteLimit) -> 
 
 def offload_points(ops: Sequence[Instruction]) -> dict[tuple[int, int], tuple[Anchor, Anchor]]:
     """Per `(microbatch, chunk)` one stage's program can offload (see the module docstring),
-    the anchors of its `O` and its `L`, in order of how long the forward is held (longest
-    first).
+    the anchors of its `O` and its `L`, in the order of the forwards.
 
     >>> from schedcc.ir import parse
     >>> points = offload_points([parse(op) for op in "F0 F1 F2 B2 B1 B0".split()])
@@ -172,7 +172,7 @@ def offload_points(ops: Sequence[Instruction]) -> dict[tuple[int, int], tuple[An
     kept_input = recomputed(ops)
     already = {(op.microbatch, op.chunk) for op in ops if type(op) is Offload}
     forward_at: dict[tuple[int, int], int] = {}
-    found: list[tuple[int, tuple[int, int], tuple[Anchor, Anchor]]] = []
+    found: list[tuple[int, tuple[int, int], tuple[Anchor, Anchor]]] = []  # by forward
     for n, op in enumerate(computes):
         key = (op.microbatch, op.chunk)
         if type(op) is Forward:
@@ -187,8 +187,8 @@ def offload_points(ops: Sequence[Instruction]) -> dict[tuple[int, int], tuple[An
                 lead -= 1  # before a pair's forward
             if lead - after >= 2:  # a compute runs while the bytes are on the host
                 copies = ((Offload(*key), after, True), (Reload(*key), lead, False))
-                found.append((lead - after, key, copies))
-    found.sort(key=lambda item: (-item[0], item[1]))
+                found.append((f, key, copies))
+    found.sort()
     return {key: copies for _, key, copies in found}
 
 
@@ -204,8 +204,9 @@ def _pair_at(computes: Sequence[Instruction], n: int) -> bool:
 def _choose(program, s, ops, points, policy) -> list[tuple[int, int]]:
     """The `(microbatch, chunk)` stage s offloads, of those it can (`points`)."""
     keys = list(points)
-    if isinstance(policy, _Fraction):
-        return keys[: ceil(policy.share * len(keys))]
+    if isinstance(policy, _Fraction):  # spread evenly: the peak drops by about that share
+        share = policy.share
+        return [key for n, key in enumerate(keys) if ceil((n + 1) * share) > ceil(n * share)]
     if isinstance(policy, ByteLimit):
         return _within(program, s, ops, points, policy)
     wanted: dict[int, bool] = {}
@@ -216,17 +217,29 @@ def _choose(program, s, ops, points, policy) -> list[tuple[int, int]]:
 
 
 def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
-    """The longest-held first, until stage s's device activation bytes fit `limit`."""
+    """Until stage s's device activation bytes fit `limit`: at the first point over it, offload
+    the forward held there whose reload is the latest (the one whose bytes stay away longest)."""
     sizes = chunk_sizes(program, limit.memory, s, "activations")
     inputs = chunk_sizes(program, limit.memory, s, "inputs")
     max_bytes = parse_size(limit.max_bytes)
+    where = _Where(ops)
+    # on the host while the first `a` ops of `ops` have run but not the first `b`
+    spans = {key: (where(off), where(back)) for key, (off, back) in points.items()}
     chosen: list[tuple[int, int]] = []
-    for key in points:
-        row = attach_copies(ops, [a for k in chosen for a in points[k]]) if chosen else ops
-        if max(held_bytes(row, sizes, inputs), default=0.0) <= max_bytes:
-            break
-        chosen.append(key)
-    return chosen
+    while True:
+        inserted = {copy for key in chosen for copy, _, _ in points[key]}
+        row = attach_copies(ops, [a for key in chosen for a in points[key]])
+        done, pick = 0, None  # how many of `ops` have run; what to offload next
+        for op, held in zip(row, held_bytes(row, sizes, inputs)):
+            done += op not in inserted
+            if held > max_bytes:
+                there = [k for k, (a, b) in spans.items() if a <= done < b and k not in chosen]
+                if there:  # else nothing held at this point can go: try the next one
+                    pick = max(there, key=lambda k: spans[k][1])
+                    break
+        if pick is None:
+            return chosen
+        chosen.append(pick)
 
 
 def detach_copies(ops: Sequence[Instruction]) -> tuple[tuple[Instruction, ...], list[Anchor]]:
