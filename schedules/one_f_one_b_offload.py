@@ -7,8 +7,10 @@ them back one compute before its backward (`L`): the copies run on the stage's c
 computes ([Note: offloading] in `schedcc.rules.offload`). That is PipeOffload's selective
 offload: an activation whose lifespan covers its round trip costs no time to offload, and those
 are the long-lived ones that make 1F1B's peak (stage s holds `p - s` at once); the short-lived
-ones (the last stages') stay. In the paper's terms, with the copy at most one forward, the peak
-device activations drop from `p - s` to at most 3 per stage with the makespan unchanged.
+ones (the last stages') stay. Stage s then holds at most 2 activations on the device instead of
+`min(p - s, m)` (the forward just run and the one reloaded for the next backward), and while a
+copy takes at most a forward the makespan is 1F1B's (docs/performance.md, "Offloading
+activations").
 
 p = 4, m = 8, stage 0 (stage 3 offloads nothing: each backward follows its forward):
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import batches, make_segments, mse, sgd
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from test_mutation import accepted, trains_exactly
 from torch import nn
@@ -30,8 +30,9 @@ from schedcc.backends.runtime.memory import measure_memory
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import COMM, parse
 from schedcc.passes.insert_offload import ByteLimit
+from schedcc.schedules.one_f_one_b_offload import OneFOneBOffload
 from schedcc.semantics import held_bytes, host_bytes
-from schedcc.testing import Shape
+from schedcc.testing import Shape, schedules
 
 BUILT_INS = sorted({schedcc.get_schedule(n) for n in schedcc.available_schedules()}, key=str)
 _COMM = frozenset(COMM)
@@ -177,6 +178,46 @@ def test_1f1b_offload_halves_the_peak_at_the_same_speed():
         assert max(timeline.peak_activation_bytes) <= max(base.peak_activation_bytes) / 2
         assert timeline.makespan <= 1.05 * base.makespan
     assert max(timeline.peak_host_bytes) > 0
+
+
+@given(schedules(OneFOneBOffload, max_stages=6, max_microbatches=16, max_batches=2))
+def test_1f1b_offload_holds_two_on_the_device_at_1f1b_speed(schedule):
+    """At any shape, 1f1b-offload validates, holds at most 2 activations per stage on the device
+    and no more than 1F1B, and with copies as long as a forward takes 1F1B's makespan."""
+    program = schedcc.compile(schedule)
+    shape = (schedule.num_stages, schedule.num_microbatches)
+    plain = schedcc.compile(schedcc.get_schedule("1f1b")(*shape, num_batches=schedule.num_batches))
+    costs = CostModel(offload=1.0, reload=1.0)
+    timeline = schedcc.simulate(program, costs)
+    base = schedcc.simulate(plain, costs)
+    assert max(timeline.peak_activations) <= 2
+    assert all(a <= b for a, b in zip(timeline.peak_activations, base.peak_activations))
+    assert timeline.makespan == base.makespan
+
+
+@given(schedules(OneFOneBOffload, max_stages=3, max_microbatches=6, max_batches=2))
+def test_1f1b_offload_trains_exactly_at_any_shape(schedule):
+    """1f1b-offload trains like non-pipelined training at small random shapes."""
+    trains_exactly(schedcc.compile(schedule))
+
+
+@given(
+    st.sampled_from([cls for cls in BUILT_INS if cls is not OneFOneBOffload]),
+    st.integers(1, 4),
+    st.integers(1, 10),
+    st.sampled_from([True, 0.5, 0.25]),
+)
+def test_the_offload_pass_only_lowers_device_activations(cls, p, m, offload):
+    """`compile(s, offload=...)` on any built-in and shape validates and holds no more device
+    activations on any stage than without it."""
+    shape = next((Shape(p, m, v, 1) for v in (1, 2) if Shape(p, m, v, 1).accepted_by(cls)), None)
+    assume(shape is not None)
+    schedule = shape.build(cls)
+    program = schedcc.compile(schedule, offload=offload)
+    plain = schedcc.compile(schedule)
+    got, want = schedcc.simulate(program), schedcc.simulate(plain)
+    assert all(a <= b for a, b in zip(got.peak_activations, want.peak_activations))
+    assert got.makespan == want.makespan  # copies are free by default
 
 
 class _Written(Schedule):
