@@ -2,7 +2,7 @@
 
 Forward blocks are blue, backward green, input-grad (I) teal, weight-grad (W) purple and updates
 grey; later chunks get lighter shades. A stage's copy lane (`Offload` brown, `Reload` tan) is a
-thin strip along the bottom of its row, beside its computes. The block holds its microbatch
+thin strip right under its row, beside its computes. The block holds its microbatch
 number where it fits; the title gives the schedule, p, m, v and the bubble. matplotlib is
 imported only here, on use, with the Agg backend (no display needed).
 
@@ -104,7 +104,7 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
     for stage, op, start, end in blocks:
         color = _shade(_COLOR[type(op)], getattr(op, "chunk", 0), num_chunks)
         if isinstance(op, Copy):  # the copy lane: a strip under the stage's computes
-            ax.broken_barh([(start, end - start)], (stage + 0.25, 0.15), facecolors=color)
+            ax.broken_barh([(start, end - start)], (stage + 0.42, 0.14), facecolors=color, zorder=3)
             continue
         ax.broken_barh(
             [(start, end - start)],
