@@ -24,6 +24,7 @@ from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     COMM,
     COMPUTE,
+    COPY,
     UPDATE,
     Comm,
     Instruction,
@@ -49,6 +50,8 @@ _FIELD = {
     "I": "backward_input",
     "W": "backward_weight",
     "R": "recompute",
+    "O": "offload",
+    "L": "reload",
     "Reduce": "reduce",
     "Tied": "reduce",
     "Norm": "norm",
@@ -58,7 +61,7 @@ _FIELD = {
     "Reshard": "release",
 }
 FIELD_OF_CODE = MappingProxyType(_FIELD)
-ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
+ALL_KINDS = (*COMPUTE, *COMM, *COPY, *UPDATE)
 
 
 def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
@@ -169,6 +172,9 @@ class CostModel:
             pair costs its longer half) and none (1: `F + B`); measure yours and set it.
         release: a `Reshard` (ZeRO-3 dropping a chunk's gathered parameters).
         recompute: a `Recompute` (None: the same as this model's `forward`).
+        offload, reload: an `Offload` and a `Reload`, on the stage's copy lane: they overlap
+            the stage's computes but not each other, and a backward piece waits for its
+            reload ([Note: offloading] in `schedcc.rules.offload`).
         memory: bytes per segment (`schedcc.MemoryModel`), for `Timeline.peak_bytes`
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
@@ -203,6 +209,8 @@ class CostModel:
     gather: float = attrs.field(default=0.0, validator=_non_negative)
     release: float = attrs.field(default=0.0, validator=_non_negative)
     recompute: float | None = attrs.field(default=None, validator=_optional)
+    offload: float = attrs.field(default=0.0, validator=_non_negative)
+    reload: float = attrs.field(default=0.0, validator=_non_negative)
     memory: MemoryModel | None = attrs.field(default=None, validator=_memory_model)
     overlap: float = attrs.field(default=0.5, validator=_fraction)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)

@@ -23,6 +23,7 @@ __all__ = [
     "DependencyError",
     "IncompleteScheduleError",
     "MemoryBoundError",
+    "OffloadError",
     "OverlapError",
     "PartitionError",
     "RankFailure",
@@ -143,6 +144,13 @@ class ScheduleCodeError(ScheduleError):
 class RecomputeError(DependencyError):
     """A `Recompute` out of place: before its forward, after its microbatch's first backward
     piece on that chunk, or a second time (see `schedcc.rules.recompute`)."""
+
+
+class OffloadError(DependencyError):
+    """An `Offload` or `Reload` out of place: a backward piece or a send of a microbatch whose
+    activations are on the host, an offload before its forward, after its backward began, of a
+    recomputed forward or a second time, or a reload of activations not offloaded (see
+    `schedcc.rules.offload`)."""
 
 
 class PartitionError(ScheduleConfigError):

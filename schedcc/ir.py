@@ -21,6 +21,7 @@ import attrs
 __all__ = [
     "COMM",
     "COMPUTE",
+    "COPY",
     "INPUT_GRADIENT",
     "RECEIVES",
     "SENDS",
@@ -32,11 +33,13 @@ __all__ = [
     "BackwardWeight",
     "Comm",
     "Compute",
+    "Copy",
     "Forward",
     "GatherParams",
     "GradNorm",
     "Instruction",
     "OnMicrobatch",
+    "Offload",
     "OptimizerStep",
     "OverlappedBackward",
     "RecvActivation",
@@ -44,6 +47,7 @@ __all__ = [
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
+    "Reload",
     "Reshard",
     "SendActivation",
     "SendGrad",
@@ -97,6 +101,14 @@ class Comm(OnMicrobatch):
     group: ClassVar[str] = "comm"
     is_send: ClassVar[bool] = False
     carries_grad: ClassVar[bool] = False
+
+
+@attrs.frozen(slots=True)
+class Copy(OnMicrobatch):
+    """Base of the instructions that move a forward's saved activations between the device and
+    the host, on the stage's copy lane (they overlap compute, not each other)."""
+
+    group: ClassVar[str] = "copy"
 
 
 @attrs.frozen(slots=True)
@@ -275,6 +287,34 @@ class Reshard(Update):
         return f"{self.code}.{self.chunk}" if self.chunk else self.code
 
 
+@attrs.frozen(slots=True)
+class Offload(Copy):
+    """Roughly: `host[i, c] = saved_tensors(graph[i, c]).to("cpu", non_blocking=True)`, freeing
+    the device copy once the side stream has it.
+
+    The forward of microbatch i on chunk c keeps its graph, but its saved activations live in
+    host memory from here until its `Reload` (see [Note: offloading] in
+    `schedcc.rules.offload`). Printed `O3.1`.
+
+    >>> str(Offload(3, chunk=1)), parse("O3.1")
+    ('O3.1', Offload(microbatch=3, chunk=1))
+    """
+
+    code: ClassVar[str] = "O"
+
+
+@attrs.frozen(slots=True)
+class Reload(Copy):
+    """Roughly: `saved_tensors(graph[i, c]) = host[i, c].to(device, non_blocking=True)`, waited
+    for by the first backward piece of microbatch i on chunk c. Printed `L3.1`.
+
+    >>> str(Reload(3)), parse("L3.1")
+    ('L3', Reload(microbatch=3, chunk=1))
+    """
+
+    code: ClassVar[str] = "L"
+
+
 COMPUTE = (
     Forward,
     Backward,
@@ -284,6 +324,8 @@ COMPUTE = (
     OverlappedBackward,
 )
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+#: The instructions on a stage's copy lane (device <-> host).
+COPY = (Offload, Reload)
 UPDATE = (ReduceGrads, OptimizerStep, GatherParams, ReduceTied, GradNorm, Unshard, Reshard)
 #: ZeRO-3's instructions that make a chunk's parameters whole and release them again.
 SHARDING = (Unshard, Reshard)
@@ -294,8 +336,10 @@ INPUT_GRADIENT = (Backward, BackwardInput, OverlappedBackward)
 SENDS = (SendActivation, SendGrad)
 RECEIVES = (RecvActivation, RecvGrad)
 
-_BY_CODE: dict[str, type[Instruction]] = {cls.code: cls for cls in (*COMPUTE, *COMM, *UPDATE)}
-_ON_MICROBATCH = re.compile(r"(F|B|I|W|R|\+B|SA|RA|SG|RG)(\d+)(?:\.(\d+))?")
+_BY_CODE: dict[str, type[Instruction]] = {
+    cls.code: cls for cls in (*COMPUTE, *COMM, *COPY, *UPDATE)
+}
+_ON_MICROBATCH = re.compile(r"(F|B|I|W|R|\+B|SA|RA|SG|RG|O|L)(\d+)(?:\.(\d+))?")
 _ON_CHUNK = re.compile(r"(Reduce|Gather|Unshard|Reshard)(?:\.(\d+))?")
 _TIED = re.compile(r"Tied(\d+)")
 
@@ -321,5 +365,5 @@ def parse(text: str) -> Instruction:
         return GradNorm()
     raise ValueError(
         f"cannot parse instruction {text!r}: expected e.g. F3, B3.1, I0, W0, R3, +B1, SA2, RA2, "
-        "SG2, RG2, Reduce, Reduce.1, Norm, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
+        "SG2, RG2, O3, L3.1, Reduce, Reduce.1, Norm, Step, Gather.1, Tied0, Unshard.1, Reshard.1"
     )

@@ -34,11 +34,13 @@ from schedcc.ir import COMPUTE, Compute, Instruction
 from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.semantics import (
+    CopyLanes,
     StageBytes,
     Tensors,
     Units,
     Walk,
     critical_units,
+    host_bytes,
     peak_activations,
     peak_live_versions,
     reference_walk,
@@ -48,7 +50,7 @@ from schedcc.semantics import (
     versions_of,
     walk,
 )
-from schedcc.semantics.stage_bytes import peak_activation_bytes
+from schedcc.semantics.stage_bytes import chunk_sizes, peak_activation_bytes
 from schedcc.simulate_eager import eager_spans
 from schedcc.validate import ensure_valid
 
@@ -165,6 +167,21 @@ class Timeline:
         """
         memory = self._memory()
         return tuple(peak_activation_bytes(self.program, memory, s) for s in range(self.num_stages))
+
+    @cached_property
+    def peak_host_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most activation bytes held on the host at once: those of each
+        microbatch from its `Offload` to its `Reload` ([Note: offloading] in
+        `schedcc.rules.offload`); `peak_activation_bytes` counts the device only.
+
+        Raises:
+            ScheduleConfigError: the cost model has no `memory`.
+        """
+        memory = self._memory()
+        return tuple(
+            max(host_bytes(ops, chunk_sizes(self.program, memory, s, "activations")), default=0.0)
+            for s, ops in enumerate(self.program.stages)
+        )
 
     @cached_property
     def stage_bytes(self) -> tuple[StageBytes, ...]:
@@ -291,7 +308,8 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
             result = reference_walk(program)
         else:
             durations = _durations(costs, tables, stages, units)
-            result = walk(units, partner, durations, links=model.links)
+            lanes = CopyLanes.of(stages, units)  # [Note: offloading]
+            result = walk(units, partner, durations, links=model.links, lanes=lanes)
     if result.stuck or problems:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
     return Timeline(program, costs=costs, run=_Run(units, partner, result, tables))

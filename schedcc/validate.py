@@ -21,6 +21,7 @@ from schedcc.rules.bytes import check_bytes
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
 from schedcc.rules.norm import check_norm
+from schedcc.rules.offload import check_offload
 from schedcc.rules.overlap import check_overlaps
 from schedcc.rules.recompute import check_recompute
 from schedcc.rules.sharding import check_sharding
@@ -43,6 +44,7 @@ RULES: tuple[Rule, ...] = (
     check_complete,
     check_dependencies,
     check_recompute,
+    check_offload,
     check_overlaps,
     check_step_order,
     check_reductions,

@@ -33,6 +33,7 @@ class Builtin:
 BUILTINS: tuple[Builtin, ...] = (
     Builtin("gpipe"),
     Builtin("1f1b"),
+    Builtin("1f1b-offload"),
     Builtin("interleaved-1f1b"),
     Builtin("2bw"),
     Builtin("looped-bfs"),

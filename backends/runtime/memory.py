@@ -38,11 +38,19 @@ class SavedBytes:
         signature: Hashable,
         params: Iterable[torch.Tensor],
         forward: Callable[[], torch.Tensor],
+        *,
+        saving: tuple[Callable, Callable] | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """`forward()`'s result and the bytes it saved, not counting the tensors in `params`."""
+        """`forward()`'s result and the bytes it saved, not counting the tensors in `params`;
+        `saving`: the `(pack, unpack)` hooks the saved tensors go through (an offloaded
+        forward's, `backends.runtime.offload`)."""
         num_bytes = self._by_signature.get(signature)
         if num_bytes is not None:
-            return forward(), num_bytes
+            if saving is None:
+                return forward(), num_bytes
+            with torch.autograd.graph.saved_tensors_hooks(*saving):
+                return forward(), num_bytes
+        keep, unpack = saving if saving is not None else (_same, _same)
         skip = {t.untyped_storage().data_ptr() for t in params}
         seen: dict[int, int] = {}
 
@@ -51,12 +59,16 @@ class SavedBytes:
             # saved twice counts once; parameters are weights, not activations.
             if t.untyped_storage().data_ptr() not in skip:
                 seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-            return t
+            return keep(t)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = forward()
         num_bytes = self._by_signature[signature] = sum(seen.values())
         return out, num_bytes
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 def signature(chunk: int, value: Any, target: Any, *, training: bool) -> Hashable:

@@ -56,6 +56,7 @@ from schedcc.backends.runtime.losses import (
     up_front_count,
 )
 from schedcc.backends.runtime.memory import SavedBytes, signature
+from schedcc.backends.runtime.offload import CopyLane, OffloadedSaved
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
@@ -73,11 +74,13 @@ from schedcc.ir import (
     GatherParams,
     GradNorm,
     Instruction,
+    Offload,
     OptimizerStep,
     OverlappedBackward,
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reload,
     Reshard,
     Unshard,
 )
@@ -199,6 +202,8 @@ class StageRuntime:
             BackwardWeight: self._backward_weight,
             Recompute: self._recompute,
             OverlappedBackward: self._overlapped_backward,
+            Offload: self._offload,
+            Reload: self._reload,
             ReduceGrads: self._reduce_grads,
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
@@ -235,6 +240,13 @@ class StageRuntime:
         self._graphs = Graphs(stage)
         #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
         self._recomputed = recomputed(program.stages[stage])
+        #: the (microbatch, chunk) whose forwards' saved tensors move to the host and back
+        #: ([Note: offloading in the runtime] in `backends.runtime.offload`)
+        self._offloaded = {
+            (op.microbatch, op.chunk) for op in program.stages[stage] if type(op) is Offload
+        }
+        self._copies = CopyLane()
+        self._device = device
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
         #: measured once])
         self._saved_bytes = SavedBytes()
@@ -280,6 +292,17 @@ class StageRuntime:
     def peak_activation_bytes(self) -> int:
         """The most `activation_bytes` ever was."""
         return self._graphs.peak
+
+    @property
+    def host_activation_bytes(self) -> int:
+        """Bytes of saved activations held on the host now (offloaded; `activation_bytes`
+        counts the device only)."""
+        return self._graphs.host_bytes
+
+    @property
+    def peak_host_activation_bytes(self) -> int:
+        """The most `host_activation_bytes` ever was."""
+        return self._graphs.peak_host
 
     @property
     def losses(self) -> dict[int, float]:
@@ -479,8 +502,10 @@ class StageRuntime:
 
         target = self._ports.target(i) if self._layout.is_last(k) else None
         key = signature(c, value, target, training=self.modules[c].training)
-        roots, num_bytes = self._saved_bytes.run(key, params.values(), forward)
-        graph = Graph(roots, leaves, list(params.values()), num_bytes)
+        saved = OffloadedSaved(params.values()) if record and (i, c) in self._offloaded else None
+        saving = (saved.pack, saved.unpack) if saved is not None else None
+        roots, num_bytes = self._saved_bytes.run(key, params.values(), forward, saving=saving)
+        graph = Graph(roots, leaves, list(params.values()), num_bytes, saved)
         return graph, (sent[0] if sent else None)
 
     def _apply(self, c: int, k: int, params, value: Any) -> Any:
@@ -545,6 +570,12 @@ class StageRuntime:
         """Run every instruction of `kind` on this stage through `fn` ([Note: custom handlers]
         in `backends.runtime.handlers`)."""
         self.handlers.register(kind, fn)
+
+    def _offload(self, op: Offload) -> None:
+        self._copies.offload(self._graphs.offloaded(op))
+
+    def _reload(self, op: Reload) -> None:
+        self._copies.reload(self._graphs.reloaded(op), self._device)
 
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graphs.graph(op)

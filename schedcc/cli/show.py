@@ -66,6 +66,12 @@ def register(subparsers) -> None:
         recompute_help="recompute every forward before its backward (compile(..., recompute=True))",
     )
     parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="offload every forward's activations to host memory that has a compute to overlap "
+        "(compile(..., offload=True)); price the copies with --costs O=...,L=...",
+    )
+    parser.add_argument(
         "--format",
         choices=("ascii", "png", "svg", "chrome"),
         default=None,
@@ -108,6 +114,7 @@ def run(args) -> int:
         zero=args.zero,
         forward_only=args.forward_only,
         recompute=args.recompute,
+        offload=args.offload,
     )
     costs = memory_flags.with_memory(args.costs, args.memory)
     timeline = simulate(program, costs, eager=args.eager)
@@ -145,4 +152,6 @@ def run(args) -> int:
     print(timeline.summary())
     if args.memory is not None:
         print(memory_flags.bytes_line(timeline.peak_bytes))
+        if any(timeline.peak_host_bytes):
+            print("on the host: " + memory_flags.bytes_line(timeline.peak_host_bytes))
     return 0

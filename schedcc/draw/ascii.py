@@ -5,7 +5,8 @@ the block shows its kind and microbatch (`F3`, `B3`), or just the microbatch or 
 when narrow. A block narrower than a column still marks that column when nothing wider is drawn
 there, so busy time never reads as idle. Idle time is `.`. On a terminal, blocks are coloured
 by kind (forward blue, backward green, input-grad cyan, weight-grad magenta, updates yellow),
-brighter on odd chunks.
+brighter on odd chunks. A stage with offloads gets a second row under it, its copy lane
+(`O3`, `L3`: [Note: offloading] in `schedcc.rules.offload`), which runs beside its computes.
 
     >>> import schedcc
     >>> timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule("gpipe")(2, 2)))
@@ -25,14 +26,17 @@ from schedcc.ir import (
     BackwardInput,
     BackwardWeight,
     Compute,
+    Copy,
     Forward,
     GatherParams,
     GradNorm,
+    Offload,
     OptimizerStep,
     OverlappedBackward,
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reload,
     Reshard,
     Unshard,
 )
@@ -54,6 +58,8 @@ _BACKGROUND = {
     Unshard: 43,
     Reshard: 43,
     GradNorm: 43,
+    Offload: 47,
+    Reload: 47,
 }
 _RESET = "\x1b[0m"
 
@@ -81,8 +87,13 @@ def render(timeline, *, width: int | None = None, color: bool | None = None) -> 
     scale = _scale(makespan, unit, width)
     columns = max(1, round(makespan * scale))
     rows = [[(".", None)] * columns for _ in range(timeline.num_stages)]
+    lanes: dict[int, list] = {}  # the copy lane of each stage with copies
     for stage, op, start, end in timeline.events:
         if type(op) not in _BACKGROUND or end <= start:
+            continue
+        if isinstance(op, Copy):
+            row = lanes.setdefault(stage, [(".", None)] * columns)
+            _draw(row, op, start * scale, end * scale, color)
             continue
         lo, hi = round(start * scale), round(end * scale)
         if hi <= lo:  # narrower than a column: shown only where nothing wider is
@@ -97,7 +108,18 @@ def render(timeline, *, width: int | None = None, color: bool | None = None) -> 
     lines = [_header(timeline, columns, scale)]
     for stage, row in enumerate(rows):
         lines.append(f"stage {stage}".ljust(label - 2) + " |" + _join(row, color) + "|")
+        if stage in lanes:
+            lines.append("  copy".ljust(label - 2) + " |" + _join(lanes[stage], color) + "|")
     return "\n".join(lines)
+
+
+def _draw(row: list, op, lo_at: float, hi_at: float, color: bool) -> None:
+    """One block of a copy lane, from column `lo_at` to `hi_at` (at least one column)."""
+    lo = min(int(lo_at + 0.5), len(row) - 1)
+    hi = min(max(int(hi_at + 0.5), lo + 1), len(row))
+    text = _block_text(op, hi - lo, color)
+    for col in range(lo, hi):
+        row[col] = (text[col - lo], _style(op))
 
 
 def _smallest_unit(timeline) -> float:

@@ -1,7 +1,8 @@
 """Chrome traces (Trace Event Format): open them in https://ui.perfetto.dev or chrome://tracing.
 
 One writer for simulated and measured timelines: `write_chrome_trace(events, path)` takes any
-iterable of `(stage, instruction, start, end)` and writes a track per stage (pid 0, tid = stage),
+iterable of `(stage, instruction, start, end)` and writes a track per stage (pid 0, tid = stage;
+a stage's copies, which overlap its computes, on a track of their own, "stage s copy"),
 a complete event ("X") per instruction named by its `str` with its microbatch and chunk in
 `args`, and, when given, flow arrows ("s"/"f") from each send to its receive.
 
@@ -21,7 +22,9 @@ from schedcc.ir import SENDS, Comm, Instruction
 
 __all__ = ["chrome_trace", "comm_flows", "save", "write_chrome_trace"]
 
-_CATEGORY = {"compute": "compute", "comm": "comm", "update": "update"}
+_CATEGORY = {"compute": "compute", "comm": "comm", "update": "update", "copy": "copy"}
+#: The copy lane of stage s is track `_COPY_TRACK + s`.
+_COPY_TRACK = 1_000_000
 
 EventLike = Sequence  # (stage, instruction, start, end)
 
@@ -47,27 +50,28 @@ def chrome_trace(
     ]
     stages: set[int] = set()
     for stage, op, start, end in events:
-        stages.add(stage)
+        tid = stage + _COPY_TRACK if op.group == "copy" else stage
+        stages.add(tid)
         out.append(
             {
                 "name": str(op),
                 "cat": _CATEGORY.get(op.group, "other"),
                 "ph": "X",
                 "pid": 0,
-                "tid": stage,
+                "tid": tid,
                 "ts": round(start * unit_us, 3),
                 "dur": round(max(0.0, end - start) * unit_us, 3),
                 "args": _args(op),
             }
         )
-    for stage in sorted(stages):
+    for stage in sorted(stages):  # a track: a stage, or a stage's copy lane
         out.append(
             {
                 "name": "thread_name",
                 "ph": "M",
                 "pid": 0,
                 "tid": stage,
-                "args": {"name": f"stage {stage}"},
+                "args": {"name": _track_name(stage)},
             }
         )
         out.append(
@@ -76,7 +80,7 @@ def chrome_trace(
                 "ph": "M",
                 "pid": 0,
                 "tid": stage,
-                "args": {"sort_index": stage},
+                "args": {"sort_index": stage},  # copy lanes after the stages
             }
         )
     for n, (send, recv) in enumerate(flows):
@@ -90,6 +94,12 @@ def chrome_trace(
     if metadata:
         trace["otherData"] = dict(metadata)
     return trace
+
+
+def _track_name(tid: int) -> str:
+    if tid >= _COPY_TRACK:
+        return f"stage {tid - _COPY_TRACK} copy"
+    return f"stage {tid}"
 
 
 def write_chrome_trace(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import islice
 
 from schedcc.errors import ScheduleCodeError, ScheduleConfigError, call_user_code, describe
-from schedcc.ir import COMM, COMPUTE, UPDATE
+from schedcc.ir import COMM, COMPUTE, COPY, UPDATE
 from schedcc.program import Program
 from schedcc.schedule import Schedule
 
@@ -124,4 +124,4 @@ def _is_index(value: object, bound: int) -> bool:
     return type(value) is int and 0 <= value < bound
 
 
-_CONCRETE = frozenset((*COMPUTE, *COMM, *UPDATE))
+_CONCRETE = frozenset((*COMPUTE, *COMM, *COPY, *UPDATE))

@@ -42,7 +42,8 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from schedcc.errors import DeadlockError, DependencyError, IncompleteScheduleError
-from schedcc.ir import COMM, Backward, Compute, Forward, Instruction, OverlappedBackward
+from schedcc.ir import COMM, Backward, Compute, Copy, Forward, Instruction, OverlappedBackward
+from schedcc.passes.insert_offload import attach_copies, detach_copies
 from schedcc.program import Program
 from schedcc.semantics import UNIT_COSTS, Tensors, wait_for_cycle
 
@@ -65,6 +66,12 @@ def insert_comm(program: Program) -> Program:
     """
     if any(not _COMM.isdisjoint(map(type, ops)) for ops in program.stages):
         return program
+    if any(isinstance(op, Copy) for ops in program.stages for op in ops):
+        # a schedule's own offloads and reloads keep their place among its computes
+        detached = [detach_copies(ops) for ops in program.stages]
+        lowered = insert_comm(program.evolve(stages=tuple(ops for ops, _ in detached)))
+        stages = zip(lowered.stages, (anchors for _, anchors in detached))
+        return lowered.evolve(stages=tuple(attach_copies(ops, at) for ops, at in stages))
     tensors = Tensors.of(program.schedule)
     plan = _Plan(program, tensors)
     start = _simulate(program, plan)

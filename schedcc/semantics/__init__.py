@@ -26,6 +26,7 @@ from schedcc.semantics.activations import (
     first_over,
     held_bytes,
     held_changes,
+    host_bytes,
     peak_activations,
     recomputed,
 )
@@ -51,7 +52,7 @@ from schedcc.semantics.tensors import (
     comm_route,
     decode,
 )
-from schedcc.semantics.units import Units, Walk, critical_units, wait_for_cycle, walk
+from schedcc.semantics.units import CopyLanes, Units, Walk, critical_units, wait_for_cycle, walk
 from schedcc.semantics.versions import (
     kept_versions,
     peak_live_versions,
@@ -67,6 +68,7 @@ __all__ = [
     "CommProblem",
     "CommUse",
     "ComputeUse",
+    "CopyLanes",
     "Layout",
     "Route",
     "RendezvousModel",
@@ -81,6 +83,7 @@ __all__ = [
     "first_over",
     "held_bytes",
     "held_changes",
+    "host_bytes",
     "kept_versions",
     "match_comm",
     "peak_activations",

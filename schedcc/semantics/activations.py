@@ -4,7 +4,10 @@ A microbatch's activation on a chunk is held from its `Forward` until its last b
 `Backward`, or `BackwardWeight` when the backward is split (after `BackwardInput` the weight
 gradient still needs what the forward saved). A forward whose stage also runs a `Recompute` of
 it keeps only its input, so that microbatch is held from its `Recompute` instead ([Note:
-recomputation] in docs/design.md). The validator's `max_activations` rule, the simulator's
+recomputation] in docs/design.md). An `Offload` moves a microbatch's activations to the host and
+its `Reload` brings them back: between the two they are held on the host, not the device
+([Note: offloading] in `schedcc.rules.offload`), and every count here is of the device. The
+validator's `max_activations` rule, the simulator's
 `peak_activations` and `schedcc.tune` all count with `held_changes`.
 """
 
@@ -17,8 +20,10 @@ from schedcc.ir import (
     BackwardWeight,
     Forward,
     Instruction,
+    Offload,
     OverlappedBackward,
     Recompute,
+    Reload,
 )
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "first_over",
     "held_bytes",
     "held_changes",
+    "host_bytes",
     "peak_activations",
     "recomputed",
 ]
@@ -38,6 +44,8 @@ HELD: dict[type, int] = {
     BackwardWeight: -1,
     OverlappedBackward: -1,
     Recompute: 1,
+    Offload: -1,
+    Reload: 1,
 }
 
 
@@ -127,7 +135,29 @@ def held_bytes(
         elif kind is Recompute:
             c = op.chunk  # type: ignore[attr-defined]
             held += per_chunk[c] - (inputs[c] if inputs is not None else 0.0)
-        elif issubclass(kind, (Backward, BackwardWeight)):  # `+B` is a Backward
+        elif issubclass(kind, (Backward, BackwardWeight)) or kind is Offload:  # `+B`: a Backward
+            held -= per_chunk[op.chunk]  # type: ignore[attr-defined]
+        elif kind is Reload:
+            held += per_chunk[op.chunk]  # type: ignore[attr-defined]
+        out.append(held)
+    return out
+
+
+def host_bytes(ops: Sequence[Instruction], per_chunk: Sequence[float]) -> list[float]:
+    """Per position of one stage's program, the activation bytes it holds on the host after it
+    runs (from each `Offload` to its `Reload`), when one microbatch's activations on chunk c take
+    `per_chunk[c]` bytes.
+
+    >>> from schedcc.ir import parse
+    >>> host_bytes([parse(op) for op in "F0 O0 F1 L0 B0 B1".split()], [10.0])
+    [0.0, 10.0, 10.0, 0.0, 0.0, 0.0]
+    """
+    held, out = 0.0, []
+    for op in ops:
+        kind = type(op)
+        if kind is Offload:
+            held += per_chunk[op.chunk]  # type: ignore[attr-defined]
+        elif kind is Reload:
             held -= per_chunk[op.chunk]  # type: ignore[attr-defined]
         out.append(held)
     return out

@@ -17,9 +17,11 @@ from itertools import accumulate
 
 import attrs
 
-from schedcc.ir import COMM, Instruction
+from schedcc.ir import COMM, Backward, BackwardInput, BackwardWeight, Copy, Instruction, Reload
 
-__all__ = ["Links", "Units", "Walk", "critical_units", "links_of", "wait_for_cycle", "walk"]
+__all__ = [
+    "CopyLanes", "Links", "Units", "Walk", "critical_units", "links_of", "wait_for_cycle", "walk"
+]
 
 #: `links[s][j]`: for a comm group, the flat indices of its partner groups; None otherwise.
 Links = tuple[tuple[tuple[int, ...] | None, ...], ...]
@@ -70,6 +72,49 @@ class Units:
             is_group.append(tuple(groups))
             unit_at.append(tuple(at))
         return cls(tuple(bounds), tuple(is_group), tuple(unit_at))
+
+
+@attrs.frozen(slots=True)
+class CopyLanes:
+    """Each stage's copy lane ([Note: offloading] in `schedcc.rules.offload`): `copies[s]` are
+    the units that run on it (`Offload`, `Reload`), and `waits[s][j]` is the `Reload` unit
+    that unit j, a backward piece, waits for.
+
+    >>> from schedcc.ir import parse
+    >>> ops = [parse(op) for op in "F0 O0 F1 L0 B0 B1".split()]
+    >>> lanes = CopyLanes.of([ops], Units.of([ops]))
+    >>> sorted(lanes.copies[0]), lanes.waits[0]
+    ([1, 3], {4: 3})
+    """
+
+    copies: tuple[frozenset[int], ...]
+    waits: tuple[dict[int, int], ...]
+
+    @classmethod
+    def of(cls, stages: Sequence[Sequence[Instruction]], units: Units) -> CopyLanes | None:
+        """The lanes of `stages`, or None when no stage has a copy."""
+        copies, waits = [], []
+        for ops, unit_at in zip(stages, units.unit_at):
+            on_lane: set[int] = set()
+            wait: dict[int, int] = {}
+            reloaded: dict[tuple[int, int], int] = {}
+            for pos, op in enumerate(ops):
+                if isinstance(op, Copy):
+                    on_lane.add(unit_at[pos])
+                    if type(op) is Reload:
+                        reloaded[op.microbatch, op.chunk] = unit_at[pos]
+                elif isinstance(op, _BACKWARD) and reloaded:
+                    at = reloaded.get((op.microbatch, op.chunk))
+                    if at is not None:
+                        wait[unit_at[pos]] = at
+            copies.append(frozenset(on_lane))
+            waits.append(wait)
+        if not any(copies):
+            return None
+        return cls(tuple(copies), tuple(waits))
+
+
+_BACKWARD = (Backward, BackwardInput, BackwardWeight)  # `+B` is a Backward
 
 
 def wait_for_cycle(waits_for: Mapping[int, int]) -> list[int]:
@@ -138,13 +183,16 @@ def walk(
     durations: Sequence[Sequence[float]] | None = None,
     *,
     links: Links | None = None,
+    lanes: CopyLanes | None = None,
 ) -> Walk:
     """Visit every unit in a topological order of the rendezvous model, timing it.
 
     `partner[s][pos]` is the matched op of each comm op (`schedcc.semantics.match_comm`);
     `durations[s][j]` is unit j's run time (a compute or update) or comm cost (a group) on stage
-    s (all 0 if omitted); `links` is `links_of(units, partner)` if the caller keeps it. Linear in
-    the number of instructions.
+    s (all 0 if omitted); `links` is `links_of(units, partner)` if the caller keeps it. With
+    `lanes`, a copy unit runs on its stage's copy lane (after the stage reached it and the
+    lane's previous copy ended; the stage goes on at once) and a backward piece starts no
+    earlier than its reload ends. Linear in the number of instructions.
 
     >>> import schedcc
     >>> from schedcc.semantics import Tensors, match_comm
@@ -165,6 +213,8 @@ def walk(
     blocked: dict[int, int] = {}  # stage -> the flat index it waits for
     pending, queued = list(range(num_stages)), [True] * num_stages
     zero = [0.0] * max((len(b) for b in units.bounds), default=0)
+    lane_free = [0.0] * num_stages  # when each stage's copy lane is next free
+    none: frozenset[int] = frozenset()
     while pending:
         s = pending.pop()
         queued[s] = False
@@ -172,9 +222,17 @@ def walk(
         links_s, base = links[s], offset[s]
         cost = durations[s] if durations is not None else zero
         now, j, n = clock[s], cursor[s], len(links_s)
+        copies, waits = (lanes.copies[s], lanes.waits[s]) if lanes is not None else (none, {})
         while j < n:
             peers, q = links_s[j], base + j
-            if peers is None:  # a compute or update
+            if peers is None:  # a compute, update or copy
+                if j in copies:  # on the copy lane: the stage goes on
+                    start[q] = max(now, lane_free[s])
+                    end[q] = lane_free[s] = start[q] + cost[j]
+                    j += 1
+                    continue
+                if waits and j in waits:
+                    now = max(now, end[base + waits[j]])
                 start[q] = now
                 now += cost[j]
                 end[q] = now
