@@ -58,16 +58,32 @@ def batch_size(value: Any, name: str, where: str) -> int | None:
 
 
 def split_pair(
-    inputs: Any, targets: Any, m: int, *, where: str, need_inputs: bool = True
+    inputs: Any,
+    targets: Any,
+    m: int,
+    *,
+    where: str,
+    need_inputs: bool = True,
+    parts: int = 1,
+    seq_dim: int = 1,
 ) -> tuple[list[Any], list[Any]]:
     """The `m` microbatches of `inputs` and of `targets` (`where` starts every message, e.g.
-    "batch 0 (replica 1)").
+    "batch 0 (replica 1)"). With `parts > 1` they are sequence parts ([Note: sequence parts] in
+    `schedcc.rules.parts`): the batch is split into `m / parts` along dim 0 and each of those into
+    `parts` along `seq_dim`, in that order.
 
     Raises:
         ScheduleConfigError: inputs without a tensor (when `need_inputs`), targets with another
-            batch size than the inputs, a batch size that `m` does not divide, or a tensor
-            whose dim 0 differs from its value's batch size (named by its path).
+            batch size than the inputs, a batch size that `m / parts` does not divide, a tensor
+            whose dim 0 differs from its value's batch size (named by its path), or one whose
+            `seq_dim` `parts` does not divide.
     """
+    if parts > 1:
+        xs, ys = split_pair(inputs, targets, m // parts, where=where, need_inputs=need_inputs)
+        return (
+            _parts(xs, parts, seq_dim, "inputs", where),
+            _parts(ys, parts, seq_dim, "targets", where),
+        )
     size = batch_size(inputs, "inputs", where)
     if size is None and need_inputs:
         raise ScheduleConfigError(
@@ -90,6 +106,25 @@ def split_pair(
         return split(inputs, m, name="inputs"), split(targets, m, name="targets")
     except ScheduleConfigError as exc:
         raise ScheduleConfigError(f"{where}: {exc}") from None
+
+
+def _parts(values: list[Any], parts: int, seq_dim: int, name: str, where: str) -> list[Any]:
+    """Each of `values` cut into `parts` equal pieces along `seq_dim` of every tensor, in order
+    (constants repeated); the pieces are views."""
+    out = []
+    for value in values:
+        tensors, spec = flatten(value, name=name)
+        pieces = []
+        for tensor in tensors:
+            if not -tensor.dim() <= seq_dim < tensor.dim() or tensor.shape[seq_dim] % parts:
+                raise ScheduleConfigError(
+                    f"{where}: {name} holds a tensor of shape {tuple(tensor.shape)}, which does "
+                    f"not split into {parts} equal sequence parts along seq_dim={seq_dim}; make "
+                    f"that dim a multiple of {parts}, or choose seq_dim= of the schedule"
+                )
+            pieces.append(tensor.chunk(parts, dim=seq_dim))
+        out.extend(unflatten([p[j] for p in pieces], spec) for j in range(parts))
+    return out
 
 
 def local_batches(batch: Any, index: int, data_parallel: int) -> list[tuple[Any, Any]]:

@@ -90,6 +90,11 @@ def compile(
         raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
     groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
     policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
+    if policy is not None and schedule.num_parts > 1:
+        raise ScheduleConfigError(
+            f"{schedule!r} splits microbatches into sequence parts, whose forwards hand their "
+            "carry on (see [Note: sequence parts]); compile it without recompute="
+        )
     if zero == 3:
         _check_zero3(schedule)
     with paused_gc():

@@ -295,6 +295,7 @@ def _meta(timeline: Timeline) -> dict:
         "num_microbatches": schedule.num_microbatches,
         "num_chunks": schedule.num_chunks,
         "num_batches": schedule.num_batches,
+        "num_parts": schedule.num_parts,
         "makespan": timeline.makespan,
         "bubble_fraction": timeline.bubble_fraction,
     }

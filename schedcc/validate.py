@@ -22,6 +22,7 @@ from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
 from schedcc.rules.norm import check_norm
 from schedcc.rules.overlap import check_overlaps
+from schedcc.rules.parts import check_parts
 from schedcc.rules.recompute import check_recompute
 from schedcc.rules.sharding import check_sharding
 from schedcc.rules.tied import check_tied
@@ -41,6 +42,7 @@ RULES: tuple[Rule, ...] = (
     check_replicas,
     check_complete,
     check_dependencies,
+    check_parts,
     check_recompute,
     check_overlaps,
     check_step_order,

@@ -26,7 +26,7 @@ class Graph:
     (`roots`; the scaled loss on the last segment), the input's grad-requiring leaves, the
     parameter tensors it ran with, and once `BackwardInput` ran, the roots' gradients."""
 
-    __slots__ = ("grads", "leaves", "num_bytes", "params", "roots")
+    __slots__ = ("carried", "grads", "leaves", "num_bytes", "params", "roots")
 
     def __init__(
         self,
@@ -40,6 +40,9 @@ class Graph:
         self.params = params
         self.num_bytes = num_bytes
         self.grads: list | None = None
+        #: how many of `roots` and of `leaves`, the last ones, are a sequence part's carry
+        #: (`backends.runtime.carries`)
+        self.carried = (0, 0)
 
 
 class Graphs:

@@ -1,0 +1,235 @@
+"""Sequence parts: microbatches split along the sequence, whose forwards hand a carry on.
+
+Seq1F1B with k = 2 and 4 parts trains a causal-attention GPT (its attention's keys and values
+are the carry) to the numbers of non-pipelined training of the unsplit sequence, on the local
+engine and on gloo; an order that runs a part's forward before its predecessor's, or its
+backward before its successor's, is a `ScheduleError` naming the carry; and mutated programs are
+refused or train exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _seq_models import gpt_segments, sgd, token_batches, token_loss, train_whole
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_mutation import accepted, mutate, mutations
+
+import schedcc
+from schedcc import Backward, Forward, Schedule
+from schedcc.backends.local import Engine as LocalEngine
+from schedcc.backends.run.launch import spawn
+from schedcc.errors import (
+    DependencyError,
+    ScheduleConfigError,
+    ScheduleError,
+)
+from schedcc.schedules.one_f_one_b import OneFOneB
+from schedcc.schedules.seq1f1b import Seq1F1B
+
+TOLERANCE = 1e-10
+
+
+def _train_local(program, batches) -> tuple[list[float], list[torch.nn.Module]]:
+    segments = gpt_segments(program.schedule.num_segments, seed=3)
+    losses = list(LocalEngine(program, segments, token_loss, sgd).train(batches))
+    return losses, segments
+
+
+def _assert_trains_whole(program, batches) -> None:
+    """The local engine on `program` equals non-pipelined training of the unsplit sequences."""
+    losses, segments = _train_local(program, batches)
+    oracle = gpt_segments(program.schedule.num_segments, seed=3)
+    expected = train_whole(oracle, batches)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < TOLERANCE, (losses, expected)
+    for got, want in zip(segments, oracle):
+        for a, b in zip(got.parameters(), want.parameters()):
+            assert torch.allclose(a, b, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "parts", "num_batches"),
+    [(2, 4, 2, 1), (2, 8, 4, 1), (3, 4, 2, 2), (4, 8, 4, 1)],
+)
+def test_seq1f1b_trains_a_causal_gpt_as_the_unsplit_sequence(p, m, parts, num_batches):
+    """Seq1F1B over k parts equals training the whole sequences, losses and weights (1e-10)."""
+    program = schedcc.compile(Seq1F1B(p, m, num_parts=parts, num_batches=num_batches))
+    batches = token_batches(2 * num_batches, 2 * m // parts, seed=p + parts)
+    _assert_trains_whole(program, batches)
+
+
+def test_a_batch_splits_along_the_sequence_dim_of_the_schedule():
+    """`seq_dim` picks the dim the parts cut: the same tokens laid out `(batch, 1, seq)` with
+    `seq_dim=2` train to the numbers of the whole sequences."""
+
+    class Squeezed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, carry=None):
+            return self.inner(x[:, 0], carry)
+
+    program = schedcc.compile(Seq1F1B(2, 4, num_parts=2, seq_dim=2))
+    batches = token_batches(2, 4, seed=5)
+    laid_out = [(x.unsqueeze(1), y.unsqueeze(1)) for x, y in batches]
+    segments = gpt_segments(2, seed=3)
+    wrapped = [Squeezed(segments[0]), segments[1]]
+
+    def loss(output, target):
+        return token_loss(output, target[:, 0])
+
+    losses = list(LocalEngine(program, wrapped, loss, sgd).train(laid_out))
+    expected = train_whole(gpt_segments(2, seed=3), batches)
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < TOLERANCE
+
+
+def test_plain_1f1b_over_the_parts_is_refused_naming_the_carry():
+    """1F1B over the same parts runs part 0's backward before part 1's: a DependencyError that
+    names the carry's gradient (it would train wrong gradients)."""
+    with pytest.raises(DependencyError, match="gradient of its carry") as caught:
+        schedcc.compile(OneFOneB(2, 4, num_parts=2))
+    assert "B1" in str(caught.value)
+    assert "reverse" in str(caught.value)
+
+
+class _ForwardsOutOfOrder(Schedule):
+    """Part 1's forward before part 0's on every stage."""
+
+    name = "forwards-out-of-order"
+
+    def steps(self, stage):
+        yield from (Forward(1), Forward(0), Backward(1), Backward(0))
+
+
+def test_a_part_forwarded_before_its_predecessor_is_refused_naming_the_carry():
+    """F1 (part 1) before F0 (part 0) is a DependencyError naming the carry F1 consumes."""
+    with pytest.raises(DependencyError, match="consumes the carry") as caught:
+        schedcc.compile(_ForwardsOutOfOrder(2, 2, num_parts=2))
+    assert "run F0 before it" in str(caught.value)
+
+
+def test_the_same_order_without_parts_is_accepted():
+    """The refusals come from the parts: the orders compile with num_parts=1 (the control)."""
+    schedcc.compile(OneFOneB(2, 4))
+    schedcc.compile(_ForwardsOutOfOrder(2, 2))
+
+
+def test_parts_refuse_a_shape_recomputation_and_a_batch_they_cannot_split():
+    """num_parts must divide m, recomputation is refused, a sequence dim the parts do not divide
+    and a segment that does not return (output, carry) are typed errors naming the fix."""
+    with pytest.raises(ScheduleConfigError, match="must divide num_microbatches"):
+        Seq1F1B(2, 3, num_parts=2)
+    with pytest.raises(ScheduleConfigError, match="without recompute"):
+        schedcc.compile(Seq1F1B(2, 4), recompute=True)
+    program = schedcc.compile(Seq1F1B(2, 4, num_parts=4))
+    odd = [(x[:, :6], y[:, :6]) for x, y in token_batches(1, 2)]  # 6 tokens, 4 parts
+    engine = LocalEngine(program, gpt_segments(2), token_loss, sgd)
+    with pytest.raises(ScheduleConfigError, match="sequence parts along seq_dim=1"):
+        list(engine.train(odd))
+
+    class Plain(torch.nn.Module):
+        def forward(self, x, carry=None):
+            return x.double()
+
+    engine = LocalEngine(schedcc.compile(Seq1F1B(1, 2)), [Plain()], token_loss, sgd)
+    with pytest.raises(ScheduleConfigError, match=r"needs \(output, carry\) back"):
+        list(engine.train(token_batches(1, 1)))
+
+
+def test_seq1f1b_evaluates_as_the_unsplit_sequence():
+    """A forward-only run hands the carry on too: `evaluate` equals the whole sequence's loss."""
+    program = schedcc.compile(Seq1F1B(2, 4, num_parts=2))
+    segments = gpt_segments(2, seed=4)
+    inputs, targets = token_batches(1, 4, seed=9)[0]
+    got = LocalEngine(program, segments, token_loss, sgd).evaluate(inputs, targets)
+    x = inputs
+    with torch.no_grad():
+        for segment in gpt_segments(2, seed=4):
+            x, _ = segment(x)
+        want = token_loss(x, targets).item()
+    assert abs(got - want) < TOLERANCE
+
+
+def test_seq1f1b_beats_1f1b_over_the_same_data_in_simulation():
+    """Simulated over the same data (m/k microbatches of whole sequences for 1F1B, m parts of
+    half the cost for Seq1F1B at k = 2): Seq1F1B's makespan is shorter and stage 0's peak
+    activations, counted in whole microbatches, lower."""
+    p, m, k = 4, 8, 2
+    seq = schedcc.simulate(
+        schedcc.compile(Seq1F1B(p, m, num_parts=k)), schedcc.CostModel(forward=0.5, backward=1)
+    )
+    plain = schedcc.simulate(schedcc.compile(OneFOneB(p, m // k)))
+    assert seq.makespan < plain.makespan
+    assert max(seq.peak_activations) / k < max(plain.peak_activations)  # a part is 1/k of one
+
+
+# -- hypothesis: mutated programs ----------------------------------------------------------------
+
+
+@given(st.integers(1, 3), st.sampled_from([2, 3]), st.integers(1, 2), mutations())
+def test_a_mutated_seq1f1b_program_is_rejected_or_trains_exactly(p, parts, groups, edits):
+    """A mutated Seq1F1B program raises a ScheduleError, or trains the whole sequences exactly."""
+    program = schedcc.compile(Seq1F1B(p, parts * groups, num_parts=parts))
+    mutated = program.evolve(stages=mutate(program.stages, edits, 1))
+    if accepted(mutated):
+        _assert_trains_whole(mutated, token_batches(2, 2 * groups, seed=parts))
+
+
+@settings(max_examples=max(10, settings().max_examples // 2))
+@given(st.integers(1, 3), st.sampled_from([2, 4]), st.permutations(range(4)))
+def test_any_compute_order_of_the_parts_is_rejected_or_trains_exactly(p, parts, order):
+    """A schedule yielding the parts' forwards and backwards in any order (the same on every
+    stage) either fails to compile with a ScheduleError or trains exactly."""
+    m = 4
+    forwards, backwards = [Forward(i) for i in order], [Backward(i) for i in reversed(order)]
+
+    class Any(Schedule):
+        name = "any-order"
+
+        def steps(self, stage):
+            yield from forwards
+            yield from backwards
+
+    try:
+        program = schedcc.compile(Any(p, m, num_parts=parts))
+    except ScheduleError:
+        assert order != sorted(order)  # the parts' own order always compiles
+        return
+    _assert_trains_whole(program, token_batches(2, 2 * m // parts, seed=p))
+
+
+# -- gloo ----------------------------------------------------------------------------------------
+
+
+def _gloo_worker(rank: int, world_size: int) -> int:
+    from test_distributed import _init
+
+    from schedcc.backends.distributed.engine import Engine
+
+    _init(rank, world_size)
+    for m, parts in ((4, 2), (8, 4)):
+        program = schedcc.compile(Seq1F1B(2, m, num_parts=parts))
+        batches = token_batches(2, 2 * m // parts, seed=parts)
+        segments = gpt_segments(2, seed=3)
+        engine = Engine(program, segments, token_loss, sgd, timeout=60)
+        losses = list(engine.train(batches))
+        oracle = gpt_segments(2, seed=3)
+        expected = train_whole(copy.deepcopy(oracle), batches)
+        assert max(abs(a - b) for a, b in zip(losses, expected)) < TOLERANCE, (losses, expected)
+        local, _ = _train_local(program, batches)
+        assert max(abs(a - b) for a, b in zip(losses, local)) < 1e-12, (losses, local)
+        trained = gpt_segments(2, seed=3)
+        train_whole(trained, batches)
+        for a, b in zip(segments[rank].parameters(), trained[rank].parameters()):
+            assert torch.allclose(a, b, rtol=0, atol=TOLERANCE), (rank, m, parts)
+    return 0
+
+
+def test_seq1f1b_on_two_gloo_ranks_equals_the_unsplit_sequence():
+    """Seq1F1B with 2 and 4 parts on 2 gloo ranks equals the local engine (1e-12) and the whole
+    sequences' training (1e-10), losses and each rank's weights."""
+    assert spawn(_gloo_worker, 2, grace=90, threads=1) == 0
