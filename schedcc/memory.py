@@ -134,6 +134,19 @@ def _sizes(value: object) -> float | tuple[float, ...] | None:
     )
 
 
+def _part_sizes(value: object) -> tuple[tuple[float, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        rows = tuple(_sizes(row) for row in value)
+        if rows and all(isinstance(row, tuple) and row for row in rows):
+            return rows  # type: ignore[return-value]
+    raise ScheduleConfigError(
+        f"MemoryModel: part_activations is one tuple of sizes per segment (one per sequence "
+        f"part); got {value!r}"
+    )
+
+
 def _checked(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ScheduleConfigError(f"MemoryModel: expected a number of bytes, got {value!r}")
@@ -242,6 +255,10 @@ class MemoryModel:
         inputs: one microbatch's input of a segment (what a recomputed forward keeps until
             its `Recompute`).
         gradients: a segment's gradients (None: the same as `parameters`).
+        part_activations: with sequence parts ([Note: sequence parts] in
+            `schedcc.rules.parts`), what each part's forward of a segment saves, one tuple of
+            `k` sizes per segment (part j's includes what it saves of the carry it took), in
+            place of `activations`; None: every part saves `activations`.
 
     Each is one size for every segment, or a list with one per segment (model order, length
     `p * v`); a size is a number of bytes or a string with a unit ("64MiB").
@@ -255,6 +272,14 @@ class MemoryModel:
     optimizer: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
     inputs: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
     gradients: float | tuple[float, ...] | None = attrs.field(default=None, converter=_sizes)
+    part_activations: tuple[tuple[float, ...], ...] | None = attrs.field(
+        default=None, converter=lambda value: _part_sizes(value)
+    )
+
+    def part_sizes(self, segment: int) -> tuple[float, ...] | None:
+        """What each sequence part's forward of `segment` saves, or None (see the Args)."""
+        parts = self.part_activations
+        return None if parts is None else parts[segment % len(parts)]
 
     def at(self, field: str, segment: int) -> float:
         """The bytes of `field` ("activations", "parameters", "optimizer", "inputs",
@@ -278,6 +303,12 @@ class MemoryModel:
                     f"MemoryModel.{field} has {len(value)} sizes but the program has "
                     f"{num_segments} segments (p * v): give one per segment, or one for all"
                 )
+        parts = self.part_activations
+        if parts is not None and len(parts) not in allowed:
+            raise ScheduleConfigError(
+                f"MemoryModel.part_activations has {len(parts)} segments' sizes but the program "
+                f"has {num_segments} segments (p * v): give one tuple of part sizes per segment"
+            )
 
     def scaled(self, factor: float) -> MemoryModel:
         """Every size times `factor` (`schedcc.tune`: a chunk of a stage cut in v is 1/v)."""
@@ -293,6 +324,9 @@ class MemoryModel:
             optimizer=times(self.optimizer),
             inputs=times(self.inputs),
             gradients=times(self.gradients),
+            part_activations=None
+            if self.part_activations is None
+            else tuple(times(parts) for parts in self.part_activations),
         )
 
 
@@ -314,6 +348,20 @@ def chunk_sizes(program, memory: MemoryModel, stage: int, field: str) -> list[fl
     """`field`'s bytes of each chunk's segment on `stage`, by chunk."""
     schedule = program.schedule
     return [memory.at(field, schedule.segment_of(stage, c)) for c in range(schedule.num_chunks)]
+
+
+def chunk_part_sizes(program, memory: MemoryModel, stage: int) -> list | None:
+    """`MemoryModel.part_sizes` of each chunk's segment on `stage`, by chunk (None: none)."""
+    schedule = program.schedule
+    if memory.part_activations is None or schedule.num_parts == 1:
+        return None
+    sizes = [memory.part_sizes(schedule.segment_of(stage, c)) for c in range(schedule.num_chunks)]
+    if any(len(row) != schedule.num_parts for row in sizes):
+        raise ScheduleConfigError(
+            f"MemoryModel.part_activations gives {sorted({len(row) for row in sizes})} part "
+            f"sizes per segment but {schedule!r} has {schedule.num_parts} parts: give one per part"
+        )
+    return sizes
 
 
 def held_stash_bytes(
@@ -375,7 +423,8 @@ def stage_held(
     else:
         sizes = chunk_sizes(program, memory, stage, "activations")
         inputs = chunk_sizes(program, memory, stage, "inputs")
-        activations = held_bytes(ops, sizes, inputs)
+        parts = chunk_part_sizes(program, memory, stage)
+        activations = held_bytes(ops, sizes, inputs, parts)
         grads = chunk_sizes(program, memory, stage, "gradients")
         gradients = held_gradient_bytes(ops, grads, zero=zero, data_parallel=dp)
     start, parameters = held_parameter_bytes(ops, params, zero=zero, data_parallel=dp)

@@ -31,7 +31,7 @@ from schedcc._gc import paused_gc
 from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
-from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, stage_held
+from schedcc.memory import MemoryModel, StageBytes, chunk_part_sizes, chunk_sizes, stage_held
 from schedcc.program import Program
 from schedcc.semantics import (
     Steps,
@@ -167,7 +167,8 @@ class Timeline:
         for s, ops in enumerate(self.program.stages):
             sizes = chunk_sizes(self.program, memory, s, "activations")
             inputs = chunk_sizes(self.program, memory, s, "inputs")
-            peaks.append(max(held_bytes(ops, sizes, inputs), default=0.0))
+            parts = chunk_part_sizes(self.program, memory, s)
+            peaks.append(max(held_bytes(ops, sizes, inputs, parts), default=0.0))
         return tuple(peaks)
 
     @cached_property

@@ -273,6 +273,8 @@ class _Tuner:
             return Skipped(name, m, v, str(exc))
         if self.zero == 3 and schedule.weight_delay:
             return Skipped(name, m, v, "zero=3 keeps no whole stashed weights (weight delay)")
+        if recompute and schedule.num_parts > 1:
+            return Skipped(name, m, v, "sequence parts hand their carry on: no recomputation")
         if v > 1 and not self._uses_chunks.setdefault(cls, uses_chunks(cls)):
             reason = f"{cls.__name__} uses one chunk per stage (nothing on chunk 1 given two)"
             return Skipped(name, m, v, reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import attrs
 import pytest
 import torch
 from _seq_models import gpt_segments, sgd, token_batches, token_loss, train_whole
@@ -22,6 +23,7 @@ import schedcc
 from schedcc import Backward, Forward, Schedule
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run.launch import spawn
+from schedcc.backends.runtime.memory import measure_memory
 from schedcc.errors import (
     DependencyError,
     ScheduleConfigError,
@@ -165,6 +167,34 @@ def test_seq1f1b_beats_1f1b_over_the_same_data_in_simulation():
     plain = schedcc.simulate(schedcc.compile(OneFOneB(p, m // k)))
     assert seq.makespan < plain.makespan
     assert max(seq.peak_activations) / k < max(plain.peak_activations)  # a part is 1/k of one
+
+
+@pytest.mark.parametrize(("p", "m", "parts"), [(2, 4, 2), (2, 8, 4), (3, 4, 2)])
+def test_measured_activation_bytes_equal_the_bytes_model_part_by_part(p, m, parts):
+    """With a memory model measured part by part (a later part saves more: the carry it
+    attends over), the simulator's peak activation bytes per stage are what the local engine
+    measures; every part's count differs from the first part's, so equal sizes would not do."""
+    program = schedcc.compile(Seq1F1B(p, m, num_parts=parts))
+    batches = token_batches(1, 2 * m // parts, seed=2)
+    x, y = batches[0]
+    memory = measure_memory(gpt_segments(p), x[:2], y[:2], token_loss, num_parts=parts)
+    assert all(len(set(row)) == parts for row in memory.part_activations)
+    engine = LocalEngine(program, gpt_segments(p), token_loss, sgd)
+    list(engine.train(batches))
+    timeline = schedcc.simulate(program, schedcc.CostModel(memory=memory))
+    assert list(timeline.peak_activation_bytes) == engine.peak_activation_bytes
+    uniform = schedcc.simulate(
+        program, schedcc.CostModel(memory=attrs.evolve(memory, part_activations=None))
+    )
+    assert list(uniform.peak_activation_bytes) != engine.peak_activation_bytes
+
+
+def test_part_sizes_must_match_the_parts():
+    """A memory model with part sizes for another number of parts is a ScheduleConfigError."""
+    program = schedcc.compile(Seq1F1B(2, 4, num_parts=2))
+    memory = schedcc.MemoryModel(activations=1, part_activations=[(1, 2, 3), (1, 2, 3)])
+    with pytest.raises(ScheduleConfigError, match="has 2 parts: give one per part"):
+        tuple(schedcc.simulate(program, schedcc.CostModel(memory=memory)).peak_activation_bytes)
 
 
 # -- hypothesis: mutated programs ----------------------------------------------------------------

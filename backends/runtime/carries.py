@@ -17,7 +17,8 @@ part's carry is dropped.
     ...     return seen.sum() * x, seen
     >>> carries = Carries(stage=0, num_parts=2)
     >>> value, leaves = carries.take(0, 0)
-    >>> out, carry = call_part(segment, torch.ones(2), value, where="segment 0")
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> out, carry = call_part(segment, x, value, where="segment 0")
     >>> roots = carries.hand_on(0, 0, 0, carry)
     >>> value, leaves = carries.take(1, 0)
     >>> value.shape, len(leaves)
