@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from schedcc.backends.batches import local_batches, split_pair
+from schedcc.backends.runtime.carries import call_part
 from schedcc.backends.runtime.losses import MEAN, PARTS, RATIO, interpret, up_front_count
 from schedcc.backends.runtime.values import call, concat
 from schedcc.program import Program
@@ -51,16 +52,22 @@ __all__ = [
 
 
 class Chain(nn.Module):
-    """The segments as one model: each called on what the previous returned."""
+    """The segments as one model: each called on what the previous returned (`carries`: on the
+    whole sequence as on a first sequence part, `segment(x, None)`, keeping the output of the
+    `(output, carry)` it returns: [Note: the parts' calling convention])."""
 
-    def __init__(self, segments: Sequence[nn.Module]) -> None:
+    def __init__(self, segments: Sequence[nn.Module], *, carries: bool = False) -> None:
         super().__init__()
         self.segments = nn.ModuleList(segments)
+        self.carries = carries
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         value: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
-        for segment in self.segments:
-            value = call(segment, value)
+        for k, segment in enumerate(self.segments):
+            if self.carries:
+                value = call_part(segment, value, None, where=f"segment {k}")[0]
+            else:
+                value = call(segment, value)
         return value
 
 
@@ -161,6 +168,7 @@ def train_reference(
     num_microbatches: int = 1,
     objectives: list[str] | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    carries: bool = False,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -182,8 +190,10 @@ def train_reference(
         objectives: if given, each batch's objective (`OBJECTIVES`, `UP_FRONT`) is appended.
         lr_scheduler: `lr_scheduler(optimizer)`, stepped after every step taken (not a skipped
             one).
+        carries: the segments take sequence parts (`Chain`); the reference runs each whole
+            sequence as one part, so give `num_microbatches` the microbatches of the data.
     """
-    model = Chain(segments)
+    model = Chain(segments, carries=carries)
     opt = optimizer(model.parameters())
     scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     names = [name for name, _ in model.named_parameters()]
@@ -305,8 +315,9 @@ def assert_matches_reference(
         weight_delay=schedule.weight_delay,
         batches_per_run=schedule.num_batches,
         max_grad_norm=max_grad_norm,
-        num_microbatches=schedule.num_microbatches,
+        num_microbatches=schedule.num_microbatches // schedule.num_parts,  # whole sequences
         lr_scheduler=lr_scheduler,
+        carries=schedule.num_parts > 1,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):

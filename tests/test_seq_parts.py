@@ -31,6 +31,7 @@ from schedcc.errors import (
 )
 from schedcc.schedules.one_f_one_b import OneFOneB
 from schedcc.schedules.seq1f1b import Seq1F1B
+from schedcc.testing import check_schedule
 
 TOLERANCE = 1e-10
 
@@ -61,6 +62,12 @@ def test_seq1f1b_trains_a_causal_gpt_as_the_unsplit_sequence(p, m, parts, num_ba
     program = schedcc.compile(Seq1F1B(p, m, num_parts=parts, num_batches=num_batches))
     batches = token_batches(2 * num_batches, 2 * m // parts, seed=p + parts)
     _assert_trains_whole(program, batches)
+
+
+def test_check_schedule_trains_seq1f1b_exactly_over_many_shapes():
+    """`schedcc.testing.check_schedule(numerics=True)` proves, simulates and trains Seq1F1B
+    (segments whose carry is a running sum) against the reference on the whole sequences."""
+    check_schedule(Seq1F1B, numerics=True, max_examples=10)
 
 
 def test_a_batch_splits_along_the_sequence_dim_of_the_schedule():
