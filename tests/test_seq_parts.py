@@ -24,6 +24,7 @@ from schedcc import Backward, Forward, Schedule
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run.launch import spawn
 from schedcc.backends.runtime.memory import measure_memory
+from schedcc.cli import main
 from schedcc.errors import (
     DependencyError,
     ScheduleConfigError,
@@ -68,6 +69,17 @@ def test_check_schedule_trains_seq1f1b_exactly_over_many_shapes():
     """`schedcc.testing.check_schedule(numerics=True)` proves, simulates and trains Seq1F1B
     (segments whose carry is a running sum) against the reference on the whole sequences."""
     check_schedule(Seq1F1B, numerics=True, max_examples=10)
+
+
+def test_schedcc_show_draws_the_parts_and_refuses_1f1b_over_them(capsys):
+    """`schedcc show -k K` draws each block with its part; 1F1B over parts is one error line
+    naming the carry and exit status 2."""
+    assert main(["show", "--schedule", "seq1f1b", "-p", "2", "-m", "8", "-k", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "k=4 parts" in out
+    assert "B3p3" in out
+    assert main(["show", "--schedule", "1f1b", "-p", "2", "-m", "4", "-k", "2"]) == 2
+    assert "gradient of its carry" in capsys.readouterr().err
 
 
 def test_a_batch_splits_along_the_sequence_dim_of_the_schedule():
