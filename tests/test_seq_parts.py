@@ -9,8 +9,6 @@ refused or train exactly.
 
 from __future__ import annotations
 
-import copy
-
 import attrs
 import pytest
 import torch
@@ -269,25 +267,26 @@ def _gloo_worker(rank: int, world_size: int) -> int:
     from schedcc.backends.distributed.engine import Engine
 
     _init(rank, world_size)
-    for m, parts in ((4, 2), (8, 4)):
+    for m, parts, p2p in ((4, 2, "shm"), (4, 2, "gloo"), (4, 2, "nccl"), (8, 4, "shm")):
         program = schedcc.compile(Seq1F1B(2, m, num_parts=parts))
         batches = token_batches(2, 2 * m // parts, seed=parts)
         segments = gpt_segments(2, seed=3)
-        engine = Engine(program, segments, token_loss, sgd, timeout=60)
+        engine = Engine(program, segments, token_loss, sgd, timeout=60, p2p=p2p)
         losses = list(engine.train(batches))
         oracle = gpt_segments(2, seed=3)
-        expected = train_whole(copy.deepcopy(oracle), batches)
-        assert max(abs(a - b) for a, b in zip(losses, expected)) < TOLERANCE, (losses, expected)
-        local = _train_local(program, batches)[0]
-        assert max(abs(a - b) for a, b in zip(losses, local)) < 1e-12, (losses, local)
-        trained = gpt_segments(2, seed=3)
-        train_whole(trained, batches)
-        for a, b in zip(segments[rank].parameters(), trained[rank].parameters()):
-            assert torch.allclose(a, b, rtol=0, atol=TOLERANCE), (rank, m, parts)
+        expected = train_whole(oracle, batches)
+        where = (rank, m, parts, p2p)
+        assert max(abs(a - b) for a, b in zip(losses, expected)) < TOLERANCE, where
+        local, _, local_engine = _train_local(program, batches)
+        assert max(abs(a - b) for a, b in zip(losses, local)) < 1e-12, where
+        for a, b in zip(segments[rank].parameters(), oracle[rank].parameters()):
+            assert torch.allclose(a, b, rtol=0, atol=TOLERANCE), where
+        assert engine.evaluate(*batches[0]) == local_engine.evaluate(*batches[0]), where
     return 0
 
 
 def test_seq1f1b_on_two_gloo_ranks_equals_the_unsplit_sequence():
-    """Seq1F1B with 2 and 4 parts on 2 gloo ranks equals the local engine (1e-12) and the whole
+    """Seq1F1B with 2 and 4 parts on 2 gloo ranks (shared memory, gloo point-to-point, NCCL's
+    semantics emulated on gloo) equals the local engine (1e-12; evaluation exactly) and the whole
     sequences' training (1e-10), losses and each rank's weights."""
     assert spawn(_gloo_worker, 2, grace=90, threads=1) == 0
