@@ -70,8 +70,9 @@ class Schedule:
             takes the class's `default_num_chunks`.
         num_batches: optimizer steps covered by one program `B`, at least 1.
         num_parts: sequence parts `k` each microbatch of the data is split into, at least 1
-            and dividing `num_microbatches`; None takes the class's `default_num_parts` (see
-            [Note: sequence parts] in `schedcc.rules.parts`).
+            and dividing `num_microbatches`, which then counts the parts (microbatch `i` is part
+            `i % k`); None takes the class's `default_num_parts` (see [Note: sequence parts] in
+            `schedcc.rules.parts`).
         seq_dim: the dim of every input and target tensor the parts split (with `num_parts >
             1`); None takes the class's `default_seq_dim`.
 

@@ -8,10 +8,12 @@ import math
 import torch
 from hypothesis import strategies as st
 
+import schedcc
 from schedcc.testing import Shape, schedules, shapes
 
 __all__ = [
     "BUILTIN_SCHEDULES",
+    "PLAIN_BUILTINS",
     "Shape",
     "assert_same",
     "boundary_values",
@@ -25,6 +27,14 @@ __all__ = [
 
 #: The built-in schedule names (one per class; aliases left out).
 BUILTIN_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "2bw")
+#: Every registered name whose schedule trains plain segments: all but those that split
+#: microbatches into sequence parts, whose segments take a carry (tests/test_seq_parts.py
+#: trains those).
+PLAIN_BUILTINS = tuple(
+    name
+    for name in schedcc.available_schedules()
+    if schedcc.get_schedule(name).default_num_parts == 1
+)
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.bool)

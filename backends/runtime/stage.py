@@ -492,7 +492,7 @@ class StageRuntime:
         """`_apply` on one sequence part: `(output, carry)` as they leave ([Note: the parts'
         calling convention] in `backends.runtime.carries`)."""
         module, name = self._module(c, params), self._name(c, k)
-        where = f"the forward of segment {k} ({name_of(self.modules[c])})"
+        where = name()
         with self.precision.compute():
             out, carried = call_user(
                 name, lambda: call_part(module, value, carry, where=where), passing=_LOST_PEER
