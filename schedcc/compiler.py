@@ -63,8 +63,8 @@ def compile(
 
     Raises:
         ScheduleConfigError: bad `data_parallel`, `zero`, `recompute` or `tied` (a group of
-            fewer than two segments, a segment out of range or in two groups), or `zero=3` with
-            a weight delay (2BW).
+            fewer than two segments, a segment out of range or in two groups), `zero=3` with
+            a weight delay (2BW), or `recompute` with sequence parts.
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
