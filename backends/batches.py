@@ -113,16 +113,33 @@ def split_pair(
     where: str,
     need_inputs: bool = True,
     sizes: Sequence[int] | None = None,
+    parts: int = 1,
+    seq_dim: int = 1,
 ) -> tuple[list[Any], list[Any]]:
     """The `m` microbatches of `inputs` and of `targets` (`where` starts every message, e.g.
-    "batch 0 (replica 1)"), of `sizes` samples each where given (`check_sizes`).
+    "batch 0 (replica 1)"), of `sizes` samples each where given (`check_sizes`). With
+    `parts > 1` they are sequence parts ([Note: sequence parts] in `schedcc.rules.parts`): the
+    batch is split into `m / parts` along dim 0 and each of those into `parts` along `seq_dim`,
+    in that order.
 
     Raises:
         ScheduleConfigError: inputs without a tensor (when `need_inputs`), targets with another
-            batch size than the inputs, a batch size that `m` does not divide (or that `sizes`
-            do not sum to), or a tensor whose dim 0 differs from its value's batch size (named
-            by its path).
+            batch size than the inputs, a batch size that `m / parts` does not divide (or that
+            `sizes` do not sum to), a tensor whose dim 0 differs from its value's batch size
+            (named by its path), or one whose `seq_dim` `parts` does not divide.
     """
+    if parts > 1:
+        if sizes is not None:
+            raise ScheduleConfigError(
+                f"{where}: microbatch_sizes with sequence parts (num_parts={parts}): a part is a "
+                "slice of every sample's sequence, so the parts of a microbatch are equal; give "
+                "equal microbatches, or a schedule without parts"
+            )
+        xs, ys = split_pair(inputs, targets, m // parts, where=where, need_inputs=need_inputs)
+        return (
+            _parts(xs, parts, seq_dim, "inputs", where),
+            _parts(ys, parts, seq_dim, "targets", where),
+        )
     size = batch_size(inputs, "inputs", where)
     if size is None and need_inputs:
         raise ScheduleConfigError(
@@ -155,6 +172,25 @@ def split_pair(
         )
     except ScheduleConfigError as exc:
         raise ScheduleConfigError(f"{where}: {exc}") from None
+
+
+def _parts(values: list[Any], parts: int, seq_dim: int, name: str, where: str) -> list[Any]:
+    """Each of `values` cut into `parts` equal pieces along `seq_dim` of every tensor, in order
+    (constants repeated); the pieces are views."""
+    out = []
+    for value in values:
+        tensors, spec = flatten(value, name=name)
+        pieces = []
+        for tensor in tensors:
+            if not -tensor.dim() <= seq_dim < tensor.dim() or tensor.shape[seq_dim] % parts:
+                raise ScheduleConfigError(
+                    f"{where}: {name} holds a tensor of shape {tuple(tensor.shape)}, which does "
+                    f"not split into {parts} equal sequence parts along seq_dim={seq_dim}; make "
+                    f"that dim a multiple of {parts}, or choose seq_dim= of the schedule"
+                )
+            pieces.append(tensor.chunk(parts, dim=seq_dim))
+        out.extend(unflatten([p[j] for p in pieces], spec) for j in range(parts))
+    return out
 
 
 def local_batches(batch: Any, index: int, data_parallel: int) -> list[tuple[Any, Any]]:

@@ -307,7 +307,11 @@ class Engine(BaseEngine):
         local = local_batches(batch, index, dp)
         same_sizes(local, index)
         where = [f"batch {index}" + (f" (replica {r})" if dp > 1 else "") for r in range(dp)]
-        return [split_pair(x, y, m, where=w, sizes=sizes) for (x, y), w in zip(local, where)]
+        parts, seq_dim = self.program.schedule.num_parts, self.program.schedule.seq_dim
+        return [
+            split_pair(x, y, m, where=w, sizes=sizes, parts=parts, seq_dim=seq_dim)
+            for (x, y), w in zip(local, where)
+        ]
 
     def _held_modules(self) -> list[nn.Module]:
         return [mod for runtimes in self.runtimes for rt in runtimes for mod in rt.modules]

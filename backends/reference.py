@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from schedcc.backends.batches import local_batches, split_pair
+from schedcc.backends.runtime.carries import call_part
 from schedcc.backends.runtime.losses import MEAN, PARTS, RATIO, interpret, up_front_count
 from schedcc.backends.runtime.values import call, concat
 from schedcc.program import Program
@@ -52,16 +53,22 @@ __all__ = [
 
 
 class Chain(nn.Module):
-    """The segments as one model: each called on what the previous returned."""
+    """The segments as one model: each called on what the previous returned (`carries`: on the
+    whole sequence as on a first sequence part, `segment(x, None)`, keeping the output of the
+    `(output, carry)` it returns: [Note: the parts' calling convention])."""
 
-    def __init__(self, segments: Sequence[nn.Module]) -> None:
+    def __init__(self, segments: Sequence[nn.Module], *, carries: bool = False) -> None:
         super().__init__()
         self.segments = nn.ModuleList(segments)
+        self.carries = carries
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         value: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
-        for segment in self.segments:
-            value = call(segment, value)
+        for k, segment in enumerate(self.segments):
+            if self.carries:
+                value = call_part(segment, value, None, where=f"segment {k}")[0]
+            else:
+                value = call(segment, value)
         return value
 
 
@@ -185,6 +192,7 @@ def train_reference(
     objectives: list[str] | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     microbatch_sizes: Sequence[int] | None = None,
+    carries: bool = False,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -208,8 +216,10 @@ def train_reference(
             one).
         microbatch_sizes: each local batch's `m` microbatches hold these many samples, as
             `train_step(..., microbatch_sizes=...)` splits them (`objective`).
+        carries: the segments take sequence parts (`Chain`); the reference runs each whole
+            sequence as one part, so give `num_microbatches` the microbatches of the data.
     """
-    model = Chain(segments)
+    model = Chain(segments, carries=carries)
     opt = optimizer(model.parameters())
     scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     names = [name for name, _ in model.named_parameters()]
@@ -339,9 +349,10 @@ def assert_matches_reference(
         weight_delay=schedule.weight_delay,
         batches_per_run=schedule.num_batches,
         max_grad_norm=max_grad_norm,
-        num_microbatches=schedule.num_microbatches,
+        num_microbatches=schedule.num_microbatches // schedule.num_parts,  # whole sequences
         lr_scheduler=lr_scheduler,
         microbatch_sizes=microbatch_sizes,
+        carries=schedule.num_parts > 1,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):

@@ -73,8 +73,8 @@ def compile(
 
     Raises:
         ScheduleConfigError: bad `data_parallel`, `zero`, `recompute`, `offload` or `tied` (a
-            group of fewer than two segments, a segment out of range or in two groups), or
-            `zero=3` with a weight delay (2BW).
+            group of fewer than two segments, a segment out of range or in two groups),
+            `zero=3` with a weight delay (2BW), or `recompute` with sequence parts.
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
@@ -100,6 +100,11 @@ def compile(
         raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
     groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
     policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
+    if policy is not None and schedule.num_parts > 1:
+        raise ScheduleConfigError(
+            f"{schedule!r} splits microbatches into sequence parts, whose forwards hand their "
+            "carry on (see [Note: sequence parts]); compile it without recompute="
+        )
     offloads = offload_policy(offload, schedule.num_stages, schedule.num_chunks)
     if zero == 3:
         _check_zero3(schedule)

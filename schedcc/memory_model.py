@@ -37,6 +37,19 @@ def _sizes(value: object) -> float | tuple[float, ...] | None:
     )
 
 
+def _part_sizes(value: object) -> tuple[tuple[float, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        rows = tuple(_sizes(row) for row in value)
+        if rows and all(isinstance(row, tuple) and row for row in rows):
+            return rows  # type: ignore[return-value]
+    raise ScheduleConfigError(
+        f"MemoryModel: part_activations is one tuple of sizes per segment (one per sequence "
+        f"part); got {value!r}"
+    )
+
+
 def _checked(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ScheduleConfigError(f"MemoryModel: expected a number of bytes, got {value!r}")
@@ -54,6 +67,10 @@ class MemoryModel:
         inputs: one microbatch's input of a segment (what a recomputed forward keeps until
             its `Recompute`).
         gradients: a segment's gradients (None: the same as `parameters`).
+        part_activations: with sequence parts ([Note: sequence parts] in
+            `schedcc.rules.parts`), what each part's forward of a segment saves, one tuple of
+            `k` sizes per segment (part j's includes what it saves of the carry it took), in
+            place of `activations`; None: every part saves `activations`.
 
     Each is one size for every segment, or a list with one per segment (model order, length
     `p * v`); a size is a number of bytes or a string with a unit ("64MiB").
@@ -67,6 +84,14 @@ class MemoryModel:
     optimizer: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
     inputs: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
     gradients: float | tuple[float, ...] | None = attrs.field(default=None, converter=_sizes)
+    part_activations: tuple[tuple[float, ...], ...] | None = attrs.field(
+        default=None, converter=lambda value: _part_sizes(value)
+    )
+
+    def part_sizes(self, segment: int) -> tuple[float, ...] | None:
+        """What each sequence part's forward of `segment` saves, or None (see the Args)."""
+        parts = self.part_activations
+        return None if parts is None else parts[segment % len(parts)]
 
     def at(self, field: str, segment: int) -> float:
         """The bytes of `field` ("activations", "parameters", "optimizer", "inputs",
@@ -90,6 +115,12 @@ class MemoryModel:
                     f"MemoryModel.{field} has {len(value)} sizes but the program has "
                     f"{num_segments} segments (p * v): give one per segment, or one for all"
                 )
+        parts = self.part_activations
+        if parts is not None and len(parts) not in allowed:
+            raise ScheduleConfigError(
+                f"MemoryModel.part_activations has {len(parts)} segments' sizes but the program "
+                f"has {num_segments} segments (p * v): give one tuple of part sizes per segment"
+            )
 
     def scaled(self, factor: float) -> MemoryModel:
         """Every size times `factor` (`schedcc.tune`: a chunk of a stage cut in v is 1/v)."""
@@ -105,4 +136,7 @@ class MemoryModel:
             optimizer=times(self.optimizer),
             inputs=times(self.inputs),
             gradients=times(self.gradients),
+            part_activations=None
+            if self.part_activations is None
+            else tuple(times(parts) for parts in self.part_activations),
         )

@@ -102,11 +102,13 @@ def build_schedule(
     *,
     num_chunks: int | None = None,
     num_batches: int = 1,
+    num_parts: int | None = None,
 ) -> Schedule:
     """`schedule_cls` at this shape, where a failure of the class's own code is a typed error.
 
     `num_chunks=None` keeps the class's own `default_num_chunks` (the smallest of its `chunks`
-    unless it says otherwise: 1, or 2 for ZB-V). Used wherever a class a user named is built
+    unless it says otherwise: 1, or 2 for ZB-V), and `num_parts=None` its `default_num_parts`
+    (sequence parts: 1, or 2 for seq1f1b). Used wherever a class a user named is built
     (the CLI, `schedcc.tune`, `schedcc.testing`).
 
     Raises:
@@ -122,6 +124,8 @@ def build_schedule(
     if num_chunks is not None:
         kwargs["num_chunks"] = num_chunks
     kwargs["num_batches"] = num_batches
+    if num_parts is not None:
+        kwargs["num_parts"] = num_parts
     name = getattr(schedule_cls, "__name__", repr(schedule_cls))
     shape = ", ".join(f"{key}={value}" for key, value in kwargs.items())
     schedule = call_user_code(

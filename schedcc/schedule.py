@@ -43,6 +43,12 @@ class Schedule:
         num_chunks: segments per stage `v` ("virtual stages"), one of the class's `chunks`;
             None (the default) takes the class's `default_num_chunks`.
         num_batches: optimizer steps covered by one program `B`, at least 1.
+        num_parts: sequence parts `k` each microbatch of the data is split into, at least 1
+            and dividing `num_microbatches`, which then counts the parts (microbatch `i` is part
+            `i % k`); None takes the class's `default_num_parts` (see [Note: sequence parts] in
+            `schedcc.rules.parts`).
+        seq_dim: the dim of every input and target tensor the parts split (with `num_parts >
+            1`); None takes the class's `default_seq_dim`.
 
     Raises:
         ScheduleConfigError: an argument breaks a rule (a `num_chunks` outside `chunks`
@@ -59,6 +65,10 @@ class Schedule:
     #: The chunks per stage a schedule gets when `num_chunks` is not given; None: the smallest
     #: of `chunks`.
     default_num_chunks: ClassVar[int | None] = None
+    #: The sequence parts per microbatch a schedule gets when `num_parts` is not given.
+    default_num_parts: ClassVar[int] = 1
+    #: The dim the parts split when `seq_dim` is not given (dim 1 of `(batch, seq, ...)`).
+    default_seq_dim: ClassVar[int] = 1
     #: The forward of batch b uses weight version max(0, b - weight_delay).
     weight_delay: ClassVar[int] = 0
     #: How many replicas of the model the segments hold (see [Note: replicas]): replica r is
@@ -86,14 +96,22 @@ class Schedule:
         num_microbatches: int,
         num_chunks: int | None = None,
         num_batches: int = 1,
+        *,
+        num_parts: int | None = None,
+        seq_dim: int | None = None,
     ) -> None:
         if num_chunks is None:
             num_chunks = type(self).default_num_chunks or _smallest(_checked_chunks(type(self)))
+        if num_parts is None:
+            num_parts = type(self).default_num_parts
+        if seq_dim is None:
+            seq_dim = type(self).default_seq_dim
         for arg, value in [
             ("num_stages", num_stages),
             ("num_microbatches", num_microbatches),
             ("num_chunks", num_chunks),
             ("num_batches", num_batches),
+            ("num_parts", num_parts),
         ]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ScheduleConfigError(
@@ -105,7 +123,10 @@ class Schedule:
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
         self.num_batches = num_batches
+        self.num_parts = num_parts
+        self.seq_dim = seq_dim
         owner = type(self).__name__
+        _check_parts(self, owner)
         call_user_code(owner, "check()", self.check, where=Schedule.__repr__(self))
         delay = type(self).weight_delay
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
@@ -196,6 +217,14 @@ class Schedule:
         m = self.num_microbatches
         return range(batch * m, (batch + 1) * m)
 
+    def part_of(self, microbatch: int) -> int:
+        """The sequence part a microbatch index is: `microbatch % num_parts` (0 without parts).
+
+        >>> Schedule(2, 8, num_parts=4).part_of(6)
+        2
+        """
+        return microbatch % self.num_parts
+
     def batch_of(self, microbatch: int) -> int:
         """The batch a global microbatch index belongs to."""
         return microbatch // self.num_microbatches
@@ -230,7 +259,29 @@ class Schedule:
             shape += f", v={self.num_chunks}"
         if self.num_batches > 1:
             shape += f", batches={self.num_batches}"
+        if self.num_parts > 1:
+            shape += f", parts={self.num_parts}"
         return f"{type(self).__name__}({shape})"
+
+
+def _check_parts(schedule: Schedule, owner: str) -> None:
+    """`num_parts` divides the microbatches of one model replica, and `seq_dim` is an int."""
+    parts, seq_dim = schedule.num_parts, schedule.seq_dim
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise ScheduleConfigError(f"{owner}: seq_dim must be an integer dim, got {seq_dim!r}")
+    if parts == 1:
+        return
+    if schedule.num_microbatches % parts:
+        raise ScheduleConfigError(
+            f"{owner}: num_parts={parts} must divide num_microbatches="
+            f"{schedule.num_microbatches} (each microbatch of the data becomes {parts} "
+            f"consecutive microbatch indices); pass a multiple of {parts}"
+        )
+    if type(schedule).num_replicas != 1:
+        raise ScheduleConfigError(
+            f"{owner}: sequence parts need one model replica (num_replicas=1); a part's carry "
+            "stays on its segment, which a second replica does not hold"
+        )
 
 
 def _is_place(placed: object, num_stages: int, num_chunks: int) -> bool:

@@ -16,7 +16,8 @@ skipped, so each schedule is tried only where it claims to work.
 
 With `numerics=True` it also trains a tiny float64 model with each compiled program on the local
 backend (two batches, SGD) and compares losses and weights with non-pipelined training (tolerance
-1e-10); that needs torch, imported only then.
+1e-10); that needs torch, imported only then. A schedule with sequence parts trains segments
+whose carry is a running sum over the sequence, against the reference on the whole sequences.
 """
 
 from __future__ import annotations
@@ -181,11 +182,15 @@ def _check_numerics(schedule: Schedule, program: Program) -> None:
             layer.bias.copy_(torch.randn(width, generator=gen, dtype=torch.float64))
         segments.append(torch.nn.Sequential(layer, torch.nn.Tanh()))
     segments *= replicas
-    rows = schedule.num_microbatches * program.data_parallel
+    parts = schedule.num_parts
+    rows = schedule.num_microbatches // parts * program.data_parallel
+    shape = (rows, width) if parts == 1 else (rows, 2 * parts, width)  # (batch, seq, width)
+    if parts > 1:  # the sequence parts' calling convention: a running sum is the carry
+        segments = _prefix_sums(segments)
     batches = [
         (
-            torch.randn(rows, width, generator=gen, dtype=torch.float64),
-            torch.randn(rows, width, generator=gen, dtype=torch.float64),
+            torch.randn(shape, generator=gen, dtype=torch.float64),
+            torch.randn(shape, generator=gen, dtype=torch.float64),
         )
         for _ in range(schedule.num_batches)
     ]
@@ -197,6 +202,25 @@ def _check_numerics(schedule: Schedule, program: Program) -> None:
         batches,
         atol=1e-10,
     )
+
+
+def _prefix_sums(segments: list) -> list:
+    """`segments` taking sequence parts: each position sees the sum over the positions up to it
+    (`seq_dim` 1), the parts before its own arriving as the carry."""
+    import torch
+
+    class PrefixSum(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, carry=None):
+            total = self.inner(x).cumsum(dim=1)
+            if carry is not None:
+                total = total + carry
+            return total.tanh(), total[:, -1:]
+
+    return [PrefixSum(segment) for segment in segments]
 
 
 def _per_shape_checks(numerics: bool) -> list[Callable[[Schedule, Program], None]]:

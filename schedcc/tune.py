@@ -274,6 +274,8 @@ class _Tuner:
             return Skipped(name, m, v, str(exc))
         if self.zero == 3 and schedule.weight_delay:
             return Skipped(name, m, v, "zero=3 keeps no whole stashed weights (weight delay)")
+        if recompute and schedule.num_parts > 1:
+            return Skipped(name, m, v, "sequence parts hand their carry on: no recomputation")
         try:
             program = compile(
                 schedule, data_parallel=self.data_parallel, zero=self.zero, recompute=recompute

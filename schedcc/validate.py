@@ -23,6 +23,7 @@ from schedcc.rules.computes import check_complete, check_dependencies, check_mem
 from schedcc.rules.norm import check_norm
 from schedcc.rules.offload import check_offload
 from schedcc.rules.overlap import check_overlaps
+from schedcc.rules.parts import check_parts
 from schedcc.rules.recompute import check_recompute
 from schedcc.rules.sharding import check_sharding
 from schedcc.rules.tied import check_tied
@@ -43,6 +44,7 @@ RULES: tuple[Rule, ...] = (
     check_replicas,
     check_complete,
     check_dependencies,
+    check_parts,
     check_recompute,
     check_offload,
     check_overlaps,

@@ -34,6 +34,7 @@ BUILTINS: tuple[Builtin, ...] = (
     Builtin("gpipe"),
     Builtin("1f1b"),
     Builtin("1f1b-offload"),
+    Builtin("seq1f1b"),
     Builtin("interleaved-1f1b"),
     Builtin("2bw"),
     Builtin("looped-bfs"),

@@ -9,10 +9,12 @@ import torch
 from _builtin_schedules import names
 from hypothesis import strategies as st
 
+import schedcc
 from schedcc.testing import Shape, schedules, shapes
 
 __all__ = [
     "BUILTIN_SCHEDULES",
+    "PLAIN_BUILTINS",
     "Shape",
     "assert_same",
     "boundary_values",
@@ -28,6 +30,14 @@ __all__ = [
 
 #: Every built-in schedule's name (one per class; aliases left out): tests/_builtin_schedules.py.
 BUILTIN_SCHEDULES = names()
+#: Every registered name whose schedule trains plain segments: all but those that split
+#: microbatches into sequence parts, whose segments take a carry (tests/engine/test_seq_parts.py
+#: trains those).
+PLAIN_BUILTINS = tuple(
+    name
+    for name in schedcc.available_schedules()
+    if schedcc.get_schedule(name).default_num_parts == 1
+)
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.bool)

@@ -372,7 +372,17 @@ class Engine(BaseEngine):
                 f"{where}: inputs are None, but stage {self.stage} holds a model's first "
                 "segment and reads them: pass the batch's inputs on this rank"
             )
-        xs, ys = split_pair(inputs, targets, m, where=where, need_inputs=first, sizes=sizes)
+        schedule = self.program.schedule
+        xs, ys = split_pair(
+            inputs,
+            targets,
+            m,
+            where=where,
+            need_inputs=first,
+            sizes=sizes,
+            parts=schedule.num_parts,
+            seq_dim=schedule.seq_dim,
+        )
         device = self.device
         return (
             [to_device(x, device) for x in xs] if first else None,

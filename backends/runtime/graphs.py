@@ -30,7 +30,7 @@ class Graph:
     parameter tensors it ran with, once `BackwardInput` ran, the roots' gradients, and for a
     forward its stage offloads, its saved tensors (`saved`)."""
 
-    __slots__ = ("grads", "leaves", "num_bytes", "params", "roots", "saved")
+    __slots__ = ("carried", "grads", "leaves", "num_bytes", "params", "roots", "saved")
 
     def __init__(
         self,
@@ -46,6 +46,9 @@ class Graph:
         self.num_bytes = num_bytes
         self.grads: list | None = None
         self.saved = saved
+        #: how many of `roots` and of `leaves`, the last ones, are a sequence part's carry
+        #: (`backends.runtime.carries`)
+        self.carried = (0, 0)
 
 
 class Graphs:

@@ -11,6 +11,7 @@ a router that drops tokens, gets the first microbatch's count).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -92,6 +93,9 @@ def measure_memory(
     targets: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    *,
+    num_parts: int = 1,
+    seq_dim: int = 1,
 ) -> MemoryModel:
     """The `schedcc.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
 
@@ -99,7 +103,10 @@ def measure_memory(
     for its backward as the engines do (the last segment's with `loss_fn`), the bytes of each
     segment's input, parameters, and, given `optimizer`, the state it builds in one step (on
     copies: the caller's segments are not changed). Give it one microbatch (the batch split in
-    m): activation bytes scale with the microbatch size.
+    m): activation bytes scale with the microbatch size. With `num_parts > 1` the microbatch is
+    cut into that many sequence parts along `seq_dim`, run part after part with their carries
+    as the engines run them, and `part_activations` holds what each part's forward saves
+    ([Note: sequence parts] in `schedcc.rules.parts`).
 
     >>> import torch
     >>> model = measure_memory([torch.nn.Linear(4, 4)], torch.ones(2, 4), torch.ones(2, 4),
@@ -112,6 +119,8 @@ def measure_memory(
     from schedcc.backends.runtime.recompute import input_bytes
     from schedcc.backends.runtime.values import call
 
+    if num_parts > 1:
+        return _measure_parts(segments, inputs, targets, loss_fn, optimizer, num_parts, seq_dim)
     value: Any = detached(inputs)
     acts, ins, params, state = [], [], [], []
     last = len(segments) - 1
@@ -131,6 +140,50 @@ def measure_memory(
         if k < last:
             value = receive(activation(out, segment=k)[0])[0]
     return MemoryModel(activations=acts, parameters=params, optimizer=state, inputs=ins)
+
+
+def _measure_parts(segments, inputs, targets, loss_fn, optimizer, num_parts: int, seq_dim: int):
+    """`measure_memory` over the `num_parts` sequence parts of one microbatch: each segment's
+    activations are its first part's, `part_activations` every part's."""
+    from schedcc.backends.batches import split_pair
+    from schedcc.backends.runtime.boundary import activation, detached, receive
+    from schedcc.backends.runtime.carries import Carries, call_part
+    from schedcc.backends.runtime.losses import call_loss
+    from schedcc.backends.runtime.recompute import input_bytes
+
+    xs, ys = split_pair(
+        inputs, targets, num_parts, where="measure_memory", parts=num_parts, seq_dim=seq_dim
+    )
+    carries, last = Carries(stage=0, num_parts=num_parts), len(segments) - 1
+    parts: list[list[int]] = [[] for _ in segments]
+    ins: list[int] = []
+    for j, (value, target) in enumerate(zip(xs, ys)):
+        value = detached(value)
+        for k, module in enumerate(segments):
+            if j == 0:
+                ins.append(input_bytes(value))
+            carry = carries.take(j, k)[0]
+
+            def forward(module=module, value=value, k=k, j=j, carry=carry, target=target):
+                where = f"the forward of segment {k} ({name_of(module)})"
+                out, carried = call_user(
+                    where, functools.partial(call_part, module, value, carry, where=where)
+                )
+                carries.hand_on(j, k, k, carried)
+                return call_loss(loss_fn, out, target) if k == last else out
+
+            out, num_bytes = SavedBytes().run(("measure", k, j), module.parameters(), forward)
+            parts[k].append(num_bytes)
+            if k < last:
+                value = receive(activation(out, segment=k)[0])[0]
+    counted = [list(module.parameters()) for module in segments]
+    return MemoryModel(
+        activations=[row[0] for row in parts],
+        parameters=[sum(p.numel() * p.element_size() for p in ps) for ps in counted],
+        optimizer=[_optimizer_bytes(ps, optimizer) if optimizer else 0 for ps in counted],
+        inputs=ins,
+        part_activations=parts,
+    )
 
 
 def _optimizer_bytes(params: list[torch.Tensor], optimizer) -> int:

@@ -43,6 +43,7 @@ from schedcc.backends.checkpoint.restore import check_saved, load_stage
 from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.checkpoint.state import stage_state
 from schedcc.backends.runtime.boundary import Message, activation, grad_roots, gradients
+from schedcc.backends.runtime.carries import Carries, call_part
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import full_backward, weight_backward
@@ -262,6 +263,9 @@ class StageRuntime:
             count_fn=up_front_count(loss_fn),
         )
         self._ports = Ports(stage, tensors_of(program), self._m)
+        #: sequence parts' carries between the forwards of a segment ([Note: sequence parts])
+        self._parts = schedule.num_parts
+        self._carries = Carries(stage, self._parts)
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------
@@ -278,6 +282,7 @@ class StageRuntime:
         self._graphs.reset()
         self._book.reset()
         self._ports.reset()
+        self._carries.reset()
         #: forward-only runs: the last segment's output per microbatch, where no targets came
         self.outputs: dict[int, Any] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
@@ -460,7 +465,12 @@ class StageRuntime:
         value, leaves = self._ports.input_of(i, c, k)
         if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
-                out = self._apply(c, k, dict(self._views[c].named_parameters()), value)
+                params = dict(self._views[c].named_parameters())
+                if self._parts > 1:
+                    out, carry = self._apply_part(c, k, params, value, self._carries.take(i, c)[0])
+                    self._carries.hand_on(i, c, k, carry)
+                else:
+                    out = self._apply(c, k, params, value)
             if self._layout.is_last(k) and not self._ports.has_targets(i):
                 self.outputs[i] = out
             else:
@@ -491,35 +501,59 @@ class StageRuntime:
         self, c, k, i, value, leaves, params, *, record: bool = True
     ) -> tuple[Graph, Message | None]:
         sent: list[Message] = []
+        carry, carry_leaves = self._carries.take(i, c) if self._parts > 1 else (None, [])
+        carry_roots: list[torch.Tensor] = []
 
         def forward() -> list[torch.Tensor]:
-            out = self._apply(c, k, params, value)
+            if self._parts > 1:  # [Note: the parts' calling convention]
+                out, carried = self._apply_part(c, k, params, value, carry)
+                carry_roots.extend(self._carries.hand_on(i, c, k, carried))
+            else:
+                out = self._apply(c, k, params, value)
             if self._layout.is_last(k):
-                return [self._loss(i, out, record=record)]
+                return [self._loss(i, out, record=record), *carry_roots]
             message, roots = activation(out, segment=k)
             sent.append(message)
-            return roots
+            return roots + carry_roots
 
         target = self._ports.target(i) if self._layout.is_last(k) else None
-        key = signature(c, value, target, training=self.modules[c].training)
+        called = (value, carry) if self._parts > 1 else value
+        key = signature(c, called, target, training=self.modules[c].training)
         saved = OffloadedSaved(params.values()) if record and (i, c) in self._offloaded else None
         saving = (saved.pack, saved.unpack) if saved is not None else None
         roots, num_bytes = self._saved_bytes.run(key, params.values(), forward, saving=saving)
-        graph = Graph(roots, leaves, list(params.values()), num_bytes, saved)
+        graph = Graph(roots, leaves + carry_leaves, list(params.values()), num_bytes, saved)
+        graph.carried = (len(carry_roots), len(carry_leaves))
         return graph, (sent[0] if sent else None)
 
     def _apply(self, c: int, k: int, params, value: Any) -> Any:
         """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
+        module = self._module(c, params)
+        with self.precision.compute():
+            out = call_user(self._name(c, k), lambda: call(module, value), passing=_LOST_PEER)
+        return self.precision.boundary(out, last=self._layout.is_last(k))
+
+    def _apply_part(self, c: int, k: int, params, value: Any, carry: Any) -> tuple[Any, Any]:
+        """`_apply` on one sequence part: `(output, carry)` as they leave ([Note: the parts'
+        calling convention] in `backends.runtime.carries`)."""
+        module, name = self._module(c, params), self._name(c, k)
+        where = name()
+        with self.precision.compute():
+            out, carried = call_user(
+                name, lambda: call_part(module, value, carry, where=where), passing=_LOST_PEER
+            )
+        boundary = self.precision.boundary
+        return boundary(out, last=self._layout.is_last(k)), boundary(carried, last=False)
+
+    def _module(self, c: int, params) -> Any:
+        """Chunk c's segment as a callable on `params`."""
         module = self.modules[c]
         if self._delay or module in self._shadowed:  # on stashed weights or tied copies
             module = functools.partial(_functional, module, params)
+        return module
 
-        def name() -> str:
-            return f"the forward of segment {k} ({name_of(self.modules[c])})"
-
-        with self.precision.compute():
-            out = call_user(name, lambda: call(module, value), passing=_LOST_PEER)
-        return self.precision.boundary(out, last=self._layout.is_last(k))
+    def _name(self, c: int, k: int) -> Callable[[], str]:
+        return lambda: f"the forward of segment {k} ({name_of(self.modules[c])})"
 
     def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
         """The output of a forward that leaves no graph: the loss on the last segment, else
@@ -545,18 +579,23 @@ class StageRuntime:
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
         k = self._segment[op.chunk]
-        roots = self._graphs.graph(op).roots
+        graph = self._graphs.graph(op)
+        num_carried = graph.carried[0]  # the carry's roots come last ([Note: sequence parts])
+        roots = graph.roots[: len(graph.roots) - num_carried]
         if self._layout.is_last(k):
-            return [None] * len(roots)
-        grads, count = self._ports.gradient_of(op, k, roots)
-        self._counts.received(op.microbatch, count)  # [Note: the count divides at the step]
+            grads: list[torch.Tensor | None] = [None] * len(roots)
+        else:
+            grads, count = self._ports.gradient_of(op, k, roots)
+            self._counts.received(op.microbatch, count)  # [Note: the count divides at the step]
+        if num_carried:
+            grads = grads + self._carries.gradient_of(op, graph.roots[len(roots) :])
         return grads
 
     def _backward(self, op: Backward) -> None:
         graph = self._graphs.graph(op)
         self._into_buffer(op.chunk)
         got = full_backward(graph, self._output_grads(op), self._stashed_into(op))
-        self._emit_input_grad(op, graph.leaves, got)
+        self._emit_input_grad(op, graph, got)
         self._graphs.free(op)
 
     def _overlapped_backward(self, op: OverlappedBackward) -> None:
@@ -581,7 +620,7 @@ class StageRuntime:
         graph = self._graphs.graph(op)
         graph.grads = self._output_grads(op)  # what BackwardWeight differentiates
         got = grad_roots(graph.roots, graph.grads, graph.leaves, retain_graph=True)
-        self._emit_input_grad(op, graph.leaves, got)
+        self._emit_input_grad(op, graph, got)
 
     def _backward_weight(self, op: BackwardWeight) -> None:
         graph = self._graphs.graph(op)
@@ -603,9 +642,15 @@ class StageRuntime:
         into; None where autograd puts them into `.grad` itself."""
         return self._views[op.chunk].parameters() if self._delay else None
 
-    def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
+    def _emit_input_grad(self, op, graph: Graph, grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
+        leaves = graph.leaves
+        num_carried = graph.carried[1]  # the carry's leaves come last ([Note: sequence parts])
+        if num_carried:
+            at = len(leaves) - num_carried
+            self._carries.hand_back(i, c, leaves[at:], grads[at:])
+            leaves, grads = leaves[:at], grads[:at]
         if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
         count = self._counts.carried(i, last=self._layout.is_last(k))

@@ -46,6 +46,15 @@ def register(subparsers) -> None:
     shared.add_microbatches(parser, default=8)
     shared.add_chunks(parser)
     shared.add_batches(parser, default=1)
+    parser.add_argument(
+        "-k",
+        "--parts",
+        type=shared.positive_int,
+        default=None,
+        metavar="K",
+        help="sequence parts per microbatch, m counting the parts (default: the schedule's own, "
+        "1 for most, 2 for seq1f1b)",
+    )
     shared.add_parallel(parser)
     shared.add_costs(
         parser, default=CostModel(), help="instruction costs, e.g. F=1,B=2,I=1,W=1,comm=0.1"
@@ -96,6 +105,7 @@ def build(args):
         args.num_microbatches,
         num_chunks=args.num_chunks,
         num_batches=args.batches,
+        num_parts=args.parts,
     )
     shared.check_size(
         schedule.num_stages,

@@ -135,6 +135,7 @@ def save(timeline, path: str | PathLike) -> Path:
         "num_microbatches": schedule.num_microbatches,
         "num_chunks": schedule.num_chunks,
         "num_batches": schedule.num_batches,
+        "num_parts": schedule.num_parts,
         "makespan": timeline.makespan,
         "bubble_fraction": timeline.bubble_fraction,
     }

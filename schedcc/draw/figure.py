@@ -99,7 +99,8 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
     fig = Figure(figsize=(min(40.0, max(8.0, makespan / 4)), 1.0 + 0.45 * num_stages))
     ax = fig.add_subplot()
     blocks = [e for e in timeline.events if type(e.instruction) in _COLOR and e.end > e.start]
-    num_chunks = timeline.program.schedule.num_chunks
+    schedule = timeline.program.schedule
+    num_chunks = schedule.num_chunks
     label = len(blocks) <= _MAX_LABELS
     for stage, op, start, end in blocks:
         color = _shade(_COLOR[type(op)], getattr(op, "chunk", 0), num_chunks)
@@ -117,7 +118,7 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
             ax.text(
                 (start + end) / 2,
                 stage,
-                str(op.microbatch),
+                _label(op.microbatch, schedule.num_parts),
                 ha="center",
                 va="center",
                 fontsize=7,
@@ -132,6 +133,11 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
     fig.tight_layout()
     fig.savefig(path, format=fmt, dpi=120)
     return path
+
+
+def _label(microbatch: int, parts: int) -> str:
+    """A block's text: its microbatch, and with sequence parts its part (`3p1`)."""
+    return f"{microbatch}p{microbatch % parts}" if parts > 1 else str(microbatch)
 
 
 def _shade(rgb: tuple[float, float, float], chunk: int, num_chunks: int):

@@ -113,16 +113,21 @@ def held_bytes(
     ops: Sequence[Instruction],
     per_chunk: Sequence[float],
     inputs: Sequence[float] | None = None,
+    parts: Sequence[Sequence[float]] | None = None,
 ) -> list[float]:
     """Per position of one stage's program, the activation bytes held after it runs, when one
     microbatch's activations on chunk c take `per_chunk[c]` bytes and its input `inputs[c]`
-    (what a forward that is recomputed keeps until its `Recompute`; 0 if not given).
+    (what a forward that is recomputed keeps until its `Recompute`; 0 if not given). With
+    sequence parts, `parts[c][j]` (when given) takes the place of `per_chunk[c]` for part j,
+    microbatch `i` being part `i % len(parts[c])` ([Note: sequence parts]).
 
     >>> from schedcc.ir import parse
     >>> held_bytes([parse(op) for op in "F0 F0.1 R0.1 B0.1 B0".split()], [10.0, 100.0], [1, 2])
     [10.0, 12.0, 110.0, 10.0, 0.0]
     """
     kept = recomputed(ops)
+    if parts is not None:
+        return _held_part_bytes(ops, parts)
     held, out = 0.0, []
     for op in ops:
         kind = type(op)
@@ -159,5 +164,20 @@ def host_bytes(ops: Sequence[Instruction], per_chunk: Sequence[float]) -> list[f
             held += per_chunk[op.chunk]  # type: ignore[attr-defined]
         elif kind is Reload:
             held -= per_chunk[op.chunk]  # type: ignore[attr-defined]
+        out.append(held)
+    return out
+
+
+def _held_part_bytes(ops: Sequence[Instruction], parts: Sequence[Sequence[float]]) -> list[float]:
+    """`held_bytes` with a size per sequence part (a program with parts recomputes nothing)."""
+    held, out = 0.0, []
+    for op in ops:
+        kind = type(op)
+        if kind is Forward:
+            sizes = parts[op.chunk]  # type: ignore[attr-defined]
+            held += sizes[op.microbatch % len(sizes)]  # type: ignore[attr-defined]
+        elif issubclass(kind, (Backward, BackwardWeight)):  # `+B` is a Backward
+            sizes = parts[op.chunk]  # type: ignore[attr-defined]
+            held -= sizes[op.microbatch % len(sizes)]  # type: ignore[attr-defined]
         out.append(held)
     return out

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     COMPUTE,
     WEIGHT_GRADIENT,
@@ -50,6 +51,7 @@ from schedcc.semantics.model import rule_versions
 
 __all__ = [
     "StageBytes",
+    "chunk_part_sizes",
     "chunk_sizes",
     "held_gradient_bytes",
     "held_parameter_bytes",
@@ -172,6 +174,20 @@ def chunk_sizes(program, memory: MemoryModel, stage: int, field: str) -> list[fl
     return [memory.at(field, schedule.segment_of(stage, c)) for c in range(schedule.num_chunks)]
 
 
+def chunk_part_sizes(program, memory: MemoryModel, stage: int) -> list | None:
+    """`MemoryModel.part_sizes` of each chunk's segment on `stage`, by chunk (None: none)."""
+    schedule = program.schedule
+    if memory.part_activations is None or schedule.num_parts == 1:
+        return None
+    sizes = [memory.part_sizes(schedule.segment_of(stage, c)) for c in range(schedule.num_chunks)]
+    if any(len(row) != schedule.num_parts for row in sizes):
+        raise ScheduleConfigError(
+            f"MemoryModel.part_activations gives {sorted({len(row) for row in sizes})} part "
+            f"sizes per segment but {schedule!r} has {schedule.num_parts} parts: give one per part"
+        )
+    return sizes
+
+
 def held_stash_bytes(
     ops: Sequence, row: Sequence[int | None], per_chunk: Sequence[float], weight_delay: int
 ) -> tuple[float, list[float]]:
@@ -229,7 +245,8 @@ def stage_held(
     else:
         sizes = chunk_sizes(program, memory, stage, "activations")
         inputs = chunk_sizes(program, memory, stage, "inputs")
-        activations = held_bytes(ops, sizes, inputs)
+        parts = chunk_part_sizes(program, memory, stage)
+        activations = held_bytes(ops, sizes, inputs, parts)
         grads = chunk_sizes(program, memory, stage, "gradients")
         gradients = held_gradient_bytes(ops, grads, zero=zero, data_parallel=dp)
     start, parameters = held_parameter_bytes(ops, params, zero=zero, data_parallel=dp)
@@ -265,4 +282,5 @@ def peak_activation_bytes(program, memory: MemoryModel, stage: int) -> float:
         return 0.0
     sizes = chunk_sizes(program, memory, stage, "activations")
     inputs = chunk_sizes(program, memory, stage, "inputs")
-    return max(held_bytes(program.stages[stage], sizes, inputs), default=0.0)
+    parts = chunk_part_sizes(program, memory, stage)
+    return max(held_bytes(program.stages[stage], sizes, inputs, parts), default=0.0)
