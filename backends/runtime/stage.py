@@ -31,7 +31,6 @@ rounding.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +56,12 @@ from schedcc.backends.runtime.memory import SavedBytes, signature
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
+from schedcc.backends.runtime.segment_calls import (
+    SegmentCall,
+    check_compile,
+    check_recompute_layers,
+)
 from schedcc.backends.runtime.tied import StageTies
-from schedcc.backends.runtime.values import call
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import BUCKET_BYTES, Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError, call_user, name_of
@@ -114,6 +117,8 @@ class StageRuntime:
             carries ([Note: contiguous gradient buckets] in `backends.runtime.zero`).
         lr_scheduler: `lr_scheduler(optimizer) -> LRScheduler` over the stage's optimizer,
             stepped after each optimizer step that is not skipped (`build_lr_scheduler`).
+        recompute_layers, compile: how each segment is applied (`check_recompute_layers`,
+            `check_compile` and `SegmentCall` in `backends.runtime.segment_calls`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, collectives whose size differs from the
@@ -138,6 +143,8 @@ class StageRuntime:
         tp_rank: int = 0,
         bucket_bytes: int = BUCKET_BYTES,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        recompute_layers: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -159,6 +166,12 @@ class StageRuntime:
         self._delay = schedule.weight_delay
         self._zero = program.zero
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
+        #: how each chunk's segment is applied: [Note: recomputing every N layers]
+        every, backend = check_recompute_layers(recompute_layers), check_compile(compile, program)
+        self._calls = [
+            SegmentCall(m, segment=k, recompute_layers=every, compile=backend)
+            for m, k in zip(self.modules, self._segment)
+        ]
         #: which segments start and end a model replica ([Note: replicas]): inputs and loss
         self._layout = tensors_of(program).layout
         #: the tied parameters this stage holds; the local backend meets its stages for a
@@ -465,15 +478,13 @@ class StageRuntime:
 
     def _apply(self, c: int, k: int, params, value: Any) -> Any:
         """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
-        module = self.modules[c]
-        if self._delay or module in self._shadowed:  # on stashed weights or tied copies
-            module = functools.partial(_functional, module, params)
+        on = params if self._delay or self.modules[c] in self._shadowed else None  # stashed or tied
 
         def name() -> str:
             return f"the forward of segment {k} ({name_of(self.modules[c])})"
 
         with self.precision.compute():
-            out = call_user(name, lambda: call(module, value), passing=_LOST_PEER)
+            out = call_user(name, lambda: self._calls[c](value, on), passing=_LOST_PEER)
         return self.precision.boundary(out, last=self._layout.is_last(k))
 
     def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
@@ -683,8 +694,3 @@ def build_lr_scheduler(
             "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))"
         )
     return scheduler
-
-
-def _functional(module: nn.Module, params: dict[str, torch.Tensor], /, *args, **kwargs) -> Any:
-    """`module` run on `params` in place of its own parameters."""
-    return torch.func.functional_call(module, params, args, kwargs)
