@@ -98,6 +98,23 @@ def test_inductor_segments_train_within_float_rounding_of_eager():
     assert largest_difference(losses, expected, segments, plain) < 1e-10
 
 
+@pytest.mark.parametrize("every", [None, 1])
+def test_evaluation_through_compiled_segments_equals_eager_evaluation(every):
+    """`evaluate` and `predict` run the compiled segments without autograd (and without layer
+    recompute) and give eager's loss and outputs to 1e-12."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    x, y = tanh_batches(1)[0]
+    results = []
+    for backend in ("aot_eager", False):
+        engine = Engine(
+            program, _layered(2), F.mse_loss, _adam, compile=backend, recompute_layers=every
+        )
+        results.append((engine.evaluate(x, y), engine.predict(x)))
+    (loss, out), (eager_loss, eager_out) = results
+    assert abs(loss - eager_loss) < 1e-12
+    assert (out - eager_out).abs().max().item() < 1e-12
+
+
 def test_the_callers_modules_are_not_compiled_in_place():
     """The engine compiles wrappers: the caller's segments still run eagerly."""
     _, segments = _run("1f1b", 1, "aot_eager")

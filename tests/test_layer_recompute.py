@@ -27,6 +27,7 @@ from schedcc.backends.distributed.engine import Engine as DistEngine
 from schedcc.backends.local import Engine
 from schedcc.backends.reference import train_reference
 from schedcc.backends.run.launch import spawn
+from schedcc.backends.runtime.memory import measure_memory
 from schedcc.errors import ScheduleConfigError
 
 WIDTH = 4
@@ -94,6 +95,20 @@ def test_fewer_boundaries_kept_hold_fewer_activation_bytes():
     peaks = {every: _trained("1f1b", 1, every)[0].peak_activation_bytes for every in (None, 1, 4)}
     for stage in range(2):
         assert peaks[4][stage] < peaks[1][stage] < peaks[None][stage], peaks
+
+
+@pytest.mark.parametrize(("name", "v"), [*SCHEDULES, ("2bw", 1)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_simulated_activation_bytes_equal_the_measured_ones(name, v, recompute):
+    """With a memory model measured with the same `recompute_layers`, the simulator's peak
+    activation bytes per stage are exactly what the engine measures."""
+    program = schedcc.compile(schedcc.get_schedule(name)(2, 4, v), recompute=recompute)
+    x, y = tanh_batches(1)[0]
+    memory = measure_memory(_layered(2 * v), x[:2], y[:2], F.mse_loss, recompute_layers=3)
+    engine = Engine(program, _layered(2 * v), F.mse_loss, _adam, recompute_layers=3)
+    list(engine.train(tanh_batches(program.schedule.num_batches)))
+    timeline = schedcc.simulate(program, schedcc.CostModel(memory=memory))
+    assert list(timeline.peak_activation_bytes) == engine.peak_activation_bytes
 
 
 def test_a_replayed_group_draws_the_same_dropout_masks():

@@ -80,6 +80,8 @@ def measure_memory(
     targets: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    *,
+    recompute_layers: int | None = None,
 ) -> MemoryModel:
     """The `schedcc.memory.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
 
@@ -87,7 +89,8 @@ def measure_memory(
     for its backward as the engines do (the last segment's with `loss_fn`), the bytes of each
     segment's input, parameters, and, given `optimizer`, the state it builds in one step (on
     copies: the caller's segments are not changed). Give it one microbatch (the batch split in
-    m): activation bytes scale with the microbatch size.
+    m): activation bytes scale with the microbatch size. `recompute_layers`: as the engines',
+    each segment keeping only every N-th layer boundary (`backends.runtime.segment_calls`).
 
     >>> import torch
     >>> model = measure_memory([torch.nn.Linear(4, 4)], torch.ones(2, 4), torch.ones(2, 4),
@@ -98,7 +101,7 @@ def measure_memory(
     from schedcc.backends.runtime.boundary import activation, detached, receive
     from schedcc.backends.runtime.losses import call_loss
     from schedcc.backends.runtime.recompute import input_bytes
-    from schedcc.backends.runtime.values import call
+    from schedcc.backends.runtime.segment_calls import SegmentCall, check_recompute_layers
 
     value: Any = detached(inputs)
     acts, ins, params, state = [], [], [], []
@@ -106,10 +109,12 @@ def measure_memory(
     for k, module in enumerate(segments):
         ins.append(input_bytes(value))
         counted = list(module.parameters())
+        every = check_recompute_layers(recompute_layers)
+        apply = SegmentCall(module, segment=k, recompute_layers=every)
 
-        def forward(module=module, value=value, k=k):
+        def forward(module=module, value=value, k=k, apply=apply):
             name = f"the forward of segment {k} ({name_of(module)})"
-            out = call_user(name, lambda: call(module, value))
+            out = call_user(name, lambda: apply(value))
             return call_loss(loss_fn, out, targets) if k == last else out
 
         out, num_bytes = SavedBytes().run(("measure", k), counted, forward)
