@@ -15,21 +15,25 @@ under weight delay, private copies of tied parameters), captured when the forwar
 replay computes with the same weights whatever the live parameters have become. It composes
 with `compile(recompute=...)`: the `Recompute` rebuilds the segment's graph group by group.
 
-[Note: compiled segments] `Engine(..., compile=True)` runs each segment (each group, with
-`recompute_layers`) through `torch.compile` (inductor; `compile="aot_eager"` or any backend name
-for another), compiled once and called on the segment's own parameters, or through
-`torch.func.functional_call` on other tensors (stashed weights, tied copies). The caller's
-modules are not changed. A program with split backwards is refused: a compiled unit's backward
-is one autograd node, so `BackwardInput` cannot leave its weight half to `BackwardWeight` (it
-would run whole in both passes), and torch refuses a second pass over a compiled backward that
-frees its saved tensors as it goes (donated buffers), which a compiled graph shared with
-another module of the same structure may do. Inductor may fuse and reorder floating-point
-operations, so a compiled run equals eager within float rounding, not bit for bit
-(docs/training.md says how close).
+[Note: compiled segments] `Engine(..., compile=True)` runs each layer of an `nn.Sequential`
+segment (as DeepSpeed's `PipelineModule.compile()`), or a whole segment of another kind, through
+`torch.compile` (inductor; `compile="aot_eager"` or any backend name for another), on the
+segment's own parameters, or through `torch.func.functional_call` on other tensors (stashed
+weights, tied copies). Per layer, because dynamo keys a compiled graph on the code it traces and
+guards it on the module's structure: layers of one structure share one graph (compiled once),
+where whole segments or groups, whose layers' names differ, would each compile their own and,
+past dynamo's recompile limit (8), run eagerly. The caller's modules are not changed. A program
+with split backwards is refused: a compiled unit's backward is one autograd node, so
+`BackwardInput` cannot leave its weight half to `BackwardWeight` (it would run whole in both
+passes), and torch refuses a second pass over a compiled backward that frees its saved tensors
+as it goes (donated buffers), which a compiled graph shared with another module of the same
+structure may do. Inductor may fuse and reorder floating-point operations, so a compiled run
+equals eager within float rounding, not bit for bit (docs/training.md says how close).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -45,9 +49,6 @@ if TYPE_CHECKING:
     from schedcc.program import Program
 
 __all__ = ["SegmentCall", "check_compile", "check_recompute_layers"]
-
-#: The name `torch.compile` gives the compiled module's parameters (`OptimizedModule`).
-_COMPILED_PREFIX = "_orig_mod."
 
 
 def check_recompute_layers(every: object) -> int | None:
@@ -124,16 +125,14 @@ class SegmentCall:
     ) -> None:
         self._layered = recompute_layers is not None
         units = _groups(module, segment, recompute_layers) if self._layered else [module]
+        self._units: list[nn.Module] = units
+        #: what runs each unit: the unit, or compiled ([Note: compiled segments])
+        self._run = [_compiled(unit, compile) if compile else unit for unit in units]
         #: per unit, the names of its parameters (with duplicates) and the segment's name of each
         canonical = {id(p): name for name, p in module.named_parameters()}
         self._names = [
-            [(name, canonical[id(p)]) for name, p in unit.named_parameters(remove_duplicate=False)]
-            for unit in units
-        ]
-        self._prefix = _COMPILED_PREFIX if compile else ""
-        self._units: list[nn.Module] = units
-        self._run: list[Callable[..., Any]] = [
-            torch.compile(unit, backend=compile) if compile else unit for unit in units
+            [(name, canonical[id(p)]) for name, p in run.named_parameters(remove_duplicate=False)]
+            for run in self._run
         ]
 
     def __call__(self, value: Any, params: Mapping[str, torch.Tensor] | None = None) -> Any:
@@ -156,7 +155,7 @@ class SegmentCall:
         run = self._run[u]
         if params is None:
             return run
-        tensors = {self._prefix + name: params[key] for name, key in self._names[u]}
+        tensors = {name: params[key] for name, key in self._names[u]}
 
         def functional(*args: Any, **kwargs: Any) -> Any:
             return torch.func.functional_call(run, tensors, args, kwargs)
@@ -164,10 +163,26 @@ class SegmentCall:
         return functional
 
 
+def _compiled(unit: nn.Module, backend: str) -> nn.Module:
+    """`unit` through `torch.compile`: each layer of an `nn.Sequential` (so that layers of one
+    structure share one compiled graph), else the whole module."""
+    if not _is_sequential(unit):
+        return torch.compile(unit, backend=backend)
+    compiled = OrderedDict(
+        (name, torch.compile(layer, backend=backend)) for name, layer in unit.named_children()
+    )
+    return nn.Sequential(compiled)
+
+
+def _is_sequential(module: nn.Module) -> bool:
+    """Whether `module` runs its layers in order, each on the last one's output."""
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
 def _groups(module: nn.Module, segment: int, every: int) -> list[nn.Module]:
     """`module`'s layers in groups of `every` (the last may be shorter), as `nn.Sequential`s
     that share the layers and keep their names."""
-    sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    sequential = _is_sequential(module)
     if not sequential or len(module) == 0:
         what = "an empty nn.Sequential" if sequential else f"a {type(module).__name__}"
         raise ScheduleConfigError(
