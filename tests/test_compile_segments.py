@@ -19,6 +19,7 @@ from _cli import run_cli
 from _models import largest_difference, tanh_batches
 from test_layer_recompute import gloo_worker
 from torch import nn
+from torch._dynamo.utils import counters
 
 import schedcc
 from schedcc.backends.local import Engine
@@ -163,3 +164,15 @@ def test_schedcc_run_refuses_compile_with_split_backwards():
     assert result.returncode == 2
     assert "splits its backwards" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_layers_of_one_structure_share_compiled_graphs():
+    """Each layer is compiled, so 12 layers of one structure (in groups of one) reuse dynamo's
+    graphs: at most 2 are made (the first layer's input takes no gradient, the others' do),
+    not one per group, which past dynamo's recompile limit would run eagerly."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    segments = _layered(2, num_layers=6)
+    engine = Engine(program, segments, F.mse_loss, _adam, compile="aot_eager", recompute_layers=1)
+    counters.clear()
+    list(engine.train(tanh_batches(1)))
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
