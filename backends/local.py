@@ -123,13 +123,21 @@ class Engine(BaseEngine):
             each stage's (and replica's) optimizer gets its own, stepped once per optimizer
             step that is not skipped, as the non-pipelined loop steps it once per batch; its
             state is saved in checkpoints.
+        recompute_layers: N: each segment (an `nn.Sequential`, as `schedcc.partition` cuts)
+            keeps only every N-th layer boundary and recomputes each group of N layers in the
+            backward, as DeepSpeed's `activation_checkpoint_interval` ([Note: recomputing
+            every N layers] in `backends.runtime.segment_calls`).
+        compile: True (inductor) or a `torch.compile` backend's name (e.g. "aot_eager"): each
+            segment, or each group of `recompute_layers`, runs compiled ([Note: compiled
+            segments]).
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, the
             builder raised or returned a non-module (naming the segment), or
-            `loss_fn`/`optimizer` is not callable; or segments share a `Parameter` object
-            (a tied embedding and LM head) that the program's `tied` groups do not cover, or
-            a tied group's segments share none (`backends.runtime.tied`).
+            `loss_fn`/`optimizer` is not callable, `recompute_layers` is given for a segment
+            that is not an `nn.Sequential`, or `compile` names no backend; or segments share a
+            `Parameter` object (a tied embedding and LM head) that the program's `tied` groups
+            do not cover, or a tied group's segments share none (`backends.runtime.tied`).
         ScheduleError: the program does not validate.
 
     A batch is `(inputs, targets)`, each a tensor or any nesting of tuple, list and dict of
@@ -152,6 +160,8 @@ class Engine(BaseEngine):
         mixed_precision: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         lr_scheduler: LRSchedulerFactory | None = None,
+        recompute_layers: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
@@ -198,6 +208,8 @@ class Engine(BaseEngine):
                     mixed_precision=mixed_precision,
                     bucket_bytes=bucket_bytes,
                     lr_scheduler=lr_scheduler,
+                    recompute_layers=recompute_layers,
+                    compile=compile,
                 )
                 for s in range(schedule.num_stages)
             ]

@@ -163,6 +163,8 @@ class Engine(BaseEngine):
             asynchronous data-parallel reduction carries.
         lr_scheduler: as the local `Engine`'s: `lr_scheduler(optimizer)` over this rank's
             optimizer (under ZeRO its shard optimizer), stepped with every step not skipped.
+        recompute_layers, compile: as the local `Engine`'s: recompute every N layers of each
+            `nn.Sequential` segment in the backward; run each segment through `torch.compile`.
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -200,6 +202,8 @@ class Engine(BaseEngine):
         mixed_precision: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         lr_scheduler: LRSchedulerFactory | None = None,
+        recompute_layers: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
@@ -262,6 +266,8 @@ class Engine(BaseEngine):
             tp_rank=self.tp_rank or 0,
             bucket_bytes=bucket_bytes,
             lr_scheduler=lr_scheduler,
+            recompute_layers=recompute_layers,
+            compile=compile,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)

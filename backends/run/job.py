@@ -150,6 +150,8 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         max_grad_norm=config.max_grad_norm,
         mixed_precision=PRECISIONS[config.precision],
         lr_scheduler=lr_scheduler_of(model, config),
+        recompute_layers=config.recompute_layers,
+        compile=config.compile or False,
     )
     dp_index = dist.get_rank(engine.dp_group)
     if config.resume:

@@ -96,6 +96,7 @@ def measure_memory(
     *,
     num_parts: int = 1,
     seq_dim: int = 1,
+    recompute_layers: int | None = None,
 ) -> MemoryModel:
     """The `schedcc.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
 
@@ -106,7 +107,8 @@ def measure_memory(
     m): activation bytes scale with the microbatch size. With `num_parts > 1` the microbatch is
     cut into that many sequence parts along `seq_dim`, run part after part with their carries
     as the engines run them, and `part_activations` holds what each part's forward saves
-    ([Note: sequence parts] in `schedcc.rules.parts`).
+    ([Note: sequence parts] in `schedcc.rules.parts`). `recompute_layers`: as the engines',
+    each segment keeping only every N-th layer boundary (`backends.runtime.segment_calls`).
 
     >>> import torch
     >>> model = measure_memory([torch.nn.Linear(4, 4)], torch.ones(2, 4), torch.ones(2, 4),
@@ -117,7 +119,7 @@ def measure_memory(
     from schedcc.backends.runtime.boundary import activation, detached, receive
     from schedcc.backends.runtime.losses import call_loss
     from schedcc.backends.runtime.recompute import input_bytes
-    from schedcc.backends.runtime.values import call
+    from schedcc.backends.runtime.segment_calls import SegmentCall, check_recompute_layers
 
     if num_parts > 1:
         return _measure_parts(segments, inputs, targets, loss_fn, optimizer, num_parts, seq_dim)
@@ -127,10 +129,12 @@ def measure_memory(
     for k, module in enumerate(segments):
         ins.append(input_bytes(value))
         counted = list(module.parameters())
+        every = check_recompute_layers(recompute_layers)
+        apply = SegmentCall(module, segment=k, recompute_layers=every)
 
-        def forward(module=module, value=value, k=k):
+        def forward(module=module, value=value, k=k, apply=apply):
             name = f"the forward of segment {k} ({name_of(module)})"
-            out = call_user(name, lambda: call(module, value))
+            out = call_user(name, lambda: apply(value))
             return call_loss(loss_fn, out, targets) if k == last else out
 
         out, num_bytes = SavedBytes().run(("measure", k), counted, forward)

@@ -61,8 +61,12 @@ from schedcc.backends.runtime.offload import CopyLane, OffloadedSaved
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
+from schedcc.backends.runtime.segment_calls import (
+    SegmentCall,
+    check_compile,
+    check_recompute_layers,
+)
 from schedcc.backends.runtime.tied import StageTies
-from schedcc.backends.runtime.values import call
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import BUCKET_BYTES, Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError, call_user, name_of
@@ -120,6 +124,8 @@ class StageRuntime:
             carries ([Note: contiguous gradient buckets] in `backends.runtime.zero`).
         lr_scheduler: `lr_scheduler(optimizer) -> LRScheduler` over the stage's optimizer,
             stepped after each optimizer step that is not skipped (`build_lr_scheduler`).
+        recompute_layers, compile: how each segment is applied (`check_recompute_layers`,
+            `check_compile` and `SegmentCall` in `backends.runtime.segment_calls`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, collectives whose size differs from the
@@ -144,6 +150,8 @@ class StageRuntime:
         tp_rank: int = 0,
         bucket_bytes: int = BUCKET_BYTES,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        recompute_layers: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -165,6 +173,17 @@ class StageRuntime:
         self._delay = schedule.weight_delay
         self._zero = program.zero
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
+        #: how each chunk's segment is applied: [Note: recomputing every N layers]
+        every, backend = check_recompute_layers(recompute_layers), check_compile(compile, program)
+        if schedule.num_parts > 1 and (every or backend):
+            raise ScheduleConfigError(
+                f"recompute_layers= and compile= apply a segment to one value; {schedule!r} "
+                "runs sequence parts, whose segments take (x, carry): leave both off"
+            )
+        self._calls = [
+            SegmentCall(m, segment=k, recompute_layers=every, compile=backend)
+            for m, k in zip(self.modules, self._segment)
+        ]
         #: which segments start and end a model replica ([Note: replicas]): inputs and loss
         self._layout = tensors_of(program).layout
         #: the tied parameters this stage holds; the local backend meets its stages for a
@@ -528,9 +547,9 @@ class StageRuntime:
 
     def _apply(self, c: int, k: int, params, value: Any) -> Any:
         """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
-        module = self._module(c, params)
+        on = params if self._delay or self.modules[c] in self._shadowed else None  # stashed or tied
         with self.precision.compute():
-            out = call_user(self._name(c, k), lambda: call(module, value), passing=_LOST_PEER)
+            out = call_user(self._name(c, k), lambda: self._calls[c](value, on), passing=_LOST_PEER)
         return self.precision.boundary(out, last=self._layout.is_last(k))
 
     def _apply_part(self, c: int, k: int, params, value: Any, carry: Any) -> tuple[Any, Any]:
@@ -546,10 +565,11 @@ class StageRuntime:
         return boundary(out, last=self._layout.is_last(k)), boundary(carried, last=False)
 
     def _module(self, c: int, params) -> Any:
-        """Chunk c's segment as a callable on `params`."""
+        """Chunk c's segment as a callable on `params` (stashed weights or tied copies), or as
+        it is."""
         module = self.modules[c]
-        if self._delay or module in self._shadowed:  # on stashed weights or tied copies
-            module = functools.partial(_functional, module, params)
+        if self._delay or module in self._shadowed:
+            return functools.partial(torch.func.functional_call, module, params)
         return module
 
     def _name(self, c: int, k: int) -> Callable[[], str]:
@@ -788,8 +808,3 @@ def build_lr_scheduler(
             "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))"
         )
     return scheduler
-
-
-def _functional(module: nn.Module, params: dict[str, torch.Tensor], /, *args, **kwargs) -> Any:
-    """`module` run on `params` in place of its own parameters."""
-    return torch.func.functional_call(module, params, args, kwargs)

@@ -70,6 +70,10 @@ class Config:
     grad_norm: bool = False
     tp: int = 1
     recompute: bool = False
+    #: `--recompute-layers N`: recompute every N layers inside each segment (None: off).
+    recompute_layers: int | None = None
+    #: `--compile [BACKEND]`: the torch.compile backend each segment runs through (None: eager).
+    compile: str | None = None
     #: Evaluate on held-out batches every this many steps and after the last (0: never).
     eval_every: int = 0
     eval_batches: int = 2
@@ -213,6 +217,21 @@ def register(subparsers) -> None:
         help="recompute every forward before its backward (compile(..., recompute=True))",
     )
     parser.add_argument(
+        "--recompute-layers",
+        type=positive_int,
+        metavar="N",
+        help="keep every N-th layer boundary of each segment and recompute each group of N "
+        "layers in the backward (Engine(..., recompute_layers=N); nn.Sequential segments)",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="run each segment through torch.compile (Engine(..., compile=...)): inductor, or "
+        "the backend named (e.g. aot_eager)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=positive_int,
         metavar="N",
@@ -332,7 +351,7 @@ def _model(config: Config, schedule):
             "brings its own lr_scheduler: schedule it there, or drop them"
         )
     tied = tuple(tied_groups(model.segments))  # within one replica; compile ties the copies
-    compile(  # a bad program is one line, exit 2
+    program = compile(  # a bad program is one line, exit 2
         schedule,
         data_parallel=config.data_parallel,
         zero=config.zero,
@@ -340,7 +359,24 @@ def _model(config: Config, schedule):
         grad_norm=config.grad_norm,
         recompute=config.recompute,
     )
+    _check_segment_calls(config, model.segments, program)
     return model, tied
+
+
+def _check_segment_calls(config: Config, segments, program) -> None:
+    """`--recompute-layers` and `--compile` checked against the model's segments and the
+    program, as every rank's engine checks them: one line (exit 2), not one from every rank."""
+    from schedcc.backends.runtime.segment_calls import SegmentCall, check_compile
+
+    flags = "--recompute-layers" if config.recompute_layers else "--compile"
+    try:
+        check_compile(config.compile, program)
+        if config.recompute_layers:
+            held = segments.items() if isinstance(segments, dict) else enumerate(segments)
+            for k, segment in held:
+                SegmentCall(segment, segment=k, recompute_layers=config.recompute_layers)
+    except ScheduleConfigError as exc:
+        raise UsageError(f"{flags} with --model {config.model}: {exc}") from None
 
 
 def _config(args, under_torchrun: bool) -> tuple[Config, object]:
@@ -419,6 +455,8 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         every=args.every or 0,
         resume=args.resume,
         recompute=args.recompute,
+        recompute_layers=args.recompute_layers,
+        compile=args.compile,
         eval_every=args.eval_every or 0,
         eval_batches=args.eval_batches,
         rank_order=args.rank_order,
