@@ -52,6 +52,7 @@ from schedcc.memory import MemoryModel
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule
+from schedcc.search import search
 from schedcc.simulate import CostModel, Timeline, simulate
 from schedcc.tune import tune
 from schedcc.validate import validate
@@ -101,6 +102,7 @@ __all__ = [
     "compile",
     "export",
     "get_schedule",
+    "search",
     "simulate",
     "tune",
     "validate",
