@@ -297,7 +297,8 @@ def uses_chunks(schedule_cls: type[Schedule]) -> bool:
     False when its constructor rejects `num_chunks=2` at every probed shape, and when it accepts
     it but yields nothing on chunk 1 (a schedule written for one chunk per stage, like the
     README's GPipe); the shape grids of `schedcc verify` and `schedcc.testing` then keep v = 1.
-    True otherwise, including when the probe fails (the grid will report why).
+    True otherwise, including when the probe fails (the grid will report why). A class may add
+    `(p, m)` shapes to probe first in a `probe_shapes` attribute.
 
     >>> from schedcc.registry import get_schedule
     >>> uses_chunks(get_schedule("interleaved-1f1b")), uses_chunks(get_schedule("1f1b"))
@@ -305,7 +306,8 @@ def uses_chunks(schedule_cls: type[Schedule]) -> bool:
     """
     from schedcc.passes.collect import collect  # the pass imports this module
 
-    for p, m in _PROBE_SHAPES:
+    # a schedule for one shape only (`schedcc.search.FoundOrder`) names it in `probe_shapes`
+    for p, m in (*getattr(schedule_cls, "probe_shapes", ()), *_PROBE_SHAPES):
         try:
             program = collect(build_schedule(schedule_cls, p, m, num_chunks=2))
         except ScheduleConfigError:

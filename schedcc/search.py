@@ -95,6 +95,7 @@ class FoundOrder(Schedule):
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls.default_num_chunks = cls.shape[2]
+        cls.probe_shapes = (cls.shape[:2],)  # where `uses_chunks` can see its chunks
 
     def check(self) -> None:
         shape = (self.num_stages, self.num_microbatches, self.num_chunks)
@@ -213,7 +214,7 @@ def search(
     memory: MemoryModel | None = None,
     memory_limit: float | str | Sequence | None = None,
     split_backward: bool | Iterable[bool] = (False, True),
-    recompute: bool = True,
+    recompute: bool = False,
     data_parallel: int = 1,
     zero: int = 0,
     builtins: bool = True,
@@ -364,8 +365,8 @@ def _families(num_stages, num_chunks, placement, split) -> list[_Family]:
             found.extend(_Family(v, place == "v", s) for s in sorted(set(splits)))
     if not found:
         raise ScheduleConfigError(
-            "search: the V placement needs num_chunks=2 and at least 2 stages; add "
-            "placement='looped'"
+            "search: the V placement needs num_chunks=2 (-v 2) and at least 2 stages; add "
+            "the looped placement (placement='looped', --placement looped)"
         )
     return list(dict.fromkeys(found))
 
@@ -534,7 +535,8 @@ class _Searcher:
         )
         return (
             f"search: no order for p={self.p}, m={self.m} fits the memory limit{least}; raise "
-            "memory_limit, allow recompute=True, or add chunks/placements"
+            "memory_limit, allow recomputation (recompute=True, --recompute), or add chunks and "
+            "placements"
         )
 
     # -- sources ------------------------------------------------------------------------------

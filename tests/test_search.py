@@ -40,6 +40,7 @@ def _found(p, m, chunks, split, limit=None, comm=None):
         split_backward=split,
         costs=costs,
         memory_limit=limit,
+        recompute=limit is not None,
         time_limit=120,
         max_evaluations=150,
     )
@@ -95,7 +96,9 @@ def test_found_order_holds_no_more_measured_bytes_than_the_limit():
         schedcc.compile(get_schedule("1f1b")(p, m)), CostModel(memory=memory)
     )
     limit = max(one_f_one_b.peak_activation_bytes) / 2
-    result = search(p, m, num_chunks=1, memory=memory, memory_limit=limit, max_evaluations=80)
+    result = search(
+        p, m, num_chunks=1, memory=memory, memory_limit=limit, recompute=True, max_evaluations=80
+    )
     engine = Engine(result.program, segments, nn.functional.mse_loss, sgd)
     list(engine.train([(x, y)]))
     assert max(engine.peak_activation_bytes) <= limit

@@ -1,0 +1,67 @@
+"""`schedcc search`: the found order against every built-in, its bound and drawing, the file it
+writes (that `verify` and `show` take), and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from schedcc import get_schedule
+from schedcc.cli import main
+from schedcc.search import FoundOrder
+
+
+def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_path, capsys):
+    """The first line names the makespan and the bound, the ranking lists the found order and
+    the built-ins, the drawing has a row per stage; `--out` writes a file `verify` passes."""
+    out = tmp_path / "my_order.py"
+    argv = ["search", "-p", "3", "-m", "4", "--memory-limit", "2", "--recompute"]
+    assert main([*argv, "--time-limit", "3", "--out", str(out), "--class-name", "Mine"]) == 0
+    text = capsys.readouterr().out
+    first = text.splitlines()[0]
+    assert first.startswith("found: p=3 m=4")
+    assert "lower bound" in first
+    assert "(found)" in text
+    assert "1f1b" in text
+    assert "stage 2 |" in text
+    assert f"{out}:Mine" in text
+    cls = get_schedule(f"{out}:Mine")
+    assert issubclass(cls, FoundOrder)
+    p, m, v = cls.shape
+    verify = ["verify", "--schedule", f"{out}:Mine", "-p", str(p), "-m", str(m), "-v", str(v)]
+    assert main(verify) == 0
+
+
+def test_the_found_file_ranks_in_tune(tmp_path, capsys):
+    """`tune --schedule FILE:Found` ranks the written order with the built-ins."""
+    out = tmp_path / "found.py"
+    assert (
+        main(["search", "-p", "2", "-m", "4", "-v", "1", "--time-limit", "2", "--out", str(out)])
+        == 0
+    )
+    capsys.readouterr()
+    code = main(
+        ["tune", "-p", "2", "-m", "4", "-v", "1", "--schedule", f"{out}:Found", "--format", "json"]
+    )
+    assert code == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert any(row["schedule"] == f"{out}:Found" for row in ranked)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["-p", "3", "-m", "4", "--memory-limit", "0.1"], "no order for p=3, m=4 fits"),
+        (["-p", "3", "-m", "4", "-v", "1", "--placement", "v"], "V placement needs"),
+        (["-p", "3", "-m", "4", "--memory-limit", "1GiB"], "--memory-limit 1GiB is in bytes"),
+        (["-p", "3", "-m", "4", "--class-name", "not a name"], "--class-name"),
+        (["-p", "3", "-m", "4", "--time-limit", "0"], "time_limit"),
+    ],
+)
+def test_bad_input_is_one_line(argv, says, capsys):
+    """Each mistake exits 2 with one line on stderr that says what to change."""
+    assert main(["search", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert says in err
