@@ -67,7 +67,8 @@ class Layout:
                 r = call_user_code(owner, f"replica_of({i})", lambda i=i: schedule.replica_of(i))
                 if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < replicas:
                     raise ScheduleConfigError(
-                        f"{owner}.replica_of({i}) = {r!r}: expected a replica in range({replicas})"
+                        f"{owner}.replica_of({i}) = {r!r}: expected a replica in "
+                        f"range({replicas})"
                     )
                 replica[i] = r
         return cls(
