@@ -47,7 +47,7 @@ from typing import ClassVar
 import attrs
 
 from schedcc.compiler import compile
-from schedcc.costs import CostModel
+from schedcc.costs import CostModel, overlapped_pair
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Backward,
@@ -55,7 +55,6 @@ from schedcc.ir import (
     BackwardWeight,
     Compute,
     Forward,
-    OverlappedBackward,
     Recompute,
     parse,
 )
@@ -91,6 +90,10 @@ class FoundOrder(Schedule):
     shape: ClassVar[tuple[int, int, int]] = (1, 1, 1)
     vshape: ClassVar[bool] = False
     orders: ClassVar[tuple[str, ...]] = ()
+    #: `(stage, chunk)` of each segment, where neither looped nor the V (empty: `vshape`).
+    places: ClassVar[tuple[tuple[int, int], ...]] = ()
+    #: The model replica of each microbatch of a batch ([Note: replicas]; empty: all 0).
+    replicas: ClassVar[tuple[int, ...]] = ()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -112,11 +115,16 @@ class FoundOrder(Schedule):
             )
 
     def placement(self, segment: int) -> tuple[int, int]:
+        if self.places:
+            return tuple(self.places[segment])
         p = self.num_stages
         chunk, offset = divmod(segment, p)
         if self.vshape and chunk % 2:
             return p - 1 - offset, chunk
         return offset, chunk
+
+    def replica_of(self, microbatch: int) -> int:
+        return self.replicas[microbatch] if self.replicas else 0
 
     def steps(self, stage: int):
         ops = [parse(text) for text in self.orders[stage].split()]
@@ -165,8 +173,8 @@ class SearchResult:
     @property
     def peak_activations(self) -> tuple[float, ...]:
         """Per stage, the most microbatch activations held, in whole-stage microbatches."""
-        v = self.schedule.num_chunks
-        return tuple(round(n / v, 3) for n in self.timeline.peak_activations)
+        share = self.schedule.num_chunks // type(self.schedule).num_replicas
+        return tuple(round(n / share, 3) for n in self.timeline.peak_activations)
 
     def to_python(self, class_name: str = "Found") -> str:
         """A short Python file defining `class_name`, a `FoundOrder` replaying this order."""
@@ -192,6 +200,15 @@ class SearchResult:
             f'    name = "{class_name.lower()}"',
             f"    shape = ({p}, {m}, {v})",
             f"    vshape = {schedule.vshape}",
+        ]
+        if schedule.places:
+            lines += [
+                f"    places = {tuple(schedule.places)}",
+                f"    replicas = {tuple(schedule.replicas)}",
+                f"    num_replicas = {type(schedule).num_replicas}",
+                f"    weight_delay = {type(schedule).weight_delay}",
+            ]
+        lines += [
             "    orders = (",
         ]
         for stage, text in enumerate(schedule.orders):
@@ -300,6 +317,9 @@ def search(
     if best is None:
         raise ScheduleConfigError(searcher.nothing_fits())
     bound = min(lower_bound(num_stages, num_microbatches, costs, f) for f in families)
+    if any(text.startswith("+") for row in best.orders for text in row):  # DualPipe's pairs
+        overlapped = lower_bound(num_stages, num_microbatches, costs, best.family, overlapped=True)
+        bound = min(bound, overlapped)
     return SearchResult(
         schedule=best.program.schedule,
         program=best.program,
@@ -324,14 +344,40 @@ def _seeds(start) -> list[tuple[str, type[Schedule]]]:
 
 @attrs.frozen
 class _Family:
-    """A placement and a backward form: the kind of order one search branch builds."""
+    """A placement and a backward form: the kind of order one search branch builds (or, with
+    `places`, the layout of a built-in it starts from: its placement, replicas, weight delay)."""
 
     num_chunks: int
     vshape: bool
     split: bool
+    places: tuple[tuple[int, int], ...] = ()
+    replicas: tuple[int, ...] = ()
+    num_replicas: int = 1
+    weight_delay: int = 0
+
+    @classmethod
+    def of(cls, schedule: Schedule, split: bool) -> _Family:
+        """The layout of `schedule` (a built-in at the searched shape)."""
+        k = range(schedule.num_segments)
+        return cls(
+            schedule.num_chunks,
+            False,
+            split,
+            places=tuple(tuple(schedule.placement(i)) for i in k),
+            replicas=tuple(schedule.replica_of(i) for i in range(schedule.num_microbatches)),
+            num_replicas=type(schedule).num_replicas,
+            weight_delay=type(schedule).weight_delay,
+        )
+
+    @property
+    def share(self) -> int:
+        """The chunks of one model replica per stage ([Note: tune's units])."""
+        return self.num_chunks // self.num_replicas
 
     def segments(self, num_stages: int) -> list[tuple[int, int]]:
         """`(stage, chunk)` of each segment."""
+        if self.places:
+            return list(self.places)
         p, out = num_stages, []
         for segment in range(p * self.num_chunks):
             chunk, offset = divmod(segment, p)
@@ -396,8 +442,17 @@ def _limits(memory_limit, num_stages: int, in_bytes: bool) -> tuple[float, ...] 
     return tuple(out)
 
 
-def lower_bound(num_stages: int, num_microbatches: int, costs: CostModel, family) -> float:
-    """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1."""
+def lower_bound(
+    num_stages: int,
+    num_microbatches: int,
+    costs: CostModel,
+    family,
+    *,
+    overlapped: bool = False,
+) -> float:
+    """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1.
+    `overlapped`: its forwards and backwards may run as overlapped pairs (a pair costs
+    `overlapped_pair`, less than F + B)."""
     p, m, v = num_stages, num_microbatches, family.num_chunks
     costs = _per_chunk(costs, v)
     place = family.segments(p)
@@ -420,7 +475,10 @@ def lower_bound(num_stages: int, num_microbatches: int, costs: CostModel, family
             last_weight = at(0).backward_weight if s else 0.0
             stage = head + ahead + max(weights, below + last_weight)
         else:
-            work = sum(c.forward + c.backward for c in models) * m
+            pair = [c.forward + c.backward for c in models]
+            if overlapped:
+                pair = [min(both, overlapped_pair(c)) for both, c in zip(pair, models)]
+            work = sum(pair) * m
             tail = sum(at(k).backward + hop(k) for k in range(s))
             stage = head + work + tail
         best = max(best, stage)
@@ -482,9 +540,9 @@ class _Searcher:
                 program = self._compile(family, orders)
             except ScheduleError:
                 return None
-        timeline = simulate(program, _per_chunk(self.costs, family.num_chunks))
+        timeline = simulate(program, _per_chunk(self.costs, family.share))
         self.slowest = max(self.slowest, time.monotonic() - began)
-        if not self._fits(timeline, family.num_chunks):
+        if not self._fits(timeline, family.share):
             return None
         candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders)
         self.fitting.append(candidate)
@@ -505,8 +563,8 @@ class _Searcher:
                 program = self._compile(candidate.family, candidate.orders)
             except ScheduleError:  # a replayed built-in validates as the built-in does
                 continue
-            timeline = simulate(program, _per_chunk(self.costs, candidate.family.num_chunks))
-            if self._fits(timeline, candidate.family.num_chunks):
+            timeline = simulate(program, _per_chunk(self.costs, candidate.family.share))
+            if self._fits(timeline, candidate.family.share):
                 return attrs.evolve(candidate, program=program, timeline=timeline)
         return None
 
@@ -542,25 +600,29 @@ class _Searcher:
     # -- sources ------------------------------------------------------------------------------
 
     def seed(self, classes, families: list[_Family], *, recomputed: bool) -> None:
-        """Time the orders of `classes` (`(name, Schedule subclass)` pairs) that have one of
-        `families`' placements and backward forms (with full recomputation: only those that do
-        not fit without it)."""
-        classes = [
-            (name, cls) for name, cls in classes if cls.num_replicas == 1 and not cls.weight_delay
-        ]
-        placements = {(f.num_chunks, f.vshape): f for f in families}
-        for family in placements.values():
+        """Time the orders of `classes` (`(name, Schedule subclass)` pairs) at the searched
+        chunk counts and backward forms: in one of `families`' placements, or in a layout of
+        their own (replicas, a weight delay) when every placement is searched. With full
+        recomputation: only those that do not fit without it."""
+        tables = {}
+        for family in families:
             table = [[-1] * family.num_chunks for _ in range(self.p)]
             for k, (s, c) in enumerate(family.segments(self.p)):
                 table[s][c] = k
+            tables[family.num_chunks, family.vshape] = table
+        every_placement = {f.vshape for f in families if f.num_chunks == 2} == {False, True}
+        for v in sorted({f.num_chunks for f in families}):
             for name, cls in classes:
                 if self.out_of_time():
                     return
-                if recomputed and name in self.fitting_builtins:
+                if recomputed and (name, v) in self.fitting_builtins:
                     continue
                 try:
-                    schedule = build_schedule(cls, self.p, self.m, num_chunks=family.num_chunks)
-                    if schedule.segment_table() != table:
+                    schedule = build_schedule(cls, self.p, self.m, num_chunks=v)
+                    table = schedule.segment_table()
+                    ours = [key for key, t in tables.items() if t == table]
+                    plain = cls.num_replicas == 1 and not cls.weight_delay and ours
+                    if not plain and not (every_placement or v == 1):
                         continue
                     program = compile(
                         schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed
@@ -568,12 +630,13 @@ class _Searcher:
                 except ScheduleError:
                     continue
                 orders = _compute_orders(program)
-                form = attrs.evolve(family, split=orders is not None and _splits(orders))
-                if orders is None or form not in families:
+                split = _splits(orders)
+                form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
+                if not any(f.num_chunks == v and f.split == split for f in families):
                     continue
                 source = name + (" with recompute" if recomputed else "")
                 if self.evaluate(form, orders, source, program) is not None:
-                    self.fitting_builtins.add(name)
+                    self.fitting_builtins.add((name, v))
 
     def list_schedule(self, family: _Family, share: float) -> None:
         """Time the best few orders list scheduling makes under many rules, in about `share`
@@ -636,30 +699,29 @@ class _Searcher:
 
 
 def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
-    return type(
-        "Found",
-        (FoundOrder,),
-        {
-            "shape": (p, m, family.num_chunks),
-            "vshape": family.vshape,
-            "orders": tuple(" ".join(row) for row in orders),
-            "__module__": __name__,
-        },
+    body = {
+        "shape": (p, m, family.num_chunks),
+        "vshape": family.vshape,
+        "orders": tuple(" ".join(row) for row in orders),
+        "__module__": __name__,
+    }
+    if family.places:
+        body.update(
+            places=family.places,
+            replicas=family.replicas,
+            num_replicas=family.num_replicas,
+            weight_delay=family.weight_delay,
+        )
+    return type("Found", (FoundOrder,), body)
+
+
+def _compute_orders(program: Program) -> tuple[tuple[str, ...], ...]:
+    """Each stage's computes as text (overlapped pairs as `F3.1 +B1`), one batch."""
+    m = program.schedule.num_microbatches
+    return tuple(
+        tuple(str(op) for op in ops if isinstance(op, Compute) and op.microbatch < m)
+        for ops in program.stages
     )
-
-
-def _compute_orders(program: Program) -> tuple[tuple[str, ...], ...] | None:
-    """Each stage's computes as text, or None where an order is not a plain F/B/I/W/R one."""
-    out = []
-    for ops in program.stages:
-        row = []
-        for op in ops:
-            if type(op) is OverlappedBackward:
-                return None
-            if isinstance(op, Compute):
-                row.append(str(op))
-        out.append(tuple(row))
-    return tuple(out)
 
 
 def _splits(orders) -> bool:
