@@ -7,9 +7,10 @@ chunks per stage, or a V), and keeps the fastest that validates and fits. Every 
 `schedcc.simulate`; a candidate that does not validate or does not fit is dropped.
 
 [Note: the search] Three sources of candidates, all timed by the simulator:
-1. the built-in orders at the same placement (`registered_classes`, one chunk per stage or two,
-   with and without full recomputation), replayed as `FoundOrder`s: the search starts from the
-   best of what exists;
+1. every built-in order (`registered_classes`) at one chunk per stage or two, and with full
+   recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
+   2BW's delay), replayed as `FoundOrder`s: the search starts from the best of what exists, and
+   times them all whatever `time_limit` says;
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -262,7 +263,8 @@ def search(
         builtins: start from the built-in orders at the same placement.
         start: more schedule classes to start from (e.g. an order found before, to improve
             it); those with another placement or shape are left out.
-        time_limit: seconds the search may take (it stops after the candidate it is timing).
+        time_limit: seconds the search may take beyond timing the built-ins (it stops before
+            a candidate that might not finish in time).
         max_evaluations: stop after this many simulated candidates too (for a search that must
             give the same answer on every machine).
         seed: the seed of the ties' random order.
@@ -308,10 +310,10 @@ def search(
     )
     seeds = _seeds(start) + (list(registered_classes().items()) if builtins else [])
     searcher.seed(seeds, families, recomputed=False)
-    for left, family in zip(range(len(families), 0, -1), families):
-        searcher.list_schedule(family, share=0.5 / left)
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
+    for left, family in zip(range(len(families), 0, -1), families):
+        searcher.list_schedule(family, share=0.5 / left)
     searcher.improve()
     best = searcher.final()
     if best is None:
@@ -612,8 +614,8 @@ class _Searcher:
             tables[family.num_chunks, family.vshape] = table
         every_placement = {f.vshape for f in families if f.num_chunks == 2} == {False, True}
         for v in sorted({f.num_chunks for f in families}):
-            for name, cls in classes:
-                if self.out_of_time():
+            for name, cls in classes:  # all of them, whatever the time: the search starts here
+                if self.max_evals is not None and self.evaluations >= self.max_evals:
                     return
                 if recomputed and (name, v) in self.fitting_builtins:
                     continue
