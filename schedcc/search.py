@@ -23,16 +23,17 @@ chunks per stage, or a V), and keeps the fastest that validates and fits. Every 
 
 [Note: the lower bound] `SearchResult.bound` is a makespan no order of the searched kinds can
 beat under the same costs: the most, over the stages s, of `head(s) + work(s) + tail(s)`, where
-`work(s)` is the compute stage s must run (m forwards and backwards of each of its chunks;
-I + W when the backward is split), `head(s)` the forwards of segments 0..s-1 and one comm per
-hop before its first forward can start (its lowest segment is segment s, in both placements),
-and `tail(s)` the backwards of segments s-1..0 and their comm after its last backward (with a
-split backward: its last input gradient followed by the input gradients below it and stage 0's
-last weight gradient, if that is longer than its remaining weight gradients). It is the least of
-that over the placements and backward forms searched. It ignores the memory limit (at a tight
-limit recomputation or a smaller pipeline depth is unavoidable and the bound is loose), comm a
-stage spends outside the first hops (a stage is busy during its own sends and receives), and
-the updates (`ReduceGrads`, `OptimizerStep`).
+`work(s)` is the compute stage s must run (m forwards and backwards of each of its chunks; the
+lesser of B and I + W where the backward may be split), `head(s)` the forwards of segments
+0..s-1 and one comm per hop before its first forward can start (its lowest segment is segment s,
+in both placements), and `tail(s)` the backwards of segments s-1..0 and their comm after its
+last backward (with a split backward: its last input gradient followed by the input gradients
+below it and stage 0's last weight gradient, if that is longer than its remaining weight
+gradients). It is the least of that over the placements and backward forms searched (and, for an
+order with DualPipe's overlapped pairs, with each pair at its overlapped cost). It ignores the
+memory limit (at a tight limit recomputation or a smaller pipeline depth is unavoidable and the
+bound is loose), comm a stage spends outside the first hops (a stage is busy during its own sends
+and receives), and the updates (`ReduceGrads`, `OptimizerStep`).
 """
 
 from __future__ import annotations
@@ -470,12 +471,19 @@ def lower_bound(
     for s in range(p):
         models = [costs.at(s, c) for c in range(v)]
         head = sum(at(k).forward + hop(k) for k in range(s))
-        if family.split:
-            ahead = sum(c.forward + c.backward_input for c in models) * m
-            weights = sum(c.backward_weight for c in models) * m
-            below = sum(at(k).backward_input + hop(k) for k in range(s))
-            last_weight = at(0).backward_weight if s else 0.0
-            stage = head + ahead + max(weights, below + last_weight)
+        if family.split:  # F/I/W, where a whole B may stand for an I and its W
+            work = [
+                c.forward + min(c.backward, c.backward_input + c.backward_weight) for c in models
+            ]
+            if overlapped:
+                work = [min(w, overlapped_pair(c)) for w, c in zip(work, models)]
+            stage = head + sum(work) * m
+            if not overlapped:  # the last input gradient, the ones below it, stage 0's last W
+                ahead = sum(c.forward + min(c.backward, c.backward_input) for c in models) * m
+                below = sum(min(at(k).backward, at(k).backward_input) + hop(k) for k in range(s))
+                zero = at(0)
+                last = min(zero.backward_weight, zero.backward - zero.backward_input) if s else 0
+                stage = max(stage, head + ahead + below + max(0.0, last))
         else:
             pair = [c.forward + c.backward for c in models]
             if overlapped:

@@ -217,5 +217,14 @@ def test_random_searches_validate_and_stay_above_the_bound(p, m, chunks, split, 
     program = schedcc.compile(cls(*cls.shape))
     assert schedcc.simulate(program, result.timeline.costs).makespan == result.makespan
     assert result.makespan >= result.bound - 1e-9
-    own = lower_bound(p, m, costs, _Family(cls.shape[2], cls.vshape, split))
-    assert result.bound <= own + 1e-9 <= result.makespan + 2e-9
+    chunks = (chunks,) if isinstance(chunks, int) else chunks
+    searched = min(
+        lower_bound(p, m, costs, _Family(v, vshape, split))
+        for v in chunks
+        for vshape in (False, True)
+        if not vshape or (v == 2 and p >= 2)
+    )
+    if any("+" in row for row in cls.orders):  # DualPipe's overlapped pairs cost less
+        assert result.bound <= searched + 1e-9
+    else:
+        assert result.bound == pytest.approx(searched)
