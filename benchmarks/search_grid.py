@@ -10,7 +10,8 @@ issue's targets: never slower than the best built-in, strictly faster where the 
 more than 3% above the bound, within 3% of the bound.
 
     .venv/bin/python benchmarks/search_grid.py                  # p = 4, 8 (216 shapes)
-    .venv/bin/python benchmarks/search_grid.py --stages 16 --jobs 1 --time-limit 10
+    .venv/bin/python benchmarks/search_grid.py --stages 16 --time-limit 10 --ratios 1:2:1 \
+        --comms 0.1 --heavy "last 1.5x"                         # 9 shapes at p = 16
     .venv/bin/python benchmarks/search_grid.py --quick          # 12 shapes at p = 4
 """
 
@@ -90,13 +91,18 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--time-limit", type=float, default=3.0)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--ratios", nargs="+", default=list(RATIOS), choices=list(RATIOS))
+    parser.add_argument("--comms", type=float, nargs="+", default=list(COMMS))
+    parser.add_argument("--heavy", nargs="+", default=list(HEAVY), choices=list(HEAVY))
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     shapes = [
         (p, m, ratio, comm, heavy, fraction, args.time_limit)
         for p in args.stages
         for m in (p, 2 * p, 4 * p)
-        for ratio, comm, heavy, fraction in itertools.product(RATIOS, COMMS, HEAVY, LIMITS)
+        for ratio, comm, heavy, fraction in itertools.product(
+            args.ratios, args.comms, args.heavy, LIMITS
+        )
     ]
     if args.quick:
         shapes = [s for s in shapes if s[0] == 4 and s[1] == 8 and s[3] == 0.1][:12]
