@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from schedcc import get_schedule
+import schedcc
+from schedcc import CostModel, get_schedule
 from schedcc.cli import main
-from schedcc.search import FoundOrder
+from schedcc.search import FoundOrder, search
 
 
 def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_path, capsys):
@@ -65,3 +66,24 @@ def test_bad_input_is_one_line(argv, says, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert says in err
+
+
+def test_costs_from_a_trace_of_a_slow_last_stage(tmp_path, capsys):
+    """`--costs-from` reads a measured trace per stage (`CostModel.from_trace`): the bound it
+    prints is that of the measured costs, above the balanced one (the slow last stage shows)."""
+    slow = CostModel(forward=2.0, backward=4.0, backward_input=2.0, backward_weight=2.0)
+    trace = tmp_path / "run.json"
+    program = schedcc.compile(get_schedule("1f1b")(3, 4))
+    schedcc.simulate(program, CostModel(per_stage={2: slow})).to_chrome_trace(trace)
+    argv = ["search", "-p", "3", "-m", "4", "-v", "1", "--backward", "B", "--time-limit", "2"]
+    assert main([*argv, "--costs-from", str(trace)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+
+    def bound(costs):
+        return search(
+            3, 4, num_chunks=1, split_backward=False, costs=costs, max_evaluations=1
+        ).bound
+
+    measured = bound(CostModel.from_trace(trace))
+    assert f"lower bound {measured:g} " in first
+    assert measured > bound(CostModel())
