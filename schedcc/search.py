@@ -52,12 +52,7 @@ from schedcc.compiler import compile
 from schedcc.costs import CostModel, overlapped_pair
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
-    Backward,
-    BackwardInput,
-    BackwardWeight,
     Compute,
-    Forward,
-    Recompute,
     parse,
 )
 from schedcc.memory import MemoryModel, parse_size
@@ -215,8 +210,9 @@ class SearchResult:
         ]
         for stage, text in enumerate(schedule.orders):
             lines.append(f"        # stage {stage}")
-            for piece in textwrap.wrap(text, 80, break_on_hyphens=False):
-                end = " " if piece != text[-len(piece) :] else ""
+            pieces = textwrap.wrap(text, 80, break_on_hyphens=False) or [""]
+            for n, piece in enumerate(pieces):
+                end = " " if n + 1 < len(pieces) else ""
                 lines.append(f'        "{piece}{end}"')
             lines[-1] += ","
         lines.append("    )")
@@ -974,6 +970,3 @@ def _same_thread(a: str, b: str) -> bool:
     if (x.microbatch, x.chunk) == (y.microbatch, y.chunk):
         return True
     return type(x) is type(y) and x.chunk == y.chunk
-
-
-_ = (Backward, BackwardInput, BackwardWeight, Forward, Recompute)
