@@ -4,6 +4,9 @@ writes (that `verify` and `show` take), and one-line errors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -87,3 +90,24 @@ def test_costs_from_a_trace_of_a_slow_last_stage(tmp_path, capsys):
     measured = bound(CostModel.from_trace(trace))
     assert f"lower bound {measured:g} " in first
     assert measured > bound(CostModel())
+
+
+def test_run_trains_the_written_file_exactly(tmp_path, capsys):
+    """`schedcc run --schedule FILE:Found` trains the found order on two processes (gloo) and
+    `--check` finds it equal to non-pipelined training."""
+    out = tmp_path / "found.py"
+    assert main(["search", "-p", "2", "-m", "8", "--time-limit", "3", "--out", str(out)]) == 0
+    capsys.readouterr()
+    v = get_schedule(f"{out}:Found").shape[2]
+    argv = ["--schedule", f"{out}:Found", "-p", "2", "-m", "8", "-v", str(v), "--steps", "3"]
+    argv += ["--check", "--model", "mlp", "--p2p", "gloo"]
+    result = subprocess.run(
+        [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Found(p=2, m=8" in result.stdout
+    assert ": ok" in result.stdout
