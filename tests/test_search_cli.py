@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -111,3 +112,44 @@ def test_run_trains_the_written_file_exactly(tmp_path, capsys):
     assert result.returncode == 0, result.stderr
     assert "Found(p=2, m=8" in result.stdout
     assert ": ok" in result.stdout
+
+
+def _schedcc_run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
+    """The closed loop: a first run's trace in, `--schedule search --costs-from` searches for
+    its measured costs, prints the simulated step, and trains the found order exactly."""
+    trace = tmp_path / "first.json"
+    first = _schedcc_run("--steps", "2", "--model", "mlp", "--trace", str(trace))
+    assert first.returncode == 0, first.stderr
+    result = _schedcc_run(
+        "--schedule", "search", "--costs-from", str(trace), "--search-time", "2",
+        "--steps", "2", "--model", "mlp", "--check",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"search: simulated step [0-9.]+ ms \(lower bound", result.stdout)
+    assert "Found(p=2, m=8" in result.stdout
+    assert ": ok" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--schedule", "search"], "needs --costs-from TRACE"),
+        (["--schedule", "1f1b", "--costs-from", "t.json"], "goes with --schedule search"),
+    ],
+)
+def test_run_search_mistakes_are_one_line(argv, says, capsys):
+    """`--schedule search` without a trace, or a trace without it: one line, exit 2."""
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert says in err
