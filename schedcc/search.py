@@ -289,6 +289,18 @@ def search(
     for arg, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleConfigError(f"search: {arg} must be a positive integer, got {value!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ScheduleConfigError(f"search: data_parallel must be >= 1, got {data_parallel!r}")
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise ScheduleConfigError(f"search: zero must be 0, 1, 2 or 3, got {zero!r}")
+    if max_evaluations is not None and (
+        isinstance(max_evaluations, bool)
+        or not isinstance(max_evaluations, int)
+        or max_evaluations < 1
+    ):
+        raise ScheduleConfigError(
+            f"search: max_evaluations must be a positive integer or None, got {max_evaluations!r}"
+        )
     if not isinstance(time_limit, (int, float)) or not 0 < time_limit < math.inf:
         raise ScheduleConfigError(f"search: time_limit must be seconds > 0, got {time_limit!r}")
     limits = _limits(memory_limit, num_stages, costs.memory is not None)

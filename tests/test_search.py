@@ -181,6 +181,9 @@ def test_a_found_class_refuses_other_shapes():
         {"costs": "F=1"},
         {"start": ["1f1b"]},
         {"placement": "v", "num_chunks": 1},
+        {"data_parallel": 0},
+        {"zero": 4},
+        {"max_evaluations": 0},
     ],
     ids=str,
 )
