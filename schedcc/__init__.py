@@ -56,6 +56,7 @@ from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule
+from schedcc.search import search
 from schedcc.simulate import CostModel, Timeline, simulate
 from schedcc.tune import tune
 from schedcc.validate import validate
@@ -109,6 +110,7 @@ __all__ = [
     "export",
     "get_schedule",
     "microbatches",
+    "search",
     "simulate",
     "tune",
     "validate",

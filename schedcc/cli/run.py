@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 import tempfile
+from pathlib import Path
 
 from schedcc.cli import args as shared
 from schedcc.cli.args import UsageError, positive_int
@@ -30,6 +31,7 @@ EPILOG = """examples:
   schedcc run --schedule interleaved-1f1b -p 2 -v 2 -m 8 --steps 50 --trace run.json
   schedcc run --dp 2 --zero 1 --check
   schedcc run --schedule my_schedules.py:MySchedule --model mlp
+  schedcc run --schedule search --costs-from run.json     (run.json: a first run's --trace)
   schedcc run --model examples/char_lm.py:make -p 4 --check
   schedcc run --steps 100 --checkpoint ckpt --every 10      (then add --resume after a crash)
   torchrun --nproc-per-node 4 -m schedcc run -p 2          (dp = world / p)
@@ -146,6 +148,21 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="write the measured Chrome trace here")
+    parser.add_argument(
+        "--costs-from",
+        type=Path,
+        default=None,
+        metavar="TRACE",
+        help="with --schedule search: train the order schedcc search finds for the costs "
+        "measured in this trace (a first run's --trace)",
+    )
+    parser.add_argument(
+        "--search-time",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds --schedule search may search (default 10)",
+    )
     parser.add_argument(
         "--metrics",
         metavar="PATH",
@@ -387,6 +404,10 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     if not 0 <= args.warmup <= args.steps:
         raise UsageError(f"--warmup must be 0 to --steps ({args.steps}) steps, got {args.warmup}")
+    if args.schedule == "search":
+        args.schedule, args.num_chunks = _searched(args, under_torchrun)
+    elif args.costs_from is not None:
+        raise UsageError("--costs-from goes with --schedule search (the order to search for it)")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
     if args.tp not in (1, 2, 4):
@@ -465,6 +486,47 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         metrics=args.metrics,
     )
     return config, schedule
+
+
+def _searched(args, under_torchrun: bool) -> tuple[str, int]:
+    """`--schedule search`: the order `schedcc.search` finds for the costs measured in
+    `--costs-from` (milliseconds), written to a file the ranks load; its simulated step is
+    printed, to set against the measured one in the summary."""
+    if under_torchrun:
+        raise UsageError(
+            "--schedule search runs on the processes schedcc run starts; under torchrun, search "
+            "first (schedcc search -p P -m M --costs-from TRACE --out found.py) and pass "
+            "--schedule found.py:Found"
+        )
+    if args.costs_from is None:
+        raise UsageError(
+            "--schedule search needs --costs-from TRACE, the Chrome trace of a first run "
+            "(schedcc run ... --trace TRACE)"
+        )
+    if not 0 < args.search_time < math.inf:
+        raise UsageError(
+            f"--search-time must be a positive number of seconds, got {args.search_time:g}"
+        )
+    from schedcc.costs import CostModel
+    from schedcc.search import search
+
+    result = search(
+        args.num_stages,
+        args.num_microbatches,
+        num_chunks=(1, 2) if args.num_chunks is None else args.num_chunks,
+        costs=CostModel.from_trace(args.costs_from),
+        data_parallel=args.dp or 1,
+        zero=args.zero,
+        time_limit=args.search_time,
+    )
+    path = Path(tempfile.mkdtemp(prefix="schedcc-search-")) / "found.py"
+    path.write_text(result.to_python())
+    print(
+        f"search: simulated step {result.makespan:.2f} ms (lower bound {result.bound:.2f} ms) "
+        f"under the costs measured in {args.costs_from}, from {result.source}; the order is "
+        f"{path}:Found"
+    )
+    return f"{path}:Found", result.schedule.num_chunks
 
 
 def _grad_norm(args, schedule, dp: int) -> bool:
