@@ -2,8 +2,9 @@
 
 A batch is `(inputs, targets)`: each a boundary value (`backends.runtime.values`: a tensor, or
 any nesting of tuple, list and dict of tensors and constants). Every tensor in it is split along
-dim 0 into `m` equal microbatches, constants are repeated, and every check raises a
-`ScheduleConfigError` that names the batch (and the replica) before anything runs.
+dim 0 into `m` equal microbatches (or, given `microbatch_sizes`, into `m` microbatches of those
+sizes: `check_sizes`), constants are repeated, and every check raises a `ScheduleConfigError`
+that names the batch (and the replica) before anything runs.
 
 With data parallelism the local engine also takes one global batch, split into `dp` equal local
 batches in order, or the `dp` local batches themselves: a sequence of `dp` items that are each a
@@ -23,6 +24,7 @@ from schedcc.errors import ScheduleConfigError
 
 __all__ = [
     "batch_size",
+    "check_sizes",
     "is_pair",
     "local_batches",
     "same_sizes",
@@ -57,17 +59,87 @@ def batch_size(value: Any, name: str, where: str) -> int | None:
     return tensors[0].shape[0]
 
 
+def check_sizes(sizes: Any, m: int, *, where: str = "microbatch_sizes") -> tuple[int, ...]:
+    """`sizes` as a tuple of `m` positive ints: how many samples each microbatch of a batch
+    holds (`train_step(..., microbatch_sizes=...)`); their sum is checked against the batch in
+    `split_pair`.
+
+    Raises:
+        ScheduleConfigError: not a sequence of ints, another count than `m`, or a size below 1.
+
+    >>> check_sizes([1, 3, 2, 6], 4)
+    (1, 3, 2, 6)
+    >>> check_sizes([4, 0], 2)
+    Traceback (most recent call last):
+    ...
+    schedcc.errors.ScheduleConfigError: microbatch_sizes[1] is 0: every microbatch needs at \
+least one sample (give m=2 sizes of 1 or more)
+    """
+    try:
+        items = list(sizes)
+    except TypeError:
+        items = None
+    if items is None or isinstance(sizes, (str, bytes)):
+        raise ScheduleConfigError(
+            f"{where} must be a list of m={m} sample counts, one per microbatch, got "
+            f"{type(sizes).__name__}"
+        )
+    for k, size in enumerate(items):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ScheduleConfigError(
+                f"{where}[{k}] is {size!r}, not an int: give the number of samples of each "
+                "microbatch"
+            )
+    if len(items) != m:
+        raise ScheduleConfigError(
+            f"{where} gives {len(items)} sizes but the program splits a batch into m={m} "
+            f"microbatches: give one size per microbatch (or compile with "
+            f"num_microbatches={len(items)})"
+        )
+    for k, size in enumerate(items):
+        if size < 1:
+            raise ScheduleConfigError(
+                f"{where}[{k}] is {size}: every microbatch needs at least one sample (give "
+                f"m={m} sizes of 1 or more)"
+            )
+    return tuple(items)
+
+
 def split_pair(
-    inputs: Any, targets: Any, m: int, *, where: str, need_inputs: bool = True
+    inputs: Any,
+    targets: Any,
+    m: int,
+    *,
+    where: str,
+    need_inputs: bool = True,
+    sizes: Sequence[int] | None = None,
+    parts: int = 1,
+    seq_dim: int = 1,
 ) -> tuple[list[Any], list[Any]]:
     """The `m` microbatches of `inputs` and of `targets` (`where` starts every message, e.g.
-    "batch 0 (replica 1)").
+    "batch 0 (replica 1)"), of `sizes` samples each where given (`check_sizes`). With
+    `parts > 1` they are sequence parts ([Note: sequence parts] in `schedcc.rules.parts`): the
+    batch is split into `m / parts` along dim 0 and each of those into `parts` along `seq_dim`,
+    in that order.
 
     Raises:
         ScheduleConfigError: inputs without a tensor (when `need_inputs`), targets with another
-            batch size than the inputs, a batch size that `m` does not divide, or a tensor
-            whose dim 0 differs from its value's batch size (named by its path).
+            batch size than the inputs, a batch size that `m / parts` does not divide (or that
+            `sizes` do not sum to), a tensor whose dim 0 differs from its value's batch size
+            (named by its path), or one whose `seq_dim` `parts` does not divide.
     """
+    if parts > 1:
+        if sizes is not None:
+            raise ScheduleConfigError(
+                f"{where}: microbatch_sizes with sequence parts (num_parts={parts}): a part is a "
+                "slice of every sample's sequence, so the parts of a microbatch are equal; give "
+                "equal microbatches, or a schedule without parts"
+            )
+        xs, ys = split_pair(inputs, targets, m // parts, where=where, need_inputs=need_inputs)
+        return (
+            _parts(xs, parts, seq_dim, "inputs", where),
+            _parts(ys, parts, seq_dim, "targets", where),
+        )
     size = batch_size(inputs, "inputs", where)
     if size is None and need_inputs:
         raise ScheduleConfigError(
@@ -81,15 +153,44 @@ def split_pair(
             "have the same batch size (dim 0)"
         )
     size = size if size is not None else target_size
-    if size is not None and size % m:
+    if sizes is not None:
+        sizes = check_sizes(sizes, m)
+        if size is not None and sum(sizes) != size:
+            raise ScheduleConfigError(
+                f"{where}: microbatch_sizes {list(sizes)} sum to {sum(sizes)} but the batch "
+                f"holds {size} samples: give sizes that add up to the batch size"
+            )
+    elif size is not None and size % m:
         raise ScheduleConfigError(
             f"{where}: {size} samples cannot be split into m={m} equal microbatches; make the "
-            f"batch size a multiple of {m}"
+            f"batch size a multiple of {m}, or give microbatch_sizes"
         )
     try:
-        return split(inputs, m, name="inputs"), split(targets, m, name="targets")
+        return (
+            split(inputs, m, name="inputs", sizes=sizes),
+            split(targets, m, name="targets", sizes=sizes),
+        )
     except ScheduleConfigError as exc:
         raise ScheduleConfigError(f"{where}: {exc}") from None
+
+
+def _parts(values: list[Any], parts: int, seq_dim: int, name: str, where: str) -> list[Any]:
+    """Each of `values` cut into `parts` equal pieces along `seq_dim` of every tensor, in order
+    (constants repeated); the pieces are views."""
+    out = []
+    for value in values:
+        tensors, spec = flatten(value, name=name)
+        pieces = []
+        for tensor in tensors:
+            if not -tensor.dim() <= seq_dim < tensor.dim() or tensor.shape[seq_dim] % parts:
+                raise ScheduleConfigError(
+                    f"{where}: {name} holds a tensor of shape {tuple(tensor.shape)}, which does "
+                    f"not split into {parts} equal sequence parts along seq_dim={seq_dim}; make "
+                    f"that dim a multiple of {parts}, or choose seq_dim= of the schedule"
+                )
+            pieces.append(tensor.chunk(parts, dim=seq_dim))
+        out.extend(unflatten([p[j] for p in pieces], spec) for j in range(parts))
+    return out
 
 
 def local_batches(batch: Any, index: int, data_parallel: int) -> list[tuple[Any, Any]]:

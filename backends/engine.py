@@ -19,7 +19,9 @@ how tensors travel between them. What a user sees is written here once, so the t
   (`schedcc.compile(..., forward_only=True)`) with the segments in eval mode, under a copy of
   the RNG state, and change no parameter, gradient, optimizer or RNG state;
 - `save(path) -> Path` (the manifest) and `load(path)` (into any shape, by parameter name);
-  `state_dict()`, the whole model's; `peak_activation_bytes` per stage.
+  `state_dict()`, the whole model's; `peak_activation_bytes` per stage;
+- `register_handler(kind, fn)` runs an instruction kind with the user's code
+  (`backends.runtime.handlers`).
 
 An engine supplies `_prepare` (check and split one run's batches, raising before anything runs),
 `_run` (run the program once, returning each batch's loss and named parts), `_forward_run` (the
@@ -42,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from schedcc.backends.batches import is_pair
+from schedcc.backends.batches import check_sizes, is_pair
 from schedcc.backends.checkpoint.model import model_names
 from schedcc.backends.metrics import OnStep, step_records
+from schedcc.backends.runtime.handlers import check_handler
 from schedcc.backends.runtime.precision import LOW_PRECISION
 from schedcc.errors import ScheduleConfigError, first_line
 from schedcc.ir import GradNorm
@@ -144,7 +147,13 @@ class BaseEngine(abc.ABC):
 
     # -- training -------------------------------------------------------------------------------
 
-    def train(self, batches: Iterable[Any], *, on_step: OnStep | None = None) -> Iterator[float]:
+    def train(
+        self,
+        batches: Iterable[Any],
+        *,
+        on_step: OnStep | None = None,
+        microbatch_sizes: Iterable[Sequence[int]] | None = None,
+    ) -> Iterator[float]:
         """Train on `batches`, yielding each batch's loss.
 
         The program covers `num_batches` optimizer steps; the batches are taken that many at a
@@ -157,13 +166,16 @@ class BaseEngine(abc.ABC):
             on_step: None, or called after each run with each of its steps' records (in
                 order, before their losses are yielded) where `writes_metrics`: e.g. a
                 `backends.metrics.JsonlWriter` (see `backends.metrics.step_records`).
+            microbatch_sizes: None (equal microbatches), or one list of `m` sizes per batch,
+                taken alongside them (as `train_step`'s).
 
         Raises:
-            ScheduleConfigError: a bad batch (a whole group is checked before it runs), or fewer
-                batches left than one program covers.
+            ScheduleConfigError: a bad batch (a whole group is checked before it runs), fewer
+                batches left than one program covers, or bad or missing sizes for a batch.
         """
-        per_run = self.program.schedule.num_batches
+        m, per_run = self.program.schedule.num_microbatches, self.program.schedule.num_batches
         stream = iter(batches)
+        sizes = iter(microbatch_sizes) if microbatch_sizes is not None else None
         first = 0
         while group := list(islice(stream, per_run)):
             if len(group) < per_run:
@@ -171,7 +183,17 @@ class BaseEngine(abc.ABC):
                     f"the program covers {per_run} batches per run but only {len(group)} were "
                     f"left: pass a multiple of {per_run} batches, or compile with num_batches=1"
                 )
-            prepared = self._prepare(group, first)
+            given = None
+            if sizes is not None:
+                given = [next(sizes, None) for _ in group]
+                if any(n is None for n in given):
+                    raise ScheduleConfigError(
+                        f"microbatch_sizes ran out at batch {first + given.index(None)}: give "
+                        "one list of sizes per batch"
+                    )
+                given = [check_sizes(n, m, where=f"batch {first + j}: microbatch_sizes")
+                         for j, n in enumerate(given)]  # fmt: skip
+            prepared = self._prepare(group, first, given)
             watch = self._watch(on_step)
             losses = self._run(prepared)
             first += per_run
@@ -181,14 +203,28 @@ class BaseEngine(abc.ABC):
                 self.last_metrics = parts
                 yield loss
 
-    def train_step(self, inputs: Any, targets: Any, *, on_step: OnStep | None = None) -> float:
+    def train_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        *,
+        microbatch_sizes: Sequence[int] | None = None,
+        on_step: OnStep | None = None,
+    ) -> float:
         """One optimizer step on one batch, for flush schedules; returns its loss.
 
-        `on_step`, if given, is called with the step's record, as `train`'s.
+        `microbatch_sizes`, if given, are the samples of each of the `m` microbatches (a local
+        batch's, alike on every data-parallel replica and every rank), in order: microbatches
+        of unequal size ([Note: unequal microbatches] in `backends.runtime.losses`; see
+        `schedcc.microbatches.balance`). `on_step`, if given, is called with the step's
+        record, as `train`'s.
 
         Raises:
             ScheduleConfigError: the program covers more than one batch or delays weights (a
-                delay acts across the batches of one run: use `train`), or a bad batch.
+                delay acts across the batches of one run: use `train`), a bad batch, or
+                `microbatch_sizes` that are not `m` positive ints summing to the batch size.
+
+        >>> # engine.train_step(x[:12], y[:12], microbatch_sizes=[1, 3, 2, 6])
         """
         schedule = self.program.schedule
         if schedule.weight_delay or schedule.num_batches != 1:
@@ -197,7 +233,10 @@ class BaseEngine(abc.ABC):
                 f"{schedule.weight_delay} and num_batches={schedule.num_batches}: use "
                 "train(batches), which runs the program once per num_batches batches"
             )
-        prepared = self._prepare([(inputs, targets)], 0)
+        sizes = None
+        if microbatch_sizes is not None:
+            sizes = [check_sizes(microbatch_sizes, schedule.num_microbatches)]
+        prepared = self._prepare([(inputs, targets)], 0, sizes)
         watch = self._watch(on_step)
         ((loss, parts),) = losses = self._run(prepared)
         self.steps += 1
@@ -245,6 +284,33 @@ class BaseEngine(abc.ABC):
             if runtime.optimizer is not None:
                 return float(runtime.optimizer.param_groups[0]["lr"])
         return None
+
+    # -- the user's handlers --------------------------------------------------------------------
+
+    def register_handler(self, kind: type, fn: Callable[[Any], Any]) -> None:
+        """Run every instruction of `kind` through `fn(call)`, on every stage this engine
+        holds (on the distributed engine, each rank registers its own).
+
+        `kind` is a compute instruction class (`backends.runtime.handlers.HANDLED`). `fn` gets
+        an `InstructionCall` (`stage`, `instruction`, `modules`, `device`) and runs the
+        built-in work with `call.run()`, once; for `OverlappedBackward` an `OverlappedPair`
+        whose `run_forward()` and `run_backward()` it calls once each, in either order or at
+        once, replacing the default (two CUDA streams; in order on the CPU). See [Note:
+        custom handlers] and [Note: running an overlapped pair] in
+        `backends.runtime.handlers`.
+
+        Raises:
+            ScheduleConfigError: `kind` is not a compute instruction class, or `fn` is not
+                callable. A handler that raises, or returns without running its work, is a
+                `RuntimeInstructionError` naming the instruction when it runs.
+
+        >>> # def pair(call):  # e.g. time each half, or overlap a MoE all-to-all
+        >>> #     call.run_backward(); call.run_forward()
+        >>> # engine.register_handler(schedcc.OverlappedBackward, pair)
+        """
+        check_handler(kind, fn)
+        for runtime in self._all_runtimes():
+            runtime.register_handler(kind, fn)
 
     # -- evaluation -----------------------------------------------------------------------------
 
@@ -400,9 +466,12 @@ class BaseEngine(abc.ABC):
         manifest path `save` returned), or raise `CheckpointError` and change nothing."""
 
     @abc.abstractmethod
-    def _prepare(self, group: list[Any], first: int) -> Any:
+    def _prepare(
+        self, group: list[Any], first: int, sizes: list[tuple[int, ...]] | None = None
+    ) -> Any:
         """Check and split the batches of one run (`first` is the first one's index, for
-        messages); raise `ScheduleConfigError` before anything runs."""
+        messages; `sizes`: per batch, its microbatches' sizes, None for equal ones); raise
+        `ScheduleConfigError` before anything runs."""
 
     @abc.abstractmethod
     def _run(self, prepared: Any) -> list[tuple[float, dict[str, float]]]:

@@ -10,7 +10,7 @@ distributed backend is tested against.
 reaches a comm group *posts* all of it: each send's tensor goes into a mailbox keyed by the route
 the validator pairs it with (`comm_route`), and each receive is marked as expected. The group is
 *done* once each send is expected by its receiver and each receive has its tensor, i.e. once
-every op's partner group is posted, and only then does the stage go on. That is the step model
+every op's partner group is posted, and only then does the stage go on. That is the rendezvous model
 itself, so a program runs here exactly when the validator accepts it (posting a group's sends
 before waiting on any receive is what runs `F0 [RG0 SA0] B0` against `[RA0] F0 B0 [SG0]`; waiting
 on each receive in turn is a stricter model, which deadlocked there). The distributed backend runs
@@ -84,7 +84,7 @@ from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import DeadlockError
 from schedcc.ir import Comm, GradNorm, Instruction, ReduceTied
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps, comm_route
+from schedcc.semantics import Layout, Units, comm_route
 from schedcc.semantics.collectives import tie_members
 
 __all__ = ["Engine"]
@@ -123,13 +123,21 @@ class Engine(BaseEngine):
             each stage's (and replica's) optimizer gets its own, stepped once per optimizer
             step that is not skipped, as the non-pipelined loop steps it once per batch; its
             state is saved in checkpoints.
+        recompute_layers: N: each segment (an `nn.Sequential`, as `schedcc.partition` cuts)
+            keeps only every N-th layer boundary and recomputes each group of N layers in the
+            backward, as DeepSpeed's `activation_checkpoint_interval` ([Note: recomputing
+            every N layers] in `backends.runtime.segment_calls`).
+        compile: True (inductor) or a `torch.compile` backend's name (e.g. "aot_eager"): each
+            segment, or each group of `recompute_layers`, runs compiled ([Note: compiled
+            segments]).
 
     Raises:
         ScheduleConfigError: the number of segments is not `p * v`, one is not a module, the
             builder raised or returned a non-module (naming the segment), or
-            `loss_fn`/`optimizer` is not callable; or segments share a `Parameter` object
-            (a tied embedding and LM head) that the program's `tied` groups do not cover, or
-            a tied group's segments share none (`backends.runtime.tied`).
+            `loss_fn`/`optimizer` is not callable, `recompute_layers` is given for a segment
+            that is not an `nn.Sequential`, or `compile` names no backend; or segments share a
+            `Parameter` object (a tied embedding and LM head) that the program's `tied` groups
+            do not cover, or a tied group's segments share none (`backends.runtime.tied`).
         ScheduleError: the program does not validate.
 
     A batch is `(inputs, targets)`, each a tensor or any nesting of tuple, list and dict of
@@ -152,6 +160,8 @@ class Engine(BaseEngine):
         mixed_precision: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         lr_scheduler: LRSchedulerFactory | None = None,
+        recompute_layers: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
@@ -198,6 +208,8 @@ class Engine(BaseEngine):
                     mixed_precision=mixed_precision,
                     bucket_bytes=bucket_bytes,
                     lr_scheduler=lr_scheduler,
+                    recompute_layers=recompute_layers,
+                    compile=compile,
                 )
                 for s in range(schedule.num_stages)
             ]
@@ -289,25 +301,40 @@ class Engine(BaseEngine):
             for rt in replicas:
                 rt.unshard_all([flat.clone() for flat in full])
 
-    def _prepare(self, group: list[Any], first: int) -> list[Microbatches]:
-        return [self._split(batch, first + j) for j, batch in enumerate(group)]
+    def _prepare(
+        self, group: list[Any], first: int, sizes: list[tuple[int, ...]] | None = None
+    ) -> tuple[list[Microbatches], list[tuple[int, ...] | None]]:
+        per_batch = sizes or [None] * len(group)
+        split = [
+            self._split(b, first + j, sizes=n) for j, (b, n) in enumerate(zip(group, per_batch))
+        ]
+        return split, per_batch
 
-    def _split(self, batch: Any, index: int, m: int | None = None) -> Microbatches:
-        """Per replica, the microbatches of inputs and targets; checks everything first."""
+    def _split(
+        self, batch: Any, index: int, m: int | None = None, sizes: tuple[int, ...] | None = None
+    ) -> Microbatches:
+        """Per replica, the microbatches of inputs and targets (of `sizes` samples each, where
+        given); checks everything first."""
         dp, m = self.program.data_parallel, m or self.program.schedule.num_microbatches
         local = local_batches(batch, index, dp)
         same_sizes(local, index)
         where = [f"batch {index}" + (f" (replica {r})" if dp > 1 else "") for r in range(dp)]
-        return [split_pair(x, y, m, where=w) for (x, y), w in zip(local, where)]
+        parts, seq_dim = self.program.schedule.num_parts, self.program.schedule.seq_dim
+        return [
+            split_pair(x, y, m, where=w, sizes=sizes, parts=parts, seq_dim=seq_dim)
+            for (x, y), w in zip(local, where)
+        ]
 
     def _held_modules(self) -> list[nn.Module]:
         return [mod for runtimes in self.runtimes for rt in runtimes for mod in rt.modules]
 
     # -- running --------------------------------------------------------------------------------
 
-    def _run(self, batches: list[Microbatches]) -> list[tuple[float, dict[str, float]]]:
-        """Run the program once over `batches` (per batch, per replica microbatches)."""
-        self._load(batches, forward_only=False)
+    def _run(self, prepared) -> list[tuple[float, dict[str, float]]]:
+        """Run the program once over what `_prepare` made: per batch, per replica
+        microbatches, and per batch its microbatches' sizes (None: equal)."""
+        batches, sizes = prepared
+        self._load(batches, forward_only=False, sizes=sizes)
         return self._losses(len(batches))
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
@@ -339,16 +366,25 @@ class Engine(BaseEngine):
         """The stages holding `segments` (the replicas' first or last ones)."""
         return sorted({self._layout.stage_of[k] for k in segments})
 
-    def _load(self, batches: list[Microbatches], *, forward_only: bool, targets: bool = True):
-        """Load `batches` into every runtime and run the program (or the forward-only one)."""
+    def _load(
+        self,
+        batches: list[Microbatches],
+        *,
+        forward_only: bool,
+        targets: bool = True,
+        sizes: Sequence[tuple[int, ...] | None] = (),
+    ):
+        """Load `batches` (of `sizes`, where given) into every runtime and run the program (or
+        the forward-only one)."""
         firsts, lasts = self._ends(self._layout.firsts), self._ends(self._layout.lasts)
+        sizes = list(sizes) or [None] * len(batches)
         for r, runtimes in enumerate(self.runtimes):
             for s, rt in enumerate(runtimes):
                 rt.reset(forward_only=forward_only)
                 for b, local in enumerate(batches):
                     inputs, target = local[r]
                     target = target if s in lasts and targets else None
-                    rt.load_batch(b, inputs if s in firsts else None, target)
+                    rt.load_batch(b, inputs if s in firsts else None, target, sizes=sizes[b])
         ops = self._forward_ops if forward_only else self._ops
         if len(self.runtimes) == 1:
             self._run_replica(0, ops)
@@ -357,22 +393,27 @@ class Engine(BaseEngine):
 
     def _losses(self, count: int, *, whole: bool = False) -> list[tuple[float, dict[str, float]]]:
         """Each batch's loss (over every replica) and named parts; `whole`: of all batches as
-        one (the forward-only program's batch)."""
-        records = [
-            runtimes[s].loss_records
-            for runtimes in self.runtimes
-            for s in self._ends(self._layout.lasts)
-        ]
+        one (the forward-only program's batch). The sums are added as the distributed engine
+        adds them, so both give the same bits: each stage's records in batch order, then the
+        stages, then the data-parallel replicas."""
+        lasts = self._ends(self._layout.lasts)
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
         out = []
         for group in groups:
-            parts = [rec[b] for rec in records for b in group if b in rec]
-            total = sum(r.total for r in parts)
-            number = sum(r.count for r in parts)
+            held = [
+                [[rec[b] for b in group if b in rec] for rec in (rs[s].loss_records for s in lasts)]
+                for rs in self.runtimes
+            ]
+
+            def added(pick, held=held) -> float:
+                return sum(sum(sum(pick(r) for r in stage) for stage in rs) for rs in held)
+
+            total, number = added(lambda r: r.total), added(lambda r: r.count)
             loss = total / number if number else float("nan")
             named = {"loss": loss}
-            for name in parts[0].parts if parts else ():  # a dict loss: each named part
-                named[name] = sum(r.parts[name] for r in parts) / number
+            first = next((r for rs in held for stage in rs for r in stage), None)
+            for name in first.parts if first is not None else ():  # a dict loss: its parts
+                named[name] = added(lambda r, name=name: r.parts[name]) / number
             out.append((loss, named))
         return out
 
@@ -438,9 +479,9 @@ class _CommGroup:
 def _stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction | _CommGroup]:
     """Stage `stage`'s program: its compute and update instructions, and its comm groups."""
     ops = program.stages[stage]
-    steps = Steps.of([ops])
+    units = Units.of([ops])
     items: list[Instruction | _CommGroup] = []
-    for (lo, hi), group in zip(steps.bounds[0], steps.is_group[0]):
+    for (lo, hi), group in zip(units.bounds[0], units.is_group[0]):
         if not group:
             items.append(ops[lo])
             continue

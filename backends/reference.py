@@ -33,12 +33,14 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from schedcc.backends.batches import local_batches, split_pair
+from schedcc.backends.runtime.carries import call_part
 from schedcc.backends.runtime.losses import MEAN, PARTS, RATIO, interpret, up_front_count
 from schedcc.backends.runtime.values import call, concat
 from schedcc.program import Program
 
 __all__ = [
     "OBJECTIVES",
+    "SAMPLE_MEAN",
     "UP_FRONT",
     "Chain",
     "assert_matches_reference",
@@ -51,16 +53,22 @@ __all__ = [
 
 
 class Chain(nn.Module):
-    """The segments as one model: each called on what the previous returned."""
+    """The segments as one model: each called on what the previous returned (`carries`: on the
+    whole sequence as on a first sequence part, `segment(x, None)`, keeping the output of the
+    `(output, carry)` it returns: [Note: the parts' calling convention])."""
 
-    def __init__(self, segments: Sequence[nn.Module]) -> None:
+    def __init__(self, segments: Sequence[nn.Module], *, carries: bool = False) -> None:
         super().__init__()
         self.segments = nn.ModuleList(segments)
+        self.carries = carries
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         value: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
-        for segment in self.segments:
-            value = call(segment, value)
+        for k, segment in enumerate(self.segments):
+            if self.carries:
+                value = call_part(segment, value, None, where=f"segment {k}")[0]
+            else:
+                value = call(segment, value)
         return value
 
 
@@ -81,6 +89,8 @@ OBJECTIVES = {
 }
 #: A `schedcc.TokenLoss`'s objective ([Note: a count known up front]).
 UP_FRONT = "token ratio, count known up front"
+#: A mean loss over microbatches of unequal size ([Note: unequal microbatches]).
+SAMPLE_MEAN = "mean over the samples of unequal microbatches"
 
 
 def reference_loss(
@@ -89,12 +99,20 @@ def reference_loss(
     locals_: Sequence[tuple],
     *,
     num_microbatches: int = 1,
+    microbatch_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """One batch's loss through `model`, from its local batches, each split into
-    `num_microbatches` microbatches as the engines split it: the mean of the microbatches' mean
-    losses (a dict's parts summed), or a `(loss_sum, count)` loss's total sum over its total
-    count. Its gradient is the engines' (see `objective`)."""
-    return objective(model, loss_fn, locals_, num_microbatches=num_microbatches)[0]
+    `num_microbatches` microbatches as the engines split it (of `microbatch_sizes` samples,
+    where given): the mean of the microbatches' mean losses (weighed by their sizes, where
+    given: the mean over the samples), a dict's parts summed, or a `(loss_sum, count)` loss's
+    total sum over its total count. Its gradient is the engines' (see `objective`)."""
+    return objective(
+        model,
+        loss_fn,
+        locals_,
+        num_microbatches=num_microbatches,
+        microbatch_sizes=microbatch_sizes,
+    )[0]
 
 
 def objective(
@@ -103,26 +121,38 @@ def objective(
     locals_: Sequence[tuple],
     *,
     num_microbatches: int = 1,
+    microbatch_sizes: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, str]:
     """`(loss, what it is)`: `reference_loss`, built as the last segment builds what it
-    backpropagates, and its name in `OBJECTIVES` (or `UP_FRONT`).
+    backpropagates, and its name in `OBJECTIVES` (or `UP_FRONT`, `SAMPLE_MEAN`).
 
     A mean loss is each microbatch's over `m * dp`, summed (gradient accumulation of the
-    microbatch means); a `schedcc.TokenLoss` each microbatch's `loss_sum` over the batch's count,
-    summed ([Note: a count known up front] in `backends.runtime.losses`); another `(loss_sum,
-    count)` loss the total sum over the total count.
+    microbatch means), or with `microbatch_sizes` `n_j` each microbatch's times `n_j / (N *
+    dp)` (the mean over the samples: [Note: unequal microbatches] in
+    `backends.runtime.losses`); a `schedcc.TokenLoss` each microbatch's `loss_sum` over the
+    batch's count, summed ([Note: a count known up front]); another `(loss_sum, count)` loss
+    the total sum over the total count.
 
     Raises:
-        ScheduleConfigError: a batch that does not split into `num_microbatches`, or a loss that
-            is none of the three forms.
+        ScheduleConfigError: a batch that does not split into `num_microbatches` (or into
+            `microbatch_sizes`), or a loss that is none of the three forms.
     """
     results = []
     for r, (inputs, targets) in enumerate(locals_):
-        xs, ys = _microbatches(inputs, targets, num_microbatches, f"local batch {r}")
+        where = f"local batch {r}"
+        if microbatch_sizes is not None:
+            m = num_microbatches
+            xs, ys = split_pair(inputs, targets, m, where=where, sizes=microbatch_sizes)
+        else:
+            xs, ys = _microbatches(inputs, targets, num_microbatches, where)
         for x, y in zip(xs, ys):
             results.append(interpret(loss_fn(call(model, x), y), "loss_fn"))
     mode = results[0][0]
     values = [value for _, value, _, _ in results]
+    if mode != RATIO and microbatch_sizes is not None:
+        sizes = list(microbatch_sizes) * len(locals_)
+        weights = [n / (sum(microbatch_sizes) * len(locals_)) for n in sizes]
+        return _added(value * w for value, w in zip(values, weights)), SAMPLE_MEAN
     if mode != RATIO:
         assert mode in (MEAN, PARTS)
         return _added(value / len(values) for value in values), OBJECTIVES[mode]
@@ -161,6 +191,8 @@ def train_reference(
     num_microbatches: int = 1,
     objectives: list[str] | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
+    carries: bool = False,
 ) -> list[float]:
     """Train `segments` in place without a pipeline; returns the per-batch losses.
 
@@ -182,11 +214,16 @@ def train_reference(
         objectives: if given, each batch's objective (`OBJECTIVES`, `UP_FRONT`) is appended.
         lr_scheduler: `lr_scheduler(optimizer)`, stepped after every step taken (not a skipped
             one).
+        microbatch_sizes: each local batch's `m` microbatches hold these many samples, as
+            `train_step(..., microbatch_sizes=...)` splits them (`objective`).
+        carries: the segments take sequence parts (`Chain`); the reference runs each whole
+            sequence as one part, so give `num_microbatches` the microbatches of the data.
     """
-    model = Chain(segments)
+    model = Chain(segments, carries=carries)
     opt = optimizer(model.parameters())
     scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
     names = [name for name, _ in model.named_parameters()]
+    split = {"num_microbatches": num_microbatches, "microbatch_sizes": microbatch_sizes}
     history: list[dict[str, torch.Tensor]] = []
     losses = []
     for b, batch in enumerate(batches):
@@ -196,7 +233,7 @@ def train_reference(
             history = []
         opt.zero_grad(set_to_none=True)
         if not weight_delay:
-            loss, name = objective(model, loss_fn, locals_, num_microbatches=num_microbatches)
+            loss, name = objective(model, loss_fn, locals_, **split)
             loss.backward()
         else:
             history.append(
@@ -207,7 +244,7 @@ def train_reference(
             def stashed(*args, params=params, **kwargs):  # the model on version b - d
                 return torch.func.functional_call(model, params, args, kwargs)
 
-            loss, name = objective(stashed, loss_fn, locals_, num_microbatches=num_microbatches)
+            loss, name = objective(stashed, loss_fn, locals_, **split)
             grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
             for p, g in zip(model.parameters(), grads):
                 p.grad = None if g is None else g
@@ -271,8 +308,12 @@ def assert_matches_reference(
     rtol: float = 1e-10,
     max_grad_norm: float | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
 ) -> float:
     """Run `program` on the local backend and the reference on copies of `segments`; compare.
+
+    With `microbatch_sizes` every batch is split into microbatches of those sizes (one
+    `train_step` each: a flush program of one batch).
 
     The caller's `segments` are not changed. Returns the largest absolute difference seen.
     With model replicas (DualPipe) `segments` holds each replica (the same modules again, say
@@ -294,7 +335,10 @@ def assert_matches_reference(
         max_grad_norm=max_grad_norm,
         lr_scheduler=lr_scheduler,
     )
-    losses = list(engine.train(batches))
+    if microbatch_sizes is None:
+        losses = list(engine.train(batches))
+    else:
+        losses = [engine.train_step(*b, microbatch_sizes=microbatch_sizes) for b in batches]
     length = schedule.num_segments // type(schedule).num_replicas
     dp = program.data_parallel
     expected = train_reference(
@@ -305,8 +349,10 @@ def assert_matches_reference(
         weight_delay=schedule.weight_delay,
         batches_per_run=schedule.num_batches,
         max_grad_norm=max_grad_norm,
-        num_microbatches=schedule.num_microbatches,
+        num_microbatches=schedule.num_microbatches // schedule.num_parts,  # whole sequences
         lr_scheduler=lr_scheduler,
+        microbatch_sizes=microbatch_sizes,
+        carries=schedule.num_parts > 1,
     )
     worst = 0.0
     for b, (got, want) in enumerate(zip(losses, expected)):

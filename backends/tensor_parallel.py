@@ -1,5 +1,6 @@
 """Megatron-style tensor-parallel layers, the kind of user model the distributed engine runs
-with `mesh=` dims ("dp", "pp", "tp") or `tp_group=` (DeepSpeed's "mpu" contract).
+with `groups=` a mesh of dims ("dp", "pp", "tp") or `Groups(pp=, dp=, tp=)` (DeepSpeed's "mpu"
+contract).
 
 [Note: the user's tensor parallelism] schedcc does not split a layer itself: each stage of the
 pipeline is a tensor-parallel group of ranks, every rank of it holding its shard of the stage's

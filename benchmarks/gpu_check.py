@@ -8,7 +8,10 @@
 3. Overhead on one GPU: a ~110M GPT (12 blocks, 768 wide, vocab 32768, 512 tokens) in 4
    segments, 1f1b m = 8 on the local engine, against plain training of the same model with 8
    microbatches of gradient accumulation, fp32 and bf16 (target: schedcc / plain <= 1.05).
-4. With 2 or more GPUs: the NCCL path (`p2p="nccl"`) over one rank per GPU, float64, against the
+4. Overlapped pairs on one GPU: dualpipe-v (p = 2, m = 8) on the same GPT in bf16, each
+   pair's halves on two CUDA streams (the default) against a handler that runs them in order
+   (`engine.register_handler(OverlappedBackward, ...)`): seconds per step each, and their ratio.
+5. With 2 or more GPUs: the NCCL path (`p2p="nccl"`) over one rank per GPU, float64, against the
    local engine on the CPU, with its host syncs per step; then `schedcc run` with NCCL, one
    process per GPU, with `--check`, and a float32 tiny-GPT run for its summary.
 
@@ -237,6 +240,45 @@ def nccl_run() -> int:
     return max(codes)
 
 
+def pair_overlap(steps: int, *, device: str = "cuda", config: GPTConfig | None = None) -> float:
+    """dualpipe-v's step time with its pairs on two streams over in order (< 1: overlap pays)."""
+    m, rows = 8, 32
+    config = config or GPTConfig(vocab=32768, max_len=512, d_model=768, num_heads=12, num_blocks=12)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab, (rows, config.max_len + 1), generator=gen)
+    pad_mask = torch.zeros(rows, config.max_len, dtype=torch.bool)
+    batch = (tokens[:, :-1].to(device), pad_mask.to(device)), tokens[:, 1:].to(device)
+    times = {}
+    for name in ("two streams", "in order"):
+        segments = gpt_segments(GPT(config, seed=0).to(device), 4)
+        schedule = schedcc.get_schedule("dualpipe-v")(2, m, 2)
+        program = schedcc.compile(schedule, tied=tied_groups(segments))
+        adam = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
+        mixed = torch.bfloat16 if device == "cuda" else None
+        engine = Engine(program, segments, mean_token_loss, adam, mixed_precision=mixed)
+        if name == "in order":
+            engine.register_handler(
+                schedcc.OverlappedBackward, lambda pair: (pair.run_forward(), pair.run_backward())
+            )
+        engine.train_step(*batch)
+        sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.train_step(*batch)
+        sync()
+        times[name] = (time.perf_counter() - start) / steps
+        del engine, segments
+    ratio = times["two streams"] / times["in order"]
+    print(
+        f"dualpipe-v p=2 m={m}, GPT, one {device} device: pairs on two streams "
+        f"{times['two streams'] * 1e3:.1f} ms, in order {times['in order'] * 1e3:.1f} ms, "
+        f"ratio {ratio:.3f}",
+        flush=True,
+    )
+    return ratio
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed GPT steps")
@@ -254,11 +296,13 @@ def main() -> int:
     ratios = [
         gpt_overhead(dtype, 3 if opts.quick else 10) for dtype in (torch.float32, torch.bfloat16)
     ]
+    overlap = pair_overlap(3 if opts.quick else 10)
     code = max(nccl_path(), nccl_run())
     ok = worst < 1e-10 and code == 0
     print(
         f"worst CUDA-vs-CPU difference {worst:.2e}; GPT schedcc/plain fp32 {ratios[0]:.3f}, "
-        f"bf16 {ratios[1]:.3f} (target <= 1.05); NCCL exit {code}: {'PASS' if ok else 'FAIL'}"
+        f"bf16 {ratios[1]:.3f} (target <= 1.05); pairs on two streams / in order "
+        f"{overlap:.3f}; NCCL exit {code}: {'PASS' if ok else 'FAIL'}"
     )
     return 0 if ok else 1
 

@@ -39,8 +39,7 @@ from schedcc.backends.local import Engine
 from schedcc.backends.runtime.memory import measure_memory
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
-from schedcc.registry import registered_classes
-from schedcc.schedule import build_schedule, uses_chunks
+from schedcc.registry import build_schedule, registered_classes
 
 WIDTH, LAYERS, ROWS, NUM_STAGES = 512, 8, 8, 4
 MICROBATCHES = (8, 16)
@@ -135,7 +134,7 @@ class _Meter:
 
 
 def _row(name: str, cls, m: int, recompute: bool, dp: int, zero: int) -> tuple | None:
-    v = 2 if name in TWO_CHUNKS and uses_chunks(cls) else None  # None: the class's default
+    v = 2 if name in TWO_CHUNKS and cls.supports_chunks(2) else None  # None: the class's default
     try:
         schedule = build_schedule(cls, NUM_STAGES, m, num_chunks=v)
     except ScheduleConfigError:  # e.g. dualpipe's m >= 2p

@@ -5,7 +5,7 @@
 The model is DeepSpeed's usual shape: a list of layers, an embedding first and an LM head last
 that shares the embedding's weight (`TiedLayerSpec` there, one Parameter here). Each rank builds
 only its own stage's layers (`LayerSpec` there, a builder `build(k)` here), and reads only the
-data its stage needs. The run clips gradients, recomputes activations, follows a learning-rate
+data its stage needs. The run clips gradients, recomputes each layer, follows a learning-rate
 schedule and saves a checkpoint that `schedcc.export` reads back as one state dict. In float64
 the pipeline's losses equal those of the same layers trained on schedcc's local engine, which
 this script checks; docs/migrating.md walks through it beside DeepSpeed's code.
@@ -108,7 +108,7 @@ def lr_scheduler(opt):
 
 def program() -> schedcc.Program:
     schedule = schedcc.get_schedule("1f1b")(num_stages=2, num_microbatches=NUM_MICROBATCHES)
-    return schedcc.compile(schedule, tied=[(0, 1)], recompute=True, grad_norm=True)
+    return schedcc.compile(schedule, tied=[(0, 1)], grad_norm=True)
 
 
 def train(rank: int, world_size: int, checkpoint: str) -> None:
@@ -116,7 +116,13 @@ def train(rank: int, world_size: int, checkpoint: str) -> None:
     torch.set_default_dtype(torch.float64)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(60))
     engine = Engine(
-        program(), build, loss_fn, optimizer, max_grad_norm=1.0, lr_scheduler=lr_scheduler
+        program(),
+        build,
+        loss_fn,
+        optimizer,
+        max_grad_norm=1.0,
+        lr_scheduler=lr_scheduler,
+        recompute_layers=1,  # activation_checkpoint_interval=1
     )
     first, last = engine.stage == 0, engine.stage == 1
     for step in range(STEPS):

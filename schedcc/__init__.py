@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from schedcc import microbatches
 from schedcc.compiler import compile
 from schedcc.errors import (
     CheckpointError,
@@ -17,6 +18,7 @@ from schedcc.errors import (
     DependencyError,
     IncompleteScheduleError,
     MemoryBoundError,
+    OffloadError,
     OverlapError,
     RecomputeError,
     ScheduleCodeError,
@@ -35,6 +37,7 @@ from schedcc.ir import (
     GatherParams,
     GradNorm,
     Instruction,
+    Offload,
     OptimizerStep,
     OverlappedBackward,
     Recompute,
@@ -42,16 +45,18 @@ from schedcc.ir import (
     RecvGrad,
     ReduceGrads,
     ReduceTied,
+    Reload,
     Reshard,
     SendActivation,
     SendGrad,
     Unshard,
 )
 from schedcc.losses import TokenLoss
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.registry import available_schedules, get_schedule
 from schedcc.schedule import Schedule
+from schedcc.search import search
 from schedcc.simulate import CostModel, Timeline, simulate
 from schedcc.tune import tune
 from schedcc.validate import validate
@@ -73,6 +78,8 @@ __all__ = [
     "Instruction",
     "MemoryBoundError",
     "MemoryModel",
+    "Offload",
+    "OffloadError",
     "OptimizerStep",
     "OverlapError",
     "OverlappedBackward",
@@ -83,6 +90,7 @@ __all__ = [
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
+    "Reload",
     "Reshard",
     "Schedule",
     "ScheduleCodeError",
@@ -101,6 +109,8 @@ __all__ = [
     "compile",
     "export",
     "get_schedule",
+    "microbatches",
+    "search",
     "simulate",
     "tune",
     "validate",

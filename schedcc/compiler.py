@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Forward, RecvActivation, SendActivation
-from schedcc.passes import PASSES, collect
+from schedcc.passes import PASSES, collect, insert_comm
+from schedcc.passes.insert_offload import ByteLimit, insert_offload, offload_policy
 from schedcc.passes.insert_recompute import (
     OverLimit,
     Policy,
@@ -29,6 +30,7 @@ def compile(
     tied: Iterable[Iterable[int]] = (),
     forward_only: bool = False,
     recompute: bool | Iterable | Policy | OverLimit = False,
+    offload: bool | float | Iterable | Policy | ByteLimit = False,
     grad_norm: bool = False,
     validate: bool = True,
     max_activations: int | None = None,
@@ -54,6 +56,14 @@ def compile(
             those the schedule yields itself), True (all: full activation recomputation), a
             collection of stages or of `(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, or
             `OverLimit(n)` (`schedcc.passes.insert_recompute`: the stages holding over `n`).
+        offload: which forwards move their saved activations to host memory after they run and
+            back before their backward (an `Offload` and a `Reload` placed by
+            `schedcc.passes.insert_offload`): False (only those the schedule yields itself),
+            True (every forward with a compute to overlap), a fraction in (0, 1] (on each
+            stage, that share, spread evenly), a collection of stages or of
+            `(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, or `ByteLimit(max_bytes,
+            memory)` (on each stage, at each point over the limit the forward held there that
+            comes back last, until its device activation bytes fit).
         grad_norm: put a `GradNorm` before every stage's step: one scalar all-reduce over all
             stages that gives the whole model's gradient norm, which an engine needs for
             `max_grad_norm` clipping, fp16 loss scaling, and for skipping a step whose gradients
@@ -62,9 +72,9 @@ def compile(
         max_activations: with `validate`, also bound the microbatch activations per stage.
 
     Raises:
-        ScheduleConfigError: bad `data_parallel`, `zero`, `recompute` or `tied` (a group of
-            fewer than two segments, a segment out of range or in two groups), or `zero=3` with
-            a weight delay (2BW).
+        ScheduleConfigError: bad `data_parallel`, `zero`, `recompute`, `offload` or `tied` (a
+            group of fewer than two segments, a segment out of range or in two groups),
+            `zero=3` with a weight delay (2BW), or `recompute` with sequence parts.
         ScheduleError: the schedule yields something invalid, or the program does not validate.
 
     >>> import schedcc
@@ -90,6 +100,12 @@ def compile(
         raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
     groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
     policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
+    if policy is not None and schedule.num_parts > 1:
+        raise ScheduleConfigError(
+            f"{schedule!r} splits microbatches into sequence parts, whose forwards hand their "
+            "carry on (see [Note: sequence parts]); compile it without recompute="
+        )
+    offloads = offload_policy(offload, schedule.num_stages, schedule.num_chunks)
     if zero == 3:
         _check_zero3(schedule)
     with paused_gc():
@@ -100,7 +116,10 @@ def compile(
             program = _forwards(program)
         else:  # a forward-only program has no gradients to tie or clip
             program = program.evolve(tied=groups, grad_norm=grad_norm)
-        for lower in PASSES:
+        program = insert_comm(program)
+        if offloads is not None and not forward_only:  # on the lowered program, beside its comm
+            program = insert_offload(program, offloads)
+        for lower in PASSES[1:]:  # after insert_comm
             program = lower(program)
         if validate:
             _validate(program, max_activations=max_activations)

@@ -24,6 +24,7 @@ from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     COMM,
     COMPUTE,
+    COPY,
     UPDATE,
     Backward,
     BackwardInput,
@@ -33,16 +34,18 @@ from schedcc.ir import (
     GatherParams,
     GradNorm,
     Instruction,
+    Offload,
     OptimizerStep,
     OverlappedBackward,
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reload,
     Reshard,
     Unshard,
     parse,
 )
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 
 __all__ = [
     "ALL_KINDS",
@@ -60,6 +63,8 @@ _FIELD: dict[type[Instruction], str] = {
     BackwardInput: "backward_input",
     BackwardWeight: "backward_weight",
     Recompute: "recompute",
+    Offload: "offload",
+    Reload: "reload",
     ReduceGrads: "reduce",
     ReduceTied: "reduce",
     GradNorm: "norm",
@@ -70,7 +75,7 @@ _FIELD: dict[type[Instruction], str] = {
 }
 #: The same keyed by instruction code (`F`, `Tied`, ...), as `--costs` and `tune` name them.
 FIELD_OF_CODE = MappingProxyType({cls.code: field for cls, field in _FIELD.items()})
-ALL_KINDS = (*COMPUTE, *COMM, *UPDATE)
+ALL_KINDS = (*COMPUTE, *COMM, *COPY, *UPDATE)
 
 
 def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
@@ -124,6 +129,32 @@ def _memory_model(instance, attribute, value) -> None:
         raise ScheduleConfigError(f"CostModel.memory must be a MemoryModel, got {value!r}")
 
 
+def _factors(value: Iterable[float] | None) -> tuple[float, ...]:
+    """`per_microbatch` as a tuple of positive finite numbers (a `ScheduleConfigError` else)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping)):
+        raise ScheduleConfigError(
+            f"CostModel.per_microbatch must be a sequence of numbers, one per microbatch of a "
+            f"batch, got {value!r}"
+        )
+    try:
+        factors = tuple(value)
+    except TypeError:
+        raise ScheduleConfigError(
+            f"CostModel.per_microbatch must be a sequence of numbers, one per microbatch of a "
+            f"batch, got {value!r}"
+        ) from None
+    for j, factor in enumerate(factors):
+        bad = isinstance(factor, bool) or not isinstance(factor, (int, float))
+        if bad or not 0 < factor < inf:
+            raise ScheduleConfigError(
+                f"CostModel.per_microbatch[{j}] must be a positive finite number (microbatch "
+                f"{j}'s compute relative to the model's costs), got {factor!r}"
+            )
+    return factors
+
+
 def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
     table = dict(value or {})
     for key, model in table.items():
@@ -155,10 +186,20 @@ class CostModel:
             pair costs its longer half) and none (1: `F + B`); measure yours and set it.
         release: a `Reshard` (ZeRO-3 dropping a chunk's gathered parameters).
         recompute: a `Recompute` (None: the same as this model's `forward`).
-        memory: bytes per segment (`schedcc.memory.MemoryModel`), for `Timeline.peak_bytes`
+        offload, reload: an `Offload` and a `Reload`, on the stage's copy lane: they overlap
+            the stage's computes but not each other, and a backward piece waits for its
+            reload ([Note: offloading] in `schedcc.rules.offload`).
+        memory: bytes per segment (`schedcc.MemoryModel`), for `Timeline.peak_bytes`
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
+        per_microbatch: one factor per microbatch of a batch (`m` of them, e.g. its samples
+            or tokens relative to the mean): a compute of microbatch `i` costs what the model
+            says times `per_microbatch[i % m]` (microbatches of unequal size, see
+            `schedcc.microbatches`); comm and updates are not scaled. An overlapped pair's
+            forward takes its factor and the backward's rest (`overlapped_pair`) takes the
+            backward's. Read from the top-level model only; the simulators refuse another
+            count than the program's `m`. Empty (the default): every microbatch alike.
 
     Resolution, most specific first: `per_stage[s].per_chunk[c]`, `per_stage[s]`,
     `per_chunk[c]`, then this model's own fields. A comm group reads the model of its first op.
@@ -182,10 +223,13 @@ class CostModel:
     gather: float = attrs.field(default=0.0, validator=_non_negative)
     release: float = attrs.field(default=0.0, validator=_non_negative)
     recompute: float | None = attrs.field(default=None, validator=_optional)
+    offload: float = attrs.field(default=0.0, validator=_non_negative)
+    reload: float = attrs.field(default=0.0, validator=_non_negative)
     memory: MemoryModel | None = attrs.field(default=None, validator=_memory_model)
     overlap: float = attrs.field(default=0.5, validator=_fraction)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
+    per_microbatch: tuple[float, ...] = attrs.field(default=(), converter=_factors)
 
     def at(self, stage: int, chunk: int = 0) -> CostModel:
         """The model that applies to `chunk` on `stage` (see the resolution order above)."""
@@ -195,8 +239,29 @@ class CostModel:
         return self.per_chunk.get(chunk, self)
 
     def cost(self, stage: int, op: Instruction) -> float:
-        """The duration of `op` on `stage` (comm ops: the group cost)."""
-        return kind_cost(self.at(stage, getattr(op, "chunk", 0)), type(op))
+        """The duration of `op` on `stage` (comm ops: the group cost), a compute scaled by its
+        microbatch's `per_microbatch` factor.
+
+        >>> CostModel(per_microbatch=[1, 3]).cost(0, parse("F3")), CostModel().cost(0, parse("B3"))
+        (3.0, 2.0)
+        """
+        cost = kind_cost(self.at(stage, getattr(op, "chunk", 0)), type(op))
+        if self.per_microbatch and isinstance(op, COMPUTE):
+            cost *= self.per_microbatch[op.microbatch % len(self.per_microbatch)]
+        return cost
+
+    def check_microbatches(self, num_microbatches: int) -> None:
+        """Raise unless `per_microbatch` is empty or gives `num_microbatches` factors.
+
+        Raises:
+            ScheduleConfigError: another count, naming both.
+        """
+        given = len(self.per_microbatch)
+        if given and given != num_microbatches:
+            raise ScheduleConfigError(
+                f"CostModel.per_microbatch gives {given} factors but the program has m="
+                f"{num_microbatches} microbatches per batch: give one factor per microbatch"
+            )
 
     @classmethod
     def from_trace(
@@ -294,4 +359,4 @@ def cost_fields() -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(CostModel) if f.name not in _OVERRIDES)
 
 
-_OVERRIDES = ("per_stage", "per_chunk", "memory")
+_OVERRIDES = ("per_stage", "per_chunk", "memory", "per_microbatch")

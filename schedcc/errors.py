@@ -23,6 +23,7 @@ __all__ = [
     "DependencyError",
     "IncompleteScheduleError",
     "MemoryBoundError",
+    "OffloadError",
     "OverlapError",
     "PartitionError",
     "RankFailure",
@@ -40,6 +41,8 @@ __all__ = [
     "UserError",
     "WeightVersionError",
     "call_user",
+    "call_user_code",
+    "describe",
     "first_line",
     "name_of",
 ]
@@ -132,7 +135,7 @@ class OverlapError(DependencyError):
 
 class ScheduleCodeError(ScheduleError):
     """A schedule's own code failed or broke the `Schedule` contract: its constructor, `check()`,
-    `placement()` or `steps()` raised, or `steps()` returned or yielded something that is not an
+    `placement()` or `order()` raised, or `order()` returned or yielded something that is not an
     instruction in range. The message names the class and the method; `__cause__` holds the
     original exception where there was one.
     """
@@ -141,6 +144,13 @@ class ScheduleCodeError(ScheduleError):
 class RecomputeError(DependencyError):
     """A `Recompute` out of place: before its forward, after its microbatch's first backward
     piece on that chunk, or a second time (see `schedcc.rules.recompute`)."""
+
+
+class OffloadError(DependencyError):
+    """An `Offload` or `Reload` out of place: a backward piece or a send of a microbatch whose
+    activations are on the host, an offload before its forward, after its backward began, of a
+    recomputed forward or a second time, or a reload of activations not offloaded (see
+    `schedcc.rules.offload`)."""
 
 
 class PartitionError(ScheduleConfigError):
@@ -164,7 +174,7 @@ class UserCodeError(ScheduleConfigError):
 # -- the user-code guard ------------------------------------------------------------------------
 
 # [Note: the user-code guard] schedcc calls code a user wrote (a schedule's constructor,
-# `check()`, `placement()`, `steps()`; a recompute policy; a `--model` factory and its `batch`; a
+# `check()`, `placement()`, `order()`; a recompute policy; a `--model` factory and its `batch`; a
 # segment's forward, `loss_fn`, an optimizer factory) only through `call_user`. Whatever that
 # code raises, `SystemExit` and `GeneratorExit` included, becomes one typed error naming the
 # function, so a schedule that calls `sys.exit(0)` cannot make `schedcc verify` exit 0 with
@@ -220,6 +230,32 @@ def call_user(
         message = f"{where}: {name}" if where else name
         message += f" raised {first_line(exc)}"
         raise error(f"{message}; {hint}" if hint else message) from exc
+
+
+def call_user_code(
+    owner: str, method: str, call: Callable[[], _T], *, where: str = "", hint: str = ""
+) -> _T:
+    """`call_user` for a schedule's code: anything `call()` raises but a schedcc error or
+    `KeyboardInterrupt`, `SystemExit` included, is a `ScheduleCodeError` that names
+    `owner.method` (one line: `where`, the original message's first line, `hint`).
+
+    >>> call_user_code("Mine", "order(0)", lambda: 1 / 0, where="Mine(p=2, m=2)")
+    Traceback (most recent call last):
+    ...
+    schedcc.errors.ScheduleCodeError: Mine(p=2, m=2): Mine.order(0) raised ZeroDivisionError: ...
+    """
+    return call_user(f"{owner}.{method}", call, error=ScheduleCodeError, where=where, hint=hint)
+
+
+def describe(value: object) -> str:
+    """`repr(value)` through the guard, or, when the value's own `__repr__` fails, the form its
+    root class gives (a schedule's `Schedule.__repr__`: `Mine(p=2, m=4)`)."""
+    try:
+        return call_user("__repr__()", lambda: repr(value))
+    except UserCodeError:
+        bases = reversed(type(value).__mro__[:-1])  # from the root down, object left out
+        root = next((cls for cls in bases if "__repr__" in vars(cls)), object)
+        return root.__repr__(value)
 
 
 def first_line(exc: BaseException) -> str:

@@ -13,14 +13,14 @@ instructions in order; the segment an instruction touches is `schedule.segment_o
 How an instruction is spelled lives in one table, `INSTRUCTIONS` (class, code, printed form;
 see [Note: the instruction table]). To add an instruction:
 
-1. write its class here, an attrs `frozen=True, slots=True` subclass of `Compute`, `Comm` or
-   `Update` with a "Roughly:" docstring and int fields only;
-2. add its row to `INSTRUCTIONS`: `Spelling(Offload, "Off", "{microbatch}[.{chunk}]")` spells
-   `Offload(3, chunk=1)` as `Off3.1`. Its `code`, `str`, `parse`, the error messages and its
-   group (`COMPUTE`, `COMM`, `UPDATE`) follow from the row, and `tests/test_instruction_table.py`
-   round-trips it;
+1. write its class here, an attrs `frozen=True, slots=True` subclass of `Compute`, `Comm`,
+   `Copy` or `Update` with a "Roughly:" docstring and int fields only;
+2. add its row to `INSTRUCTIONS`: `Spelling(Offload, "O", "{microbatch}[.{chunk}]")` spells
+   `Offload(3, chunk=1)` as `O3.1`. Its `code`, `str`, `parse`, the error messages and its
+   group (`COMPUTE`, `COMM`, `COPY`, `UPDATE`) follow from the row, and
+   `tests/core/test_instruction_table.py` round-trips it;
 3. export it (`__all__` here and in `schedcc/__init__.py`), then give it its meaning where the
-   other instructions have theirs: the step model (`schedcc.semantics`), the rules
+   other instructions have theirs: the rendezvous model (`schedcc.semantics`), the rules
    (`schedcc.validate.RULES`), the costs (`schedcc.costs`) and one handler in each runtime's
    table (`backends/runtime/stage.py`'s `_dispatch`).
 """
@@ -35,6 +35,7 @@ import attrs
 __all__ = [
     "COMM",
     "COMPUTE",
+    "COPY",
     "INPUT_GRADIENT",
     "RECEIVES",
     "SENDS",
@@ -46,12 +47,14 @@ __all__ = [
     "BackwardWeight",
     "Comm",
     "Compute",
+    "Copy",
     "Forward",
     "GatherParams",
     "GradNorm",
     "INSTRUCTIONS",
     "Instruction",
     "OnMicrobatch",
+    "Offload",
     "OptimizerStep",
     "OverlappedBackward",
     "RecvActivation",
@@ -59,6 +62,7 @@ __all__ = [
     "RecvGrad",
     "ReduceGrads",
     "ReduceTied",
+    "Reload",
     "Reshard",
     "SendActivation",
     "SendGrad",
@@ -142,7 +146,7 @@ class Instruction:
 
     Tell kinds apart by type (`isinstance(op, Comm)`, `type(op) in WEIGHT_GRADIENT`); `code` is
     the printed name (`F`, `SA`, `Step`, ...: the class's row of `INSTRUCTIONS`) and `group`
-    ("compute", "comm" or "update") is kept for display.
+    ("compute", "comm", "copy" or "update") is kept for display.
     """
 
     group: ClassVar[str] = ""
@@ -179,6 +183,14 @@ class Comm(OnMicrobatch):
     group: ClassVar[str] = "comm"
     is_send: ClassVar[bool] = False
     carries_grad: ClassVar[bool] = False
+
+
+@attrs.frozen(slots=True)
+class Copy(OnMicrobatch):
+    """Base of the instructions that move a forward's saved activations between the device and
+    the host, on the stage's copy lane (they overlap compute, not each other)."""
+
+    group: ClassVar[str] = "copy"
 
 
 @attrs.frozen(slots=True)
@@ -310,11 +322,35 @@ class Reshard(Update):
     chunk: int = 0
 
 
+@attrs.frozen(slots=True)
+class Offload(Copy):
+    """Roughly: `host[i, c] = saved_tensors(graph[i, c]).to("cpu", non_blocking=True)`, freeing
+    the device copy once the side stream has it.
+
+    The forward of microbatch i on chunk c keeps its graph, but its saved activations live in
+    host memory from here until its `Reload` (see [Note: offloading] in
+    `schedcc.rules.offload`). Printed `O3.1`.
+
+    >>> str(Offload(3, chunk=1)), parse("O3.1")
+    ('O3.1', Offload(microbatch=3, chunk=1))
+    """
+
+
+@attrs.frozen(slots=True)
+class Reload(Copy):
+    """Roughly: `saved_tensors(graph[i, c]) = host[i, c].to(device, non_blocking=True)`, waited
+    for by the first backward piece of microbatch i on chunk c. Printed `L3.1`.
+
+    >>> str(Reload(3)), parse("L3.1")
+    ('L3', Reload(microbatch=3, chunk=1))
+    """
+
+
 #: [Note: the instruction table] Every instruction's spelling, one row per class: its code,
 #: then the fields its printed form shows after the code. `{field}` is an int printed as is;
 #: `[.{field}]` is printed after a dot, and only when it is not 0. `parse`, every `str`, the
 #: error messages, the drawings and the golden files read this table and nothing else; the
-#: class groups below (`COMPUTE`, `COMM`, `UPDATE`) are read off it too.
+#: class groups below (`COMPUTE`, `COMM`, `COPY`, `UPDATE`) are read off it too.
 INSTRUCTIONS: tuple[Spelling, ...] = (
     Spelling(Forward, "F", "{microbatch}[.{chunk}]"),
     Spelling(Backward, "B", "{microbatch}[.{chunk}]"),
@@ -326,6 +362,8 @@ INSTRUCTIONS: tuple[Spelling, ...] = (
     Spelling(RecvActivation, "RA", "{microbatch}[.{chunk}]"),
     Spelling(SendGrad, "SG", "{microbatch}[.{chunk}]"),
     Spelling(RecvGrad, "RG", "{microbatch}[.{chunk}]"),
+    Spelling(Offload, "O", "{microbatch}[.{chunk}]"),
+    Spelling(Reload, "L", "{microbatch}[.{chunk}]"),
     Spelling(ReduceGrads, "Reduce", "[.{chunk}]"),
     Spelling(OptimizerStep, "Step"),
     Spelling(GatherParams, "Gather", "[.{chunk}]"),
@@ -344,6 +382,8 @@ del _row
 
 COMPUTE = tuple(row.cls for row in INSTRUCTIONS if issubclass(row.cls, Compute))
 COMM = tuple(row.cls for row in INSTRUCTIONS if issubclass(row.cls, Comm))
+#: The instructions on a stage's copy lane (device <-> host).
+COPY = tuple(row.cls for row in INSTRUCTIONS if issubclass(row.cls, Copy))
 UPDATE = tuple(row.cls for row in INSTRUCTIONS if issubclass(row.cls, Update))
 #: ZeRO-3's instructions that make a chunk's parameters whole and release them again.
 SHARDING = (Unshard, Reshard)

@@ -10,13 +10,13 @@ import attrs
 from schedcc.ir import Instruction, parse
 from schedcc.schedule import Schedule
 from schedcc.semantics.model import (
-    StepModel,
+    RendezvousModel,
     build_reference_walk,
+    build_rendezvous_model,
     build_rule_versions,
-    build_step_model,
 )
-from schedcc.semantics.steps import Walk
 from schedcc.semantics.tensors import Tensors
+from schedcc.semantics.units import Walk
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -68,13 +68,14 @@ class Program:
 
     [Note: derived facts] What the semantics, the validator and the backends read off a program
     is computed on first use and kept with it, as the facts below and nowhere else: `tensors`,
-    `step_model`, `rule_versions`, `reference_walk`, `graph` and the validator's `problems`.
-    A program is immutable, so a fact once read stays true. Each fact names the fields it is
-    read from (`_derived(...)`); `evolve` hands a fact to the copy only when none of those
-    fields is among the changes (assign_versions' copy keeps the step model), and the graph and
-    the problems, which read every field, never: a copy is proved by its own validation. A new
-    fact is one more `_derived` property here, named in this list (`tests/test_program_facts.py`
-    checks both and that each fact's fields are all it reads).
+    `rendezvous_model`, `rule_versions`, `reference_walk`, `graph` and the validator's
+    `problems`. A program is immutable, so a fact once read stays true. Each fact names the
+    fields it is read from (`_derived(...)`); `evolve` hands a fact to the copy only when none
+    of those fields is among the changes (assign_versions' copy keeps the rendezvous model), and
+    the graph and the problems, which read every field, never: a copy is proved by its own
+    validation. A new fact is one more `_derived` property here, named in this list
+    (`tests/core/test_program_facts.py` checks both and that each fact's fields are all it
+    reads).
     """
 
     schedule: Schedule
@@ -100,15 +101,16 @@ class Program:
         return Tensors.of(self.schedule)
 
     @_derived("schedule", "stages", "tied")
-    def step_model(self) -> StepModel:
-        """The steps, comm partners and collectives (`schedcc.semantics.build_step_model`).
+    def rendezvous_model(self) -> RendezvousModel:
+        """The units, comm partners and collectives
+        (`schedcc.semantics.build_rendezvous_model`).
 
         >>> import schedcc
         >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1))
-        >>> program.step_model.partner[0][1], program.step_model.problems
+        >>> program.rendezvous_model.partner[0][1], program.rendezvous_model.problems
         ((1, 0), ())
         """
-        return build_step_model(self)
+        return build_rendezvous_model(self)
 
     @_derived("schedule", "stages", "forward_only")
     def rule_versions(self) -> tuple[tuple[int | None, ...], ...]:
@@ -118,7 +120,7 @@ class Program:
 
     @_derived("schedule", "stages", "tied")
     def reference_walk(self) -> Walk:
-        """The walk of the step model timed with the default costs ([Note: the reference
+        """The walk of the rendezvous model timed with the default costs ([Note: the reference
         walk] in `schedcc.semantics.model`): what the deadlock rule and `simulate` share."""
         return build_reference_walk(self)
 

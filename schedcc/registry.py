@@ -1,4 +1,5 @@
-"""Finding schedules by name: registered entry points, `module:Class` or `path/file.py:Class`.
+"""Finding schedules by name (registered entry points, `module:Class` or `path/file.py:Class`)
+and building the class a user named (`build_schedule`).
 
 Built-in schedules register through the entry-point group `schedcc.schedules`, exactly as a
 third-party package adds its own:
@@ -15,11 +16,17 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from schedcc.errors import USER_FILE_MODULE, UnknownScheduleError
+from schedcc.errors import (
+    USER_FILE_MODULE,
+    ScheduleCodeError,
+    UnknownScheduleError,
+    call_user_code,
+)
 from schedcc.schedule import Schedule
 
 __all__ = [
     "available_schedules",
+    "build_schedule",
     "get_schedule",
     "load_object",
     "registered_classes",
@@ -86,6 +93,52 @@ def get_schedule(name: str) -> type[Schedule]:
         f"unknown schedule {name!r}; registered: {', '.join(sorted(registered))} "
         "(or give module:Class or path/to/file.py:Class)"
     )
+
+
+def build_schedule(
+    schedule_cls: type[Schedule],
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    num_chunks: int | None = None,
+    num_batches: int = 1,
+    num_parts: int | None = None,
+) -> Schedule:
+    """`schedule_cls` at this shape, where a failure of the class's own code is a typed error.
+
+    `num_chunks=None` keeps the class's own `default_num_chunks` (the smallest of its `chunks`
+    unless it says otherwise: 1, or 2 for ZB-V), and `num_parts=None` its `default_num_parts`
+    (sequence parts: 1, or 2 for seq1f1b). Used wherever a class a user named is built
+    (the CLI, `schedcc.tune`, `schedcc.testing`).
+
+    Raises:
+        ScheduleConfigError: the schedule rejects the shape (a `num_chunks` outside its
+            `chunks`, or its `check()` says why).
+        ScheduleCodeError: the constructor does not take the standard arguments, or raised
+            something else; the message names the class.
+
+    >>> build_schedule(get_schedule("zb-v"), 4, 8)
+    ZBV(p=4, m=8, v=2)
+    """
+    kwargs = {"num_stages": num_stages, "num_microbatches": num_microbatches}
+    if num_chunks is not None:
+        kwargs["num_chunks"] = num_chunks
+    kwargs["num_batches"] = num_batches
+    if num_parts is not None:
+        kwargs["num_parts"] = num_parts
+    name = getattr(schedule_cls, "__name__", repr(schedule_cls))
+    shape = ", ".join(f"{key}={value}" for key, value in kwargs.items())
+    schedule = call_user_code(
+        name,
+        "__init__()",
+        lambda: schedule_cls(**kwargs),
+        where=f"{name}({shape})",
+        hint="a schedule's constructor takes (num_stages, num_microbatches, num_chunks=1, "
+        "num_batches=1), as schedcc.Schedule's does",
+    )
+    if not isinstance(schedule, Schedule):
+        raise ScheduleCodeError(f"{name}(...) made {schedule!r}, not a schedcc.Schedule")
+    return schedule
 
 
 def _load(target: str, name: str) -> type[Schedule]:

@@ -1,13 +1,14 @@
-"""The `Schedule` base class a pipeline schedule is written against.
+"""The `Schedule` base class a pipeline schedule is written against, and `VShape`.
 
-A schedule says, for each stage, the order of its compute instructions; the compiler derives the
-communication, the data-parallel updates and the weight versions. docs/schedules.md is the guide
-to writing one; docs/design.md says what the compiler does with it.
+A schedule says, for each stage, the order of its compute instructions (`order(stage)`) and the
+chunk counts it supports (`chunks`); the compiler derives the communication, the data-parallel
+updates and the weight versions. docs/schedules.md is the guide to writing one; docs/design.md
+says what the compiler does with it.
 
     >>> from schedcc import Schedule, Forward, Backward
     >>> class GPipe(Schedule):
     ...     name = "my-gpipe"
-    ...     def steps(self, stage):
+    ...     def order(self, stage):
     ...         for b in range(self.num_batches):
     ...             yield from (Forward(i) for i in self.microbatches(b))
     ...             yield from (Backward(i) for i in reversed(self.microbatches(b)))
@@ -17,72 +18,77 @@ to writing one; docs/design.md says what the compiler does with it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import ClassVar, TypeVar
+import warnings
+from collections.abc import Iterable
+from itertools import islice, takewhile
+from typing import ClassVar, Literal
 
-from schedcc.errors import (
-    ScheduleCodeError,
-    ScheduleConfigError,
-    ScheduleError,
-    UserCodeError,
-    call_user,
-)
+from schedcc.errors import ScheduleCodeError, ScheduleConfigError, call_user_code
 from schedcc.ir import Instruction
 
-__all__ = [
-    "Schedule",
-    "ScheduleCodeError",
-    "VShape",
-    "build_schedule",
-    "call_user_code",
-    "chunks_hint",
-    "describe",
-    "uses_chunks",
-]
+__all__ = ["Chunks", "Schedule", "ScheduleCodeError", "VShape"]
 
-_T = TypeVar("_T")
+#: What `Schedule.chunks` may be: the chunk counts v a schedule supports.
+Chunks = tuple[int, ...] | range | Literal["any"]
 
-
-def describe(schedule: Schedule) -> str:
-    """`repr(schedule)`, or the base class's form if the schedule's own `__repr__` fails."""
-    try:
-        return call_user("__repr__()", lambda: repr(schedule))
-    except UserCodeError:
-        return Schedule.__repr__(schedule)
-
-
-def call_user_code(
-    owner: str, method: str, call: Callable[[], _T], *, where: str = "", hint: str = ""
-) -> _T:
-    """`call()` through the user-code guard (`schedcc.errors.call_user`): anything it raises but
-    a schedcc error or `KeyboardInterrupt`, `SystemExit` included, is a `ScheduleCodeError` that
-    names `owner.method` (one line: `where`, the original message's first line, `hint`)."""
-    return call_user(f"{owner}.{method}", call, error=ScheduleCodeError, where=where, hint=hint)
+_WORDS = {1: "one chunk", 2: "two chunks", 3: "three chunks", 4: "four chunks"}
 
 
 class Schedule:
-    """Base class of every schedule: subclass it and write `steps(stage)`.
+    """Base class of every schedule: subclass it, write `order(stage)`, declare `chunks`.
 
     Args:
         num_stages: pipeline ranks `p`, at least 1.
         num_microbatches: microbatches per optimizer step `m`, at least 1.
-        num_chunks: segments per stage `v` ("virtual stages"), at least 1; None (the default)
-            takes the class's `default_num_chunks`.
+        num_chunks: segments per stage `v` ("virtual stages"), one of the class's `chunks`;
+            None (the default) takes the class's `default_num_chunks`.
         num_batches: optimizer steps covered by one program `B`, at least 1.
+        num_parts: sequence parts `k` each microbatch of the data is split into, at least 1
+            and dividing `num_microbatches`, which then counts the parts (microbatch `i` is part
+            `i % k`); None takes the class's `default_num_parts` (see [Note: sequence parts] in
+            `schedcc.rules.parts`).
+        seq_dim: the dim of every input and target tensor the parts split (with `num_parts >
+            1`); None takes the class's `default_seq_dim`.
 
     Raises:
-        ScheduleConfigError: an argument breaks a rule; the message names it.
+        ScheduleConfigError: an argument breaks a rule (a `num_chunks` outside `chunks`
+            included); the message names it.
     """
 
     name: ClassVar[str] = ""
+    #: The chunk counts v (segments per stage) the schedule supports: a tuple such as `(1,)` or
+    #: `(2,)`, a `range` such as `range(1, 9)`, or `"any"` (every v >= 1). The constructor
+    #: refuses any other `num_chunks`, and verify, tune and `schedcc.testing` try only these. A
+    #: schedule that never mentions chunks runs one chunk per stage, which is what it is written
+    #: for; one that reads `self.num_chunks` declares what it supports.
+    chunks: ClassVar[Chunks] = (1,)
+    #: The chunks per stage a schedule gets when `num_chunks` is not given; None: the smallest
+    #: of `chunks`.
+    default_num_chunks: ClassVar[int | None] = None
+    #: The sequence parts per microbatch a schedule gets when `num_parts` is not given.
+    default_num_parts: ClassVar[int] = 1
+    #: The dim the parts split when `seq_dim` is not given (dim 1 of `(batch, seq, ...)`).
+    default_seq_dim: ClassVar[int] = 1
     #: The forward of batch b uses weight version max(0, b - weight_delay).
     weight_delay: ClassVar[int] = 0
     #: How many replicas of the model the segments hold (see [Note: replicas]): replica r is
     #: segments `r*L .. (r+1)*L - 1` with `L = p*v / num_replicas`, segment `r*L + j` a copy of
     #: segment j, and each microbatch runs only the replica `replica_of` gives it.
     num_replicas: ClassVar[int] = 1
-    #: The chunks per stage a schedule gets when `num_chunks` is not given.
-    default_num_chunks: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A subclass that defines only `steps(stage)`, the old name of `order(stage)`, still
+        works for one release: its `order` calls `steps`, with one `DeprecationWarning` here."""
+        super().__init_subclass__(**kwargs)
+        owner = next(k for k in cls.__mro__ if "order" in vars(k) or "steps" in vars(k))
+        if owner is cls and "order" not in vars(cls):
+            warnings.warn(
+                f"{cls.__qualname__} defines steps(stage); rename it to order(stage) (steps is "
+                "read for one more release)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cls.order = _order_from_steps  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -90,24 +96,37 @@ class Schedule:
         num_microbatches: int,
         num_chunks: int | None = None,
         num_batches: int = 1,
+        *,
+        num_parts: int | None = None,
+        seq_dim: int | None = None,
     ) -> None:
         if num_chunks is None:
-            num_chunks = type(self).default_num_chunks
+            num_chunks = type(self).default_num_chunks or _smallest(_checked_chunks(type(self)))
+        if num_parts is None:
+            num_parts = type(self).default_num_parts
+        if seq_dim is None:
+            seq_dim = type(self).default_seq_dim
         for arg, value in [
             ("num_stages", num_stages),
             ("num_microbatches", num_microbatches),
             ("num_chunks", num_chunks),
             ("num_batches", num_batches),
+            ("num_parts", num_parts),
         ]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ScheduleConfigError(
                     f"{type(self).__name__}: {arg} must be a positive integer, got {value!r}"
                 )
+        if not type(self).supports_chunks(num_chunks):
+            raise ScheduleConfigError(_refusal(type(self), num_chunks))
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
         self.num_batches = num_batches
+        self.num_parts = num_parts
+        self.seq_dim = seq_dim
         owner = type(self).__name__
+        _check_parts(self, owner)
         call_user_code(owner, "check()", self.check, where=Schedule.__repr__(self))
         delay = type(self).weight_delay
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
@@ -129,9 +148,16 @@ class Schedule:
 
     # -- for subclasses -------------------------------------------------------------------------
 
-    def steps(self, stage: int) -> Iterable[Instruction]:
+    def order(self, stage: int) -> Iterable[Instruction]:
         """Yield stage `stage`'s instructions in the order it runs them."""
-        raise NotImplementedError(f"{type(self).__name__} must define steps(stage)")
+        raise NotImplementedError(f"{type(self).__name__} must define order(stage)")
+
+    def steps(self, stage: int) -> Iterable[Instruction]:
+        """The old name of `order(stage)`, read for one more release (docs/schedules.md)."""
+        warnings.warn(
+            "Schedule.steps(stage) is now Schedule.order(stage)", DeprecationWarning, stacklevel=2
+        )
+        return self.order(stage)
 
     def check(self) -> None:
         """Raise `ScheduleConfigError` if this shape breaks one of the schedule's own rules."""
@@ -153,6 +179,29 @@ class Schedule:
         doc = (cls.__doc__ or "").strip()
         return doc.splitlines()[0] if doc else ""
 
+    @classmethod
+    def supports_chunks(cls, num_chunks: int) -> bool:
+        """Whether `num_chunks` is one of the class's `chunks`.
+
+        Raises:
+            ScheduleConfigError: `chunks` is not a tuple or range of positive ints, or "any".
+        """
+        chunks = _checked_chunks(cls)
+        return chunks == "any" or num_chunks in chunks
+
+    @classmethod
+    def chunk_counts(cls, limit: int, *, first: int | None = None) -> tuple[int, ...]:
+        """The class's chunk counts up to `limit`, ascending, at most the `first` few: what a
+        grid of shapes tries (`schedcc verify` and `tune` take the first two).
+
+        >>> class Even(Schedule):
+        ...     chunks = range(2, 9, 2)
+        >>> Schedule.chunk_counts(4), VShape.chunk_counts(4), Even.chunk_counts(64, first=2)
+        ((1,), (2,), (2, 4))
+        """
+        counts = takewhile(lambda v: v <= limit, _ascending(_checked_chunks(cls), limit))
+        return tuple(islice(counts, first))
+
     @property
     def num_segments(self) -> int:
         """`p * v`, the number of model segments."""
@@ -167,6 +216,14 @@ class Schedule:
         """The global microbatch indices of `batch`: `range(b * m, (b + 1) * m)`."""
         m = self.num_microbatches
         return range(batch * m, (batch + 1) * m)
+
+    def part_of(self, microbatch: int) -> int:
+        """The sequence part a microbatch index is: `microbatch % num_parts` (0 without parts).
+
+        >>> Schedule(2, 8, num_parts=4).part_of(6)
+        2
+        """
+        return microbatch % self.num_parts
 
     def batch_of(self, microbatch: int) -> int:
         """The batch a global microbatch index belongs to."""
@@ -202,7 +259,29 @@ class Schedule:
             shape += f", v={self.num_chunks}"
         if self.num_batches > 1:
             shape += f", batches={self.num_batches}"
+        if self.num_parts > 1:
+            shape += f", parts={self.num_parts}"
         return f"{type(self).__name__}({shape})"
+
+
+def _check_parts(schedule: Schedule, owner: str) -> None:
+    """`num_parts` divides the microbatches of one model replica, and `seq_dim` is an int."""
+    parts, seq_dim = schedule.num_parts, schedule.seq_dim
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise ScheduleConfigError(f"{owner}: seq_dim must be an integer dim, got {seq_dim!r}")
+    if parts == 1:
+        return
+    if schedule.num_microbatches % parts:
+        raise ScheduleConfigError(
+            f"{owner}: num_parts={parts} must divide num_microbatches="
+            f"{schedule.num_microbatches} (each microbatch of the data becomes {parts} "
+            f"consecutive microbatch indices); pass a multiple of {parts}"
+        )
+    if type(schedule).num_replicas != 1:
+        raise ScheduleConfigError(
+            f"{owner}: sequence parts need one model replica (num_replicas=1); a part's carry "
+            "stays on its segment, which a second replica does not hold"
+        )
 
 
 def _is_place(placed: object, num_stages: int, num_chunks: int) -> bool:
@@ -216,109 +295,75 @@ def _is_place(placed: object, num_stages: int, num_chunks: int) -> bool:
     )
 
 
+def _order_from_steps(self: Schedule, stage: int) -> Iterable[Instruction]:
+    """`order(stage)` of a class that defines only the old `steps(stage)`."""
+    return self.steps(stage)
+
+
+def _checked_chunks(cls: type[Schedule]) -> Chunks:
+    """`cls.chunks`, if it is "any" or a non-empty tuple or range of positive ints."""
+    chunks = cls.chunks
+    if isinstance(chunks, str) and chunks == "any":
+        return "any"
+    if isinstance(chunks, range) and len(chunks) > 0 and min(chunks[0], chunks[-1]) >= 1:
+        return chunks
+    if (
+        isinstance(chunks, tuple)
+        and len(chunks) > 0
+        and all(type(v) is int and v >= 1 for v in chunks)
+    ):
+        return chunks
+    raise ScheduleConfigError(
+        f"{cls.__name__}.chunks must be a tuple such as (1,), a range such as range(1, 9) or "
+        f'"any", of positive chunk counts; got {chunks!r}'
+    )
+
+
+def _smallest(chunks: Chunks) -> int:
+    """The smallest chunk count of a checked `chunks`."""
+    return next(iter(_ascending(chunks, 1)))
+
+
+def _ascending(chunks: Chunks, upto: int) -> Iterable[int]:
+    """A checked `chunks` in ascending order; "any" as `1, 2, ..., upto`."""
+    if chunks == "any":
+        return range(1, upto + 1)
+    if isinstance(chunks, range):
+        return chunks if chunks.step > 0 else chunks[::-1]
+    return sorted(set(chunks))
+
+
+def _refusal(cls: type[Schedule], num_chunks: int) -> str:
+    """Why `cls` does not take `num_chunks`, naming its `chunks` and the fix."""
+    chunks = _checked_chunks(cls)
+    name = cls.name or cls.__name__
+    if isinstance(chunks, tuple) and len(set(chunks)) == 1:
+        only = chunks[0]
+        runs = f"exactly {_WORDS.get(only, f'{only} chunks')} per stage (its chunks = {chunks!r})"
+        fix = f"pass num_chunks={only} (-v {only})"
+    else:
+        runs, fix = f"only the chunk counts in its chunks = {chunks!r}", "pass one of those"
+    return (
+        f"{name} runs {runs}, got num_chunks={num_chunks}; {fix}, or declare the counts it "
+        "supports in its chunks"
+    )
+
+
 class VShape(Schedule):
     """Base of the schedules that hold two chunks per stage in a V (zb-v, dualpipe-v, v-half,
     v-min, dualpipe): segment k < p on stage k as chunk 0, segment k >= p on stage 2p - 1 - k as
-    chunk 1, down the stages and back up. `num_chunks` defaults to 2 and `check()` refuses any
-    other; a subclass's own `check()` calls this one first.
+    chunk 1, down the stages and back up. `chunks` is `(2,)`.
 
     >>> class Mine(VShape):
-    ...     def steps(self, stage):
+    ...     def order(self, stage):
     ...         yield from ()
     >>> [Mine(2, 1).placement(k) for k in range(4)]
     [(0, 0), (1, 0), (1, 1), (0, 1)]
     """
 
-    #: How `check()` names the two chunks a stage holds.
-    two_chunks: ClassVar[str] = "places exactly two chunks per stage (a V)"
-    default_num_chunks = 2
-
-    def check(self) -> None:
-        if self.num_chunks != 2:
-            raise ScheduleConfigError(
-                f"{self.name} {self.two_chunks}, got num_chunks={self.num_chunks}; pass "
-                "num_chunks=2 (-v 2)"
-            )
+    chunks = (2,)
 
     def placement(self, segment: int) -> tuple[int, int]:
         """Segment k < p on (k, 0), segment k >= p on (2p - 1 - k, 1): down and back up."""
         p = self.num_stages
         return (segment, 0) if segment < p else (2 * p - 1 - segment, 1)
-
-
-def build_schedule(
-    schedule_cls: type[Schedule],
-    num_stages: int,
-    num_microbatches: int,
-    *,
-    num_chunks: int | None = None,
-    num_batches: int = 1,
-) -> Schedule:
-    """`schedule_cls` at this shape, where a failure of the class's own code is a typed error.
-
-    `num_chunks=None` keeps the class's own `default_num_chunks` (1, or 2 for ZB-V). Used
-    wherever a class a user named is built (the CLI, `schedcc.tune`, `schedcc.testing`).
-
-    Raises:
-        ScheduleConfigError: the schedule rejects the shape (its `check()` says why).
-        ScheduleCodeError: the constructor does not take the standard arguments, or raised
-            something else; the message names the class.
-
-    >>> from schedcc.registry import get_schedule
-    >>> build_schedule(get_schedule("zb-v"), 4, 8)
-    ZBV(p=4, m=8, v=2)
-    """
-    kwargs = {"num_stages": num_stages, "num_microbatches": num_microbatches}
-    if num_chunks is not None:
-        kwargs["num_chunks"] = num_chunks
-    kwargs["num_batches"] = num_batches
-    name = getattr(schedule_cls, "__name__", repr(schedule_cls))
-    shape = ", ".join(f"{key}={value}" for key, value in kwargs.items())
-    schedule = call_user_code(
-        name,
-        "__init__()",
-        lambda: schedule_cls(**kwargs),
-        where=f"{name}({shape})",
-        hint="a schedule's constructor takes (num_stages, num_microbatches, num_chunks=1, "
-        "num_batches=1), as schedcc.Schedule's does",
-    )
-    if not isinstance(schedule, Schedule):
-        raise ScheduleCodeError(f"{name}(...) made {schedule!r}, not a schedcc.Schedule")
-    return schedule
-
-
-#: Shapes (p, m) at which `uses_chunks` probes a schedule with two chunks per stage.
-_PROBE_SHAPES = ((2, 4), (1, 2), (4, 8), (2, 2), (4, 4), (8, 16))
-
-
-def uses_chunks(schedule_cls: type[Schedule]) -> bool:
-    """Whether `schedule_cls` uses a second chunk when it is given two per stage.
-
-    False when its constructor rejects `num_chunks=2` at every probed shape, and when it accepts
-    it but yields nothing on chunk 1 (a schedule written for one chunk per stage, like the
-    README's GPipe); the shape grids of `schedcc verify` and `schedcc.testing` then keep v = 1.
-    True otherwise, including when the probe fails (the grid will report why).
-
-    >>> from schedcc.registry import get_schedule
-    >>> uses_chunks(get_schedule("interleaved-1f1b")), uses_chunks(get_schedule("1f1b"))
-    (True, False)
-    """
-    from schedcc.passes.collect import collect  # the pass imports this module
-
-    for p, m in _PROBE_SHAPES:
-        try:
-            program = collect(build_schedule(schedule_cls, p, m, num_chunks=2))
-        except ScheduleConfigError:
-            continue
-        except ScheduleError:  # the schedule's own code fails: the grid says so, not the probe
-            return True
-        return any(op.chunk for ops in program.stages for op in ops if hasattr(op, "chunk"))
-    return False
-
-
-def chunks_hint(name: str, num_chunks: int) -> str:
-    """The hint for a schedule that passes with one chunk per stage but fails with more."""
-    return (
-        f"hint: {name} passes with v=1 but fails with v={num_chunks}; if it is written for one "
-        "chunk per stage, make its check() raise ScheduleConfigError when self.num_chunks != 1"
-    )

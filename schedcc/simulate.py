@@ -1,7 +1,7 @@
 """The simulator: how long a program takes, where its bubbles are and what it holds in memory.
 
-`simulate(program, costs)` times the very step model the validator proves deadlock-free (see
-[Note: the step model] in `schedcc.semantics.steps`): each stage runs its program in order, a
+`simulate(program, costs)` times the very rendezvous model the validator proves deadlock-free (see
+[Note: the rendezvous model] in `schedcc.semantics.units`): each stage runs its program in order, a
 compute or update takes its cost, a comm group is posted when its stage reaches it and done once
 every partner group is posted, plus the comm cost. One linear pass; the result is a `Timeline`.
 A program is validated before it is timed (once: the proof is kept on the program), so a
@@ -30,18 +30,24 @@ import attrs
 from schedcc._gc import paused_gc
 from schedcc.costs import ALL_KINDS, CostModel, kind_cost
 from schedcc.errors import DeadlockError, ScheduleConfigError
-from schedcc.ir import COMPUTE, Compute, Instruction, OptimizerStep
-from schedcc.memory import MemoryModel, StageBytes, chunk_sizes, stage_held
+from schedcc.ir import COMPUTE, Compute, Instruction
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.semantics import (
-    Steps,
+    CopyLanes,
+    StageBytes,
     Tensors,
+    Units,
     Walk,
-    held_bytes,
+    critical_units,
+    host_bytes,
     peak_activations,
+    peak_live_versions,
+    stage_peak,
     versions_of,
     walk,
 )
+from schedcc.semantics.stage_bytes import chunk_sizes, peak_activation_bytes
 from schedcc.simulate_eager import eager_spans
 from schedcc.validate import ensure_valid
 
@@ -59,9 +65,9 @@ class Event(NamedTuple):
 
 @attrs.frozen(slots=True)
 class _Run:
-    """What `simulate` keeps to answer questions lazily: the steps, the pairing and the walk."""
+    """What `simulate` keeps to answer questions lazily: the units, the pairing and the walk."""
 
-    steps: Steps
+    units: Units
     partner: list
     walk: Walk
     tables: list[dict | None]  # per stage: cost per instruction class, None if per chunk
@@ -96,12 +102,12 @@ class Timeline:
             return tuple(Event(*event) for event in self._events)
         if self._run is None:
             return ()
-        steps, walked = self._run.steps, self._run.walk
+        units, walked = self._run.units, self._run.walk
         events = []
         with paused_gc():
             for s, ops in enumerate(self.program.stages):
                 starts, ends = walked.start[s], walked.end[s]
-                for op, j in zip(ops, steps.step_at[s]):
+                for op, j in zip(ops, units.unit_at[s]):
                     events.append(Event(s, op, starts[j], ends[j]))
             return tuple(events)
 
@@ -140,7 +146,7 @@ class Timeline:
     @cached_property
     def peak_activations(self) -> tuple[int, ...]:
         """Per stage, the most microbatch activations held at once: each from its F to its last
-        backward piece, B or W (`schedcc.semantics.memory`, the validator's count); none in a
+        backward piece, B or W (`schedcc.semantics.activations`, the validator's count); none in a
         forward-only program, whose forwards keep nothing for a backward."""
         if self.program.forward_only:
             return (0,) * self.num_stages
@@ -151,24 +157,32 @@ class Timeline:
         """Per stage, the most activation bytes held at once: `peak_activations` weighted by
         each segment's `costs.memory.activations`, plus the inputs recomputed forwards keep
         until their `Recompute` (what the engines' `peak_activation_bytes` measure; [Note:
-        bytes per stage] in `schedcc.memory`).
+        bytes per stage] in `schedcc.semantics.stage_bytes`).
 
         Raises:
             ScheduleConfigError: the cost model has no `memory`.
         """
         memory = self._memory()
-        if self.program.forward_only:
-            return (0.0,) * self.num_stages
-        peaks = []
-        for s, ops in enumerate(self.program.stages):
-            sizes = chunk_sizes(self.program, memory, s, "activations")
-            inputs = chunk_sizes(self.program, memory, s, "inputs")
-            peaks.append(max(held_bytes(ops, sizes, inputs), default=0.0))
-        return tuple(peaks)
+        return tuple(peak_activation_bytes(self.program, memory, s) for s in range(self.num_stages))
+
+    @cached_property
+    def peak_host_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most activation bytes held on the host at once: those of each
+        microbatch from its `Offload` to its `Reload` ([Note: offloading] in
+        `schedcc.rules.offload`); `peak_activation_bytes` counts the device only.
+
+        Raises:
+            ScheduleConfigError: the cost model has no `memory`.
+        """
+        memory = self._memory()
+        return tuple(
+            max(host_bytes(ops, chunk_sizes(self.program, memory, s, "activations")), default=0.0)
+            for s, ops in enumerate(self.program.stages)
+        )
 
     @cached_property
     def stage_bytes(self) -> tuple[StageBytes, ...]:
-        """Per stage, the bytes it holds by kind (`schedcc.memory.StageBytes`): the most
+        """Per stage, the bytes it holds by kind (`schedcc.semantics.StageBytes`): the most
         activations (as `peak_activation_bytes`), parameters (whole, or ZeRO shards: under
         ZeRO-3 whole only from a chunk's `Unshard` to its `Reshard`), 2BW's stashed weight
         copies (one per version its computes still use), gradients (shards after a ZeRO
@@ -179,11 +193,7 @@ class Timeline:
             ScheduleConfigError: the cost model has no `memory`.
         """
         memory = self._memory()
-        rows = self.program.rule_versions
-        return tuple(
-            stage_held(self.program, memory, s, ops, row)[2]
-            for s, (ops, row) in enumerate(zip(self.program.stages, rows))
-        )
+        return tuple(stage_peak(self.program, memory, s) for s in range(self.num_stages))
 
     @property
     def peak_bytes(self) -> tuple[float, ...]:
@@ -204,11 +214,8 @@ class Timeline:
 
     @cached_property
     def peak_versions(self) -> tuple[int, ...]:
-        """Per stage, the most weight versions held at once.
-
-        Version 0 is live from the start and version n from the n-th optimizer step; a version
-        stays live while it is the newest or until its last use by a compute on the stage.
-        """
+        """Per stage, the most weight versions held at once
+        (`schedcc.semantics.versions.peak_live_versions`)."""
         program = self.program
         versions = program.versions
         if versions is None:
@@ -220,12 +227,17 @@ class Timeline:
     def critical_path(self) -> tuple[Event, ...]:
         """A chain of events, in time order, from time 0 to the makespan with no slack.
 
-        Each event's start is set by the one before it: the previous step on its stage, or the
+        Each event's start is set by the one before it: the previous unit on its stage, or the
         partner group its comm group waited for. Empty for a measured or an eager timeline.
         """
         if self._run is None:
             return ()
-        return _critical_path(self.program.stages, self._run)
+        stages, run = self.program.stages, self._run
+        return tuple(
+            Event(s, stages[s][pos], run.walk.start[s][j], run.walk.end[s][j])
+            for s, j in critical_units(run.units, run.partner, run.walk)
+            for pos in range(*run.units.bounds[s][j])
+        )
 
     def summary(self) -> str:
         """One line: makespan, bubble and peak activations per stage."""
@@ -235,7 +247,7 @@ class Timeline:
             f"peak activations per stage [{peaks}], peak weight versions {max(self.peak_versions)}"
         )
 
-    # -- drawing (schedcc.draw) -----------------------------------------------------------------
+    # -- exporters: each drawn by its module in schedcc.draw --------------------------------------
 
     def to_ascii(self, *, width: int | None = None, color: bool | None = None) -> str:
         """A row per stage, one column per time unit (scaled to `width`); see `schedcc.draw`."""
@@ -251,53 +263,13 @@ class Timeline:
 
     def to_chrome_trace(self, path: str | PathLike) -> Path:
         """Trace Event Format JSON (opens in Perfetto / chrome://tracing)."""
-        from schedcc.draw.chrome import comm_flows, write_chrome_trace
+        from schedcc.draw.chrome import save
 
-        flows = comm_flows(self.program, self.events)
-        return write_chrome_trace(self.events, path, flows=flows, metadata=_meta(self))
-
-
-def peak_live_versions(ops, row) -> int:
-    """The most weight versions one stage holds at once (`Timeline.peak_versions`), from its
-    program and the version of each position (`row`)."""
-    born = {0: -1}
-    last_use: dict[int, int] = {}
-    for pos, op in enumerate(ops):
-        version = row[pos]
-        if version is None:
-            continue
-        if type(op) is OptimizerStep:
-            born[version] = pos
-        else:
-            last_use[version] = pos
-    deltas: dict[int, int] = {}
-    for version, birth in born.items():
-        newer = born.get(version + 1, len(ops))
-        death = max(last_use.get(version, birth) + 1, newer)
-        deltas[birth] = deltas.get(birth, 0) + 1
-        deltas[death] = deltas.get(death, 0) - 1
-    live = peak = 0
-    for pos in sorted(deltas):
-        live += deltas[pos]
-        peak = max(peak, live)
-    return peak
-
-
-def _meta(timeline: Timeline) -> dict:
-    schedule = timeline.program.schedule
-    return {
-        "schedule": schedule.name or type(schedule).__name__,
-        "num_stages": schedule.num_stages,
-        "num_microbatches": schedule.num_microbatches,
-        "num_chunks": schedule.num_chunks,
-        "num_batches": schedule.num_batches,
-        "makespan": timeline.makespan,
-        "bubble_fraction": timeline.bubble_fraction,
-    }
+        return save(self, path)
 
 
 def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = False) -> Timeline:
-    """Time `program` under `costs` on the step model the validator proves; linear.
+    """Time `program` under `costs` on the rendezvous model the validator proves; linear.
 
     Args:
         program: a compiled program (`schedcc.compile`).
@@ -320,22 +292,24 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
     if not isinstance(costs, CostModel):
         raise ScheduleConfigError(f"costs must be a CostModel, got {costs!r}")
     ensure_valid(program)  # the validator's error for a program it refuses
+    costs.check_microbatches(program.schedule.num_microbatches)
     stages = program.stages
     with paused_gc():
         tables = _tables(costs, len(stages))
         if eager:
             events = _eager_events(program, costs, tables, program.tensors)
             return Timeline(program, events=events, costs=costs)
-        model = program.step_model
-        steps, partner, problems = model.steps, model.partner, model.problems
+        model = program.rendezvous_model
+        units, partner, problems = model.units, model.partner, model.problems
         if costs == _DEFAULT:  # the validator's walk: [Note: the reference walk]
             result = program.reference_walk
         else:
-            durations = _durations(costs, tables, stages, steps)
-            result = walk(steps, partner, durations, links=model.links)
+            durations = _durations(costs, tables, stages, units)
+            lanes = CopyLanes.of(stages, units)  # [Note: offloading]
+            result = walk(units, partner, durations, links=model.links, lanes=lanes)
     if result.stuck or problems:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
-    return Timeline(program, costs=costs, run=_Run(steps, partner, result, tables))
+    return Timeline(program, costs=costs, run=_Run(units, partner, result, tables))
 
 
 #: The default cost model, whose walk is the reference walk (`UNIT_COSTS` are its durations).
@@ -343,23 +317,23 @@ _DEFAULT = CostModel()
 
 
 def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:
-    """Per stage, the cost of each instruction class, or None where a per-chunk override can
-    apply (then each op resolves its own model)."""
+    """Per stage, the cost of each instruction class, or None where a per-chunk override or a
+    per-microbatch factor can apply (then each op resolves its own cost)."""
     tables: list[dict | None] = []
     for s in range(num_stages):
         model = costs.per_stage.get(s, costs)
-        if model.per_chunk or (model is costs and costs.per_chunk):
+        if costs.per_microbatch or model.per_chunk or (model is costs and costs.per_chunk):
             tables.append(None)
         else:
             tables.append({cls: kind_cost(model, cls) for cls in ALL_KINDS})
     return tables
 
 
-def _durations(costs: CostModel, tables, stages, steps: Steps) -> list[list[float]]:
-    """`durations[s][j]`: the cost of step j on stage s (one dict lookup per step, usually)."""
+def _durations(costs: CostModel, tables, stages, units: Units) -> list[list[float]]:
+    """`durations[s][j]`: the cost of unit j on stage s (one dict lookup per unit, usually)."""
     out = []
     for s, ops in enumerate(stages):
-        table, bounds = tables[s], steps.bounds[s]
+        table, bounds = tables[s], units.bounds[s]
         if table is None:
             out.append([costs.cost(s, ops[lo]) for lo, _ in bounds])
         else:
@@ -374,7 +348,7 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         table = tables[s]
         return table[type(op)] if table is not None else costs.cost(s, op)
 
-    meets = program.step_model.meets or None  # ReduceTied and GradNorm collectives
+    meets = program.rendezvous_model.meets or None  # ReduceTied and GradNorm collectives
     spans = eager_spans(program.stages, tensors, cost, meets=meets)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
@@ -394,38 +368,6 @@ def _stage_busy(ops, run: _Run, s: int) -> float:
     starts, ends = run.walk.start[s], run.walk.end[s]
     return sum(
         ends[j] - starts[j]
-        for j, (lo, _) in enumerate(run.steps.bounds[s])
+        for j, (lo, _) in enumerate(run.units.bounds[s])
         if isinstance(ops[lo], Compute)
     )
-
-
-def _critical_path(stages, run: _Run) -> tuple[Event, ...]:
-    """Walk back from the step that ends last, always through the event that set each start."""
-    steps, partner, walked = run.steps, run.partner, run.walk
-    if not any(steps.bounds):
-        return ()
-    ends = [row[-1] if row else 0.0 for row in walked.end]
-    s = max(range(len(ends)), key=lambda t: (ends[t], -t))
-    j = len(steps.bounds[s]) - 1
-    path: list[Event] = []
-    at_done = True  # False: we reached this group at its posted event, through a partner
-    while j >= 0:
-        lo, hi = steps.bounds[s][j]
-        start, end = walked.start[s][j], walked.end[s][j]
-        path.extend(Event(s, stages[s][pos], start, end) for pos in reversed(range(lo, hi)))
-        if at_done and steps.is_group[s][j]:
-            best = None
-            for pos in range(lo, hi):
-                ps, ppos = partner[s][pos]
-                pstep = steps.step_at[ps][ppos]
-                posted = walked.start[ps][pstep]
-                if posted > start and (best is None or posted > walked.start[best[0]][best[1]]):
-                    best = (ps, pstep)
-            if best is not None:
-                s, j = best
-                at_done = False
-                continue
-        at_done = True
-        j -= 1
-    path.reverse()
-    return tuple(path)

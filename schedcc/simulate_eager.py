@@ -1,6 +1,6 @@
 """The eager timeline: a program timed as the distributed engine runs it over gloo.
 
-[Note: eager simulation] The step model is rendezvous: a comm group is done only once its
+[Note: eager simulation] The rendezvous model is rendezvous: a comm group is done only once its
 partners are posted, so a send waits for its receiver, and the compiler's groups pair a send with
 a receive (as Megatron-LM's `send_forward_recv_backward` does). That is the safe model for NCCL
 and what the validator proves. An executor whose sends never wait (the distributed engine over
@@ -13,9 +13,12 @@ its message's flight, from the producer's end to the arrival. A program that val
 get stuck this way (every wait of the rendezvous model is kept or dropped, none added), and no
 compute starts later than it would there (docs/design.md, "Rendezvous and eager").
 A `ReduceTied` is a collective: it starts once every member of it has reached it, as in the
-step model ([Note: tied collectives] in `schedcc.semantics.collectives`). An overlapped pair
+rendezvous model ([Note: tied collectives] in `schedcc.semantics.collectives`). An overlapped pair
 (`F3.1 +B1`, [Note: overlapped pairs] in `schedcc.rules.overlap`) starts once the inputs of both
-have arrived, and the forward's output leaves at the pair's end, as the compiler's sends do.
+have arrived, and the forward's output leaves at the pair's end, as the compiler's sends do. An
+`Offload` or `Reload` runs on its stage's copy lane, as in the step model's walk ([Note:
+offloading] in `schedcc.rules.offload`): the stage goes on at once, and a backward piece starts
+no earlier than its reload ends.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from schedcc.ir import (
     RecvActivation,
     RecvGrad,
 )
-from schedcc.semantics import Tensors
+from schedcc.semantics import CopyLanes, Tensors, Units
 
 __all__ = ["eager_spans"]
 
@@ -51,10 +54,14 @@ def eager_spans(
 ) -> list[list[tuple[float, float]]] | None:
     """`spans[s][pos] = (start, end)` of every instruction in the eager timeline (see the note
     above); None if the program gets stuck (it does not validate). Linear: a stage that waits for
-    a tensor is resumed once, when the tensor's producer has run. `meets` is the step model's
-    (`StepModel.meets`): each `ReduceTied`'s other members."""
+    a tensor is resumed once, when the tensor's producer has run. `meets` is the rendezvous model's
+    (`RendezvousModel.meets`): each `ReduceTied`'s other members."""
     plans, flight = _plans(stages, tensors, cost)
     arrived = _collectives(plans, meets) if meets else []
+    units = Units.of(stages)  # a copy and a backward piece are one-instruction units
+    lanes = CopyLanes.of(stages, units)
+    units_at = units.bounds
+    lane_free = [0.0] * len(stages)
     produced: dict[int, float] = {}  # tensor key -> when its producer ended
     spans: list[list[tuple[float, float] | None]] = [[None] * len(ops) for ops in stages]
     clock, at = [0.0] * len(stages), [0] * len(stages)
@@ -63,10 +70,17 @@ def eager_spans(
     while ready:
         s = ready.popleft()
         plan, row, now, pos = plans[s], spans[s], clock[s], at[s]
+        copies, waits = _lane(lanes, units_at, s)
         while pos < len(plan):
             duration, needs, makes = plan[pos]
+            if pos in copies:  # on the copy lane ([Note: offloading]): the stage goes on
+                begin = max(now, lane_free[s])
+                lane_free[s] = begin + (duration or 0.0)
+                row[pos] = (begin, lane_free[s])
+                pos += 1
+                continue
             if duration is not None:
-                start = now
+                start = now if pos not in waits else max(now, row[waits[pos]][1])
                 for need in needs:
                     if need >= 0:
                         if need not in produced:
@@ -97,6 +111,15 @@ def eager_spans(
     if any(at[s] < len(plan) for s, plan in enumerate(plans)):
         return None
     return [_comm_spans(plans[s], spans[s], produced, flight) for s in range(len(stages))]
+
+
+def _lane(lanes: CopyLanes | None, bounds, s: int) -> tuple[frozenset[int], dict[int, int]]:
+    """Stage s's copy positions and, per backward position, its reload's position."""
+    if lanes is None:
+        return frozenset(), {}
+    first = [lo for lo, _ in bounds[s]]
+    copies = frozenset(first[j] for j in lanes.copies[s])
+    return copies, {first[j]: first[r] for j, r in lanes.waits[s].items()}
 
 
 def _plans(stages, tensors: Tensors, cost) -> tuple[_Plan, dict[int, float]]:

@@ -10,13 +10,14 @@ Use them in your own test suite (needs `hypothesis`, in the `test` extra; no tor
 
 `check_schedule` compiles, validates and simulates the schedule over many shapes
 `(p, m, v, batches)`; on a failure hypothesis shrinks to the smallest failing shape, which the
-`ScheduleCheckError` names together with the validator's explanation. Shapes the schedule's own
-constructor rejects (`ScheduleConfigError`) are skipped, so each schedule is tried only where it
-claims to work.
+`ScheduleCheckError` names together with the validator's explanation. The chunk count v is drawn
+from the schedule's own `chunks`, and shapes its constructor rejects (`ScheduleConfigError`) are
+skipped, so each schedule is tried only where it claims to work.
 
 With `numerics=True` it also trains a tiny float64 model with each compiled program on the local
 backend (two batches, SGD) and compares losses and weights with non-pipelined training (tolerance
-1e-10); that needs torch, imported only then.
+1e-10); that needs torch, imported only then. A schedule with sequence parts trains segments
+whose carry is a running sum over the sequence, against the reference on the whole sequences.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from schedcc.compiler import compile as compile_schedule
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.program import Program
-from schedcc.schedule import Schedule, build_schedule, chunks_hint, uses_chunks
+from schedcc.registry import build_schedule
+from schedcc.schedule import Schedule
 
 __all__ = ["ScheduleCheckError", "Shape", "check_schedule", "schedules", "shapes"]
 
@@ -86,12 +88,10 @@ class ScheduleCheckError(AssertionError):
         cause: the error the compiler or validator raised there.
     """
 
-    def __init__(
-        self, schedule_cls: type[Schedule], shape: Shape, cause: BaseException, hint: str = ""
-    ):
+    def __init__(self, schedule_cls: type[Schedule], shape: Shape, cause: BaseException):
         super().__init__(
             f"{schedule_cls.__name__} fails at {shape} (the smallest failing shape found): "
-            f"{type(cause).__name__}: {cause}" + (f"\n{hint}" if hint else "")
+            f"{type(cause).__name__}: {cause}"
         )
         self.schedule_cls = schedule_cls
         self.shape = shape
@@ -108,9 +108,12 @@ def shapes(
 ) -> st.SearchStrategy[Shape]:
     """Shapes within the bounds that `schedule_cls`'s constructor accepts (all, if None).
 
-    `num_chunks` stays 1 for a schedule that rejects `num_chunks=2` (1F1B, 2BW) or yields
-    nothing on a second chunk (written for one chunk per stage; see `schedcc.schedule.uses_chunks`),
-    so no draw is wasted on it. Every field shrinks toward 1.
+    `num_chunks` is drawn from the class's `chunks` up to `max_chunks` (1 for 1F1B, 2 for
+    ZB-V), so no draw is wasted on a count it does not run. Every field shrinks toward its
+    smallest value.
+
+    Raises:
+        ScheduleConfigError: none of the class's `chunks` is at most `max_chunks`.
 
     >>> from hypothesis import given
     >>> from schedcc.schedules.one_f_one_b import OneFOneB
@@ -119,13 +122,20 @@ def shapes(
     ...     assert shape.num_chunks == 1 and shape.num_stages <= 4
     >>> test_1f1b_shapes()
     """
-    if schedule_cls is not None and not uses_chunks(schedule_cls):
-        max_chunks = 1
+    chunks = st.integers(1, max_chunks)
+    if schedule_cls is not None:
+        counts = schedule_cls.chunk_counts(max_chunks)
+        if not counts:
+            raise ScheduleConfigError(
+                f"{schedule_cls.__name__} runs none of v <= max_chunks = {max_chunks} (its "
+                f"chunks = {schedule_cls.chunks!r}); raise max_chunks"
+            )
+        chunks = st.sampled_from(counts)
     strategy = st.builds(
         Shape,
         num_stages=st.integers(1, max_stages),
         num_microbatches=st.integers(1, max_microbatches),
-        num_chunks=st.integers(1, max_chunks),
+        num_chunks=chunks,
         num_batches=st.integers(1, max_batches),
     )
     if schedule_cls is None:
@@ -172,11 +182,15 @@ def _check_numerics(schedule: Schedule, program: Program) -> None:
             layer.bias.copy_(torch.randn(width, generator=gen, dtype=torch.float64))
         segments.append(torch.nn.Sequential(layer, torch.nn.Tanh()))
     segments *= replicas
-    rows = schedule.num_microbatches * program.data_parallel
+    parts = schedule.num_parts
+    rows = schedule.num_microbatches // parts * program.data_parallel
+    shape = (rows, width) if parts == 1 else (rows, 2 * parts, width)  # (batch, seq, width)
+    if parts > 1:  # the sequence parts' calling convention: a running sum is the carry
+        segments = _prefix_sums(segments)
     batches = [
         (
-            torch.randn(rows, width, generator=gen, dtype=torch.float64),
-            torch.randn(rows, width, generator=gen, dtype=torch.float64),
+            torch.randn(shape, generator=gen, dtype=torch.float64),
+            torch.randn(shape, generator=gen, dtype=torch.float64),
         )
         for _ in range(schedule.num_batches)
     ]
@@ -188,6 +202,25 @@ def _check_numerics(schedule: Schedule, program: Program) -> None:
         batches,
         atol=1e-10,
     )
+
+
+def _prefix_sums(segments: list) -> list:
+    """`segments` taking sequence parts: each position sees the sum over the positions up to it
+    (`seq_dim` 1), the parts before its own arriving as the carry."""
+    import torch
+
+    class PrefixSum(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, carry=None):
+            total = self.inner(x).cumsum(dim=1)
+            if carry is not None:
+                total = total + carry
+            return total.tanh(), total[:, -1:]
+
+    return [PrefixSum(segment) for segment in segments]
 
 
 def _per_shape_checks(numerics: bool) -> list[Callable[[Schedule, Program], None]]:
@@ -251,8 +284,7 @@ def check_schedule(
             for check in checks:
                 check(schedule, program)
         except Exception as error:
-            hint = _chunk_hint(schedule_cls, shape, checks, data_parallel, zero)
-            raise ScheduleCheckError(schedule_cls, shape, error, hint) from error
+            raise ScheduleCheckError(schedule_cls, shape, error) from error
 
     try:
         check_one()
@@ -262,18 +294,3 @@ def check_schedule(
             f"within p <= {max_stages}, m <= {max_microbatches}, v <= {max_chunks}, "
             f"batches <= {max_batches}; widen the bounds"
         ) from error
-
-
-def _chunk_hint(schedule_cls, shape: Shape, checks, data_parallel: int, zero: int) -> str:
-    """A hint when `shape` fails with v > 1 but passes with v = 1, else ""."""
-    if shape.num_chunks == 1:
-        return ""
-    one = attrs.evolve(shape, num_chunks=1)
-    try:
-        schedule = one.build(schedule_cls)
-        program = compile_schedule(schedule, data_parallel=data_parallel, zero=zero)
-        for check in checks:
-            check(schedule, program)
-    except Exception:
-        return ""
-    return chunks_hint(schedule_cls.__name__, shape.num_chunks)

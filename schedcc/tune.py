@@ -1,7 +1,8 @@
 """`tune`: rank schedules by simulated time over a grid of shapes, under a memory limit.
 
 For each schedule and each (microbatch count m, chunk count v), `tune` builds, compiles and
-simulates the program. A shape the schedule's constructor rejects (`ScheduleConfigError`) is
+simulates the program; v is drawn from the schedule's own `chunks` unless given. A shape the
+schedule's constructor rejects (`ScheduleConfigError`, a v outside its `chunks` included) is
 skipped; a program whose peak activations exceed `memory_limit` is set aside; the rest are ranked
 by simulated time per microbatch (`makespan / m`). A schedule that fails otherwise (its own code
 raises, or its program does not validate) is an error, not a silent drop.
@@ -28,18 +29,15 @@ from schedcc.compiler import compile
 from schedcc.costs import FIELD_OF_CODE, CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import COMPUTE, Recompute
-from schedcc.memory import parse_size
-from schedcc.registry import get_schedule, registered_classes
-from schedcc.schedule import (
-    Schedule,
-    ScheduleCodeError,
-    build_schedule,
-    chunks_hint,
-    uses_chunks,
-)
+from schedcc.registry import build_schedule, get_schedule, registered_classes
+from schedcc.schedule import Schedule, ScheduleCodeError
 from schedcc.simulate import simulate
+from schedcc.sizes import parse_size
 
 __all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
+
+#: The largest chunk count a default grid tries (the CLI's own limit).
+_MAX_CHUNKS = 64
 
 #: The cost fields a chunk pays 1/v of (see [Note: tune's units]).
 _COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE)
@@ -114,7 +112,7 @@ def tune(
     *,
     num_stages: int,
     num_microbatches: int | Iterable[int] = 8,
-    num_chunks: int | Iterable[int] = (1, 2),
+    num_chunks: int | Iterable[int] | None = None,
     costs: CostModel | None = None,
     memory_limit: float | str | None = None,
     data_parallel: int = 1,
@@ -127,7 +125,8 @@ def tune(
         schedules: names (`"1f1b"`, `module:Class`, `file.py:Class`), classes, or a mapping
             from the name to show to the class; None: every registered schedule, once per class.
         num_stages: pipeline stages `p`.
-        num_microbatches, num_chunks: the values of m and v to try (an int or several).
+        num_microbatches, num_chunks: the values of m and v to try (an int or several); v
+            None: each schedule's first two chunk counts (`Schedule.chunk_counts`).
         costs: per-stage costs at v = 1 (default `CostModel()`); see [Note: tune's units].
         memory_limit: drop programs whose peak activations exceed this many whole-stage
             microbatches; when `costs.memory` is a `MemoryModel` (sizes per stage at v = 1),
@@ -165,7 +164,7 @@ def tune(
         tuner.run(name, cls, m, v, r)
         for name, cls in _resolve(schedules).items()
         for m in grid.microbatches
-        for v in grid.chunks
+        for v in grid.chunks or cls.chunk_counts(_MAX_CHUNKS, first=2)
         for r in _recompute_values(recompute)
     ]
     candidates = [r for r in results if isinstance(r, Candidate)]
@@ -198,7 +197,7 @@ def _recompute_values(recompute: bool | Iterable[bool]) -> tuple[bool, ...]:
 @attrs.frozen
 class _Grid:
     microbatches: tuple[int, ...]
-    chunks: tuple[int, ...]
+    chunks: tuple[int, ...] | None  # None: each schedule's own
 
     @classmethod
     def of(cls, num_stages, num_microbatches, num_chunks, memory_limit) -> _Grid:
@@ -215,7 +214,7 @@ class _Grid:
             )
         return cls(
             _positive_ints("num_microbatches", num_microbatches),
-            _positive_ints("num_chunks", num_chunks),
+            None if num_chunks is None else _positive_ints("num_chunks", num_chunks),
         )
 
 
@@ -261,27 +260,28 @@ class _Tuner:
     costs: CostModel
     data_parallel: int
     zero: int
-    _uses_chunks: dict[type[Schedule], bool] = attrs.field(factory=dict, init=False)
 
     def run(
         self, name: str, cls: type[Schedule], m: int, v: int, recompute: bool = False
     ) -> Candidate | Skipped:
         """The simulated candidate, or why the shape is skipped; a schedule's failure raises."""
+        factors = len(self.costs.per_microbatch)
+        if factors and factors != m:
+            return Skipped(name, m, v, f"costs.per_microbatch gives {factors} microbatches")
         try:
             schedule = build_schedule(cls, self.num_stages, m, num_chunks=v)
         except ScheduleConfigError as exc:
             return Skipped(name, m, v, str(exc))
         if self.zero == 3 and schedule.weight_delay:
             return Skipped(name, m, v, "zero=3 keeps no whole stashed weights (weight delay)")
-        if v > 1 and not self._uses_chunks.setdefault(cls, uses_chunks(cls)):
-            reason = f"{cls.__name__} uses one chunk per stage (nothing on chunk 1 given two)"
-            return Skipped(name, m, v, reason)
+        if recompute and schedule.num_parts > 1:
+            return Skipped(name, m, v, "sequence parts hand their carry on: no recomputation")
         try:
             program = compile(
                 schedule, data_parallel=self.data_parallel, zero=self.zero, recompute=recompute
             )
         except ScheduleCodeError as exc:
-            raise type(exc)(f"{name}: {exc}{self._hint(cls, m, v)}") from exc
+            raise type(exc)(f"{name}: {exc}") from exc
         except ScheduleConfigError:
             raise
         except ScheduleError as exc:
@@ -289,23 +289,12 @@ class _Tuner:
             raise type(exc)(
                 f"{name} at p={self.num_stages}, m={m}, v={v}: {type(exc).__name__}: {first} "
                 f"(schedcc verify --schedule {name} -p {self.num_stages} -m {m} -v {v} "
-                f"explains){self._hint(cls, m, v)}",
+                "explains)",
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
         share = v // type(schedule).num_replicas  # the chunks of one model replica per stage
         return _measure(name, program, _per_chunk(self.costs, share), share)
-
-    def _hint(self, cls: type[Schedule], m: int, v: int) -> str:
-        """ "; hint: ..." when the same shape compiles with v = 1, else ""."""
-        if v == 1:
-            return ""
-        try:
-            schedule = build_schedule(cls, self.num_stages, m, num_chunks=1)
-            compile(schedule, data_parallel=self.data_parallel, zero=self.zero)
-        except ScheduleError:
-            return ""
-        return f"; {chunks_hint(cls.__name__, v)}"
 
 
 def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 from schedcc._gc import paused_gc
 from schedcc.errors import ScheduleConfigError, ScheduleError
-from schedcc.memory import MemoryModel, parse_size
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.rules import Context, Problem, Rule
 from schedcc.rules.bytes import check_bytes
 from schedcc.rules.comm import check_comm, check_deadlock
 from schedcc.rules.computes import check_complete, check_dependencies, check_memory
 from schedcc.rules.norm import check_norm
+from schedcc.rules.offload import check_offload
 from schedcc.rules.overlap import check_overlaps
+from schedcc.rules.parts import check_parts
 from schedcc.rules.recompute import check_recompute
 from schedcc.rules.sharding import check_sharding
 from schedcc.rules.tied import check_tied
@@ -35,6 +37,7 @@ from schedcc.rules.updates import (
     check_update_window,
     check_versions,
 )
+from schedcc.sizes import parse_size
 
 __all__ = ["RULES", "ensure_valid", "find_problems", "render_grid", "validate"]
 
@@ -43,7 +46,9 @@ RULES: tuple[Rule, ...] = (
     check_replicas,
     check_complete,
     check_dependencies,
+    check_parts,
     check_recompute,
+    check_offload,
     check_overlaps,
     check_step_order,
     check_reductions,
@@ -81,7 +86,7 @@ def validate(
         max_activations: also check that no stage holds more microbatch activations than this.
         max_bytes: also check that no stage holds more bytes than this (a number or a size
             such as "12GiB"), counted with `memory` ([Note: bytes per stage] in
-            `schedcc.memory`).
+            `schedcc.semantics.stage_bytes`).
         memory: the `MemoryModel` that `max_bytes` counts with.
 
     Raises:

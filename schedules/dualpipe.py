@@ -52,8 +52,6 @@ class DualPipe(VShape):
     name = "dualpipe"
     num_replicas = 2
 
-    two_chunks = "holds two mirrored segments per stage"
-
     def check(self) -> None:
         super().check()
         p, m = self.num_stages, self.num_microbatches
@@ -67,7 +65,7 @@ class DualPipe(VShape):
         """The first half of a batch's microbatches runs down the stages, the second up."""
         return int(microbatch >= self.num_microbatches // 2)
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         p, m = self.num_stages, self.num_microbatches
         flip = int(stage >= p // 2)  # the second half runs its directions the other way
         order = _order(p // 2, min(stage, p - 1 - stage), m // 2)

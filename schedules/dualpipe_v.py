@@ -84,7 +84,7 @@ class DualPipeV(VShape):
                 f"segment), got m={self.num_microbatches}; raise m or use zb-v"
             )
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         m = self.num_microbatches
         order = _order(self.num_stages, stage, m)
         for batch in range(self.num_batches):

@@ -30,8 +30,9 @@ class GPipe(Schedule):
     """GPipe: all forwards, then all backwards in reverse order (a flush per batch)."""
 
     name = "gpipe"
+    chunks = "any"
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         for batch in range(self.num_batches):
             microbatches = self.microbatches(batch)
             for chunk in range(self.num_chunks):

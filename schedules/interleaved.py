@@ -43,8 +43,8 @@ p = 4, m = 8, v = 2, compute order per stage (`F3.1` is microbatch 3 on chunk 1)
     stage 2: F0 F1 F2 F3 F0.1 F1.1 F2.1 B0.1 F3.1 B1.1 F4 B2.1 F5 B3.1 F6 B0 F7 B1 F4.1 B2 ...
     stage 3: F0 F1 F2 F3 F0.1 B0.1 F1.1 B1.1 F2.1 B2.1 F3.1 B3.1 F4 B0 F5 B1 F6 B2 F7 B3 ...
 
-[Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the step model the
-validator proves and `simulate` times by default, and Megatron-LM's own blocking
+[Note: interleaved at two stages] At p = 2, with every exchange a rendezvous (the rendezvous model
+the validator proves and `simulate` times by default, and Megatron-LM's own blocking
 `send_forward_recv_backward`), Megatron-LM's order (torch's too) idles beyond the ideal makespan
 `(F + B) * (v * m + p - 1)` once m is a multiple of p above p (v = 2, m = 8: 57 time units against
 51 at F = 1, B = 2). The idling is the rendezvous's, not the order's: with sends that never wait
@@ -69,6 +69,7 @@ class Interleaved1F1B(Schedule):
     """Interleaved 1F1B (Megatron-LM virtual stages): v looped chunks per stage, depth-first."""
 
     name = "interleaved-1f1b"
+    chunks = "any"
 
     def groups(self) -> list[range]:
         """The microbatch groups of batch 0 that run depth-first through the chunks.
@@ -88,7 +89,7 @@ class Interleaved1F1B(Schedule):
             start = stop
         return groups
 
-    def order(self) -> list[tuple[int, int]]:
+    def forward_order(self) -> list[tuple[int, int]]:
         """The `(microbatch, chunk)` sequence every stage forwards in, for batch 0."""
         return [(i, c) for group in self.groups() for c in range(self.num_chunks) for i in group]
 
@@ -101,8 +102,8 @@ class Interleaved1F1B(Schedule):
         largest = max(len(group) for group in self.groups())
         return min((p - stage - 1) * 2 + (v - 1) * largest, total)
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
-        order, v, warmup = self.order(), self.num_chunks, self.num_warmup(stage)
+    def order(self, stage: int) -> Iterator[Instruction]:
+        order, v, warmup = self.forward_order(), self.num_chunks, self.num_warmup(stage)
         for batch in range(self.num_batches):
             first = batch * self.num_microbatches
             forwards = [Forward(first + i, c) for i, c in order]

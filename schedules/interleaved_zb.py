@@ -85,8 +85,8 @@ class InterleavedZB(Interleaved1F1B):
         warmup = (self.num_chunks - 1) * largest + self.num_stages - stage - 1
         return min(warmup, self.num_microbatches * self.num_chunks)
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
-        order, v, warmup = self.order(), self.num_chunks, self.num_warmup(stage)
+    def order(self, stage: int) -> Iterator[Instruction]:
+        order, v, warmup = self.forward_order(), self.num_chunks, self.num_warmup(stage)
         for batch in range(self.num_batches):
             first = batch * self.num_microbatches
             forwards = [Forward(first + i, c) for i, c in order]

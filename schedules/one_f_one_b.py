@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Backward, Forward, Instruction
 from schedcc.schedule import Schedule
 
@@ -50,14 +49,7 @@ class OneFOneB(Schedule):
 
     name = "1f1b"
 
-    def check(self) -> None:
-        if self.num_chunks != 1:
-            raise ScheduleConfigError(
-                f"1f1b runs one chunk per stage, got num_chunks={self.num_chunks}; "
-                "use interleaved-1f1b for virtual stages"
-            )
-
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         warmup = min(self.num_stages - stage - 1, self.num_microbatches)
         for batch in range(self.num_batches):
             microbatches = self.microbatches(batch)

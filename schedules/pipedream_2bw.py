@@ -48,10 +48,6 @@ class PipeDream2BW(Schedule):
     weight_delay = 1
 
     def check(self) -> None:
-        if self.num_chunks != 1:
-            raise ScheduleConfigError(
-                f"2bw runs one chunk per stage, got num_chunks={self.num_chunks}; use num_chunks=1"
-            )
         p, m = self.num_stages, self.num_microbatches
         if self.num_batches >= 3 and m < p - 1:
             raise ScheduleConfigError(
@@ -65,7 +61,7 @@ class PipeDream2BW(Schedule):
         """The forwards stage `stage` runs before its first backward, over the whole program."""
         return min(self.num_stages - stage - 1, self.num_microbatches_total)
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         microbatches = range(self.num_microbatches_total)
         forwards = [Forward(i) for i in microbatches]
         backwards = [Backward(i) for i in microbatches]

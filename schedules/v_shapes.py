@@ -120,7 +120,7 @@ class _VShape(VShape):
         plan = _plan(offsets, self.num_microbatches)
         return [sorted(times, key=times.__getitem__) for times in plan]
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         m = self.num_microbatches
         for batch in range(self.num_batches):
             first = batch * m

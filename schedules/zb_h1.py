@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from schedcc.errors import ScheduleConfigError
 from schedcc.ir import BackwardInput, BackwardWeight, Forward, Instruction
 from schedcc.schedule import Schedule
 
@@ -38,14 +37,7 @@ class ZBH1(Schedule):
 
     name = "zb-h1"
 
-    def check(self) -> None:
-        if self.num_chunks != 1:
-            raise ScheduleConfigError(
-                f"zb-h1 runs one chunk per stage, got num_chunks={self.num_chunks}; "
-                "use zb-v for two chunks per stage"
-            )
-
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         for batch in range(self.num_batches):
             first = batch * self.num_microbatches
             for kind, microbatch in _h1_order(self.num_stages, self.num_microbatches, stage):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from schedcc.errors import ScheduleConfigError
 from schedcc.ir import BackwardInput, BackwardWeight, Forward, Instruction
 from schedcc.schedule import Schedule
 
@@ -48,14 +47,7 @@ class ZBH2(Schedule):
 
     name = "zb-h2"
 
-    def check(self) -> None:
-        if self.num_chunks != 1:
-            raise ScheduleConfigError(
-                f"zb-h2 runs one chunk per stage, got num_chunks={self.num_chunks}; "
-                "use interleaved-zb or zb-v for more chunks per stage"
-            )
-
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         order = _h2_order(self.num_stages, self.num_microbatches, stage)
         for batch in range(self.num_batches):
             first = batch * self.num_microbatches

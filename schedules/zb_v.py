@@ -49,7 +49,7 @@ class ZBV(VShape):
 
     name = "zb-v"
 
-    def steps(self, stage: int) -> Iterator[Instruction]:
+    def order(self, stage: int) -> Iterator[Instruction]:
         m = self.num_microbatches
         full = max(m, 2 * self.num_stages - 1)
         order = _v_order(self.num_stages, stage, full)

@@ -1,4 +1,5 @@
-"""`schedcc run` as a user starts it: a fresh process, outside any torchrun, one thread a rank."""
+"""`schedcc run` as a user starts it (a fresh process, outside any torchrun, one thread a rank),
+and the rows of `schedcc verify`'s table."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         cwd=ROOT,
         env={**env, "OMP_NUM_THREADS": "1"},
     )
+
+
+def verify_rows(out: str) -> list[list[str]]:
+    """The rows of `schedcc verify`'s table in `out`: p, m, v, batches, the result, ..."""
+    rows = [line.split() for line in out.splitlines()]
+    return [cells for cells in rows if len(cells) > 4 and all(c.isdigit() for c in cells[:4])]

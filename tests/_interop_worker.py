@@ -1,8 +1,8 @@
 """A rank of torch's `_PipelineScheduleRuntime` running a schedule that schedcc exported (CSV).
 
-Run in a spawned process per rank by tests/test_interop.py: builds the rank's `PipelineStage`
-around its float64 segment, loads the CSV in torch's "compute_comms" format and trains with
-`schedule.step`, then saves the segment's parameters for the test to compare.
+Run in a spawned process per rank by tests/schedules/test_interop.py: builds the rank's
+`PipelineStage` around its float64 segment, loads the CSV in torch's "compute_comms" format and
+trains with `schedule.step`, then saves the segment's parameters for the test to compare.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["WIDTH", "batches", "make_segments", "mse", "sgd"]
+__all__ = ["WIDTH", "batches", "largest_difference", "make_segments", "mse", "sgd"]
 
 WIDTH = 3
 
@@ -59,3 +59,13 @@ def tanh_batches(count: int, size: int = 8, *, width: int = 4, seed: int = 1) ->
         x = torch.randn(size, width, generator=gen, dtype=torch.float64)
         out.append((x, torch.tanh(x.flip(-1))))
     return out
+
+
+def largest_difference(losses, expected, segments, reference) -> float:
+    """The largest absolute difference between two runs: their losses, and every parameter of
+    `segments` against the same one of `reference`."""
+    worst = max(abs(a - b) for a, b in zip(losses, expected))
+    for got, want in zip(segments, reference):
+        for a, b in zip(got.parameters(), want.parameters()):
+            worst = max(worst, (a - b).abs().max().item())
+    return worst

@@ -1,6 +1,6 @@
-"""`--model` factories for `schedcc run --check` (tests/test_check_objective.py): a tiny language
-model on padded rows, whose loss is a padded per-microbatch mean, a `(loss_sum, count)` pair or a
-`schedcc.TokenLoss`, and whose blocks may round in float32 inside or hold dropout.
+"""`--model` factories for `schedcc run --check` (tests/models/test_check_objective.py): a tiny
+language model on padded rows, whose loss is a padded per-microbatch mean, a `(loss_sum, count)`
+pair or a `schedcc.TokenLoss`, and whose blocks may round in float32 inside or hold dropout.
 
     schedcc run --model tests/_objective_models.py:padded_mean --check
 """

@@ -2,7 +2,7 @@
 
 `random_orders()` draws a shape (p <= 8, m <= 16, v <= 3, 1-3 batches, looped or V-shape
 placement, optionally split backward I + W) and one random interleaving of the computes that
-respects the data dependencies, as a `Schedule` whose `steps(stage)` returns that order. It is
+respects the data dependencies, as a `Schedule` whose `order(stage)` returns that order. It is
 built by simulating the stages: at every moment some computes are ready (their inputs exist, and
 on their stage the optimizer steps they need have their gradients); pick a random one, run it,
 release what it unblocks. The compiler's core claim (docs/design.md): every such order validates.
@@ -31,6 +31,7 @@ class OrderSchedule(Schedule):
     """A schedule that yields a given compute order; `vshape` selects V-shape placement."""
 
     name = "test-order"
+    chunks = "any"
 
     def __init__(
         self,
@@ -55,7 +56,7 @@ class OrderSchedule(Schedule):
             return p - 1 - offset, chunk
         return offset, chunk
 
-    def steps(self, stage: int):
+    def order(self, stage: int):
         assert self.orders is not None, "set orders before compiling"
         return list(self.orders[stage])
 

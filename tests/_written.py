@@ -1,7 +1,7 @@
 """Hand-written programs: schedules that yield every instruction, so the compiler inserts none.
 
 `written(*stages)` is a schedule whose stage `s` yields exactly the instructions of the text
-`stages[s]`, in `schedcc.ir` form (`"F0 RG0 SA0 B0 Step"`). `CLASS_A` is issue 16's smallest
+`stages[s]`, in `schedcc.ir` form (`"F0 RG0 SA0 B0 Step"`). `CLASS_A` is the smallest
 case of a comm group that must be posted whole: stage 0's `[RG0 SA0]` only completes if its send is
 posted before its receive is waited on.
 """
@@ -23,7 +23,7 @@ class Written(Schedule):
     name = "written"
     texts: tuple[str, ...] = ()
 
-    def steps(self, stage: int):
+    def order(self, stage: int):
         return [parse(token) for token in self.texts[stage].split()]
 
     def __repr__(self) -> str:

@@ -6,25 +6,38 @@ from __future__ import annotations
 import math
 
 import torch
+from _builtin_schedules import names
 from hypothesis import strategies as st
 
+import schedcc
 from schedcc.testing import Shape, schedules, shapes
 
 __all__ = [
     "BUILTIN_SCHEDULES",
+    "PLAIN_BUILTINS",
     "Shape",
     "assert_same",
     "boundary_values",
     "constants",
     "keys",
+    "lengths_and_microbatches",
+    "microbatch_sizes",
     "nestings",
     "schedules",
     "shapes",
     "tensors",
 ]
 
-#: The built-in schedule names (one per class; aliases left out).
-BUILTIN_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "2bw")
+#: Every built-in schedule's name (one per class; aliases left out): tests/_builtin_schedules.py.
+BUILTIN_SCHEDULES = names()
+#: Every registered name whose schedule trains plain segments: all but those that split
+#: microbatches into sequence parts, whose segments take a carry (tests/engine/test_seq_parts.py
+#: trains those).
+PLAIN_BUILTINS = tuple(
+    name
+    for name in schedcc.available_schedules()
+    if schedcc.get_schedule(name).default_num_parts == 1
+)
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.bool)
@@ -87,3 +100,16 @@ def assert_same(a, b):
 def boundary_values():
     """Random boundary values: nestings of tuples, lists and dicts of tensors and constants."""
     return nestings(st.one_of(tensors(), constants))
+
+
+@st.composite
+def lengths_and_microbatches(draw, max_samples: int = 40, max_length: int = 64):
+    """`(lengths, m)`: the token counts of a batch's samples (some 0: all padding) and a number
+    of microbatches they can fill (`1 <= m <= len(lengths)`)."""
+    lengths = draw(st.lists(st.integers(0, max_length), min_size=1, max_size=max_samples))
+    return lengths, draw(st.integers(1, len(lengths)))
+
+
+def microbatch_sizes(num_microbatches: int, max_size: int = 5):
+    """`num_microbatches` sizes of 1 to `max_size` samples (`train_step`'s `microbatch_sizes`)."""
+    return st.lists(st.integers(1, max_size), min_size=num_microbatches, max_size=num_microbatches)

@@ -8,5 +8,6 @@ memory between stages on one machine; `ties` finds the parameters a rank shares 
 """
 
 from schedcc.backends.distributed.engine import Engine
+from schedcc.backends.distributed.groups import Groups
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "Groups"]

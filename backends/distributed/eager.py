@@ -13,11 +13,13 @@ Per peer, sends are still posted in program order, and receives too (all receive
 program order), so each receive still pairs with the send the compiler matched it with. A send
 never blocks and a receive is waited no earlier than in the rendezvous model, so every stage
 gets at least as far as it would there: a program that validates cannot hang. The program's comm
-groups then only say in which order messages go; `EagerPlan` says where, per step.
+groups then only say in which order messages go; `EagerPlan` says where, per unit.
 
-Computes are the steps that are not comm groups (update instructions included); a receive's
+Computes are the units that are not comm groups (update instructions included); a receive's
 consumer is the forward (activation) or the first backward (gradient) of its microbatch and
-chunk, a send's producer the same for what it sends.
+chunk, a send's producer the same for what it sends, except that the forward of an overlapped
+pair (`F3 +B1.1`) runs with its backward, so what it makes is sent after the pair ([Note:
+running an overlapped pair] in `backends.runtime.handlers`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedcc.backends.distributed.groups import CommGroup
-from schedcc.ir import Instruction
+from schedcc.ir import Forward, Instruction, OverlappedBackward
 from schedcc.semantics import Tensors
 
 __all__ = ["RECV_LOOKAHEAD", "EagerPlan", "Transfer"]
@@ -35,49 +37,51 @@ __all__ = ["RECV_LOOKAHEAD", "EagerPlan", "Transfer"]
 #: receive at the start would hold a buffer per microbatch, which defeats 1F1B's memory bound.
 RECV_LOOKAHEAD = 4
 
-#: One point-to-point op: `(op, peer stage, shape key, index of its comm group in the steps)`.
+#: One point-to-point op: `(op, peer stage, shape key, index of its comm group in the units)`.
 Transfer = tuple[Instruction, int, tuple[str, int], int]
 
 
 class EagerPlan:
-    """Per step index: receives to post and to wait before it, sends to post after it.
+    """Per unit index: receives to post and to wait before it, sends to post after it.
 
-    Only compute steps carry actions; comm groups carry none (see the note above).
+    Only compute units carry actions; comm groups carry none (see the note above).
     """
 
     __slots__ = ("post_before", "sends_after", "wait_before")
 
     def __init__(
         self,
-        steps: Sequence[Instruction | CommGroup],
+        units: Sequence[Instruction | CommGroup],
         tensors: Tensors,
         stage: int,
         lookahead: int = RECV_LOOKAHEAD,
     ):
-        n = len(steps)
+        n = len(units)
         self.post_before: list[list[Transfer]] = [[] for _ in range(n)]
         self.wait_before: list[list[Transfer]] = [[] for _ in range(n)]
         self.sends_after: list[list[Transfer]] = [[] for _ in range(n)]
-        computes = [i for i, step in enumerate(steps) if type(step) is not CommGroup]
-        # tensor key -> step index of the first compute that makes or needs it: a sent tensor's
+        computes = [i for i, unit in enumerate(units) if type(unit) is not CommGroup]
+        # tensor key -> unit index of the first compute that makes or needs it: a sent tensor's
         # producer, a received tensor's consumer (`schedcc.semantics.tensors`)
         position: dict[int, int] = {}
         for index in computes:
-            op = steps[index]
+            op = units[index]
             assert type(op) is not CommGroup
-            for key in (tensors.makes(stage, op), *tensors.needs(stage, op)):
-                if key is not None:
-                    position.setdefault(key, index)
-        sends: list[tuple[int, Transfer]] = []  # (producer step, send), program order
-        recvs: list[tuple[int, Transfer]] = []  # (consumer step, receive), program order
-        for g, step in enumerate(steps):
-            if type(step) is not CommGroup:
+            made = tensors.makes(stage, op)
+            if made is not None:
+                position.setdefault(made, _made_at(units, index))
+            for key in tensors.needs(stage, op):
+                position.setdefault(key, index)
+        sends: list[tuple[int, Transfer]] = []  # (producer unit, send), program order
+        recvs: list[tuple[int, Transfer]] = []  # (consumer unit, receive), program order
+        for g, unit in enumerate(units):
+            if type(unit) is not CommGroup:
                 continue
             # a validated program (the Engine refuses any other) computes what every comm op
             # sends or receives on this stage
-            for op, peer, key in step.sends:
+            for op, peer, key in unit.sends:
                 sends.append((position[_carried(tensors, stage, op)], (op, peer, key, g)))
-            for op, peer, key in step.recvs:
+            for op, peer, key in unit.recvs:
                 recvs.append((position[_carried(tensors, stage, op)], (op, peer, key, g)))
         self._place_sends(sends)
         self._place_recvs(recvs, computes, lookahead)
@@ -104,6 +108,15 @@ class EagerPlan:
         for (consumer, recv), post in zip(recvs, reversed(posts)):
             self.post_before[computes[post]].append(recv)
             self.wait_before[consumer].append(recv)
+
+
+def _made_at(units: Sequence[Instruction | CommGroup], index: int) -> int:
+    """The unit after which what unit `index` makes exists: its own, or for the forward of an
+    overlapped pair the pair's backward, right after it."""
+    following = units[index + 1] if index + 1 < len(units) else None
+    if type(units[index]) is Forward and type(following) is OverlappedBackward:
+        return index + 1
+    return index
 
 
 def _carried(tensors: Tensors, stage: int, op: Instruction) -> int:

@@ -15,10 +15,10 @@ over the data-parallel group (all-reduce; reduce-scatter + all-gather under ZeRO
 Ranks: by default a `DeviceMesh` over the whole world in `rank_order`: "pp-inner" (dims
 `("dp", "pp")`, global rank `dp_index * p + stage`) or Megatron-LM's "dp-inner" (`("pp", "dp")`,
 `stage * dp + dp_index`), see [Note: rank layout] in `backends.distributed.groups`; a caller may
-pass its own `mesh` (either dim order) or its own `pp_group`/`dp_group` (e.g. Megatron's mpu),
-where the rank's index in `pp_group` is its stage. Backend: NCCL for CUDA tensors (or
-"cpu:gloo,cuda:nccl"), gloo for CPU (the caller initialises the default group); segments on a
-CUDA device under a gloo pipeline group are refused.
+pass its own groups: a `DeviceMesh` (either dim order) or a `Groups(pp=..., dp=...)` of
+process groups it made (e.g. Megatron's mpu), where the rank's index in `pp` is its stage.
+Backend: NCCL for CUDA tensors (or "cpu:gloo,cuda:nccl"), gloo for CPU (the caller initialises
+the default group); segments on a CUDA device under a gloo pipeline group are refused.
 
     >>> # on every rank, after dist.init_process_group(...)  # doctest: +SKIP
     >>> program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
@@ -32,24 +32,24 @@ point-to-point. What both engines share (argument and batch checks, `train`, `tr
 `steps`, `save`/`load`, `peak_activation_bytes`) is `backends.engine.BaseEngine`.
 
 [Note: failures] Every wait has the engine's `timeout`: point-to-point waits are given it, and the
-process groups the engine makes itself (the mesh's) take it as their own, for every collective on
-them (torch's default for a new group is 30 minutes); the default group keeps the timeout it was
+process groups the engine makes itself (a default mesh's) take it as their own, for every collective
+on them (torch's default for a new group is 30 minutes); the default group keeps the timeout it was
 made with (`schedcc run` makes it with `--timeout`), as do groups the caller passes. A peer that
 dies closes its sockets (gloo's and the shared-memory links') and the waiting rank raises
 `RankFailure` naming its stage, the instruction or collective it waited on and the ranks it waited
 with, in one line; a wait that times out says the same. That holds in a collective too (a
 checkpoint's save or load, the loss reduction, ReduceGrads), never a raw gloo traceback. The
 launcher (`backends.run.launch` or torchrun) then ends the other ranks (a stopped one at once), so
-no rank hangs. Under NCCL a point-to-point wait is a stream wait and the host runs ahead; the
-run's end waits for the GPU (`wait_device`), polling, for at most the timeout, and raises
-`RankFailure` then. The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so NCCL's
-own watchdog, which ends the process without a word, fires after the engine has said why.
-"""
+no rank hangs. Under NCCL a point-to-point wait is a stream wait and the host runs ahead; the run's
+end waits for the GPU (`wait_device`), polling, for at most the timeout, and raises `RankFailure`
+then. The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so NCCL's own watchdog,
+which ends the process without a word, fires after the engine has said why. """
 
 from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -109,7 +109,7 @@ from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
 from schedcc.ir import Instruction, Update
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps
+from schedcc.semantics import Layout, Units
 
 __all__ = ["Engine"]
 
@@ -133,17 +133,15 @@ class Engine(BaseEngine):
             `backends.distributed.ties`).
         loss_fn: `loss_fn(output, target) -> scalar`, a mean over the microbatch.
         optimizer: a callable from an iterable of parameters to a `torch.optim.Optimizer`.
-        mesh: a `DeviceMesh` with dims ("dp", "pp"), or ("dp", "pp", "tp") when each stage is a
-            tensor-parallel group running the user's own tensor-parallel layers ([Note: the
-            user's tensor parallelism] in `backends.tensor_parallel`); default: ("dp", "pp")
-            over the whole world.
+        groups: the process groups, one value: a `DeviceMesh` with dims ("dp", "pp") (either
+            order), or ("dp", "pp", "tp") when each stage is a tensor-parallel group running the
+            user's own tensor-parallel layers ([Note: the user's tensor parallelism] in
+            `backends.tensor_parallel`); or a `Groups(pp=..., dp=..., tp=None)` of groups the
+            caller made. Default: a ("dp", "pp") mesh over the whole world in `rank_order`.
         rank_order: the default mesh's order: "pp-inner" (the default: a pipeline's stages
             are consecutive ranks) or "dp-inner" (Megatron-LM's: a stage's data-parallel
             peers are); see [Note: rank layout] in `backends.distributed.groups`. Not with
-            `mesh` or process groups, which bring their own.
-        pp_group, dp_group: the pipeline and data-parallel process groups to use instead of
-            a mesh (both or neither); `tp_group` beside them for tensor parallelism (the
-            pipeline group then joins one tensor-parallel index of every stage).
+            `groups`, which bring their own.
         timeout: the longest any wait may take (seconds or a timedelta).
         reduce_loss: make every rank's per-batch loss the global one (two tiny collectives per
             run); otherwise only the last stage knows it and the others yield NaN. Always on
@@ -165,6 +163,8 @@ class Engine(BaseEngine):
             asynchronous data-parallel reduction carries.
         lr_scheduler: as the local `Engine`'s: `lr_scheduler(optimizer)` over this rank's
             optimizer (under ZeRO its shard optimizer), stepped with every step not skipped.
+        recompute_layers, compile: as the local `Engine`'s: recompute every N layers of each
+            `nn.Sequential` segment in the backward; run each segment through `torch.compile`.
 
     Raises:
         ScheduleConfigError: torch.distributed is not initialised, the world or process groups
@@ -192,11 +192,8 @@ class Engine(BaseEngine):
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         *,
-        mesh=None,
+        groups=None,
         rank_order: str | None = None,
-        pp_group=None,
-        dp_group=None,
-        tp_group=None,
         timeout: float | timedelta = 60.0,
         reduce_loss: bool = True,
         p2p: str | None = None,
@@ -205,6 +202,8 @@ class Engine(BaseEngine):
         mixed_precision: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         lr_scheduler: LRSchedulerFactory | None = None,
+        recompute_layers: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ScheduleConfigError(
@@ -214,12 +213,12 @@ class Engine(BaseEngine):
         super().__init__(program, loss_fn, optimizer, lr_scheduler)
         check_precision(program, max_grad_norm, mixed_precision)
         p2p_mode(p2p, None)  # a bad name refused before any group is made
-        self.pp_group, self.dp_group = process_groups(program, mesh, pp_group, dp_group, rank_order)
+        self.pp_group, self.dp_group = process_groups(program, groups, rank_order)
         self.p2p = p2p_mode(p2p, dist.get_backend(self.pp_group))
         self.dynamic_shapes = bool(dynamic_shapes)
         self.stage = dist.get_rank(self.pp_group)
         #: the tensor-parallel group of this stage, or None
-        self.tp_group = tensor_group(mesh, tp_group)
+        self.tp_group = tensor_group(groups)
         self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else None
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         #: where the per-run check of the batches gathers ([Note: data only where needed]):
@@ -228,7 +227,7 @@ class Engine(BaseEngine):
         self._control = None
         if dist.get_backend() != "gloo":
             self._control = dist.new_group(backend="gloo", timeout=self.timeout)
-        if mesh is None and pp_group is None:  # groups made here: see [Note: failures]
+        if groups is None:  # groups made here: see [Note: failures]
             bound_waits(self.timeout, self.pp_group, self.dp_group)
         self.reduce_loss = reduce_loss
         schedule = program.schedule
@@ -267,16 +266,18 @@ class Engine(BaseEngine):
             tp_rank=self.tp_rank or 0,
             bucket_bytes=bucket_bytes,
             lr_scheduler=lr_scheduler,
+            recompute_layers=recompute_layers,
+            compile=compile,
         )
         self.rank = dist.get_rank()
         self._layout = Layout.of(schedule)
         #: This stage's program as the engine runs it: compute and update instructions, and
-        #: each comm group as one `CommGroup`, indexed like the step model's steps.
+        #: each comm group as one `CommGroup`, indexed like the rendezvous model's units.
         self._ops = ops = stage_ops(program, self.stage, self._layout)
         self._global_peer = {
             s: dist.get_global_rank(self.pp_group, s) for s in range(program.num_stages)
         }
-        self._bounds = Steps.of([program.stages[self.stage]]).bounds[0]
+        self._bounds = Units.of([program.stages[self.stage]]).bounds[0]
         self._transfers = self._transfers_for(program, ops)
         #: The indices of `_ops` that `_run` visits: a comm group does nothing where it stands
         #: (its ops are posted and waited around the computes: [Note: eager point-to-point]).
@@ -284,13 +285,13 @@ class Engine(BaseEngine):
         #: per microbatch of the run, the spec and meta of its inputs ([Note: certain shapes])
         self._signatures: dict[int, Any] = {}
         self._connected = False
-        #: the forward-only program's steps, visited steps and transfers, made on first use
+        #: the forward-only program's units, visited units and transfers, made on first use
         self._forward: tuple[list, list[int], Transfers] | None = None
         self._at: int | None = None
         self._clock0 = 0.0
-        #: Per run of the program: (start, end) seconds of each of `_ops` (a step of the step
+        #: Per run of the program: (start, end) seconds of each of `_ops` (a unit of the rendezvous
         #: model), since the engine's clock 0.
-        self.step_times: list[list[tuple[float, float]]] = []
+        self.unit_times: list[list[tuple[float, float]]] = []
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -303,7 +304,7 @@ class Engine(BaseEngine):
         """`(stage, instruction, start, end)` per instruction of run `run` (seconds)."""
         ops = self.program.stages[self.stage]
         events = []
-        for (lo, hi), (start, end) in zip(self._bounds, self.step_times[run]):
+        for (lo, hi), (start, end) in zip(self._bounds, self.unit_times[run]):
             events.extend((self.stage, ops[pos], start, end) for pos in range(lo, hi))
         return events
 
@@ -326,21 +327,26 @@ class Engine(BaseEngine):
     def _held_modules(self) -> list[nn.Module]:
         return list(self.runtime.modules)
 
-    def _prepare(self, group: list[Any], first: int) -> list[tuple[Any, Any]]:
-        """This stage's microbatches of each batch, checked where the data is and refused on
-        every rank alike ([Note: data only where needed])."""
+    def _prepare(
+        self, group: list[Any], first: int, sizes: list[tuple[int, ...]] | None = None
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[int, ...] | None]]:
+        """This stage's microbatches of each batch (of `sizes`, where given), checked where the
+        data is and refused on every rank alike ([Note: data only where needed]); and `sizes`
+        per batch."""
         m = self.program.schedule.num_microbatches
+        per_batch = sizes or [None] * len(group)
 
         def split() -> tuple[list[tuple[Any, Any]], list[Any] | None, bool]:
             own = [
-                self._split(batch, m, f"batch {index}") for index, batch in enumerate(group, first)
+                self._split(batch, m, f"batch {index}", sizes=per_batch[index - first])
+                for index, batch in enumerate(group, first)
             ]
             inputs = [x for _, _, xs in own if xs is not None for x in xs]
             targets = any(ys is not None for _, ys, _ in own)
             given = all(xs is not None for _, _, xs in own)
             return [(x, y) for x, y, _ in own], (inputs if given else None), targets
 
-        return self._agreed("the batches", split)[0]
+        return self._agreed("the batches", split, sizes=per_batch)[0], per_batch
 
     @property
     def _reads_inputs(self) -> bool:
@@ -351,7 +357,9 @@ class Engine(BaseEngine):
         """Whether this rank's stage holds one of `segments` (the replicas' first or last)."""
         return any(self._layout.stage_of[k] == self.stage for k in segments)
 
-    def _split(self, batch: Any, m: int, where: str) -> tuple[Any, Any, list[Any] | None]:
+    def _split(
+        self, batch: Any, m: int, where: str, *, sizes: tuple[int, ...] | None = None
+    ) -> tuple[Any, Any, list[Any] | None]:
         """`(inputs, targets, split inputs)` of one batch for this stage: its `m` microbatches
         of inputs on its device where a model replica starts (segment 0's stage), of targets
         where one ends (the last segment's), None for the rest, and the inputs' microbatches
@@ -370,7 +378,17 @@ class Engine(BaseEngine):
                 f"{where}: inputs are None, but stage {self.stage} holds a model's first "
                 "segment and reads them: pass the batch's inputs on this rank"
             )
-        xs, ys = split_pair(inputs, targets, m, where=where, need_inputs=first)
+        schedule = self.program.schedule
+        xs, ys = split_pair(
+            inputs,
+            targets,
+            m,
+            where=where,
+            need_inputs=first,
+            sizes=sizes,
+            parts=schedule.num_parts,
+            seq_dim=schedule.seq_dim,
+        )
         device = self.device
         return (
             [to_device(x, device) for x in xs] if first else None,
@@ -379,7 +397,11 @@ class Engine(BaseEngine):
         )
 
     def _agreed(
-        self, what: str, split: Callable[[], tuple[Any, list[Any] | None, bool]]
+        self,
+        what: str,
+        split: Callable[[], tuple[Any, list[Any] | None, bool]],
+        *,
+        sizes: list[tuple[int, ...] | None] | None = None,
     ) -> tuple[Any, bool]:
         """`split()` is `(this stage's microbatches, the inputs' microbatches where it reads
         them, whether it holds targets)`; once every rank has checked its data, a rank that
@@ -399,7 +421,8 @@ class Engine(BaseEngine):
         signatures key what a rank knows of each message ([Note: certain shapes] in
         `backends.distributed.peers`): a rank given the inputs computes them, and where some
         rank was not, the flags say so and the first stage's travel to it, so the signatures
-        match on every rank of the pipeline.
+        match on every rank of the pipeline. The same all-reduce compares the `sizes` of
+        unequal microbatches every rank was given (a checksum's largest and smallest value).
         """
         problem, failure, result, inputs, targets = None, None, None, None, False
         try:
@@ -415,10 +438,18 @@ class Engine(BaseEngine):
         last = self._holds(self._layout.lasts)
         # one small all-reduce says whether any rank found a problem, lacks the signatures or
         # holds the targets; only then do Python objects travel
-        flags = torch.tensor([problem is not None, certain and mine is None, last and targets])
+        key = zlib.crc32(repr(sizes).encode()) if sizes is not None and any(sizes) else 0
+        flags = torch.tensor(
+            [problem is not None, certain and mine is None, last and targets, key, -key]
+        )
         with self._collective(f"checking {what}", self._control):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-        found, lacking, targets_held = flags.tolist()
+        found, lacking, targets_held, most, least = flags.tolist()
+        if most != -least:
+            raise ScheduleConfigError(
+                f"rank {self.rank} (stage {self.stage}): the ranks were given different "
+                f"microbatch_sizes (this one {sizes}): give every rank the same sizes"
+            )
         if found:
             entries: list = [None] * dist.get_world_size()
             with self._collective(f"checking {what}", self._control):
@@ -435,10 +466,11 @@ class Engine(BaseEngine):
         self._signatures = mine or {}
         return result, bool(targets_held)
 
-    def _run(self, split: list[tuple[Any, Any]]) -> list[tuple[float, dict[str, float]]]:
+    def _run(self, prepared) -> list[tuple[float, dict[str, float]]]:
+        split, sizes = prepared
         self._connect()
-        times = self._execute(self._ops, self._visit, self._transfers, split)
-        self.step_times.append(times)
+        times = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
+        self.unit_times.append(times)
         return self._losses(len(split))
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
@@ -459,7 +491,7 @@ class Engine(BaseEngine):
 
         # evaluate (a loss) or predict (outputs): as the last segment's stage was given targets
         split, evaluating = self._agreed("the batch", split)
-        ops, visit, transfers = self._forward_steps()
+        ops, visit, transfers = self._forward_units()
         self._execute(ops, visit, transfers, split, forward_only=True)
         if evaluating:
             return self._losses(num_batches, whole=True, reduce=True)[0][0], None
@@ -504,8 +536,8 @@ class Engine(BaseEngine):
             links=self._links,
         )
 
-    def _forward_steps(self) -> tuple[list, list[int], Transfers]:
-        """The forward-only program's steps, visited steps and transfers (sharing the training
+    def _forward_units(self) -> tuple[list, list[int], Transfers]:
+        """The forward-only program's units, visited units and transfers (sharing the training
         program's links), made on first use."""
         if self._forward is None:
             self._connect()
@@ -517,14 +549,18 @@ class Engine(BaseEngine):
             self._forward = (ops, visit, transfers)
         return self._forward
 
-    def _execute(self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False):
-        """Run a program's steps once on `split` (per batch, this stage's microbatches); the
-        (start, end) of each step. A failure tells the peers first ([Note: failures])."""
+    def _execute(
+        self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False, sizes=()
+    ):
+        """Run a program's units once on `split` (per batch, this stage's microbatches, of
+        `sizes` where given); the (start, end) of each unit. A failure tells the peers first
+        ([Note: failures])."""
         runtime = self.runtime
         runtime.reset(forward_only=forward_only)
         transfers.begin(self._signatures)
+        sizes = list(sizes) or [None] * len(split)
         for batch, (inputs, targets) in enumerate(split):
-            runtime.load_batch(batch, inputs, targets)
+            runtime.load_batch(batch, inputs, targets, sizes=sizes[batch])
         clock, clock0 = time.perf_counter, self._clock0
         times = [(0.0, 0.0)] * len(ops)  # a comm group not visited: its waits', from `finish`
         try:

@@ -24,9 +24,10 @@ takes or builds this stage's segments, and `check_backend` refuses CUDA tensors 
 | pp-inner  | [0, 1] [2, 3]         | [0, 2] [1, 3]        |
 | dp-inner  | [0, 2] [1, 3]         | [0, 1] [2, 3]        |
 
-`stage_ops` gives the stage's program as the engine runs it, one item per step of the step model:
-single compute and update instructions, and each comm group as one `CommGroup` (its ops posted
-and waited one by one around the computes on every transport, see [Note: eager point-to-point]).
+`stage_ops` gives the stage's program as the engine runs it, one item per unit of the rendezvous
+model: single compute and update instructions, and each comm group as one `CommGroup` (its ops
+posted and waited one by one around the computes on every transport, see [Note: eager
+point-to-point]).
 
 Each comm op moves one message on a *channel*: `("A", k)` the activations out of segment k,
 `("G", k)` the input gradients out of segment k, and `("C", k)` those of them that carry their
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -52,13 +54,14 @@ from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Instruction
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps, comm_route, decode
+from schedcc.semantics import Layout, Units, comm_route, decode
 
 __all__ = [
     "RANK_ORDERS",
     "Channel",
     "CommGroup",
     "DataParallel",
+    "Groups",
     "bound_waits",
     "check_backend",
     "default_mesh",
@@ -77,6 +80,19 @@ RANK_ORDERS = {"pp-inner": ("dp", "pp"), "dp-inner": ("pp", "dp")}
 Channel = tuple[str, int]
 
 
+@dataclass(frozen=True)
+class Groups:
+    """Process groups the caller made, for `Engine(..., groups=Groups(pp=..., dp=...))` in place
+    of a `DeviceMesh` (e.g. Megatron's mpu groups): the rank's index in `pp` is its stage, `dp`
+    joins the ranks holding the same stage (a group of one without data parallelism), and `tp`,
+    when given, the ranks of one tensor-parallel stage (`pp` then joins one tensor-parallel
+    index of every stage)."""
+
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp: dist.ProcessGroup | None = None
+
+
 class CommGroup:
     """One comm group of the program, ready to post.
 
@@ -93,18 +109,19 @@ class CommGroup:
         self.recvs = [(op, peer, key) for op, is_send, peer, key in items if not is_send]
 
 
-def process_groups(program: Program, mesh, pp_group, dp_group, rank_order: str | None = None):
-    """The (pipeline, data-parallel) process groups: the caller's, or a mesh's (the caller's,
-    or a default one over the world in `rank_order`, see [Note: rank layout])."""
+def process_groups(program: Program, groups=None, rank_order: str | None = None):
+    """The (pipeline, data-parallel) process groups: a `Groups`'s, a mesh's (the caller's, or
+    a default one over the world in `rank_order`, see [Note: rank layout])."""
     p, dp = program.num_stages, program.data_parallel
-    if (pp_group is None) != (dp_group is None):
-        raise ScheduleConfigError("pass both pp_group and dp_group, or neither")
-    if rank_order is not None and (mesh is not None or pp_group is not None):
+    if rank_order is not None and groups is not None:
         raise ScheduleConfigError(
-            f"rank_order={rank_order!r} lays out the default mesh; a mesh or process groups "
-            "passed in bring their own order: pass one or the other"
+            f"rank_order={rank_order!r} lays out the default mesh; groups passed in (a mesh or "
+            "Groups) bring their own order: pass one or the other"
         )
-    if pp_group is None:
+    if isinstance(groups, Groups):
+        pp_group, dp_group = groups.pp, groups.dp
+    else:
+        mesh = groups
         if mesh is None:
             world = dist.get_world_size()
             if world != p * dp:
@@ -114,6 +131,11 @@ def process_groups(program: Program, mesh, pp_group, dp_group, rank_order: str |
                 )
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
             mesh = default_mesh(device_type, p, dp, rank_order=rank_order)
+        if not hasattr(mesh, "get_group"):
+            raise ScheduleConfigError(
+                f"groups= takes a DeviceMesh or a schedcc Groups(pp=..., dp=...), got "
+                f"{type(mesh).__name__}"
+            )
         names = tuple(mesh.mesh_dim_names or ())
         if names not in [(*dims, *tp) for dims in RANK_ORDERS.values() for tp in ((), ("tp",))]:
             raise ScheduleConfigError(
@@ -167,11 +189,15 @@ def check_backend(group, device: torch.device) -> None:
         )
 
 
-def tensor_group(mesh, tp_group):
-    """The tensor-parallel group: the caller's `tp_group`, a ("dp", "pp", "tp") mesh's "tp"
-    group, or None (no tensor parallelism, or a group of one rank)."""
-    if tp_group is None and mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-        tp_group = mesh.get_group("tp")
+def tensor_group(groups):
+    """The tensor-parallel group: a `Groups`'s `tp`, a ("dp", "pp", "tp") mesh's "tp" group, or
+    None (no tensor parallelism, or a group of one rank)."""
+    if isinstance(groups, Groups):
+        tp_group = groups.tp
+    elif groups is not None and "tp" in (groups.mesh_dim_names or ()):
+        tp_group = groups.get_group("tp")
+    else:
+        tp_group = None
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         return None
     return tp_group
@@ -202,10 +228,10 @@ def device_of(modules: Sequence[nn.Module]) -> torch.device:
 def stage_ops(program: Program, stage: int, layout: Layout) -> list[Instruction | CommGroup]:
     """The stage's program as the engine runs it: compute/update instructions and comm groups."""
     ops = program.stages[stage]
-    steps = Steps.of([ops])
+    units = Units.of([ops])
     carriers = set(count_carriers(program, layout).values())
     items: list[Instruction | CommGroup] = []
-    for (lo, hi), is_group in zip(steps.bounds[0], steps.is_group[0]):
+    for (lo, hi), is_group in zip(units.bounds[0], units.is_group[0]):
         if not is_group:
             items.append(ops[lo])
             continue

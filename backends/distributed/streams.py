@@ -101,22 +101,22 @@ def _receives(
     program: Program, layout: Layout, receiver: int, sender: int, kind: str
 ) -> tuple[list[Instruction], list[Channel], list[float], list[float]]:
     """The receiver's receives from `sender` in order, their channels, and where each is posted
-    and waited on the receiver (step indices)."""
-    steps = stage_ops(program, receiver, layout)
+    and waited on the receiver (unit indices)."""
+    units = stage_ops(program, receiver, layout)
     ops, channels, where = [], [], []
-    for index, step in enumerate(steps):
-        if type(step) is CommGroup:
-            for op, peer, channel in step.recvs:
+    for index, unit in enumerate(units):
+        if type(unit) is CommGroup:
+            for op, peer, channel in unit.recvs:
                 if peer == sender:
                     ops.append(op)
                     channels.append(channel)
                     where.append(index)
     if kind in (SHM, NCCL):  # NCCL uses no basis ([Note: certain shapes]): none is planned
         return ops, channels, [_LATER] * len(ops), [float(w) for w in where]
-    plan = EagerPlan(steps, program.tensors, receiver)
+    plan = EagerPlan(units, program.tensors, receiver)
     posted: dict[Instruction, float] = {}
     waited: dict[Instruction, float] = {}
-    for index in range(len(steps)):
+    for index in range(len(units)):
         for op, *_ in plan.post_before[index]:
             posted[op] = index
         for op, *_ in plan.wait_before[index]:
@@ -144,9 +144,9 @@ def send_streams(
     bases), with this stage's sends in their place (a channel is FIFO: the n-th send meets the
     n-th receive)."""
     mine: dict[int, list[Instruction]] = {}
-    for step in stage_ops(program, stage, layout):
-        if type(step) is CommGroup:
-            for op, peer, _ in step.sends:
+    for unit in stage_ops(program, stage, layout):
+        if type(unit) is CommGroup:
+            for op, peer, _ in unit.sends:
                 mine.setdefault(peer, []).append(op)
     out = {}
     for peer, kind in kinds.items():

@@ -44,9 +44,9 @@ __all__ = ["Transfers", "first_line"]
 
 
 class Transfers:
-    """Moves one stage's messages to and from its peers, step by step of its program.
+    """Moves one stage's messages to and from its peers, unit by unit of its program.
 
-    The engine calls `begin(signatures)` before a run, `before(i)`, runs compute step `i`, then
+    The engine calls `begin(signatures)` before a run, `before(i)`, runs compute unit `i`, then
     `after(i)`; `finish(times)` ends a run. Comm groups are not run where they stand: each op is
     posted and waited around the computes ([Note: eager point-to-point]), on every transport.
     `connect()` must have been called on every rank of the pipeline process group `pp_group`
@@ -61,7 +61,7 @@ class Transfers:
 
     def __init__(
         self,
-        steps: Sequence[Instruction | CommGroup],
+        units: Sequence[Instruction | CommGroup],
         runtime: StageRuntime,
         *,
         program: Program,
@@ -74,7 +74,7 @@ class Transfers:
         links: LinkIO | None = None,
         dynamic_shapes: bool = False,
     ):
-        self.steps = steps
+        self.units = units
         self.runtime = runtime
         self.program = program
         self.pp_group = pp_group
@@ -85,10 +85,10 @@ class Transfers:
         self.timeout = timeout
         self.p2p = p2p
         self.dynamic_shapes = dynamic_shapes
-        self._peers = {peer for step in steps if type(step) is CommGroup for peer in step.peers}
+        self._peers = {peer for unit in units if type(unit) is CommGroup for peer in unit.peers}
         # see [Note: eager point-to-point]
-        self.eager = EagerPlan(steps, program.tensors, self.stage)
-        #: Per step, the receives to post first (the shared-memory ones need none).
+        self.eager = EagerPlan(units, program.tensors, self.stage)
+        #: Per unit, the receives to post first (the shared-memory ones need none).
         self._to_post = self.eager.post_before
         self._shared_memory = p2p == "shm" and device.type == "cpu"  # CPU tensors
         #: `BroadcastPairs` in place of gloo's send/recv ([Note: broadcast pairs]), or None
@@ -178,7 +178,7 @@ class Transfers:
             side.begin(signatures)
 
     def before(self, index: int) -> None:
-        """Post the receives due before step `index`, then wait the ones it consumes."""
+        """Post the receives due before unit `index`, then wait the ones it consumes."""
         eager = self.eager
         clock = time.perf_counter
         for op, peer, _, group in self._to_post[index]:
@@ -194,7 +194,7 @@ class Transfers:
             self._span(group, start, clock())
 
     def after(self, index: int) -> None:
-        """Post the sends whose tensors step `index` computed."""
+        """Post the sends whose tensors unit `index` computed."""
         for send in self.eager.sends_after[index]:
             self._send(send)
 
@@ -205,11 +205,11 @@ class Transfers:
             times[index] = (start - clock0, end - clock0)
         self._spans.clear()
         sending, self._sending = self._sending, []
-        for work, _tensor, step in sending:
+        for work, _tensor, unit in sending:
             try:
                 work.wait(self.timeout)
             except RuntimeError as exc:
-                raise RankFailure(self._message(step, exc)) from exc
+                raise RankFailure(self._message(unit, exc)) from exc
         for side in (*self._out.values(), *self._in.values()):
             side.finish(self._runs)
         self._runs += 1
@@ -250,12 +250,12 @@ class Transfers:
                 io.send(number, message, known)  # copied: done
             else:
                 for work, tensor in io.send(number, message, known):
-                    self._sending.append((work, tensor, self.steps[group]))  # see [Note: sends]
+                    self._sending.append((work, tensor, self.units[group]))  # see [Note: sends]
         except ValueError as exc:
             raise self._disagree(op, peer, exc) from exc
         except (RuntimeError, OSError) as exc:
             raise self._failure(group, exc) from exc
-        if not self.steps[group].recvs:  # a group with receives spans their waits
+        if not self.units[group].recvs:  # a group with receives spans their waits
             self._span(group, start, time.perf_counter())
 
     def _span(self, group: int, start: float, end: float) -> None:
@@ -275,11 +275,11 @@ class Transfers:
         )
 
     def _failure(self, group: int, exc: BaseException) -> RankFailure:
-        return RankFailure(self._message(self.steps[group], exc))  # type: ignore[arg-type]
+        return RankFailure(self._message(self.units[group], exc))  # type: ignore[arg-type]
 
-    def _message(self, step: CommGroup, exc: BaseException) -> str:
-        ops = " ".join(str(op) for op, *_ in step.items)
-        peers = ", ".join(f"rank {self.global_peer[s]} (stage {s})" for s in step.peers)
+    def _message(self, unit: CommGroup, exc: BaseException) -> str:
+        ops = " ".join(str(op) for op, *_ in unit.items)
+        peers = ", ".join(f"rank {self.global_peer[s]} (stage {s})" for s in unit.peers)
         return (
             f"rank {self.rank} (stage {self.stage}) failed waiting at comm group [{ops}] on "
             f"{peers}: {first_line(exc)}"

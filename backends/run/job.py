@@ -144,12 +144,14 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         own.__getitem__,  # a builder: this stage's segments, built above
         model.loss_fn,
         optimizer,
-        mesh=mesh,
+        groups=mesh,
         timeout=config.timeout,
         p2p=config.p2p,
         max_grad_norm=config.max_grad_norm,
         mixed_precision=PRECISIONS[config.precision],
         lr_scheduler=lr_scheduler_of(model, config),
+        recompute_layers=config.recompute_layers,
+        compile=config.compile or False,
     )
     dp_index = dist.get_rank(engine.dp_group)
     if config.resume:
@@ -168,7 +170,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
     mine = {
         "stage": engine.stage,
         "dp": dp_index,
-        "times": engine.step_times,
+        "times": engine.unit_times,
         "peak": engine.runtime.peak_activation_bytes,
         "p2p": engine.point_to_point,
         "skipped": engine.skipped_steps,

@@ -97,9 +97,9 @@ def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[Event
 
 
 def _bounds(program: Program):
-    from schedcc.semantics import Steps
+    from schedcc.semantics import Units
 
-    return Steps.of(program.stages).bounds
+    return Units.of(program.stages).bounds
 
 
 def _run_seconds(gathered: Sequence[dict], run: int) -> float:

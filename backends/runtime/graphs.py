@@ -2,8 +2,10 @@
 
 Per (microbatch, chunk): the `Graph` of a forward until its backward is done, or, for a forward
 its stage recomputes, only its `KeptInput` until the `Recompute` builds the graph ([Note:
-recomputation] in `backends.runtime.recompute`). `num_bytes` counts what they hold now: each
-graph's saved activations (measured by `backends.runtime.memory`) and each kept input.
+recomputation] in `backends.runtime.recompute`). `num_bytes` counts what they hold on the device
+now: each graph's saved activations (measured by `backends.runtime.memory`) but those of an
+offloaded graph, which `host_bytes` counts ([Note: offloading in the runtime] in
+`backends.runtime.offload`), and each kept input.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from schedcc.errors import RuntimeInstructionError
 
 if TYPE_CHECKING:
+    from schedcc.backends.runtime.offload import OffloadedSaved
     from schedcc.backends.runtime.recompute import KeptInput
     from schedcc.ir import Instruction
 
@@ -24,9 +27,10 @@ __all__ = ["Graph", "Graphs"]
 class Graph:
     """What a forward leaves for its backward: the output tensors a gradient comes back for
     (`roots`; the scaled loss on the last segment), the input's grad-requiring leaves, the
-    parameter tensors it ran with, and once `BackwardInput` ran, the roots' gradients."""
+    parameter tensors it ran with, once `BackwardInput` ran, the roots' gradients, and for a
+    forward its stage offloads, its saved tensors (`saved`)."""
 
-    __slots__ = ("grads", "leaves", "num_bytes", "params", "roots")
+    __slots__ = ("carried", "grads", "leaves", "num_bytes", "params", "roots", "saved")
 
     def __init__(
         self,
@@ -34,29 +38,34 @@ class Graph:
         leaves: list[torch.Tensor],
         params: list[torch.Tensor],
         num_bytes: int,
+        saved: OffloadedSaved | None = None,
     ) -> None:
         self.roots = roots
         self.leaves = leaves
         self.params = params
         self.num_bytes = num_bytes
         self.grads: list | None = None
+        self.saved = saved
+        #: how many of `roots` and of `leaves`, the last ones, are a sequence part's carry
+        #: (`backends.runtime.carries`)
+        self.carried = (0, 0)
 
 
 class Graphs:
     """The graphs and kept inputs of one stage for one run, keyed by (microbatch, chunk).
 
-    `num_bytes` is the activation bytes they hold now; `peak` the most it ever was (kept across
-    runs).
+    `num_bytes` is the activation bytes they hold on the device now, `host_bytes` those of the
+    offloaded graphs; `peak` and `peak_host` the most each ever was (kept across runs).
     """
 
     def __init__(self, stage: int) -> None:
         self._stage = stage
-        self.peak = 0
+        self.peak = self.peak_host = 0
         self.reset()
 
     def reset(self) -> None:
         """A new run: nothing held."""
-        self.num_bytes = 0
+        self.num_bytes = self.host_bytes = 0
         self._graphs: dict[tuple[int, int], Graph] = {}
         self._kept: dict[tuple[int, int], KeptInput] = {}
 
@@ -77,7 +86,44 @@ class Graphs:
                 "was already backwarded)",
                 stage=self._stage,
             )
+        if graph.saved is not None:
+            if graph.saved.on_host:
+                raise self._refused(op, "its activations are offloaded: its Reload must run first")
+            graph.saved.ready()
         return graph
+
+    def offloaded(self, op: Instruction) -> OffloadedSaved:
+        """The saved tensors an `Offload` moves to the host; their bytes leave the device."""
+        saved = self._saved(op, on_host=False)
+        graph = self._graphs[op.microbatch, op.chunk]
+        self.num_bytes -= graph.num_bytes
+        self.host_bytes += graph.num_bytes
+        self.peak_host = max(self.peak_host, self.host_bytes)
+        return saved
+
+    def reloaded(self, op: Instruction) -> OffloadedSaved:
+        """The saved tensors a `Reload` brings back; their bytes are on the device again."""
+        saved = self._saved(op, on_host=True)
+        graph = self._graphs[op.microbatch, op.chunk]
+        self.host_bytes -= graph.num_bytes
+        self._add(graph.num_bytes)
+        return saved
+
+    def _saved(self, op: Instruction, *, on_host: bool) -> OffloadedSaved:
+        graph = self._graphs.get((op.microbatch, op.chunk))
+        if graph is None or graph.saved is None:
+            raise self._refused(
+                op,
+                "has no offloadable forward graph (its forward has not run here as an offloaded "
+                "one, is recomputed, or was already backwarded)",
+            )
+        if graph.saved.on_host != on_host:
+            where = "already on the host" if graph.saved.on_host else "not offloaded"
+            raise self._refused(op, f"finds its activations {where}")
+        return graph.saved
+
+    def _refused(self, op: Instruction, why: str) -> RuntimeInstructionError:
+        return RuntimeInstructionError(f"stage {self._stage}: {op} {why}", stage=self._stage)
 
     def free(self, op: Instruction) -> None:
         """`op` finished its forward's backward: drop the graph."""

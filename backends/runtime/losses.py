@@ -42,6 +42,16 @@ the backward rounds differently from backpropagating `1/N` (about 1e-8 apart unl
 power of two), while backpropagating `loss_sum / N` rounds as the reference does (to about
 1e-16 in a float64 model).
 
+[Note: unequal microbatches] Given `microbatch_sizes` `n_1..n_m` (a local batch of `N = sum n_j`
+samples, alike on each of `dp` replicas), a mean loss trains the mean over the global batch's
+samples, which is what the non-pipelined loss over the whole batch is for a loss that averages
+per sample (`mse_loss`, `cross_entropy` without ignored targets): microbatch j's mean weighs
+`n_j / (N * dp)`, so the last segment backpropagates `loss_j * n_j / (N * dp)` and the batch's
+loss is `sum n_j * loss_j / (N * dp)`; a dict loss's parts alike. For equal sizes this is the
+mean of the means (which equal microbatches keep computing as `loss_j / (m * dp)`). A `(loss_sum,
+count)` loss needs nothing new: its count already weighs each microbatch by what it holds (and is
+the objective to use where a microbatch's mean is over tokens rather than samples).
+
 With model replicas (DualPipe, [Note: replicas] in `schedcc.semantics.layout`) each replica's last
 segment sees only its own microbatches, so each replica carries its own count `N_r` down its own
 segments (one carrier per batch and replica), and a step divides by the sum of every replica's
@@ -147,11 +157,32 @@ class LossBook:
         #: Per batch, its whole count (every microbatch and replica) known before its first
         #: backward: each `loss_sum` is divided by it ([Note: a count known up front]).
         self.up_front: dict[int, torch.Tensor] = {}
+        #: Per batch given unequal microbatches, their sizes ([Note: unequal microbatches]).
+        self._sizes: dict[int, tuple[int, ...]] = {}
+
+    def sized(self, batch: int, sizes: Sequence[int]) -> None:
+        """The microbatches of `batch` hold `sizes` samples each ([Note: unequal
+        microbatches]): a mean loss weighs each by its size."""
+        self._sizes[batch] = tuple(sizes)
+
+    def _weight(self, batch: int, index: int) -> float | None:
+        """What microbatch `index` of `batch` weighs in a mean loss given sizes, None without."""
+        sizes = self._sizes.get(batch)
+        if sizes is None:
+            return None
+        return sizes[index] / (sum(sizes) * self._dp)
 
     def objective(
-        self, batch: int, result: Any, *, where: str, record: bool = True, replica: int = 0
+        self,
+        batch: int,
+        result: Any,
+        *,
+        where: str,
+        record: bool = True,
+        replica: int = 0,
+        index: int = 0,
     ) -> torch.Tensor:
-        """Record `loss_fn`'s `result` for a microbatch of `batch` run by model replica
+        """Record `loss_fn`'s `result` for microbatch `index` of `batch` run by model replica
         `replica`; what to backpropagate.
 
         `record=False` (a `Recompute` of the forward) only returns what to backpropagate.
@@ -175,22 +206,25 @@ class LossBook:
                 "of every replica on every stage"
             )
         if not record:
-            return self._scaled(batch, mode, value)
-        self._values.setdefault(batch, []).append(value.detach())
+            return self._scaled(batch, mode, value, index)
+        size = self._sizes[batch][index] if batch in self._sizes and mode != RATIO else None
+        self._values.setdefault(batch, []).append(_times(value.detach(), size))
         if mode == RATIO:
             self._counts.setdefault((batch, replica), []).append(count)
-            return self._scaled(batch, mode, value)
+            return self._scaled(batch, mode, value, index)
         if mode == PARTS:
             book = self._parts.setdefault(batch, {})
             for name, part in parts.items():
-                book.setdefault(name, []).append(part.detach())
-        return value / (self._m * self._dp)
+                book.setdefault(name, []).append(_times(part.detach(), size))
+        return self._scaled(batch, mode, value, index)
 
-    def _scaled(self, batch: int, mode: str, value: torch.Tensor) -> torch.Tensor:
-        """What the last segment backpropagates of a microbatch's loss `value`: a mean over
-        `m * dp`, a `loss_sum` over the batch's count when known up front, else as it is."""
+    def _scaled(self, batch: int, mode: str, value: torch.Tensor, index: int) -> torch.Tensor:
+        """What the last segment backpropagates of microbatch `index`'s loss `value`: a mean
+        over `m * dp` (weighed by its size given unequal microbatches), a `loss_sum` over the
+        batch's count when known up front, else as it is."""
         if mode != RATIO:
-            return value / (self._m * self._dp)
+            weight = self._weight(batch, index)  # [Note: unequal microbatches]
+            return value / (self._m * self._dp) if weight is None else value * weight
         total = self.up_front.get(batch)
         if total is None:  # [Note: the count divides at the step]
             return value
@@ -230,7 +264,9 @@ class LossBook:
             counts = [c for key in sorted(self._counts) if key[0] == b for c in self._counts[key]]
             count = _running_sum(counts) if self.mode == RATIO else None
             if count is None:
-                count = torch.tensor(float(len(values)), dtype=torch.float64)
+                sizes = self._sizes.get(b)  # [Note: unequal microbatches]
+                number = sum(sizes) if sizes is not None else len(values)
+                count = torch.tensor(float(number), dtype=torch.float64)
             parts = {name: _running_sum(v) for name, v in self._parts.get(b, {}).items()}
             out[b] = (_running_sum(values), count, parts)
         return out
@@ -248,6 +284,11 @@ class LossBook:
             b: LossRecord(next(read), next(read), {name: next(read) for name in parts})
             for b, (_, _, parts) in device.items()
         }
+
+
+def _times(value: torch.Tensor, size: int | None) -> torch.Tensor:
+    """A recorded loss: `value`, times its microbatch's size given unequal microbatches."""
+    return value if size is None else value.to(torch.float64) * size
 
 
 def _running_sum(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -408,6 +449,10 @@ class StageCounts:
         """A gradient for `microbatch` arrived, carrying `count` (None: it carries none)."""
         if count is not None:
             self._book.normaliser[self.key(microbatch)] = count
+
+    def carries(self, microbatch: int) -> bool:
+        """Whether the input gradient of `microbatch` carries its batch's count."""
+        return microbatch in self._carriers
 
     def carried(self, microbatch: int, *, last: bool) -> torch.Tensor | None:
         """The count the input gradient of `microbatch` carries on (`last`: sent from its

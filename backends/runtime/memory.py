@@ -11,6 +11,7 @@ a router that drops tokens, gets the first microbatch's count).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from schedcc.backends.runtime.values import flatten
 from schedcc.errors import call_user, name_of
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 
 __all__ = ["SavedBytes", "measure_memory", "signature"]
 
@@ -38,11 +39,19 @@ class SavedBytes:
         signature: Hashable,
         params: Iterable[torch.Tensor],
         forward: Callable[[], torch.Tensor],
+        *,
+        saving: tuple[Callable, Callable] | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """`forward()`'s result and the bytes it saved, not counting the tensors in `params`."""
+        """`forward()`'s result and the bytes it saved, not counting the tensors in `params`;
+        `saving`: the `(pack, unpack)` hooks the saved tensors go through (an offloaded
+        forward's, `backends.runtime.offload`)."""
         num_bytes = self._by_signature.get(signature)
         if num_bytes is not None:
-            return forward(), num_bytes
+            if saving is None:
+                return forward(), num_bytes
+            with torch.autograd.graph.saved_tensors_hooks(*saving):
+                return forward(), num_bytes
+        keep, unpack = saving if saving is not None else (_same, _same)
         skip = {t.untyped_storage().data_ptr() for t in params}
         seen: dict[int, int] = {}
 
@@ -51,12 +60,16 @@ class SavedBytes:
             # saved twice counts once; parameters are weights, not activations.
             if t.untyped_storage().data_ptr() not in skip:
                 seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-            return t
+            return keep(t)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = forward()
         num_bytes = self._by_signature[signature] = sum(seen.values())
         return out, num_bytes
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 def signature(chunk: int, value: Any, target: Any, *, training: bool) -> Hashable:
@@ -80,14 +93,22 @@ def measure_memory(
     targets: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    *,
+    num_parts: int = 1,
+    seq_dim: int = 1,
+    recompute_layers: int | None = None,
 ) -> MemoryModel:
-    """The `schedcc.memory.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
+    """The `schedcc.MemoryModel` of `segments` for microbatches like `inputs`/`targets`.
 
     Runs one microbatch through the segments in model order, counting what each forward saves
     for its backward as the engines do (the last segment's with `loss_fn`), the bytes of each
     segment's input, parameters, and, given `optimizer`, the state it builds in one step (on
     copies: the caller's segments are not changed). Give it one microbatch (the batch split in
-    m): activation bytes scale with the microbatch size.
+    m): activation bytes scale with the microbatch size. With `num_parts > 1` the microbatch is
+    cut into that many sequence parts along `seq_dim`, run part after part with their carries
+    as the engines run them, and `part_activations` holds what each part's forward saves
+    ([Note: sequence parts] in `schedcc.rules.parts`). `recompute_layers`: as the engines',
+    each segment keeping only every N-th layer boundary (`backends.runtime.segment_calls`).
 
     >>> import torch
     >>> model = measure_memory([torch.nn.Linear(4, 4)], torch.ones(2, 4), torch.ones(2, 4),
@@ -98,18 +119,22 @@ def measure_memory(
     from schedcc.backends.runtime.boundary import activation, detached, receive
     from schedcc.backends.runtime.losses import call_loss
     from schedcc.backends.runtime.recompute import input_bytes
-    from schedcc.backends.runtime.values import call
+    from schedcc.backends.runtime.segment_calls import SegmentCall, check_recompute_layers
 
+    if num_parts > 1:
+        return _measure_parts(segments, inputs, targets, loss_fn, optimizer, num_parts, seq_dim)
     value: Any = detached(inputs)
     acts, ins, params, state = [], [], [], []
     last = len(segments) - 1
     for k, module in enumerate(segments):
         ins.append(input_bytes(value))
         counted = list(module.parameters())
+        every = check_recompute_layers(recompute_layers)
+        apply = SegmentCall(module, segment=k, recompute_layers=every)
 
-        def forward(module=module, value=value, k=k):
+        def forward(module=module, value=value, k=k, apply=apply):
             name = f"the forward of segment {k} ({name_of(module)})"
-            out = call_user(name, lambda: call(module, value))
+            out = call_user(name, lambda: apply(value))
             return call_loss(loss_fn, out, targets) if k == last else out
 
         out, num_bytes = SavedBytes().run(("measure", k), counted, forward)
@@ -119,6 +144,50 @@ def measure_memory(
         if k < last:
             value = receive(activation(out, segment=k)[0])[0]
     return MemoryModel(activations=acts, parameters=params, optimizer=state, inputs=ins)
+
+
+def _measure_parts(segments, inputs, targets, loss_fn, optimizer, num_parts: int, seq_dim: int):
+    """`measure_memory` over the `num_parts` sequence parts of one microbatch: each segment's
+    activations are its first part's, `part_activations` every part's."""
+    from schedcc.backends.batches import split_pair
+    from schedcc.backends.runtime.boundary import activation, detached, receive
+    from schedcc.backends.runtime.carries import Carries, call_part
+    from schedcc.backends.runtime.losses import call_loss
+    from schedcc.backends.runtime.recompute import input_bytes
+
+    xs, ys = split_pair(
+        inputs, targets, num_parts, where="measure_memory", parts=num_parts, seq_dim=seq_dim
+    )
+    carries, last = Carries(stage=0, num_parts=num_parts), len(segments) - 1
+    parts: list[list[int]] = [[] for _ in segments]
+    ins: list[int] = []
+    for j, (value, target) in enumerate(zip(xs, ys)):
+        value = detached(value)
+        for k, module in enumerate(segments):
+            if j == 0:
+                ins.append(input_bytes(value))
+            carry = carries.take(j, k)[0]
+
+            def forward(module=module, value=value, k=k, j=j, carry=carry, target=target):
+                where = f"the forward of segment {k} ({name_of(module)})"
+                out, carried = call_user(
+                    where, functools.partial(call_part, module, value, carry, where=where)
+                )
+                carries.hand_on(j, k, k, carried)
+                return call_loss(loss_fn, out, target) if k == last else out
+
+            out, num_bytes = SavedBytes().run(("measure", k, j), module.parameters(), forward)
+            parts[k].append(num_bytes)
+            if k < last:
+                value = receive(activation(out, segment=k)[0])[0]
+    counted = [list(module.parameters()) for module in segments]
+    return MemoryModel(
+        activations=[row[0] for row in parts],
+        parameters=[sum(p.numel() * p.element_size() for p in ps) for ps in counted],
+        optimizer=[_optimizer_bytes(ps, optimizer) if optimizer else 0 for ps in counted],
+        inputs=ins,
+        part_activations=parts,
+    )
 
 
 def _optimizer_bytes(params: list[torch.Tensor], optimizer) -> int:

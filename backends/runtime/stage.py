@@ -19,14 +19,15 @@ the live parameters (the module's own, the latest version), the weight versions 
 forwards still need (weight_delay >= 1, weight stashing; `versions`), and under ZeRO a flat shard
 parameter that the optimizer steps (`zero`).
 
-[Note: exactness] The last segment scales a mean loss by 1/(m * dp) (a `(loss_sum, count)` loss
-is divided by the batch's count at the step instead: [Note: the count divides at the step] in
-`backends.runtime.losses`; a `schedcc.TokenLoss` by its count before the backward: [Note: a
-count known up front]), gradients are accumulated into the live parameters' `.grad` (by
-autograd itself, or from `torch.autograd.grad` of the stashed weights under weight stashing:
-[Note: autograd accumulates] in `backends.runtime.grads`), and the reductions sum in rank order,
-so a pipelined step equals a non-pipelined step on the concatenated global batch up to float
-rounding.
+[Note: exactness] The last segment scales a mean loss by 1/(m * dp) (by its size over the
+local batch's, n_j / (N * dp), for microbatches of unequal size: [Note: unequal microbatches]
+in `backends.runtime.losses`; a `(loss_sum, count)` loss is divided by the batch's count at the
+step instead: [Note: the count divides at the step]; a `schedcc.TokenLoss` by its count before
+the backward: [Note: a count known up front]), gradients are accumulated into the live
+parameters' `.grad` (by autograd itself, or from `torch.autograd.grad` of the stashed weights
+under weight stashing: [Note: autograd accumulates] in `backends.runtime.grads`), and the
+reductions sum in rank order, so a pipelined step equals a non-pipelined step on the
+concatenated global batch up to float rounding.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ from schedcc.backends.checkpoint.restore import check_saved, load_stage
 from schedcc.backends.checkpoint.sharded import whole_states
 from schedcc.backends.checkpoint.state import stage_state
 from schedcc.backends.runtime.boundary import Message, activation, grad_roots, gradients
+from schedcc.backends.runtime.carries import Carries, call_part
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
 from schedcc.backends.runtime.grads import full_backward, weight_backward
 from schedcc.backends.runtime.graphs import Graph, Graphs
+from schedcc.backends.runtime.handlers import Handlers
 from schedcc.backends.runtime.losses import (
     LossBook,
     LossRecord,
@@ -54,11 +57,16 @@ from schedcc.backends.runtime.losses import (
     up_front_count,
 )
 from schedcc.backends.runtime.memory import SavedBytes, signature
+from schedcc.backends.runtime.offload import CopyLane, OffloadedSaved
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
+from schedcc.backends.runtime.segment_calls import (
+    SegmentCall,
+    check_compile,
+    check_recompute_layers,
+)
 from schedcc.backends.runtime.tied import StageTies
-from schedcc.backends.runtime.values import call
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import BUCKET_BYTES, Reducer
 from schedcc.errors import RuntimeInstructionError, ScheduleConfigError, call_user, name_of
@@ -71,11 +79,13 @@ from schedcc.ir import (
     GatherParams,
     GradNorm,
     Instruction,
+    Offload,
     OptimizerStep,
     OverlappedBackward,
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reload,
     Reshard,
     Unshard,
 )
@@ -114,6 +124,8 @@ class StageRuntime:
             carries ([Note: contiguous gradient buckets] in `backends.runtime.zero`).
         lr_scheduler: `lr_scheduler(optimizer) -> LRScheduler` over the stage's optimizer,
             stepped after each optimizer step that is not skipped (`build_lr_scheduler`).
+        recompute_layers, compile: how each segment is applied (`check_recompute_layers`,
+            `check_compile` and `SegmentCall` in `backends.runtime.segment_calls`).
 
     Raises:
         ScheduleConfigError: wrong number of modules, collectives whose size differs from the
@@ -138,6 +150,8 @@ class StageRuntime:
         tp_rank: int = 0,
         bucket_bytes: int = BUCKET_BYTES,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        recompute_layers: int | None = None,
+        compile: bool | str = False,
     ) -> None:
         schedule = program.schedule
         if len(modules) != schedule.num_chunks:
@@ -159,6 +173,17 @@ class StageRuntime:
         self._delay = schedule.weight_delay
         self._zero = program.zero
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
+        #: how each chunk's segment is applied: [Note: recomputing every N layers]
+        every, backend = check_recompute_layers(recompute_layers), check_compile(compile, program)
+        if schedule.num_parts > 1 and (every or backend):
+            raise ScheduleConfigError(
+                f"recompute_layers= and compile= apply a segment to one value; {schedule!r} "
+                "runs sequence parts, whose segments take (x, carry): leave both off"
+            )
+        self._calls = [
+            SegmentCall(m, segment=k, recompute_layers=every, compile=backend)
+            for m, k in zip(self.modules, self._segment)
+        ]
         #: which segments start and end a model replica ([Note: replicas]): inputs and loss
         self._layout = program.tensors.layout
         #: the tied parameters this stage holds; the local backend meets its stages for a
@@ -197,6 +222,8 @@ class StageRuntime:
             BackwardWeight: self._backward_weight,
             Recompute: self._recompute,
             OverlappedBackward: self._overlapped_backward,
+            Offload: self._offload,
+            Reload: self._reload,
             ReduceGrads: self._reduce_grads,
             OptimizerStep: self._optimizer_step,
             GatherParams: self._gather_params,
@@ -206,6 +233,11 @@ class StageRuntime:
             GradNorm: self._grad_norm,
         }
         device = next((p.device for m in self.modules for p in m.parameters()), None)
+        #: the user's handlers, and the overlapped pairs ([Note: custom handlers] in
+        #: `backends.runtime.handlers`)
+        self.handlers = Handlers(
+            stage, program.stages[stage], self.modules, device or torch.device("cpu")
+        )
         low = mixed_precision if mixed_precision in LOW_PRECISION else None  # float32: none
         self.precision = Precision(low, device)
         scaler = LossScaler() if mixed_precision == torch.float16 else None
@@ -228,6 +260,13 @@ class StageRuntime:
         self._graphs = Graphs(stage)
         #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
         self._recomputed = recomputed(program.stages[stage])
+        #: the (microbatch, chunk) whose forwards' saved tensors move to the host and back
+        #: ([Note: offloading in the runtime] in `backends.runtime.offload`)
+        self._offloaded = {
+            (op.microbatch, op.chunk) for op in program.stages[stage] if type(op) is Offload
+        }
+        self._copies = CopyLane()
+        self._device = device
         #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
         #: measured once])
         self._saved_bytes = SavedBytes()
@@ -243,6 +282,9 @@ class StageRuntime:
             count_fn=up_front_count(loss_fn),
         )
         self._ports = Ports(stage, program.tensors, self._m)
+        #: sequence parts' carries between the forwards of a segment ([Note: sequence parts])
+        self._parts = schedule.num_parts
+        self._carries = Carries(stage, self._parts)
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------
@@ -255,9 +297,11 @@ class StageRuntime:
         batches given targets and keeps the outputs (`outputs`) of the others.
         """
         self.forward_only = forward_only
+        self.handlers.training = not forward_only  # no pair to hold a forward back for
         self._graphs.reset()
         self._book.reset()
         self._ports.reset()
+        self._carries.reset()
         #: forward-only runs: the last segment's output per microbatch, where no targets came
         self.outputs: dict[int, Any] = {}
         self._versions = WeightVersions(self.program, self.stage, self._views)
@@ -272,6 +316,17 @@ class StageRuntime:
     def peak_activation_bytes(self) -> int:
         """The most `activation_bytes` ever was."""
         return self._graphs.peak
+
+    @property
+    def host_activation_bytes(self) -> int:
+        """Bytes of saved activations held on the host now (offloaded; `activation_bytes`
+        counts the device only)."""
+        return self._graphs.host_bytes
+
+    @property
+    def peak_host_activation_bytes(self) -> int:
+        """The most `host_activation_bytes` ever was."""
+        return self._graphs.peak_host
 
     @property
     def losses(self) -> dict[int, float]:
@@ -295,14 +350,24 @@ class StageRuntime:
         """`loss_records` as float64 tensors on the device, unread (`LossBook.device_records`)."""
         return self._book.device_records()
 
-    def load_batch(self, batch: int, inputs: Sequence[Any] | None, targets: Sequence[Any] | None):
+    def load_batch(
+        self,
+        batch: int,
+        inputs: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        *,
+        sizes: Sequence[int] | None = None,
+    ):
         """Give the runtime the `m` microbatches of `batch` (an index within the program), each
-        a boundary value (`backends.runtime.values`).
+        a boundary value (`backends.runtime.values`), of `sizes` samples each where they are
+        unequal ([Note: unequal microbatches] in `backends.runtime.losses`).
 
         `inputs` is read only on the stage holding segment 0, `targets` only on the stage
         holding the last segment; other stages may pass None.
         """
         self._ports.load_batch(batch, inputs, targets)
+        if sizes is not None:
+            self._book.sized(batch, sizes)
 
     def run(self, op: Instruction) -> None:
         """Execute a compute or update instruction."""
@@ -317,7 +382,7 @@ class StageRuntime:
         try:
             if self._zero == 3 and isinstance(op, COMPUTE):
                 self._reducer.ready(op.chunk)  # the all-gather its Unshard launched ahead
-            handler(op)
+            self.handlers.run(op, functools.partial(handler, op))
         except Exception as exc:
             exc.add_note(f"(while stage {self.stage} ran {op})")
             raise
@@ -412,12 +477,19 @@ class StageRuntime:
     # -- compute --------------------------------------------------------------------------------
 
     def _forward(self, op: Forward) -> None:
+        if self.handlers.holds_back(op):
+            return  # runs with its overlapped backward: [Note: running an overlapped pair]
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
         value, leaves = self._ports.input_of(i, c, k)
         if self.forward_only:  # the live weights, no graph
             with torch.no_grad():
-                out = self._apply(c, k, dict(self._views[c].named_parameters()), value)
+                params = dict(self._views[c].named_parameters())
+                if self._parts > 1:
+                    out, carry = self._apply_part(c, k, params, value, self._carries.take(i, c)[0])
+                    self._carries.hand_on(i, c, k, carry)
+                else:
+                    out = self._apply(c, k, params, value)
             if self._layout.is_last(k) and not self._ports.has_targets(i):
                 self.outputs[i] = out
             else:
@@ -448,33 +520,60 @@ class StageRuntime:
         self, c, k, i, value, leaves, params, *, record: bool = True
     ) -> tuple[Graph, Message | None]:
         sent: list[Message] = []
+        carry, carry_leaves = self._carries.take(i, c) if self._parts > 1 else (None, [])
+        carry_roots: list[torch.Tensor] = []
 
         def forward() -> list[torch.Tensor]:
-            out = self._apply(c, k, params, value)
+            if self._parts > 1:  # [Note: the parts' calling convention]
+                out, carried = self._apply_part(c, k, params, value, carry)
+                carry_roots.extend(self._carries.hand_on(i, c, k, carried))
+            else:
+                out = self._apply(c, k, params, value)
             if self._layout.is_last(k):
-                return [self._loss(i, out, record=record)]
+                return [self._loss(i, out, record=record), *carry_roots]
             message, roots = activation(out, segment=k)
             sent.append(message)
-            return roots
+            return roots + carry_roots
 
         target = self._ports.target(i) if self._layout.is_last(k) else None
-        key = signature(c, value, target, training=self.modules[c].training)
-        roots, num_bytes = self._saved_bytes.run(key, params.values(), forward)
-        graph = Graph(roots, leaves, list(params.values()), num_bytes)
+        called = (value, carry) if self._parts > 1 else value
+        key = signature(c, called, target, training=self.modules[c].training)
+        saved = OffloadedSaved(params.values()) if record and (i, c) in self._offloaded else None
+        saving = (saved.pack, saved.unpack) if saved is not None else None
+        roots, num_bytes = self._saved_bytes.run(key, params.values(), forward, saving=saving)
+        graph = Graph(roots, leaves + carry_leaves, list(params.values()), num_bytes, saved)
+        graph.carried = (len(carry_roots), len(carry_leaves))
         return graph, (sent[0] if sent else None)
 
     def _apply(self, c: int, k: int, params, value: Any) -> Any:
         """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
-        module = self.modules[c]
-        if self._delay or module in self._shadowed:  # on stashed weights or tied copies
-            module = functools.partial(_functional, module, params)
-
-        def name() -> str:
-            return f"the forward of segment {k} ({name_of(self.modules[c])})"
-
+        on = params if self._delay or self.modules[c] in self._shadowed else None  # stashed or tied
         with self.precision.compute():
-            out = call_user(name, lambda: call(module, value), passing=_LOST_PEER)
+            out = call_user(self._name(c, k), lambda: self._calls[c](value, on), passing=_LOST_PEER)
         return self.precision.boundary(out, last=self._layout.is_last(k))
+
+    def _apply_part(self, c: int, k: int, params, value: Any, carry: Any) -> tuple[Any, Any]:
+        """`_apply` on one sequence part: `(output, carry)` as they leave ([Note: the parts'
+        calling convention] in `backends.runtime.carries`)."""
+        module, name = self._module(c, params), self._name(c, k)
+        where = name()
+        with self.precision.compute():
+            out, carried = call_user(
+                name, lambda: call_part(module, value, carry, where=where), passing=_LOST_PEER
+            )
+        boundary = self.precision.boundary
+        return boundary(out, last=self._layout.is_last(k)), boundary(carried, last=False)
+
+    def _module(self, c: int, params) -> Any:
+        """Chunk c's segment as a callable on `params` (stashed weights or tied copies), or as
+        it is."""
+        module = self.modules[c]
+        if self._delay or module in self._shadowed:
+            return functools.partial(torch.func.functional_call, module, params)
+        return module
+
+    def _name(self, c: int, k: int) -> Callable[[], str]:
+        return lambda: f"the forward of segment {k} ({name_of(self.modules[c])})"
 
     def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
         """The output of a forward that leaves no graph: the loss on the last segment, else
@@ -492,36 +591,56 @@ class StageRuntime:
             self._counts.know_up_front(batch, self._ports.batch_targets(batch))
         result = call_loss(self.loss_fn, out, self._ports.target(i))
         where = f"loss_fn on microbatch {i}"
-        objective = self._book.objective(batch, result, where=where, record=record, replica=replica)
+        objective = self._book.objective(
+            batch, result, where=where, record=record, replica=replica, index=i % self._m
+        )
         return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
         k = self._segment[op.chunk]
-        roots = self._graphs.graph(op).roots
+        graph = self._graphs.graph(op)
+        num_carried = graph.carried[0]  # the carry's roots come last ([Note: sequence parts])
+        roots = graph.roots[: len(graph.roots) - num_carried]
         if self._layout.is_last(k):
-            return [None] * len(roots)
-        grads, count = self._ports.gradient_of(op, k, roots)
-        self._counts.received(op.microbatch, count)  # [Note: the count divides at the step]
+            grads: list[torch.Tensor | None] = [None] * len(roots)
+        else:
+            grads, count = self._ports.gradient_of(op, k, roots)
+            self._counts.received(op.microbatch, count)  # [Note: the count divides at the step]
+        if num_carried:
+            grads = grads + self._carries.gradient_of(op, graph.roots[len(roots) :])
         return grads
 
     def _backward(self, op: Backward) -> None:
         graph = self._graphs.graph(op)
         self._into_buffer(op.chunk)
         got = full_backward(graph, self._output_grads(op), self._stashed_into(op))
-        self._emit_input_grad(op, graph.leaves, got)
+        self._emit_input_grad(op, graph, got)
         self._graphs.free(op)
 
     def _overlapped_backward(self, op: OverlappedBackward) -> None:
-        """The backward half of an overlapped pair (`F3.1 +B1`): its forward ran just before
-        it, so on one device the pair runs in order, forward then backward."""
-        self._backward(op)
+        """The backward half of an overlapped pair (`F3.1 +B1`), run with the forward held back
+        just before it ([Note: running an overlapped pair] in `backends.runtime.handlers`)."""
+        carries = self._counts.carries(op.microbatch)
+        backward = functools.partial(self._backward, op)
+        self.handlers.run_pair(op, self._forward, backward, in_order=carries)
+
+    def register_handler(self, kind: type, fn: Callable[[Any], Any]) -> None:
+        """Run every instruction of `kind` on this stage through `fn` ([Note: custom handlers]
+        in `backends.runtime.handlers`)."""
+        self.handlers.register(kind, fn)
+
+    def _offload(self, op: Offload) -> None:
+        self._copies.offload(self._graphs.offloaded(op))
+
+    def _reload(self, op: Reload) -> None:
+        self._copies.reload(self._graphs.reloaded(op), self._device)
 
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graphs.graph(op)
         graph.grads = self._output_grads(op)  # what BackwardWeight differentiates
         got = grad_roots(graph.roots, graph.grads, graph.leaves, retain_graph=True)
-        self._emit_input_grad(op, graph.leaves, got)
+        self._emit_input_grad(op, graph, got)
 
     def _backward_weight(self, op: BackwardWeight) -> None:
         graph = self._graphs.graph(op)
@@ -543,9 +662,15 @@ class StageRuntime:
         into; None where autograd puts them into `.grad` itself."""
         return self._views[op.chunk].parameters() if self._delay else None
 
-    def _emit_input_grad(self, op, leaves: list[torch.Tensor], grads: Sequence) -> None:
+    def _emit_input_grad(self, op, graph: Graph, grads: Sequence) -> None:
         i, c = op.microbatch, op.chunk
         k = self._segment[c]
+        leaves = graph.leaves
+        num_carried = graph.carried[1]  # the carry's leaves come last ([Note: sequence parts])
+        if num_carried:
+            at = len(leaves) - num_carried
+            self._carries.hand_back(i, c, leaves[at:], grads[at:])
+            leaves, grads = leaves[:at], grads[:at]
         if self._layout.is_first(k):
             return  # the batch's inputs take no gradient
         count = self._counts.carried(i, last=self._layout.is_last(k))
@@ -683,8 +808,3 @@ def build_lr_scheduler(
             "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))"
         )
     return scheduler
-
-
-def _functional(module: nn.Module, params: dict[str, torch.Tensor], /, *args, **kwargs) -> Any:
-    """`module` run on `params` in place of its own parameters."""
-    return torch.func.functional_call(module, params, args, kwargs)

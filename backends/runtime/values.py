@@ -402,8 +402,15 @@ def _dataclass_named(name: str) -> type:
 # -- microbatches ---------------------------------------------------------------------------------
 
 
-def split(value: Any, num_microbatches: int, *, name: str = "inputs") -> list[Any]:
-    """`value` cut into `num_microbatches` equal values along dim 0 of every tensor.
+def split(
+    value: Any,
+    num_microbatches: int,
+    *,
+    name: str = "inputs",
+    sizes: Sequence[int] | None = None,
+) -> list[Any]:
+    """`value` cut into `num_microbatches` equal values along dim 0 of every tensor (or into
+    pieces of `sizes` rows each, which `backends.batches.check_sizes` checked).
 
     Constants are repeated in every microbatch; the pieces are views of the batch's tensors.
 
@@ -433,12 +440,12 @@ has 4 (inputs[0]): every tensor of a batch is split into microbatches along dim 
             raise ScheduleConfigError(_bad_rows(_tensor_paths(value, name), index, tensors))
     batch_size = tensors[0].shape[0]
     size, rest = divmod(batch_size, num_microbatches)
-    if rest or size == 0:
+    if sizes is None and (rest or size == 0):
         raise ScheduleConfigError(
             f"{name} has a batch of {batch_size}, which does not split into {num_microbatches} "
             f"equal microbatches; use a batch size that is a multiple of {num_microbatches}"
         )
-    pieces = [tensor.split(size) for tensor in tensors]
+    pieces = [tensor.split(size if sizes is None else list(sizes)) for tensor in tensors]
     return [unflatten([p[i] for p in pieces], spec) for i in range(num_microbatches)]
 
 

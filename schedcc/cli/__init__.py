@@ -12,14 +12,14 @@ import argparse
 import os
 import sys
 
-from schedcc.cli import list_, run, show, tune, verify
+from schedcc.cli import list_, run, search, show, tune, verify
 from schedcc.cli.args import UsageError
 from schedcc.errors import ScheduleError
 
 __all__ = ["UsageError", "build_parser", "main"]
 
 #: Subcommand modules, in the order `--help` lists them.
-COMMANDS = (list_, show, verify, run, tune)
+COMMANDS = (list_, show, verify, run, tune, search)
 
 EPILOG = """examples:
   schedcc list

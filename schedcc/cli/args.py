@@ -150,7 +150,7 @@ def add_chunks(parser, *, default=None, many: bool = False) -> None:
     kind = (int_list if many else _bounded)(MAX_CHUNKS, "chunks per stage")
     metavar = "V,..." if many else "V"
     text = (
-        "chunks per stage to try; schedules skip counts they reject" + _default(default)
+        "chunks per stage to try (default: the first two of each schedule's chunks)"
         if many
         else "chunks (virtual stages) per stage (default: the schedule's own, 1 for most)"
     )

@@ -16,13 +16,13 @@ import dataclasses
 import math
 import os
 import tempfile
+from pathlib import Path
 
 from schedcc.cli import args as shared
 from schedcc.cli.args import UsageError, positive_int
 from schedcc.compiler import compile
 from schedcc.errors import ScheduleConfigError
-from schedcc.registry import get_schedule
-from schedcc.schedule import build_schedule
+from schedcc.registry import build_schedule, get_schedule
 
 __all__ = ["Config", "register", "run"]
 
@@ -31,6 +31,7 @@ EPILOG = """examples:
   schedcc run --schedule interleaved-1f1b -p 2 -v 2 -m 8 --steps 50 --trace run.json
   schedcc run --dp 2 --zero 1 --check
   schedcc run --schedule my_schedules.py:MySchedule --model mlp
+  schedcc run --schedule search --costs-from run.json     (run.json: a first run's --trace)
   schedcc run --model examples/char_lm.py:make -p 4 --check
   schedcc run --steps 100 --checkpoint ckpt --every 10      (then add --resume after a crash)
   torchrun --nproc-per-node 4 -m schedcc run -p 2          (dp = world / p)
@@ -71,6 +72,10 @@ class Config:
     grad_norm: bool = False
     tp: int = 1
     recompute: bool = False
+    #: `--recompute-layers N`: recompute every N layers inside each segment (None: off).
+    recompute_layers: int | None = None
+    #: `--compile [BACKEND]`: the torch.compile backend each segment runs through (None: eager).
+    compile: str | None = None
     #: Evaluate on held-out batches every this many steps and after the last (0: never).
     eval_every: int = 0
     eval_batches: int = 2
@@ -144,6 +149,21 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="FILE", help="write the measured Chrome trace here")
     parser.add_argument(
+        "--costs-from",
+        type=Path,
+        default=None,
+        metavar="TRACE",
+        help="with --schedule search: train the order schedcc search finds for the costs "
+        "measured in this trace (a first run's --trace)",
+    )
+    parser.add_argument(
+        "--search-time",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds --schedule search may search (default 10)",
+    )
+    parser.add_argument(
         "--metrics",
         metavar="PATH",
         help="write one record per optimizer step: JSONL to PATH, or TensorBoard with tb:DIR",
@@ -212,6 +232,21 @@ def register(subparsers) -> None:
         "--recompute",
         action="store_true",
         help="recompute every forward before its backward (compile(..., recompute=True))",
+    )
+    parser.add_argument(
+        "--recompute-layers",
+        type=positive_int,
+        metavar="N",
+        help="keep every N-th layer boundary of each segment and recompute each group of N "
+        "layers in the backward (Engine(..., recompute_layers=N); nn.Sequential segments)",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="run each segment through torch.compile (Engine(..., compile=...)): inductor, or "
+        "the backend named (e.g. aot_eager)",
     )
     parser.add_argument(
         "--eval-every",
@@ -333,7 +368,7 @@ def _model(config: Config, schedule):
             "brings its own lr_scheduler: schedule it there, or drop them"
         )
     tied = tuple(tied_groups(model.segments))  # within one replica; compile ties the copies
-    compile(  # a bad program is one line, exit 2
+    program = compile(  # a bad program is one line, exit 2
         schedule,
         data_parallel=config.data_parallel,
         zero=config.zero,
@@ -341,7 +376,24 @@ def _model(config: Config, schedule):
         grad_norm=config.grad_norm,
         recompute=config.recompute,
     )
+    _check_segment_calls(config, model.segments, program)
     return model, tied
+
+
+def _check_segment_calls(config: Config, segments, program) -> None:
+    """`--recompute-layers` and `--compile` checked against the model's segments and the
+    program, as every rank's engine checks them: one line (exit 2), not one from every rank."""
+    from schedcc.backends.runtime.segment_calls import SegmentCall, check_compile
+
+    flags = "--recompute-layers" if config.recompute_layers else "--compile"
+    try:
+        check_compile(config.compile, program)
+        if config.recompute_layers:
+            held = segments.items() if isinstance(segments, dict) else enumerate(segments)
+            for k, segment in held:
+                SegmentCall(segment, segment=k, recompute_layers=config.recompute_layers)
+    except ScheduleConfigError as exc:
+        raise UsageError(f"{flags} with --model {config.model}: {exc}") from None
 
 
 def _config(args, under_torchrun: bool) -> tuple[Config, object]:
@@ -352,6 +404,10 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         raise UsageError(f"--lr must be a positive number, got {args.lr:g}")
     if not 0 <= args.warmup <= args.steps:
         raise UsageError(f"--warmup must be 0 to --steps ({args.steps}) steps, got {args.warmup}")
+    if args.schedule == "search":
+        args.schedule, args.num_chunks = _searched(args, under_torchrun)
+    elif args.costs_from is not None:
+        raise UsageError("--costs-from goes with --schedule search (the order to search for it)")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
     if args.tp not in (1, 2, 4):
@@ -420,6 +476,8 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         every=args.every or 0,
         resume=args.resume,
         recompute=args.recompute,
+        recompute_layers=args.recompute_layers,
+        compile=args.compile,
         eval_every=args.eval_every or 0,
         eval_batches=args.eval_batches,
         rank_order=args.rank_order,
@@ -428,6 +486,47 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         metrics=args.metrics,
     )
     return config, schedule
+
+
+def _searched(args, under_torchrun: bool) -> tuple[str, int]:
+    """`--schedule search`: the order `schedcc.search` finds for the costs measured in
+    `--costs-from` (milliseconds), written to a file the ranks load; its simulated step is
+    printed, to set against the measured one in the summary."""
+    if under_torchrun:
+        raise UsageError(
+            "--schedule search runs on the processes schedcc run starts; under torchrun, search "
+            "first (schedcc search -p P -m M --costs-from TRACE --out found.py) and pass "
+            "--schedule found.py:Found"
+        )
+    if args.costs_from is None:
+        raise UsageError(
+            "--schedule search needs --costs-from TRACE, the Chrome trace of a first run "
+            "(schedcc run ... --trace TRACE)"
+        )
+    if not 0 < args.search_time < math.inf:
+        raise UsageError(
+            f"--search-time must be a positive number of seconds, got {args.search_time:g}"
+        )
+    from schedcc.costs import CostModel
+    from schedcc.search import search
+
+    result = search(
+        args.num_stages,
+        args.num_microbatches,
+        num_chunks=(1, 2) if args.num_chunks is None else args.num_chunks,
+        costs=CostModel.from_trace(args.costs_from),
+        data_parallel=args.dp or 1,
+        zero=args.zero,
+        time_limit=args.search_time,
+    )
+    path = Path(tempfile.mkdtemp(prefix="schedcc-search-")) / "found.py"
+    path.write_text(result.to_python())
+    print(
+        f"search: simulated step {result.makespan:.2f} ms (lower bound {result.bound:.2f} ms) "
+        f"under the costs measured in {args.costs_from}, from {result.source}; the order is "
+        f"{path}:Found"
+    )
+    return f"{path}:Found", result.schedule.num_chunks
 
 
 def _grad_norm(args, schedule, dp: int) -> bool:

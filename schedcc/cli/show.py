@@ -11,12 +11,11 @@ import math
 from pathlib import Path
 
 from schedcc.cli import args as shared
-from schedcc.cli import memory as memory_args
+from schedcc.cli import memory_flags
 from schedcc.compiler import compile
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
-from schedcc.registry import get_schedule
-from schedcc.schedule import build_schedule
+from schedcc.registry import build_schedule, get_schedule
 from schedcc.simulate import simulate
 
 __all__ = ["register", "run"]
@@ -47,6 +46,15 @@ def register(subparsers) -> None:
     shared.add_microbatches(parser, default=8)
     shared.add_chunks(parser)
     shared.add_batches(parser, default=1)
+    parser.add_argument(
+        "-k",
+        "--parts",
+        type=shared.positive_int,
+        default=None,
+        metavar="K",
+        help="sequence parts per microbatch, m counting the parts (default: the schedule's own, "
+        "1 for most, 2 for seq1f1b)",
+    )
     shared.add_parallel(parser)
     shared.add_costs(
         parser, default=CostModel(), help="instruction costs, e.g. F=1,B=2,I=1,W=1,comm=0.1"
@@ -62,9 +70,15 @@ def register(subparsers) -> None:
         action="store_true",
         help="draw the forward-only program evaluation runs (compile(..., forward_only=True))",
     )
-    memory_args.add_memory(
+    memory_flags.add_memory(
         parser,
         recompute_help="recompute every forward before its backward (compile(..., recompute=True))",
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="offload every forward's activations to host memory that has a compute to overlap "
+        "(compile(..., offload=True)); price the copies with --costs O=...,L=...",
     )
     parser.add_argument(
         "--format",
@@ -91,6 +105,7 @@ def build(args):
         args.num_microbatches,
         num_chunks=args.num_chunks,
         num_batches=args.batches,
+        num_parts=args.parts,
     )
     shared.check_size(
         schedule.num_stages,
@@ -109,8 +124,9 @@ def run(args) -> int:
         zero=args.zero,
         forward_only=args.forward_only,
         recompute=args.recompute,
+        offload=args.offload,
     )
-    costs = memory_args.with_memory(args.costs, args.memory)
+    costs = memory_flags.with_memory(args.costs, args.memory)
     timeline = simulate(program, costs, eager=args.eager)
     if not math.isfinite(timeline.makespan):
         raise ScheduleConfigError(
@@ -145,5 +161,7 @@ def run(args) -> int:
         print(f"wrote {output}")
     print(timeline.summary())
     if args.memory is not None:
-        print(memory_args.bytes_line(timeline.peak_bytes))
+        print(memory_flags.bytes_line(timeline.peak_bytes))
+        if any(timeline.peak_host_bytes):
+            print("on the host: " + memory_flags.bytes_line(timeline.peak_host_bytes))
     return 0

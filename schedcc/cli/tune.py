@@ -11,13 +11,13 @@ import json
 from pathlib import Path
 
 from schedcc.cli import args as shared
-from schedcc.cli import memory as memory_args
+from schedcc.cli import memory_flags
 from schedcc.costs import CostModel, cost_fields
-from schedcc.memory import format_size
 from schedcc.registry import get_schedule, registered_classes
+from schedcc.sizes import format_size
 from schedcc.tune import TuneResult, tune
 
-__all__ = ["register", "run"]
+__all__ = ["add_stage_costs", "costs_of", "ranking_table", "register", "run"]
 
 EPILOG = """examples:
   schedcc tune -p 8 -m 8,16,32
@@ -40,13 +40,22 @@ def register(subparsers) -> None:
     )
     shared.add_stages(parser, required=True)
     shared.add_microbatches(parser, default=[8], many=True)
-    shared.add_chunks(parser, default=[1, 2], many=True)
-    memory_args.add_memory(
+    shared.add_chunks(parser, many=True)
+    memory_flags.add_memory(
         parser,
         limit=True,
         recompute_help="also rank every shape with full recomputation (compile(..., "
         "recompute=True))",
     )
+    add_stage_costs(parser)
+    shared.add_parallel(parser)
+    shared.add_schedule(parser, many=True)
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+    parser.set_defaults(func=run)
+
+
+def add_stage_costs(parser) -> None:
+    """`--costs K=V,...` and `--costs-from TRACE` (read together by `costs_of`)."""
     shared.add_costs(
         parser, default=None, help="per-stage costs at v = 1, e.g. F=1,B=2,I=1,W=1,comm=0.1"
     )
@@ -57,16 +66,12 @@ def register(subparsers) -> None:
         metavar="TRACE",
         help="measured costs from a Chrome trace of a run (--costs fills kinds it lacks)",
     )
-    shared.add_parallel(parser)
-    shared.add_schedule(parser, many=True)
-    parser.add_argument("--format", choices=("table", "json"), default="table")
-    parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks))
-    memory_args.check_limit(args.memory_limit, args.memory)
-    costs = memory_args.with_memory(_costs(args.costs, args.costs_from), args.memory)
+    shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks or [2]))
+    memory_flags.check_limit(args.memory_limit, args.memory)
+    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), args.memory)
     result = tune(
         _with_registered(args.schedule) if args.schedule else None,
         num_stages=args.num_stages,
@@ -81,7 +86,7 @@ def run(args) -> int:
     if args.format == "json":
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(_table(result))
+        print(ranking_table(result))
     return 0 if result.ranked else 1
 
 
@@ -90,7 +95,9 @@ def _with_registered(extra: list[str]) -> dict:
     return {**registered_classes(), **{name: get_schedule(name) for name in extra}}
 
 
-def _costs(given: CostModel | None, trace: Path | None) -> CostModel:
+def costs_of(given: CostModel | None, trace: Path | None) -> CostModel:
+    """`--costs`, or the costs measured in `--costs-from` with `--costs` filling the kinds the
+    trace lacks."""
     if trace is None:
         return given or CostModel()
     defaults = {}
@@ -99,7 +106,8 @@ def _costs(given: CostModel | None, trace: Path | None) -> CostModel:
     return CostModel.from_trace(trace, **defaults)
 
 
-def _table(result: TuneResult) -> str:
+def ranking_table(result: TuneResult) -> str:
+    """The ranking as a table, then what went over the limit and how many shapes were skipped."""
     header = (
         "#",
         "schedule",

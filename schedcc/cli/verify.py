@@ -2,12 +2,11 @@
 
 Each shape (p, m, v, batches) the schedule accepts is compiled and validated; the table shows
 pass or the failing rule, and the validator's explanation follows for each failure. Shapes the
-schedule itself rejects (its `check()` raises `ScheduleConfigError`) are skipped, and so are chunk
-counts above 1 for a schedule that yields nothing on a second chunk (written for one chunk per
-stage; see `schedcc.schedule.uses_chunks`). `--recompute` checks the programs that
-`compile(..., recompute=True)` makes (an `R` before each backward). Exit status 1 when any shape
-fails, 0 when all pass, 2 for bad input, including a schedule whose own code fails
-(`ScheduleCodeError`). `--torch CLASS` checks torch's own schedule instead
+schedule itself rejects (its `check()` raises `ScheduleConfigError`) are skipped; the chunk
+counts v are the first two of the schedule's own `chunks` unless `-v` gives one. `--recompute`
+checks the programs that `compile(..., recompute=True)` makes (an `R` before each backward).
+Exit status 1 when any shape fails, 0 when all pass, 2 for bad input, including a schedule whose
+own code fails (`ScheduleCodeError`). `--torch CLASS` checks torch's own schedule instead
 (`schedcc.interop.torch_check`).
 """
 
@@ -21,18 +20,18 @@ import attrs
 from schedcc.cli import args as shared
 from schedcc.compiler import compile
 from schedcc.errors import ScheduleConfigError, ScheduleError
-from schedcc.registry import get_schedule
-from schedcc.schedule import ScheduleCodeError, build_schedule, chunks_hint, uses_chunks
+from schedcc.registry import build_schedule, get_schedule
+from schedcc.schedule import ScheduleCodeError
 from schedcc.simulate import simulate
 from schedcc.validate import validate
 
 __all__ = ["GRID", "register", "run"]
 
-#: The default values of each shape argument; a given argument replaces its row.
+#: The default values of each shape argument; a given argument replaces its row. The chunk
+#: counts are the schedule's own: the first two of its `chunks`.
 GRID = {
     "num_stages": (1, 2, 3, 4, 8),
     "num_microbatches": (1, 2, 3, 4, 8, 16),
-    "num_chunks": (1, 2),
     "num_batches": (1, 2),
 }
 _MAX_EXPLAINED = 5
@@ -61,8 +60,9 @@ def register(subparsers) -> None:
         help="validate a schedule over a grid of shapes",
         description=(
             "Compile and validate a schedule for every shape of a grid (p in 1,2,3,4,8; m in "
-            "1,2,3,4,8,16; v in 1,2; batches in 1,2), or only the values given, and print a "
-            "pass/fail table with the validator's explanation of each failure."
+            "1,2,3,4,8,16; v the first two of the schedule's chunks; batches in 1,2), or only "
+            "the values given, and print a pass/fail table with the validator's explanation of "
+            "each failure."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -95,7 +95,7 @@ def run(args) -> int:
     if args.schedule is None:
         raise ScheduleConfigError("give --schedule NAME (or --torch CLASS for a torch schedule)")
     cls = get_schedule(args.schedule)
-    axes, note = _axes(cls, args)
+    axes = _axes(cls, args)
     shared.check_size(*(max(axis) for axis in axes))
     results = [_check(cls, shape, args) for shape in itertools.product(*axes)]
     checked = [r for r in results if r.skipped is None]
@@ -110,7 +110,6 @@ def run(args) -> int:
     print(
         f"\n{len(checked) - len(failed)} of {len(checked)} shapes pass"
         + (f" ({skipped} skipped: the schedule rejects them)" if skipped else "")
-        + note
     )
     for result in failed[:_MAX_EXPLAINED]:
         p, m, v, b = result.shape
@@ -118,24 +117,24 @@ def run(args) -> int:
         print(str(result.error).rstrip())
     if len(failed) > _MAX_EXPLAINED:
         print(f"\n... and {len(failed) - _MAX_EXPLAINED} more failing shapes")
-    if failed and (hint := _hint(cls, failed[0].shape, args)):
-        print(f"\n{hint}")
     return 1 if failed else 0
 
 
-def _axes(cls, args) -> tuple[list[tuple[int, ...]], str]:
-    """The values of p, m, v and batches to try, and a note when v is kept at 1."""
-    given = {
-        "num_stages": args.num_stages,
-        "num_microbatches": args.num_microbatches,
-        "num_chunks": args.num_chunks,
-        "num_batches": args.batches,
-    }
-    axes = [(value,) if value is not None else GRID[key] for key, value in given.items()]
-    if args.num_chunks is None and not uses_chunks(cls):
-        axes[2] = (1,)
-        return axes, f"; v=1 only: {cls.__name__} uses one chunk per stage (-v tries others)"
-    return axes, ""
+def _axes(cls, args) -> list[tuple[int, ...]]:
+    """The values of p, m, v and batches to try: each given one, else the grid's (v: the first
+    two of the schedule's `chunks`)."""
+    chunks = cls.chunk_counts(shared.MAX_CHUNKS, first=2)
+    if args.num_chunks is None and not chunks:
+        raise ScheduleConfigError(
+            f"{cls.__name__} runs no chunk count up to {shared.MAX_CHUNKS} (its chunks = "
+            f"{cls.chunks!r}); give one with -v"
+        )
+    return [
+        (args.num_stages,) if args.num_stages is not None else GRID["num_stages"],
+        (args.num_microbatches,) if args.num_microbatches is not None else GRID["num_microbatches"],
+        (args.num_chunks,) if args.num_chunks is not None else chunks,
+        (args.batches,) if args.batches is not None else GRID["num_batches"],
+    ]
 
 
 def _check(cls, shape, args) -> _Result:
@@ -157,25 +156,12 @@ def _check(cls, shape, args) -> _Result:
         if problems:
             return _Result(shape, error=problems[0])
         timeline = simulate(program)
-    except ScheduleCodeError as exc:
-        hint = _hint(cls, shape, args)
-        raise ScheduleCodeError(f"{exc}; {hint}" if hint else str(exc)) from exc
+    except ScheduleCodeError:
+        raise
     except ScheduleError as exc:
         return _Result(shape, error=exc)
     peaks = ",".join(str(n) for n in timeline.peak_activations)
     return _Result(shape, summary=f"{timeline.bubble_fraction:6.1%}  [{peaks}]")
-
-
-def _hint(cls, shape, args) -> str:
-    """`chunks_hint` when `shape` has v > 1 and passes with v = 1, else ""."""
-    p, m, v, b = shape
-    if v == 1:
-        return ""
-    try:
-        one = _check(cls, (p, m, 1, b), args)
-    except ScheduleError:
-        return ""
-    return chunks_hint(cls.__name__, v) if one.skipped is None and one.error is None else ""
 
 
 def _table(cls, results: list[_Result]) -> str:

@@ -1,7 +1,8 @@
 """Chrome traces (Trace Event Format): open them in https://ui.perfetto.dev or chrome://tracing.
 
 One writer for simulated and measured timelines: `write_chrome_trace(events, path)` takes any
-iterable of `(stage, instruction, start, end)` and writes a track per stage (pid 0, tid = stage),
+iterable of `(stage, instruction, start, end)` and writes a track per stage (pid 0, tid = stage;
+a stage's copies, which overlap its computes, on a track of their own, "stage s copy"),
 a complete event ("X") per instruction named by its `str` with its microbatch and chunk in
 `args`, and, when given, flow arrows ("s"/"f") from each send to its receive.
 
@@ -19,9 +20,11 @@ from pathlib import Path
 
 from schedcc.ir import SENDS, Comm, Instruction
 
-__all__ = ["chrome_trace", "comm_flows", "write_chrome_trace"]
+__all__ = ["chrome_trace", "comm_flows", "save", "write_chrome_trace"]
 
-_CATEGORY = {"compute": "compute", "comm": "comm", "update": "update"}
+_CATEGORY = {"compute": "compute", "comm": "comm", "update": "update", "copy": "copy"}
+#: The copy lane of stage s is track `_COPY_TRACK + s`.
+_COPY_TRACK = 1_000_000
 
 EventLike = Sequence  # (stage, instruction, start, end)
 
@@ -47,27 +50,28 @@ def chrome_trace(
     ]
     stages: set[int] = set()
     for stage, op, start, end in events:
-        stages.add(stage)
+        tid = stage + _COPY_TRACK if op.group == "copy" else stage
+        stages.add(tid)
         out.append(
             {
                 "name": str(op),
                 "cat": _CATEGORY.get(op.group, "other"),
                 "ph": "X",
                 "pid": 0,
-                "tid": stage,
+                "tid": tid,
                 "ts": round(start * unit_us, 3),
                 "dur": round(max(0.0, end - start) * unit_us, 3),
                 "args": _args(op),
             }
         )
-    for stage in sorted(stages):
+    for stage in sorted(stages):  # a track: a stage, or a stage's copy lane
         out.append(
             {
                 "name": "thread_name",
                 "ph": "M",
                 "pid": 0,
                 "tid": stage,
-                "args": {"name": f"stage {stage}"},
+                "args": {"name": _track_name(stage)},
             }
         )
         out.append(
@@ -76,7 +80,7 @@ def chrome_trace(
                 "ph": "M",
                 "pid": 0,
                 "tid": stage,
-                "args": {"sort_index": stage},
+                "args": {"sort_index": stage},  # copy lanes after the stages
             }
         )
     for n, (send, recv) in enumerate(flows):
@@ -90,6 +94,12 @@ def chrome_trace(
     if metadata:
         trace["otherData"] = dict(metadata)
     return trace
+
+
+def _track_name(tid: int) -> str:
+    if tid >= _COPY_TRACK:
+        return f"stage {tid - _COPY_TRACK} copy"
+    return f"stage {tid}"
 
 
 def write_chrome_trace(
@@ -111,6 +121,28 @@ def write_chrome_trace(
     return path
 
 
+def save(timeline, path: str | PathLike) -> Path:
+    """Write `timeline`'s trace to `path` (`Timeline.to_chrome_trace`): its events, an arrow
+    from each send to its receive, and the schedule's shape, makespan and bubble as metadata.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    schedule = timeline.program.schedule
+    metadata = {
+        "schedule": schedule.name or type(schedule).__name__,
+        "num_stages": schedule.num_stages,
+        "num_microbatches": schedule.num_microbatches,
+        "num_chunks": schedule.num_chunks,
+        "num_batches": schedule.num_batches,
+        "num_parts": schedule.num_parts,
+        "makespan": timeline.makespan,
+        "bubble_fraction": timeline.bubble_fraction,
+    }
+    flows = comm_flows(timeline.program, timeline.events)
+    return write_chrome_trace(timeline.events, path, flows=flows, metadata=metadata)
+
+
 def comm_flows(program, events: Iterable[EventLike]) -> list[tuple[EventLike, EventLike]]:
     """`(send, receive)` event pairs of `program`'s matched comm ops, found among `events`.
 
@@ -118,7 +150,7 @@ def comm_flows(program, events: Iterable[EventLike]) -> list[tuple[EventLike, Ev
     a pair with a side missing from `events` is left out.
     """
     by_op = {(e[0], e[1]): e for e in events if isinstance(e[1], Comm)}
-    partner = program.step_model.partner
+    partner = program.rendezvous_model.partner
     pairs = []
     for s, row in enumerate(partner):
         ops = program.stages[s]

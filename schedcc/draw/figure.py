@@ -1,9 +1,10 @@
 """The paper figure: a row per stage, a block per compute, coloured by kind, shaded by chunk.
 
 Forward blocks are blue, backward green, input-grad (I) teal, weight-grad (W) purple and updates
-grey; later chunks get lighter shades. The block holds its microbatch number where it fits; the
-title gives the schedule, p, m, v and the bubble. matplotlib is imported only here, on use, with
-the Agg backend (no display needed).
+grey; later chunks get lighter shades. A stage's copy lane (`Offload` brown, `Reload` tan) is a
+thin strip right under its row, beside its computes. The block holds its microbatch
+number where it fits; the title gives the schedule, p, m, v and the bubble. matplotlib is
+imported only here, on use, with the Agg backend (no display needed).
 
     >>> import schedcc, tempfile, pathlib
     >>> timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule("1f1b")(4, 8)))
@@ -20,14 +21,17 @@ from schedcc.ir import (
     Backward,
     BackwardInput,
     BackwardWeight,
+    Copy,
     Forward,
     GatherParams,
     GradNorm,
+    Offload,
     OptimizerStep,
     OverlappedBackward,
     Recompute,
     ReduceGrads,
     ReduceTied,
+    Reload,
     Reshard,
     Unshard,
 )
@@ -49,8 +53,12 @@ _COLOR = {
     Unshard: (0.75, 0.75, 0.75),
     Reshard: (0.85, 0.85, 0.85),
     GradNorm: (0.45, 0.45, 0.45),
+    Offload: (0.60, 0.35, 0.15),
+    Reload: (0.80, 0.65, 0.40),
 }
 _NAME = {
+    Offload: "offload",
+    Reload: "reload",
     Forward: "forward",
     Backward: "backward",
     BackwardInput: "input grad",
@@ -91,10 +99,14 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
     fig = Figure(figsize=(min(40.0, max(8.0, makespan / 4)), 1.0 + 0.45 * num_stages))
     ax = fig.add_subplot()
     blocks = [e for e in timeline.events if type(e.instruction) in _COLOR and e.end > e.start]
-    num_chunks = timeline.program.schedule.num_chunks
+    schedule = timeline.program.schedule
+    num_chunks = schedule.num_chunks
     label = len(blocks) <= _MAX_LABELS
     for stage, op, start, end in blocks:
         color = _shade(_COLOR[type(op)], getattr(op, "chunk", 0), num_chunks)
+        if isinstance(op, Copy):  # the copy lane: a strip under the stage's computes
+            ax.broken_barh([(start, end - start)], (stage + 0.42, 0.14), facecolors=color, zorder=3)
+            continue
         ax.broken_barh(
             [(start, end - start)],
             (stage - 0.4, 0.8),
@@ -106,7 +118,7 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
             ax.text(
                 (start + end) / 2,
                 stage,
-                str(op.microbatch),
+                _label(op.microbatch, schedule.num_parts),
                 ha="center",
                 va="center",
                 fontsize=7,
@@ -121,6 +133,11 @@ def save(timeline, path: str | PathLike, *, title: str | None = None) -> Path:
     fig.tight_layout()
     fig.savefig(path, format=fmt, dpi=120)
     return path
+
+
+def _label(microbatch: int, parts: int) -> str:
+    """A block's text: its microbatch, and with sequence parts its part (`3p1`)."""
+    return f"{microbatch}p{microbatch % parts}" if parts > 1 else str(microbatch)
 
 
 def _shade(rgb: tuple[float, float, float], chunk: int, num_chunks: int):

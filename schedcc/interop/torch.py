@@ -177,7 +177,7 @@ def format_actions(rows: Sequence[Sequence[object]]) -> str:
 
 
 class TorchSchedule(Schedule):
-    """A schedule read from torch's per-rank action rows: its steps are exactly those rows.
+    """A schedule read from torch's per-rank action rows: its order is exactly those rows.
 
     Build one with `from_torch_actions`, `from_torch_csv` or `torch_schedule`; the placement
     (which segments each rank holds) is read off the rows, chunk c being a rank's c-th smallest
@@ -185,6 +185,7 @@ class TorchSchedule(Schedule):
     """
 
     name = "torch"
+    chunks = "any"  # as many as the rows place on a rank
 
     def __init__(
         self,
@@ -203,7 +204,7 @@ class TorchSchedule(Schedule):
     def placement(self, segment: int) -> tuple[int, int]:
         return self._placement.get(segment, (-1, -1))
 
-    def steps(self, stage: int) -> Iterable[Instruction]:
+    def order(self, stage: int) -> Iterable[Instruction]:
         return iter(self._orders[stage])
 
     def __repr__(self) -> str:
@@ -233,7 +234,7 @@ def from_torch_actions(
             same number of segments, or segments that are not 0..n-1.
 
     >>> schedule = from_torch_actions([["0F0", "0B0"], ["1F0", "1B0"]], num_microbatches=1)
-    >>> schedule.steps(1).__next__()
+    >>> schedule.order(1).__next__()
     Forward(microbatch=0, chunk=0)
     """
     if isinstance(rows, dict):

@@ -75,7 +75,7 @@ def _rows(schedule: TorchSchedule) -> tuple[tuple[str, ...], ...]:
     return tuple(
         tuple(
             f"{schedule.segment_of(s, op.chunk)}{op.code}{op.microbatch}"
-            for op in schedule.steps(s)
+            for op in schedule.order(s)
         )
         for s in range(schedule.num_stages)
     )
@@ -87,7 +87,7 @@ def coverage_problems(schedule: TorchSchedule) -> list[str]:
     lines = []
     for stage in range(schedule.num_stages):
         seen: dict[tuple[int, str], Counter] = {}
-        for op in schedule.steps(stage):
+        for op in schedule.order(stage):
             segment = schedule.segment_of(stage, op.chunk)
             seen.setdefault((segment, op.code), Counter())[op.microbatch] += 1
         for (segment, code), counts in sorted(seen.items()):

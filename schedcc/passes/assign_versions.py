@@ -1,8 +1,8 @@
 """assign_versions: the weight version each compute uses and each optimizer step produces.
 
 The rule itself lives in `schedcc.semantics.versions` (the validator and the runtime read the
-same one; `rule_versions` keeps its result with the program, for the validator); whether those
-versions exist when needed is the validator's `check_versions` rule.
+same one; `Program.rule_versions` keeps its result with the program, for the validator);
+whether those versions exist when needed is the validator's `check_versions` rule.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from itertools import islice
 
-from schedcc.ir import COMM, COMPUTE, UPDATE
+from schedcc.errors import ScheduleCodeError, ScheduleConfigError, call_user_code, describe
+from schedcc.ir import COMM, COMPUTE, COPY, UPDATE
 from schedcc.program import Program
-from schedcc.schedule import Schedule, ScheduleCodeError, call_user_code, describe
+from schedcc.schedule import Schedule
 
 __all__ = ["collect", "max_instructions"]
 
@@ -24,16 +25,22 @@ def max_instructions(schedule: Schedule) -> int:
 
 
 def collect(schedule: Schedule, *, data_parallel: int = 1, zero: int = 0) -> Program:
-    """The program whose stage s runs exactly what `schedule.steps(s)` yields.
+    """The program whose stage s runs exactly what `schedule.order(s)` yields.
 
     Raises:
-        ScheduleCodeError: `steps()` raised, returned something that is not iterable, yielded
+        ScheduleConfigError: `schedule.num_chunks` is not one of its class's `chunks`.
+        ScheduleCodeError: `order()` raised, returned something that is not iterable, yielded
             something that is not an instruction, or a microbatch or chunk out of range, or
             more than `max_instructions(schedule)` instructions; the message names the class,
             the stage and the position.
     """
     num_microbatches = schedule.num_microbatches_total
     num_chunks = schedule.num_chunks
+    if not type(schedule).supports_chunks(num_chunks):  # the constructor refuses it first
+        raise ScheduleConfigError(
+            f"{describe(schedule)}: num_chunks={num_chunks} is not one of "
+            f"{type(schedule).__name__}.chunks = {type(schedule).chunks!r}"
+        )
     stages = []
     for stage in range(schedule.num_stages):
         ops = _stage_ops(schedule, stage)
@@ -55,21 +62,21 @@ def collect(schedule: Schedule, *, data_parallel: int = 1, zero: int = 0) -> Pro
 
 
 def _stage_ops(schedule: Schedule, stage: int) -> tuple:
-    """What `schedule.steps(stage)` yields, up to the limit; a failure names the method."""
-    owner, method, where = type(schedule).__name__, f"steps({stage})", describe(schedule)
-    if type(schedule).steps is Schedule.steps:
+    """What `schedule.order(stage)` yields, up to the limit; a failure names the method."""
+    owner, method, where = type(schedule).__name__, f"order({stage})", describe(schedule)
+    if type(schedule).order is Schedule.order:
         raise ScheduleCodeError(
-            f"{owner} does not define steps(stage): a schedule yields each stage's instructions "
+            f"{owner} does not define order(stage): a schedule yields each stage's instructions "
             "from it (see schedcc.Schedule)",
             stage=stage,
         )
-    returned = call_user_code(owner, method, lambda: schedule.steps(stage), where=where)
+    returned = call_user_code(owner, method, lambda: schedule.order(stage), where=where)
     try:
         iterator = iter(returned)
     except TypeError:
         raise ScheduleCodeError(
             f"{where}: {owner}.{method} returned {returned!r}, which is not iterable; write "
-            "steps() as a generator that yields instructions",
+            "order() as a generator that yields instructions",
             stage=stage,
         ) from None
     limit = max_instructions(schedule)
@@ -87,7 +94,7 @@ def _stage_ops(schedule: Schedule, stage: int) -> tuple:
 def _reject(schedule: Schedule, stage: int, pos: int, op: object) -> None:
     """Raise the error that says what is wrong with `op` (kept off the hot path)."""
     where = f"{describe(schedule)}, stage {stage}, position {pos}"
-    method = f"{type(schedule).__name__}.steps({stage})"
+    method = f"{type(schedule).__name__}.order({stage})"
     if type(op) not in _CONCRETE:  # a non-instruction, a base class or a subclass
         raise ScheduleCodeError(
             f"{where}: {method} yielded {op!r}, which is not a schedcc instruction "
@@ -106,23 +113,15 @@ def _reject(schedule: Schedule, stage: int, pos: int, op: object) -> None:
     chunk = getattr(op, "chunk", 0)
     raise ScheduleCodeError(
         f"{where}: {method} yielded {op!r}, with chunk {chunk!r}; it must be an int in "
-        f"[0, {schedule.num_chunks})" + _chunk_hint(schedule),
+        f"[0, {schedule.num_chunks}) (num_chunks, one of the class's chunks = "
+        f"{type(schedule).chunks!r})",
         stage=stage,
         position=pos,
     )
-
-
-def _chunk_hint(schedule: Schedule) -> str:
-    if schedule.num_chunks == 1:
-        return (
-            " (num_chunks is 1: if the schedule needs more, raise ScheduleConfigError in "
-            "check() when num_chunks is not what it supports)"
-        )
-    return ""
 
 
 def _is_index(value: object, bound: int) -> bool:
     return type(value) is int and 0 <= value < bound
 
 
-_CONCRETE = frozenset((*COMPUTE, *COMM, *UPDATE))
+_CONCRETE = frozenset((*COMPUTE, *COMM, *COPY, *UPDATE))

@@ -5,9 +5,9 @@ Simulate the computes alone with the default costs (F=1, B=2, I=1, W=1), each st
 stage is free and its inputs exist. Then walk the instructions in time slices: at each time,
 first append the transfers that meet then (the send at the producer's current end, the receive
 at the consumer's), then the computes that start then. Every send/receive pair is appended at
-one moment of the walk, so every edge of the step model runs forward in walk order and the result
-cannot deadlock, wherever the moment lies between the producer's end and the consumer's start. A
-compute order that is not dependency-respecting has no such walk: it is reported as a
+one moment of the walk, so every edge of the rendezvous model runs forward in walk order and the
+result cannot deadlock, wherever the moment lies between the producer's end and the consumer's
+start. A compute order that is not dependency-respecting has no such walk: it is reported as a
 `DependencyError` (within a stage), `DeadlockError` (across stages) or `IncompleteScheduleError`
 (an input nobody computes).
 
@@ -42,7 +42,8 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from schedcc.errors import DeadlockError, DependencyError, IncompleteScheduleError
-from schedcc.ir import COMM, Backward, Compute, Forward, Instruction, OverlappedBackward
+from schedcc.ir import COMM, Backward, Compute, Copy, Forward, Instruction, OverlappedBackward
+from schedcc.passes.insert_offload import attach_copies, detach_copies
 from schedcc.program import Program
 from schedcc.semantics import UNIT_COSTS, Tensors, wait_for_cycle
 
@@ -65,6 +66,12 @@ def insert_comm(program: Program) -> Program:
     """
     if any(not _COMM.isdisjoint(map(type, ops)) for ops in program.stages):
         return program
+    if any(isinstance(op, Copy) for ops in program.stages for op in ops):
+        # a schedule's own offloads and reloads keep their place among its computes
+        detached = [detach_copies(ops) for ops in program.stages]
+        lowered = insert_comm(program.evolve(stages=tuple(ops for ops, _ in detached)))
+        stages = zip(lowered.stages, (anchors for _, anchors in detached))
+        return lowered.evolve(stages=tuple(attach_copies(ops, at) for ops, at in stages))
     tensors = program.tensors
     plan = _Plan(program, tensors)
     start = _simulate(program, plan)
@@ -209,7 +216,7 @@ def _lower(program: Program, plan: _Plan, start: list[list[int]]):
 
     Returns the stages, whether every pair met where both stages were idle (then the program
     replays the compute-only simulation exactly, see [Note: meeting time]) and the makespan of
-    the step model on them with the default costs and free comm, timed as they are appended
+    the rendezvous model on them with the default costs and free comm, timed as they are appended
     ([Note: timing a walk-ordered lowering]).
     """
     horizon = 1 + max(map(max, filter(None, start)), default=0)
@@ -237,9 +244,9 @@ def _lower(program: Program, plan: _Plan, start: list[list[int]]):
 
 def _emit(program: Program, plan: _Plan, slices, pairs):
     """The stages from the walk's moments (at each, its transfers, then its computes), and
-    their makespan in the step model with the default costs and free comm.
+    their makespan in the rendezvous model with the default costs and free comm.
 
-    [Note: timing a walk-ordered lowering] Appending in walk order visits the step model in a
+    [Note: timing a walk-ordered lowering] Appending in walk order visits the rendezvous model in a
     topological order, so it can be timed on the way: a stage's open comm group was posted at
     `posted[s]` (-1: none open) and is done at the latest posted time of its partner groups
     (`done[s]`), known once the stage's next compute closes it.

@@ -44,7 +44,7 @@ def insert_norm(program: Program) -> Program:
         return program
     m = program.schedule.num_microbatches
     steps = [_steps(ops) for ops in stages]
-    partner = program.step_model.partner
+    partner = program.rendezvous_model.partner
     tensors = program.tensors
     out = []
     for s, ops in enumerate(stages):
@@ -68,11 +68,11 @@ def insert_norm(program: Program) -> Program:
     # The n-th norms of all stages meet: every stage up to just before its n-th norm must be a
     # consistent cut, or one stage waits in it for what another sends only after its own.
     norms_at = [[pos for pos, op in enumerate(ops) if type(op) is GradNorm] for ops in out]
-    model = normed.step_model
+    model = normed.rendezvous_model
     prefix = [-1] * len(stages)
     for n in range(min(map(len, norms_at), default=0)):
-        seeds = {s: model.steps.step_at[s][row[n]] - 1 for s, row in enumerate(norms_at)}
-        earliest_cut(model.steps.bounds, model.steps.step_at, model.partner, prefix, seeds)
+        seeds = {s: model.units.unit_at[s][row[n]] - 1 for s, row in enumerate(norms_at)}
+        earliest_cut(model.units.bounds, model.units.unit_at, model.partner, prefix, seeds)
         late = [s for s, j in seeds.items() if prefix[s] > j]
         if late:
             raise ScheduleConfigError(

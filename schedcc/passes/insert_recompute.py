@@ -4,8 +4,9 @@
 checkpointing do: every forward keeps only its input, and its graph is rebuilt right before its
 backward. Here that is a pass over the schedule's compute order: on each chosen `(stage, chunk)`,
 an `R i.c` goes right before the first backward piece of `i` on that chunk (`B`, or `I` when the
-backward is split), unless the schedule already placed its own. It runs before comm insertion,
-so a receive of the output gradient lands after the `R` and the recompute overlaps the wait.
+backward is split), unless the schedule already placed its own or offloads that forward. It
+runs before comm insertion, so a receive of the output gradient lands after the `R` and the
+recompute overlaps the wait.
 
 A policy says where to recompute: `True` (everywhere), a collection of stages (`{0, 1}`) or of
 `(stage, chunk)` pairs (`{(0, 0), (1, 1)}`), a callable `policy(stage, chunk) -> bool`, or
@@ -20,11 +21,18 @@ from collections.abc import Callable, Iterable
 import attrs
 
 from schedcc.errors import ScheduleConfigError, call_user, name_of
-from schedcc.ir import Backward, BackwardInput, Instruction, OverlappedBackward, Recompute
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    Instruction,
+    Offload,
+    OverlappedBackward,
+    Recompute,
+)
 from schedcc.program import Program
 from schedcc.semantics import peak_activations
 
-__all__ = ["OverLimit", "Policy", "insert_recompute", "recompute_policy"]
+__all__ = ["OverLimit", "Policy", "ask", "chosen_policy", "insert_recompute", "recompute_policy"]
 
 #: `policy(stage, chunk)`: whether that chunk's forwards keep only their inputs.
 Policy = Callable[[int, int], bool]
@@ -85,8 +93,24 @@ def recompute_policy(recompute: object, num_stages: int, num_chunks: int) -> Pol
             f"recompute must be True/False, a set of stages or of (stage, chunk) pairs, or a "
             f"callable policy(stage, chunk) -> bool, {example}; got {recompute!r}"
         )
+    return chosen_policy(recompute, num_stages, num_chunks, what="recompute", example=example)
+
+
+def chosen_policy(
+    items: Iterable, num_stages: int, num_chunks: int, *, what: str, example: str
+) -> Policy:
+    """The policy that picks the stages and `(stage, chunk)` pairs in `items` (what `compile`'s
+    `recompute=` and `offload=` take as a collection).
+
+    Raises:
+        ScheduleConfigError: an item is neither a stage nor a pair in range (`what` names the
+            argument, `example` shows good ones).
+
+    >>> chosen_policy([0, (1, 1)], 2, 2, what="recompute", example="")(0, 1)
+    True
+    """
     chosen: set[tuple[int, int]] = set()
-    for item in recompute:
+    for item in items:
         if type(item) is int and 0 <= item < num_stages:
             chosen.update((item, c) for c in range(num_chunks))
         elif (
@@ -99,10 +123,23 @@ def recompute_policy(recompute: object, num_stages: int, num_chunks: int) -> Pol
             chosen.add(item)
         else:
             raise ScheduleConfigError(
-                f"recompute: {item!r} is neither a stage in [0, {num_stages}) nor a (stage, "
+                f"{what}: {item!r} is neither a stage in [0, {num_stages}) nor a (stage, "
                 f"chunk) pair with chunk in [0, {num_chunks}); {example}"
             )
     return lambda stage, chunk: (stage, chunk) in chosen
+
+
+def ask(policy: Policy, stage: int, chunk: int, *, what: str) -> bool:
+    """`policy(stage, chunk)` through the user-code guard, checked to be a bool (`what`: the
+    policy's argument, "recompute" or "offload")."""
+    function = f"the {what} policy {name_of(policy)}({stage}, {chunk})"
+    answer = call_user(function, lambda: policy(stage, chunk))
+    if not isinstance(answer, bool):
+        raise ScheduleConfigError(
+            f"the {what} policy must return True or False, got {answer!r} for "
+            f"(stage {stage}, chunk {chunk})"
+        )
+    return answer
 
 
 def insert_recompute(program: Program, policy: Policy | OverLimit) -> Program:
@@ -119,13 +156,14 @@ def insert_recompute(program: Program, policy: Policy | OverLimit) -> Program:
     stages = []
     for s, ops in enumerate(program.stages):
         wanted: dict[int, bool] = {}
-        placed = {(op.microbatch, op.chunk) for op in ops if type(op) is Recompute}
+        # a forward the schedule offloads itself is not recomputed too ([Note: offloading])
+        placed = {(op.microbatch, op.chunk) for op in ops if type(op) in (Recompute, Offload)}
         row: list[Instruction] = []
         for op in ops:
             if isinstance(op, _FIRST_BACKWARD) and (op.microbatch, op.chunk) not in placed:
                 chunk = op.chunk
                 if chunk not in wanted:
-                    wanted[chunk] = _ask(policy, s, chunk)
+                    wanted[chunk] = ask(policy, s, chunk, what="recompute")
                 if wanted[chunk]:
                     # an overlapped pair `F +B` stays together: its `R` goes before the `F`
                     at = len(row) - 1 if type(op) is OverlappedBackward else len(row)
@@ -134,14 +172,3 @@ def insert_recompute(program: Program, policy: Policy | OverLimit) -> Program:
             row.append(op)
         stages.append(tuple(row))
     return program.evolve(stages=tuple(stages))
-
-
-def _ask(policy: Policy, stage: int, chunk: int) -> bool:
-    function = f"the recompute policy {name_of(policy)}({stage}, {chunk})"
-    answer = call_user(function, lambda: policy(stage, chunk))
-    if not isinstance(answer, bool):
-        raise ScheduleConfigError(
-            f"the recompute policy must return True or False, got {answer!r} for "
-            f"(stage {stage}, chunk {chunk})"
-        )
-    return answer

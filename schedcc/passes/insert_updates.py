@@ -11,7 +11,7 @@ where there is something to reduce: `data_parallel > 1` or ZeRO.
 With tied segments (`program.tied`), every stage holding a segment of group g gets a
 `ReduceTied(g)` per batch after its last weight gradient of those chunks and before their
 `ReduceGrads` (which then follows it, once per batch even under ZeRO-2) and the step. The
-members are placed right after the earliest consistent cut of the step model that holds all
+members are placed right after the earliest consistent cut of the rendezvous model that holds all
 their last weight gradients ([Note: tied collectives] in `schedcc.semantics.collectives`), so
 the collective closes no cycle; a stage whose groups all sit on it alone gets it before its step.
 Under a weight delay the members may meet only after one runs work of the next batch; its step
@@ -40,7 +40,7 @@ from schedcc.ir import (
     ReduceTied,
 )
 from schedcc.program import Program
-from schedcc.semantics import Layout, Steps, match_comm, walk
+from schedcc.semantics import Layout, Units, match_comm, walk
 from schedcc.semantics.collectives import (
     earliest_cut,
     step_blocker,
@@ -169,8 +169,8 @@ def _reorder_for_ties(program: Program) -> tuple[Program, dict[int, tuple]]:
         )
         for stages in moves:
             candidate = program.evolve(stages=stages)
-            model = candidate.step_model
-            if not model.problems and not walk(model.steps, model.partner, links=model.links).stuck:
+            model = candidate.rendezvous_model
+            if not model.problems and not walk(model.units, model.partner, links=model.links).stuck:
                 program, ties = candidate, _tie_points(candidate)
                 break
         else:
@@ -325,7 +325,7 @@ def _tie_points(program: Program) -> dict[int, tuple]:
         markers[s] = [pos + 1 + n for n, pos in enumerate(mark[s])]  # where they land
         for pos in reversed(mark[s]):
             marked[s].insert(pos + 1, OptimizerStep())
-    steps = Steps.of(marked)
+    units = Units.of(marked)
     partner, _ = match_comm(marked, program.tensors)
     prefix = [-1] * program.num_stages
     for batch in sorted({b for by_batch in seeds.values() for b in by_batch}):
@@ -334,10 +334,10 @@ def _tie_points(program: Program) -> dict[int, tuple]:
             for s, by_batch in seeds.items()
             if batch in by_batch
         }
-        start = {s: steps.step_at[s][pos - 1] for s, pos in at.items()}
-        earliest_cut(steps.bounds, steps.step_at, partner, prefix, start)
+        start = {s: units.unit_at[s][pos - 1] for s, pos in at.items()}
+        earliest_cut(units.bounds, units.unit_at, partner, prefix, start)
         for s, pos in at.items():
-            end = max(pos - 1, steps.bounds[s][prefix[s]][1] - 1)
+            end = max(pos - 1, units.bounds[s][prefix[s]][1] - 1)
             out[s][2][batch] = end - bisect_right(markers[s], end)
     return out
 

@@ -1,6 +1,6 @@
 """The validator's rules: small functions from a `Context` to the `Problem`s they find.
 
-Each rule reads the program through `schedcc.semantics` (the step model, tensor identity, the
+Each rule reads the program through `schedcc.semantics` (the rendezvous model, tensor identity, the
 weight-version rule, activation counting), so what it proves is what the simulators time and the
 backends run. `schedcc.validate.RULES` lists them in the order they run; the table of rules and
 errors is in docs/design.md ("What the validator guarantees").
@@ -15,9 +15,9 @@ import attrs
 
 from schedcc.errors import ScheduleError
 from schedcc.ir import COMM, Instruction
-from schedcc.memory import MemoryModel
+from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
-from schedcc.semantics import CommProblem, StepModel
+from schedcc.semantics import CommProblem, RendezvousModel
 
 __all__ = ["Context", "Problem", "Rule"]
 
@@ -55,9 +55,10 @@ class Context:
         self.layout = self.tensors.layout
 
     @property
-    def model(self) -> StepModel:
-        """The program's step model (`Program.step_model`, shared with the simulators)."""
-        return self.program.step_model
+    def model(self) -> RendezvousModel:
+        """The program's rendezvous model (`Program.rendezvous_model`, shared with the
+        simulators)."""
+        return self.program.rendezvous_model
 
     @property
     def matching(self) -> tuple[list[list[tuple[int, int] | None]], tuple[CommProblem, ...]]:
@@ -66,7 +67,7 @@ class Context:
 
     @property
     def kinds(self) -> frozenset[type]:
-        """The instruction classes the program holds (the step model's): a rule about an
+        """The instruction classes the program holds (the rendezvous model's): a rule about an
         optional instruction (`R`, `+B`, `Norm`, ZeRO-3's) returns at once where there is none."""
         return self.model.kinds
 
@@ -84,4 +85,3 @@ class Context:
 
 
 Rule = Callable[[Context], Iterator[Problem]]
-

@@ -1,7 +1,7 @@
 """The rule on bytes: no stage holds more than `validate(..., max_bytes=...)` at any point.
 
-Bytes come from a `schedcc.memory.MemoryModel` (`validate(..., memory=...)`), counted as
-[Note: bytes per stage] in `schedcc.memory` says: at each point, the activations held there
+Bytes come from a `schedcc.MemoryModel` (`validate(..., memory=...)`), counted as [Note: bytes
+per stage] in `schedcc.semantics.stage_bytes` says: at each point, the activations held there
 (from each forward, or its `Recompute`, to its last backward piece), the parameters (ZeRO-3:
 whole only from a chunk's `Unshard` to its `Reshard`), 2BW's stashed copies, the gradients
 (shards after a ZeRO reduce-scatter) and the optimizer state (sharded under ZeRO).
@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from schedcc.errors import MemoryBoundError
-from schedcc.memory import format_size, stage_held
 from schedcc.rules import Context, Problem
+from schedcc.semantics.stage_bytes import stage_held
+from schedcc.sizes import format_size
 
 __all__ = ["check_bytes"]
 

@@ -44,22 +44,22 @@ def check_deadlock(ctx: Context) -> Iterator[Problem]:
     _, problems = ctx.matching
     if problems or ctx.model.tie_problems or ctx.model.norm_problems:  # other rules report
         return
-    stages, steps = ctx.stages, ctx.model.steps
+    stages, units = ctx.stages, ctx.model.units
     result = ctx.program.reference_walk  # timed, for the simulator: [Note: the reference walk]
     if not result.stuck:
         return
     cycle = result.wait_for_cycle()
     links, waiting = [], []
     for s in cycle:
-        step, peer, peer_step = result.stuck[s]
-        waits, peer_pos = _waiting_op(ctx, s, step, peer, peer_step)
+        unit, peer, peer_unit = result.stuck[s]
+        waits, peer_pos = _waiting_op(ctx, s, unit, peer, peer_unit)
         waiting.append((s, waits))
         links.append(
             f"stage {s} waits at {stages[s][waits]} (position {waits}) for stage {peer}'s "
             f"{stages[peer][peer_pos]} (position {peer_pos})"
         )
     first = cycle[0]
-    first_pos = steps.bounds[first][result.stuck[first][0]][0]
+    first_pos = units.bounds[first][result.stuck[first][0]][0]
     yield Problem(
         DeadlockError,
         "deadlock (a wait-for cycle): "
@@ -78,17 +78,17 @@ def check_deadlock(ctx: Context) -> Iterator[Problem]:
     )
 
 
-def _waiting_op(ctx: Context, s: int, step: int, peer: int, peer_step: int) -> tuple[int, int]:
-    """The position of the op in step `step` of stage `s` that waits for step `peer_step` of
+def _waiting_op(ctx: Context, s: int, unit: int, peer: int, peer_unit: int) -> tuple[int, int]:
+    """The position of the op in unit `unit` of stage `s` that waits for unit `peer_unit` of
     stage `peer`, and the position of the op it waits for there (a comm partner, or a member
     of a `ReduceTied` collective)."""
-    steps, partner, meets = ctx.model.steps, ctx.model.partner, ctx.model.meets
-    lo, hi = steps.bounds[s][step]
+    units, partner, meets = ctx.model.units, ctx.model.partner, ctx.model.meets
+    lo, hi = units.bounds[s][unit]
     for pos in range(lo, hi):
         others = [partner[s][pos]] if partner[s][pos] is not None else []
         if meets and meets[s][pos]:
             others = list(meets[s][pos])
         for t, tpos in others:
-            if t == peer and steps.step_at[t][tpos] == peer_step:
+            if t == peer and units.unit_at[t][tpos] == peer_unit:
                 return pos, tpos
-    raise AssertionError(f"stage {s} step {step} does not wait for stage {peer}")
+    raise AssertionError(f"stage {s} unit {unit} does not wait for stage {peer}")

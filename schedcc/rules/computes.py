@@ -159,7 +159,7 @@ def _needs(ctx: Context, s: int, op: OnMicrobatch, key: int) -> str:
 
 def check_memory(ctx: Context) -> Iterator[Problem]:
     """No stage holds more than `max_activations` microbatch activations at once (each held
-    from its forward to its last backward piece, see `schedcc.semantics.memory`)."""
+    from its forward to its last backward piece, see `schedcc.semantics.activations`)."""
     limit = ctx.max_activations
     if limit is None or ctx.program.forward_only:  # a forward-only program holds none
         return

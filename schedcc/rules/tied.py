@@ -6,7 +6,7 @@ runs one `ReduceTied(g)` per batch: after its last weight gradient of the batch 
 mean must see the summed gradient, and under ZeRO the reduction moves the gradients into a
 shard) and before the `OptimizerStep`. A `ReduceTied` elsewhere meets nothing: a group the
 program does not have, a stage that holds none of the group's segments, or an n-th one that
-another member lacks. The collective itself is a step of the step model ([Note: tied
+another member lacks. The collective itself is a step of the rendezvous model ([Note: tied
 collectives] in `schedcc.semantics.collectives`), so a cycle through it is `check_deadlock`'s.
 """
 

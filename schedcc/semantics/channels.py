@@ -1,7 +1,7 @@
 """Channels: every send paired with its receive, FIFO per ordered pair of stages.
 
 The n-th send from stage s to stage t meets the n-th receive on t from s, and the two must carry
-the same tensor (docs/design.md, "Semantics: the step model").
+the same tensor (docs/design.md, "Semantics: the rendezvous model").
 """
 
 from __future__ import annotations

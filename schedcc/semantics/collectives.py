@@ -1,4 +1,4 @@
-"""Collectives in the step model: `ReduceTied(g)` meets the matching `ReduceTied(g)` of every
+"""Collectives in the rendezvous model: `ReduceTied(g)` meets the matching `ReduceTied(g)` of every
 other stage that holds a segment of tied group g.
 
 [Note: tied collectives] A `ReduceTied(g)` is a step with the two events of a comm group: it is
@@ -11,7 +11,7 @@ A cycle through a collective is a deadlock like any other, so `walk` follows the
 follows comm groups (`links`), and the validator prints the same wait-for chain.
 
 `earliest_cut` is the smallest set of step prefixes, one per stage, that contains given steps and
-everything they wait for (a consistent cut of the step model). Putting a collective's members
+everything they wait for (a consistent cut of the rendezvous model). Putting a collective's members
 right after such a cut cannot close a cycle: nothing before the cut waits for anything after it.
 `insert_updates` places `ReduceTied` that way. Under a weight delay the cut may pass a member's
 step (its members meet only after it runs work of the next batch); the step then follows the
@@ -28,8 +28,8 @@ import attrs
 
 from schedcc.ir import WEIGHT_GRADIENT, Comm, Compute, Instruction, ReduceTied
 from schedcc.semantics.layout import Layout
-from schedcc.semantics.steps import Links, Steps
 from schedcc.semantics.tensors import Tensors
+from schedcc.semantics.units import Links, Units
 from schedcc.semantics.versions import version_used
 
 __all__ = [
@@ -121,7 +121,7 @@ def match_collectives(
     return meets, problems
 
 
-def tie_links(program: Any, layout: Layout, steps: Steps, links: Links):
+def tie_links(program: Any, layout: Layout, units: Units, links: Links):
     """`links` with each `ReduceTied` step linked to its other members' steps (flat indices, as
     `walk` follows them; `(-1,)` for one that meets nothing), and `match_collectives`' result.
 
@@ -129,28 +129,28 @@ def tie_links(program: Any, layout: Layout, steps: Steps, links: Links):
     >>> program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 1), tied=[(0, 1)])
     >>> program.to_text()
     'stage 0: F0 SA0 RG0 B0 Tied0 Step\\nstage 1: RA0 F0 B0 SG0 Tied0 Step'
-    >>> model = program.step_model  # Tied0 is step 3 of stage 0 and step 4 of stage 1
-    >>> model.links[0][3], model.links[1][4], model.steps.offset[1]
+    >>> model = program.rendezvous_model  # Tied0 is step 3 of stage 0 and step 4 of stage 1
+    >>> model.links[0][3], model.links[1][4], model.units.offset[1]
     ((9,), (3,), 5)
     """
     meets, problems = match_collectives(program.stages, program.tied, layout)
-    offset, step_at = steps.offset, steps.step_at
+    offset, unit_at = units.offset, units.unit_at
     rows = [list(row) for row in links]
     for s, ops in enumerate(program.stages):
         for pos, op in enumerate(ops):
             if type(op) is ReduceTied:
                 others = meets[s][pos]
-                rows[s][step_at[s][pos]] = (
+                rows[s][unit_at[s][pos]] = (
                     (-1,)
                     if others is None
-                    else tuple(offset[t] + step_at[t][tpos] for t, tpos in others)
+                    else tuple(offset[t] + unit_at[t][tpos] for t, tpos in others)
                 )
     return tuple(map(tuple, rows)), meets, problems
 
 
 def earliest_cut(
     bounds: Sequence[Sequence[tuple[int, int]]],
-    step_at: Sequence[Sequence[int]],
+    unit_at: Sequence[Sequence[int]],
     partner: Sequence[Sequence[tuple[int, int] | None]],
     prefix: list[int],
     seeds: dict[int, int],
@@ -158,7 +158,7 @@ def earliest_cut(
     """Grow `prefix` in place to the earliest consistent cut that holds step `seeds[s]` of each
     stage s, and everything it waits for: `prefix[s]` is the last step of stage s inside the
     cut (-1 for none). A comm group inside the cut needs its partner groups *posted*, that is
-    everything before them done; on a stage of `seeds` a cut falls between steps, so a partner
+    everything before them done; on a stage of `seeds` a cut falls between units, so a partner
     group there is taken whole. Linear in the steps it adds."""
     whole = seeds.keys()
     stack = list(seeds.items())
@@ -173,7 +173,7 @@ def earliest_cut(
                 peer = partner_s[pos]
                 if peer is not None:
                     t = peer[0]
-                    stack.append((t, step_at[t][peer[1]] - (t not in whole)))
+                    stack.append((t, unit_at[t][peer[1]] - (t not in whole)))
         prefix[s] = j
 
 

@@ -8,7 +8,7 @@ B(i, k+1) -> B(i, k), F(i, k) -> B(i, k), I(i, k) -> W(i, k). `schedcc.compile` 
 it; `Program.graph` builds it on first use, since a graph of 10^6 nodes costs seconds.
 
 [Note: waits in the graph] Two more kinds make the DAG the program's happens-before relation
-under the step model's rendezvous (`schedcc.semantics.steps`): an op that meets others finishes
+under the rendezvous model (`schedcc.semantics.units`): an op that meets others finishes
 only once they are *posted*, that is once the op before each one's step on its stage is done.
 `kind="rendezvous"`: a send waits for its receive to be posted, an edge from the op before the
 receive's comm group to the send. `kind="collective"`: the n-th `ReduceTied(g)` of a member
@@ -30,7 +30,7 @@ from schedcc.semantics.channels import match_comm
 from schedcc.semantics.collectives import match_collectives
 from schedcc.semantics.layout import Layout
 from schedcc.semantics.norms import match_norms
-from schedcc.semantics.steps import Steps
+from schedcc.semantics.units import Units
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -66,12 +66,12 @@ def build_graph(program: Program) -> nx.DiGraph:
             if key is not None:
                 maker.setdefault(key, (s, pos))
     partner, _ = match_comm(program.stages, tensors)
-    steps = Steps.of(program.stages)
+    units = Units.of(program.stages)
     for s, ops in enumerate(program.stages):
         for pos, op in enumerate(ops):
             if isinstance(op, Comm) and op.is_send and partner[s][pos] is not None:
                 graph.add_edge((s, pos), partner[s][pos], kind="comm")
-                before = _before(steps, *partner[s][pos])
+                before = _before(units, *partner[s][pos])
                 if before is not None:
                     graph.add_edge(before, (s, pos), kind="rendezvous")
             elif isinstance(op, Compute):
@@ -82,16 +82,16 @@ def build_graph(program: Program) -> nx.DiGraph:
         for s, row in enumerate(meets):
             for pos, others in enumerate(row):
                 for t, q in others or ():
-                    before = _before(steps, t, q)
+                    before = _before(units, t, q)
                     if before is not None:
                         graph.add_edge(before, (s, pos), kind="collective")
     return graph
 
 
-def _before(steps: Steps, s: int, pos: int) -> tuple[int, int] | None:
+def _before(units: Units, s: int, pos: int) -> tuple[int, int] | None:
     """The op before the step that holds `(s, pos)`: done once that step is posted (None for
     a stage's first step, posted at the start)."""
-    start = steps.bounds[s][steps.step_at[s][pos]][0]
+    start = units.bounds[s][units.unit_at[s][pos]][0]
     return (s, start - 1) if start else None
 
 

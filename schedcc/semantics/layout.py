@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from schedcc.errors import ScheduleConfigError
+from schedcc.errors import ScheduleConfigError, call_user_code
 
 if TYPE_CHECKING:
     from schedcc.schedule import Schedule
@@ -50,8 +50,6 @@ class Layout:
         Raises:
             ScheduleConfigError: `replica_of` gives a microbatch no replica in range.
         """
-        from schedcc.schedule import call_user_code
-
         table = schedule.segment_table()
         num_segments = schedule.num_segments
         stage_of = [0] * num_segments
@@ -67,8 +65,7 @@ class Layout:
                 r = call_user_code(owner, f"replica_of({i})", lambda i=i: schedule.replica_of(i))
                 if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < replicas:
                     raise ScheduleConfigError(
-                        f"{owner}.replica_of({i}) = {r!r}: expected a replica in "
-                        f"range({replicas})"
+                        f"{owner}.replica_of({i}) = {r!r}: expected a replica in range({replicas})"
                     )
                 replica[i] = r
         return cls(

@@ -1,12 +1,12 @@
-"""The step model of a program: what `Program.step_model`, `Program.rule_versions` and
-`Program.reference_walk` are built from.
+"""The rendezvous model of a program: what `Program.rendezvous_model`, `Program.rule_versions`
+and `Program.reference_walk` are built from.
 
 The validator (its comm and deadlock rules), the simulators and the drawings all read the same
-facts of a program: its tensor keys, its steps, each comm op's partner, the weight versions and
-one walk of the step model. The functions here build them; a `Program` keeps what they build as
-its cached properties ([Note: derived facts] in `schedcc.program`), so read them there.
+facts of a program: its tensor keys, its units, each comm op's partner, the weight versions and
+one walk of the rendezvous model. The functions here build them; a `Program` keeps what they
+build as its cached properties ([Note: derived facts] in `schedcc.program`), so read them there.
 
-[Note: the reference walk] Whether the step model completes does not depend on how long each
+[Note: the reference walk] Whether the rendezvous model completes does not depend on how long each
 step takes, so the deadlock rule walks it timed with the default costs (`UNIT_COSTS`: F = 1,
 B = 2, I = W = R = 1, comm and updates free, `CostModel()`'s) and keeps the walk: `simulate` under
 the default costs is then that walk, not a second one.
@@ -33,8 +33,8 @@ from schedcc.ir import (
 from schedcc.semantics.channels import CommProblem, Partner, match_comm
 from schedcc.semantics.collectives import Meets, TieProblem, tie_links
 from schedcc.semantics.norms import NormProblem, norm_links
-from schedcc.semantics.steps import Links, Steps, Walk, links_of, walk
 from schedcc.semantics.tensors import Tensors
+from schedcc.semantics.units import Links, Units, Walk, links_of, walk
 from schedcc.semantics.versions import versions_of
 
 if TYPE_CHECKING:
@@ -42,10 +42,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "UNIT_COSTS",
-    "StepModel",
+    "RendezvousModel",
     "build_reference_walk",
+    "build_rendezvous_model",
     "build_rule_versions",
-    "build_step_model",
     "unit_durations",
 ]
 
@@ -61,12 +61,12 @@ UNIT_COSTS: dict[type, float] = {
 
 
 @attrs.frozen(slots=True)
-class StepModel:
-    """A program's tensor keys, steps, comm partners and pairing problems (`match_comm`), and
+class RendezvousModel:
+    """A program's tensor keys, units, comm partners and pairing problems (`match_comm`), and
     each comm group's partner groups (`links_of`, what `walk` follows)."""
 
     tensors: Tensors
-    steps: Steps
+    units: Units
     partner: Partner
     problems: tuple[CommProblem, ...]
     links: Links
@@ -79,29 +79,29 @@ class StepModel:
     kinds: frozenset[type] = frozenset()
 
 
-def build_step_model(program: Program) -> StepModel:
-    """The `StepModel` of `program` (read it as `program.step_model`, built once).
+def build_rendezvous_model(program: Program) -> RendezvousModel:
+    """The `RendezvousModel` of `program` (read it as `program.rendezvous_model`, built once).
 
     >>> import schedcc
-    >>> model = build_step_model(schedcc.compile(schedcc.get_schedule("gpipe")(2, 1)))
+    >>> model = build_rendezvous_model(schedcc.compile(schedcc.get_schedule("gpipe")(2, 1)))
     >>> model.partner[0][1], model.problems
     ((1, 0), ())
     """
     tensors = program.tensors
     partner, problems = match_comm(program.stages, tensors)
-    steps = Steps.of(program.stages)
-    links = links_of(steps, partner)
+    units = Units.of(program.stages)
+    links = links_of(units, partner)
     meets, tie_problems = [], []
     kinds = frozenset({type(op) for ops in program.stages for op in ops})
     # a ReduceTied in a program without ties meets nothing: matched, it is reported
     if program.tied or ReduceTied in kinds:  # [Note: tied collectives]
-        links, meets, tie_problems = tie_links(program, tensors.layout, steps, links)
+        links, meets, tie_problems = tie_links(program, tensors.layout, units, links)
     norm_problems = []
     if GradNorm in kinds:
-        links, meets, norm_problems = norm_links(program.stages, steps, links, meets)
-    return StepModel(
+        links, meets, norm_problems = norm_links(program.stages, units, links, meets)
+    return RendezvousModel(
         tensors,
-        steps,
+        units,
         partner,
         tuple(problems),
         links,
@@ -122,17 +122,17 @@ def build_rule_versions(program: Program) -> tuple[tuple[int | None, ...], ...]:
     return tuple(versions_of(ops, m, delay) for ops in program.stages)
 
 
-def unit_durations(stages: Sequence[Sequence[Instruction]], steps: Steps) -> list[list[float]]:
+def unit_durations(stages: Sequence[Sequence[Instruction]], units: Units) -> list[list[float]]:
     """`durations[s][j]` of every step under `UNIT_COSTS` (what `walk` takes)."""
     get = UNIT_COSTS.get  # a comm group's first op is a comm op: it costs nothing here
     return [
-        [get(type(ops[lo]), 0.0) for lo, _ in bounds] for ops, bounds in zip(stages, steps.bounds)
+        [get(type(ops[lo]), 0.0) for lo, _ in bounds] for ops, bounds in zip(stages, units.bounds)
     ]
 
 
 def build_reference_walk(program: Program) -> Walk:
-    """The walk of `program`'s step model timed with `UNIT_COSTS` (see [Note: the reference
+    """The walk of `program`'s rendezvous model timed with `UNIT_COSTS` (see [Note: the reference
     walk]; read it as `program.reference_walk`, built once)."""
-    model = program.step_model
-    durations = unit_durations(program.stages, model.steps)
-    return walk(model.steps, model.partner, durations, links=model.links)
+    model = program.rendezvous_model
+    durations = unit_durations(program.stages, model.units)
+    return walk(model.units, model.partner, durations, links=model.links)

@@ -1,4 +1,4 @@
-"""The gradient-norm collective in the step model: `GradNorm` meets the matching `GradNorm` of
+"""The gradient-norm collective in the rendezvous model: `GradNorm` meets the matching `GradNorm` of
 every other stage.
 
 [Note: the norm collective] The norm of the whole model's gradient needs every stage's part, so
@@ -19,7 +19,7 @@ import attrs
 
 from schedcc.ir import GradNorm, Instruction
 from schedcc.semantics.collectives import Meets
-from schedcc.semantics.steps import Links, Steps
+from schedcc.semantics.units import Links, Units
 
 __all__ = ["NormProblem", "match_norms", "norm_links"]
 
@@ -59,7 +59,7 @@ def match_norms(
     return meets, problems
 
 
-def norm_links(stages, steps: Steps, links: Links, meets: Meets):
+def norm_links(stages, units: Units, links: Links, meets: Meets):
     """`links` with each `GradNorm` step linked to the other stages' matching ones (flat indices,
     `(-1,)` for one that meets nothing), `meets` with the norm collectives added (made if empty),
     and `match_norms`' problems."""
@@ -71,15 +71,15 @@ def norm_links(stages, steps: Steps, links: Links, meets: Meets):
             [mine if mine is not None else theirs for mine, theirs in zip(row, other)]
             for row, other in zip(meets, found)
         ]
-    offset, step_at = steps.offset, steps.step_at
+    offset, unit_at = units.offset, units.unit_at
     rows = [list(row) for row in links]
     for s, ops in enumerate(stages):
         for pos, op in enumerate(ops):
             if type(op) is GradNorm:
                 others = found[s][pos]
-                rows[s][step_at[s][pos]] = (
+                rows[s][unit_at[s][pos]] = (
                     (-1,)
                     if others is None
-                    else tuple(offset[t] + step_at[t][tpos] for t, tpos in others)
+                    else tuple(offset[t] + unit_at[t][tpos] for t, tpos in others)
                 )
     return tuple(map(tuple, rows)), meets, problems

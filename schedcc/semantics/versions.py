@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from schedcc.ir import Compute, Instruction, OptimizerStep
 
-__all__ = ["kept_versions", "stashes", "version_used", "versions_of"]
+__all__ = ["kept_versions", "peak_live_versions", "stashes", "version_used", "versions_of"]
 
 
 def version_used(microbatch: int, num_microbatches: int, weight_delay: int) -> int:
@@ -61,3 +61,38 @@ def versions_of(
         else:
             row.append(None)
     return tuple(row)
+
+
+def peak_live_versions(ops: Sequence[Instruction], row: Sequence[int | None]) -> int:
+    """The most weight versions one stage holds at once (`Timeline.peak_versions`), from its
+    program and the version of each position (`row`, as `versions_of` gives it).
+
+    Version 0 is live from the start and version n from the n-th optimizer step; a version
+    stays live while it is the newest or until its last use by a compute on the stage.
+
+    >>> from schedcc.ir import parse
+    >>> ops = [parse(op) for op in "F0 F1 Step B1 Step".split()]
+    >>> peak_live_versions(ops, [0, 0, 1, 0, 2])
+    2
+    """
+    born = {0: -1}
+    last_use: dict[int, int] = {}
+    for pos, op in enumerate(ops):
+        version = row[pos]
+        if version is None:
+            continue
+        if type(op) is OptimizerStep:
+            born[version] = pos
+        else:
+            last_use[version] = pos
+    deltas: dict[int, int] = {}
+    for version, birth in born.items():
+        newer = born.get(version + 1, len(ops))
+        death = max(last_use.get(version, birth) + 1, newer)
+        deltas[birth] = deltas.get(birth, 0) + 1
+        deltas[death] = deltas.get(death, 0) - 1
+    live = peak = 0
+    for pos in sorted(deltas):
+        live += deltas[pos]
+        peak = max(peak, live)
+    return peak

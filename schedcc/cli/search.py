@@ -1,0 +1,150 @@
+"""`schedcc search`: find an order for a shape, its costs and memory limit; rank it and write it.
+
+A thin wrapper of `schedcc.search` ([Note: the search]): the found order's line (makespan,
+lower bound, where it came from), `schedcc tune`'s ranking of it against every built-in at the
+same limit, its drawing, and with `--out FILE` the schedule file that `verify`, `show`, `tune`
+and `run --schedule FILE:Found` take. Exit 2 (one line) when no order fits the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from schedcc.cli import args as shared
+from schedcc.cli import memory_flags
+from schedcc.cli.tune import add_stage_costs, costs_of, ranking_table
+from schedcc.errors import ScheduleConfigError
+from schedcc.registry import get_schedule, registered_classes
+from schedcc.search import PLACEMENTS, SearchResult, search
+from schedcc.sizes import format_size
+from schedcc.tune import tune
+
+__all__ = ["register", "run"]
+
+EPILOG = """examples:
+  schedcc search -p 4 -m 8
+  schedcc search -p 4 -m 8 --costs F=1,B=2,I=1,W=1,comm=0.1 --memory-limit 2 --recompute \
+      --out my_order.py
+  schedcc search -p 8 -m 32 --costs-from trace.json --time-limit 30
+  schedcc verify --schedule my_order.py:Found -p 4 -m 8 -v 2
+"""
+
+_BACKWARD = {"both": (False, True), "B": (False,), "IW": (True,)}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "search",
+        help="find a faster order for your shape, costs and memory limit",
+        description="Search compute orders (F/B or F/I/W per stage, recomputation where memory "
+        "asks for it, looped or V placement) for the given costs and memory limit; print the "
+        "best against every built-in, its lower bound and drawing; write it as a schedule "
+        "file.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    shared.add_stages(parser, required=True)
+    shared.add_microbatches(parser, default=8)
+    shared.add_chunks(parser, default=[1, 2], many=True)
+    parser.add_argument(
+        "--placement",
+        choices=(*PLACEMENTS, "both"),
+        default="both",
+        help="looped, v (two chunks per stage) or both (default both)",
+    )
+    parser.add_argument(
+        "--backward",
+        choices=tuple(_BACKWARD),
+        default="both",
+        help="whole backwards (B), split into I and W (IW), or both (default both)",
+    )
+    memory_flags.add_memory(
+        parser,
+        limit=True,
+        recompute_help="let the search recompute forwards where memory asks for it (and rank "
+        "the built-ins with full recomputation too)",
+    )
+    add_stage_costs(parser)
+    shared.add_parallel(parser)
+    shared.add_schedule(parser, many=True)
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds the search may take (default 10)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the ties' order")
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="FILE", help="write the found schedule here"
+    )
+    parser.add_argument(
+        "--class-name", default="Found", metavar="NAME", help="its class (default Found)"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    shared.check_size(args.num_stages, args.num_microbatches, max(args.num_chunks))
+    memory_flags.check_limit(args.memory_limit, args.memory)
+    if not args.class_name.isidentifier():
+        raise ScheduleConfigError(f"--class-name must be a Python name, got {args.class_name!r}")
+    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), args.memory)
+    extra = {name: get_schedule(name) for name in args.schedule}
+    result = search(
+        args.num_stages,
+        args.num_microbatches,
+        num_chunks=args.num_chunks,
+        placement=PLACEMENTS if args.placement == "both" else args.placement,
+        costs=costs,
+        memory_limit=args.memory_limit,
+        split_backward=_BACKWARD[args.backward],
+        recompute=args.recompute,
+        data_parallel=args.dp,
+        zero=args.zero,
+        start=list(extra.values()),
+        time_limit=args.time_limit,
+        seed=args.seed,
+    )
+    print(_found_line(result))
+    found = type(result.schedule)
+    ranking = tune(
+        {**registered_classes(), **extra, "(found)": found},
+        num_stages=args.num_stages,
+        num_microbatches=args.num_microbatches,
+        num_chunks=sorted({*args.num_chunks, found.shape[2]}),
+        costs=costs,
+        memory_limit=args.memory_limit,
+        data_parallel=args.dp,
+        zero=args.zero,
+        recompute=(False, True) if args.recompute else False,
+    )
+    print(ranking_table(ranking))
+    print(result.timeline.to_ascii())
+    if args.out is not None:
+        args.out.write_text(result.to_python(args.class_name))
+        p, m, v = found.shape
+        print(
+            f"wrote {args.out} (class {args.class_name}): schedcc verify --schedule "
+            f"{args.out}:{args.class_name} -p {p} -m {m} -v {v}"
+        )
+    return 0
+
+
+def _found_line(result: SearchResult) -> str:
+    schedule = type(result.schedule)
+    p, m, v = schedule.shape
+    kind = "V" if schedule.vshape else "looped"
+    held = (
+        "peak bytes per stage [" + ", ".join(format_size(b) for b in result.peak_bytes) + "]"
+        if result.peak_bytes is not None
+        else "peak activations per stage ["
+        + " ".join(f"{a:g}" for a in result.peak_activations)
+        + "]"
+    )
+    return (
+        f"found: p={p} m={m} v={v} ({kind}), makespan {result.makespan:g}, lower bound "
+        f"{result.bound:g} ({result.gap:.1%} above it), {held}; from {result.source}, "
+        f"{result.evaluations} orders timed in {result.seconds:.1f} s"
+    )

@@ -1,0 +1,142 @@
+"""`MemoryModel`: the bytes of each segment, the input of every byte count.
+
+What one microbatch's forward of each segment saves for its backward, and what each segment's
+parameters, gradients and optimizer state take. Given by hand (sizes as numbers or strings such
+as "64MiB", read by `schedcc.sizes.parse_size`), or measured on the real segments with
+`schedcc.backends.runtime.memory.measure_memory` (what the engines' `peak_activation_bytes`
+count, the same way). `schedcc.semantics.stage_bytes` turns it into the bytes a stage holds at
+each point of its program ([Note: bytes per stage]).
+
+    >>> from schedcc import MemoryModel
+    >>> MemoryModel(activations="1KiB", parameters=[10, 20]).at("parameters", 1)
+    20.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from schedcc.errors import ScheduleConfigError
+from schedcc.sizes import parse_size
+
+__all__ = ["MemoryModel"]
+
+
+def _sizes(value: object) -> float | tuple[float, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, int, float)):
+        return float(parse_size(value)) if isinstance(value, str) else _checked(value)
+    if isinstance(value, Sequence):
+        return tuple(float(parse_size(v)) if isinstance(v, str) else _checked(v) for v in value)
+    raise ScheduleConfigError(
+        f"MemoryModel: a size is a number of bytes, a string such as '64MiB', or one per "
+        f"segment in a list; got {value!r}"
+    )
+
+
+def _part_sizes(value: object) -> tuple[tuple[float, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        rows = tuple(_sizes(row) for row in value)
+        if rows and all(isinstance(row, tuple) and row for row in rows):
+            return rows  # type: ignore[return-value]
+    raise ScheduleConfigError(
+        f"MemoryModel: part_activations is one tuple of sizes per segment (one per sequence "
+        f"part); got {value!r}"
+    )
+
+
+def _checked(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ScheduleConfigError(f"MemoryModel: expected a number of bytes, got {value!r}")
+    return float(parse_size(value))
+
+
+@attrs.frozen(slots=True)
+class MemoryModel:
+    """Bytes per segment (see [Note: bytes per stage]).
+
+    Args:
+        activations: what one microbatch's forward of a segment saves for its backward.
+        parameters: a segment's parameters.
+        optimizer: a segment's optimizer state (e.g. 2x parameters for Adam, 0 for plain SGD).
+        inputs: one microbatch's input of a segment (what a recomputed forward keeps until
+            its `Recompute`).
+        gradients: a segment's gradients (None: the same as `parameters`).
+        part_activations: with sequence parts ([Note: sequence parts] in
+            `schedcc.rules.parts`), what each part's forward of a segment saves, one tuple of
+            `k` sizes per segment (part j's includes what it saves of the carry it took), in
+            place of `activations`; None: every part saves `activations`.
+
+    Each is one size for every segment, or a list with one per segment (model order, length
+    `p * v`); a size is a number of bytes or a string with a unit ("64MiB").
+
+    Raises:
+        ScheduleConfigError: a negative, non-numeric or unparsable size.
+    """
+
+    activations: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    parameters: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    optimizer: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    inputs: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
+    gradients: float | tuple[float, ...] | None = attrs.field(default=None, converter=_sizes)
+    part_activations: tuple[tuple[float, ...], ...] | None = attrs.field(
+        default=None, converter=lambda value: _part_sizes(value)
+    )
+
+    def part_sizes(self, segment: int) -> tuple[float, ...] | None:
+        """What each sequence part's forward of `segment` saves, or None (see the Args)."""
+        parts = self.part_activations
+        return None if parts is None else parts[segment % len(parts)]
+
+    def at(self, field: str, segment: int) -> float:
+        """The bytes of `field` ("activations", "parameters", "optimizer", "inputs",
+        "gradients") of `segment`."""
+        value = getattr(self, field)
+        if value is None:  # gradients: as large as the parameters
+            value = self.parameters
+        if isinstance(value, tuple):
+            return value[segment % len(value)]  # one replica's sizes stand for every copy
+        return value
+
+    def check(self, num_segments: int, num_replicas: int = 1) -> None:
+        """Raise `ScheduleConfigError` unless every per-segment list has `num_segments` sizes,
+        or, with model replicas (DualPipe), one replica's `num_segments / num_replicas`: segment
+        `r * L + j` is a copy of segment `j` and has its sizes."""
+        allowed = {num_segments, num_segments // num_replicas}
+        for field in ("activations", "parameters", "optimizer", "inputs", "gradients"):
+            value = getattr(self, field)
+            if isinstance(value, tuple) and len(value) not in allowed:
+                raise ScheduleConfigError(
+                    f"MemoryModel.{field} has {len(value)} sizes but the program has "
+                    f"{num_segments} segments (p * v): give one per segment, or one for all"
+                )
+        parts = self.part_activations
+        if parts is not None and len(parts) not in allowed:
+            raise ScheduleConfigError(
+                f"MemoryModel.part_activations has {len(parts)} segments' sizes but the program "
+                f"has {num_segments} segments (p * v): give one tuple of part sizes per segment"
+            )
+
+    def scaled(self, factor: float) -> MemoryModel:
+        """Every size times `factor` (`schedcc.tune`: a chunk of a stage cut in v is 1/v)."""
+
+        def times(value):
+            if value is None:
+                return None
+            return tuple(v * factor for v in value) if isinstance(value, tuple) else value * factor
+
+        return MemoryModel(
+            activations=times(self.activations),
+            parameters=times(self.parameters),
+            optimizer=times(self.optimizer),
+            inputs=times(self.inputs),
+            gradients=times(self.gradients),
+            part_activations=None
+            if self.part_activations is None
+            else tuple(times(parts) for parts in self.part_activations),
+        )

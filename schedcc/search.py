@@ -1,0 +1,985 @@
+"""`search`: find a compute order for a shape, its costs and a memory limit, proven and timed.
+
+`search(p, m, costs=..., memory_limit=...)` builds orders of F/B (or F/I/W) per stage, with
+recomputation where memory asks for it, for each placement it is given (looped with one or two
+chunks per stage, or a V), and keeps the fastest that validates and fits. Every candidate is a
+`FoundOrder` schedule compiled by `schedcc.compile` (so the validator proves it) and timed by
+`schedcc.simulate`; a candidate that does not validate or does not fit is dropped.
+
+[Note: the search] Three sources of candidates, all timed by the simulator:
+1. every built-in order (`registered_classes`) at one chunk per stage or two, and with full
+   recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
+   2BW's delay), replayed as `FoundOrder`s: the search starts from the best of what exists, and
+   times them all whatever `time_limit` says;
+2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
+   (a backward before a forward or the other way round, a weight gradient at once or only in
+   gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
+   flight and under its memory budget: a forward that would not fit keeps only its input and is
+   recomputed (`R`) later, when its memory is free; many rules and seeded ties, ranked by the
+   list scheduler's own clock, the best few timed by the simulator;
+3. local search from the best: swap two adjacent computes of a stage, move a weight gradient, or
+   drop a recomputation; keep a change that is no slower and fits, until `time_limit` or
+   `max_evaluations`.
+
+[Note: the lower bound] `SearchResult.bound` is a makespan no order of the searched kinds can
+beat under the same costs: the most, over the stages s, of `head(s) + work(s) + tail(s)`, where
+`work(s)` is the compute stage s must run (m forwards and backwards of each of its chunks; the
+lesser of B and I + W where the backward may be split), `head(s)` the forwards of segments
+0..s-1 and one comm per hop before its first forward can start (its lowest segment is segment s,
+in both placements), and `tail(s)` the backwards of segments s-1..0 and their comm after its
+last backward (with a split backward: its last input gradient followed by the input gradients
+below it and stage 0's last weight gradient, if that is longer than its remaining weight
+gradients). It is the least of that over the placements and backward forms searched (and, for an
+order with DualPipe's overlapped pairs, with each pair at its overlapped cost). It ignores the
+memory limit (at a tight limit recomputation or a smaller pipeline depth is unavoidable and the
+bound is loose), comm a stage spends outside the first hops (a stage is busy during its own sends
+and receives), and the updates (`ReduceGrads`, `OptimizerStep`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import textwrap
+import time
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+import attrs
+
+from schedcc.compiler import compile
+from schedcc.costs import CostModel, overlapped_pair
+from schedcc.errors import ScheduleConfigError, ScheduleError
+from schedcc.ir import (
+    Compute,
+    parse,
+)
+from schedcc.memory_model import MemoryModel
+from schedcc.program import Program
+from schedcc.registry import build_schedule, registered_classes
+from schedcc.schedule import Schedule
+from schedcc.simulate import Timeline, simulate
+from schedcc.sizes import parse_size
+from schedcc.tune import _per_chunk
+
+__all__ = ["PLACEMENTS", "FoundOrder", "SearchResult", "lower_bound", "search"]
+
+#: The placements `search` can search: looped (segment k on stage k % p, chunk k // p) and the
+#: V (two chunks: down the stages and back up, as zb-v).
+PLACEMENTS = ("looped", "v")
+
+
+class FoundOrder(Schedule):
+    """Base of a schedule that replays a fixed compute order (what `schedcc.search` writes).
+
+    A subclass sets `shape = (p, m, v)`, `vshape` (the V placement, else looped) and `orders`,
+    one string per stage of instructions as `schedcc.ir.parse` reads them (`F3.1`, `I0`, `R2`,
+    ...) for one batch; each further batch replays it on its own microbatches.
+
+    >>> class Mine(FoundOrder):
+    ...     shape = (2, 2, 1)
+    ...     orders = ("F0 F1 B0 B1", "F0 B0 F1 B1")
+    >>> [str(op) for op in Mine(2, 2, num_batches=2).steps(1)]
+    ['F0', 'B0', 'F1', 'B1', 'F2', 'B2', 'F3', 'B3']
+    """
+
+    name = "found"
+    shape: ClassVar[tuple[int, int, int]] = (1, 1, 1)
+    vshape: ClassVar[bool] = False
+    orders: ClassVar[tuple[str, ...]] = ()
+    #: `(stage, chunk)` of each segment, where neither looped nor the V (empty: `vshape`).
+    places: ClassVar[tuple[tuple[int, int], ...]] = ()
+    #: The model replica of each microbatch of a batch ([Note: replicas]; empty: all 0).
+    replicas: ClassVar[tuple[int, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.chunks = (cls.shape[2],)  # the one v it was found for
+        cls.default_num_chunks = cls.shape[2]
+
+    def check(self) -> None:
+        shape = (self.num_stages, self.num_microbatches, self.num_chunks)
+        if shape != tuple(self.shape):
+            p, m, v = self.shape
+            raise ScheduleConfigError(
+                f"{type(self).__name__} is an order found for p={p}, m={m}, v={v}, not p="
+                f"{shape[0]}, m={shape[1]}, v={shape[2]}; run schedcc search at that shape"
+            )
+        if len(self.orders) != self.num_stages:
+            raise ScheduleConfigError(
+                f"{type(self).__name__}.orders has {len(self.orders)} stages, shape says "
+                f"{self.num_stages}"
+            )
+
+    def placement(self, segment: int) -> tuple[int, int]:
+        if self.places:
+            return tuple(self.places[segment])
+        p = self.num_stages
+        chunk, offset = divmod(segment, p)
+        if self.vshape and chunk % 2:
+            return p - 1 - offset, chunk
+        return offset, chunk
+
+    def replica_of(self, microbatch: int) -> int:
+        return self.replicas[microbatch] if self.replicas else 0
+
+    def order(self, stage: int):
+        ops = [parse(text) for text in self.orders[stage].split()]
+        for batch in range(self.num_batches):
+            offset = batch * self.num_microbatches
+            yield from (attrs.evolve(op, microbatch=op.microbatch + offset) for op in ops)
+
+
+@attrs.frozen(eq=False)
+class SearchResult:
+    """What `search` found.
+
+    Attributes:
+        schedule: the found order, a `FoundOrder` instance at the searched shape.
+        program: it compiled (validated).
+        timeline: it simulated under the costs (per chunk, as `schedcc.tune` scales them).
+        bound: the lower bound on the makespan ([Note: the lower bound]).
+        source: where the order came from: a built-in's name, "list scheduling", and
+            "+ local search" when that improved it.
+        evaluations: how many candidates the simulator timed.
+        seconds: how long the search took.
+    """
+
+    schedule: FoundOrder
+    program: Program
+    timeline: Timeline
+    bound: float
+    source: str
+    evaluations: int
+    seconds: float
+
+    @property
+    def makespan(self) -> float:
+        return self.timeline.makespan
+
+    @property
+    def gap(self) -> float:
+        """How far above the bound the makespan is, as a fraction (0.03: 3% above)."""
+        return self.makespan / self.bound - 1 if self.bound > 0 else 0.0
+
+    @property
+    def peak_bytes(self) -> tuple[float, ...] | None:
+        """Per stage, the most bytes held at once (None without a memory model)."""
+        return self.timeline.peak_bytes if self.timeline.costs.memory is not None else None
+
+    @property
+    def peak_activations(self) -> tuple[float, ...]:
+        """Per stage, the most microbatch activations held, in whole-stage microbatches."""
+        share = self.schedule.num_chunks // type(self.schedule).num_replicas
+        return tuple(round(n / share, 3) for n in self.timeline.peak_activations)
+
+    def to_python(self, class_name: str = "Found") -> str:
+        """A short Python file defining `class_name`, a `FoundOrder` replaying this order."""
+        schedule = self.schedule
+        p, m, v = schedule.shape
+        kind = "V" if schedule.vshape else "looped"
+        lines = [
+            f'"""An order found by schedcc search: p={p}, m={m}, v={v} ({kind} placement).',
+            "",
+            f"Simulated makespan {self.makespan:g}, lower bound {self.bound:g} "
+            f"({self.gap:.1%} above it); from {self.source}.",
+            f"Check it with: schedcc verify --schedule THIS_FILE.py:{class_name} -p {p} -m {m}"
+            f" -v {v}",
+            '"""',
+            "",
+            "from schedcc.search import FoundOrder",
+            "",
+            "",
+            f"class {class_name}(FoundOrder):",
+            f'    """Found by schedcc search for p={p}, m={m}, v={v}: makespan '
+            f'{self.makespan:g} (bound {self.bound:g})."""',
+            "",
+            f'    name = "{class_name.lower()}"',
+            f"    shape = ({p}, {m}, {v})",
+            f"    vshape = {schedule.vshape}",
+        ]
+        if schedule.places:
+            lines += [
+                f"    places = {tuple(schedule.places)}",
+                f"    replicas = {tuple(schedule.replicas)}",
+                f"    num_replicas = {type(schedule).num_replicas}",
+                f"    weight_delay = {type(schedule).weight_delay}",
+            ]
+        lines += [
+            "    orders = (",
+        ]
+        for stage, text in enumerate(schedule.orders):
+            lines.append(f"        # stage {stage}")
+            pieces = textwrap.wrap(text, 80, break_on_hyphens=False) or [""]
+            for n, piece in enumerate(pieces):
+                end = " " if n + 1 < len(pieces) else ""
+                lines.append(f'        "{piece}{end}"')
+            lines[-1] += ","
+        lines.append("    )")
+        return "\n".join(lines) + "\n"
+
+
+def search(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    num_chunks: int | Iterable[int] = (1, 2),
+    placement: str | Iterable[str] = PLACEMENTS,
+    costs: CostModel | None = None,
+    memory: MemoryModel | None = None,
+    memory_limit: float | str | Sequence | None = None,
+    split_backward: bool | Iterable[bool] = (False, True),
+    recompute: bool = False,
+    data_parallel: int = 1,
+    zero: int = 0,
+    builtins: bool = True,
+    start: Iterable[type[Schedule]] = (),
+    time_limit: float = 10.0,
+    max_evaluations: int | None = None,
+    seed: int = 0,
+) -> SearchResult:
+    """The fastest order found for this shape, its costs and memory limit ([Note: the search]).
+
+    Args:
+        num_stages, num_microbatches: the shape `p`, `m` (one batch; the order replays per
+            batch).
+        num_chunks: chunks per stage to try (1, 2 or both).
+        placement: "looped", "v" (two chunks per stage), or both; "v" applies to v = 2 only.
+        costs: per-stage costs at v = 1, as `schedcc.tune` takes them ([Note: tune's units]: a
+            chunk of two costs half); `CostModel.per_stage` for unequal stages,
+            `CostModel.from_trace` for measured ones.
+        memory: the bytes per segment (at v = 1); default `costs.memory`.
+        memory_limit: per stage (a number, or one per stage): with a memory model, the most
+            bytes each stage may hold (`Timeline.peak_bytes`; sizes such as "12GiB" too);
+            without one, the most microbatch activations, in whole-stage microbatches (1F1B's
+            stage 0 holds p). None: no limit.
+        split_backward: orders of F/B (False), F/I/W (True) or both.
+        recompute: let the search recompute forwards (`R`) where memory asks for it, and try
+            the built-ins with full recomputation.
+        data_parallel, zero: as in `schedcc.compile`.
+        builtins: start from the built-in orders at the same placement.
+        start: more schedule classes to start from (e.g. an order found before, to improve
+            it); those with another placement or shape are left out.
+        time_limit: seconds the search may take beyond timing the built-ins (it stops before
+            a candidate that might not finish in time).
+        max_evaluations: stop after this many simulated candidates too (for a search that must
+            give the same answer on every machine).
+        seed: the seed of the ties' random order.
+
+    Returns:
+        A `SearchResult`: the schedule, its program and timeline, and the lower bound.
+
+    Raises:
+        ScheduleConfigError: a bad argument, or no order fits the memory limit (the message
+            says the least that fits, where one was found).
+
+    >>> import schedcc
+    >>> result = schedcc.search(2, 4, num_chunks=1, split_backward=False, time_limit=5)
+    >>> result.makespan, result.bound
+    (15.0, 15.0)
+    """
+    started = time.monotonic()
+    costs = CostModel() if costs is None else costs
+    if not isinstance(costs, CostModel):
+        raise ScheduleConfigError(f"search: costs must be a CostModel, got {costs!r}")
+    if memory is not None:
+        if not isinstance(memory, MemoryModel):
+            raise ScheduleConfigError(f"search: memory must be a MemoryModel, got {memory!r}")
+        costs = attrs.evolve(costs, memory=memory)
+    for arg, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleConfigError(f"search: {arg} must be a positive integer, got {value!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ScheduleConfigError(f"search: data_parallel must be >= 1, got {data_parallel!r}")
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise ScheduleConfigError(f"search: zero must be 0, 1, 2 or 3, got {zero!r}")
+    if max_evaluations is not None and (
+        isinstance(max_evaluations, bool)
+        or not isinstance(max_evaluations, int)
+        or max_evaluations < 1
+    ):
+        raise ScheduleConfigError(
+            f"search: max_evaluations must be a positive integer or None, got {max_evaluations!r}"
+        )
+    if not isinstance(time_limit, (int, float)) or not 0 < time_limit < math.inf:
+        raise ScheduleConfigError(f"search: time_limit must be seconds > 0, got {time_limit!r}")
+    limits = _limits(memory_limit, num_stages, costs.memory is not None)
+    families = _families(num_stages, num_chunks, placement, split_backward)
+    searcher = _Searcher(
+        num_stages,
+        num_microbatches,
+        costs,
+        limits,
+        recompute,
+        data_parallel,
+        zero,
+        started + time_limit,
+        max_evaluations,
+        random.Random(seed),
+    )
+    seeds = _seeds(start) + (list(registered_classes().items()) if builtins else [])
+    searcher.seed(seeds, families, recomputed=False)
+    if recompute:
+        searcher.seed(seeds, families, recomputed=True)
+    for left, family in zip(range(len(families), 0, -1), families):
+        searcher.list_schedule(family, share=0.5 / left)
+    searcher.improve()
+    best = searcher.final()
+    if best is None:
+        raise ScheduleConfigError(searcher.nothing_fits())
+    bound = min(lower_bound(num_stages, num_microbatches, costs, f) for f in families)
+    if any(text.startswith("+") for row in best.orders for text in row):  # DualPipe's pairs
+        overlapped = lower_bound(num_stages, num_microbatches, costs, best.family, overlapped=True)
+        bound = min(bound, overlapped)
+    return SearchResult(
+        schedule=best.program.schedule,
+        program=best.program,
+        timeline=best.timeline,
+        bound=bound,
+        source=best.source,
+        evaluations=searcher.evaluations,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _seeds(start) -> list[tuple[str, type[Schedule]]]:
+    classes = [start] if isinstance(start, type) else list(start)
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, Schedule)):
+            raise ScheduleConfigError(
+                f"search: start takes Schedule subclasses (e.g. get_schedule('my.py:Found')), "
+                f"got {cls!r}"
+            )
+    return [(cls.name or cls.__name__, cls) for cls in classes]
+
+
+@attrs.frozen
+class _Family:
+    """A placement and a backward form: the kind of order one search branch builds (or, with
+    `places`, the layout of a built-in it starts from: its placement, replicas, weight delay)."""
+
+    num_chunks: int
+    vshape: bool
+    split: bool
+    places: tuple[tuple[int, int], ...] = ()
+    replicas: tuple[int, ...] = ()
+    num_replicas: int = 1
+    weight_delay: int = 0
+
+    @classmethod
+    def of(cls, schedule: Schedule, split: bool) -> _Family:
+        """The layout of `schedule` (a built-in at the searched shape)."""
+        k = range(schedule.num_segments)
+        return cls(
+            schedule.num_chunks,
+            False,
+            split,
+            places=tuple(tuple(schedule.placement(i)) for i in k),
+            replicas=tuple(schedule.replica_of(i) for i in range(schedule.num_microbatches)),
+            num_replicas=type(schedule).num_replicas,
+            weight_delay=type(schedule).weight_delay,
+        )
+
+    @property
+    def share(self) -> int:
+        """The chunks of one model replica per stage ([Note: tune's units])."""
+        return self.num_chunks // self.num_replicas
+
+    def segments(self, num_stages: int) -> list[tuple[int, int]]:
+        """`(stage, chunk)` of each segment."""
+        if self.places:
+            return list(self.places)
+        p, out = num_stages, []
+        for segment in range(p * self.num_chunks):
+            chunk, offset = divmod(segment, p)
+            stage = p - 1 - offset if self.vshape and chunk % 2 else offset
+            out.append((stage, chunk))
+        return out
+
+
+def _families(num_stages, num_chunks, placement, split) -> list[_Family]:
+    chunks = (num_chunks,) if isinstance(num_chunks, int) else tuple(num_chunks)
+    places = (placement,) if isinstance(placement, str) else tuple(placement)
+    splits = (split,) if isinstance(split, bool) else tuple(split)
+    for v in chunks:
+        if isinstance(v, bool) or v not in (1, 2):
+            raise ScheduleConfigError(f"search: num_chunks must be 1 or 2, got {v!r}")
+    for place in places:
+        if place not in PLACEMENTS:
+            raise ScheduleConfigError(
+                f"search: placement must be one of {', '.join(PLACEMENTS)}, got {place!r}"
+            )
+    if not chunks or not places or not splits or any(not isinstance(s, bool) for s in splits):
+        raise ScheduleConfigError(
+            "search: num_chunks, placement and split_backward need at least one value each "
+            f"(got {num_chunks!r}, {placement!r}, {split!r})"
+        )
+    found = []
+    for v in sorted(set(chunks)):
+        for place in places:
+            if place == "v" and (v != 2 or num_stages < 2):
+                continue
+            found.extend(_Family(v, place == "v", s) for s in sorted(set(splits)))
+    if not found:
+        raise ScheduleConfigError(
+            "search: the V placement needs num_chunks=2 (-v 2) and at least 2 stages; add "
+            "the looped placement (placement='looped', --placement looped)"
+        )
+    return list(dict.fromkeys(found))
+
+
+def _limits(memory_limit, num_stages: int, in_bytes: bool) -> tuple[float, ...] | None:
+    if memory_limit is None:
+        return None
+    values = (
+        list(memory_limit)
+        if isinstance(memory_limit, Sequence) and not isinstance(memory_limit, str)
+        else [memory_limit] * num_stages
+    )
+    if len(values) != num_stages:
+        raise ScheduleConfigError(
+            f"search: memory_limit has {len(values)} values for {num_stages} stages"
+        )
+    out = []
+    for value in values:
+        if in_bytes:
+            value = parse_size(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ScheduleConfigError(
+                f"search: memory_limit must be positive (bytes with a memory model, else "
+                f"microbatch activations), got {value!r}"
+            )
+        out.append(float(value))
+    return tuple(out)
+
+
+def lower_bound(
+    num_stages: int,
+    num_microbatches: int,
+    costs: CostModel,
+    family,
+    *,
+    overlapped: bool = False,
+) -> float:
+    """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1.
+    `overlapped`: its forwards and backwards may run as overlapped pairs (a pair costs
+    `overlapped_pair`, less than F + B)."""
+    p, m, v = num_stages, num_microbatches, family.num_chunks
+    costs = _per_chunk(costs, v)
+    place = family.segments(p)
+
+    def at(k: int) -> CostModel:
+        return costs.at(*place[k])
+
+    def hop(k: int) -> float:  # segment k to segment k + 1
+        (s, _), (t, _) = place[k], place[k + 1]
+        return 0.0 if s == t else min(costs.at(s).comm, costs.at(t).comm)
+
+    best = 0.0
+    for s in range(p):
+        models = [costs.at(s, c) for c in range(v)]
+        head = sum(at(k).forward + hop(k) for k in range(s))
+        if family.split:  # F/I/W, where a whole B may stand for an I and its W
+            work = [
+                c.forward + min(c.backward, c.backward_input + c.backward_weight) for c in models
+            ]
+            if overlapped:
+                work = [min(w, overlapped_pair(c)) for w, c in zip(work, models)]
+            stage = head + sum(work) * m
+            if not overlapped:  # the last input gradient, the ones below it, stage 0's last W
+                ahead = sum(c.forward + min(c.backward, c.backward_input) for c in models) * m
+                below = sum(min(at(k).backward, at(k).backward_input) + hop(k) for k in range(s))
+                zero = at(0)
+                last = min(zero.backward_weight, zero.backward - zero.backward_input) if s else 0
+                stage = max(stage, head + ahead + below + max(0.0, last))
+        else:
+            pair = [c.forward + c.backward for c in models]
+            if overlapped:
+                pair = [min(both, overlapped_pair(c)) for both, c in zip(pair, models)]
+            work = sum(pair) * m
+            tail = sum(at(k).backward + hop(k) for k in range(s))
+            stage = head + work + tail
+        best = max(best, stage)
+    return best
+
+
+@attrs.frozen(eq=False)
+class _Candidate:
+    program: Program
+    timeline: Timeline
+    makespan: float
+    source: str
+    family: _Family
+    orders: tuple[tuple[str, ...], ...]
+
+
+class _Searcher:
+    """The search's state: the best candidate so far and what it has timed."""
+
+    def __init__(self, p, m, costs, limits, recompute, dp, zero, deadline, max_evals, rng):
+        self.p, self.m, self.costs, self.limits = p, m, costs, limits
+        self.recompute, self.dp, self.zero = recompute, dp, zero
+        self.deadline, self.max_evals, self.rng = deadline, max_evals, rng
+        self.evaluations = 0
+        self.slowest = 0.0  # seconds of the slowest timing, compile included
+        self.best: _Candidate | None = None
+        self.fitting: list[_Candidate] = []
+        self.fitting_builtins: set[str] = set()
+        self.least_held: float | None = None
+        self.seen: set = set()
+
+    # -- budget -------------------------------------------------------------------------------
+
+    def out_of_time(self) -> bool:
+        """Whether the evaluations or the time are spent (keeping room for one more timing and
+        the final one); never before a first candidate fits."""
+        if self.best is None:
+            return False
+        if self.max_evals is not None and self.evaluations >= self.max_evals:
+            return True
+        return time.monotonic() + 2 * self.slowest > self.deadline
+
+    # -- timing one candidate -----------------------------------------------------------------
+
+    def evaluate(
+        self, family: _Family, orders, source: str, program: Program | None = None
+    ) -> _Candidate | None:
+        """Compile (validate), simulate and check the memory of one order, or time the given
+        `program` of it; the candidate if it fits (the best so far if it is faster), else
+        None."""
+        key = (family.num_chunks, family.vshape, orders)
+        if key in self.seen:
+            return None
+        self.seen.add(key)
+        self.evaluations += 1
+        began = time.monotonic()
+        if program is None:
+            try:
+                program = self._compile(family, orders)
+            except ScheduleError:
+                return None
+        timeline = simulate(program, _per_chunk(self.costs, family.share))
+        self.slowest = max(self.slowest, time.monotonic() - began)
+        if not self._fits(timeline, family.share):
+            return None
+        candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders)
+        self.fitting.append(candidate)
+        if self.best is None or candidate.makespan < self.best.makespan - 1e-9:
+            self.best = candidate
+        return candidate
+
+    def _compile(self, family: _Family, orders) -> Program:
+        schedule = _found_class(self.p, self.m, family, orders)(self.p, self.m, family.num_chunks)
+        return compile(schedule, data_parallel=self.dp, zero=self.zero)
+
+    def final(self) -> _Candidate | None:
+        """The fastest candidate, as a `FoundOrder` program (compiled and timed again)."""
+        for candidate in sorted(self.fitting, key=lambda c: c.makespan):
+            if isinstance(candidate.program.schedule, FoundOrder):
+                return candidate
+            try:
+                program = self._compile(candidate.family, candidate.orders)
+            except ScheduleError:  # a replayed built-in validates as the built-in does
+                continue
+            timeline = simulate(program, _per_chunk(self.costs, candidate.family.share))
+            if self._fits(timeline, candidate.family.share):
+                return attrs.evolve(candidate, program=program, timeline=timeline)
+        return None
+
+    def _held(self, timeline: Timeline, v: int) -> tuple[float, ...]:
+        if timeline.costs.memory is not None:
+            return timeline.peak_bytes
+        return tuple(n / v for n in timeline.peak_activations)
+
+    def _fits(self, timeline: Timeline, v: int) -> bool:
+        if self.limits is None:
+            return True
+        held = self._held(timeline, v)
+        worst = max(h / lim for h, lim in zip(held, self.limits))
+        if self.least_held is None or worst < self.least_held:
+            self.least_held = worst
+        return all(h <= lim * (1 + 1e-9) for h, lim in zip(held, self.limits))
+
+    def nothing_fits(self) -> str:
+        least = (
+            ""
+            if self.least_held is None
+            else (
+                f"; the leanest order found needs {self.least_held:.2f}x the limit on its fullest "
+                "stage"
+            )
+        )
+        return (
+            f"search: no order for p={self.p}, m={self.m} fits the memory limit{least}; raise "
+            "memory_limit, allow recomputation (recompute=True, --recompute), or add chunks and "
+            "placements"
+        )
+
+    # -- sources ------------------------------------------------------------------------------
+
+    def seed(self, classes, families: list[_Family], *, recomputed: bool) -> None:
+        """Time the orders of `classes` (`(name, Schedule subclass)` pairs) at the searched
+        chunk counts and backward forms: in one of `families`' placements, or in a layout of
+        their own (replicas, a weight delay) when every placement is searched. With full
+        recomputation: only those that do not fit without it."""
+        tables = {}
+        for family in families:
+            table = [[-1] * family.num_chunks for _ in range(self.p)]
+            for k, (s, c) in enumerate(family.segments(self.p)):
+                table[s][c] = k
+            tables[family.num_chunks, family.vshape] = table
+        every_placement = {f.vshape for f in families if f.num_chunks == 2} == {False, True}
+        for v in sorted({f.num_chunks for f in families}):
+            for name, cls in classes:  # all of them, whatever the time: the search starts here
+                if self.max_evals is not None and self.evaluations >= self.max_evals:
+                    return
+                if recomputed and (name, v) in self.fitting_builtins:
+                    continue
+                try:
+                    schedule = build_schedule(cls, self.p, self.m, num_chunks=v)
+                    table = schedule.segment_table()
+                    ours = [key for key, t in tables.items() if t == table]
+                    plain = cls.num_replicas == 1 and not cls.weight_delay and ours
+                    if not plain and not (every_placement or v == 1):
+                        continue
+                    program = compile(
+                        schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed
+                    )
+                except ScheduleError:
+                    continue
+                orders = _compute_orders(program)
+                split = _splits(orders)
+                form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
+                if not any(f.num_chunks == v and f.split == split for f in families):
+                    continue
+                source = name + (" with recompute" if recomputed else "")
+                if self.evaluate(form, orders, source, program) is not None:
+                    self.fitting_builtins.add((name, v))
+
+    def list_schedule(self, family: _Family, share: float) -> None:
+        """Time the best few orders list scheduling makes under many rules, in about `share`
+        of the time left."""
+        rules = _rules(family, self.rng)
+        budgets = self._budgets(family)
+        scheduler = _ListScheduler(self.p, self.m, family, self.costs, budgets, self.recompute)
+        made = []
+        until = time.monotonic() + share * max(0.0, self.deadline - time.monotonic())
+        for n, rule in enumerate(rules):
+            if self.out_of_time() or (n >= 4 and time.monotonic() > until):
+                break
+            result = scheduler.run(rule)
+            if result is not None:
+                made.append(result)
+        made.sort(key=lambda r: r[0])
+        for _, orders in made[:3]:
+            if self.out_of_time():
+                break
+            self.evaluate(family, orders, "list scheduling")
+
+    def _budgets(self, family: _Family) -> list[float] | None:
+        """Per stage, the activation units list scheduling may hold (None: unlimited)."""
+        if self.limits is None:
+            return None
+        memory = self.costs.memory
+        if memory is None:
+            return [lim * family.num_chunks for lim in self.limits]  # chunk activations
+        v = family.num_chunks
+        scaled = memory.scaled(1 / v)
+        out = []
+        place = family.segments(self.p)
+        for s in range(self.p):
+            fixed = 0.0
+            for k, (stage, _) in enumerate(place):
+                if stage == s:
+                    fixed += sum(
+                        scaled.at(kind, k) for kind in ("parameters", "gradients", "optimizer")
+                    )
+            out.append(self.limits[s] - fixed)
+        return out
+
+    def improve(self) -> None:
+        """Local search from the best candidate ([Note: the search], 3): first improvement
+        over every move, in a fixed order, until none helps (a local optimum) or time is up."""
+        current = self.best
+        improved = current is not None
+        while improved and not self.out_of_time():
+            improved = False
+            for orders in _neighbours(current.orders, current.timeline):
+                if self.out_of_time():
+                    return
+                source = current.source
+                if "local search" not in source:
+                    source += " + local search"
+                found = self.evaluate(current.family, orders, source)
+                if found is not None and found.makespan < current.makespan - 1e-9:
+                    current, improved = found, True
+                    break
+
+
+def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
+    body = {
+        "shape": (p, m, family.num_chunks),
+        "vshape": family.vshape,
+        "orders": tuple(" ".join(row) for row in orders),
+        "__module__": __name__,
+    }
+    if family.places:
+        body.update(
+            places=family.places,
+            replicas=family.replicas,
+            num_replicas=family.num_replicas,
+            weight_delay=family.weight_delay,
+        )
+    return type("Found", (FoundOrder,), body)
+
+
+def _compute_orders(program: Program) -> tuple[tuple[str, ...], ...]:
+    """Each stage's computes as text (overlapped pairs as `F3.1 +B1`), one batch."""
+    m = program.schedule.num_microbatches
+    return tuple(
+        tuple(str(op) for op in ops if isinstance(op, Compute) and op.microbatch < m)
+        for ops in program.stages
+    )
+
+
+def _splits(orders) -> bool:
+    return any(text.startswith("W") for row in orders for text in row)
+
+
+# -- list scheduling ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Rule:
+    """How a stage ranks its ready computes (lower first) and how many it keeps in flight."""
+
+    backward_first: bool
+    eager_weight: bool
+    deep_forward: bool
+    cap: float  # microbatches in flight per stage, a multiple of its depth to the end
+    jitter: float
+    seed: int
+
+
+def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
+    rules = []
+    caps = (1.0, 1.5, 2.0, 0.75, 3.0, math.inf, 0.5)
+    for cap in caps:
+        for backward_first in (True, False):
+            for deep in (True, False) if family.num_chunks > 1 else (True,):
+                for eager in (False, True) if family.split else (False,):
+                    rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0))
+    rules.extend(
+        attrs.evolve(rng.choice(rules[:8]), jitter=0.5, seed=rng.randrange(1 << 30))
+        for _ in range(8)
+    )
+    return rules
+
+
+class _ListScheduler:
+    """Builds one order per rule on its own clock: compute costs, a comm cost per hop between
+    stages, sends that never wait; recomputation where the memory budget asks for it."""
+
+    def __init__(self, p, m, family: _Family, costs: CostModel, budgets, recompute: bool):
+        self.p, self.m, self.family = p, m, family
+        v = family.num_chunks
+        scaled = _per_chunk(costs, v)
+        self.place = family.segments(p)
+        self.num_segments = len(self.place)
+        self.cost = []
+        for s, c in self.place:
+            model = scaled.at(s, c)
+            rec = model.forward if model.recompute is None else model.recompute
+            self.cost.append(
+                {
+                    "F": model.forward,
+                    "B": model.backward,
+                    "I": model.backward_input,
+                    "W": model.backward_weight,
+                    "R": rec,
+                    "comm": model.comm,
+                }
+            )
+        memory = costs.memory.scaled(1 / v) if costs.memory is not None else None
+        if memory is None:
+            self.act = [1.0] * self.num_segments
+            self.inp = [0.0] * self.num_segments
+        else:
+            self.act = [memory.at("activations", k) for k in range(self.num_segments)]
+            self.inp = [memory.at("inputs", k) for k in range(self.num_segments)]
+        self.budgets = budgets
+        self.recompute = recompute
+        self.by_stage = [[k for k, (s, _) in enumerate(self.place) if s == t] for t in range(p)]
+        # a stage's microbatches in flight are counted at its lowest segment, where they enter
+        self.lowest = [min(ks) for ks in self.by_stage]
+        self.depth = [max(1.0, (self.num_segments - k) / v) for k in self.lowest]
+        self.sends = [  # a compute whose result leaves the stage pays a comm group after it
+            {
+                "F": model["comm"] if k + 1 < len(self.place) and self.place[k + 1][0] != s else 0,
+                "B": model["comm"] if k > 0 and self.place[k - 1][0] != s else 0,
+            }
+            for k, ((s, _), model) in enumerate(zip(self.place, self.cost))
+        ]
+        self.stage_act = [sum(self.act[k] for k in ks) for ks in self.by_stage]
+
+    def run(self, rule: _Rule):
+        """`(estimated makespan, orders)`, or None when the rule gets stuck under the budget."""
+        p, m, L = self.p, self.m, self.num_segments
+        split = self.family.split
+        rng = random.Random(rule.seed)
+        fend = [[None] * L for _ in range(m)]
+        bend = [[None] * L for _ in range(m)]
+        rend = [[None] * L for _ in range(m)]
+        recomputed = [[False] * L for _ in range(m)]
+        nf, nb, nw = [0] * L, [0] * L, [0] * L
+        free = [0.0] * p
+        held = [0.0] * p
+        inflight = [0] * p
+        orders: list[list[str]] = [[] for _ in range(p)]
+        cap = [rule.cap * self.depth[s] for s in range(p)]
+        budgets = self.budgets
+        remaining = m * L * (3 if split else 2)
+        bcode = "I" if split else "B"
+
+        def options(s: int):
+            """`(rank, ready time, code, microbatch, segment)` for each compute stage s could
+            run next (deps known); memory-blocked forwards are left out."""
+            out = []
+            for k in self.by_stage[s]:
+                c = self.place[k][1]
+                i = nf[k]
+                entering = k == self.lowest[s]
+                if i < m and (not entering or inflight[s] < cap[s]):
+                    ready = 0.0 if k == 0 else fend[i][k - 1]
+                    if ready is not None:
+                        # entering, it keeps room for its later chunks on this stage
+                        rest = self.stage_act[s] - self.act[k] if entering else 0.0
+                        need = self.act[k] + rest
+                        fits = budgets is None or held[s] + need <= budgets[s] + 1e-9
+                        rec = False
+                        if not fits and self.recompute:
+                            rec = held[s] + self.inp[k] + rest <= budgets[s] + 1e-9
+                        if fits or rec:
+                            depth_rank = -c if rule.deep_forward else c
+                            rank = (1 if rule.backward_first else 0, depth_rank)
+                            out.append((rank, ready, "F", i, k, rec))
+                i = nb[k]
+                if i < nf[k]:
+                    ready = fend[i][k] if k == L - 1 else bend[i][k + 1]
+                    if ready is not None:
+                        rank = (0 if rule.backward_first else 1, -k)
+                        if recomputed[i][k] and rend[i][k] is None:
+                            fits = budgets is None or held[s] + self.act[k] - self.inp[k] <= (
+                                budgets[s] + 1e-9
+                            )
+                            if fits:
+                                out.append((rank, fend[i][k], "R", i, k, False))
+                        else:
+                            if recomputed[i][k]:
+                                ready = max(ready, rend[i][k])
+                            out.append((rank, ready, bcode, i, k, False))
+                if split:
+                    i = nw[k]
+                    if i < nb[k]:
+                        rank = (0 if rule.eager_weight else 2, 0)
+                        out.append((rank, bend[i][k], "W", i, k, False))
+            return out
+
+        def choose(s: int):
+            found = options(s)
+            if not found:
+                return None
+            start = max(free[s], min(o[1] for o in found))
+            ready = [o for o in found if o[1] <= start + 1e-12]
+            if rule.jitter:
+                noise = {id(o): rule.jitter * rng.random() for o in ready}
+                return start, min(ready, key=lambda o: (o[0][0] + noise[id(o)], o[0], o[3]))
+            return start, min(ready, key=lambda o: (o[0], o[3]))
+
+        heap: list = []
+        version = [0] * p
+
+        def push(s: int) -> None:
+            version[s] += 1
+            picked = choose(s)
+            if picked is not None:
+                heapq.heappush(heap, (picked[0], s, version[s], picked[1]))
+
+        for s in range(p):
+            push(s)
+        makespan = 0.0
+        while remaining:
+            if not heap:
+                return None  # stuck: every stage waits for memory
+            start, s, ver, op = heapq.heappop(heap)
+            if ver != version[s]:
+                continue
+            _, _, code, i, k, rec = op
+            end = start + self.cost[k][code] + self.sends[k].get("B" if code == "I" else code, 0)
+            free[s] = end
+            makespan = max(makespan, end)
+            chunk = self.place[k][1]
+            orders[s].append(f"{code}{i}.{chunk}" if chunk else f"{code}{i}")
+            touched = {s}
+            if code == "F":
+                nf[k] += 1
+                fend[i][k] = end
+                inflight[s] += k == self.lowest[s]
+                if rec:
+                    recomputed[i][k] = True
+                    held[s] += self.inp[k]
+                else:
+                    held[s] += self.act[k]
+                if k + 1 < L:
+                    touched.add(self.place[k + 1][0])
+            elif code == "R":
+                rend[i][k] = end
+                held[s] += self.act[k] - self.inp[k]
+                remaining += 1  # an extra compute
+            else:
+                if code == "W":
+                    nw[k] += 1
+                    held[s] -= self.act[k]
+                else:
+                    nb[k] += 1
+                    bend[i][k] = end
+                    inflight[s] -= k == self.lowest[s]
+                    if not split:
+                        held[s] -= self.act[k]
+                    if k > 0:
+                        touched.add(self.place[k - 1][0])
+            remaining -= 1
+            for t in touched:
+                push(t)
+            if not heap:
+                for t in range(p):
+                    push(t)
+        return makespan, tuple(tuple(row) for row in orders)
+
+
+# -- local search ------------------------------------------------------------------------------
+
+
+def _neighbours(orders, timeline: Timeline):
+    """The orders one move away from `orders`, the stages that idle most first: a
+    recomputation dropped, or two adjacent computes of a stage swapped (where neither must
+    come first on the stage)."""
+    idle = timeline.idle
+    for stage in sorted(range(len(orders)), key=lambda s: (-idle[s], s)):
+        row = orders[stage]
+        changed = [row[:j] + row[j + 1 :] for j, text in enumerate(row) if text[0] == "R"]
+        for j in range(len(row) - 1):
+            if not _same_thread(row[j], row[j + 1]):
+                changed.append((*row[:j], row[j + 1], row[j], *row[j + 2 :]))
+        for new in changed:
+            yield (*orders[:stage], new, *orders[stage + 1 :])
+
+
+def _same_thread(a: str, b: str) -> bool:
+    """Whether two computes must keep their order on a stage: the same microbatch and chunk,
+    or the same kind on the same chunk (each kind runs its microbatches in order)."""
+    x, y = parse(a), parse(b)
+    if (x.microbatch, x.chunk) == (y.microbatch, y.chunk):
+        return True
+    return type(x) is type(y) and x.chunk == y.chunk

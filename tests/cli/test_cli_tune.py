@@ -1,0 +1,134 @@
+"""`schedcc tune`: ranks schedules over shapes, honours the memory limit, speaks JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from schedcc import CostModel, get_schedule, tune
+from schedcc.cli import main
+
+USER_SCHEDULE = """
+from schedcc import Schedule, Forward, Backward
+
+class AllForwardsFirst(Schedule):
+    name = "all-forwards-first"
+
+    def order(self, stage):
+        yield from (Forward(i) for i in range(self.num_microbatches))
+        yield from (Backward(i) for i in range(self.num_microbatches))
+"""
+
+
+def _json(capsys, *argv):
+    code = main(["tune", *argv, "--format", "json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_ranks_every_registered_schedule(capsys):
+    """Every registered schedule appears once per shape it accepts, fastest per microbatch first;
+    with no -v each is tried at the first two of its own chunks (zb-v at 2 only, never 1)."""
+    code, report = _json(capsys, "-p", "4", "-m", "8,16")
+    assert code == 0
+    names = {row["schedule"] for row in report["ranked"]}
+    assert {"gpipe", "1f1b", "zb-h1", "zb-v"} <= names
+    assert "pipedream-flush" not in names  # aliases are not listed twice
+    times = [row["time_per_microbatch"] for row in report["ranked"]]
+    assert times == sorted(times)
+    tried = {(row["schedule"], row["num_chunks"]) for row in report["ranked"] + report["skipped"]}
+    assert {("zb-v", 2), ("1f1b", 1), ("interleaved-1f1b", 1), ("interleaved-1f1b", 2)} <= tried
+    assert ("zb-v", 1) not in tried
+    assert ("1f1b", 2) not in tried
+
+
+def test_zero_bubble_beats_1f1b_at_equal_memory(capsys):
+    """With F = I = W = 1 and a memory limit of p, ZB-V then ZB-H1 rank above 1F1B."""
+    limit = ["--memory-limit", "4", "--costs", "F=1,B=2,I=1,W=1"]
+    code, report = _json(capsys, "-p", "4", "-m", "8", *limit)
+    assert code == 0
+    order = [row["schedule"] for row in report["ranked"]]
+    assert order.index("zb-v") < order.index("zb-h1") < order.index("1f1b")
+    assert all(row["peak_activations"] <= 4 for row in report["ranked"])
+    assert {row["schedule"] for row in report["over_limit"]} >= {"gpipe"}
+
+
+def test_memory_limit_drops_programs(capsys):
+    """A limit below every program's peak leaves nothing ranked and exits 1 with a message."""
+    code = main(["tune", "-p", "4", "-m", "8", "--memory-limit", "1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "no schedule fits" in out
+    assert "over the memory limit" in out
+
+
+def test_table_lists_per_stage_numbers(capsys):
+    """The table has one row per program with activations and weight versions per stage."""
+    code = main(["tune", "-p", "2", "-m", "4", "-v", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    header, *rows = out.splitlines()
+    assert "act per stage" in header
+    assert "versions per stage" in header
+    onefonebee = next(row for row in rows if " 1f1b " in row)
+    assert "2 1" in onefonebee  # 1F1B's peak activations per stage for p = 2
+
+
+def test_user_schedule_is_ranked(tmp_path, capsys):
+    """A --schedule file:Class joins the ranking under the name it was given."""
+    path = tmp_path / "mine.py"
+    path.write_text(USER_SCHEDULE)
+    spec = f"{path}:AllForwardsFirst"
+    code, report = _json(capsys, "-p", "2", "-m", "4", "--schedule", spec)
+    assert code == 0
+    assert spec in {row["schedule"] for row in report["ranked"]}
+
+
+def test_costs_from_trace(tmp_path, capsys):
+    """--costs-from reads measured durations: every compute 1/100 of the default scales every
+    makespan by 1/100."""
+    events = [
+        {"name": name, "ph": "X", "ts": 0, "dur": dur, "pid": 0, "tid": stage}
+        for stage in range(2)
+        for name, dur in [("F0", 10), ("B0", 20), ("I0", 10), ("W0", 10)]
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(events))
+    _, measured = _json(capsys, "-p", "2", "-m", "4", "--costs-from", str(path))
+    _, unit = _json(capsys, "-p", "2", "-m", "4")
+    mine = {(r["schedule"], r["num_chunks"]): r["makespan"] for r in measured["ranked"]}
+    base = {(r["schedule"], r["num_chunks"]): r["makespan"] for r in unit["ranked"]}
+    assert mine.keys() == base.keys()
+    assert [mine[key] / base[key] for key in base] == pytest.approx([0.01] * len(base))
+
+
+def test_chunks_share_the_stage_cost():
+    """A chunk costs 1/v of a stage: interleaved 1F1B does the same work as 1F1B per stage."""
+    schedules = {"interleaved-1f1b": get_schedule("interleaved-1f1b")}
+    result = tune(schedules, num_stages=2, num_microbatches=4, num_chunks=2, costs=CostModel())
+    (row,) = result.ranked
+    assert row.makespan * (1 - row.bubble) == pytest.approx(12.0, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tune"],
+        ["tune", "-p", "0"],
+        ["tune", "-p", "2", "-m", "8,x"],
+        ["tune", "-p", "2", "--memory-limit", "-1"],
+        ["tune", "-p", "2", "--costs", "F=fast"],
+        ["tune", "-p", "2", "--schedule", "no-such-schedule"],
+        ["tune", "-p", "2", "--costs-from", "/no/such/trace.json"],
+    ],
+)
+def test_bad_input_is_one_line(argv, capsys):
+    """Each bad argument is one readable line on stderr and exit status 2, no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from inside main
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("schedcc tune: error:")
+    assert len(err.splitlines()) == 1

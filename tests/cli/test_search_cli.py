@@ -1,0 +1,155 @@
+"""`schedcc search`: the found order against every built-in, its bound and drawing, the file it
+writes (that `verify` and `show` take), and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import schedcc
+from schedcc import CostModel, get_schedule
+from schedcc.cli import main
+from schedcc.search import FoundOrder, search
+
+
+def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_path, capsys):
+    """The first line names the makespan and the bound, the ranking lists the found order and
+    the built-ins, the drawing has a row per stage; `--out` writes a file `verify` passes."""
+    out = tmp_path / "my_order.py"
+    argv = ["search", "-p", "3", "-m", "4", "--memory-limit", "2", "--recompute"]
+    assert main([*argv, "--time-limit", "3", "--out", str(out), "--class-name", "Mine"]) == 0
+    text = capsys.readouterr().out
+    first = text.splitlines()[0]
+    assert first.startswith("found: p=3 m=4")
+    assert "lower bound" in first
+    assert "(found)" in text
+    assert "1f1b" in text
+    assert "stage 2 |" in text
+    assert f"{out}:Mine" in text
+    cls = get_schedule(f"{out}:Mine")
+    assert issubclass(cls, FoundOrder)
+    p, m, v = cls.shape
+    verify = ["verify", "--schedule", f"{out}:Mine", "-p", str(p), "-m", str(m), "-v", str(v)]
+    assert main(verify) == 0
+
+
+def test_the_found_file_ranks_in_tune(tmp_path, capsys):
+    """`tune --schedule FILE:Found` ranks the written order with the built-ins."""
+    out = tmp_path / "found.py"
+    assert (
+        main(["search", "-p", "2", "-m", "4", "-v", "1", "--time-limit", "2", "--out", str(out)])
+        == 0
+    )
+    capsys.readouterr()
+    code = main(
+        ["tune", "-p", "2", "-m", "4", "-v", "1", "--schedule", f"{out}:Found", "--format", "json"]
+    )
+    assert code == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert any(row["schedule"] == f"{out}:Found" for row in ranked)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["-p", "3", "-m", "4", "--memory-limit", "0.1"], "no order for p=3, m=4 fits"),
+        (["-p", "3", "-m", "4", "-v", "1", "--placement", "v"], "V placement needs"),
+        (["-p", "3", "-m", "4", "--memory-limit", "1GiB"], "--memory-limit 1GiB is in bytes"),
+        (["-p", "3", "-m", "4", "--class-name", "not a name"], "--class-name"),
+        (["-p", "3", "-m", "4", "--time-limit", "0"], "time_limit"),
+    ],
+)
+def test_bad_input_is_one_line(argv, says, capsys):
+    """Each mistake exits 2 with one line on stderr that says what to change."""
+    assert main(["search", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert says in err
+
+
+def test_costs_from_a_trace_of_a_slow_last_stage(tmp_path, capsys):
+    """`--costs-from` reads a measured trace per stage (`CostModel.from_trace`): the bound it
+    prints is that of the measured costs, above the balanced one (the slow last stage shows)."""
+    slow = CostModel(forward=2.0, backward=4.0, backward_input=2.0, backward_weight=2.0)
+    trace = tmp_path / "run.json"
+    program = schedcc.compile(get_schedule("1f1b")(3, 4))
+    schedcc.simulate(program, CostModel(per_stage={2: slow})).to_chrome_trace(trace)
+    argv = ["search", "-p", "3", "-m", "4", "-v", "1", "--backward", "B", "--time-limit", "2"]
+    assert main([*argv, "--costs-from", str(trace)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+
+    def bound(costs):
+        return search(
+            3, 4, num_chunks=1, split_backward=False, costs=costs, max_evaluations=1
+        ).bound
+
+    measured = bound(CostModel.from_trace(trace))
+    assert f"lower bound {measured:g} " in first
+    assert measured > bound(CostModel())
+
+
+def test_run_trains_the_written_file_exactly(tmp_path, capsys):
+    """`schedcc run --schedule FILE:Found` trains the found order on two processes (gloo) and
+    `--check` finds it equal to non-pipelined training."""
+    out = tmp_path / "found.py"
+    assert main(["search", "-p", "2", "-m", "8", "--time-limit", "3", "--out", str(out)]) == 0
+    capsys.readouterr()
+    v = get_schedule(f"{out}:Found").shape[2]
+    argv = ["--schedule", f"{out}:Found", "-p", "2", "-m", "8", "-v", str(v), "--steps", "3"]
+    argv += ["--check", "--model", "mlp", "--p2p", "gloo"]
+    result = subprocess.run(
+        [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Found(p=2, m=8" in result.stdout
+    assert ": ok" in result.stdout
+
+
+def _schedcc_run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
+    """The closed loop: a first run's trace in, `--schedule search --costs-from` searches for
+    its measured costs, prints the simulated step, and trains the found order exactly."""
+    trace = tmp_path / "first.json"
+    first = _schedcc_run("--steps", "2", "--model", "mlp", "--trace", str(trace))
+    assert first.returncode == 0, first.stderr
+    result = _schedcc_run(
+        "--schedule", "search", "--costs-from", str(trace), "--search-time", "2",
+        "--steps", "2", "--model", "mlp", "--check",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"search: simulated step [0-9.]+ ms \(lower bound", result.stdout)
+    assert "Found(p=2, m=8" in result.stdout
+    assert ": ok" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--schedule", "search"], "needs --costs-from TRACE"),
+        (["--schedule", "1f1b", "--costs-from", "t.json"], "goes with --schedule search"),
+    ],
+)
+def test_run_search_mistakes_are_one_line(argv, says, capsys):
+    """`--schedule search` without a trace, or a trace without it: one line, exit 2."""
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert says in err

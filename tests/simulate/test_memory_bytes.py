@@ -1,0 +1,189 @@
+"""Bytes, not just counts: `MemoryModel`, `Timeline.peak_bytes`, `validate(max_bytes=)`, and
+`tune`/`show` under a byte limit; the simulated activation bytes equal the engines' measured ones.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import schedcc
+from schedcc import CostModel, MemoryBoundError, ScheduleConfigError
+from schedcc.backends.local import Engine
+from schedcc.backends.runtime.memory import measure_memory
+from schedcc.cli import main
+from schedcc.memory_model import MemoryModel
+from schedcc.sizes import parse_size
+
+MiB = 2**20
+_WIDTH = 16
+
+
+def _segments(n: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(nn.Linear(_WIDTH, _WIDTH), nn.ReLU(), nn.Linear(_WIDTH, _WIDTH))
+        for _ in range(n)
+    ]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("512MiB", 512 * MiB), ("12GiB", 12 * 2**30), ("1.5 KB", 1500), ("7", 7), (64, 64)],
+)
+def test_sizes_parse_with_units(text, size):
+    """Sizes take B, KB..TB (powers of 1000) and KiB..TiB (powers of 1024), or no unit."""
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["12 parsecs", "-1GiB", "GiB", "", True, float("inf")])
+def test_bad_sizes_are_config_errors(text):
+    """A size that is not a non-negative number with a known unit is a `ScheduleConfigError`."""
+    with pytest.raises(ScheduleConfigError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("2bw", 1)]
+)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_simulated_activation_bytes_equal_the_measured_ones(name, v, recompute):
+    """With a memory model measured on the segments, the simulator's peak activation bytes per
+    stage are exactly what the local engine measures, with and without recomputation."""
+    p, m, size = 3, 6, 4
+    schedule = schedcc.get_schedule(name)(p, m, v)
+    program = schedcc.compile(schedule, recompute=recompute)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (
+        torch.randn(m * size, _WIDTH, generator=gen),
+        torch.randn(m * size, _WIDTH, generator=gen),
+    )
+    memory = measure_memory(_segments(p * v), x[:size], y[:size], nn.functional.mse_loss)
+    engine = Engine(program, _segments(p * v), nn.functional.mse_loss, _sgd)
+    list(engine.train([(x, y)] * schedule.num_batches))
+    timeline = schedcc.simulate(program, CostModel(memory=memory))
+    assert list(timeline.peak_activation_bytes) == engine.peak_activation_bytes
+
+
+def test_measure_memory_counts_parameters_inputs_and_optimizer_state():
+    """Parameters and inputs are their tensors' bytes; Adam keeps two moments per parameter."""
+    segments = [nn.Linear(4, 8), nn.Linear(8, 2)]
+    memory = measure_memory(
+        segments, torch.ones(3, 4), torch.ones(3, 2), nn.functional.mse_loss, torch.optim.Adam
+    )
+    assert memory.parameters == (4 * (4 * 8 + 8), 4 * (8 * 2 + 2))
+    assert memory.inputs == (4 * 3 * 4, 4 * 3 * 8)
+    assert memory.optimizer == tuple(2 * n for n in memory.parameters)
+    assert all(a > 0 for a in memory.activations)
+
+
+def _timeline(name, memory, *, num_batches=1, **compile_args):
+    schedule = schedcc.get_schedule(name)(2, 4, num_batches=num_batches)
+    return schedcc.simulate(schedcc.compile(schedule, **compile_args), CostModel(memory=memory))
+
+
+def test_peak_bytes_count_stashes_shards_and_recompute():
+    """Peak bytes add parameters, gradients and optimizer state to the activations; 2BW holds a
+    stashed copy of the parameters; ZeRO-1 shards the optimizer state and ZeRO-2 also the
+    gradients after each reduce-scatter (ZeRO-3 also the parameters between uses);
+    recomputation holds one microbatch's activations plus kept inputs."""
+    memory = MemoryModel(activations="1MiB", parameters="4MiB", optimizer="8MiB", inputs="0.25MiB")
+    plain = _timeline("1f1b", memory)
+    assert plain.peak_activation_bytes == (2 * MiB, 1 * MiB)
+    assert plain.peak_bytes == ((2 + 4 + 4 + 8) * MiB, (1 + 4 + 4 + 8) * MiB)
+    stashed = _timeline("2bw", memory, num_batches=2)
+    assert stashed.stage_bytes[0].stashed == 4 * MiB
+    zero1 = _timeline("1f1b", memory, data_parallel=2, zero=1)
+    assert zero1.stage_bytes[0].optimizer == 4 * MiB
+    assert zero1.stage_bytes[0].gradients == 4 * MiB
+    assert zero1.stage_bytes[0].parameters == (4 + 2) * MiB  # whole + the stepped shard
+    zero2 = _timeline("1f1b", memory, data_parallel=2, zero=2)
+    assert zero2.stage_bytes[0].gradients == (4 + 2) * MiB  # one backward's whole + the shard
+    zero3 = _timeline("1f1b", memory, data_parallel=2, zero=3)
+    assert zero3.stage_bytes[0].parameters == 4 * MiB  # whole from Unshard to Reshard
+    assert zero3.stage_bytes[0].total < zero2.stage_bytes[0].total
+    recomputed = _timeline("1f1b", memory, recompute=True)
+    assert recomputed.peak_activation_bytes == (1.25 * MiB, 1 * MiB)  # F1's input, then R0
+
+
+def test_bytes_need_a_memory_model():
+    """Asking a timeline for bytes without `CostModel(memory=...)` is a `ScheduleConfigError`,
+    as is a per-segment list of the wrong length."""
+    timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule("1f1b")(2, 4)))
+    with pytest.raises(ScheduleConfigError, match="memory model"):
+        timeline.peak_bytes  # noqa: B018
+    with pytest.raises(ScheduleConfigError, match="3 sizes but the program has 2"):
+        _timeline("1f1b", MemoryModel(activations=[1, 2, 3])).peak_bytes  # noqa: B018
+    with pytest.raises(ScheduleConfigError, match="MemoryModel"):
+        CostModel(memory={"activations": 1})
+
+
+def test_validate_bounds_bytes():
+    """`validate(max_bytes=...)` rejects a program that holds more on a stage, naming where;
+    full recomputation makes the same schedule fit."""
+    memory = MemoryModel(activations="1MiB", parameters="1MiB")
+    program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 8))
+    with pytest.raises(
+        MemoryBoundError, match=r"F4\) makes stage 0 hold 6.00 MiB, over the limit of 5.00 MiB"
+    ):
+        schedcc.validate(program, max_bytes="5MiB", memory=memory)
+    schedcc.validate(program, max_bytes="10MiB", memory=memory)
+    recomputed = schedcc.compile(schedcc.get_schedule("gpipe")(2, 8), recompute=True)
+    schedcc.validate(recomputed, max_bytes="3MiB", memory=memory)
+    with pytest.raises(MemoryBoundError, match=r"R7\) makes stage 0 hold 2.00 MiB"):
+        schedcc.validate(recomputed, max_bytes="1MiB", memory=memory)  # parameters + R7
+    with pytest.raises(MemoryBoundError, match="before any activation"):
+        schedcc.validate(recomputed, max_bytes="0.5MiB", memory=memory)
+    with pytest.raises(ScheduleConfigError, match="needs memory"):
+        schedcc.validate(program, max_bytes="5MiB")
+
+
+def test_tune_ranks_recompute_under_a_byte_limit():
+    """`tune` with a memory model and a byte limit keeps what fits: at a tight limit only
+    recomputed candidates remain, and each candidate reports its peak bytes."""
+    costs = CostModel(memory=MemoryModel(activations="1GiB", parameters="1GiB"))
+    result = schedcc.tune(
+        ["gpipe", "1f1b"],
+        num_stages=4,
+        num_microbatches=8,
+        num_chunks=1,
+        costs=costs,
+        memory_limit="3.5GiB",
+        recompute=(False, True),
+    )
+    assert result.ranked
+    assert all(c.recompute for c in result.ranked)
+    assert all(c.peak_bytes <= 3.5 * 2**30 for c in result.ranked)
+    assert {(c.schedule, c.recompute) for c in result.over_limit} == {
+        ("gpipe", False),
+        ("1f1b", False),
+    }
+
+
+def test_cli_tune_and_show_take_recompute_and_bytes(capsys):
+    """`schedcc tune --recompute --memory ... --memory-limit 11GiB` ranks in bytes; `show
+    --recompute --memory ...` draws the Rs and prints the peak bytes per stage; a byte limit
+    without `--memory` is one line and exit 2."""
+    argv = ["tune", "-p", "4", "-m", "8", "-v", "1", "--schedule", "1f1b", "--recompute"]
+    memory = ["--memory", "act=2GiB,params=1GiB,opt=2GiB", "--memory-limit", "11GiB"]
+    assert main([*argv, *memory, "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    without = {(r["schedule"], r["recompute"]) for r in report["ranked"] if not r["recompute"]}
+    assert without == {("1f1b-offload", False)}  # only offloading fits without recomputing
+    assert all(r["peak_bytes"] <= 11 * 2**30 for r in report["ranked"])
+    assert main(["show", "--schedule", "1f1b", "-p", "2", "-m", "2", "--recompute",
+                 "--memory", "activations=1MiB,parameters=1MiB"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "R0" in out
+    assert "peak bytes per stage [3.00 MiB, 3.00 MiB]" in out
+    assert main(["tune", "-p", "2", "--memory-limit", "11GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "give --memory" in err
+    assert len(err.strip().splitlines()) == 1

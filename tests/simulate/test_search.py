@@ -1,0 +1,233 @@
+"""`schedcc.search`: found orders validate, train exactly, fit their memory limit, match or beat
+the built-ins, stay above their lower bound, and round-trip through the file they print."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import schedcc
+from schedcc import CostModel, MemoryModel, ScheduleConfigError
+from schedcc.backends.local import Engine
+from schedcc.backends.reference import assert_matches_reference
+from schedcc.backends.runtime.memory import measure_memory
+from schedcc.cli import main
+from schedcc.registry import get_schedule
+from schedcc.search import FoundOrder, _Family, lower_bound, search
+from tests._models import batches, make_segments, mse, sgd
+
+
+def _heavy_last(p: int, comm: float) -> CostModel:
+    """Costs with the last stage 1.5x the others (the LM head and the loss) and a comm cost."""
+    last = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=comm)
+    return CostModel(comm=comm, per_stage={p - 1: last})
+
+
+@functools.cache
+def _found(p, m, chunks, split, limit=None, comm=None):
+    """A search at a shape (cached: several tests read one result); a fixed budget of
+    evaluations so it finds the same order on every machine."""
+    costs = CostModel() if comm is None else _heavy_last(p, comm)
+    return search(
+        p,
+        m,
+        num_chunks=chunks,
+        split_backward=split,
+        costs=costs,
+        memory_limit=limit,
+        recompute=limit is not None,
+        time_limit=120,
+        max_evaluations=150,
+    )
+
+
+def _best_builtin(p, m, costs, limit, split=(False, True)):
+    """The fastest built-in time (any v, with or without recomputation) within `limit`."""
+    ranked = schedcc.tune(
+        num_stages=p,
+        num_microbatches=m,
+        num_chunks=(1, 2),
+        costs=costs,
+        memory_limit=limit,
+        recompute=(False, True),
+    ).ranked
+    return min(c.makespan for c in ranked)
+
+
+SEARCHES = [
+    (3, 4, 1, False, None, None),
+    (4, 8, 1, True, None, None),
+    (3, 6, 2, True, None, None),
+    (4, 8, (1, 2), (False, True), 2, 0.05),
+    (4, 8, 1, False, 2, None),
+]
+
+
+@pytest.mark.parametrize("args", SEARCHES, ids=str)
+def test_found_orders_train_exactly(args):
+    """Every found order compiles (the validator proves it) and trains a float64 model exactly
+    as non-pipelined training does, on the local engine, over two batches."""
+    result = _found(*args)
+    schedule = type(result.schedule)(*result.schedule.shape, num_batches=2)
+    program = schedcc.compile(schedule)
+    rows = schedule.num_microbatches * 2
+    difference = assert_matches_reference(
+        program, make_segments(schedule.num_segments), mse, sgd, batches(2, rows), atol=1e-10
+    )
+    assert difference <= 1e-10
+
+
+def test_found_order_holds_no_more_measured_bytes_than_the_limit():
+    """Under a byte limit of half 1F1B's measured activation bytes, the local engine measures
+    at most the limit on every stage while training with the found order."""
+    p, m, size, width = 4, 8, 2, 16
+    torch.manual_seed(0)
+    segments = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(p)]
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(m * size, width, generator=gen), torch.randn(m * size, width, generator=gen)
+    measured = measure_memory(segments, x[:size], y[:size], nn.functional.mse_loss)
+    memory = MemoryModel(activations=measured.activations, inputs=measured.inputs)
+    one_f_one_b = schedcc.simulate(
+        schedcc.compile(get_schedule("1f1b")(p, m)), CostModel(memory=memory)
+    )
+    limit = max(one_f_one_b.peak_activation_bytes) / 2
+    result = search(
+        p, m, num_chunks=1, memory=memory, memory_limit=limit, recompute=True, max_evaluations=80
+    )
+    engine = Engine(result.program, segments, nn.functional.mse_loss, sgd)
+    list(engine.train([(x, y)]))
+    assert max(engine.peak_activation_bytes) <= limit
+    assert max(result.peak_bytes) <= limit
+
+
+def test_balanced_search_matches_1f1b_and_zb_h1():
+    """Balanced costs, p=4, m=8: no slower than 1F1B with F/B, none slower than ZB-H1 with
+    F/I/W."""
+    simulate = schedcc.simulate
+    one_f_one_b = simulate(schedcc.compile(get_schedule("1f1b")(4, 8))).makespan
+    zb_h1 = simulate(schedcc.compile(get_schedule("zb-h1")(4, 8))).makespan
+    assert _found(4, 8, 1, False).makespan <= one_f_one_b
+    assert _found(4, 8, 1, True).makespan <= zb_h1
+
+
+@pytest.mark.parametrize("comm", [0.05, 1.0])
+def test_heavy_last_stage_is_no_slower_than_any_builtin_in_1f1b_memory(comm):
+    """A 1.5x last stage and comm 0.05F or 1F, limited to 1F1B's activations (p microbatches):
+    the found order is no slower than every built-in that fits, recomputing or not."""
+    p, m = 4, 8
+    found = _found(p, m, (1, 2), (False, True), p, comm)
+    assert found.makespan <= _best_builtin(p, m, _heavy_last(p, comm), p) + 1e-9
+    assert max(found.peak_activations) <= p
+
+
+def test_half_the_activations_beats_1f1b_with_full_recomputation():
+    """At half 1F1B's activations the found order fits and is faster than 1F1B recomputing
+    every forward (selective recomputation placed in the bubbles)."""
+    p, m = 4, 8
+    found = _found(p, m, 1, False, p // 2)
+    recomputing = schedcc.simulate(
+        schedcc.compile(get_schedule("1f1b")(p, m), recompute=True)
+    ).makespan
+    assert max(found.peak_activations) <= p // 2
+    assert found.makespan < recomputing
+
+
+def test_the_written_file_round_trips(tmp_path, capsys):
+    """`to_python` writes a file whose class `verify` and `show` take, that replays the same
+    program, and from which a second search finds nothing faster."""
+    result = _found(3, 6, 2, True)
+    path = tmp_path / "my_order.py"
+    path.write_text(result.to_python())
+    cls = get_schedule(f"{path}:Found")
+    assert issubclass(cls, FoundOrder)
+    replayed = schedcc.compile(cls(3, 6, 2))
+    assert replayed.to_text() == result.program.to_text()
+    assert main(["verify", "--schedule", f"{path}:Found", "-p", "3", "-m", "6", "-v", "2"]) == 0
+    assert main(["show", "--schedule", f"{path}:Found", "-p", "3", "-m", "6", "-v", "2"]) == 0
+    assert "F0" in capsys.readouterr().out
+    again = search(
+        3,
+        6,
+        num_chunks=2,
+        split_backward=True,
+        start=[cls],
+        builtins=False,
+        time_limit=120,
+        max_evaluations=400,
+    )
+    assert again.makespan == result.makespan
+
+
+def test_a_found_class_refuses_other_shapes():
+    """The replayed order belongs to its shape; another is a `ScheduleConfigError` naming it."""
+    cls = type(_found(3, 4, 1, False).schedule)
+    with pytest.raises(ScheduleConfigError, match="p=3, m=4, v=1"):
+        cls(4, 4, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_chunks": 3},
+        {"placement": "wave"},
+        {"time_limit": 0},
+        {"memory_limit": -1},
+        {"memory_limit": [1, 2]},
+        {"costs": "F=1"},
+        {"start": ["1f1b"]},
+        {"placement": "v", "num_chunks": 1},
+        {"data_parallel": 0},
+        {"zero": 4},
+        {"max_evaluations": 0},
+    ],
+    ids=str,
+)
+def test_bad_arguments_are_config_errors(kwargs):
+    """Each bad argument is a `ScheduleConfigError` that names it."""
+    with pytest.raises(ScheduleConfigError, match="search"):
+        search(4, 8, **kwargs)
+
+
+def test_an_impossible_limit_says_so():
+    """A limit below one microbatch of every stage: no order fits, and the error says how far
+    the leanest one was."""
+    with pytest.raises(ScheduleConfigError, match=r"no order .* fits the memory limit"):
+        search(3, 4, num_chunks=1, memory_limit=0.2, recompute=False, max_evaluations=40)
+
+
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 6),
+    chunks=st.sampled_from([1, 2, (1, 2)]),
+    split=st.booleans(),
+    last=st.floats(0.5, 2.0),
+    comm=st.sampled_from([0.0, 0.1, 1.0]),
+)
+def test_random_searches_validate_and_stay_above_the_bound(p, m, chunks, split, last, comm):
+    """Random small shapes and costs: the found order validates again from its class, its
+    makespan is the simulator's, and it is never below the lower bound."""
+    costs = CostModel(
+        comm=comm,
+        per_stage={p - 1: CostModel(forward=last, backward=2 * last, comm=comm)},
+    )
+    result = search(p, m, num_chunks=chunks, split_backward=split, costs=costs, max_evaluations=25)
+    cls = type(result.schedule)
+    program = schedcc.compile(cls(*cls.shape))
+    assert schedcc.simulate(program, result.timeline.costs).makespan == result.makespan
+    assert result.makespan >= result.bound - 1e-9
+    chunks = (chunks,) if isinstance(chunks, int) else chunks
+    searched = min(
+        lower_bound(p, m, costs, _Family(v, vshape, split))
+        for v in chunks
+        for vshape in (False, True)
+        if not vshape or (v == 2 and p >= 2)
+    )
+    if any("+" in row for row in cls.orders):  # DualPipe's overlapped pairs cost less
+        assert result.bound <= searched + 1e-9
+    else:
+        assert result.bound == pytest.approx(searched)
