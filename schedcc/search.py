@@ -80,7 +80,7 @@ class FoundOrder(Schedule):
     >>> class Mine(FoundOrder):
     ...     shape = (2, 2, 1)
     ...     orders = ("F0 F1 B0 B1", "F0 B0 F1 B1")
-    >>> [str(op) for op in Mine(2, 2, num_batches=2).steps(1)]
+    >>> [str(op) for op in Mine(2, 2, num_batches=2).order(1)]
     ['F0', 'B0', 'F1', 'B1', 'F2', 'B2', 'F3', 'B3']
     """
 

@@ -16,7 +16,7 @@ A `ReduceTied` is a collective: it starts once every member of it has reached it
 rendezvous model ([Note: tied collectives] in `schedcc.semantics.collectives`). An overlapped pair
 (`F3.1 +B1`, [Note: overlapped pairs] in `schedcc.rules.overlap`) starts once the inputs of both
 have arrived, and the forward's output leaves at the pair's end, as the compiler's sends do. An
-`Offload` or `Reload` runs on its stage's copy lane, as in the step model's walk ([Note:
+`Offload` or `Reload` runs on its stage's copy lane, as in the rendezvous model's walk ([Note:
 offloading] in `schedcc.rules.offload`): the stage goes on at once, and a backward piece starts
 no earlier than its reload ends.
 """
