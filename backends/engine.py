@@ -390,7 +390,7 @@ class BaseEngine(abc.ABC):
         """Steps skipped because some gradient was inf or NaN (on any stage or replica): every
         rank skipped them alike, leaving weights and optimizer state unchanged. Needs a program
         with `GradNorm`; without one, no step is ever skipped."""
-        return self._runtimes()[0].skipped_steps
+        return self._runtimes()[0].state.skipped_steps
 
     @property
     def loss_scale(self) -> float | None:
@@ -429,7 +429,7 @@ class BaseEngine(abc.ABC):
             yield
         finally:
             for runtime in self._all_runtimes():
-                runtime.release_all()
+                runtime.state.release_all()
 
     def state_dict(self, *, everywhere: bool = True) -> dict[str, Any] | None:
         """The whole model's state dict: every segment's parameters and buffers, whole (ZeRO-3
@@ -496,7 +496,7 @@ class BaseEngine(abc.ABC):
     def _unshard_all(self) -> None:
         """ZeRO-3: make every held runtime's parameters whole (`unsharded`)."""
         for runtime in self._all_runtimes():
-            runtime.unshard_all()
+            runtime.state.unshard_all()
 
 
 # -- arguments ----------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ class Engine(BaseEngine):
         files = {}
         for r, runtimes in enumerate(self.runtimes):
             for s, runtime in enumerate(runtimes):
-                state = runtime.state_dict()
+                state = runtime.state.state_dict()
                 state["rng"] = rng_state()
                 files[shard_name(s, r)] = write_shard(path, shard_name(s, r), state)
         return write_manifest(path, self._meta(), self.steps, files)
@@ -257,10 +257,10 @@ class Engine(BaseEngine):
             states, rng = saved, saved[0][0]["rng"]
         for runtimes in self.runtimes:
             for s, runtime in enumerate(runtimes):
-                runtime.check_state(states[s])
+                runtime.state.check_state(states[s])
         for runtimes in self.runtimes:
             for s, runtime in enumerate(runtimes):
-                runtime.load_state_dict(states[s])
+                runtime.state.load_state_dict(states[s])
         set_rng_state(rng)
         self.steps = manifest["step"]
 
@@ -297,9 +297,9 @@ class Engine(BaseEngine):
         # every replica is here: concatenate their shards instead of meeting in a collective
         for s in range(self.program.num_stages):
             replicas = [runtimes[s] for runtimes in self.runtimes]
-            full = [torch.cat(shards) for shards in zip(*(rt.shards for rt in replicas))]
+            full = [torch.cat(shards) for shards in zip(*(rt.state.shards for rt in replicas))]
             for rt in replicas:
-                rt.unshard_all([flat.clone() for flat in full])
+                rt.state.unshard_all([flat.clone() for flat in full])
 
     def _prepare(
         self, group: list[Any], first: int, sizes: list[tuple[int, ...]] | None = None
@@ -401,7 +401,10 @@ class Engine(BaseEngine):
         out = []
         for group in groups:
             held = [
-                [[rec[b] for b in group if b in rec] for rec in (rs[s].loss_records for s in lasts)]
+                [
+                    [rec[b] for b in group if b in rec]
+                    for rec in (rs[s].book.records() for s in lasts)
+                ]
                 for rs in self.runtimes
             ]
 

@@ -158,12 +158,12 @@ def runtime_shard(
         stage=stage,
         segments=[schedule.segment_of(stage, c) for c in range(len(runtime.modules))],
         modules=runtime.modules,
-        kinds=runtime.tensor_kinds(),
+        kinds=runtime.state.tensor_kinds(),
         names=names,
         optimizer=runtime.optimizer,
     )
     try:
-        runtime.check_state([shard])
+        runtime.state.check_state([shard])
     except CheckpointError as exc:
         raise CheckpointError(
             f"checkpoint {directory}, taken by name for stage {stage}: {exc}"

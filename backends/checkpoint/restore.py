@@ -1,6 +1,6 @@
-"""Restoring a `StageRuntime` from a checkpoint: does every saved shard fit, and its optimizer.
+"""Restoring a `StageState` from a checkpoint: does every saved shard fit, and its optimizer.
 
-A checkpoint keeps, per data-parallel rank of a stage, what `StageRuntime.state_dict` returns and
+A checkpoint keeps, per data-parallel rank of a stage, what `StageState.state_dict` returns and
 the RNG states. `check_saved` is the first phase of [Note: refuse before changing anything] (in
 `backends.checkpoint.files`): it checks everything loading relies on, so that loading cannot fail
 half-way —
@@ -46,7 +46,7 @@ from schedcc.errors import CheckpointError
 
 if TYPE_CHECKING:
     from schedcc.backends.runtime.clipping import LossScaler
-    from schedcc.backends.runtime.stage import StageRuntime
+    from schedcc.backends.runtime.stage_state import StageState
     from schedcc.backends.runtime.tied import StageTies
     from schedcc.backends.runtime.zero import Reducer
 
@@ -60,11 +60,12 @@ __all__ = [
 ]
 
 
-def check_saved(runtime: StageRuntime, saved: Sequence[dict[str, Any]]) -> None:
+def check_saved(runtime: StageState, saved: Sequence[dict[str, Any]]) -> None:
     """Raise `CheckpointError` unless `saved` (every old data-parallel rank's shard of this
-    stage, in rank order, as read) fits `runtime` whole; nothing is changed either way.
+    stage, in rank order, as read) fits `runtime` (the stage's `StageState`) whole; nothing is
+    changed either way.
 
-    Under ZeRO-3 call it with the runtime's placeholders in place (`Reducer.placeholders`):
+    Under ZeRO-3 call it with the stage's placeholders in place (`Reducer.placeholders`):
     the tensors are checked against the whole parameters' shapes."""
     stage, modules = runtime.stage, runtime.modules
     schedule = runtime.program.schedule

@@ -1,6 +1,6 @@
 """The schema of a checkpoint shard: every field a shard holds, its type and its range.
 
-A shard file holds what `StageRuntime.state_dict` returns and the RNG states the engines add
+A shard file holds what `StageState.state_dict` returns and the RNG states the engines add
 (`backends.checkpoint.state`). `check_shard` checks one shard against the table `SHARD` (and,
 under ZeRO-3, `ZERO3`) field by field; `check_stage_shards` checks that a stage's shards agree
 where every data-parallel rank records the same thing. Both are the model-free part of the first

@@ -608,7 +608,7 @@ class Engine(BaseEngine):
         disk, so a crash mid-save leaves the previous checkpoint the newest complete one. The
         directory must be one all ranks can reach (a shared filesystem across nodes).
         """
-        state = self.runtime.state_dict()
+        state = self.runtime.state.state_dict()
         state["rng"] = rng_state()
         name = shard_name(self.stage, self.data_parallel.rank, self.tp_rank)
         entry = write_shard(path, name, state)
@@ -653,7 +653,7 @@ class Engine(BaseEngine):
         first = next((text for text in problems if text), None)
         if first is not None:
             raise CheckpointError(first)
-        self.runtime.load_state_dict(saved)
+        self.runtime.state.load_state_dict(saved)
         set_rng_state(rng)
         self.steps = manifest["step"]
 
@@ -677,7 +677,7 @@ class Engine(BaseEngine):
             path, self.program, [self.stage], tp_rank=self.tp_rank, manifest=manifest
         )
         saved = states[self.stage]
-        self.runtime.check_state(saved)
+        self.runtime.state.check_state(saved)
         return manifest, saved, saved[min(self.data_parallel.rank, len(saved) - 1)]["rng"]
 
     def _own_keys(self) -> dict[int, list[str]]:
@@ -720,7 +720,7 @@ class Engine(BaseEngine):
 
     def _unshard_all(self) -> None:
         with self._collective("gathering the ZeRO-3 parameter shards", self.dp_group):
-            self.runtime.unshard_all()
+            self.runtime.state.unshard_all()
 
     def _update(self, op: Instruction) -> None:
         try:
@@ -741,7 +741,7 @@ class Engine(BaseEngine):
         `whole`: of all `count` batches as one (the forward-only program's batch). The sums are
         added and reduced on the device and read once ([Note: host syncs])."""
         last = self._holds(self._layout.lasts)
-        records = self.runtime.device_loss_records if last else {}
+        records = self.runtime.book.device_records() if last else {}
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
         names = sorted(next(iter(records.values()))[2]) if records else []
         zero = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -285,6 +285,16 @@ class LossBook:
             for b, (_, _, parts) in device.items()
         }
 
+    def losses(self) -> dict[int, float]:
+        """`losses[batch]`: the batch's loss on this replica (last stage only): the mean of its
+        microbatches' losses, or its summed loss over its count.
+
+        The microbatch losses stay tensors until read here, so a forward never waits for the
+        device to hand a number back (no sync per microbatch on CUDA).
+        """
+        records = self.records()
+        return {b: r.total / r.count if r.count else float("nan") for b, r in records.items()}
+
 
 def _times(value: torch.Tensor, size: int | None) -> torch.Tensor:
     """A recorded loss: `value`, times its microbatch's size given unequal microbatches."""

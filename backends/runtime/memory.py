@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from schedcc.backends.runtime.optimizers import build_optimizer
 from schedcc.backends.runtime.values import flatten
 from schedcc.errors import call_user, name_of
 from schedcc.memory_model import MemoryModel
@@ -198,8 +199,6 @@ def _optimizer_bytes(params: list[torch.Tensor], optimizer) -> int:
         return 0
     for p in trained:
         p.grad = torch.zeros_like(p)
-    from schedcc.backends.runtime.stage import build_optimizer  # stage imports this module
-
     opt = build_optimizer(optimizer, trained)
     opt.step()
     return sum(

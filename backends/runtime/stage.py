@@ -6,8 +6,10 @@ messages to send from `outgoing` (a boundary value as flat tensors, spec and met
 dispatches through a table of one short handler per instruction. Data parallelism reaches the
 runtime through a `Collectives` object (all-reduce, reduce-scatter, all-gather over this stage's
 data-parallel group; `backends.runtime.collectives`). What a handler needs beyond a few lines
-lives in the modules beside this one (docs/design.md lists them), and checkpoint state in
-`backends.checkpoint`.
+lives in the modules beside this one (docs/design.md lists them): applying a segment in
+`backends.runtime.forwards`, what the stage keeps between runs (checkpoint state, ZeRO-3's whole
+parameters) in `backends.runtime.stage_state`, the optimizer's builders in
+`backends.runtime.optimizers`.
 
 [Note: what the runtime keeps] Per (microbatch, chunk): the input value of the segment (received,
 handed over from a segment on this stage, or the microbatch itself on segment 0; `ports`), the
@@ -39,25 +41,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from schedcc.backends.checkpoint.restore import check_saved, load_stage
-from schedcc.backends.checkpoint.sharded import whole_states
-from schedcc.backends.checkpoint.state import stage_state
-from schedcc.backends.runtime.boundary import Message, activation, grad_roots, gradients
-from schedcc.backends.runtime.carries import Carries, call_part
+from schedcc.backends.runtime.boundary import Message, grad_roots, gradients
+from schedcc.backends.runtime.carries import Carries
 from schedcc.backends.runtime.clipping import LossScaler, StageNorm
 from schedcc.backends.runtime.collectives import Collectives, SoloCollectives
+from schedcc.backends.runtime.forwards import SegmentForwards
 from schedcc.backends.runtime.grads import full_backward, weight_backward
 from schedcc.backends.runtime.graphs import Graph, Graphs
 from schedcc.backends.runtime.handlers import Handlers
-from schedcc.backends.runtime.losses import (
-    LossBook,
-    LossRecord,
-    StageCounts,
-    call_loss,
-    up_front_count,
-)
-from schedcc.backends.runtime.memory import SavedBytes, signature
-from schedcc.backends.runtime.offload import CopyLane, OffloadedSaved
+from schedcc.backends.runtime.losses import LossBook, StageCounts, up_front_count
+from schedcc.backends.runtime.offload import CopyLane
+from schedcc.backends.runtime.optimizers import build_lr_scheduler, build_optimizer
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
 from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
@@ -66,10 +60,11 @@ from schedcc.backends.runtime.segment_calls import (
     check_compile,
     check_recompute_layers,
 )
+from schedcc.backends.runtime.stage_state import StageState
 from schedcc.backends.runtime.tied import StageTies
 from schedcc.backends.runtime.versions import WeightVersions
 from schedcc.backends.runtime.zero import BUCKET_BYTES, Reducer
-from schedcc.errors import RuntimeInstructionError, ScheduleConfigError, call_user, name_of
+from schedcc.errors import RuntimeInstructionError, ScheduleConfigError
 from schedcc.ir import (
     COMPUTE,
     Backward,
@@ -94,7 +89,7 @@ from schedcc.semantics import recomputed
 if TYPE_CHECKING:
     from schedcc.program import Program
 
-__all__ = ["StageRuntime", "build_lr_scheduler", "build_optimizer"]
+__all__ = ["StageRuntime"]
 
 
 class StageRuntime:
@@ -123,7 +118,8 @@ class StageRuntime:
         bucket_bytes: about how many bytes of gradients each launched data-parallel reduction
             carries ([Note: contiguous gradient buckets] in `backends.runtime.zero`).
         lr_scheduler: `lr_scheduler(optimizer) -> LRScheduler` over the stage's optimizer,
-            stepped after each optimizer step that is not skipped (`build_lr_scheduler`).
+            stepped after each optimizer step that is not skipped (`build_lr_scheduler` in
+            `backends.runtime.optimizers`).
         recompute_layers, compile: how each segment is applied (`check_recompute_layers`,
             `check_compile` and `SegmentCall` in `backends.runtime.segment_calls`).
 
@@ -254,26 +250,30 @@ class StageRuntime:
             device=device or torch.device("cpu"),
         )
         self._norm_reduce = norm_reduce
-        #: steps skipped because the gradients were not finite
-        self.skipped_steps = 0
+        #: what the stage keeps between runs: its checkpoint state and skipped steps, ZeRO-3's
+        #: whole parameters (`backends.runtime.stage_state`)
+        self.state = StageState(
+            program,
+            stage,
+            self.modules,
+            self.optimizer,
+            self._reducer,
+            ties=ties,
+            scaler=scaler,
+            lr_scheduler=self.lr_scheduler,
+            collectives=self.collectives,
+        )
         #: what forwards leave for their backwards, and the activation bytes it holds
         self._graphs = Graphs(stage)
         #: the (microbatch, chunk) whose forwards keep only their input ([Note: recomputation])
         self._recomputed = recomputed(program.stages[stage])
-        #: the (microbatch, chunk) whose forwards' saved tensors move to the host and back
-        #: ([Note: offloading in the runtime] in `backends.runtime.offload`)
-        self._offloaded = {
-            (op.microbatch, op.chunk) for op in program.stages[stage] if type(op) is Offload
-        }
         self._copies = CopyLane()
         self._device = device
-        #: bytes a forward saves, by signature: kept across runs ([Note: activation bytes are
-        #: measured once])
-        self._saved_bytes = SavedBytes()
-        #: a run's losses, and each batch's count ([Note: the count divides at the step])
-        self._book = LossBook.of(self._layout, self._m, self.collectives.size)
+        #: a run's losses (`losses`, `records`, `device_records`: `backends.runtime.losses`),
+        #: and each batch's count ([Note: the count divides at the step])
+        self.book = LossBook.of(self._layout, self._m, self.collectives.size)
         self._counts = StageCounts(
-            self._book,
+            self.book,
             program,
             self._layout,
             self._segment,
@@ -285,6 +285,23 @@ class StageRuntime:
         #: sequence parts' carries between the forwards of a segment ([Note: sequence parts])
         self._parts = schedule.num_parts
         self._carries = Carries(stage, self._parts)
+        #: how the stage applies its segments (`backends.runtime.forwards`)
+        self._forwards = SegmentForwards(
+            self.modules,
+            self._calls,
+            program.stages[stage],
+            layout=self._layout,
+            precision=self.precision,
+            norm=self.norm,
+            loss_fn=loss_fn,
+            book=self.book,
+            counts=self._counts,
+            ports=self._ports,
+            carries=self._carries,
+            num_microbatches=self._m,
+            stashed=self._delay > 0,
+            shadowed=self._shadowed,
+        )
         self.reset()
 
     # -- the backend's side ---------------------------------------------------------------------
@@ -298,8 +315,9 @@ class StageRuntime:
         """
         self.forward_only = forward_only
         self.handlers.training = not forward_only  # no pair to hold a forward back for
+        self._forwards.training = not forward_only
         self._graphs.reset()
-        self._book.reset()
+        self.book.reset()
         self._ports.reset()
         self._carries.reset()
         #: forward-only runs: the last segment's output per microbatch, where no targets came
@@ -307,48 +325,27 @@ class StageRuntime:
         self._versions = WeightVersions(self.program, self.stage, self._views)
         self._reducer.reset()
 
+    # -- activation bytes, owned by `graphs` ----------------------------------------------------
+
     @property
     def activation_bytes(self) -> int:
-        """Bytes of saved activations held now (saved-tensor hooks; `backends.runtime.graphs`)."""
+        """Bytes of saved activations held now (`Graphs.num_bytes`)."""
         return self._graphs.num_bytes
 
     @property
     def peak_activation_bytes(self) -> int:
-        """The most `activation_bytes` ever was."""
+        """The most `activation_bytes` ever was (`Graphs.peak`)."""
         return self._graphs.peak
 
     @property
     def host_activation_bytes(self) -> int:
-        """Bytes of saved activations held on the host now (offloaded; `activation_bytes`
-        counts the device only)."""
+        """Bytes of saved activations held on the host now (`Graphs.host_bytes`)."""
         return self._graphs.host_bytes
 
     @property
     def peak_host_activation_bytes(self) -> int:
-        """The most `host_activation_bytes` ever was."""
+        """The most `host_activation_bytes` ever was (`Graphs.peak_host`)."""
         return self._graphs.peak_host
-
-    @property
-    def losses(self) -> dict[int, float]:
-        """`losses[batch]`: the batch's loss on this replica (last stage only): the mean of its
-        microbatches' losses, or its summed loss over its count (`backends.runtime.losses`).
-
-        The microbatch losses stay tensors until read here, so a forward never waits for the
-        device to hand a number back (no sync per microbatch on CUDA).
-        """
-        return {
-            b: r.total / r.count if r.count else float("nan") for b, r in self.loss_records.items()
-        }
-
-    @property
-    def loss_records(self) -> dict[int, LossRecord]:
-        """Per batch of the run, this replica's `LossRecord` (last stage only)."""
-        return self._book.records()
-
-    @property
-    def device_loss_records(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, dict]]:
-        """`loss_records` as float64 tensors on the device, unread (`LossBook.device_records`)."""
-        return self._book.device_records()
 
     def load_batch(
         self,
@@ -367,7 +364,7 @@ class StageRuntime:
         """
         self._ports.load_batch(batch, inputs, targets)
         if sizes is not None:
-            self._book.sized(batch, sizes)
+            self.book.sized(batch, sizes)
 
     def run(self, op: Instruction) -> None:
         """Execute a compute or update instruction."""
@@ -396,84 +393,6 @@ class StageRuntime:
         value, whose floating tensors then all take a gradient)."""
         self._ports.incoming(op, message)
 
-    # -- ZeRO-3 between runs ---------------------------------------------------------------------
-
-    @property
-    def shards(self) -> list[torch.Tensor]:
-        """Under ZeRO, this rank's flat shard of each chunk's parameters (what the optimizer
-        steps); empty otherwise."""
-        return [shard.detach() for shard in self._reducer.shards]
-
-    def unshard_all(self, full: Sequence[torch.Tensor] | None = None) -> None:
-        """ZeRO-3: make every chunk's parameters whole (`full[c]`: chunk c's shards of every
-        rank concatenated in rank order, when the caller has them; `Reducer.unshard_all`)."""
-        self._reducer.unshard_all(full)
-
-    def release_all(self) -> None:
-        """ZeRO-3: release every chunk's whole parameters again (only the shards stay)."""
-        self._reducer.release_all()
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this stage between runs (`backends.checkpoint.state`)."""
-        scaler = self.norm.scaler
-        return stage_state(
-            self.modules,
-            self.optimizer,
-            self._reducer,
-            stage=self.stage,
-            segments=self._segment,
-            zero=self._zero,
-            rank=self.collectives.rank,
-            size=self.collectives.size,
-            skipped_steps=self.skipped_steps,
-            loss_scale=scaler.state_dict() if scaler is not None else None,
-            lr_scheduler=self.lr_scheduler,
-        )
-
-    def tensor_kinds(self) -> list[dict[str, tuple[torch.Size, torch.dtype]]]:
-        """Per chunk, each tensor of its module state's whole shape and dtype (under ZeRO-3
-        too, where the modules hold only shards between runs)."""
-        with self._reducer.placeholders():
-            return [
-                {
-                    key: (value.shape, value.dtype)
-                    for key, value in module.state_dict().items()
-                    if isinstance(value, torch.Tensor)
-                }
-                for module in self.modules
-            ]
-
-    def check_state(self, saved: Sequence[dict[str, Any]]) -> None:
-        """Raise `CheckpointError` unless `saved` (every old rank's state, in rank order) fits
-        whole, so that `load_state_dict` cannot fail half-way; nothing is changed."""
-        with self._reducer.placeholders():  # ZeRO-3: checked against the whole shapes
-            check_saved(self, saved)
-
-    def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
-        """Restore from every old data-parallel rank's state of this stage (in rank order).
-
-        The old layout may differ in data-parallel degree or ZeRO: the optimizer state is
-        re-sharded (exact for elementwise optimizers such as SGD and Adam).
-        """
-        self.check_state(saved)
-        saved = whole_states(saved)
-        coll = self.collectives
-        load_stage(
-            saved,
-            self.modules,
-            self.optimizer,
-            self._reducer,
-            ties=self.ties,
-            scaler=self.norm.scaler,
-            lr_scheduler=self.lr_scheduler,
-            zero=self._zero,
-            rank=coll.rank,
-            size=coll.size,
-        )
-        self.skipped_steps = saved[0]["skipped_steps"]
-
     # -- compute --------------------------------------------------------------------------------
 
     def _forward(self, op: Forward) -> None:
@@ -486,23 +405,24 @@ class StageRuntime:
             with torch.no_grad():
                 params = dict(self._views[c].named_parameters())
                 if self._parts > 1:
-                    out, carry = self._apply_part(c, k, params, value, self._carries.take(i, c)[0])
+                    carry = self._carries.take(i, c)[0]
+                    out, carry = self._forwards.apply_part(c, k, params, value, carry)
                     self._carries.hand_on(i, c, k, carry)
                 else:
-                    out = self._apply(c, k, params, value)
+                    out = self._forwards.apply(c, k, params, value)
             if self._layout.is_last(k) and not self._ports.has_targets(i):
                 self.outputs[i] = out
             else:
-                self._deliver(i, c, k, out)
+                self._forwards.deliver(i, c, k, out)
             return
         params = self._versions.params_for(c, self._versions.version_of(i))
         if (i, c) in self._recomputed:  # keeps only its input: [Note: recomputation]
             rng = RngState.of(params.values(), value)
             with keeping_nothing():  # the loss is recorded here; the R only rebuilds the graph
-                self._deliver(i, c, k, self._apply(c, k, params, value))
+                self._forwards.deliver(i, c, k, self._forwards.apply(c, k, params, value))
             self._graphs.keep(i, c, KeptInput(value, leaves, params, rng))
             return
-        graph, message = self._run_segment(c, k, i, value, leaves, params)
+        graph, message = self._forwards.run_segment(c, k, i, value, leaves, params)
         self._graphs.hold(i, c, graph)
         if message is not None:
             self._ports.hand_on(i, c, k, message)
@@ -511,90 +431,10 @@ class StageRuntime:
         i, c = op.microbatch, op.chunk
         kept = self._graphs.take_kept(op)
         with replaying(kept.rng):
-            graph, _ = self._run_segment(
+            graph, _ = self._forwards.run_segment(
                 c, self._segment[c], i, kept.value, kept.leaves, kept.params, record=False
             )
         self._graphs.hold(i, c, graph, replacing=kept)
-
-    def _run_segment(
-        self, c, k, i, value, leaves, params, *, record: bool = True
-    ) -> tuple[Graph, Message | None]:
-        sent: list[Message] = []
-        carry, carry_leaves = self._carries.take(i, c) if self._parts > 1 else (None, [])
-        carry_roots: list[torch.Tensor] = []
-
-        def forward() -> list[torch.Tensor]:
-            if self._parts > 1:  # [Note: the parts' calling convention]
-                out, carried = self._apply_part(c, k, params, value, carry)
-                carry_roots.extend(self._carries.hand_on(i, c, k, carried))
-            else:
-                out = self._apply(c, k, params, value)
-            if self._layout.is_last(k):
-                return [self._loss(i, out, record=record), *carry_roots]
-            message, roots = activation(out, segment=k)
-            sent.append(message)
-            return roots + carry_roots
-
-        target = self._ports.target(i) if self._layout.is_last(k) else None
-        called = (value, carry) if self._parts > 1 else value
-        key = signature(c, called, target, training=self.modules[c].training)
-        saved = OffloadedSaved(params.values()) if record and (i, c) in self._offloaded else None
-        saving = (saved.pack, saved.unpack) if saved is not None else None
-        roots, num_bytes = self._saved_bytes.run(key, params.values(), forward, saving=saving)
-        graph = Graph(roots, leaves + carry_leaves, list(params.values()), num_bytes, saved)
-        graph.carried = (len(carry_roots), len(carry_leaves))
-        return graph, (sent[0] if sent else None)
-
-    def _apply(self, c: int, k: int, params, value: Any) -> Any:
-        """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
-        on = params if self._delay or self.modules[c] in self._shadowed else None  # stashed or tied
-        with self.precision.compute():
-            out = call_user(self._name(c, k), lambda: self._calls[c](value, on), passing=_LOST_PEER)
-        return self.precision.boundary(out, last=self._layout.is_last(k))
-
-    def _apply_part(self, c: int, k: int, params, value: Any, carry: Any) -> tuple[Any, Any]:
-        """`_apply` on one sequence part: `(output, carry)` as they leave ([Note: the parts'
-        calling convention] in `backends.runtime.carries`)."""
-        module, name = self._module(c, params), self._name(c, k)
-        where = name()
-        with self.precision.compute():
-            out, carried = call_user(
-                name, lambda: call_part(module, value, carry, where=where), passing=_LOST_PEER
-            )
-        boundary = self.precision.boundary
-        return boundary(out, last=self._layout.is_last(k)), boundary(carried, last=False)
-
-    def _module(self, c: int, params) -> Any:
-        """Chunk c's segment as a callable on `params` (stashed weights or tied copies), or as
-        it is."""
-        module = self.modules[c]
-        if self._delay or module in self._shadowed:
-            return functools.partial(torch.func.functional_call, module, params)
-        return module
-
-    def _name(self, c: int, k: int) -> Callable[[], str]:
-        return lambda: f"the forward of segment {k} ({name_of(self.modules[c])})"
-
-    def _deliver(self, i: int, c: int, k: int, out: Any) -> None:
-        """The output of a forward that leaves no graph: the loss on the last segment, else
-        handed on to the next segment."""
-        if self._layout.is_last(k):
-            self._loss(i, out)
-        else:
-            self._ports.hand_on(i, c, k, activation(out, segment=k)[0])
-
-    def _loss(self, i: int, out: Any, *, record: bool = True) -> torch.Tensor:
-        """`loss_fn` on microbatch i's output: what to backpropagate (`LossBook.objective`;
-        `record=False` for a recompute, whose forward already recorded it)."""
-        batch, replica = self._counts.key(i)
-        if not self.forward_only:  # [Note: a count known up front]
-            self._counts.know_up_front(batch, self._ports.batch_targets(batch))
-        result = call_loss(self.loss_fn, out, self._ports.target(i))
-        where = f"loss_fn on microbatch {i}"
-        objective = self._book.objective(
-            batch, result, where=where, record=record, replica=replica, index=i % self._m
-        )
-        return self.norm.scaled(objective)  # float16: backpropagate the scaled loss
 
     def _output_grads(self, op) -> list[torch.Tensor | None]:
         """The gradients of the roots of op's graph (None for the loss on the last segment)."""
@@ -723,7 +563,7 @@ class StageRuntime:
         self._reducer.wait()
         self._counts.divide_for_step(self._versions.version)  # the n-th step applies batch n
         skip, self.norm.skip = self.norm.skip, False
-        self.skipped_steps += skip
+        self.state.skipped_steps += skip
         if self.optimizer is not None:
             if not skip:  # a skipped step leaves the schedule where it was, too
                 self.optimizer.step()
@@ -755,56 +595,3 @@ class StageRuntime:
 
     def _refused(self, op: Instruction, why: str) -> RuntimeInstructionError:
         return RuntimeInstructionError(f"stage {self.stage}: {op} {why}", stage=self.stage)
-
-
-#: What a forward may raise that is no fault of the user's code: a collective inside it (the
-#: user's tensor-parallel layers) that lost its peer (see [Note: the user-code guard]).
-_LOST_PEER = (torch.distributed.DistError,) if torch.distributed.is_available() else ()
-
-
-def build_optimizer(
-    factory: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer], params: list
-) -> torch.optim.Optimizer:
-    """`factory(params)`, through the user-code guard, checked to be an optimizer.
-
-    Raises:
-        UserCodeError: the factory raised.
-        ScheduleConfigError: it returned something other than a `torch.optim.Optimizer`.
-    """
-    name = name_of(factory)
-    optimizer = call_user(f"the optimizer factory {name}", lambda: factory(params))
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        got = "None" if optimizer is None else f"a {type(optimizer).__name__}"
-        raise ScheduleConfigError(
-            f"the optimizer factory {name} returned {got}, not a torch.optim.Optimizer: return "
-            "one built over the parameters it is given, e.g. lambda params: "
-            "torch.optim.SGD(params, lr=0.1)"
-        )
-    return optimizer
-
-
-def build_lr_scheduler(
-    factory: Callable[[torch.optim.Optimizer], Any], optimizer: torch.optim.Optimizer
-) -> torch.optim.lr_scheduler.LRScheduler:
-    """`factory(optimizer)`, through the user-code guard, checked to be a learning-rate
-    scheduler that steps without a metric.
-
-    Raises:
-        UserCodeError: the factory raised.
-        ScheduleConfigError: it returned something other than a
-            `torch.optim.lr_scheduler.LRScheduler`, or a `ReduceLROnPlateau` (whose step needs
-            a metric the engines do not have).
-    """
-    name = name_of(factory)
-    scheduler = call_user(f"the lr_scheduler factory {name}", lambda: factory(optimizer))
-    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if plateau or not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        got = "None" if scheduler is None else f"a {type(scheduler).__name__}"
-        why = ", whose step needs a metric" if plateau else ""
-        raise ScheduleConfigError(
-            f"the lr_scheduler factory {name} returned {got}{why}, not a "
-            "torch.optim.lr_scheduler.LRScheduler stepped once per optimizer step: return one "
-            "built over the optimizer it is given, e.g. lambda opt: "
-            "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))"
-        )
-    return scheduler

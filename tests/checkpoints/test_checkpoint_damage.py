@@ -96,10 +96,10 @@ def _snapshot(engine: Engine) -> list[Any]:
             scaler = rt.norm.scaler
             kept += [
                 [mod.state_dict() for mod in rt.modules],
-                rt.shards,
+                rt.state.shards,
                 rt.optimizer.state_dict() if rt.optimizer is not None else None,
                 scaler.state_dict() if scaler is not None else None,
-                rt.skipped_steps,
+                rt.state.skipped_steps,
             ]
     return _clone(kept)
 
@@ -450,7 +450,7 @@ _WORKER = textwrap.dedent(
             [t.detach().clone() for m in engine.modules for t in m.state_dict().values()],
             rt.optimizer.state_dict(),
             rt.norm.scaler.state_dict(),
-            rt.skipped_steps,
+            rt.state.skipped_steps,
             engine.steps,
             torch.get_rng_state(),
         ]
@@ -501,7 +501,7 @@ _WORKER = textwrap.dedent(
             print(f"rank {rank} loaded the damaged checkpoint", flush=True)
         print(f"rank {rank} unchanged: {same(kept, snapshot(engine))}", flush=True)
         if rank == 1:  # a check that fails otherwise than by refusing: rank 0 must not wait
-            engine.runtime.check_state = lambda saved: 1 / 0
+            engine.runtime.state.check_state = lambda saved: 1 / 0
         try:
             engine.load(ROOT / "step-00000001")
         except Exception as exc:

@@ -129,7 +129,7 @@ def _snapshot(engine) -> list:
     runtimes = engine._all_runtimes()
     weights = engine.state_dict()
     optimizers = [rt.optimizer.state_dict()["state"] for rt in runtimes if rt.optimizer]
-    shards = [shard.clone() for rt in runtimes for shard in rt.shards]
+    shards = [shard.clone() for rt in runtimes for shard in rt.state.shards]
     return [weights, optimizers, shards, torch.get_rng_state(), engine.steps]
 
 

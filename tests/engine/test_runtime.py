@@ -192,8 +192,8 @@ def test_the_loss_is_recorded_on_the_last_stage(program):
     """losses[batch] is the mean of the microbatch losses, on the last segment's stage only."""
     engine = Engine(program, make_segments(2), mse, sgd)
     (loss,) = engine.train(batches(1, 4))
-    assert engine.runtimes[0][1].losses == {0: pytest.approx(loss)}
-    assert engine.runtimes[0][0].losses == {}
+    assert engine.runtimes[0][1].book.losses() == {0: pytest.approx(loss)}
+    assert engine.runtimes[0][0].book.losses() == {}
 
 
 def test_activation_bytes_are_measured_once_not_once_per_run(monkeypatch):

@@ -96,7 +96,7 @@ def test_local_zero3_holds_a_shard_between_uses():
         for runtimes in engine.runtimes:
             for rt in runtimes:
                 assert _held(rt.modules) == 0  # between batches: no whole parameter
-                assert [s.numel() for s in rt.shards] == [full // 2] * 2
+                assert [s.numel() for s in rt.state.shards] == [full // 2] * 2
     for rt, record in zip(engine.runtimes[0], records):
         whole = {0: False, 1: False}
         for op, held in record:
@@ -113,7 +113,7 @@ def test_local_zero3_holds_a_shard_between_uses():
 
 def _stored(runtime) -> int:
     """Bytes of the distinct storages behind a runtime's parameters and shards."""
-    tensors = [p for mod in runtime.modules for p in mod.parameters()] + runtime.shards
+    tensors = [p for mod in runtime.modules for p in mod.parameters()] + runtime.state.shards
     return sum(
         {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
     )
@@ -212,7 +212,7 @@ def _zero_worker(rank: int, world_size: int, directory: str) -> int:
         assert engine.runtime._reducer.shards[0].grad is None, where  # stepped and cleared
         if zero == 3:
             assert _held([mine]) == 0, where  # between batches: only the shard
-            assert engine.runtime.shards[0].numel() == full // dp, where
+            assert engine.runtime.state.shards[0].numel() == full // dp, where
             before = [held for op, held in record if type(op) is Unshard]
             assert before == [0] * steps, (where, before)
             during = [held for op, held in record if type(op) is Reshard]

@@ -36,7 +36,7 @@ def _trained(runtime) -> list:
 
 def _parameter_bytes(runtime) -> int:
     """Bytes of the distinct storages behind the runtime's parameters and shards."""
-    tensors = _trained(runtime) + runtime.shards
+    tensors = _trained(runtime) + runtime.state.shards
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
