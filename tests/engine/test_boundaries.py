@@ -352,15 +352,15 @@ def test_the_gpt_on_gloo_equals_non_pipelined_training(dp):
 
 def _expect_two_gradients(segments):
     """Stage 0 counts its output's grad-requiring tensor twice: it expects two gradients."""
-    from schedcc.backends.runtime import stage
+    from schedcc.backends.runtime import forwards
 
-    real = stage.activation
+    real = forwards.activation
 
     def doubled(output, *, segment):
         message, roots = real(output, segment=segment)
         return message, roots * 2
 
-    stage.activation = doubled
+    forwards.activation = doubled
 
 
 def _one_row_more(segments):
