@@ -95,8 +95,7 @@ class FoundOrder(Schedule):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls.chunks = (cls.shape[2],)  # the one v it was found for
-        cls.default_num_chunks = cls.shape[2]
+        cls.chunks = (cls.shape[2],)  # the one v it was found for (and so its default)
 
     def check(self) -> None:
         shape = (self.num_stages, self.num_microbatches, self.num_chunks)
