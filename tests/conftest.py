@@ -16,11 +16,23 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# The tiers: a test that starts processes (ranks through `spawn`, the `schedcc` command through
-# `run_cli` or `subprocess`, or `schedcc run` in-process) is marked `distributed`; the fast tier
-# is `python -m pytest -m "not distributed"`. The mark is read off the test's own source and the
-# module's helpers it calls (to any depth), so a new test lands in the right tier untold.
-_STARTS_PROCESSES = re.compile(r"\bspawn\(|\brun_cli\(|\bsubprocess\.|\[\"run\"")
+@pytest.fixture(autouse=True)
+def _no_terminal_width(monkeypatch):
+    """Drawings fit the terminal's width: every test sees the same one (the 120-column
+    fallback), whatever COLUMNS the shell or a test runner set."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+
+
+# The tiers: a test that starts processes (ranks through `spawn` or a multiprocessing context,
+# the `schedcc` command through `run_cli` or `subprocess`, or `schedcc run` in-process) is marked
+# `distributed`; the fast tier is `python -m pytest -m "not distributed"`. The mark is read off
+# the test's own source and the module's helpers it calls (to any depth), so a new test lands in
+# the right tier untold; a test that starts processes some other way (a compiler's workers) says
+# so with `@pytest.mark.distributed`.
+_STARTS_PROCESSES = re.compile(
+    r"\bspawn\(|\brun_cli\(|\bsubprocess\.|\[\"run\"|\bget_context\(|\.Process\("
+)
 
 
 def _starting_helpers(module) -> set[str]:

@@ -91,6 +91,7 @@ def test_compiled_training_equals_non_pipelined_training():
     assert largest_difference(losses, expected, segments, reference) < 1e-12
 
 
+@pytest.mark.distributed  # inductor compiles its C++ in worker processes
 def test_inductor_segments_train_within_float_rounding_of_eager():
     """`compile=True` (inductor, C++ on the CPU) equals eager at 1e-10 in float64: it may fuse
     and reorder sums, so not bit for bit."""

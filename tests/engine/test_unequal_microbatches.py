@@ -44,6 +44,11 @@ def _parts(out, y):
     return {"mse": F.mse_loss(out, y), "l1": F.l1_loss(out, y)}
 
 
+def _name(loss_fn) -> str:
+    """A test id that is the same in every process (no addresses)."""
+    return getattr(loss_fn, "__name__", type(loss_fn).__name__)
+
+
 def _plain(loss_fn, out, y):
     """The non-pipelined objective of the whole batch: a mean, the sum over the count, or the
     parts' sum."""
@@ -77,7 +82,7 @@ def _train_both(name, loss_fn, *, steps=3, dp=1, sizes=SIZES, p=2, v=1, recomput
     return worst
 
 
-@pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum, _token_loss], ids=str)
+@pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum, _token_loss], ids=_name)
 @pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1)])
 def test_unequal_sizes_equal_the_whole_batch(name, v, loss_fn):
     """Sizes [1, 3, 2, 6] with a mean loss, a (loss_sum, count) loss and a TokenLoss equal
@@ -85,7 +90,7 @@ def test_unequal_sizes_equal_the_whole_batch(name, v, loss_fn):
     assert _train_both(name, loss_fn, v=v) < 1e-10
 
 
-@pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum, _parts], ids=str)
+@pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum, _parts], ids=_name)
 def test_unequal_sizes_under_recompute(loss_fn):
     """With every forward recomputed (R replays it, recording no loss) sizes [1, 3, 2, 6]
     still train exactly; a dict loss's parts are weighed as its sum is."""
@@ -106,7 +111,7 @@ def test_a_dict_losss_parts_are_means_over_the_samples():
         assert abs(engine.last_metrics[name] - value) < 1e-12, name
 
 
-@pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum], ids=str)
+@pytest.mark.parametrize("loss_fn", [F.mse_loss, _masked_sum], ids=_name)
 def test_unequal_sizes_with_data_parallelism(loss_fn):
     """With dp = 2 each replica's local batch is split into [1, 3, 2, 6]; a step equals
     non-pipelined training of the 24-sample global batch."""
