@@ -210,7 +210,8 @@ def test_an_impossible_limit_says_so():
 )
 def test_random_searches_validate_and_stay_above_the_bound(p, m, chunks, split, last, comm):
     """Random small shapes and costs: the found order validates again from its class, its
-    makespan is the simulator's, and it is never below the lower bound."""
+    makespan is the simulator's, and it is never below the lower bound, which is no more than
+    any searched kind's."""
     costs = CostModel(
         comm=comm,
         per_stage={p - 1: CostModel(forward=last, backward=2 * last, comm=comm)},
@@ -227,7 +228,5 @@ def test_random_searches_validate_and_stay_above_the_bound(p, m, chunks, split, 
         for vshape in (False, True)
         if not vshape or (v == 2 and p >= 2)
     )
-    if any("+" in row for row in cls.orders):  # DualPipe's overlapped pairs cost less
-        assert result.bound <= searched + 1e-9
-    else:
-        assert result.bound == pytest.approx(searched)
+    # the least over the searched kinds and the built-in layouts that fit (DualPipe's pairs)
+    assert result.bound <= searched + 1e-9
