@@ -41,6 +41,12 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    between the copies. With a memory model (a limit in bytes) the memory terms are left out.
 5. With a split backward, also: all forwards and input-gradient pieces of stage s, its forced
    groups, then the input gradients below its last one and stage 0's last weight gradient.
+6. *Fill and drain.* For each segment k of stage s, the first backward of k starts no earlier
+   than k's head, a forward and the round trip of item 4; every backward of k, and of the
+   segments below k on stage s (each microbatch's comes after its backward on k), runs after
+   it, then `tail(s)`. And the last forward of k ends after every forward of k and of the
+   segments below it on s has run from `head(s)` on; its round trip, its backward and the
+   backwards below k (input-gradient pieces, with a split backward) follow.
 
 It leaves out the updates (`ReduceGrads`, `OptimizerStep`), groups beyond those the paths force
 (a steady 1F1B runs two per microbatch on a middle stage, but an order may batch the messages
@@ -208,9 +214,28 @@ class _Bound:
         window = work + comm * forced
         if room is not None:
             window = max(window, self._window(ks, room, recompute, work, forced, comm))
-        best = head + window + tail
+        best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
         if self.split and not self.overlapped and self.single:
             best = max(best, self._split_end(s, ks, head, forced))
+        return best
+
+    def _fill_and_drain(self, ks, head: float, tail: float) -> float:
+        """Item 6 of the Note: for each segment k of the stage, its first backward waits for
+        a round trip, and then every backward of k and of the segments below it on the stage
+        is still to run; its last forward comes after every forward of those, and a round trip
+        and the backwards below it follow."""
+        best = 0.0
+        for k in ks:
+            below = [j for j in ks if self.first[j] == self.first[k] and j <= k]
+            trip = self.round_trip(k)
+            fill = self.head(k) + self.least[k] * self.models[k].forward + trip
+            fill += sum(self.total[j] * self.whole(j) for j in below) + tail
+            least = self.least[k]
+            last = least * self.whole(k) + self.tail(k)
+            if self.split:
+                last = max(least * self.whole(k), least * self.piece(k) + self.tail(k))
+            drain = head + sum(self.total[j] * self.models[j].forward for j in below)
+            best = max(best, fill, drain + trip + last)
         return best
 
     def _window(self, ks, room: int, recompute: bool, work, forced, comm) -> float:
