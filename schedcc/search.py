@@ -9,8 +9,8 @@ chunks per stage, or a V), and keeps the fastest that validates and fits. Every 
 [Note: the search] Three sources of candidates, all timed by the simulator:
 1. every built-in order (`registered_classes`) at one chunk per stage or two, and with full
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
-   2BW's delay), replayed as `FoundOrder`s: the search starts from the best of what exists, and
-   times them all whatever `time_limit` says;
+   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s: the search
+   starts from the best of what exists, and times them all whatever `time_limit` says;
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -42,6 +42,7 @@ from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Compute,
+    Copy,
     parse,
 )
 from schedcc.memory_model import MemoryModel
@@ -64,7 +65,7 @@ class FoundOrder(Schedule):
     """Base of a schedule that replays a fixed compute order (what `schedcc.search` writes).
 
     A subclass sets `shape = (p, m, v)`, `vshape` (the V placement, else looped) and `orders`,
-    one string per stage of instructions as `schedcc.ir.parse` reads them (`F3.1`, `I0`, `R2`,
+    one string per stage of instructions as `schedcc.ir.parse` reads them (`F3.1`, `I0`, `R2`, `O2`,
     ...) for one batch; each further batch replays it on its own microbatches.
 
     >>> class Mine(FoundOrder):
@@ -540,10 +541,12 @@ class _Searcher:
     def bound(self, families: list[_Family], best: _Candidate) -> float:
         """The least lower bound over `families` and the found order's own layout (DualPipe's
         replicas, 2BW's delay; with overlapped pairs where it has them), under the memory
-        limit in microbatches ([Note: the lower bound])."""
+        limit in microbatches but for an order that offloads ([Note: the lower bound])."""
         paired = any(text.startswith("+") for row in best.orders for text in row)
-        kinds = {(f, False) for f in families} | {(best.family, paired)}
         limit = self.limits if self.costs.memory is None else None
+        # an order that offloads holds fewer activations than the memory terms count
+        kinds = {(f, False, limit) for f in families}
+        kinds.add((best.family, paired, None if _offloads(best.orders) else limit))
         return min(
             lower_bound(
                 self.p,
@@ -551,10 +554,10 @@ class _Searcher:
                 self.costs,
                 family,
                 overlapped=overlapped,
-                memory_limit=limit,
+                memory_limit=limits,
                 recompute=self.recompute,
             )
-            for family, overlapped in kinds
+            for family, overlapped, limits in kinds
         )
 
     def nothing_fits(self) -> str:
@@ -691,12 +694,20 @@ def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
 
 
 def _compute_orders(program: Program) -> tuple[tuple[str, ...], ...]:
-    """Each stage's computes as text (overlapped pairs as `F3.1 +B1`), one batch."""
+    """Each stage's computes and copies as text (overlapped pairs as `F3.1 +B1`, offloads as
+    `O3`, reloads as `L3`), one batch."""
     m = program.schedule.num_microbatches
     return tuple(
-        tuple(str(op) for op in ops if isinstance(op, Compute) and op.microbatch < m)
+        tuple(str(op) for op in ops if isinstance(op, _KEPT) and op.microbatch < m)
         for ops in program.stages
     )
+
+
+_KEPT = (Compute, Copy)  # what a replayed order keeps: comm and updates are the compiler's
+
+
+def _offloads(orders) -> bool:
+    return any(text[0] in "OL" for row in orders for text in row)
 
 
 def _splits(orders) -> bool:

@@ -37,8 +37,9 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    So `U` is at least the least, over real `0 <= x_k <= m` (all 0 without `recompute`), of the
    largest of the work with the recomputations and the groups' comm, and the held time over N
    (a small linear program, solved exactly at its vertices). An order that offloads activations
-   (`Offload`/`Reload`, which the search never writes) is not covered: its held count drops
-   between the copies. With a memory model (a limit in bytes) the memory terms are left out.
+   (`Offload`/`Reload`: the search replays a built-in's, never adds its own) is not covered: its
+   held count drops between the copies, so its layout is bounded without the limit. With a
+   memory model (a limit in bytes) the memory terms are left out.
 5. With a split backward, also: all forwards and input-gradient pieces of stage s, its forced
    groups, then the input gradients below its last one and stage 0's last weight gradient.
 6. *Fill and drain.* For each segment k of stage s, the first backward of k starts no earlier
