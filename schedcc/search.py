@@ -9,8 +9,8 @@ chunks per stage, or a V), and keeps the fastest that validates and fits. Every 
 [Note: the search] Three sources of candidates, all timed by the simulator:
 1. every built-in order (`registered_classes`) at one chunk per stage or two, and with full
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
-   2BW's delay), replayed as `FoundOrder`s: the search starts from the best of what exists, and
-   times them all whatever `time_limit` says;
+   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s: the search
+   starts from the best of what exists, and times them all whatever `time_limit` says;
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -21,19 +21,8 @@ chunks per stage, or a V), and keeps the fastest that validates and fits. Every 
    drop a recomputation; keep a change that is no slower and fits, until `time_limit` or
    `max_evaluations`.
 
-[Note: the lower bound] `SearchResult.bound` is a makespan no order of the searched kinds can
-beat under the same costs: the most, over the stages s, of `head(s) + work(s) + tail(s)`, where
-`work(s)` is the compute stage s must run (m forwards and backwards of each of its chunks; the
-lesser of B and I + W where the backward may be split), `head(s)` the forwards of segments
-0..s-1 and one comm per hop before its first forward can start (its lowest segment is segment s,
-in both placements), and `tail(s)` the backwards of segments s-1..0 and their comm after its
-last backward (with a split backward: its last input gradient followed by the input gradients
-below it and stage 0's last weight gradient, if that is longer than its remaining weight
-gradients). It is the least of that over the placements and backward forms searched (and, for an
-order with DualPipe's overlapped pairs, with each pair at its overlapped cost). It ignores the
-memory limit (at a tight limit recomputation or a smaller pipeline depth is unavoidable and the
-bound is loose), comm a stage spends outside the first hops (a stage is busy during its own sends
-and receives), and the updates (`ReduceGrads`, `OptimizerStep`).
+`SearchResult.bound` is `schedcc.search_bound.lower_bound` ([Note: the lower bound] there), the
+least over the placements and backward forms searched and the found order's own layout.
 """
 
 from __future__ import annotations
@@ -49,16 +38,18 @@ from typing import ClassVar
 import attrs
 
 from schedcc.compiler import compile
-from schedcc.costs import CostModel, overlapped_pair
+from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Compute,
+    Copy,
     parse,
 )
 from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
+from schedcc.search_bound import lower_bound
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk
@@ -74,7 +65,7 @@ class FoundOrder(Schedule):
     """Base of a schedule that replays a fixed compute order (what `schedcc.search` writes).
 
     A subclass sets `shape = (p, m, v)`, `vshape` (the V placement, else looped) and `orders`,
-    one string per stage of instructions as `schedcc.ir.parse` reads them (`F3.1`, `I0`, `R2`,
+    one string per stage of instructions as `schedcc.ir.parse` reads them (`F3.1`, `I0`, `R2`, `O2`,
     ...) for one batch; each further batch replays it on its own microbatches.
 
     >>> class Mine(FoundOrder):
@@ -327,10 +318,7 @@ def search(
     best = searcher.final()
     if best is None:
         raise ScheduleConfigError(searcher.nothing_fits())
-    bound = min(lower_bound(num_stages, num_microbatches, costs, f) for f in families)
-    if any(text.startswith("+") for row in best.orders for text in row):  # DualPipe's pairs
-        overlapped = lower_bound(num_stages, num_microbatches, costs, best.family, overlapped=True)
-        bound = min(bound, overlapped)
+    bound = searcher.bound(families, best)
     return SearchResult(
         schedule=best.program.schedule,
         program=best.program,
@@ -453,56 +441,6 @@ def _limits(memory_limit, num_stages: int, in_bytes: bool) -> tuple[float, ...] 
     return tuple(out)
 
 
-def lower_bound(
-    num_stages: int,
-    num_microbatches: int,
-    costs: CostModel,
-    family,
-    *,
-    overlapped: bool = False,
-) -> float:
-    """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1.
-    `overlapped`: its forwards and backwards may run as overlapped pairs (a pair costs
-    `overlapped_pair`, less than F + B)."""
-    p, m, v = num_stages, num_microbatches, family.num_chunks
-    costs = _per_chunk(costs, v)
-    place = family.segments(p)
-
-    def at(k: int) -> CostModel:
-        return costs.at(*place[k])
-
-    def hop(k: int) -> float:  # segment k to segment k + 1
-        (s, _), (t, _) = place[k], place[k + 1]
-        return 0.0 if s == t else min(costs.at(s).comm, costs.at(t).comm)
-
-    best = 0.0
-    for s in range(p):
-        models = [costs.at(s, c) for c in range(v)]
-        head = sum(at(k).forward + hop(k) for k in range(s))
-        if family.split:  # F/I/W, where a whole B may stand for an I and its W
-            work = [
-                c.forward + min(c.backward, c.backward_input + c.backward_weight) for c in models
-            ]
-            if overlapped:
-                work = [min(w, overlapped_pair(c)) for w, c in zip(work, models)]
-            stage = head + sum(work) * m
-            if not overlapped:  # the last input gradient, the ones below it, stage 0's last W
-                ahead = sum(c.forward + min(c.backward, c.backward_input) for c in models) * m
-                below = sum(min(at(k).backward, at(k).backward_input) + hop(k) for k in range(s))
-                zero = at(0)
-                last = min(zero.backward_weight, zero.backward - zero.backward_input) if s else 0
-                stage = max(stage, head + ahead + below + max(0.0, last))
-        else:
-            pair = [c.forward + c.backward for c in models]
-            if overlapped:
-                pair = [min(both, overlapped_pair(c)) for both, c in zip(pair, models)]
-            work = sum(pair) * m
-            tail = sum(at(k).backward + hop(k) for k in range(s))
-            stage = head + work + tail
-        best = max(best, stage)
-    return best
-
-
 @attrs.frozen(eq=False)
 class _Candidate:
     program: Program
@@ -599,6 +537,28 @@ class _Searcher:
         if self.least_held is None or worst < self.least_held:
             self.least_held = worst
         return all(h <= lim * (1 + 1e-9) for h, lim in zip(held, self.limits))
+
+    def bound(self, families: list[_Family], best: _Candidate) -> float:
+        """The least lower bound over `families` and the found order's own layout (DualPipe's
+        replicas, 2BW's delay; with overlapped pairs where it has them), under the memory
+        limit in microbatches but for an order that offloads ([Note: the lower bound])."""
+        paired = any(text.startswith("+") for row in best.orders for text in row)
+        limit = self.limits if self.costs.memory is None else None
+        # an order that offloads holds fewer activations than the memory terms count
+        kinds = {(f, False, limit) for f in families}
+        kinds.add((best.family, paired, None if _offloads(best.orders) else limit))
+        return min(
+            lower_bound(
+                self.p,
+                self.m,
+                self.costs,
+                family,
+                overlapped=overlapped,
+                memory_limit=limits,
+                recompute=self.recompute,
+            )
+            for family, overlapped, limits in kinds
+        )
 
     def nothing_fits(self) -> str:
         least = (
@@ -734,12 +694,20 @@ def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
 
 
 def _compute_orders(program: Program) -> tuple[tuple[str, ...], ...]:
-    """Each stage's computes as text (overlapped pairs as `F3.1 +B1`), one batch."""
+    """Each stage's computes and copies as text (overlapped pairs as `F3.1 +B1`, offloads as
+    `O3`, reloads as `L3`), one batch."""
     m = program.schedule.num_microbatches
     return tuple(
-        tuple(str(op) for op in ops if isinstance(op, Compute) and op.microbatch < m)
+        tuple(str(op) for op in ops if isinstance(op, _KEPT) and op.microbatch < m)
         for ops in program.stages
     )
+
+
+_KEPT = (Compute, Copy)  # what a replayed order keeps: comm and updates are the compiler's
+
+
+def _offloads(orders) -> bool:
+    return any(text[0] in "OL" for row in orders for text in row)
 
 
 def _splits(orders) -> bool:

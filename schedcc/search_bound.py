@@ -1,0 +1,325 @@
+"""`lower_bound`: a makespan no order of a placement and backward form can beat (`schedcc.search`).
+
+[Note: the lower bound] `SearchResult.bound` is the least, over the kinds of order searched (a
+placement and a backward form) and the found order's own layout (DualPipe's replicas, with its
+overlapped pairs), of `lower_bound`: the most, over the stages s, of what stage s alone
+proves. Every claim below holds in the rendezvous model the simulator times ([Note: the
+rendezvous model] in `schedcc.semantics.units`): a comm group (a maximal run of comm
+instructions on a stage) takes its stage's `comm` once, however many messages it holds, after
+every partner group is posted; a compute takes its cost; a stage runs its units in order.
+
+1. *Head and tail.* Stage s's first compute starts no earlier than `head(s)`: for one of its
+   segments k, the forwards of the segments before k in k's replica, each followed by a hop where
+   the next segment lives on another stage (the receiver's group: its `comm`, after the sender
+   posted). With a whole backward, its last compute (a backward of one of its segments) is
+   followed by the backwards below that segment and their hops, `tail(s)`; with a split one a
+   weight gradient may end the run, so `tail(s) = 0`.
+2. *Work.* Between the two, stage s runs every forward and backward of its segments (a whole
+   backward at the least of B, I + W and, with overlapped pairs, what a `+B` takes beyond its
+   forward), and its recomputations.
+3. *Forced groups.* Follow one microbatch from its forward on segment k of stage s to k's
+   backward: the forwards up, the backwards down. Each time that path leaves s and comes back,
+   the compute it comes back to needs a receive that is posted after the compute it left from
+   (posted before, it would wait for its own stage: a deadlock the validator refuses), so stage s
+   runs a comm group between the two visits, one per return (`re_k`), and the lowest segment's
+   path proves `g0(s)` groups inside the window of item 1, each taking stage s's `comm`.
+4. *Memory* (with `memory_limit`, in whole-stage microbatches; no memory model). A microbatch's
+   activation on segment k is held from its forward to its last backward piece, or from its
+   `Recompute` (then it is recomputed and costs an `R` more); at every instruction a stage holds
+   at most `N = floor(limit * share)` chunk activations. Two consequences, over the window of
+   item 1 of length `U`:
+   - Little's law: the held times add up to at most `N * U`; a microbatch not recomputed is held
+     at least `H_k` (its forward, the round trip up the pipeline and back with its hops, its whole
+     backward), a recomputed one at least its `R` and its backward;
+   - every group of item 3 on a path of a held activation is run while it is held, and a group
+     holds at most N at once: the groups number at least `sum over k of (m - x_k) * re_k / N`
+     for `x_k` microbatches recomputed on segment k.
+   So `U` is at least the least, over real `0 <= x_k <= m` (all 0 without `recompute`), of the
+   largest of the work with the recomputations and the groups' comm, and the held time over N
+   (a small linear program, solved exactly at its vertices). An order that offloads activations
+   (`Offload`/`Reload`: the search replays a built-in's, never adds its own) is not covered: its
+   held count drops between the copies, so its layout is bounded without the limit. With a
+   memory model (a limit in bytes) the memory terms are left out.
+5. With a split backward, also: all forwards and input-gradient pieces of stage s, its forced
+   groups, then the input gradients below its last one and stage 0's last weight gradient.
+6. *Fill and drain.* For each segment k of stage s, the first backward of k starts no earlier
+   than k's head, a forward and the round trip of item 4; every backward of k, and of the
+   segments below k on stage s (each microbatch's comes after its backward on k), runs after
+   it, then `tail(s)`. And the last forward of k ends after every forward of k and of the
+   segments below it on s has run from `head(s)` on; its round trip, its backward and the
+   backwards below k (input-gradient pieces, with a split backward) follow.
+
+It leaves out the updates (`ReduceGrads`, `OptimizerStep`), groups beyond those the paths force
+(a steady 1F1B runs two per microbatch on a middle stage, but an order may batch the messages
+of many microbatches into one group and wait for them instead, so no count per microbatch is
+unavoidable), and idle time forced by the dependencies except along the head, tail and paths.
+
+    >>> from schedcc.costs import CostModel
+    >>> from schedcc.search import _Family
+    >>> lower_bound(4, 8, CostModel(), _Family(1, False, False))
+    33.0
+    >>> lower_bound(4, 8, CostModel(), _Family(1, False, False), memory_limit=1.0)
+    36.0
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from schedcc.costs import CostModel, overlapped_pair
+from schedcc.tune import _per_chunk
+
+__all__ = ["lower_bound"]
+
+
+def lower_bound(
+    num_stages: int,
+    num_microbatches: int,
+    costs: CostModel,
+    family,
+    *,
+    overlapped: bool = False,
+    memory_limit: float | Sequence[float] | None = None,
+    recompute: bool = True,
+) -> float:
+    """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1.
+
+    Args:
+        num_stages, num_microbatches: the shape.
+        costs: per-stage costs at v = 1 ([Note: tune's units]).
+        family: the placement and backward form (`schedcc.search`'s `_Family`).
+        overlapped: its forwards and backwards may run as overlapped pairs (a pair costs
+            `overlapped_pair`, less than F + B).
+        memory_limit: the most whole-stage microbatch activations per stage (a number, or one
+            per stage); None: no limit. Ignored with a memory model (`costs.memory`).
+        recompute: the orders may recompute forwards (`R`) to fit the limit.
+
+    Returns:
+        The bound; `math.inf` where a limit leaves no room for one chunk activation.
+    """
+    bound = _Bound(num_stages, num_microbatches, costs, family, overlapped)
+    limits = None
+    if memory_limit is not None and costs.memory is None:
+        if isinstance(memory_limit, (int, float)):
+            limits = [float(memory_limit)] * num_stages
+        else:
+            limits = [float(lim) for lim in memory_limit]
+    best = 0.0
+    for s in range(num_stages):
+        room = None
+        if limits is not None:
+            room = math.floor(limits[s] * family.share * (1 + 1e-9) + 1e-9)
+            if room < 1:
+                return math.inf
+        best = max(best, bound.stage(s, room, recompute))
+    return best
+
+
+class _Bound:
+    """What one family's bound reads per segment: costs, paths and returns ([Note: the lower
+    bound])."""
+
+    def __init__(self, p: int, m: int, costs: CostModel, family, overlapped: bool):
+        self.p, self.split, self.overlapped = p, family.split, overlapped
+        self.single = family.num_replicas == 1
+        scaled = _per_chunk(costs, family.share)
+        self.place = place = family.segments(p)
+        num = len(place)
+        length = num // family.num_replicas
+        self.first = [k - k % length for k in range(num)]  # the replica's first segment
+        self.end = [f + length - 1 for f in self.first]  # and its last
+        factors = costs.per_microbatch or (1.0,)
+        of = list(family.replicas) or [0] * m
+        self.count, self.total, self.least = [], [], []  # per segment, over its replica
+        for k in range(num):
+            mine = [factors[i % len(factors)] for i in range(m) if of[i] == k // length]
+            self.count.append(len(mine))
+            self.total.append(sum(mine))
+            self.least.append(min(mine, default=1.0))
+        self.models = [scaled.at(s, c) for s, c in place]
+        chunks = max(c for _, c in place) + 1
+        self.comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]
+        self.on = [[k for k, (t, _) in enumerate(place) if t == s] for s in range(p)]
+
+    # -- per segment ------------------------------------------------------------------------
+
+    def whole(self, k: int) -> float:
+        """The least a microbatch's whole backward on segment k takes."""
+        model = self.models[k]
+        backward = model.backward
+        if self.split:
+            backward = min(backward, model.backward_input + model.backward_weight)
+        if self.overlapped:
+            backward = min(backward, overlapped_pair(model) - model.forward)
+        return backward
+
+    def piece(self, k: int) -> float:
+        """The least until segment k's input gradient exists, from its backward's start."""
+        model = self.models[k]
+        backward = model.backward
+        if self.split:
+            backward = min(backward, model.backward_input)
+        if self.overlapped:
+            backward = min(backward, overlapped_pair(model) - model.forward)
+        return backward
+
+    def hop(self, k: int, j: int) -> float:
+        """From segment k to segment j: the receiver's group, where they are on two stages."""
+        s, t = self.place[k][0], self.place[j][0]
+        return 0.0 if s == t else self.comm[t]
+
+    def head(self, k: int) -> float:
+        least = self.least[k]
+        return sum(
+            least * self.models[j].forward + self.hop(j, j + 1) for j in range(self.first[k], k)
+        )
+
+    def tail(self, k: int) -> float:
+        least = self.least[k]
+        return sum(least * self.piece(j) + self.hop(j + 1, j) for j in range(self.first[k], k))
+
+    def round_trip(self, k: int) -> float:
+        """From segment k's forward's end to its backward's start: up and back down."""
+        least, up = self.least[k], range(k + 1, self.end[k] + 1)
+        compute = sum(self.models[j].forward + self.piece(j) for j in up)
+        hops = sum(self.hop(j - 1, j) + self.hop(j, j - 1) for j in up)
+        return least * compute + hops
+
+    def returns(self, k: int) -> int:
+        """How often one microbatch's path from segment k's forward to its backward comes back
+        to k's stage after leaving it (the groups it forces there)."""
+        s = self.place[k][0]
+        up = [self.place[j][0] == s for j in range(k, self.end[k] + 1)]
+        path = up + up[::-1]  # on s or not, at each compute of the path
+        return sum(b and not a for a, b in itertools.pairwise(path))
+
+    # -- per stage --------------------------------------------------------------------------
+
+    def stage(self, s: int, room: int | None, recompute: bool) -> float:
+        ks = self.on[s]
+        if not ks:
+            return 0.0
+        head = min(self.head(k) for k in ks)
+        tail = 0.0 if self.split else min(self.tail(k) for k in ks)
+        forced = max(self.returns(k) for k in ks)
+        comm = self.comm[s]
+        work = 0.0
+        for k in ks:
+            model = self.models[k]
+            both = model.forward + self.whole(k)
+            if self.overlapped:
+                both = min(both, overlapped_pair(model))
+            work += self.total[k] * both
+        window = work + comm * forced
+        if room is not None:
+            window = max(window, self._window(ks, room, recompute, work, forced, comm))
+        best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
+        if self.split and not self.overlapped and self.single:
+            best = max(best, self._split_end(s, ks, head, forced))
+        return best
+
+    def _fill_and_drain(self, ks, head: float, tail: float) -> float:
+        """Item 6 of the Note: for each segment k of the stage, its first backward waits for
+        a round trip, and then every backward of k and of the segments below it on the stage
+        is still to run; its last forward comes after every forward of those, and a round trip
+        and the backwards below it follow."""
+        best = 0.0
+        for k in ks:
+            below = [j for j in ks if self.first[j] == self.first[k] and j <= k]
+            trip = self.round_trip(k)
+            fill = self.head(k) + self.least[k] * self.models[k].forward + trip
+            fill += sum(self.total[j] * self.whole(j) for j in below) + tail
+            least = self.least[k]
+            last = least * self.whole(k) + self.tail(k)
+            if self.split:
+                last = max(least * self.whole(k), least * self.piece(k) + self.tail(k))
+            drain = head + sum(self.total[j] * self.models[j].forward for j in below)
+            best = max(best, fill, drain + trip + last)
+        return best
+
+    def _window(self, ks, room: int, recompute: bool, work, forced, comm) -> float:
+        """The least window a stage with `room` chunk activations needs (item 4 of the Note)."""
+        n = len(ks)
+        r, held, held_r, re, count = [], [], [], [], []
+        for k in ks:
+            model = self.models[k]
+            redo = model.forward if model.recompute is None else model.recompute
+            r.append(self.least[k] * redo)
+            last = self.least[k] * self.whole(k)
+            held.append(self.least[k] * model.forward + self.round_trip(k) + last)
+            held_r.append(self.least[k] * redo + last)
+            re.append(self.returns(k))
+            count.append(self.count[k])
+        # each piece is (constant, slope per x_k); the window is the largest of them
+        pieces = [
+            (work + comm * forced, r),
+            (
+                work + comm * sum(c * e for c, e in zip(count, re)) / room,
+                [r[i] - comm * re[i] / room for i in range(n)],
+            ),
+            (
+                sum(c * h for c, h in zip(count, held)) / room,
+                [(held_r[i] - held[i]) / room for i in range(n)],
+            ),
+        ]
+        upper = count if recompute else [0] * n
+        return _min_of_max(pieces, upper)
+
+    def _split_end(self, s: int, ks, head: float, forced: int) -> float:
+        """Item 5: the forwards and input gradients of stage s, its groups, the input gradients
+        below its last one and stage 0's last weight gradient."""
+        ahead = sum(self.total[k] * (self.models[k].forward + self.piece(k)) for k in ks)
+        if s == 0:
+            return head + ahead + self.comm[s] * forced
+        low = min(ks)
+        below = self.tail(low)
+        zero = self.models[0]
+        last = self.least[0] * max(
+            0.0, min(zero.backward_weight, zero.backward - zero.backward_input)
+        )
+        return head + ahead + self.comm[s] * forced + below + last
+
+
+def _min_of_max(pieces, upper: Sequence[float]) -> float:
+    """The least over `0 <= x_i <= upper[i]` of the largest `a + sum(b_i * x_i)` of `pieces`
+    (`(a, b)` pairs): convex and piecewise linear, so it is least at a point where n of the
+    box's faces and the pieces' pairwise equalities meet; try them all (n is the segments of
+    one stage: 1 or 2)."""
+    n = len(upper)
+
+    def value(x) -> float:
+        return max(a + sum(b[i] * x[i] for i in range(n)) for a, b in pieces)
+
+    # each equation: (coefficients, right-hand side)
+    equations = []
+    for i in range(n):
+        unit = [1.0 if j == i else 0.0 for j in range(n)]
+        equations += [(unit, 0.0), (unit, float(upper[i]))]
+    for (a, b), (c, d) in itertools.combinations(pieces, 2):
+        equations.append(([b[i] - d[i] for i in range(n)], c - a))
+    best = value([0.0] * n)
+    for chosen in itertools.combinations(equations, n):
+        x = _solve([row for row, _ in chosen], [rhs for _, rhs in chosen])
+        if x is None:
+            continue
+        x = [min(max(xi, 0.0), float(hi)) for xi, hi in zip(x, upper)]
+        best = min(best, value(x))
+    return best
+
+
+def _solve(rows, rhs) -> list[float] | None:
+    """The solution of a square linear system by Gaussian elimination, or None if singular."""
+    n = len(rows)
+    grid = [[*row, b] for row, b in zip(rows, rhs)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(grid[r][col]))
+        if abs(grid[pivot][col]) < 1e-12:
+            return None
+        grid[col], grid[pivot] = grid[pivot], grid[col]
+        for r in range(n):
+            if r != col:
+                factor = grid[r][col] / grid[col][col]
+                grid[r] = [a - factor * b for a, b in zip(grid[r], grid[col])]
+    return [grid[i][n] / grid[i][i] for i in range(n)]

@@ -1,0 +1,141 @@
+"""`schedcc.search_bound.lower_bound` is a lower bound: no built-in and no found order is faster,
+whatever the per-stage costs, comm and memory limit, and it prices what it claims to."""
+
+from __future__ import annotations
+
+from _builtin_schedules import names
+from hypothesis import given
+from hypothesis import strategies as st
+
+import schedcc
+from schedcc import CostModel, ScheduleError
+from schedcc.ir import Copy
+from schedcc.registry import build_schedule, get_schedule
+from schedcc.search import _compute_orders, _Family, _splits, search
+from schedcc.search_bound import lower_bound
+from schedcc.tune import _per_chunk
+
+_COST = st.floats(0.1, 3.0)
+
+
+@st.composite
+def stage_costs(draw, num_stages: int) -> CostModel:
+    """Costs of every kind drawn per stage, comm above 0, a recompute cost of its own or not."""
+    per_stage = {}
+    for s in range(num_stages):
+        backward_input, backward_weight = draw(_COST), draw(_COST)
+        per_stage[s] = CostModel(
+            forward=draw(_COST),
+            backward=draw(st.floats(0.5, 1.5)) * (backward_input + backward_weight),
+            backward_input=backward_input,
+            backward_weight=backward_weight,
+            comm=draw(st.floats(0.01, 2.0)),
+            recompute=draw(st.none() | _COST),
+            overlap=draw(st.floats(0.0, 1.0)),
+        )
+    return CostModel(per_stage=per_stage)
+
+
+def _bound_of(program, costs: CostModel, *, limited: bool, recompute: bool) -> float:
+    """The bound for the program's own layout and backward form, under its own peak
+    activations as the memory limit when `limited`."""
+    schedule = program.schedule
+    orders = _compute_orders(program)
+    family = _Family.of(schedule, _splits(orders))
+    share = family.share
+    peaks = schedcc.simulate(program).peak_activations
+    limit = [peak / share for peak in peaks] if limited else None
+    return lower_bound(
+        schedule.num_stages,
+        schedule.num_microbatches,
+        costs,
+        family,
+        overlapped=any(text.startswith("+") for row in orders for text in row),
+        memory_limit=limit,
+        recompute=recompute,
+    )
+
+
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 6),
+    v=st.sampled_from([1, 2]),
+    recompute=st.booleans(),
+    data=st.data(),
+)
+def test_no_builtin_beats_the_bound(p, m, v, recompute, data):
+    """Every built-in at a random shape, with random per-stage costs and comm, with or without
+    full recomputation, takes at least the bound of its layout, without a limit and at its own
+    peak activations (an order that offloads activations only without a limit)."""
+    costs = data.draw(stage_costs(p))
+    timed = 0
+    for name in names():
+        try:
+            schedule = build_schedule(get_schedule(name), p, m, num_chunks=v)
+            program = schedcc.compile(schedule, recompute=recompute)
+        except ScheduleError:
+            continue
+        share = v // type(schedule).num_replicas
+        makespan = schedcc.simulate(program, _per_chunk(costs, share)).makespan
+        offloads = any(isinstance(op, Copy) for ops in program.stages for op in ops)
+        for limited in (False, True) if not offloads else (False,):
+            bound = _bound_of(program, costs, limited=limited, recompute=recompute)
+            assert bound <= makespan + 1e-9, (name, limited, bound, makespan)
+        timed += 1
+    assert timed  # gpipe and 1f1b take every shape
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.integers(2, 6),
+    chunks=st.sampled_from([1, 2, (1, 2)]),
+    limit=st.none() | st.floats(0.5, 3.0),
+    data=st.data(),
+)
+def test_found_orders_stay_above_the_bound_under_a_limit(p, m, chunks, limit, data):
+    """A search with random per-stage costs, comm and memory limit (recomputation allowed)
+    finds an order no faster than its bound, and the bound is the least over the searched kinds
+    with the limit applied."""
+    costs = data.draw(stage_costs(p))
+    try:
+        result = search(
+            p, m, num_chunks=chunks, costs=costs, memory_limit=limit, recompute=True,
+            max_evaluations=20,
+        )  # fmt: skip
+    except schedcc.ScheduleConfigError:
+        return  # nothing fits the limit
+    assert result.makespan >= result.bound - 1e-9
+    schedule = result.schedule
+    split = _splits(schedule.orders)
+    own = (
+        _Family.of(schedule, split)
+        if schedule.places
+        else _Family(schedule.num_chunks, schedule.vshape, split)
+    )
+    paired = any("+" in row for row in schedule.orders)
+    assert result.bound <= lower_bound(
+        p, m, costs, own, overlapped=paired, memory_limit=limit
+    ) + 1e-9
+
+
+def test_the_memory_limit_prices_recomputation():
+    """1F1B's shape at one microbatch per stage: the bound rises above the unlimited one (each
+    microbatch held past the limit is recomputed or waited for) and stays below 1F1B with
+    full recomputation."""
+    family = _Family(1, False, False)
+    free = lower_bound(4, 8, CostModel(), family)
+    tight = lower_bound(4, 8, CostModel(), family, memory_limit=1.0)
+    recomputing = schedcc.simulate(
+        schedcc.compile(get_schedule("1f1b")(4, 8), recompute=True)
+    ).makespan
+    assert free < tight <= recomputing
+
+
+def test_comm_on_the_round_trip_is_priced():
+    """With comm, a middle stage's bound counts the group its round trip forces: the bound
+    grows by more than the head and tail hops alone."""
+    family = _Family(1, False, False)
+    heavy = CostModel(per_stage={1: CostModel(forward=4.0, backward=8.0)})
+    with_comm = CostModel(comm=1.0, per_stage={1: CostModel(forward=4.0, backward=8.0, comm=1.0)})
+    hops = 1.0 + 1.0  # stage 1's head and tail hop
+    assert lower_bound(3, 4, with_comm, family) == lower_bound(3, 4, heavy, family) + hops + 1.0
