@@ -242,10 +242,10 @@ def _worker(rank: int, world_size: int, opts) -> int:
     torch.set_num_threads(1)
     keep_freed_memory()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(120))
-    shapes = [_shape(rank, world_size, k * world_size, opts) for k in opts.per_stage]
-    if rank == 0:
-        for shape in shapes:
-            _print(shape)
+    for k in opts.per_stage:
+        shape = _shape(rank, world_size, k * world_size, opts)
+        if rank == 0:
+            _print(shape)  # as each shape finishes
     dist.barrier()
     return 0
 
