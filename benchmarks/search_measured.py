@@ -10,7 +10,7 @@ samples, one batch (one length) for every step, SGD:
    last `--trace-steps` runs, as `schedcc run --trace` writes them (microseconds), give
    `CostModel.from_trace` (the median of each instruction kind per stage, in milliseconds: its
    default unit, so every simulated makespan below is in ms), and 1F1B's measured peak bytes of
-   saved activations per stage;
+   saved activations per stage (`--trace-split`: zb-h1's events too, so I and W are measured);
 2. the memory limit is half of 1F1B's peak activations: p / 2 whole-stage microbatches (1F1B's
    stage 0 holds p), the same count on every stage; in bytes, stage s's limit is p / 2 of the
    microbatches 1F1B's measured peak on it held (p - s of them);
@@ -31,7 +31,7 @@ over simulated, and the most saved-activation bytes any stage held (measured, th
 `peak_activation_bytes`) against the byte limit of that stage.
 
     python benchmarks/search_measured.py [--stages 2 4] [--rounds 10] [--warmup 3]
-        [--trace-steps 5] [--search-time 10] [--quick]
+        [--trace-steps 5] [--search-time 10] [--trace-split] [--quick]
 """
 
 from __future__ import annotations
@@ -113,8 +113,19 @@ class _Runner:
 
 
 def _first_run(p: int, m: int, data, opts) -> tuple[CostModel, list[float]]:
-    """1F1B's measured costs (`CostModel.from_trace` of its events) and peak bytes per stage."""
+    """1F1B's measured costs (`CostModel.from_trace` of its events) and peak bytes per stage;
+    with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never runs)."""
     runner = _Runner(build_schedule(get_schedule("1f1b"), p, m), False, data)
+    events = _traced(runner, opts)
+    if opts.trace_split:
+        events += _traced(_Runner(build_schedule(get_schedule("zb-h1"), p, m), False, data), opts)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, events)
+    return CostModel.from_trace([e for rank in gathered for e in rank]), runner.peak_bytes()
+
+
+def _traced(runner: _Runner, opts) -> list[dict]:
+    """This rank's events of `--trace-steps` steps after `--warmup`, as Chrome trace events."""
     for _ in range(opts.warmup):
         runner.step()
     events = []
@@ -125,9 +136,7 @@ def _first_run(p: int, m: int, data, opts) -> tuple[CostModel, list[float]]:
              "dur": (end - start) * 1e6}
             for stage, op, start, end in runner.engine.trace_events()
         ]  # fmt: skip
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, events)
-    return CostModel.from_trace([e for rank in gathered for e in rank]), runner.peak_bytes()
+    return events
 
 
 def _candidates(p: int, m: int, costs: CostModel, opts) -> list[dict]:
@@ -231,7 +240,7 @@ def _shape(rank: int, p: int, m: int, opts) -> dict:
         "limit": [b * (p / 2) / (p - s) for s, b in enumerate(peaks)],
         "search_s": searched_s if rank == 0 else 0.0,
         "costs": [
-            (stage.forward, stage.backward, stage.comm)
+            (stage.forward, stage.backward, stage.backward_input, stage.backward_weight, stage.comm)
             for _, stage in sorted(costs.per_stage.items())
         ],
         "load": os.getloadavg(),
@@ -259,8 +268,8 @@ def _print(shape: dict) -> None:
         f"load average {load}"
     )
     print(
-        "measured costs per stage, ms (F, B, comm): "
-        + "; ".join(f"{f:.2f}, {b:.2f}, {c:.2f}" for f, b, c in shape["costs"])
+        "measured costs per stage, ms (F, B, I, W, comm): "
+        + "; ".join(", ".join(f"{x:.2f}" for x in costs) for costs in shape["costs"])
     )
     print(
         "| candidate | measured ms | simulated ms | measured/simulated | simulated activations | "
@@ -291,6 +300,11 @@ def main() -> int:
     parser.add_argument("--search-time", type=float, default=10.0, help="search seconds")
     parser.add_argument(
         "--max-builtins", type=int, default=100, help="fastest fitting built-ins timed"
+    )
+    parser.add_argument(
+        "--trace-split",
+        action="store_true",
+        help="trace zb-h1 after 1F1B, so the costs hold measured I and W",
     )
     parser.add_argument(
         "--quick", action="store_true", help="p=2, m=4, 2 rounds, 2 built-ins: a smoke run"
