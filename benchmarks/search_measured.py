@@ -17,9 +17,9 @@ samples, one batch (one length) for every step, SGD:
 3. candidates: `schedcc.search(p, m, costs=..., memory_limit=p / 2, recompute=True)` (v = 1, 2,
    both placements, `--search-time` seconds) as the closed loop calls it ("search": F/B and
    F/I/W orders), the same with `split_backward=False` ("search F/B": only the kinds a 1F1B
-   trace measures; I and W are absent from it, so `from_trace` leaves them at `CostModel`'s
-   default of 1 unit, 1 ms, whatever B measured), and every built-in that fits the same limit
-   at its fastest, as `schedcc search` ranks them: `schedcc.tune` over v = 1, 2, with and
+   trace measures; `from_trace` reads its whole backwards split as I = W = B / 2, and, the
+   trace being a CPU run's, overlapped pairs as run in order), and every built-in that fits the
+   same limit at its fastest, as `schedcc search` ranks them: `schedcc.tune` over v = 1, 2, with and
    without full recomputation, the best fitting row of each built-in (weight-delayed orders,
    2BW, left out: `train_step` runs one flush step, they run several batches a program);
 4. each candidate compiled with the tie and trained: `--warmup` untimed steps, then `--rounds`
@@ -41,9 +41,12 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 
 import argparse
+import json
 import statistics
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch._dynamo  # torch.optim imports it (seconds): import once, before forking ranks
@@ -121,7 +124,11 @@ def _first_run(p: int, m: int, data, opts) -> tuple[CostModel, list[float]]:
         events += _traced(_Runner(build_schedule(get_schedule("zb-h1"), p, m), False, data), opts)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, events)
-    return CostModel.from_trace([e for rank in gathered for e in rank]), runner.peak_bytes()
+    with tempfile.TemporaryDirectory() as folder:  # read back as the closed loop reads its trace
+        path = Path(folder) / "run.json"
+        events = [e for rank in gathered for e in rank]
+        path.write_text(json.dumps({"traceEvents": events, "otherData": {"device": "cpu"}}))
+        return CostModel.from_trace(path), runner.peak_bytes()
 
 
 def _traced(runner: _Runner, opts) -> list[dict]:

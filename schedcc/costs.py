@@ -281,14 +281,20 @@ class CostModel:
                 duration in microseconds. A comm op's duration includes any wait for its peer.
             unit_us: microseconds per cost unit: 1000 reads back what `to_chrome_trace` wrote
                 (1 ms per unit); 1e6 gives seconds.
-            defaults: fields for kinds the trace does not show (e.g. `comm=0.1`).
+            defaults: fields for kinds the trace does not show (e.g. `comm=0.1`). Without
+                one, a backward the trace shows only whole or only split is read both ways
+                ([Note: a trace's backward both ways]), and a trace of a run on the CPU
+                (`"otherData": {"device": "cpu"}`, as `schedcc run --trace` writes it) gives
+                `overlap=1.0`: the CPU backends run an overlapped pair's halves in order.
 
         Raises:
             ScheduleConfigError: the file is not JSON or not a trace, an instruction event has
                 a non-numeric `dur` or stage, or no event names an instruction.
             OSError: the file cannot be read.
         """
-        events = _trace_events(trace)
+        events, metadata = _trace_events(trace)
+        if metadata.get("device") == "cpu":
+            defaults = {"overlap": 1.0, **defaults}
         found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
         by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
         samples: dict[int, dict[str, list[float]]] = {}
@@ -306,19 +312,36 @@ class CostModel:
                 "the trace has no complete ('X') events named like instructions (F3, B3.1, ...)"
             )
         per_stage = {
-            stage: cls(**{**defaults, **_medians(kinds)}) for stage, kinds in samples.items()
+            stage: cls(**{**defaults, **_both_ways(_medians(kinds), defaults)})
+            for stage, kinds in samples.items()
         }
         overall: dict[str, list[float]] = {}
         for kinds in samples.values():
             for kind, values in kinds.items():
                 overall.setdefault(kind, []).extend(values)
-        return cls(**{**defaults, **_medians(overall)}, per_stage=per_stage)
+        return cls(**{**defaults, **_both_ways(_medians(overall), defaults)}, per_stage=per_stage)
 
 
-def _trace_events(trace: str | PathLike | Iterable[Mapping]) -> list:
-    """The event list of a Chrome trace file, or the given events."""
+# [Note: a trace's backward both ways] A run of F/B orders measures whole backwards only, one of
+# F/I/W orders input and weight gradients only; a search over both forms needs both. Left at the
+# default 1.0 the missing kind is a fiction (a 1F1B trace with B = 8 ms gave I = W = 1 ms, and
+# the search chose F/I/W orders that measured far slower than simulated). So the missing form is
+# read off the measured one: I = W = B / 2 (a linear layer's two gradients are matrix products of
+# the same size, the zero-bubble paper's I = W), and B = I + W. A kind the caller gives wins.
+def _both_ways(measured: dict[str, float], defaults: Mapping[str, float]) -> dict[str, float]:
+    out = dict(measured)
+    split = ("backward_input", "backward_weight")
+    if "backward" in out and not any(k in out or k in defaults for k in split):
+        out.update(dict.fromkeys(split, out["backward"] / 2))
+    elif all(k in out for k in split) and "backward" not in out and "backward" not in defaults:
+        out["backward"] = out["backward_input"] + out["backward_weight"]
+    return out
+
+
+def _trace_events(trace: str | PathLike | Iterable[Mapping]) -> tuple[list, Mapping]:
+    """The event list of a Chrome trace file (or the given events) and its "otherData"."""
     if not isinstance(trace, (str, PathLike)):
-        return list(trace)
+        return list(trace), {}
     try:
         data = json.loads(Path(trace).read_text())
     except json.JSONDecodeError as exc:
@@ -329,7 +352,8 @@ def _trace_events(trace: str | PathLike | Iterable[Mapping]) -> list:
             f"trace {str(trace)!r}: expected a JSON list of events or an object with a "
             '"traceEvents" list'
         )
-    return events
+    metadata = data.get("otherData", {}) if isinstance(data, dict) else {}
+    return events, metadata if isinstance(metadata, Mapping) else {}
 
 
 def _kind_of(event: object) -> str | None:

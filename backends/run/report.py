@@ -123,6 +123,7 @@ def summarize(
     its loss and what its global batch counts for (`RunModel.size`); `evals` the `(step,
     loss)` of each evaluation on held-out batches.
     """
+    import torch
     from rich.console import Console
     from rich.table import Table
 
@@ -142,7 +143,11 @@ def summarize(
             events,
             config.trace,
             flows=comm_flows(program, events),
-            metadata={"schedule": repr(program.schedule), "measured": True},
+            metadata={
+                "schedule": repr(program.schedule),
+                "measured": True,
+                "device": "cuda" if torch.cuda.is_available() else "cpu",  # as the job chose
+            },
             unit_us=1e6,
         )
     table = Table(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -311,3 +312,37 @@ def test_simulating_an_invalid_program_eagerly_raises_the_validators_error():
     broken = program.evolve(stages=(program.stages[0], stage1))
     with pytest.raises(ScheduleError):
         simulate(broken, eager=True)
+
+
+def test_a_trace_of_whole_backwards_is_read_split_too_and_the_other_way():
+    """A trace with B only gives I = W = B / 2 on each stage; one with I and W only gives
+    B = I + W; a kind the caller gives is kept ([Note: a trace's backward both ways])."""
+    whole = [
+        {"name": "F0", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 2e3},
+        {"name": "B0", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 8e3},
+        {"name": "B0", "ph": "X", "pid": 1, "tid": 0, "ts": 0, "dur": 6e3},
+    ]
+    costs = CostModel.from_trace(whole)
+    assert (costs.at(0).backward_input, costs.at(0).backward_weight) == (4.0, 4.0)
+    assert (costs.at(1).backward_input, costs.at(1).backward_weight) == (3.0, 3.0)
+    assert CostModel.from_trace(whole, backward_weight=1.5).at(0).backward_weight == 1.5
+    split = [
+        {"name": "I0", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 3e3},
+        {"name": "W0", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 2e3},
+        {"name": "F0", "ph": "X", "pid": 1, "tid": 0, "ts": 0, "dur": 1e3},
+    ]
+    assert CostModel.from_trace(split).at(0).backward == 5.0
+
+
+def test_a_cpu_runs_trace_prices_overlapped_pairs_as_run_in_order(tmp_path):
+    """`"device": "cpu"` in the trace's otherData gives overlap 1 (the CPU backends run a pair's
+    halves in order); a GPU run's trace, or one without the key, keeps the default."""
+    events = [{"name": "F0", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 1e3}]
+    default = CostModel().overlap
+    for device, overlap in (("cpu", 1.0), ("cuda", default), (None, default)):
+        path = tmp_path / f"{device}.json"
+        other = {} if device is None else {"otherData": {"device": device}}
+        path.write_text(json.dumps({"traceEvents": events, **other}))
+        assert CostModel.from_trace(path).overlap == overlap
+    path.write_text(json.dumps({"traceEvents": events, "otherData": {"device": "cpu"}}))
+    assert CostModel.from_trace(path, overlap=0.25).overlap == 0.25
