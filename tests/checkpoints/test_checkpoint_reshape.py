@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from _cli import run_cli
 
 import schedcc
 from schedcc.backends.checkpoint import files as ckpt
@@ -345,11 +344,7 @@ def test_gloo_resume_at_twice_the_data_parallel_degree_under_zero3(tmp_path):
 
 
 def _schedcc_run(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "schedcc", "run", "--no-progress", "--timeout", "20"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [*command, "--model", "mlp", *args], capture_output=True, text=True, timeout=240, env=env
-    )
+    return run_cli("--timeout", "20", "--model", "mlp", *args, timeout=240)
 
 
 def test_schedcc_run_resumes_in_another_schedule_m_and_dp(tmp_path):

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli import run_cli, schedcc
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "schedcc", "run", "--no-progress", "--timeout", "20", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return run_cli("--timeout", "20", *args, timeout=timeout, env=ENV)
 
 
 def _assert_same_checkpoint(a: Path, b: Path) -> None:
@@ -145,14 +145,7 @@ def test_killed_rank_then_resume_completes_like_uninterrupted(tmp_path):
 )
 def test_bad_checkpoint_flags_are_one_line_and_exit_2(tmp_path, args, message):
     """Checkpoint flags that cannot work are refused before any process starts."""
-    done = subprocess.run(
-        [sys.executable, "-m", "schedcc", "run", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=ENV,
-        cwd=tmp_path,
-    )
+    done = schedcc("run", *args, timeout=60, env=ENV, cwd=tmp_path)
     assert done.returncode == 2
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

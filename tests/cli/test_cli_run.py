@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import run_cli
 
 from schedcc.backends.run.launch import free_port
 
@@ -25,14 +26,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(*args: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "schedcc", "run", "--no-progress", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env or _env(),
-    )
+    return run_cli(*args, timeout=timeout, env=env or _env())
 
 
 def test_run_trains_1f1b_and_prints_the_summary(tmp_path):
