@@ -14,7 +14,9 @@ how tensors travel between them. What a user sees is written here once, so the t
   `train_step(inputs, targets)` runs one flush step; `steps` counts optimizer steps taken;
   `last_metrics` holds the named parts of the last batch's loss; both take `on_step`, called
   with one record per optimizer step on the one process that writes metrics
-  (`backends.metrics`);
+  (`backends.metrics`), and `read_loss`: False leaves each loss on the device, a 0-dim
+  float64 tensor, and reads nothing on the host ([Note: an unread loss is a tensor] in
+  `backends.runtime.loss_values`);
 - `evaluate(inputs, targets)` and `predict(inputs)` run a forward-only program
   (`schedcc.compile(..., forward_only=True)`) with the segments in eval mode, under a copy of
   the RNG state, and change no parameter, gradient, optimizer or RNG state;
@@ -24,7 +26,8 @@ how tensors travel between them. What a user sees is written here once, so the t
   (`backends.runtime.handlers`).
 
 An engine supplies `_prepare` (check and split one run's batches, raising before anything runs),
-`_run` (run the program once, returning each batch's loss and named parts), `_forward_run` (the
+`_run` (run the program once, returning each batch's loss and named parts, read or on the
+device), `_forward_run` (the
 forward-only program on one batch), `_runtimes` (the stage runtimes it holds), `_held_modules`,
 `_model_state`, `save` and `load`. Batches are checked and split by `backends.batches`.
 """
@@ -142,7 +145,8 @@ class BaseEngine(abc.ABC):
         self.steps = 0
         #: The named parts of the last batch's loss that `train` yielded (a dict loss's parts,
         #: else `{"loss": ...}`); on the distributed engine, every part only on the last stage.
-        self.last_metrics: dict[str, float] = {}
+        #: Floats, or 0-dim device tensors after a run with `read_loss=False`.
+        self.last_metrics: dict[str, float | torch.Tensor] = {}
         self._forward_only: Program | None = None
 
     # -- training -------------------------------------------------------------------------------
@@ -153,7 +157,8 @@ class BaseEngine(abc.ABC):
         *,
         on_step: OnStep | None = None,
         microbatch_sizes: Iterable[Sequence[int]] | None = None,
-    ) -> Iterator[float]:
+        read_loss: bool = True,
+    ) -> Iterator[float | torch.Tensor]:
         """Train on `batches`, yielding each batch's loss.
 
         The program covers `num_batches` optimizer steps; the batches are taken that many at a
@@ -168,11 +173,21 @@ class BaseEngine(abc.ABC):
                 `backends.metrics.JsonlWriter` (see `backends.metrics.step_records`).
             microbatch_sizes: None (equal microbatches), or one list of `m` sizes per batch,
                 taken alongside them (as `train_step`'s).
+            read_loss: True (the default): each loss is a float, read on the host once per
+                run. False: each is a 0-dim float64 tensor on the device, equal to that float,
+                and a step reads nothing for it ([Note: an unread loss is a tensor] in
+                `backends.runtime.loss_values`; `.item()` it when you need the number).
 
         Raises:
             ScheduleConfigError: a bad batch (a whole group is checked before it runs), fewer
-                batches left than one program covers, or bad or missing sizes for a batch.
+                batches left than one program covers, bad or missing sizes for a batch, or
+                `read_loss` that is not a bool or is False with an `on_step` (a record holds
+                the loss as a number).
+
+        >>> # losses = list(engine.train(batches, read_loss=False))  # no sync per step
+        >>> # print(torch.stack(losses).mean().item())  # one read, when you choose
         """
+        read = _reading(read_loss, on_step)
         m, per_run = self.program.schedule.num_microbatches, self.program.schedule.num_batches
         stream = iter(batches)
         sizes = iter(microbatch_sizes) if microbatch_sizes is not None else None
@@ -195,7 +210,7 @@ class BaseEngine(abc.ABC):
                          for j, n in enumerate(given)]  # fmt: skip
             prepared = self._prepare(group, first, given)
             watch = self._watch(on_step)
-            losses = self._run(prepared)
+            losses = self._run(prepared, read=read)
             first += per_run
             self.steps += per_run  # the run took them all, whether or not each loss is read
             self._report(on_step, watch, losses)
@@ -210,22 +225,26 @@ class BaseEngine(abc.ABC):
         *,
         microbatch_sizes: Sequence[int] | None = None,
         on_step: OnStep | None = None,
-    ) -> float:
+        read_loss: bool = True,
+    ) -> float | torch.Tensor:
         """One optimizer step on one batch, for flush schedules; returns its loss.
 
         `microbatch_sizes`, if given, are the samples of each of the `m` microbatches (a local
         batch's, alike on every data-parallel replica and every rank), in order: microbatches
         of unequal size ([Note: unequal microbatches] in `backends.runtime.losses`; see
         `schedcc.microbatches.balance`). `on_step`, if given, is called with the step's
-        record, as `train`'s.
+        record, as `train`'s. `read_loss=False` returns the loss as a 0-dim float64 tensor on
+        the device and reads nothing for it, as `train`'s.
 
         Raises:
             ScheduleConfigError: the program covers more than one batch or delays weights (a
-                delay acts across the batches of one run: use `train`), a bad batch, or
-                `microbatch_sizes` that are not `m` positive ints summing to the batch size.
+                delay acts across the batches of one run: use `train`), a bad batch,
+                `microbatch_sizes` that are not `m` positive ints summing to the batch size, or
+                `read_loss` as `train` refuses it.
 
         >>> # engine.train_step(x[:12], y[:12], microbatch_sizes=[1, 3, 2, 6])
         """
+        read = _reading(read_loss, on_step)
         schedule = self.program.schedule
         if schedule.weight_delay or schedule.num_batches != 1:
             raise ScheduleConfigError(
@@ -238,7 +257,7 @@ class BaseEngine(abc.ABC):
             sizes = [check_sizes(microbatch_sizes, schedule.num_microbatches)]
         prepared = self._prepare([(inputs, targets)], 0, sizes)
         watch = self._watch(on_step)
-        ((loss, parts),) = losses = self._run(prepared)
+        ((loss, parts),) = losses = self._run(prepared, read=read)
         self.steps += 1
         self._report(on_step, watch, losses)
         self.last_metrics = parts
@@ -474,8 +493,11 @@ class BaseEngine(abc.ABC):
         `ScheduleConfigError` before anything runs."""
 
     @abc.abstractmethod
-    def _run(self, prepared: Any) -> list[tuple[float, dict[str, float]]]:
-        """Run the program once on what `_prepare` returned; each batch's loss and parts."""
+    def _run(self, prepared: Any, *, read: bool = True) -> list[tuple[Any, dict[str, Any]]]:
+        """Run the program once on what `_prepare` returned; each batch's loss and parts: floats
+        (`read`: one host read), else 0-dim device tensors and no read
+        (`backends.runtime.loss_values`); a run that reads nothing ends as [Note: one run
+        ahead] in `backends.runtime.syncs` says."""
 
     @abc.abstractmethod
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
@@ -500,6 +522,26 @@ class BaseEngine(abc.ABC):
 
 
 # -- arguments ----------------------------------------------------------------------------------
+
+
+def _reading(read_loss: object, on_step: OnStep | None) -> bool:
+    """`read_loss`, checked against `on_step`.
+
+    Raises:
+        ScheduleConfigError: not a bool, or False with an `on_step`.
+    """
+    if not isinstance(read_loss, bool):
+        raise ScheduleConfigError(
+            f"read_loss must be True (losses as floats) or False (0-dim device tensors, no host "
+            f"read), got {read_loss!r}"
+        )
+    if not read_loss and on_step is not None:
+        raise ScheduleConfigError(
+            "on_step writes each step's loss as a number, which reads it on the host every "
+            "step, and read_loss=False asks for no read: drop one of them (or keep "
+            "read_loss=False and write your own record from loss.item() every N steps)"
+        )
+    return read_loss
 
 
 def check_precision(

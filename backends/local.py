@@ -32,6 +32,7 @@ a number: [Note: eager point-to-point] in `backends.distributed.eager` gives the
 from __future__ import annotations
 
 import copy
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -71,7 +72,9 @@ from schedcc.backends.engine import (
 from schedcc.backends.runtime.boundary import Message
 from schedcc.backends.runtime.clipping import NormMeeting
 from schedcc.backends.runtime.collectives import Meeting, ThreadCollectives
+from schedcc.backends.runtime.loss_values import device_losses, read_losses
 from schedcc.backends.runtime.stage import StageRuntime
+from schedcc.backends.runtime.syncs import RunEnds, host_read
 from schedcc.backends.runtime.tied import (
     TieMeetings,
     built_ties,
@@ -183,6 +186,7 @@ class Engine(BaseEngine):
         self._tie_members = tie_members(tied, Layout.of(schedule))
         self.segments = segments
         self._layout = layout = Layout.of(schedule)
+        devices = list(dict.fromkeys(p.device for seg in segments for p in seg.parameters()))
         dp = program.data_parallel
         replicas = [segments] + [copy.deepcopy(segments) for _ in range(dp - 1)]
         meetings = [Meeting(dp) for _ in range(schedule.num_stages)]
@@ -216,6 +220,10 @@ class Engine(BaseEngine):
             for r in range(dp)
         ]
         self._meetings = meetings
+        #: the devices the stages run on, and where a run that reads nothing ends ([Note: one
+        #: run ahead] in `backends.runtime.syncs`)
+        self._devices = devices
+        self._run_ends = RunEnds()
         #: Per stage, its program as this engine runs it: compute and update instructions, and
         #: each comm group as one `_CommGroup`.
         self._ops = [_stage_ops(program, s, layout) for s in range(schedule.num_stages)]
@@ -330,12 +338,17 @@ class Engine(BaseEngine):
 
     # -- running --------------------------------------------------------------------------------
 
-    def _run(self, prepared) -> list[tuple[float, dict[str, float]]]:
+    def _run(self, prepared, *, read: bool = True) -> list[tuple[Any, dict[str, Any]]]:
         """Run the program once over what `_prepare` made: per batch, per replica
         microbatches, and per batch its microbatches' sizes (None: equal)."""
         batches, sizes = prepared
         self._load(batches, forward_only=False, sizes=sizes)
-        return self._losses(len(batches))
+        values, names = self._loss_values(len(batches))
+        if read:
+            return read_losses(host_read(values), len(batches), names)
+        # no peer can stop this run: wait for the previous one without a bound
+        self._run_ends.pace(self._devices, math.inf)  # [Note: one run ahead]
+        return device_losses(values, len(batches), names)
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
         """The forward-only program on one batch, split into `num_batches * m` microbatches."""
@@ -353,7 +366,8 @@ class Engine(BaseEngine):
             ]
         self._load(batches, forward_only=True, targets=targets is not None)
         if targets is not None:
-            return self._losses(num_batches, whole=True)[0][0], None
+            values, names = self._loss_values(num_batches, whole=True)
+            return read_losses(host_read(values), 1, names)[0][0], None
         lasts = self._ends(self._layout.lasts)  # a replica's outputs are on its last stage
         outputs = [
             next(runtimes[s].outputs[i] for s in lasts if i in runtimes[s].outputs)
@@ -391,34 +405,37 @@ class Engine(BaseEngine):
         else:
             self._run_threads(ops)
 
-    def _losses(self, count: int, *, whole: bool = False) -> list[tuple[float, dict[str, float]]]:
-        """Each batch's loss (over every replica) and named parts; `whole`: of all batches as
-        one (the forward-only program's batch). The sums are added as the distributed engine
-        adds them, so both give the same bits: each stage's records in batch order, then the
-        stages, then the data-parallel replicas."""
+    def _loss_values(self, count: int, *, whole: bool = False) -> tuple[torch.Tensor, list[str]]:
+        """Each batch's (over every replica) loss total, count and named parts as one float64
+        vector on the device, and the parts' names (`backends.runtime.loss_values`); `whole`:
+        of all batches as one (the forward-only program's batch). The sums are added as the
+        distributed engine adds them, so both give the same bits: each stage's records in batch
+        order, then the stages, then the data-parallel replicas."""
         lasts = self._ends(self._layout.lasts)
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
-        out = []
-        for group in groups:
-            held = [
-                [
-                    [rec[b] for b in group if b in rec]
-                    for rec in (rs[s].book.records() for s in lasts)
-                ]
-                for rs in self.runtimes
-            ]
+        books = [[rs[s].book.device_records() for s in lasts] for rs in self.runtimes]
+        first = next((rec for rs in books for stage in rs for rec in stage.values()), None)
+        names = list(first[2]) if first is not None else []
+        device = first[0].device if first is not None else torch.device("cpu")
+        zero = torch.zeros((), dtype=torch.float64, device=device)
 
-            def added(pick, held=held) -> float:
-                return sum(sum(sum(pick(r) for r in stage) for stage in rs) for rs in held)
+        def added(group: list[int], pick) -> torch.Tensor:
+            replicas = zero
+            for rs in books:
+                stages = zero
+                for stage in rs:
+                    held = zero
+                    for b in group:
+                        if b in stage:
+                            held = held + pick(stage[b]).to(device)
+                    stages = stages + held
+                replicas = replicas + stages
+            return replicas
 
-            total, number = added(lambda r: r.total), added(lambda r: r.count)
-            loss = total / number if number else float("nan")
-            named = {"loss": loss}
-            first = next((r for rs in held for stage in rs for r in stage), None)
-            for name in first.parts if first is not None else ():  # a dict loss: its parts
-                named[name] = added(lambda r, name=name: r.parts[name]) / number
-            out.append((loss, named))
-        return out
+        sums = [added(g, lambda r: r[0]) for g in groups]
+        sums += [added(g, lambda r: r[1]) for g in groups]
+        sums += [added(g, lambda r, name=name: r[2][name]) for g in groups for name in names]
+        return torch.stack(sums), names
 
     def _run_threads(self, ops) -> None:
         errors: list[BaseException] = []

@@ -15,7 +15,9 @@ after a run ([Note: host syncs] in `backends.runtime.syncs`): the losses and the
 (read once at the run's end), the gradient norm (read by `GradNorm` to decide the step), the loss
 scale and skipped-step count (Python numbers), the learning rate (the optimizer's
 `param_groups[0]["lr"]`, a Python number) and wall-clock times. Building and writing records
-reads no device tensor.
+reads no device tensor. A record holds the loss as a number, so `on_step` needs the run to read
+it: with `train(..., read_loss=False)`, which reads nothing, it is refused
+(`backends.engine.BaseEngine.train`).
 """
 
 from __future__ import annotations

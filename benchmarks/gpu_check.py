@@ -4,7 +4,8 @@
    the CPU from the same weights; the largest parameter difference is printed (and must be tiny).
 2. Host syncs per step: the local engine on CUDA (1f1b, p = 4, m = 8), counted both by
    `torch.cuda.set_sync_debug_mode` (warnings) and by the engines' own counter ([Note: host
-   syncs] in `backends/runtime/syncs.py`), steady steps only.
+   syncs] in `backends/runtime/syncs.py`), steady steps only, with the loss read (one each) and
+   with `read_loss=False` (none each).
 3. Overhead on one GPU: a ~110M GPT (12 blocks, 768 wide, vocab 32768, 512 tokens) in 4
    segments, 1f1b m = 8 on the local engine, against plain training of the same model with 8
    microbatches of gradient accumulation, fp32 and bf16 (target: schedcc / plain <= 1.05).
@@ -12,8 +13,9 @@
    pair's halves on two CUDA streams (the default) against a handler that runs them in order
    (`engine.register_handler(OverlappedBackward, ...)`): seconds per step each, and their ratio.
 5. With 2 or more GPUs: the NCCL path (`p2p="nccl"`) over one rank per GPU, float64, against the
-   local engine on the CPU, with its host syncs per step; then `schedcc run` with NCCL, one
-   process per GPU, with `--check`, and a float32 tiny-GPT run for its summary.
+   local engine on the CPU, with its host syncs per step, the loss read and not; then `schedcc
+   run` with NCCL, one process per GPU, with `--check`, and a float32 tiny-GPT run for its
+   summary.
 
     python benchmarks/gpu_check.py [--quick]
 """
@@ -107,15 +109,20 @@ def syncs_per_step() -> None:
     segments = [s.cuda() for s in models.mlp_segments(4, width=256, seed=0)]
     engine = Engine(program, segments, F.mse_loss, lambda ps: torch.optim.Adam(ps, lr=1e-3))
     data = models.TeacherData(width=256, seed=1)
-    batches = [tuple(t.float().cuda() for t in data.batch(64, step)) for step in range(6)]
+    batches = [tuple(t.float().cuda() for t in data.batch(64, step)) for step in range(10)]
     for x, y in batches[:2]:
         engine.train_step(x, y)
-    counts = [_counted(lambda x=x, y=y: engine.train_step(x, y)) for x, y in batches[2:]]
-    print(
-        "local engine on CUDA, 1f1b p=4 m=8, steady steps: syncs per step (CUDA's count, "
-        f"the engine's) {counts}",
-        flush=True,
-    )
+    for read in (True, False):
+        steady = batches[2:6] if read else batches[6:]
+        counts = [
+            _counted(lambda x=x, y=y, r=read: engine.train_step(x, y, read_loss=r))
+            for x, y in steady
+        ]
+        print(
+            f"local engine on CUDA, 1f1b p=4 m=8, steady steps, read_loss={read}: syncs per "
+            f"step (CUDA's count, the engine's) {counts}",
+            flush=True,
+        )
 
 
 def _gpt(seed: int = 0) -> GPT:
@@ -192,22 +199,27 @@ def _nccl_rank(rank: int, world_size: int) -> int:
         parts = models.mlp_segments(world_size * v // replicas, width=32, seed=0)
         parts = [s.double() for s in parts]
         data = models.TeacherData(width=32, seed=1)
-        batches = [tuple(t.double() for t in data.batch(16, step)) for step in range(4 * per_run)]
+        batches = [tuple(t.double() for t in data.batch(16, step)) for step in range(6 * per_run)]
         oracle = Engine(program, copy.deepcopy(parts) * replicas, F.mse_loss, _adam)
         expected = list(oracle.train(batches))
         segments = [s.cuda() for s in copy.deepcopy(parts)] * replicas
         engine = DistributedEngine(program, segments, F.mse_loss, _adam, timeout=60)
         cuda_batches = [(x.cuda(), y.cuda()) for x, y in batches]
         losses = list(engine.train(cuda_batches[: 2 * per_run]))
-        later = cuda_batches[2 * per_run :]
-        steady = _counted(lambda e=engine, got=losses, b=later: got.extend(e.train(b)))
+        read, unread = cuda_batches[2 * per_run : 4 * per_run], cuda_batches[4 * per_run :]
+        steady = _counted(lambda e=engine, got=losses, b=read: got.extend(e.train(b)))
+        tensors: list = []
+        quiet = _counted(
+            lambda e=engine, got=tensors, b=unread: got.extend(e.train(b, read_loss=False))
+        )
+        losses += [t.item() for t in tensors]
         diff = max(abs(a - b) for a, b in zip(losses, expected))
         worst = max(worst, diff)
         if rank == 0:
             print(
                 f"NCCL path {name:17s} p={world_size} ({engine.point_to_point}): losses vs CPU "
                 f"{diff:.2e}; steady syncs (CUDA's, the engine's) over {2 * per_run} steps "
-                f"{steady}",
+                f"{steady}, with read_loss=False {quiet}",
                 flush=True,
             )
     return 0 if worst < 1e-10 else 1

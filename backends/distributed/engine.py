@@ -41,9 +41,11 @@ with, in one line; a wait that times out says the same. That holds in a collecti
 checkpoint's save or load, the loss reduction, ReduceGrads), never a raw gloo traceback. The
 launcher (`backends.run.launch` or torchrun) then ends the other ranks (a stopped one at once), so
 no rank hangs. Under NCCL a point-to-point wait is a stream wait and the host runs ahead; the run's
-end waits for the GPU (`wait_device`), polling, for at most the timeout, and raises `RankFailure`
-then. The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so NCCL's own watchdog,
-which ends the process without a word, fires after the engine has said why. """
+end waits for the GPU, polling, for at most the timeout, and raises `RankFailure` then: for its
+loss read, or, where nothing is read, for the previous run's end ([Note: one run ahead] in
+`backends.runtime.syncs`). The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so
+NCCL's own watchdog, which ends the process without a word, fires after the engine has said
+why."""
 
 from __future__ import annotations
 
@@ -101,8 +103,9 @@ from schedcc.backends.engine import (
     check_precision,
     copied_state,
 )
+from schedcc.backends.runtime.loss_values import device_losses, read_losses
 from schedcc.backends.runtime.stage import StageRuntime
-from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S, host_read, wait_device
+from schedcc.backends.runtime.syncs import WATCHDOG_GRACE_S, RunEnds, read_within, wait_device
 from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat, shapes_of
 from schedcc.backends.runtime.zero import BUCKET_BYTES
@@ -244,7 +247,7 @@ class Engine(BaseEngine):
             self._pairs = BroadcastPairs(program, self.stage, self.pp_group, timeout=self.timeout)
         elif self.p2p == "nccl":  # see [Note: one link per direction]
             emulate = dist.get_backend(self.pp_group) != "nccl"
-            grace = timedelta(seconds=0 if emulate else WATCHDOG_GRACE_S)  # see wait_device
+            grace = timedelta(seconds=0 if emulate else WATCHDOG_GRACE_S)  # [Note: one run ahead]
             links = Links(program, self.stage, self.pp_group, timeout=self.timeout + grace)
             cuda = self.device.type == "cuda" and not emulate
             self._links = LinkIO(links, self.stage, emulate=emulate, cuda=cuda)
@@ -289,6 +292,8 @@ class Engine(BaseEngine):
         self._forward: tuple[list, list[int], Transfers] | None = None
         self._at: int | None = None
         self._clock0 = 0.0
+        #: where a run that reads nothing on the host ends ([Note: one run ahead])
+        self._run_ends = RunEnds()
         #: Per run of the program: (start, end) seconds of each of `_ops` (a unit of the rendezvous
         #: model), since the engine's clock 0.
         self.unit_times: list[list[tuple[float, float]]] = []
@@ -466,12 +471,12 @@ class Engine(BaseEngine):
         self._signatures = mine or {}
         return result, bool(targets_held)
 
-    def _run(self, prepared) -> list[tuple[float, dict[str, float]]]:
+    def _run(self, prepared, *, read: bool = True) -> list[tuple[Any, dict[str, Any]]]:
         split, sizes = prepared
         self._connect()
         times = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
         self.unit_times.append(times)
-        return self._losses(len(split))
+        return self._losses(len(split), read=read)
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
         """The forward-only program on this rank's batch, split into `num_batches * m`."""
@@ -495,6 +500,7 @@ class Engine(BaseEngine):
         self._execute(ops, visit, transfers, split, forward_only=True)
         if evaluating:
             return self._losses(num_batches, whole=True, reduce=True)[0][0], None
+        self._wait_device()  # the outputs returned are ready
         outputs = self._gather_outputs() if self._layout.num_replicas > 1 else self.runtime.outputs
         if self.stage != self._layout.stage_of[self._layout.last]:
             return None, None
@@ -577,7 +583,6 @@ class Engine(BaseEngine):
                 transfers.after(index)
             self._at = None
             transfers.finish(times, clock0)
-            self._wait_device()
         except BaseException as exc:
             transfers.abort(self._reason(exc, ops[index] if visit else None))
             raise
@@ -586,10 +591,27 @@ class Engine(BaseEngine):
     def _wait_device(self) -> None:
         """On CUDA, the run's end: its kernels done within the timeout ([Note: failures])."""
         if not wait_device(self.device, self.timeout.total_seconds()):
-            raise RankFailure(
-                f"rank {self.rank} (stage {self.stage}) waited {self.timeout.total_seconds():g} s "
-                "for its GPU to end the run: a peer it exchanges with stopped or died"
-            )
+            raise self._stuck("end the run")
+
+    def _end_run(self, values: torch.Tensor, *, read: bool) -> list[float] | None:
+        """A run's end ([Note: one run ahead]): `values` read within the timeout (`read`), or,
+        reading nothing, the previous unread run's end waited for within it; None then.
+        Outside `_execute`'s guard: on CUDA no peer is linked by shared memory to be told."""
+        seconds = self.timeout.total_seconds()
+        if read:
+            got = read_within(values, seconds)
+            if got is None:
+                raise self._stuck("end the run and read its loss")
+            return got
+        if not self._run_ends.pace([self.device], seconds):
+            raise self._stuck("end the run before last")
+        return None
+
+    def _stuck(self, what: str) -> RankFailure:
+        return RankFailure(
+            f"rank {self.rank} (stage {self.stage}) waited {self.timeout.total_seconds():g} s "
+            f"for its GPU to {what}: a peer it exchanges with stopped or died"
+        )
 
     def _reason(self, exc: BaseException, op: Any) -> str:
         """One line for the peers: what failed here, and where."""
@@ -735,11 +757,12 @@ class Engine(BaseEngine):
             ) from exc
 
     def _losses(
-        self, count: int, *, whole: bool = False, reduce: bool | None = None
-    ) -> list[tuple[float, dict[str, float]]]:
+        self, count: int, *, whole: bool = False, reduce: bool | None = None, read: bool = True
+    ) -> list[tuple[Any, dict[str, Any]]]:
         """Each batch's loss over every replica, and its named parts (on the last stage's ranks);
         `whole`: of all `count` batches as one (the forward-only program's batch). The sums are
-        added and reduced on the device and read once ([Note: host syncs])."""
+        added and reduced on the device and read once where `read` ([Note: host syncs]), else
+        left there (`backends.runtime.loss_values`)."""
         last = self._holds(self._layout.lasts)
         records = self.runtime.book.device_records() if last else {}
         groups = [list(range(count))] if whole else [[b] for b in range(count)]
@@ -769,17 +792,13 @@ class Engine(BaseEngine):
         if names and self.data_parallel.size > 1:
             with self._collective("the loss reduction", self.dp_group):
                 dist.all_reduce(parts, group=self.dp_group)
-        if reduce or last:
-            read = host_read(torch.cat([sums, parts]))
-        else:
-            read = [float("nan")] * len(groups) + [1.0] * len(groups)
-        out = []
-        for n in range(len(groups)):
-            total, number = read[n], read[len(groups) + n]
-            loss = total / number if number else float("nan")
-            named = read[2 * len(groups) + n * len(names) :][: len(names)] if number else []
-            out.append((loss, {"loss": loss, **{k: v / number for k, v in zip(names, named)}}))
-        return out
+        values = torch.cat([sums, parts])
+        got = self._end_run(values, read=read and (reduce or last))
+        if not read:
+            return device_losses(values, len(groups), names)  # NaN where nothing is known
+        if got is None:  # neither reduced nor on the last stage: nothing to know
+            got = [float("nan")] * len(groups) + [1.0] * len(groups)
+        return read_losses(got, len(groups), names)
 
     @contextmanager
     def _collective(self, what: str, group=None) -> Iterator[None]:

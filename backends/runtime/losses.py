@@ -228,7 +228,10 @@ class LossBook:
         total = self.up_front.get(batch)
         if total is None:  # [Note: the count divides at the step]
             return value
-        return value / total.to(value.device, value.dtype)  # [Note: a count known up front]
+        # [Note: a count known up front]; a count on the CPU (count_fn returned numbers) is
+        # taken by the kernel as an argument, never copied to the device ([Note: host syncs])
+        device = None if total.device.type == "cpu" else value.device
+        return value / total.to(device, value.dtype)
 
     def close(self, batch: int, replica: int = 0) -> None:
         """Every forward of `batch` on `replica` has run here (its last segment): fix the
@@ -266,7 +269,8 @@ class LossBook:
             if count is None:
                 sizes = self._sizes.get(b)  # [Note: unequal microbatches]
                 number = sum(sizes) if sizes is not None else len(values)
-                count = torch.tensor(float(number), dtype=torch.float64)
+                # made on the device, never copied there: [Note: host syncs]
+                count = torch.full((), float(number), dtype=torch.float64, device=values[0].device)
             parts = {name: _running_sum(v) for name, v in self._parts.get(b, {}).items()}
             out[b] = (_running_sum(values), count, parts)
         return out
@@ -349,9 +353,11 @@ def interpret(result: Any, where: str) -> tuple[str, torch.Tensor, Any, dict]:
         return MEAN, result, None, {}
     if type(result) in (tuple, list) and len(result) == 2 and _is_scalar(result[0]):
         count = result[1]
-        if _is_scalar(count, floating=False) or type(count) in (int, float):
-            count = torch.as_tensor(count, device=result[0].device).to(torch.float64)
-            return RATIO, result[0], count, {}
+        device = result[0].device
+        if type(count) in (int, float):  # made on the device, not copied: [Note: host syncs]
+            return RATIO, result[0], torch.full((), count, dtype=torch.float64, device=device), {}
+        if _is_scalar(count, floating=False):
+            return RATIO, result[0], count.to(device, torch.float64), {}
     if (
         isinstance(result, dict)
         and result

@@ -2,8 +2,9 @@
 semantics emulated ([Note: one link per direction] in `backends/distributed/links.py`): every
 built-in trains exactly like the local engine at p = 2, 3 and 4, with the sequence length
 changing between steps; the programs that hung the comm-group rounds train; a message's header
-travels only for new input shapes, so a steady step reads nothing on the host ([Note: host
-syncs]); a boundary whose values decide its shapes is refused, or sent with `dynamic_shapes`."""
+travels only for new input shapes, so a steady step reads the host only for its loss, and not
+at all with `read_loss=False` ([Note: host syncs]); a boundary whose values decide its shapes is
+refused, or sent with `dynamic_shapes`."""
 
 from __future__ import annotations
 
@@ -120,31 +121,31 @@ def test_programs_that_hung_the_comm_group_rounds_train(p):
 
 def _syncs_worker(rank: int, world_size: int) -> int:
     init(rank, world_size)
-    schedule = schedcc.get_schedule("1f1b")(2, 4)
-    program = schedcc.compile(schedule)
-    engine = Engine(
-        program,
-        models.mlp_segments(2, width=WIDTH, seed=1),
-        F.mse_loss,
-        _sgd,
-        timeout=20,
-        p2p="nccl",
-    )
-    counts = []
-    for x, y in _batches(4, 4, 1):
-        before = HostSyncs.count
-        engine.train_step(x, y)
-        counts.append(HostSyncs.count - before)
-    # one read of the reduced loss a step; steps 0 and 2 bring new input shapes: each of the 4
-    # messages this stage receives reads its header
-    assert counts == [5, 1, 5, 1], counts
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    losses: dict[bool, list] = {}
+    for read in (True, False):
+        segments = models.mlp_segments(2, width=WIDTH, seed=1)
+        engine = Engine(program, segments, F.mse_loss, _sgd, timeout=20, p2p="nccl")
+        counts, losses[read] = [], []
+        for x, y in _batches(4, 4, 1):
+            before = HostSyncs.count
+            losses[read].append(engine.train_step(x, y, read_loss=read))
+            counts.append(HostSyncs.count - before)
+        # steps 0 and 2 bring new input shapes: each of the 4 messages this stage receives
+        # reads its header; and a step reads its reduced loss once, or not at all
+        assert counts == ([5, 1, 5, 1] if read else [4, 0, 4, 0]), (read, counts)
+    unread = losses[False]
+    assert all(t.dtype == torch.float64 and t.dim() == 0 for t in unread), unread
+    assert [t.item() for t in unread] == losses[True], (unread, losses[True])
+    assert engine.last_metrics["loss"].item() == losses[True][-1]
     return 0
 
 
 def test_a_steady_step_reads_nothing_on_the_host():
     """On the NCCL path a step whose inputs are shaped like an earlier step's reads the host
-    once, for its loss (every message's shapes are certain); a step with new shapes reads one
-    header per message too."""
+    once, for its loss (every message's shapes are certain), and not at all with
+    `read_loss=False`, whose device tensors hold the read floats exactly; a step with new
+    shapes reads one header per message too."""
     assert spawn(_syncs_worker, 2, grace=30, threads=1) == 0
 
 
