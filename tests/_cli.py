@@ -42,21 +42,46 @@ def schedcc(
     rank, output captured as text. `env`: the whole environment (default this one's without a
     launcher's variables). Raises `subprocess.TimeoutExpired` after `timeout` seconds, once
     the command and every process it started are ended."""
+    return start_cli(*argv, env=env, cwd=cwd).finish(timeout)
+
+
+class Command:
+    """A `schedcc` command started by `start_cli`, running until `finish`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        self.argv = ["schedcc", *argv]
+        self._folder = tempfile.TemporaryDirectory(prefix="schedcc-cli-")
+        self._out = os.path.join(self._folder.name, "stdout")
+        self._err = os.path.join(self._folder.name, "stderr")
+        target, args = _command, (argv, cwd, env, self._out, self._err)
+        self._process = _server().Process(target=target, args=args)
+        self._process.start()
+
+    def finish(self, timeout: float = 180) -> subprocess.CompletedProcess:
+        """Wait for the command (ending it and what it started after `timeout` seconds, then
+        raising `subprocess.TimeoutExpired`); its exit code and output."""
+        process = self._process
+        try:
+            process.join(timeout)
+            if process.exitcode is None:
+                _end_session(process.pid)
+                process.join()
+                raise subprocess.TimeoutExpired(self.argv, timeout)
+            _end_session(process.pid)  # ranks it left behind, if any
+            out, err = Path(self._out).read_text(), Path(self._err).read_text()
+        finally:
+            self._folder.cleanup()
+        return subprocess.CompletedProcess(self.argv, process.exitcode, out, err)
+
+
+def start_cli(
+    *argv: str, env: dict[str, str] | None = None, cwd: str | os.PathLike = ROOT
+) -> Command:
+    """`schedcc ARGV` started as `schedcc` starts it, not waited for (`Command.finish`)."""
     if env is None:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER}
     env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
-    with tempfile.TemporaryDirectory(prefix="schedcc-cli-") as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        process = _server().Process(target=_command, args=(list(argv), str(cwd), env, out, err))
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:
-            _end_session(process.pid)
-            process.join()
-            raise subprocess.TimeoutExpired(["schedcc", *argv], timeout)
-        _end_session(process.pid)  # ranks it left behind, if any
-        stdout, stderr = Path(out).read_text(), Path(err).read_text()
-    return subprocess.CompletedProcess(["schedcc", *argv], process.exitcode, stdout, stderr)
+    return Command(list(argv), env, str(cwd))
 
 
 def run_cli(*args: str, timeout: float = 180, env: dict[str, str] | None = None):

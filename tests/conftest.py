@@ -25,13 +25,14 @@ def _no_terminal_width(monkeypatch):
 
 
 # The tiers: a test that starts processes (ranks through `spawn` or a multiprocessing context,
-# the `schedcc` command through `run_cli`, `schedcc` or `subprocess`, or `schedcc run`
+# the `schedcc` command through tests/_cli.py or `subprocess`, or `schedcc run`
 # in-process) is marked `distributed`; the fast tier is `python -m pytest -m "not distributed"`.
 # The mark is read off the test's own source and the module's helpers it calls (to any depth),
 # so a new test lands in the right tier untold; a test that starts processes some other way (a
 # compiler's workers) says so with `@pytest.mark.distributed`.
 _STARTS_PROCESSES = re.compile(
-    r"\bspawn\(|\brun_cli\(|\bschedcc\(|\bsubprocess\.|\[\"run\"|\bget_context\(|\.Process\("
+    r"\bspawn\(|\brun_cli\(|\bschedcc\(|\bstart_cli\(|\bsubprocess\.|\[\"run\"|\bget_context\("
+    r"|\.Process\("
 )
 
 

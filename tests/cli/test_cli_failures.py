@@ -6,14 +6,13 @@ is refused before any rank starts (see [Note: one core a rank] in `backends/run/
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import Command, start_cli
 
 from schedcc.backends.run import launch
 from schedcc.cli import main
@@ -85,25 +84,17 @@ MODEL = textwrap.dedent(
 )
 
 
-def _start(tmp_path, factory: str, *flags: str) -> subprocess.Popen:
-    """`schedcc run --model model.py:FACTORY --steps 1 -m 2 FLAGS` started, as `run_cli` runs
+def _start(tmp_path, factory: str, *flags: str) -> Command:
+    """`schedcc run --model model.py:FACTORY --steps 1 -m 2 FLAGS` started as `run_cli` runs
     it (a fresh process outside any torchrun, one thread a rank), output captured."""
     model = tmp_path / "model.py"
     model.write_text(MODEL)
     argv = ["--model", f"{model}:{factory}", "--steps", "1", "-m", "2", *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**env, "OMP_NUM_THREADS": "1"},
-    )
+    return start_cli("run", "--no-progress", *argv)
 
 
-def _finish(run: subprocess.Popen) -> subprocess.CompletedProcess:
-    out, err = run.communicate(timeout=180)
-    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+def _finish(run: Command) -> subprocess.CompletedProcess:
+    return run.finish(timeout=180)
 
 
 def _run_model(tmp_path, factory: str, *flags: str) -> subprocess.CompletedProcess:
