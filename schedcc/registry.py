@@ -57,8 +57,8 @@ def registered_classes() -> dict[str, type[Schedule]]:
     for name, target in sorted(registered_schedules().items()):
         by_target.setdefault(target, []).append(name)
     found = {}
-    for names in by_target.values():
-        cls = get_schedule(names[0])
+    for target, names in by_target.items():
+        cls = _load(target, names[0])  # the entry points read once, not once a name
         found[cls.name if cls.name in names else names[0]] = cls
     return dict(sorted(found.items()))
 

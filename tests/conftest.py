@@ -1,8 +1,11 @@
 """Shared test setup: hypothesis profiles (`ci` is small and fast, `dev` larger)."""
 
+import ast
+import functools
 import inspect
 import os
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -30,21 +33,37 @@ def _no_terminal_width(monkeypatch):
 # The mark is read off the test's own source and the module's helpers it calls (to any depth),
 # so a new test lands in the right tier untold; a test that starts processes some other way (a
 # compiler's workers) says so with `@pytest.mark.distributed`.
+_ROOT = Path(__file__).resolve().parents[1]
 _STARTS_PROCESSES = re.compile(
     r"\bspawn\(|\brun_cli\(|\bschedcc\(|\bstart_cli\(|\bsubprocess\.|\[\"run\"|\bget_context\("
     r"|\.Process\("
 )
 
 
+@functools.cache
+def _function_sources(filename: str) -> dict[int, str]:
+    """The source of each function defined in the file `filename`, by its first line (its first
+    decorator's, as `co_firstlineno` counts): one parse a file, not one tokenizing a function."""
+    text = Path(filename).read_text()
+    lines = text.splitlines(keepends=True)
+    out = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            out[first] = "".join(lines[first - 1 : node.end_lineno])
+    return out
+
+
 def _starting_helpers(module) -> set[str]:
     """The names of `module`'s functions that start processes, directly or through another."""
     sources = {}
     for name, value in vars(module).items():
-        if inspect.isfunction(value):  # its own, and helpers it imports from other tests
-            try:
-                sources[name] = inspect.getsource(value)
-            except (OSError, TypeError):
-                continue
+        if inspect.isfunction(value):  # its own, and helpers it imports from this repository
+            code = value.__code__
+            if Path(code.co_filename).is_relative_to(_ROOT):
+                source = _function_sources(code.co_filename).get(code.co_firstlineno)
+                if source is not None:
+                    sources[name] = source
     starting = {name for name, source in sources.items() if _STARTS_PROCESSES.search(source)}
     while True:
         if not starting:
