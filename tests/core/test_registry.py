@@ -115,3 +115,20 @@ def test_registered_classes_fold_aliases():
     assert classes["gpipe"] is GPipe
     assert "pipedream-flush" not in classes
     assert len(set(classes.values())) == len(classes)
+
+
+def test_a_package_installed_while_running_is_found(tmp_path, monkeypatch):
+    """The entry points are read again when a folder on the import path changes: a package
+    installed into it (its dist-info written there) registers its schedule at once, though the
+    table was read before ([Note: reading the entry points])."""
+    (tmp_path / "late_plugin.py").write_text(
+        "from schedcc.schedules.gpipe import GPipe\n\nclass Late(GPipe):\n    name = 'late'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "late" not in available_schedules()  # read with the folder empty of metadata
+    info = tmp_path / "late_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: late-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[schedcc.schedules]\nlate = late_plugin:Late\n")
+    assert "late" in available_schedules()
+    assert get_schedule("late").name == "late"
