@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -17,6 +18,12 @@ settings.register_profile(
     "dev", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# One intra-op thread in the test process. The tests' tensors are tiny, so a second thread
+# gains nothing, and a thread pool waits at every parallel region for all its threads: with
+# the other core busy (a rank, a second test worker, another job) a GPT test ran 14x slower on
+# two threads than on one. Ranks and commands set their own (one a rank).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
