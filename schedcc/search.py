@@ -610,7 +610,7 @@ class _Searcher:
             )
             if family.places or overlapped or (family.split and not split):
                 exact = None  # a layout or backward form the model did not cover
-            if exact is not None and exact > formula * (1 + 1e-9) + 1e-12:
+            if exact is not None and exact > formula * (1 + 1e-6):  # not by rounding alone
                 found.append((exact, "CP-SAT"))
             else:
                 found.append((formula, "lower_bound"))
