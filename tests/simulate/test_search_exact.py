@@ -11,6 +11,7 @@ import pytest
 from _builtin_schedules import names
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import stage_costs
 
 import schedcc
 from schedcc import CostModel, ScheduleConfigError, ScheduleError
@@ -24,25 +25,6 @@ from schedcc.tune import _per_chunk
 from tests._models import batches, make_segments, mse, sgd
 
 pytest.importorskip("ortools")
-
-_COST = st.floats(0.2, 3.0)
-
-
-@st.composite
-def stage_costs(draw, num_stages: int) -> CostModel:
-    """Per-stage F, I, W (B their sum or more, so a split backward covers it) and comm."""
-    per_stage = {}
-    for s in range(num_stages):
-        backward_input, backward_weight = draw(_COST), draw(_COST)
-        per_stage[s] = CostModel(
-            forward=draw(_COST),
-            backward=draw(st.floats(1.0, 1.3)) * (backward_input + backward_weight),
-            backward_input=backward_input,
-            backward_weight=backward_weight,
-            comm=draw(st.sampled_from([0.0, 0.1, 1.0])),
-        )
-    return CostModel(per_stage=per_stage)
-
 
 def _builtin_timelines(p: int, m: int, costs: CostModel):
     """`(name, family, timeline, peak)` of each built-in at v = 1 and 2, with and without
@@ -92,9 +74,9 @@ def test_every_builtin_timeline_is_a_solution_of_the_model(p, m, data):
 @settings(max_examples=3)
 @given(p=st.integers(2, 3), m=st.integers(2, 3), data=st.data())
 def test_no_builtin_beats_the_exact_bound(p, m, data):
-    """Random costs and comm: no built-in of a covered layout is faster than CP-SAT's proven
-    bound for its placement (solved without `lower_bound`'s help, at most 0.3 s each), under no
-    limit, or under one microbatch a stage for those that fit it."""
+    """Random costs, comm and recomputation costs: no built-in of a covered layout is faster
+    than CP-SAT's proven bound for its placement (solved without `lower_bound`'s help, at most
+    0.3 s each), under no limit, or under one microbatch a stage for those that fit it."""
     costs = data.draw(stage_costs(p))
     timed = {}
     for name, family, timeline, peak in _builtin_timelines(p, m, costs):
