@@ -19,10 +19,21 @@ chunks per stage, or a V), and keeps the fastest that validates and fits. Every 
    list scheduler's own clock, the best few timed by the simulator;
 3. local search from the best: swap two adjacent computes of a stage, move a weight gradient, or
    drop a recomputation; keep a change that is no slower and fits, until `time_limit` or
-   `max_evaluations`.
+   `max_evaluations`;
+4. with `method="exact"`: per placement, CP-SAT's best order for a relaxation of the simulator
+   (`schedcc.search_exact`, [Note: the exact model]), started from the best order found at that
+   placement, in the time left (then local search from it, if it is the best).
 
 `SearchResult.bound` is `schedcc.search_bound.lower_bound` ([Note: the lower bound] there), the
-least over the placements and backward forms searched and the found order's own layout.
+least over the placements and backward forms searched and the found order's own layout; with
+`method="exact"`, each placement's is the larger of it and CP-SAT's proven bound.
+
+[Note: the exact method's rule] `method="auto"` solves the exact model when ortools is
+installed, no `max_evaluations` is given (CP-SAT under a time limit does not give the same
+answer on every machine) and the largest placement searched has at most `EXACT_MAX_PAIRS`
+(microbatch, segment) pairs (p * m * v): beyond that CP-SAT rarely improves on the heuristic
+or on `lower_bound` within seconds (docs/performance.md, "Searched orders against the exact
+optimum"). The heuristic then gets 40% of `time_limit`, the exact model the rest.
 """
 
 from __future__ import annotations
@@ -50,15 +61,25 @@ from schedcc.program import Program
 from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
 from schedcc.search_bound import lower_bound
+from schedcc.search_exact import available, require_ortools, solve_exact
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk
 
-__all__ = ["PLACEMENTS", "FoundOrder", "SearchResult", "lower_bound", "search"]
+__all__ = [
+    "EXACT_MAX_PAIRS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult", "lower_bound",
+    "search",
+]
 
 #: The placements `search` can search: looped (segment k on stage k % p, chunk k // p) and the
 #: V (two chunks: down the stages and back up, as zb-v).
 PLACEMENTS = ("looped", "v")
+#: How `search` finds orders: "heuristic" ([Note: the search], 1-3), "exact" (and CP-SAT, 4), or
+#: "auto" ([Note: the exact method's rule]).
+METHODS = ("auto", "heuristic", "exact")
+#: The most (microbatch, segment) pairs of one placement for which "auto" solves the exact model.
+EXACT_MAX_PAIRS = 64
+_EXACT_WORKERS = 2  # CP-SAT's workers
 
 
 class FoundOrder(Schedule):
@@ -134,6 +155,9 @@ class SearchResult:
             "+ local search" when that improved it.
         evaluations: how many candidates the simulator timed.
         seconds: how long the search took.
+        bound_from: which bound `bound` is: "lower_bound" ([Note: the lower bound]) or
+            "CP-SAT" (the exact model's proven bound, [Note: the exact model]).
+        method: "heuristic" or "exact" (what "auto" chose).
     """
 
     schedule: FoundOrder
@@ -143,6 +167,8 @@ class SearchResult:
     source: str
     evaluations: int
     seconds: float
+    bound_from: str = "lower_bound"
+    method: str = "heuristic"
 
     @property
     def makespan(self) -> float:
@@ -228,6 +254,7 @@ def search(
     time_limit: float = 10.0,
     max_evaluations: int | None = None,
     seed: int = 0,
+    method: str = "auto",
 ) -> SearchResult:
     """The fastest order found for this shape, its costs and memory limit ([Note: the search]).
 
@@ -255,14 +282,17 @@ def search(
             a candidate that might not finish in time).
         max_evaluations: stop after this many simulated candidates too (for a search that must
             give the same answer on every machine).
-        seed: the seed of the ties' random order.
+        seed: the seed of the ties' random order (and CP-SAT's).
+        method: "heuristic", "exact" (also CP-SAT's optimum of a relaxation per placement,
+            [Note: the exact model]; needs `pip install "schedcc[search]"`) or "auto" (exact
+            where it helps: [Note: the exact method's rule]).
 
     Returns:
         A `SearchResult`: the schedule, its program and timeline, and the lower bound.
 
     Raises:
-        ScheduleConfigError: a bad argument, or no order fits the memory limit (the message
-            says the least that fits, where one was found).
+        ScheduleConfigError: a bad argument, no order fits the memory limit (the message
+            says the least that fits, where one was found), or "exact" without ortools.
 
     >>> import schedcc
     >>> result = schedcc.search(2, 4, num_chunks=1, split_backward=False, time_limit=5)
@@ -296,6 +326,8 @@ def search(
         raise ScheduleConfigError(f"search: time_limit must be seconds > 0, got {time_limit!r}")
     limits = _limits(memory_limit, num_stages, costs.memory is not None)
     families = _families(num_stages, num_chunks, placement, split_backward)
+    method = _method(method, num_stages, num_microbatches, families, max_evaluations)
+    share = 0.4 if method == "exact" else 1.0
     searcher = _Searcher(
         num_stages,
         num_microbatches,
@@ -304,7 +336,7 @@ def search(
         recompute,
         data_parallel,
         zero,
-        started + time_limit,
+        started + share * time_limit,
         max_evaluations,
         random.Random(seed),
     )
@@ -315,10 +347,13 @@ def search(
     for left, family in zip(range(len(families), 0, -1), families):
         searcher.list_schedule(family, share=0.5 / left)
     searcher.improve()
+    if method == "exact" and searcher.best is not None:
+        left = max(started + time_limit - time.monotonic(), 0.25 * time_limit)
+        searcher.exact(families, time.monotonic() + left, seed)
     best = searcher.final()
     if best is None:
         raise ScheduleConfigError(searcher.nothing_fits())
-    bound = searcher.bound(families, best)
+    bound, bound_from = searcher.bound(families, best)
     return SearchResult(
         schedule=best.program.schedule,
         program=best.program,
@@ -327,7 +362,24 @@ def search(
         source=best.source,
         evaluations=searcher.evaluations,
         seconds=time.monotonic() - started,
+        bound_from=bound_from,
+        method=method,
     )
+
+
+def _method(method, p: int, m: int, families, max_evaluations) -> str:
+    """"heuristic" or "exact" ([Note: the exact method's rule])."""
+    if method not in METHODS:
+        raise ScheduleConfigError(
+            f"search: method must be one of {', '.join(METHODS)}, got {method!r}"
+        )
+    if method == "exact":
+        require_ortools()
+        return method
+    if method == "heuristic" or max_evaluations is not None or not available():
+        return "heuristic"
+    pairs = p * m * max(f.num_chunks for f in families)
+    return "exact" if pairs <= EXACT_MAX_PAIRS else "heuristic"
 
 
 def _seeds(start) -> list[tuple[str, type[Schedule]]]:
@@ -465,6 +517,7 @@ class _Searcher:
         self.fitting_builtins: set[str] = set()
         self.least_held: float | None = None
         self.seen: set = set()
+        self.exact_bounds: dict = {}  # (v, vshape, limits) -> (CP-SAT's bound, split model)
 
     # -- budget -------------------------------------------------------------------------------
 
@@ -538,27 +591,96 @@ class _Searcher:
             self.least_held = worst
         return all(h <= lim * (1 + 1e-9) for h, lim in zip(held, self.limits))
 
-    def bound(self, families: list[_Family], best: _Candidate) -> float:
+    def bound(self, families: list[_Family], best: _Candidate) -> tuple[float, str]:
         """The least lower bound over `families` and the found order's own layout (DualPipe's
         replicas, 2BW's delay; with overlapped pairs where it has them), under the memory
-        limit in microbatches but for an order that offloads ([Note: the lower bound])."""
+        limit in microbatches but for an order that offloads ([Note: the lower bound]); each
+        the larger of `lower_bound` and CP-SAT's where the exact model was solved for it. And
+        which of the two the least is."""
         paired = any(text.startswith("+") for row in best.orders for text in row)
         limit = self.limits if self.costs.memory is None else None
         # an order that offloads holds fewer activations than the memory terms count
         kinds = {(f, False, limit) for f in families}
         kinds.add((best.family, paired, None if _offloads(best.orders) else limit))
-        return min(
-            lower_bound(
+        found = []
+        for family, overlapped, limits in kinds:
+            formula = self._lower(family, limits, overlapped=overlapped)
+            exact, split = self.exact_bounds.get(
+                (family.num_chunks, family.vshape, limits), (None, False)
+            )
+            if family.places or overlapped or (family.split and not split):
+                exact = None  # a layout or backward form the model did not cover
+            if exact is not None and exact > formula * (1 + 1e-6):  # not by rounding alone
+                found.append((exact, "CP-SAT"))
+            else:
+                found.append((formula, "lower_bound"))
+        return min(found)
+
+    def _lower(self, family: _Family, limits, *, overlapped: bool = False) -> float:
+        return lower_bound(
+            self.p,
+            self.m,
+            self.costs,
+            family,
+            overlapped=overlapped,
+            memory_limit=limits,
+            recompute=self.recompute,
+        )
+
+    def exact(self, families: list[_Family], until: float, seed: int) -> None:
+        """Solve each placement's exact model ([Note: the search], 4) by `until`, from its
+        best order; time its solution, keep its proven bound; local search from it if it is
+        the best. Where the best order offloads, its placement without the limit too."""
+        limit = self.limits if self.costs.memory is None else None
+        splits: dict[tuple[int, bool], set[bool]] = {}
+        for f in families:
+            splits.setdefault((f.num_chunks, f.vshape), set()).add(f.split)
+        todo = [(v, vshape, limit) for v, vshape in splits]
+        own = self.best.family
+        if limit is not None and _offloads(self.best.orders) and not own.places:
+            splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
+            todo.append((own.num_chunks, own.vshape, None))
+        todo.sort(key=lambda job: job[0])  # the smaller models first
+        for left, (v, vshape, limits) in zip(range(len(todo), 0, -1), todo):
+            split = any(splits[v, vshape])  # a split model holds whole backwards too
+            family = _Family(v, vshape, split)
+            lower = min(self._lower(_Family(v, vshape, s), limits) for s in splits[v, vshape])
+            start = self._start_of(v, vshape, limits)
+            solution = solve_exact(
                 self.p,
                 self.m,
                 self.costs,
                 family,
-                overlapped=overlapped,
                 memory_limit=limits,
                 recompute=self.recompute,
+                time_limit=max(0.1, (until - time.monotonic()) / left),
+                hint=start.timeline if start is not None else None,
+                upper=self.best.makespan,
+                lower=lower,
+                num_workers=_EXACT_WORKERS,
+                seed=seed,
             )
-            for family, overlapped, limits in kinds
-        )
+            self.exact_bounds[v, vshape, limits] = (solution.bound, split)
+            if solution.orders is not None:
+                form = _Family(v, vshape, _splits(solution.orders))
+                source = "CP-SAT" + (" (optimal)" if solution.optimal else "")
+                self.evaluate(form, solution.orders, source)
+        if self.best is not None and self.best.source.startswith("CP-SAT"):
+            self.deadline = until
+            self.improve()
+
+    def _start_of(self, v: int, vshape: bool, limits) -> _Candidate | None:
+        """The fastest candidate of a placement that the exact model can start from (no
+        replicas, overlapped pairs or offloads; fitting the limit it is solved under)."""
+        fits = [
+            c
+            for c in self.fitting
+            if (c.family.num_chunks, c.family.vshape) == (v, vshape)
+            and not c.family.places
+            and not _offloads(c.orders)
+            and not any(text.startswith("+") for row in c.orders for text in row)
+        ]
+        return min(fits, key=lambda c: c.makespan, default=None)
 
     def nothing_fits(self) -> str:
         least = (
@@ -935,12 +1057,17 @@ def _neighbours(orders, timeline: Timeline):
     idle = timeline.idle
     for stage in sorted(range(len(orders)), key=lambda s: (-idle[s], s)):
         row = orders[stage]
-        changed = [row[:j] + row[j + 1 :] for j, text in enumerate(row) if text[0] == "R"]
+        changed = [row[:j] + row[j + 1 :] for j, text in enumerate(row) if _recomputes(text)]
         for j in range(len(row) - 1):
             if not _same_thread(row[j], row[j + 1]):
                 changed.append((*row[:j], row[j + 1], row[j], *row[j + 2 :]))
         for new in changed:
             yield (*orders[:stage], new, *orders[stage + 1 :])
+
+
+def _recomputes(text: str) -> bool:
+    """Whether `text` is a recomputation (`R3`, not a receive `RA3` or `RG3`)."""
+    return text[0] == "R" and text[1:2].isdigit()
 
 
 def _same_thread(a: str, b: str) -> bool:

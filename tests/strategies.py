@@ -10,6 +10,7 @@ from _builtin_schedules import names
 from hypothesis import strategies as st
 
 import schedcc
+from schedcc import CostModel
 from schedcc.testing import Shape, schedules, shapes
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "nestings",
     "schedules",
     "shapes",
+    "stage_costs",
     "tensors",
 ]
 
@@ -113,3 +115,25 @@ def lengths_and_microbatches(draw, max_samples: int = 40, max_length: int = 64):
 def microbatch_sizes(num_microbatches: int, max_size: int = 5):
     """`num_microbatches` sizes of 1 to `max_size` samples (`train_step`'s `microbatch_sizes`)."""
     return st.lists(st.integers(1, max_size), min_size=num_microbatches, max_size=num_microbatches)
+
+
+_COST = st.floats(0.1, 3.0)
+
+
+@st.composite
+def stage_costs(draw, num_stages: int) -> CostModel:
+    """Costs of every kind drawn per stage (B from half to 1.5x I + W), comm above 0, a
+    recompute cost of its own or not: what the search's bounds must hold under."""
+    per_stage = {}
+    for s in range(num_stages):
+        backward_input, backward_weight = draw(_COST), draw(_COST)
+        per_stage[s] = CostModel(
+            forward=draw(_COST),
+            backward=draw(st.floats(0.5, 1.5)) * (backward_input + backward_weight),
+            backward_input=backward_input,
+            backward_weight=backward_weight,
+            comm=draw(st.floats(0.01, 2.0)),
+            recompute=draw(st.none() | _COST),
+            overlap=draw(st.floats(0.0, 1.0)),
+        )
+    return CostModel(per_stage=per_stage)

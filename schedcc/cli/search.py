@@ -16,7 +16,7 @@ from schedcc.cli import memory_flags
 from schedcc.cli.tune import add_stage_costs, costs_of, ranking_table
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule, registered_classes
-from schedcc.search import PLACEMENTS, SearchResult, search
+from schedcc.search import METHODS, PLACEMENTS, SearchResult, search
 from schedcc.sizes import format_size
 from schedcc.tune import tune
 
@@ -27,6 +27,7 @@ EPILOG = """examples:
   schedcc search -p 4 -m 8 --costs F=1,B=2,I=1,W=1,comm=0.1 --memory-limit 2 --recompute \
       --out my_order.py
   schedcc search -p 8 -m 32 --costs-from trace.json --time-limit 30
+  schedcc search -p 4 -m 8 --costs F=1,B=2,comm=1 --method exact --time-limit 20
   schedcc verify --schedule my_order.py:Found -p 4 -m 8 -v 2
 """
 
@@ -75,6 +76,14 @@ def register(subparsers) -> None:
         metavar="S",
         help="seconds the search may take (default 10)",
     )
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="auto",
+        help="heuristic, exact (also CP-SAT on a relaxation of the simulator: a tighter bound "
+        'and its optimum; pip install "schedcc[search]") or auto (exact for small shapes when '
+        "ortools is installed; default)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the ties' order")
     parser.add_argument(
         "--out", type=Path, default=None, metavar="FILE", help="write the found schedule here"
@@ -106,6 +115,7 @@ def run(args) -> int:
         start=list(extra.values()),
         time_limit=args.time_limit,
         seed=args.seed,
+        method=args.method,
     )
     print(_found_line(result))
     found = type(result.schedule)
@@ -145,6 +155,7 @@ def _found_line(result: SearchResult) -> str:
     )
     return (
         f"found: p={p} m={m} v={v} ({kind}), makespan {result.makespan:g}, lower bound "
-        f"{result.bound:g} ({result.gap:.1%} above it), {held}; from {result.source}, "
-        f"{result.evaluations} orders timed in {result.seconds:.1f} s"
+        f"{result.bound:g} ({result.bound_from}; {result.gap:.1%} above it), {held}; from "
+        f"{result.source}, {result.evaluations} orders timed in {result.seconds:.1f} s "
+        f"({result.method} search)"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from _builtin_schedules import names
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import stage_costs
 
 import schedcc
 from schedcc import CostModel, ScheduleError
@@ -14,26 +15,6 @@ from schedcc.registry import build_schedule, get_schedule
 from schedcc.search import _compute_orders, _Family, _splits, search
 from schedcc.search_bound import lower_bound
 from schedcc.tune import _per_chunk
-
-_COST = st.floats(0.1, 3.0)
-
-
-@st.composite
-def stage_costs(draw, num_stages: int) -> CostModel:
-    """Costs of every kind drawn per stage, comm above 0, a recompute cost of its own or not."""
-    per_stage = {}
-    for s in range(num_stages):
-        backward_input, backward_weight = draw(_COST), draw(_COST)
-        per_stage[s] = CostModel(
-            forward=draw(_COST),
-            backward=draw(st.floats(0.5, 1.5)) * (backward_input + backward_weight),
-            backward_input=backward_input,
-            backward_weight=backward_weight,
-            comm=draw(st.floats(0.01, 2.0)),
-            recompute=draw(st.none() | _COST),
-            overlap=draw(st.floats(0.0, 1.0)),
-        )
-    return CostModel(per_stage=per_stage)
 
 
 def _bound_of(program, costs: CostModel, *, limited: bool, recompute: bool) -> float:

@@ -1,0 +1,505 @@
+"""`solve_exact`: the optimum of a relaxation of the simulator, by CP-SAT (`schedcc.search`).
+
+The model's optimum is a lower bound on every order's simulated makespan ([Note: the exact
+model]); CP-SAT proves a bound on that optimum within its time limit, and its best solution is
+an order that `schedcc.search` compiles and simulates like any other. `ortools` is imported
+only here, and only when a model is solved: `pip install "schedcc[search]"`.
+
+[Note: the exact model] One CP-SAT model per placement (looped or V, one or two chunks per
+stage) and memory limit, in integer ticks (every cost rounded down). Its variables:
+- an interval per compute: the forward `F` of each microbatch i on each segment k, its
+  backward `B`, or `I` then `W` (with a split backward; a whole `B` stays a choice where it
+  costs less than `I + W`, else `I` then `W` back to back does what it does no later), and
+  with `recompute` an optional `R` between the forward and the backward;
+- one no-overlap per stage over its computes;
+- the dependencies of each microbatch: its forwards up the segments, the loss turning round on
+  the last, its input gradients down; where a dependency crosses stages, a *meeting* time
+  `M` no earlier than the producer's end, the consumer starting no earlier than `M` plus the
+  receiver's comm, and no other compute of either stage running inside `[M, M + its comm)`
+  (nor across `M`, without comm); the meetings of one stage may overlap each other (a comm
+  group holds many messages);
+- with a memory limit in whole-stage microbatches, a cumulative per stage of capacity
+  `N = floor(limit * v)` chunk activations over the intervals each activation is held: from
+  its forward (or its `R`) to its last backward piece;
+- the makespan, no earlier than every compute's end (and than `lower`, a bound given).
+
+It is a relaxation of the rendezvous model the simulator times ([Note: the rendezvous model]
+in `schedcc.semantics.units`): take any order of the placement that validates and fits, and
+its simulated timeline with every time rounded down to a tick. Each compute keeps its order on
+its stage and takes at least its rounded cost. A cross-stage dependency travels by a send after
+the producer and a receive before the consumer; with `P` and `Q` the posted times of their two
+comm groups and `M = max(P, Q) >= the producer's end`, each group is done no earlier than `M`
+plus its stage's comm (a group is done when every partner is posted, plus its comm), and its
+stage runs nothing from its posting to its end: no compute of either stage overlaps
+`[M, M + comm)` or runs across `M`.
+At the start of a compute the activations held in time are those the program holds at it (one
+compute at a time per stage), so the cumulative holds whenever the program's peak does. The
+makespan (updates and trailing groups included) is no earlier than any compute's end. So every
+such order is a solution of the model with its simulated makespan, rounded down: the model's
+optimum, and CP-SAT's proven bound on it, is at most every order's makespan. It leaves out
+what the rendezvous costs beyond that (a group waiting for partners of other meetings, the
+comm groups the compiler places where both stages are not idle, the updates), overlapped pairs,
+offloads,
+model replicas, a weight delay and memory in bytes (a `MemoryModel`): the bound holds for an
+order with those (but offloads, whose held count drops, only without the limit), the model
+just does not find them. Orders with a microbatch's forwards out of step are allowed; where
+every microbatch costs the same, the forwards on the first segment are taken in microbatch
+order (relabel any solution's microbatches by them: the same makespan).
+
+The solution becomes an order: each stage's computes sorted by start, and each crossing's send
+and receive at its meeting (`SA3.1` on one stage, `RA3.1` on the other), so the compiler keeps
+these comm groups instead of planning its own ([Note: meeting time]). It validates (every pair
+meets at one moment, so the walk runs forward in time) and fits the limit (the cumulative is
+the program's count). The simulator runs it no later than the model's times: a compute starts
+when its stage is free, a comm group is done once every partner group is posted, no later than
+the latest of its meetings, plus its comm, before the next compute's start in the model. So
+where CP-SAT proves its solution optimal, the simulated makespan is the optimum (per-chunk comm
+costs aside: a group costs its first op's).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from schedcc.costs import CostModel
+from schedcc.errors import ScheduleConfigError
+from schedcc.ir import Compute, RecvActivation, RecvGrad, SendActivation, SendGrad
+from schedcc.tune import _per_chunk
+
+__all__ = ["ExactSolution", "available", "require_ortools", "solve_exact"]
+
+_INSTALL = 'pip install "schedcc[search]" (or pip install ortools)'
+
+
+def available() -> bool:
+    """Whether CP-SAT (`ortools`) can be imported."""
+    try:
+        require_ortools()
+    except ScheduleConfigError:
+        return False
+    return True
+
+
+def require_ortools():
+    """ortools's `cp_model` module.
+
+    Raises:
+        ScheduleConfigError: ortools is not installed; the message says how to install it.
+    """
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:
+        raise ScheduleConfigError(
+            f"the exact search needs ortools's CP-SAT solver: {_INSTALL}; or search with "
+            "method='heuristic' (--method heuristic)"
+        ) from None
+    return cp_model
+
+
+@attrs.frozen
+class ExactSolution:
+    """What CP-SAT found for one placement ([Note: the exact model]).
+
+    Attributes:
+        orders: per stage, the best solution's computes as text (`F3.1`, `I0`, `R2`), or
+            None when it found none in time.
+        makespan: that solution's makespan in the model (cost units; inf without one).
+        bound: the proven lower bound on every order's simulated makespan (cost units).
+        optimal: whether CP-SAT proved `makespan` optimal for the model.
+        seconds: the solve's wall time.
+    """
+
+    orders: tuple[tuple[str, ...], ...] | None
+    makespan: float
+    bound: float
+    optimal: bool
+    seconds: float
+
+
+def solve_exact(
+    num_stages: int,
+    num_microbatches: int,
+    costs: CostModel,
+    family,
+    *,
+    memory_limit: float | Sequence[float] | None = None,
+    recompute: bool = False,
+    time_limit: float = 1.0,
+    hint=None,
+    upper: float | None = None,
+    lower: float = 0.0,
+    num_workers: int = 2,
+    seed: int = 0,
+) -> ExactSolution:
+    """Solve one placement's model ([Note: the exact model]) within `time_limit` seconds.
+
+    Args:
+        num_stages, num_microbatches: the shape.
+        costs: per-stage costs at v = 1 ([Note: tune's units]).
+        family: the placement (`schedcc.search`'s `_Family`, without replicas); its `split`
+            allows split backwards (whole ones stay allowed).
+        memory_limit: whole-stage microbatch activations per stage (a number or one per
+            stage); None, or a `costs.memory` (bytes), leaves memory out.
+        recompute: allow recomputed forwards (`R`).
+        hint: a `Timeline` of an order of this placement, to start from.
+        upper: a makespan some order reaches (cost units): solutions above it are cut off,
+            and the bound is `upper` where none is below it.
+        lower: a makespan no order beats (e.g. `lower_bound`'s), to start the bound from.
+        num_workers, seed: CP-SAT's (one worker runs one strategy, and proves far less).
+
+    Raises:
+        ScheduleConfigError: ortools is not installed (the message says how to install it).
+
+    >>> from schedcc.search import _Family
+    >>> found = solve_exact(2, 2, CostModel(), _Family(1, False, False), time_limit=5)
+    >>> found.makespan, found.bound, found.optimal
+    (9.0, 9.0, True)
+    """
+    cp_model = require_ortools()
+    started = time.monotonic()
+    built = _Model(cp_model, num_stages, num_microbatches, costs, family)
+    built.build(_room(memory_limit, num_stages, family, costs), recompute, upper, lower)
+    if hint is not None:
+        built.add_hint(hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
+    solver.parameters.num_workers = num_workers
+    solver.parameters.random_seed = seed
+    solver.parameters.linearization_level = 2  # scheduling cuts: the bound rises sooner
+    status = solver.solve(built.model)
+    seconds = time.monotonic() - started
+    scale = built.scale
+    if status == cp_model.INFEASIBLE:  # nothing at or below `upper`
+        return ExactSolution(None, math.inf, built.horizon / scale, False, seconds)
+    bound = max(solver.best_objective_bound, built.floor) / scale
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return ExactSolution(None, math.inf, bound, False, seconds)
+    return ExactSolution(
+        built.orders(solver),
+        solver.objective_value / scale,
+        bound,
+        status == cp_model.OPTIMAL,
+        seconds,
+    )
+
+
+def _room(memory_limit, num_stages: int, family, costs: CostModel) -> list[int] | None:
+    """Per stage, the chunk activations it may hold (None: no limit in the model)."""
+    if memory_limit is None or costs.memory is not None:
+        return None
+    limits = (
+        [float(memory_limit)] * num_stages
+        if isinstance(memory_limit, (int, float))
+        else [float(x) for x in memory_limit]
+    )
+    return [math.floor(lim * family.share * (1 + 1e-9) + 1e-9) for lim in limits]
+
+
+def _scale(values) -> int:
+    """Ticks per cost unit: a power of ten giving the largest cost 1,000 to 10,000 ticks."""
+    largest = max((v for v in values if v > 0), default=1.0)
+    return 10 ** max(0, 4 - math.ceil(math.log10(largest)))
+
+
+class _Model:
+    """The CP-SAT model of one placement ([Note: the exact model]) and its variables."""
+
+    def __init__(self, cp_model, p: int, m: int, costs: CostModel, family):
+        assert family.num_replicas == 1, "the model has no replicas"
+        assert not family.places, "the model has looped and V placements only"
+        self.model = cp_model.CpModel()
+        self.p, self.m, self.split = p, m, family.split
+        self.place = family.segments(p)
+        self.num_segments = len(self.place)
+        self.seg_of = {sc: k for k, sc in enumerate(self.place)}
+        scaled = _per_chunk(costs, family.share)
+        models = [scaled.at(s, c) for s, c in self.place]
+        chunks = max(c for _, c in self.place) + 1
+        comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]
+        factors = [costs.per_microbatch[i] if costs.per_microbatch else 1.0 for i in range(m)]
+        self.alike = len(set(factors)) == 1
+        fields = ("forward", "backward", "backward_input", "backward_weight")
+        every = [getattr(x, f) * a for x in models for f in fields for a in set(factors)]
+        self.scale = _scale(every + comm)
+
+        def tick(value: float) -> int:
+            return math.floor(value * self.scale + 1e-9)
+
+        self.tick = tick
+        self.comm = [tick(c) for c in comm]
+        self.cost = [
+            [
+                {
+                    "F": tick(x.forward * a),
+                    "B": tick(x.backward * a),
+                    "I": tick(x.backward_input * a),
+                    "W": tick(x.backward_weight * a),
+                    "R": tick((x.forward if x.recompute is None else x.recompute) * a),
+                }
+                for x in models
+            ]
+            for a in factors
+        ]
+
+    # -- building ------------------------------------------------------------------------------
+
+    def build(self, room, recompute: bool, upper: float | None, lower: float) -> None:
+        add = self.model
+        serial = sum(sum(c.values()) for row in self.cost for c in row)
+        serial += 2 * self.m * self.num_segments * max(self.comm, default=0)
+        self.horizon = serial if upper is None else min(serial, self.tick(upper))
+        self.floor = min(self.tick(lower), self.horizon)
+        self.ops = {}  # (code, i, k) -> (start var, size, presence literal or None)
+        self.intervals = {}  # (code, i, k) -> its interval variable
+        self.spans = {}  # (i, k) -> (backward start, gradient end, last end, whole, recomputed)
+        self.held = {}  # (i, k) -> [(held interval's size var, "F" or "R": where it begins)]
+        self.makespan = add.new_int_var(self.floor, self.horizon, "makespan")
+        self.meetings = []  # (var, producer stage, consumer stage, i, k, j)
+        self.pairs = []  # (literal: the compute before the meeting, its key, meeting index)
+        rec = recompute and room is not None
+        for i in range(self.m):
+            for k in range(self.num_segments):
+                self._computes(i, k, rec)
+        for i in range(self.m):
+            self._dependencies(i)
+        self.on_stage = [[key for key in self.ops if self._stage(key) == t] for t in range(self.p)]
+        for keys in self.on_stage:
+            add.add_no_overlap([self._interval(key) for key in keys])
+        self._meet()
+        if room is not None:
+            self._memory(room)
+        if self.alike:
+            for i in range(self.m - 1):
+                add.add(self._start("F", i, 0) <= self._start("F", i + 1, 0))
+        add.minimize(self.makespan)
+
+    def _stage(self, key) -> int:
+        return self.place[key[2]][0]
+
+    def _op(self, code: str, i: int, k: int, present=None):
+        size = self.cost[i][k][code]
+        start = self.model.new_int_var(0, max(0, self.horizon - size), f"{code}{i}.{k}")
+        self.ops[code, i, k] = (start, size, present)
+        return start
+
+    def _start(self, code, i, k):
+        return self.ops[code, i, k][0]
+
+    def _end(self, code, i, k):
+        start, size, _ = self.ops[code, i, k]
+        return start + size
+
+    def _interval(self, key):
+        if key not in self.intervals:
+            start, size, present = self.ops[key]
+            name = "{}{}.{}".format(*key)
+            self.intervals[key] = (
+                self.model.new_fixed_size_interval_var(start, size, name)
+                if present is None
+                else self.model.new_optional_fixed_size_interval_var(start, size, present, name)
+            )
+        return self.intervals[key]
+
+    def _computes(self, i: int, k: int, rec: bool) -> None:
+        """The intervals of microbatch i on segment k, and its backward's start, gradient's
+        end and last piece's end as `self.spans[i, k]`."""
+        add, cost = self.model, self.cost[i][k]
+        self._op("F", i, k)
+        whole = None
+        if not self.split:
+            self._op("B", i, k)
+            span = (self._start("B", i, k), self._end("B", i, k), self._end("B", i, k))
+        elif cost["B"] >= cost["I"] + cost["W"]:
+            self._op("I", i, k)
+            self._op("W", i, k)
+            span = (self._start("I", i, k), self._end("I", i, k), self._end("W", i, k))
+        else:  # a whole backward or its two pieces
+            whole = add.new_bool_var(f"whole{i}.{k}")
+            self._op("B", i, k, whole)
+            self._op("I", i, k, ~whole)
+            self._op("W", i, k, ~whole)
+            begin, grad, last = (add.new_int_var(0, self.horizon, "") for _ in range(3))
+            for var, b_expr, iw_expr in (
+                (begin, self._start("B", i, k), self._start("I", i, k)),
+                (grad, self._end("B", i, k), self._end("I", i, k)),
+                (last, self._end("B", i, k), self._end("W", i, k)),
+            ):
+                add.add(var == b_expr).only_enforce_if(whole)
+                add.add(var == iw_expr).only_enforce_if(~whole)
+            span = (begin, grad, last)
+        if self.split:
+            add.add(self._start("W", i, k) >= self._end("I", i, k))
+        add.add(span[0] >= self._end("F", i, k))
+        add.add(self.makespan >= span[2])
+        recomputed = None
+        if rec:
+            recomputed = add.new_bool_var(f"rec{i}.{k}")
+            self._op("R", i, k, recomputed)
+            add.add(self._start("R", i, k) >= self._end("F", i, k)).only_enforce_if(recomputed)
+            add.add(span[0] >= self._end("R", i, k)).only_enforce_if(recomputed)
+        self.spans[i, k] = (*span, whole, recomputed)
+
+    def _dependencies(self, i: int) -> None:
+        """Microbatch i's forwards up, the turn on the last segment, its gradients down; a
+        meeting on each crossing."""
+        last = self.num_segments - 1
+        for k in range(last):
+            self._link(self._end("F", i, k), self._start("F", i, k + 1), k, k + 1, i)
+        for k in range(last, 0, -1):
+            _, grad, _, _, _ = self.spans[i, k]
+            self._link(grad, self.spans[i, k - 1][0], k, k - 1, i)
+
+    def _link(self, ready, consumer, k: int, j: int, i: int) -> None:
+        """Segment k's result `ready` feeds segment j's compute starting at `consumer`."""
+        s, t = self.place[k][0], self.place[j][0]
+        if s == t:
+            self.model.add(consumer >= ready)
+            return
+        meet = self.model.new_int_var(0, self.horizon, f"M{i}.{k}.{j}")
+        self.model.add(meet >= ready)
+        self.model.add(consumer >= meet + self.comm[t])
+        self.meetings.append((meet, s, t, i, k, j))
+
+    def _meet(self) -> None:
+        """No compute of either stage inside a meeting's `[M, M + comm)` (or at `M`, without
+        comm): a literal per meeting and compute but its producer and consumer (the compute
+        before the meeting, or after it). Meetings may overlap each other (a comm group holds
+        many messages)."""
+        add = self.model
+        for n, (meet, s, t, i, k, j) in enumerate(self.meetings):
+            codes = "F" if j > k else "BI"  # the producer's and the consumer's
+            ordered = {(code, i, x) for code in codes for x in (k, j)}
+            for stage in (s, t):
+                length = self.comm[stage]
+                for key in self.on_stage[stage]:
+                    if key in ordered:
+                        continue
+                    start, size, present = self.ops[key]
+                    before = add.new_bool_var("")
+                    extra = [] if present is None else [present]
+                    add.add(start + size <= meet).only_enforce_if([before, *extra])
+                    add.add(start >= meet + length).only_enforce_if([~before, *extra])
+                    self.pairs.append((before, key, n))
+
+    def _memory(self, room: list[int]) -> None:
+        """Per stage, at most `room` chunk activations held at once: from the forward (or the
+        `R`) to the last backward piece."""
+        add = self.model
+        held = [[] for _ in range(self.p)]
+        for (i, k), (_, _, last, _, recomputed) in self.spans.items():
+            s = self.place[k][0]
+            if recomputed is None:
+                size = add.new_int_var(0, self.horizon, "")
+                held[s].append(add.new_interval_var(self._start("F", i, k), size, last, ""))
+                self.held[i, k] = [(size, "F")]
+                continue
+            parts = []
+            for code, lit in (("F", ~recomputed), ("R", recomputed)):
+                size = add.new_int_var(0, self.horizon, "")
+                begin = self._start(code, i, k)
+                held[s].append(add.new_optional_interval_var(begin, size, last, lit, ""))
+                parts.append((size, code))
+            self.held[i, k] = parts
+        for s in range(self.p):
+            add.add_cumulative(held[s], [1] * len(held[s]), max(room[s], 0))
+
+    # -- hint and solution ---------------------------------------------------------------------
+
+    def add_hint(self, timeline) -> None:
+        """Start from `timeline`'s order: its compute starts, meetings and choices, in ticks
+        ([Note: the exact model]: a timeline of the placement is a solution)."""
+        starts, posted = {}, {}
+        for stage, op, start, _ in timeline.events:
+            k = self.seg_of.get((stage, getattr(op, "chunk", 0)))
+            if k is None:
+                return  # another placement
+            if isinstance(op, Compute):
+                starts[op.code, op.microbatch, k] = self.tick(start)
+            elif isinstance(op, (SendActivation, RecvActivation, SendGrad, RecvGrad)):
+                posted.setdefault(_transfer(op, k), []).append(self.tick(start))
+        values = self._hint_computes(starts)
+        if values is None:
+            return
+        for meet, _, _, i, k, j in self.meetings:
+            ready = values[self._start("F", i, k)] + self.cost[i][k]["F"]
+            kind = "act"
+            if j < k:
+                kind, ready = "grad", starts.get(("I", i, k), starts.get(("B", i, k)))
+                ready += self.cost[i][k]["I" if ("I", i, k) in starts else "B"]
+            values[meet] = max([*posted.get((kind, i, k), []), ready])
+        for before, key, n in self.pairs:
+            start = values.get(self.ops[key][0])
+            if start is not None:
+                values[before] = int(start + self.ops[key][1] <= values[self.meetings[n][0]])
+        for var, value in values.items():
+            self.model.add_hint(var, value)
+
+    def _hint_computes(self, starts: dict) -> dict | None:
+        """Values of the compute variables from `starts` (`(code, i, k)` -> tick; a whole
+        backward is split into I then W where the model has no B), or None where the order
+        has a compute the model lacks (another backward form)."""
+        for (code, i, k), start in list(starts.items()):
+            if code == "B" and ("B", i, k) not in self.ops:
+                del starts[code, i, k]
+                starts["I", i, k] = start
+                starts["W", i, k] = start + self.cost[i][k]["I"]
+        if any(key not in self.ops for key in starts):
+            return None
+        values, ends = {}, []
+        for key, (var, size, present) in self.ops.items():
+            if key in starts:
+                values[var] = starts[key]
+                ends.append(starts[key] + size)
+            elif present is None:
+                return None
+        for (i, k), (_, _, _, whole, recomputed) in self.spans.items():
+            if whole is not None:
+                values[whole] = int(("B", i, k) in starts)
+            if recomputed is not None:
+                values[recomputed] = int(("R", i, k) in starts)
+            code = "W" if ("W", i, k) in starts else "B"
+            last = starts[code, i, k] + self.cost[i][k][code]
+            begins = "R" if ("R", i, k) in starts else "F"
+            for size, code in self.held.get((i, k), ()):
+                if code == begins:
+                    values[size] = last - starts[code, i, k]
+        values[self.makespan] = max(self.floor, *ends)
+        return values
+
+    def orders(self, solver) -> tuple[tuple[str, ...], ...]:
+        """Each stage's present computes by start (`F3.1`, `I0`, `R2`), and each crossing's
+        send and receive at its meeting (`SA3.1`, `RG0`), so the compiler keeps the model's
+        comm groups instead of placing its own."""
+        rank = {"F": 0, "R": 1, "B": 2, "I": 2, "W": 3}
+        rows: list[list] = [[] for _ in range(self.p)]
+        for (code, i, k), (start, size, present) in self.ops.items():
+            if present is not None and not solver.boolean_value(present):
+                continue
+            at = solver.value(start)
+            stage, chunk = self.place[k]
+            rows[stage].append(((at, 1, at + size, rank[code], i), _text(code, i, chunk)))
+        for n, (meet, s, t, i, k, j) in enumerate(self.meetings):
+            at = solver.value(meet)  # before a compute starting then (its consumer)
+            send, recv = ("SA", "RA") if j > k else ("SG", "RG")
+            rows[s].append(((at, 0, n), _text(send, i, self.place[k][1])))
+            rows[t].append(((at, 0, n), _text(recv, i, self.place[j][1])))
+        return tuple(tuple(text for _, text in sorted(row)) for row in rows)
+
+
+def _text(code: str, microbatch: int, chunk: int) -> str:
+    return f"{code}{microbatch}.{chunk}" if chunk else f"{code}{microbatch}"
+
+
+def _transfer(op, k: int) -> tuple[str, int, int]:
+    """`(kind, microbatch, producing segment)` of a comm op on segment k."""
+    if isinstance(op, SendActivation):
+        return "act", op.microbatch, k
+    if isinstance(op, RecvActivation):
+        return "act", op.microbatch, k - 1
+    if isinstance(op, SendGrad):
+        return "grad", op.microbatch, k
+    return "grad", op.microbatch, k + 1

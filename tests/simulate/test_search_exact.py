@@ -1,0 +1,172 @@
+"""`schedcc.search_exact`: the CP-SAT model is a relaxation of the simulator (every built-in's
+timeline is one of its solutions, and none is below its proven bound), and its orders validate,
+train exactly, fit their limit and meet its optimum where it is proven."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+from _builtin_schedules import names
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import stage_costs
+
+import schedcc
+from schedcc import CostModel, ScheduleConfigError, ScheduleError
+from schedcc.backends.reference import assert_matches_reference
+from schedcc.ir import Copy, OverlappedBackward
+from schedcc.registry import build_schedule, get_schedule
+from schedcc.search import _Family, _found_class, search
+from schedcc.search_bound import lower_bound
+from schedcc.search_exact import _Model, _room, require_ortools, solve_exact
+from schedcc.tune import _per_chunk
+from tests._models import batches, make_segments, mse, sgd
+
+pytest.importorskip("ortools")
+
+def _builtin_timelines(p: int, m: int, costs: CostModel):
+    """`(name, family, timeline, peak)` of each built-in at v = 1 and 2, with and without
+    full recomputation, whose layout the model covers (looped or V, no replicas, overlapped
+    pairs or offloads); `peak` in whole-stage microbatches."""
+    for name in names():
+        for v in (1, 2):
+            for recompute in (False, True):
+                try:
+                    schedule = build_schedule(get_schedule(name), p, m, num_chunks=v)
+                    program = schedcc.compile(schedule, recompute=recompute)
+                except ScheduleError:
+                    continue
+                places = [schedule.placement(k) for k in range(schedule.num_segments)]
+                kinds = [f for f in (_Family(v, False, True), _Family(v, True, True))
+                         if f.segments(p) == places]  # fmt: skip
+                ops = [op for row in program.stages for op in row]
+                if type(schedule).num_replicas > 1 or not kinds:
+                    continue
+                if any(isinstance(op, (Copy, OverlappedBackward)) for op in ops):
+                    continue
+                timeline = schedcc.simulate(program, _per_chunk(costs, v))
+                peak = max(timeline.peak_activations) / v
+                yield name, kinds[0], timeline, peak
+
+
+@settings(max_examples=4)
+@given(p=st.integers(2, 3), m=st.integers(1, 3), data=st.data())
+def test_every_builtin_timeline_is_a_solution_of_the_model(p, m, data):
+    """[Note: the exact model]'s argument, checked: each built-in's simulated timeline, in
+    ticks, satisfies every constraint of its placement's model under its own peak as the
+    limit, at no more than its simulated makespan."""
+    cp_model = require_ortools()
+    costs = data.draw(stage_costs(p))
+    for name, family, timeline, peak in _builtin_timelines(p, m, costs):
+        model = _Model(cp_model, p, m, costs, family)
+        model.build(_room(peak, p, family, costs), True, None, 0.0)
+        model.add_hint(timeline)
+        solver = cp_model.CpSolver()
+        solver.parameters.fix_variables_to_their_hinted_value = True
+        solver.parameters.num_workers = 1
+        status = solver.solve(model.model)
+        assert status == cp_model.OPTIMAL, (name, family, solver.status_name(status))
+        assert solver.objective_value / model.scale <= timeline.makespan + 1e-9, name
+
+
+@settings(max_examples=3)
+@given(p=st.integers(2, 3), m=st.integers(2, 3), data=st.data())
+def test_no_builtin_beats_the_exact_bound(p, m, data):
+    """Random costs, comm and recomputation costs: no built-in of a covered layout is faster
+    than CP-SAT's proven bound for its placement (solved without `lower_bound`'s help, at most
+    0.3 s each), under no limit, or under one microbatch a stage for those that fit it."""
+    costs = data.draw(stage_costs(p))
+    timed = {}
+    for name, family, timeline, peak in _builtin_timelines(p, m, costs):
+        for limit in (None, 1.0):
+            if limit is not None and peak > limit:
+                continue
+            key = (family.num_chunks, family.vshape, limit)
+            if key not in timed:
+                found = solve_exact(
+                    p, m, costs, family, memory_limit=limit, recompute=True, time_limit=0.3
+                )
+                timed[key] = found.bound
+            assert timed[key] <= timeline.makespan + 1e-9, (name, key, timed[key])
+    assert timed  # 1f1b and zb-h1 are covered at every shape
+
+
+@functools.cache
+def _exact(p, m, comm, limit):
+    costs = CostModel(comm=comm, per_stage={p - 1: CostModel(forward=1.5, backward=3.0,
+                      backward_input=1.5, backward_weight=1.5, comm=comm)})  # fmt: skip
+    found = search(
+        p, m, num_chunks=1, costs=costs, memory_limit=limit, recompute=limit is not None,
+        time_limit=2, method="exact",
+    )  # fmt: skip
+    return costs, found
+
+
+@pytest.mark.parametrize(("comm", "limit"), [(0.1, 1.5), (1.0, None)], ids=str)
+def test_exact_orders_train_exactly_and_fit(comm, limit):
+    """The order CP-SAT gives (its own comm groups where comm costs, [Note: the exact model])
+    compiles, trains a float64 model as non-pipelined training does over two batches, fits
+    the limit, and its bound is no lower than `lower_bound`'s."""
+    p, m = 3, 4
+    costs, found = _exact(p, m, comm, limit)
+    family = _Family(1, False, True)
+    assert found.method == "exact"
+    assert found.bound >= lower_bound(p, m, costs, family, memory_limit=limit) - 1e-9
+    assert found.makespan >= found.bound - 1e-9
+    if limit is not None:
+        assert max(found.peak_activations) <= limit
+    solved = solve_exact(p, m, costs, family, memory_limit=limit, recompute=limit is not None,
+                         time_limit=1, hint=found.timeline)  # fmt: skip
+    cls = _found_class(p, m, family, solved.orders)
+    schedule = cls(p, m, 1, num_batches=2)
+    program = schedcc.compile(schedule, recompute=False)
+    difference = assert_matches_reference(
+        program, make_segments(p), mse, sgd, batches(2, 2 * m), atol=1e-10
+    )
+    assert difference <= 1e-10
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "comm", "limit"),
+    [(2, 3, 0.0, None), (3, 3, 0.0, 1.0), (3, 2, 0.5, None), (2, 3, 0.1, 1.0)],
+    ids=str,
+)
+def test_a_proven_optimum_is_what_the_simulator_times(p, m, comm, limit):
+    """Where CP-SAT proves its order optimal, the simulator times that order at the optimum:
+    (the order carries the model's comm groups, and the simulator runs it no later than the
+    model's times, [Note: the exact model])."""
+    costs = CostModel(comm=comm, per_stage={0: CostModel(forward=1.3, backward=2.6, comm=comm)})
+    family = _Family(1, False, True)
+    found = solve_exact(p, m, costs, family, memory_limit=limit, recompute=limit is not None,
+                        time_limit=5)  # fmt: skip
+    assert found.optimal
+    assert found.bound == pytest.approx(found.makespan)
+    cls = _found_class(p, m, _Family(1, False, True), found.orders)
+    timeline = schedcc.simulate(schedcc.compile(cls(p, m, 1)), costs)
+    assert timeline.makespan == pytest.approx(found.makespan)
+    if limit is not None:
+        assert max(timeline.peak_activations) <= limit
+
+
+def test_without_ortools_exact_says_how_to_install_and_auto_falls_back(monkeypatch):
+    """With ortools missing, method="exact" is a `ScheduleConfigError` naming the extra, and
+    "auto" searches heuristically."""
+    monkeypatch.setitem(sys.modules, "ortools.sat.python", None)
+    with pytest.raises(ScheduleConfigError, match=r"schedcc\[search\]"):
+        search(2, 2, num_chunks=1, method="exact")
+    assert search(2, 2, num_chunks=1, time_limit=2).method == "heuristic"
+    with pytest.raises(ScheduleConfigError, match="method"):
+        search(2, 2, num_chunks=1, method="optimal")
+
+
+def test_auto_takes_the_exact_model_for_small_shapes_only():
+    """"auto" solves the exact model at a small shape (its bound then the larger one) and not
+    under an evaluation budget; the bound says where it came from."""
+    small = search(2, 2, num_chunks=1, costs=CostModel(comm=1.0), time_limit=2)
+    assert small.method == "exact"
+    assert small.bound_from in ("lower_bound", "CP-SAT")
+    budget = search(2, 2, num_chunks=1, costs=CostModel(comm=1.0), max_evaluations=20)
+    assert budget.method == "heuristic"
+    assert small.bound >= budget.bound - 1e-9
