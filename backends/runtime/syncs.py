@@ -12,7 +12,7 @@ What remains on the per-step path, and why:
   `read_loss=True`): the local engine's one read of every batch's sums, the distributed
   engine's one read of the reduced sums (`read_within`). With `read_loss=False` nothing is
   read: each step's loss stays a 0-dim float64 tensor on the device
-  (`backends.runtime.losses.device_losses`), and the caller's own `.item()` is the sync;
+  (`backends.runtime.loss_values.device_losses`), and the caller's own `.item()` is the sync;
 - `GradNorm` reads the norm it decides on (skip a non-finite step, clip, float16's loss
   scale): an optimizer step that may or may not happen cannot be queued without knowing which;
   a program without `GradNorm` reads nothing for it;
