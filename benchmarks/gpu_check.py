@@ -15,21 +15,27 @@
 5. With 2 or more GPUs: the NCCL path (`p2p="nccl"`) over one rank per GPU, float64, against the
    local engine on the CPU, with its host syncs per step, the loss read and not; then `schedcc
    run` with NCCL, one process per GPU, with `--check`, and a float32 tiny-GPT run for its
-   summary.
+   summary (with one GPU, `schedcc run -p 1` only: NCCL allows one rank per GPU).
 
-    python benchmarks/gpu_check.py [--quick]
+Each part runs even when one before it failed (its traceback is printed and the check FAILs).
+`--smoke` runs the same code on the CPU with a tiny GPT, to check the script itself here.
+
+    python benchmarks/gpu_check.py [--quick] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +66,15 @@ SHAPES = {
     "dualpipe": (2, 4, 2, 1),
 }
 
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"  # `--smoke`: "cpu"
+GPT_CONFIG = GPTConfig(vocab=32768, max_len=512, d_model=768, num_heads=12, num_blocks=12)
+SMOKE_CONFIG = GPTConfig(vocab=64, max_len=16, d_model=32, num_heads=2, num_blocks=4)
+
 
 def _train(program, segments, batches, device):
-    segments = [copy.deepcopy(s).to(device) for s in segments]
+    # one deepcopy of the list keeps a segment listed twice (dualpipe's replicas) one module
+    segments = [s.to(device) for s in copy.deepcopy(segments)]
     engine = Engine(program, segments, F.mse_loss, lambda ps: torch.optim.Adam(ps, lr=1e-2))
     losses = list(engine.train([(x.to(device), y.to(device)) for x, y in batches]))
     return losses, [p.detach().cpu() for s in segments for p in s.parameters()]
@@ -78,7 +90,7 @@ def local_on_cuda() -> float:
         data = models.TeacherData(width=32, seed=1)
         batches = [tuple(t.double() for t in data.batch(16, step)) for step in range(2 * per_run)]
         cpu_losses, cpu_params = _train(program, segments, batches, "cpu")
-        gpu_losses, gpu_params = _train(program, segments, batches, "cuda")
+        gpu_losses, gpu_params = _train(program, segments, batches, DEVICE)
         diff = max((a - b).abs().max().item() for a, b in zip(cpu_params, gpu_params))
         loss_diff = max(abs(a - b) for a, b in zip(cpu_losses, gpu_losses))
         print(
@@ -90,9 +102,12 @@ def local_on_cuda() -> float:
     return worst
 
 
-def _counted(step) -> tuple[int, int]:
+def _counted(step) -> tuple[int | None, int]:
     """Run `step()`; (syncs CUDA reported, host reads the engines counted) during it."""
     before = HostSyncs.count
+    if DEVICE != "cuda":
+        step()
+        return None, HostSyncs.count - before
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -106,10 +121,10 @@ def _counted(step) -> tuple[int, int]:
 
 def syncs_per_step() -> None:
     program = schedcc.compile(schedcc.get_schedule("1f1b")(4, 8))
-    segments = [s.cuda() for s in models.mlp_segments(4, width=256, seed=0)]
+    segments = [s.to(DEVICE) for s in models.mlp_segments(4, width=256, seed=0)]
     engine = Engine(program, segments, F.mse_loss, lambda ps: torch.optim.Adam(ps, lr=1e-3))
     data = models.TeacherData(width=256, seed=1)
-    batches = [tuple(t.float().cuda() for t in data.batch(64, step)) for step in range(10)]
+    batches = [tuple(t.float().to(DEVICE) for t in data.batch(64, step)) for step in range(10)]
     for x, y in batches[:2]:
         engine.train_step(x, y)
     for read in (True, False):
@@ -119,37 +134,41 @@ def syncs_per_step() -> None:
             for x, y in steady
         ]
         print(
-            f"local engine on CUDA, 1f1b p=4 m=8, steady steps, read_loss={read}: syncs per "
+            f"local engine on {DEVICE}, 1f1b p=4 m=8, steady steps, read_loss={read}: syncs per "
             f"step (CUDA's count, the engine's) {counts}",
             flush=True,
         )
 
 
 def _gpt(seed: int = 0) -> GPT:
-    config = GPTConfig(vocab=32768, max_len=512, d_model=768, num_heads=12, num_blocks=12)
-    return GPT(config, seed=seed)
+    return GPT(GPT_CONFIG, seed=seed).to(DEVICE)
 
 
 def _gpt_batch(rows: int, step: int):
     gen = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, 32768, (rows, 513), generator=gen)
-    pad_mask = torch.zeros(rows, 512, dtype=torch.bool)
-    return (tokens[:, :-1].cuda(), pad_mask.cuda()), tokens[:, 1:].cuda()
+    tokens = torch.randint(0, GPT_CONFIG.vocab, (rows, GPT_CONFIG.max_len + 1), generator=gen)
+    pad_mask = torch.zeros(rows, GPT_CONFIG.max_len, dtype=torch.bool)
+    return (tokens[:, :-1].to(DEVICE), pad_mask.to(DEVICE)), tokens[:, 1:].to(DEVICE)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def _timed(step, count: int) -> float:
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for n in range(count):
         step(n)
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / count
 
 
 def gpt_overhead(dtype: torch.dtype, steps: int) -> float:
-    """schedcc's local engine over plain gradient accumulation, seconds per step each."""
+    """schedcc's local engine over plain gradient accumulation (the loss read each step)."""
     m, rows = 8, 32
-    model = _gpt().cuda()
+    model = _gpt()
     segments = gpt_segments(model, 4)
     program = schedcc.compile(schedcc.get_schedule("1f1b")(4, m), tied=tied_groups(segments))
     mixed = None if dtype == torch.float32 else dtype
@@ -158,15 +177,18 @@ def gpt_overhead(dtype: torch.dtype, steps: int) -> float:
     batches = [_gpt_batch(rows, step) for step in range(steps + 2)]
     engine.train_step(*batches[0])
     ours = _timed(lambda n, e=engine: e.train_step(*batches[1 + n % steps]), steps)
+    unread = _timed(
+        lambda n, e=engine: e.train_step(*batches[1 + n % steps], read_loss=False), steps
+    )
     del engine, segments, model  # free the GPU for the plain copy
-    plain = Chain(gpt_segments(_gpt().cuda(), 4))
+    plain = Chain(gpt_segments(_gpt(), 4))
     optimizer = adam(plain.parameters())
 
     def accumulate(n: int) -> None:
         (tokens, pad_mask), targets = batches[1 + n % steps]
         for mb in range(m):
             part = slice(mb * rows // m, (mb + 1) * rows // m)
-            with torch.autocast("cuda", dtype=dtype, enabled=mixed is not None):
+            with torch.autocast(DEVICE, dtype=dtype, enabled=mixed is not None):
                 out = plain((tokens[part], pad_mask[part]))
             (mean_token_loss(out.float(), targets[part]) / m).backward()
         optimizer.step()
@@ -177,8 +199,9 @@ def gpt_overhead(dtype: torch.dtype, steps: int) -> float:
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     print(
         f"GPT {sum(p.numel() for p in plain.parameters()) / 1e6:.0f}M, 4 segments, 1f1b m={m}, "
-        f"{name}, one GPU: schedcc {ours * 1e3:.1f} ms, plain accumulation {theirs * 1e3:.1f} "
-        f"ms, schedcc/plain {ours / theirs:.3f}",
+        f"{name}, one {DEVICE} device: schedcc {ours * 1e3:.1f} ms (read_loss=False "
+        f"{unread * 1e3:.1f} ms), plain accumulation {theirs * 1e3:.1f} ms, schedcc/plain "
+        f"{ours / theirs:.3f} ({unread / theirs:.3f} unread)",
         flush=True,
     )
     return ours / theirs
@@ -238,52 +261,45 @@ def nccl_path() -> int:
 
 
 def nccl_run() -> int:
+    """`schedcc run` under NCCL, one process per GPU (p = 1 with one GPU: no point-to-point)."""
     gpus = torch.cuda.device_count()
-    if gpus < 2:
-        print("schedcc run with NCCL: not run (one GPU)")
-        return 0
     common = [sys.executable, "-m", "schedcc", "run", "--no-progress", "-p", str(gpus)]
+    # from a scratch directory, with this checkout first on the path (installed or not)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     codes = []
     for extra in (["--model", "mlp", "--steps", "4", "--check"], ["--steps", "20"]):
         print("$", " ".join(["schedcc run", "-p", str(gpus), *extra]), flush=True)
-        # from a scratch directory, so `-m schedcc` finds the installed package, not ./schedcc
         with tempfile.TemporaryDirectory() as scratch:
-            codes.append(subprocess.run(common + extra, timeout=300, cwd=scratch).returncode)
+            run = subprocess.run(common + extra, timeout=150, cwd=scratch, env=env)
+        codes.append(run.returncode)
     return max(codes)
 
 
-def pair_overlap(steps: int, *, device: str = "cuda", config: GPTConfig | None = None) -> float:
+def pair_overlap(steps: int) -> float:
     """dualpipe-v's step time with its pairs on two streams over in order (< 1: overlap pays)."""
     m, rows = 8, 32
-    config = config or GPTConfig(vocab=32768, max_len=512, d_model=768, num_heads=12, num_blocks=12)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab, (rows, config.max_len + 1), generator=gen)
-    pad_mask = torch.zeros(rows, config.max_len, dtype=torch.bool)
-    batch = (tokens[:, :-1].to(device), pad_mask.to(device)), tokens[:, 1:].to(device)
+    batch = _gpt_batch(rows, 0)
     times = {}
     for name in ("two streams", "in order"):
-        segments = gpt_segments(GPT(config, seed=0).to(device), 4)
+        segments = gpt_segments(_gpt(), 4)
         schedule = schedcc.get_schedule("dualpipe-v")(2, m, 2)
         program = schedcc.compile(schedule, tied=tied_groups(segments))
         adam = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
-        mixed = torch.bfloat16 if device == "cuda" else None
+        mixed = torch.bfloat16 if DEVICE == "cuda" else None
         engine = Engine(program, segments, mean_token_loss, adam, mixed_precision=mixed)
         if name == "in order":
             engine.register_handler(
                 schedcc.OverlappedBackward, lambda pair: (pair.run_forward(), pair.run_backward())
             )
         engine.train_step(*batch)
-        sync = torch.cuda.synchronize if device == "cuda" else lambda: None
-        sync()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.train_step(*batch)
-        sync()
-        times[name] = (time.perf_counter() - start) / steps
+        times[name] = _timed(lambda n, e=engine: e.train_step(*batch), steps)
         del engine, segments
     ratio = times["two streams"] / times["in order"]
     print(
-        f"dualpipe-v p=2 m={m}, GPT, one {device} device: pairs on two streams "
+        f"dualpipe-v p=2 m={m}, GPT, one {DEVICE} device: pairs on two streams "
         f"{times['two streams'] * 1e3:.1f} ms, in order {times['in order'] * 1e3:.1f} ms, "
         f"ratio {ratio:.3f}",
         flush=True,
@@ -291,32 +307,58 @@ def pair_overlap(steps: int, *, device: str = "cuda", config: GPTConfig | None =
     return ratio
 
 
+def _part(name: str, check, failed: list[str]):
+    """`check()`, or None (with its traceback printed) when it raises: the parts after it run."""
+    try:
+        return check()
+    except Exception:  # a benchmark reports every part it can
+        traceback.print_exc()
+        print(f"{name}: FAILED (above)", flush=True)
+        failed.append(name)
+        return None
+
+
 def main() -> int:
+    global DEVICE, GPT_CONFIG
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed GPT steps")
+    parser.add_argument("--smoke", action="store_true", help="on the CPU, a tiny GPT, no NCCL")
     opts = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+    if opts.smoke:
+        DEVICE, GPT_CONFIG = "cpu", SMOKE_CONFIG
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (--smoke runs the script on the CPU)")
         return 2
     print(stamp("gpu_check"))
-    print(
-        f"torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
-        flush=True,
+    where = (
+        "the CPU"
+        if opts.smoke
+        else (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
     )
-    worst = local_on_cuda()
-    syncs_per_step()
+    print(f"torch {torch.__version__}, {where}", flush=True)
+    steps = 1 if opts.smoke else 3 if opts.quick else 10
+    failed: list[str] = []
+    worst = _part("CUDA against CPU", local_on_cuda, failed)
+    _part("host syncs", syncs_per_step, failed)
     ratios = [
-        gpt_overhead(dtype, 3 if opts.quick else 10) for dtype in (torch.float32, torch.bfloat16)
+        _part(f"GPT {dtype}", lambda d=dtype: gpt_overhead(d, steps), failed)
+        for dtype in (torch.float32, torch.bfloat16)
     ]
-    overlap = pair_overlap(3 if opts.quick else 10)
-    code = max(nccl_path(), nccl_run())
-    ok = worst < 1e-10 and code == 0
+    overlap = _part("overlapped pairs", lambda: pair_overlap(steps), failed)
+    codes = [] if opts.smoke else [_part(f.__name__, f, failed) for f in (nccl_path, nccl_run)]
+    if worst is not None and worst >= 1e-10:
+        failed.append(f"CUDA against CPU differs by {worst:.2e}")
+    failed += [f"exit {code}" for code in codes if code]
+
+    def shown(x, form=".3f"):
+        return "-" if x is None else format(x, form)
+
     print(
-        f"worst CUDA-vs-CPU difference {worst:.2e}; GPT schedcc/plain fp32 {ratios[0]:.3f}, "
-        f"bf16 {ratios[1]:.3f} (target <= 1.05); pairs on two streams / in order "
-        f"{overlap:.3f}; NCCL exit {code}: {'PASS' if ok else 'FAIL'}"
+        f"worst CUDA-vs-CPU difference {shown(worst, '.2e')}; GPT schedcc/plain fp32 "
+        f"{shown(ratios[0])}, bf16 {shown(ratios[1])} (target <= 1.05); pairs on two streams / "
+        f"in order {shown(overlap)}; {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}"
     )
-    return 0 if ok else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
