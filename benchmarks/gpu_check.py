@@ -20,14 +20,13 @@
 Each part runs even when one before it failed (its traceback is printed and the check FAILs).
 `--smoke` runs the same code on the CPU with a tiny GPT, to check the script itself here.
 
-    python benchmarks/gpu_check.py [--quick] [--smoke]
+    python benchmarks/gpu_check.py [--quick] [--smoke] [--only exact syncs gpt pairs nccl]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import subprocess
 import sys
 import tempfile
@@ -165,9 +164,21 @@ def _timed(step, count: int) -> float:
     return (time.perf_counter() - start) / count
 
 
-def gpt_overhead(dtype: torch.dtype, steps: int) -> float:
-    """schedcc's local engine over plain gradient accumulation (the loss read each step)."""
-    m, rows = 8, 32
+def _kernel_ms(step) -> float:
+    """Milliseconds of GPU kernels in one `step()` (the profiler's total of self device time)."""
+    if DEVICE != "cuda":
+        return 0.0
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def gpt_overhead(dtype: torch.dtype, steps: int, rows: int = 32) -> float:
+    """schedcc's local engine over plain gradient accumulation (the loss read each step), a
+    batch of `rows` sequences in 8 microbatches."""
+    m = 8
     model = _gpt()
     segments = gpt_segments(model, 4)
     program = schedcc.compile(schedcc.get_schedule("1f1b")(4, m), tied=tied_groups(segments))
@@ -180,6 +191,7 @@ def gpt_overhead(dtype: torch.dtype, steps: int) -> float:
     unread = _timed(
         lambda n, e=engine: e.train_step(*batches[1 + n % steps], read_loss=False), steps
     )
+    our_kernels = _kernel_ms(lambda e=engine: e.train_step(*batches[1], read_loss=False))
     del engine, segments, model  # free the GPU for the plain copy
     plain = Chain(gpt_segments(_gpt(), 4))
     optimizer = adam(plain.parameters())
@@ -196,12 +208,15 @@ def gpt_overhead(dtype: torch.dtype, steps: int) -> float:
 
     accumulate(0)
     theirs = _timed(accumulate, steps)
+    their_kernels = _kernel_ms(lambda: accumulate(0))
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     print(
         f"GPT {sum(p.numel() for p in plain.parameters()) / 1e6:.0f}M, 4 segments, 1f1b m={m}, "
-        f"{name}, one {DEVICE} device: schedcc {ours * 1e3:.1f} ms (read_loss=False "
-        f"{unread * 1e3:.1f} ms), plain accumulation {theirs * 1e3:.1f} ms, schedcc/plain "
-        f"{ours / theirs:.3f} ({unread / theirs:.3f} unread)",
+        f"{name}, microbatches of {rows // m} x {GPT_CONFIG.max_len} tokens, one {DEVICE} device: "
+        f"schedcc {ours * 1e3:.1f} ms (read_loss=False {unread * 1e3:.1f} ms; kernels "
+        f"{our_kernels:.1f} ms), plain accumulation {theirs * 1e3:.1f} ms (kernels "
+        f"{their_kernels:.1f} ms), schedcc/plain {ours / theirs:.3f} ({unread / theirs:.3f} "
+        "unread)",
         flush=True,
     )
     return ours / theirs
@@ -264,16 +279,12 @@ def nccl_run() -> int:
     """`schedcc run` under NCCL, one process per GPU (p = 1 with one GPU: no point-to-point)."""
     gpus = torch.cuda.device_count()
     common = [sys.executable, "-m", "schedcc", "run", "--no-progress", "-p", str(gpus)]
-    # from a scratch directory, with this checkout first on the path (installed or not)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    # from a scratch directory, so `-m schedcc` finds the installed package, not ./schedcc
     codes = []
     for extra in (["--model", "mlp", "--steps", "4", "--check"], ["--steps", "20"]):
         print("$", " ".join(["schedcc run", "-p", str(gpus), *extra]), flush=True)
         with tempfile.TemporaryDirectory() as scratch:
-            run = subprocess.run(common + extra, timeout=150, cwd=scratch, env=env)
+            run = subprocess.run(common + extra, timeout=150, cwd=scratch)
         codes.append(run.returncode)
     return max(codes)
 
@@ -323,6 +334,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed GPT steps")
     parser.add_argument("--smoke", action="store_true", help="on the CPU, a tiny GPT, no NCCL")
+    parts = ("exact", "syncs", "gpt", "pairs", "nccl")
+    parser.add_argument("--only", nargs="+", choices=parts, default=parts, help="these parts")
     opts = parser.parse_args()
     if opts.smoke:
         DEVICE, GPT_CONFIG = "cpu", SMOKE_CONFIG
@@ -336,16 +349,25 @@ def main() -> int:
         else (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
     )
     print(f"torch {torch.__version__}, {where}", flush=True)
-    steps = 1 if opts.smoke else 3 if opts.quick else 10
+    steps = 1 if opts.smoke else 3 if opts.quick else 6
     failed: list[str] = []
-    worst = _part("CUDA against CPU", local_on_cuda, failed)
-    _part("host syncs", syncs_per_step, failed)
-    ratios = [
-        _part(f"GPT {dtype}", lambda d=dtype: gpt_overhead(d, steps), failed)
-        for dtype in (torch.float32, torch.bfloat16)
-    ]
-    overlap = _part("overlapped pairs", lambda: pair_overlap(steps), failed)
-    codes = [] if opts.smoke else [_part(f.__name__, f, failed) for f in (nccl_path, nccl_run)]
+    worst = overlap = None
+    ratios: list = [None] * 4
+    codes: list = []
+    if "exact" in opts.only:
+        worst = _part("CUDA against CPU", local_on_cuda, failed)
+    if "syncs" in opts.only:
+        _part("host syncs", syncs_per_step, failed)
+    if "gpt" in opts.only:
+        ratios = [
+            _part(f"GPT {dtype}", lambda d=dtype, r=rows: gpt_overhead(d, steps, r), failed)
+            for rows in (32, 256)
+            for dtype in (torch.float32, torch.bfloat16)
+        ]
+    if "pairs" in opts.only:
+        overlap = _part("overlapped pairs", lambda: pair_overlap(steps), failed)
+    if "nccl" in opts.only and not opts.smoke:
+        codes = [_part(f.__name__, f, failed) for f in (nccl_path, nccl_run)]
     if worst is not None and worst >= 1e-10:
         failed.append(f"CUDA against CPU differs by {worst:.2e}")
     failed += [f"exit {code}" for code in codes if code]
@@ -354,8 +376,9 @@ def main() -> int:
         return "-" if x is None else format(x, form)
 
     print(
-        f"worst CUDA-vs-CPU difference {shown(worst, '.2e')}; GPT schedcc/plain fp32 "
-        f"{shown(ratios[0])}, bf16 {shown(ratios[1])} (target <= 1.05); pairs on two streams / "
+        f"worst CUDA-vs-CPU difference {shown(worst, '.2e')}; GPT schedcc/plain, microbatches "
+        f"of 4 and 32 sequences: fp32 {shown(ratios[0])} and {shown(ratios[2])}, bf16 "
+        f"{shown(ratios[1])} and {shown(ratios[3])} (target <= 1.05); pairs on two streams / "
         f"in order {shown(overlap)}; {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}"
     )
     return 1 if failed else 0
