@@ -165,14 +165,17 @@ def _timed(step, count: int) -> float:
 
 
 def _kernel_ms(step) -> float:
-    """Milliseconds of GPU kernels in one `step()` (the profiler's total of self device time)."""
+    """Milliseconds of GPU kernels in one `step()` (the kernels' own rows: an operator's row
+    counts its kernels' time again)."""
     if DEVICE != "cuda":
         return 0.0
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    cuda = torch.autograd.DeviceType.CUDA
+    rows = prof.key_averages()
+    return sum(e.self_device_time_total for e in rows if e.device_type == cuda) / 1e3
 
 
 def gpt_overhead(dtype: torch.dtype, steps: int, rows: int = 32) -> float:
