@@ -16,20 +16,23 @@ What remains on the per-step path, and why:
 - `GradNorm` reads the norm it decides on (skip a non-finite step, clip, float16's loss
   scale): an optimizer step that may or may not happen cannot be queued without knowing which;
   a program without `GradNorm` reads nothing for it;
-- `ReduceTied` reads, once per instruction, whether each tie has a gradient anywhere on its
-  group (a tie no copy has a gradient of keeps none, as autograd would): programs with ties only;
+- `ReduceTied` reads whether a tie has a gradient anywhere on its group (a tie no copy has a
+  gradient of keeps none, as autograd would), once per instruction, and only on a stage where
+  no copy of the tie has one ([Note: a tie's gradient known here] in `backends.runtime.tied`):
+  a tied embedding and head that both get gradients read nothing;
 - the NCCL path reads a message's header only when the receiver cannot know the message's
   shapes ([Note: certain shapes] in `backends.distributed.peers`): the first message of a
   channel for new input shapes, or every message under `dynamic_shapes`.
 
-So a steady step of a program without `GradNorm` or ties makes one counted read when the loss
-is read and none when it is not (tests/distributed/test_nccl_path.py counts both on the NCCL
-path, tests/engine/test_unread_loss.py on the local engine). Not reads, not counted: the
-once-per-run check of the batches (a gloo all-reduce of CPU flags) and the learning rate (a
-Python number). Scalars that join device tensors are made on the device (`torch.full`) or kept
-as 0-dim CPU tensors that a kernel takes as an argument, never copied with `torch.tensor(x,
-device=...)`, which waits for the stream. A batch given on the CPU is copied to the device with
-torch's ordinary (stream-synchronising) copy: give CUDA batches to avoid it.
+So a steady step of a program without `GradNorm` (whose ties get gradients on every stage) makes
+one counted read when the loss is read and none when it is not (tests/distributed/
+test_nccl_path.py counts both on the NCCL path, tests/engine/test_unread_loss.py on the local
+engine). Not reads, not counted: the once-per-run check of the batches (a gloo all-reduce of CPU
+flags) and the learning rate (a Python number). Scalars that join device tensors are made on the
+device (`torch.full`) or kept as 0-dim CPU tensors that a kernel takes as an argument, never
+copied with `torch.tensor(x, device=...)`, which waits for the stream. A batch given on the CPU
+is copied to the device with torch's ordinary (stream-synchronising) copy: give CUDA batches to
+avoid it.
 
 [Note: one run ahead] A run's end on CUDA waits for the GPU only as far as it must. A run that
 reads its loss waits for its own end anyway (the read needs it); `read_within` polls an event

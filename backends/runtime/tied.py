@@ -356,11 +356,13 @@ class StageTies:
                 id(p) for copy, p in zip(copies, held) if copy != tie.copies[0]
             )
         self._device = device
+        #: per group, how many copies here had a gradient at its latest `parts`, per tie
+        self._counted: dict[int, list[int]] = {}
 
     def parts(self, group: int) -> list[torch.Tensor]:
         """This stage's part of `ReduceTied(group)`: per tie, the sum of its copies' gradients
         here, flat, and one more element counting the copies that have a gradient."""
-        out = []
+        out, counts = [], []
         for tie, held in self.groups.get(group, ()):
             total = torch.zeros(tie.shape, dtype=tie.dtype, device=self._device)
             count = 0
@@ -369,15 +371,26 @@ class StageTies:
                     total = total + copy.grad
                     count += 1
             out.append(torch.cat([total.reshape(-1), total.new_full((1,), count)]))
+            counts.append(count)
+        self._counted[group] = counts
         return out
 
     def apply(self, group: int, totals: Sequence[torch.Tensor]) -> None:
         """Give every copy here its tie's summed gradient (`totals`: the parts, summed over the
-        group's stages); a tie no copy has a gradient of keeps none, as autograd would."""
+        group's stages); a tie no copy has a gradient of keeps none, as autograd would.
+
+        [Note: a tie's gradient known here] Whether a tie has a gradient anywhere on its group
+        is the summed count, on the device: reading it waits for the GPU ([Note: host syncs]).
+        A stage whose own copy has a gradient knows the sum is not 0 without it, so only a
+        stage holding no copy with a gradient reads, once for all such ties of the group: the
+        tied embedding and head of a language model, each with its gradient, read nothing.
+        """
         pairs = list(zip(self.groups.get(group, ()), totals))
-        counts = host_read(torch.stack([t[-1] for _, t in pairs])) if pairs else []
-        for ((tie, held), total), count in zip(pairs, counts):  # one read: [Note: host syncs]
-            if not count:
+        known = self._counted.get(group, [0] * len(pairs))
+        unknown = [t[-1] for (_, t), here in zip(pairs, known) if not here]
+        read = iter(host_read(torch.stack(unknown)) if unknown else [])
+        for ((tie, held), total), here in zip(pairs, known):
+            if not (here or next(read)):
                 continue
             grad = total[:-1].view(tie.shape)
             for copy in held:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _ranks import init
+from _tied_models import tied_segments
 from _written import CLASS_A, written
 from strategies import PLAIN_BUILTINS
 from torch import nn
@@ -119,20 +120,23 @@ def test_programs_that_hung_the_comm_group_rounds_train(p):
     assert spawn(_hung_worker, p, grace=30, threads=1) == 0
 
 
-def _syncs_worker(rank: int, world_size: int) -> int:
+def _syncs_worker(rank: int, world_size: int, tied: bool) -> int:
     init(rank, world_size)
-    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4), tied=[(0, 1)] if tied else ())
     losses: dict[bool, list] = {}
     for read in (True, False):
-        segments = models.mlp_segments(2, width=WIDTH, seed=1)
+        segments = tied_segments(2) if tied else models.mlp_segments(2, width=WIDTH, seed=1)
         engine = Engine(program, segments, F.mse_loss, _sgd, timeout=20, p2p="nccl")
         counts, losses[read] = [], []
         for x, y in _batches(4, 4, 1):
+            if tied:
+                x, y = x.double(), y.double()
             before = HostSyncs.count
             losses[read].append(engine.train_step(x, y, read_loss=read))
             counts.append(HostSyncs.count - before)
         # steps 0 and 2 bring new input shapes: each of the 4 messages this stage receives
-        # reads its header; and a step reads its reduced loss once, or not at all
+        # reads its header; and a step reads its reduced loss once, or not at all (a tie whose
+        # copy here has a gradient reads nothing: [Note: a tie's gradient known here])
         assert counts == ([5, 1, 5, 1] if read else [4, 0, 4, 0]), (read, counts)
     unread = losses[False]
     assert all(t.dtype == torch.float64 and t.dim() == 0 for t in unread), unread
@@ -141,12 +145,13 @@ def _syncs_worker(rank: int, world_size: int) -> int:
     return 0
 
 
-def test_a_steady_step_reads_nothing_on_the_host():
+@pytest.mark.parametrize("tied", [False, True], ids=["plain", "tied-head"])
+def test_a_steady_step_reads_nothing_on_the_host(tied):
     """On the NCCL path a step whose inputs are shaped like an earlier step's reads the host
     once, for its loss (every message's shapes are certain), and not at all with
     `read_loss=False`, whose device tensors hold the read floats exactly; a step with new
-    shapes reads one header per message too."""
-    assert spawn(_syncs_worker, 2, grace=30, threads=1) == 0
+    shapes reads one header per message too. A tied embedding and head add no read."""
+    assert spawn(_syncs_worker, 2, (tied,), grace=30, threads=1) == 0
 
 
 class _Trim(nn.Module):

@@ -158,3 +158,53 @@ def test_random_orders_with_a_tie_train_exactly(schedule):
     program = schedcc.compile(schedule, tied=[(0, n - 1)])
     m, runs = schedule.num_microbatches, schedule.num_batches
     _train_and_compare(program, tied_segments(n), batches(runs, 2 * m))
+
+
+class _Switched(torch.nn.Module):
+    """A tied segment that uses its weight only while `uses` is true (else passes `x` on),
+    times a scale of its own (so a gradient flows either way)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.uses = inner, True
+        self.scale = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.inner(x) if self.uses else x) * self.scale
+
+
+@pytest.mark.parametrize(
+    ("used", "reads"),
+    [((True, True), 0), ((True, False), 1), ((False, False), 2)],
+    ids=["both-copies", "embedding-only", "neither"],
+)
+def test_a_tie_reads_the_host_only_where_no_copy_here_has_a_gradient(used, reads):
+    """[Note: a tie's gradient known here]: a stage whose copy of the tie has a gradient knows
+    the tie has one and reads nothing; a stage whose copy has none reads the summed count (one
+    read a stage). Counted on unread-loss steady steps, and each way trains like the
+    non-pipelined model: the unused head's copy takes the embedding's gradient, and a tie no
+    copy uses keeps no gradient (Adam leaves it as it was)."""
+    from schedcc.backends.runtime.syncs import HostSyncs
+
+    schedule = schedcc.get_schedule("1f1b")(2, 4)
+    program = schedcc.compile(schedule, tied=[(0, 1)])
+    embed, head = tied_segments(2)
+    segments = [_Switched(embed), _Switched(head)]
+    segments[0].uses, segments[1].uses = used
+    piped, plain = copy.deepcopy(segments), copy.deepcopy(segments)
+    engine = Engine(program, piped, mse, adam)
+    data = batches(4, 8)
+    first = piped[0].inner.weight.detach().clone()
+    losses = [engine.train_step(*data[0], read_loss=False).item()]
+    counts = []
+    for x, y in data[1:]:
+        before = HostSyncs.count
+        losses.append(engine.train_step(x, y, read_loss=False))
+        counts.append(HostSyncs.count - before)
+    assert counts == [reads] * 3
+    expected = train_reference(plain, mse, adam, data)
+    assert [float(t) for t in losses] == pytest.approx(expected, abs=1e-10, rel=1e-10)
+    for mine, theirs in zip(piped, plain):
+        for p, q in zip(mine.parameters(), theirs.parameters()):
+            assert torch.allclose(p, q, atol=1e-10, rtol=1e-10)
+    assert torch.equal(piped[0].inner.weight, first) == (used == (False, False))
