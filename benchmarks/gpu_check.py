@@ -180,7 +180,8 @@ def _kernel_ms(step) -> float:
 
 def gpt_overhead(dtype: torch.dtype, steps: int, rows: int = 32) -> float:
     """schedcc's local engine over plain gradient accumulation (the loss read each step), a
-    batch of `rows` sequences in 8 microbatches."""
+    batch of `rows` sequences in 8 microbatches; and the host syncs of an unread step (the
+    GPT's tied head included)."""
     m = 8
     model = _gpt()
     segments = gpt_segments(model, 4)
@@ -195,6 +196,7 @@ def gpt_overhead(dtype: torch.dtype, steps: int, rows: int = 32) -> float:
         lambda n, e=engine: e.train_step(*batches[1 + n % steps], read_loss=False), steps
     )
     our_kernels = _kernel_ms(lambda e=engine: e.train_step(*batches[1], read_loss=False))
+    syncs = _counted(lambda e=engine: e.train_step(*batches[1], read_loss=False))
     del engine, segments, model  # free the GPU for the plain copy
     plain = Chain(gpt_segments(_gpt(), 4))
     optimizer = adam(plain.parameters())
@@ -219,7 +221,7 @@ def gpt_overhead(dtype: torch.dtype, steps: int, rows: int = 32) -> float:
         f"schedcc {ours * 1e3:.1f} ms (read_loss=False {unread * 1e3:.1f} ms; kernels "
         f"{our_kernels:.1f} ms), plain accumulation {theirs * 1e3:.1f} ms (kernels "
         f"{their_kernels:.1f} ms), schedcc/plain {ours / theirs:.3f} ({unread / theirs:.3f} "
-        "unread)",
+        f"unread); syncs in an unread step (CUDA's, the engine's) {syncs}",
         flush=True,
     )
     return ours / theirs
