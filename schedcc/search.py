@@ -67,7 +67,12 @@ from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk
 
 __all__ = [
-    "EXACT_MAX_PAIRS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult", "lower_bound",
+    "EXACT_MAX_PAIRS",
+    "METHODS",
+    "PLACEMENTS",
+    "FoundOrder",
+    "SearchResult",
+    "lower_bound",
     "search",
 ]
 
@@ -368,7 +373,7 @@ def search(
 
 
 def _method(method, p: int, m: int, families, max_evaluations) -> str:
-    """"heuristic" or "exact" ([Note: the exact method's rule])."""
+    """ "heuristic" or "exact" ([Note: the exact method's rule])."""
     if method not in METHODS:
         raise ScheduleConfigError(
             f"search: method must be one of {', '.join(METHODS)}, got {method!r}"
@@ -598,13 +603,13 @@ class _Searcher:
         the larger of `lower_bound` and CP-SAT's where the exact model was solved for it. And
         which of the two the least is."""
         paired = any(text.startswith("+") for row in best.orders for text in row)
-        limit = self.limits if self.costs.memory is None else None
         # an order that offloads holds fewer activations than the memory terms count
-        kinds = {(f, False, limit) for f in families}
-        kinds.add((best.family, paired, None if _offloads(best.orders) else limit))
+        kinds = {(f, False, self.limits) for f in families}
+        kinds.add((best.family, paired, None if _offloads(best.orders) else self.limits))
         found = []
         for family, overlapped, limits in kinds:
-            formula = self._lower(family, limits, overlapped=overlapped)
+            counted = limits if self.costs.memory is None else None  # the formula's: counts
+            formula = self._lower(family, counted, overlapped=overlapped)
             exact, split = self.exact_bounds.get(
                 (family.num_chunks, family.vshape, limits), (None, False)
             )
@@ -631,7 +636,7 @@ class _Searcher:
         """Solve each placement's exact model ([Note: the search], 4) by `until`, from its
         best order; time its solution, keep its proven bound; local search from it if it is
         the best. Where the best order offloads, its placement without the limit too."""
-        limit = self.limits if self.costs.memory is None else None
+        limit = self.limits  # whole-stage microbatches, or bytes with a memory model
         splits: dict[tuple[int, bool], set[bool]] = {}
         for f in families:
             splits.setdefault((f.num_chunks, f.vshape), set()).add(f.split)
@@ -644,7 +649,8 @@ class _Searcher:
         for left, (v, vshape, limits) in zip(range(len(todo), 0, -1), todo):
             split = any(splits[v, vshape])  # a split model holds whole backwards too
             family = _Family(v, vshape, split)
-            lower = min(self._lower(_Family(v, vshape, s), limits) for s in splits[v, vshape])
+            counted = limits if self.costs.memory is None else None
+            lower = min(self._lower(_Family(v, vshape, s), counted) for s in splits[v, vshape])
             start = self._start_of(v, vshape, limits)
             solution = solve_exact(
                 self.p,
@@ -653,6 +659,8 @@ class _Searcher:
                 family,
                 memory_limit=limits,
                 recompute=self.recompute,
+                data_parallel=self.dp,
+                zero=self.zero,
                 time_limit=max(0.1, (until - time.monotonic()) / left),
                 hint=start.timeline if start is not None else None,
                 upper=self.best.makespan,

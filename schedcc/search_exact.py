@@ -20,7 +20,10 @@ stage) and memory limit, in integer ticks (every cost rounded down). Its variabl
   group holds many messages);
 - with a memory limit in whole-stage microbatches, a cumulative per stage of capacity
   `N = floor(limit * v)` chunk activations over the intervals each activation is held: from
-  its forward (or its `R`) to its last backward piece;
+  its forward (or its `R`) to its last backward piece; with a limit in bytes (a
+  `costs.memory`), the same intervals at their bytes, a recomputed forward's input, each
+  segment's gradients, beside the parameters and optimizer state ([Note: bytes in the exact
+  model]);
 - the makespan, no earlier than every compute's end (and than `lower`, a bound given).
 
 It is a relaxation of the rendezvous model the simulator times ([Note: the rendezvous model]
@@ -39,12 +42,11 @@ such order is a solution of the model with its simulated makespan, rounded down:
 optimum, and CP-SAT's proven bound on it, is at most every order's makespan. It leaves out
 what the rendezvous costs beyond that (a group waiting for partners of other meetings, the
 comm groups the compiler places where both stages are not idle, the updates), overlapped pairs,
-offloads,
-model replicas, a weight delay and memory in bytes (a `MemoryModel`): the bound holds for an
-order with those (but offloads, whose held count drops, only without the limit), the model
-just does not find them. Orders with a microbatch's forwards out of step are allowed; where
-every microbatch costs the same, the forwards on the first segment are taken in microbatch
-order (relabel any solution's microbatches by them: the same makespan).
+offloads, model replicas and a weight delay: the bound holds for an order with those (but
+offloads, whose held count drops, only without the limit), the model just does not find them.
+Orders with a microbatch's forwards out of step are allowed; where every microbatch costs the
+same, the forwards on the first segment are taken in microbatch order (relabel any solution's
+microbatches by them: the same makespan).
 
 The solution becomes an order: each stage's computes sorted by start, and each crossing's send
 and receive at its meeting (`SA3.1` on one stage, `RA3.1` on the other), so the compiler keeps
@@ -128,6 +130,8 @@ def solve_exact(
     *,
     memory_limit: float | Sequence[float] | None = None,
     recompute: bool = False,
+    data_parallel: int = 1,
+    zero: int = 0,
     time_limit: float = 1.0,
     hint=None,
     upper: float | None = None,
@@ -142,9 +146,11 @@ def solve_exact(
         costs: per-stage costs at v = 1 ([Note: tune's units]).
         family: the placement (`schedcc.search`'s `_Family`, without replicas); its `split`
             allows split backwards (whole ones stay allowed).
-        memory_limit: whole-stage microbatch activations per stage (a number or one per
-            stage); None, or a `costs.memory` (bytes), leaves memory out.
+        memory_limit: per stage (a number or one per stage): whole-stage microbatch
+            activations, or bytes with a `costs.memory` ([Note: bytes in the exact model]);
+            None leaves memory out.
         recompute: allow recomputed forwards (`R`).
+        data_parallel, zero: what the bytes a stage holds depend on (with `costs.memory`).
         hint: a `Timeline` of an order of this placement, to start from.
         upper: a makespan some order reaches (cost units): solutions above it are cut off,
             and the bound is `upper` where none is below it.
@@ -162,7 +168,8 @@ def solve_exact(
     cp_model = require_ortools()
     started = time.monotonic()
     built = _Model(cp_model, num_stages, num_microbatches, costs, family)
-    built.build(_room(memory_limit, num_stages, family, costs), recompute, upper, lower)
+    room = _room(memory_limit, built, costs, data_parallel=data_parallel, zero=zero)
+    built.build(room, recompute, upper, lower)
     if hint is not None:
         built.add_hint(hint)
     solver = cp_model.CpSolver()
@@ -187,16 +194,71 @@ def solve_exact(
     )
 
 
-def _room(memory_limit, num_stages: int, family, costs: CostModel) -> list[int] | None:
-    """Per stage, the chunk activations it may hold (None: no limit in the model)."""
-    if memory_limit is None or costs.memory is not None:
+@attrs.frozen
+class _Room:
+    """What the memory part of the model holds a stage to, in integer units: at most
+    `capacity[s]` at once, where each held activation of segment k takes `activations[k]`, a
+    recomputed forward's input `inputs[k]` until its `R`, and segment k's gradients
+    `gradients[k]` from its first weight gradient on ([Note: bytes in the exact model])."""
+
+    capacity: list[int]
+    activations: list[int]
+    inputs: list[int]
+    gradients: list[int]
+
+
+def _room(memory_limit, built: _Model, costs: CostModel, *, data_parallel: int, zero: int):
+    """The `_Room` of `memory_limit` for the model's placement, or None (no limit).
+
+    [Note: bytes in the exact model] Without a `costs.memory` the limit counts whole-stage
+    microbatches: a stage cut in v chunks holds `floor(limit * v)` chunk activations, each
+    one unit, and a recomputed forward holds nothing until its `R`. With one, the limit is a
+    stage's bytes, counted as `schedcc.semantics.stage_bytes` counts them (the simulator's
+    `peak_bytes`, which the search holds an order to): its parameters (the resident part under
+    ZeRO-3) and optimizer state throughout, taken off the capacity; each held activation's
+    bytes, a recomputed forward's input bytes from its forward to its `R`; and without ZeRO-2
+    or 3 each segment's gradients from the end of its first weight gradient (`B` or `W`) to
+    the end, when the program's step frees them. A unit is a ten-thousandth of the largest
+    limit, every size rounded down and the capacity too: at any moment the model holds no more
+    than the program does right before or right after the compute running then, so every
+    order that fits is a solution and the bound stays a bound; a solution may not fit by the
+    rounding, and the search checks every order it times against the bytes.
+    """
+    if memory_limit is None:
         return None
+    p = built.p
     limits = (
-        [float(memory_limit)] * num_stages
+        [float(memory_limit)] * p
         if isinstance(memory_limit, (int, float))
         else [float(x) for x in memory_limit]
     )
-    return [math.floor(lim * family.share * (1 + 1e-9) + 1e-9) for lim in limits]
+    n = built.num_segments
+    memory = costs.memory
+    if memory is None:
+        share = built.share
+        capacity = [math.floor(lim * share * (1 + 1e-9) + 1e-9) for lim in limits]
+        return _Room(capacity, [1] * n, [0] * n, [0] * n)
+    memory = _per_chunk(costs, built.share).memory
+    unit = max(limits) / 10_000 or 1.0
+
+    def units(value: float) -> int:
+        return math.floor(value / unit + 1e-9)
+
+    static = [0.0] * p
+    for k, (stage, _) in enumerate(built.place):
+        params = memory.at("parameters", k)
+        if zero >= 3:
+            params /= data_parallel
+        elif zero >= 1:
+            params += params / data_parallel
+        state = memory.at("optimizer", k)
+        static[stage] += params + (state / data_parallel if zero >= 1 else state)
+    return _Room(
+        [units(lim * (1 + 1e-9) - static[s]) for s, lim in enumerate(limits)],
+        [units(memory.at("activations", k)) for k in range(n)],
+        [units(memory.at("inputs", k)) for k in range(n)],
+        [units(memory.at("gradients", k)) if zero < 2 else 0 for k in range(n)],
+    )
 
 
 def _scale(values) -> int:
@@ -214,6 +276,7 @@ class _Model:
         self.model = cp_model.CpModel()
         self.p, self.m, self.split = p, m, family.split
         self.place = family.segments(p)
+        self.share = family.share
         self.num_segments = len(self.place)
         self.seg_of = {sc: k for k, sc in enumerate(self.place)}
         scaled = _per_chunk(costs, family.share)
@@ -385,27 +448,45 @@ class _Model:
                     add.add(start >= meet + length).only_enforce_if([~before, *extra])
                     self.pairs.append((before, key, n))
 
-    def _memory(self, room: list[int]) -> None:
-        """Per stage, at most `room` chunk activations held at once: from the forward (or the
-        `R`) to the last backward piece."""
+    def _memory(self, room: _Room) -> None:
+        """Per stage, at most `room.capacity` held at once ([Note: bytes in the exact model]):
+        each activation from its forward (or its `R`) to its last backward piece, a recomputed
+        forward's input from the forward to its `R`, each segment's gradients from its first
+        weight gradient on."""
         add = self.model
-        held = [[] for _ in range(self.p)]
+        held = [[] for _ in range(self.p)]  # per stage, (interval, demand)
         for (i, k), (_, _, last, _, recomputed) in self.spans.items():
             s = self.place[k][0]
             if recomputed is None:
                 size = add.new_int_var(0, self.horizon, "")
-                held[s].append(add.new_interval_var(self._start("F", i, k), size, last, ""))
+                interval = add.new_interval_var(self._start("F", i, k), size, last, "")
+                held[s].append((interval, room.activations[k]))
                 self.held[i, k] = [(size, "F")]
                 continue
             parts = []
             for code, lit in (("F", ~recomputed), ("R", recomputed)):
                 size = add.new_int_var(0, self.horizon, "")
                 begin = self._start(code, i, k)
-                held[s].append(add.new_optional_interval_var(begin, size, last, lit, ""))
+                interval = add.new_optional_interval_var(begin, size, last, lit, "")
+                held[s].append((interval, room.activations[k]))
                 parts.append((size, code))
             self.held[i, k] = parts
+            if room.inputs[k]:
+                size = add.new_int_var(0, self.horizon, "")
+                begin, until = self._start("F", i, k), self._start("R", i, k)
+                interval = add.new_optional_interval_var(begin, size, until, recomputed, "")
+                held[s].append((interval, room.inputs[k]))
+        for k in range(self.num_segments):
+            if room.gradients[k]:
+                first = add.new_int_var(0, self.horizon, "")
+                add.add_min_equality(first, [self.spans[i, k][2] for i in range(self.m)])
+                size = add.new_int_var(0, self.horizon, "")
+                interval = add.new_interval_var(first, size, self.makespan, "")
+                held[self.place[k][0]].append((interval, room.gradients[k]))
         for s in range(self.p):
-            add.add_cumulative(held[s], [1] * len(held[s]), max(room[s], 0))
+            intervals = [interval for interval, demand in held[s] if demand > 0]
+            demands = [demand for _, demand in held[s] if demand > 0]
+            add.add_cumulative(intervals, demands, max(room.capacity[s], 0))
 
     # -- hint and solution ---------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import sys
 
+import attrs
 import pytest
 from _builtin_schedules import names
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from strategies import stage_costs
 
 import schedcc
-from schedcc import CostModel, ScheduleConfigError, ScheduleError
+from schedcc import CostModel, MemoryModel, ScheduleConfigError, ScheduleError
 from schedcc.backends.reference import assert_matches_reference
 from schedcc.ir import Copy, OverlappedBackward
 from schedcc.registry import build_schedule, get_schedule
@@ -26,16 +27,19 @@ from tests._models import batches, make_segments, mse, sgd
 
 pytest.importorskip("ortools")
 
-def _builtin_timelines(p: int, m: int, costs: CostModel):
+def _builtin_timelines(p: int, m: int, costs: CostModel, *, dp: int = 1, zero: int = 0):
     """`(name, family, timeline, peak)` of each built-in at v = 1 and 2, with and without
     full recomputation, whose layout the model covers (looped or V, no replicas, overlapped
-    pairs or offloads); `peak` in whole-stage microbatches."""
+    pairs or offloads); `peak` in whole-stage microbatches, or with `costs.memory` each
+    stage's peak bytes."""
     for name in names():
         for v in (1, 2):
             for recompute in (False, True):
                 try:
                     schedule = build_schedule(get_schedule(name), p, m, num_chunks=v)
-                    program = schedcc.compile(schedule, recompute=recompute)
+                    program = schedcc.compile(
+                        schedule, recompute=recompute, data_parallel=dp, zero=zero
+                    )
                 except ScheduleError:
                     continue
                 places = [schedule.placement(k) for k in range(schedule.num_segments)]
@@ -48,6 +52,8 @@ def _builtin_timelines(p: int, m: int, costs: CostModel):
                     continue
                 timeline = schedcc.simulate(program, _per_chunk(costs, v))
                 peak = max(timeline.peak_activations) / v
+                if costs.memory is not None:
+                    peak = list(timeline.peak_bytes)
                 yield name, kinds[0], timeline, peak
 
 
@@ -56,12 +62,25 @@ def _builtin_timelines(p: int, m: int, costs: CostModel):
 def test_every_builtin_timeline_is_a_solution_of_the_model(p, m, data):
     """[Note: the exact model]'s argument, checked: each built-in's simulated timeline, in
     ticks, satisfies every constraint of its placement's model under its own peak as the
-    limit, at no more than its simulated makespan."""
+    limit (in microbatches, or its peak bytes per stage under a random memory model, data
+    parallelism and ZeRO), at no more than its simulated makespan."""
     cp_model = require_ortools()
     costs = data.draw(stage_costs(p))
-    for name, family, timeline, peak in _builtin_timelines(p, m, costs):
+    dp, zero = 1, 0
+    if data.draw(st.booleans(), label="in bytes"):  # [Note: bytes in the exact model]
+        size = st.floats(0.0, 100.0)
+        memory = MemoryModel(
+            activations=data.draw(st.floats(1.0, 100.0)),
+            parameters=data.draw(size),
+            optimizer=data.draw(size),
+            inputs=data.draw(size),
+            gradients=data.draw(st.none() | size),
+        )
+        costs = attrs.evolve(costs, memory=memory)
+        dp, zero = data.draw(st.sampled_from([(1, 0), (2, 1), (2, 2), (2, 3)]), label="dp, zero")
+    for name, family, timeline, peak in _builtin_timelines(p, m, costs, dp=dp, zero=zero):
         model = _Model(cp_model, p, m, costs, family)
-        model.build(_room(peak, p, family, costs), True, None, 0.0)
+        model.build(_room(peak, model, costs, data_parallel=dp, zero=zero), True, None, 0.0)
         model.add_hint(timeline)
         solver = cp_model.CpSolver()
         solver.parameters.fix_variables_to_their_hinted_value = True
@@ -91,6 +110,61 @@ def test_no_builtin_beats_the_exact_bound(p, m, data):
                 timed[key] = found.bound
             assert timed[key] <= timeline.makespan + 1e-9, (name, key, timed[key])
     assert timed  # 1f1b and zb-h1 are covered at every shape
+
+
+@settings(max_examples=3)
+@given(p=st.integers(2, 3), m=st.integers(2, 3), data=st.data())
+def test_no_builtin_that_fits_the_bytes_beats_the_exact_bound(p, m, data):
+    """[Note: bytes in the exact model]: under 1F1B's peak bytes per stage (random sizes of
+    every kind), no built-in of a covered layout that fits them is faster than CP-SAT's proven
+    bound for its placement under them."""
+    size = st.floats(0.0, 50.0)
+    memory = MemoryModel(
+        activations=data.draw(st.floats(1.0, 50.0)),
+        parameters=data.draw(size),
+        optimizer=data.draw(size),
+        inputs=data.draw(size),
+    )
+    costs = attrs.evolve(data.draw(stage_costs(p)), memory=memory)
+    limit = schedcc.simulate(schedcc.compile(get_schedule("1f1b")(p, m)), costs).peak_bytes
+    timed = {}
+    for name, family, timeline, peak in _builtin_timelines(p, m, costs):
+        if any(held > lim * (1 + 1e-9) for held, lim in zip(peak, limit)):
+            continue
+        key = (family.num_chunks, family.vshape)
+        if key not in timed:
+            found = solve_exact(
+                p, m, costs, family, memory_limit=limit, recompute=True, time_limit=0.3
+            )
+            timed[key] = found.bound
+        assert timed[key] <= timeline.makespan + 1e-9, (name, key, timed[key])
+    assert timed  # 1f1b fits its own peak
+
+
+def test_a_limit_in_bytes_is_the_limit_in_microbatches_it_stands_for():
+    """With one byte per activation and nothing else, a limit of 1 byte is the limit of one
+    microbatch: the same proven optimum (above the unlimited one), and the order fits the
+    bytes when simulated, at that optimum; parameters and optimizer state take their bytes
+    off the limit."""
+    p, m = 2, 4
+    family = _Family(1, False, True)
+    costs = CostModel()
+    counted = solve_exact(p, m, costs, family, memory_limit=1.0, recompute=True, time_limit=5)
+    free = solve_exact(p, m, costs, family, time_limit=5)
+    in_bytes = attrs.evolve(costs, memory=MemoryModel(activations=1.0))
+    found = solve_exact(p, m, in_bytes, family, memory_limit=1.0, recompute=True, time_limit=5)
+    assert (counted.optimal, found.optimal, free.optimal) == (True, True, True)
+    assert found.makespan == pytest.approx(counted.makespan)
+    assert found.makespan > free.makespan + 0.5
+    cls = _found_class(p, m, family, found.orders)
+    timeline = schedcc.simulate(schedcc.compile(cls(p, m, 1)), in_bytes)
+    assert timeline.makespan == pytest.approx(found.makespan)
+    assert max(timeline.peak_bytes) <= 1.0
+    weighed = attrs.evolve(costs, memory=MemoryModel(activations=1.0, parameters=3.0,
+                                                     optimizer=6.0, gradients=0.0))  # fmt: skip
+    same = solve_exact(p, m, weighed, family, memory_limit=10.0, recompute=True, time_limit=5)
+    assert same.optimal
+    assert same.makespan == pytest.approx(found.makespan)
 
 
 @functools.cache
