@@ -62,6 +62,7 @@ from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
 from schedcc.search_bound import lower_bound
 from schedcc.search_exact import available, require_ortools, solve_exact
+from schedcc.semantics import Layout
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk
@@ -554,7 +555,7 @@ class _Searcher:
                 program = self._compile(family, orders)
             except ScheduleError:
                 return None
-        timeline = simulate(program, _per_chunk(self.costs, family.share))
+        timeline = simulate(program, self._costs_of(program, family))
         self.slowest = max(self.slowest, time.monotonic() - began)
         if not self._fits(timeline, family.share):
             return None
@@ -577,10 +578,15 @@ class _Searcher:
                 program = self._compile(candidate.family, candidate.orders)
             except ScheduleError:  # a replayed built-in validates as the built-in does
                 continue
-            timeline = simulate(program, _per_chunk(self.costs, candidate.family.share))
+            timeline = simulate(program, self._costs_of(program, candidate.family))
             if self._fits(timeline, candidate.family.share):
                 return attrs.evolve(candidate, program=program, timeline=timeline)
         return None
+
+    def _costs_of(self, program: Program, family: _Family) -> CostModel:
+        """The costs in `program`'s units ([Note: tune's units]): per chunk, with per-stage
+        memory sizes on the segments each stage runs."""
+        return _per_chunk(self.costs, family.share, Layout.of(program.schedule).stage_of)
 
     def _held(self, timeline: Timeline, v: int) -> tuple[float, ...]:
         if timeline.costs.memory is not None:

@@ -12,7 +12,8 @@ stage a chunk runs 1/v of that share, so its compute costs are divided by v (com
 costs are not). Activation memory is counted the same way: a chunk's activations are 1/v of a
 stage's, so `peak_activations` is the peak number of held chunk activations divided by v, in
 microbatches of a whole stage (1F1B's stage 0 holds p); a `MemoryModel` in the costs is likewise
-a stage's sizes at v = 1, each chunk holding 1/v of them. Ranking by `makespan / m` compares
+a stage's sizes at v = 1 (a list holds one per stage, and each segment takes the size of the
+stage that runs it, looped or V), each chunk holding 1/v of them. Ranking by `makespan / m` compares
 throughput at a fixed microbatch size, and equally step time at a fixed global batch when costs
 scale linearly with the microbatch size. A schedule with R model replicas (DualPipe, [Note:
 replicas]) holds v / R chunks of one replica per stage, so each chunk runs R/v of the share.
@@ -21,7 +22,7 @@ replicas]) holds v / R chunks of one replica per stage, so each chunk runs R/v o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -29,8 +30,10 @@ from schedcc.compiler import compile
 from schedcc.costs import FIELD_OF_CODE, CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import COMPUTE, Recompute
+from schedcc.memory_model import MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
 from schedcc.schedule import Schedule, ScheduleCodeError
+from schedcc.semantics import Layout
 from schedcc.simulate import simulate
 from schedcc.sizes import parse_size
 
@@ -294,7 +297,28 @@ class _Tuner:
                 position=exc.position,
             ) from exc
         share = v // type(schedule).num_replicas  # the chunks of one model replica per stage
-        return _measure(name, program, _per_chunk(self.costs, share), share)
+        stage_of = Layout.of(schedule).stage_of
+        return _measure(name, program, _per_chunk(self.costs, share, stage_of), share)
+
+
+def _placed(memory: MemoryModel, stage_of: Sequence[int]) -> MemoryModel:
+    """`memory` with every list of one size per stage (at v = 1) turned into one per segment,
+    each segment taking its stage's size ([Note: tune's units]); a single size, or a list of
+    another length, stays as it is."""
+    num_stages = max(stage_of) + 1
+
+    def placed(value):
+        if isinstance(value, tuple) and len(value) == num_stages != len(stage_of):
+            return tuple(value[s] for s in stage_of)
+        return value
+
+    return attrs.evolve(
+        memory,
+        **{
+            field: placed(getattr(memory, field))
+            for field in ("activations", "parameters", "optimizer", "inputs", "gradients")
+        },
+    )
 
 
 def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
@@ -326,8 +350,14 @@ def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
     )
 
 
-def _per_chunk(costs: CostModel, num_chunks: int) -> CostModel:
-    """`costs` with compute costs divided by `num_chunks` (see [Note: tune's units])."""
+def _per_chunk(
+    costs: CostModel, num_chunks: int, stage_of: Sequence[int] | None = None
+) -> CostModel:
+    """`costs` with compute costs and memory sizes divided by `num_chunks` (see [Note: tune's
+    units]); given `stage_of` (the stage of each segment of a program), a `MemoryModel`'s
+    per-stage sizes (one per stage) become the sizes of the segments each stage runs."""
+    if stage_of is not None and costs.memory is not None:
+        costs = attrs.evolve(costs, memory=_placed(costs.memory, stage_of))
     if num_chunks == 1:
         return costs
     scaled = {

@@ -187,3 +187,25 @@ def test_cli_tune_and_show_take_recompute_and_bytes(capsys):
     err = capsys.readouterr().err
     assert "give --memory" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_per_stage_sizes_follow_each_segment_to_its_stage_at_any_v():
+    """[Note: tune's units]: a `MemoryModel` with one size per stage is each stage's at
+    v = 1: at v = 2, looped or V, a stage's chunks together hold its sizes (here parameters
+    and their gradients, 2x), in `tune` and in `search` alike."""
+    costs = CostModel(memory=MemoryModel(parameters=[10, 20, 40], activations=0))
+    ranked = schedcc.tune(
+        ["1f1b", "interleaved-1f1b", "zb-v"], num_stages=3, num_microbatches=[6], costs=costs
+    ).ranked
+    assert {(c.schedule, c.num_chunks) for c in ranked} >= {("interleaved-1f1b", 2), ("zb-v", 2)}
+    assert all(c.bytes == (20.0, 40.0, 80.0) for c in ranked)
+    found = schedcc.search(
+        3, 6, costs=costs, memory_limit=[20, 40, 80], time_limit=2, method="heuristic", seed=1
+    )
+    assert found.peak_bytes == (20.0, 40.0, 80.0)
+    sizes = CostModel(memory=MemoryModel(activations=[1000, 2000, 4000]))
+    for name in ("interleaved-1f1b", "zb-v"):  # a chunk holds half of its stage's activations
+        (row,) = schedcc.tune([name], num_stages=3, num_microbatches=[6], num_chunks=2,
+                              costs=sizes).ranked  # fmt: skip
+        counts = row.activations  # whole-stage microbatches held on each stage
+        assert row.bytes == pytest.approx([n * a for n, a in zip(counts, (1000, 2000, 4000))])
