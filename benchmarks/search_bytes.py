@@ -1,14 +1,15 @@
 """Searched orders under per-stage limits in bytes: the heuristic against the exact method.
 
-p = 4, v = 1, a heavy last stage (1.5x) that also holds the largest activations (an LM head's
-logits), per-stage parameters and Adam's state; each stage's limit keeps its parameters,
-gradients and optimizer state and `--share` of the activation bytes 1F1B holds on it beyond them
-(at least one microbatch's, which the last stage always needs). Each shape is searched with
-`method="heuristic"` and `method="exact"` (`[Note: bytes in the exact model]`), both with
-`recompute=True` and the same `--time-limit`; the table gives each makespan, the bound (and
-where it came from) and how far the exact method's order is above it.
+p = 4, v = 1 and 2 (`--chunks`), a heavy last stage (1.5x) that also holds the largest
+activations (an LM head's logits), per-stage parameters and Adam's state; each stage's limit
+keeps its parameters, gradients and optimizer state and `--share` of the activation bytes 1F1B
+holds on it beyond them (at least one microbatch's, which the last stage always needs). Each
+shape is searched with `method="heuristic"` and `method="exact"` ([Note: bytes in the exact
+model]), both with `recompute=True` and the same `--time-limit`; the table gives each makespan,
+the bound (and where it came from) and how far the exact method's order is above it.
 
     python benchmarks/search_bytes.py [--time-limit 12] [--microbatches 4 8] [--share 0.6 0.3]
+        [--chunks 1 2]
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--share", type=float, nargs="+", default=[0.6, 0.3])
     parser.add_argument("--comm", type=float, nargs="+", default=[0.0, 0.1])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2])
     opts = parser.parse_args()
     print(stamp("search_bytes"))
     print(
         "| m | comm | share | heuristic | exact | bound | from | exact above the bound | "
-        "exact's order from | exact s |"
+        "exact's order from | v | exact s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m in opts.microbatches:
         for comm in opts.comm:
             for share in opts.share:
@@ -69,7 +71,7 @@ def main() -> None:
                     method: schedcc.search(
                         P,
                         m,
-                        num_chunks=1,
+                        num_chunks=opts.chunks,
                         costs=costs,
                         memory_limit=_limits(costs, m, share),
                         recompute=True,
@@ -84,7 +86,8 @@ def main() -> None:
                 print(
                     f"| {m} | {comm:g} | {share:g} | {found['heuristic'].makespan:.2f} | "
                     f"{exact.makespan:.2f} | {exact.bound:.2f} | {exact.bound_from} | "
-                    f"{gap:.1%} | {exact.source} | {exact.seconds:.1f} |",
+                    f"{gap:.1%} | {exact.source} | {exact.schedule.num_chunks} | "
+                    f"{exact.seconds:.1f} |",
                     flush=True,
                 )
 
