@@ -27,6 +27,18 @@ from tests._models import batches, make_segments, mse, sgd
 
 pytest.importorskip("ortools")
 
+_SIZE = st.floats(0.0, 100.0)
+#: random sizes of every kind (a gradient as large as its parameters, or not)
+_MEMORY_MODELS = st.builds(
+    MemoryModel,
+    activations=st.floats(1.0, 100.0),
+    parameters=_SIZE,
+    optimizer=_SIZE,
+    inputs=_SIZE,
+    gradients=st.none() | _SIZE,
+)
+
+
 def _builtin_timelines(p: int, m: int, costs: CostModel, *, dp: int = 1, zero: int = 0):
     """`(name, family, timeline, peak)` of each built-in at v = 1 and 2, with and without
     full recomputation, whose layout the model covers (looped or V, no replicas, overlapped
@@ -68,15 +80,7 @@ def test_every_builtin_timeline_is_a_solution_of_the_model(p, m, data):
     costs = data.draw(stage_costs(p))
     dp, zero = 1, 0
     if data.draw(st.booleans(), label="in bytes"):  # [Note: bytes in the exact model]
-        size = st.floats(0.0, 100.0)
-        memory = MemoryModel(
-            activations=data.draw(st.floats(1.0, 100.0)),
-            parameters=data.draw(size),
-            optimizer=data.draw(size),
-            inputs=data.draw(size),
-            gradients=data.draw(st.none() | size),
-        )
-        costs = attrs.evolve(costs, memory=memory)
+        costs = attrs.evolve(costs, memory=data.draw(_MEMORY_MODELS))
         dp, zero = data.draw(st.sampled_from([(1, 0), (2, 1), (2, 2), (2, 3)]), label="dp, zero")
     for name, family, timeline, peak in _builtin_timelines(p, m, costs, dp=dp, zero=zero):
         model = _Model(cp_model, p, m, costs, family)
@@ -118,14 +122,7 @@ def test_no_builtin_that_fits_the_bytes_beats_the_exact_bound(p, m, data):
     """[Note: bytes in the exact model]: under 1F1B's peak bytes per stage (random sizes of
     every kind), no built-in of a covered layout that fits them is faster than CP-SAT's proven
     bound for its placement under them."""
-    size = st.floats(0.0, 50.0)
-    memory = MemoryModel(
-        activations=data.draw(st.floats(1.0, 50.0)),
-        parameters=data.draw(size),
-        optimizer=data.draw(size),
-        inputs=data.draw(size),
-    )
-    costs = attrs.evolve(data.draw(stage_costs(p)), memory=memory)
+    costs = attrs.evolve(data.draw(stage_costs(p)), memory=data.draw(_MEMORY_MODELS))
     limit = schedcc.simulate(schedcc.compile(get_schedule("1f1b")(p, m)), costs).peak_bytes
     timed = {}
     for name, family, timeline, peak in _builtin_timelines(p, m, costs):
@@ -236,7 +233,7 @@ def test_without_ortools_exact_says_how_to_install_and_auto_falls_back(monkeypat
 
 
 def test_auto_takes_the_exact_model_for_small_shapes_only():
-    """"auto" solves the exact model at a small shape (its bound then the larger one) and not
+    """ "auto" solves the exact model at a small shape (its bound then the larger one) and not
     under an evaluation budget; the bound says where it came from."""
     small = search(2, 2, num_chunks=1, costs=CostModel(comm=1.0), time_limit=2)
     assert small.method == "exact"
