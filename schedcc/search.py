@@ -33,7 +33,8 @@ installed, no `max_evaluations` is given (CP-SAT under a time limit does not giv
 answer on every machine) and the largest placement searched has at most `EXACT_MAX_PAIRS`
 (microbatch, segment) pairs (p * m * v): beyond that CP-SAT rarely improves on the heuristic
 or on `lower_bound` within seconds (docs/performance.md, "Searched orders against the exact
-optimum"). The heuristic then gets 40% of `time_limit`, the exact model the rest.
+optimum"). The heuristic then gets 40% of `time_limit`, the exact model the rest ([Note: the
+exact method's time]).
 """
 
 from __future__ import annotations
@@ -641,7 +642,14 @@ class _Searcher:
     def exact(self, families: list[_Family], until: float, seed: int) -> None:
         """Solve each placement's exact model ([Note: the search], 4) by `until`, from its
         best order; time its solution, keep its proven bound; local search from it if it is
-        the best. Where the best order offloads, its placement without the limit too."""
+        the best. Where the best order offloads, its placement without the limit too.
+
+        [Note: the exact method's time] Half the time goes to every placement in turn (the
+        smaller models first, each taking what the ones before left), the other half to the
+        one whose best order is the fastest, solved again from that order, unless every model
+        is proven or none can beat the best order found: CP-SAT improves with time, and a
+        three-way split left each placement too little at m = 8 (docs/performance.md, "Limits
+        in bytes")."""
         limit = self.limits  # whole-stage microbatches, or bytes with a memory model
         splits: dict[tuple[int, bool], set[bool]] = {}
         for f in families:
@@ -652,36 +660,67 @@ class _Searcher:
             splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
             todo.append((own.num_chunks, own.vshape, None))
         todo.sort(key=lambda job: job[0])  # the smaller models first
-        for left, (v, vshape, limits) in zip(range(len(todo), 0, -1), todo):
-            split = any(splits[v, vshape])  # a split model holds whole backwards too
-            family = _Family(v, vshape, split)
-            counted = limits if self.costs.memory is None else None
-            lower = min(self._lower(_Family(v, vshape, s), counted) for s in splits[v, vshape])
-            start = self._start_of(v, vshape, limits)
-            solution = solve_exact(
-                self.p,
-                self.m,
-                self.costs,
-                family,
-                memory_limit=limits,
-                recompute=self.recompute,
-                data_parallel=self.dp,
-                zero=self.zero,
-                time_limit=max(0.1, (until - time.monotonic()) / left),
-                hint=start.timeline if start is not None else None,
-                upper=self.best.makespan,
-                lower=lower,
-                num_workers=_EXACT_WORKERS,
-                seed=seed,
-            )
-            self.exact_bounds[v, vshape, limits] = (solution.bound, split)
-            if solution.orders is not None:
-                form = _Family(v, vshape, _splits(solution.orders))
-                source = "CP-SAT" + (" (optimal)" if solution.optimal else "")
-                self.evaluate(form, solution.orders, source)
+        first = until if len(todo) == 1 else time.monotonic() + (until - time.monotonic()) / 2
+        solved = {}
+        for left, job in zip(range(len(todo), 0, -1), todo):
+            seconds = (first - time.monotonic()) / left
+            solved[job] = self._solve_exact(job, splits, seconds, seed)
+        open_jobs = [
+            job
+            for job in todo
+            if not solved[job].optimal and solved[job].bound < self.best.makespan * (1 - 1e-9)
+        ]
+        if len(todo) > 1 and open_jobs:
+            job = min(open_jobs, key=lambda job: self._fastest_in(job))
+            self._solve_exact(job, splits, until - time.monotonic(), seed + 1)
         if self.best is not None and self.best.source.startswith("CP-SAT"):
             self.deadline = until
             self.improve()
+
+    def _solve_exact(self, job, splits, seconds: float, seed: int):
+        """Solve placement `job` = `(v, vshape, limits)` for `seconds` from its fastest
+        order; keep the larger bound, time the solution."""
+        v, vshape, limits = job
+        split = any(splits[v, vshape])  # a split model holds whole backwards too
+        family = _Family(v, vshape, split)
+        counted = limits if self.costs.memory is None else None
+        lower = min(self._lower(_Family(v, vshape, s), counted) for s in splits[v, vshape])
+        start = self._start_of(v, vshape, limits)
+        solution = solve_exact(
+            self.p,
+            self.m,
+            self.costs,
+            family,
+            memory_limit=limits,
+            recompute=self.recompute,
+            data_parallel=self.dp,
+            zero=self.zero,
+            time_limit=max(0.1, seconds),
+            hint=start.timeline if start is not None else None,
+            upper=self.best.makespan,
+            lower=lower,
+            num_workers=_EXACT_WORKERS,
+            seed=seed,
+        )
+        known, _ = self.exact_bounds.get(job, (-math.inf, split))
+        self.exact_bounds[job] = (max(known, solution.bound), split)
+        if solution.orders is not None:
+            form = _Family(v, vshape, _splits(solution.orders))
+            source = "CP-SAT" + (" (optimal)" if solution.optimal else "")
+            self.evaluate(form, solution.orders, source)
+        return solution
+
+    def _fastest_in(self, job) -> float:
+        """The makespan of the fastest fitting candidate of placement `job` (inf: none)."""
+        v, vshape, _ = job
+        return min(
+            (
+                c.makespan
+                for c in self.fitting
+                if (c.family.num_chunks, c.family.vshape) == (v, vshape) and not c.family.places
+            ),
+            default=math.inf,
+        )
 
     def _start_of(self, v: int, vshape: bool, limits) -> _Candidate | None:
         """The fastest candidate of a placement that the exact model can start from (no

@@ -5,6 +5,7 @@ train exactly, fit their limit and meet its optimum where it is proven."""
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 
 import attrs
@@ -21,7 +22,7 @@ from schedcc.ir import Copy, OverlappedBackward
 from schedcc.registry import build_schedule, get_schedule
 from schedcc.search import _Family, _found_class, search
 from schedcc.search_bound import lower_bound
-from schedcc.search_exact import _Model, _room, require_ortools, solve_exact
+from schedcc.search_exact import ExactSolution, _Model, _room, require_ortools, solve_exact
 from schedcc.tune import _per_chunk
 from tests._models import batches, make_segments, mse, sgd
 
@@ -241,3 +242,28 @@ def test_auto_takes_the_exact_model_for_small_shapes_only():
     budget = search(2, 2, num_chunks=1, costs=CostModel(comm=1.0), max_evaluations=20)
     assert budget.method == "heuristic"
     assert small.bound >= budget.bound - 1e-9
+
+
+def test_the_exact_time_goes_half_to_every_placement_then_to_the_fastest(monkeypatch):
+    """[Note: the exact method's time]: each placement's model is solved once, in turn, in
+    half the exact model's time; then the placement holding the fastest order is solved again,
+    from that order, in the rest."""
+    search_module = importlib.import_module("schedcc.search")  # the name is the function
+    calls = []
+
+    def recorded(p, m, costs, family, *, time_limit, hint, **kwargs):
+        calls.append(((family.num_chunks, family.vshape), time_limit, hint))
+        bound = 1.0 + len(calls) / 10  # proves nothing: every model stays open
+        return ExactSolution(None, float("inf"), bound, False, 0.0)
+
+    monkeypatch.setattr(search_module, "solve_exact", recorded)
+    found = search(3, 3, costs=CostModel(comm=0.5), time_limit=3, method="exact", seed=2)
+    placements = [placement for placement, _, _ in calls[:-1]]
+    assert sorted(placements) == [(1, False), (2, False), (2, True)]
+    (last, seconds, hint), first = calls[-1], sum(t for _, t, _ in calls[:-1])
+    assert seconds >= 0.8 * first
+    v = found.schedule.num_chunks
+    vshape = v > 1 and found.schedule.placement(3) == (2, 1)  # segment p back on stage p - 1
+    assert last == (v, vshape)  # the exact model found nothing: the heuristic's best holds
+    assert hint is not None
+    assert hint.makespan == pytest.approx(found.makespan)
