@@ -70,6 +70,7 @@ import attrs
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import Compute, RecvActivation, RecvGrad, SendActivation, SendGrad
+from schedcc.semantics.stage_bytes import resident_parameters
 from schedcc.tune import _per_chunk
 
 __all__ = ["ExactSolution", "available", "require_ortools", "solve_exact"]
@@ -247,12 +248,9 @@ def _room(memory_limit, built: _Model, costs: CostModel, *, data_parallel: int, 
     static = [0.0] * p
     for k, (stage, _) in enumerate(built.place):
         params = memory.at("parameters", k)
-        if zero >= 3:
-            params /= data_parallel
-        elif zero >= 1:
-            params += params / data_parallel
         state = memory.at("optimizer", k)
-        static[stage] += params + (state / data_parallel if zero >= 1 else state)
+        static[stage] += resident_parameters(params, zero=zero, data_parallel=data_parallel)
+        static[stage] += state / data_parallel if zero >= 1 else state
     return _Room(
         [units(lim * (1 + 1e-9) - static[s]) for s, lim in enumerate(limits)],
         [units(memory.at("activations", k)) for k in range(n)],
