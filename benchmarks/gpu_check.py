@@ -34,7 +34,6 @@ import time
 import traceback
 import warnings
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +64,6 @@ SHAPES = {
     "dualpipe": (2, 4, 2, 1),
 }
 
-ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"  # `--smoke`: "cpu"
 GPT_CONFIG = GPTConfig(vocab=32768, max_len=512, d_model=768, num_heads=12, num_blocks=12)
 SMOKE_CONFIG = GPTConfig(vocab=64, max_len=16, d_model=32, num_heads=2, num_blocks=4)

@@ -21,7 +21,10 @@ import attrs
 from schedcc.errors import ScheduleConfigError
 from schedcc.sizes import parse_size
 
-__all__ = ["MemoryModel"]
+__all__ = ["SIZE_FIELDS", "MemoryModel"]
+
+#: the fields of a `MemoryModel` that hold one size, or one per segment
+SIZE_FIELDS = ("activations", "parameters", "optimizer", "inputs", "gradients")
 
 
 def _sizes(value: object) -> float | tuple[float, ...] | None:
@@ -108,7 +111,7 @@ class MemoryModel:
         or, with model replicas (DualPipe), one replica's `num_segments / num_replicas`: segment
         `r * L + j` is a copy of segment `j` and has its sizes."""
         allowed = {num_segments, num_segments // num_replicas}
-        for field in ("activations", "parameters", "optimizer", "inputs", "gradients"):
+        for field in SIZE_FIELDS:
             value = getattr(self, field)
             if isinstance(value, tuple) and len(value) not in allowed:
                 raise ScheduleConfigError(

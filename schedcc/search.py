@@ -69,12 +69,7 @@ from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk
 
 __all__ = [
-    "EXACT_MAX_PAIRS",
-    "METHODS",
-    "PLACEMENTS",
-    "FoundOrder",
-    "SearchResult",
-    "lower_bound",
+    "EXACT_MAX_PAIRS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult", "lower_bound",
     "search",
 ]
 
@@ -375,7 +370,7 @@ def search(
 
 
 def _method(method, p: int, m: int, families, max_evaluations) -> str:
-    """ "heuristic" or "exact" ([Note: the exact method's rule])."""
+    """"heuristic" or "exact" ([Note: the exact method's rule])."""
     if method not in METHODS:
         raise ScheduleConfigError(
             f"search: method must be one of {', '.join(METHODS)}, got {method!r}"
@@ -650,13 +645,13 @@ class _Searcher:
         is proven or none can beat the best order found: CP-SAT improves with time, and a
         three-way split left each placement too little at m = 8 (docs/performance.md, "Limits
         in bytes")."""
-        limit = self.limits  # whole-stage microbatches, or bytes with a memory model
         splits: dict[tuple[int, bool], set[bool]] = {}
         for f in families:
             splits.setdefault((f.num_chunks, f.vshape), set()).add(f.split)
-        todo = [(v, vshape, limit) for v, vshape in splits]
+        # the limit in whole-stage microbatches, or in bytes with a memory model
+        todo = [(v, vshape, self.limits) for v, vshape in splits]
         own = self.best.family
-        if limit is not None and _offloads(self.best.orders) and not own.places:
+        if self.limits is not None and _offloads(self.best.orders) and not own.places:
             splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
             todo.append((own.num_chunks, own.vshape, None))
         todo.sort(key=lambda job: job[0])  # the smaller models first

@@ -234,10 +234,8 @@ def _room(memory_limit, built: _Model, costs: CostModel, *, data_parallel: int, 
         else [float(x) for x in memory_limit]
     )
     n = built.num_segments
-    memory = costs.memory
-    if memory is None:
-        share = built.share
-        capacity = [math.floor(lim * share * (1 + 1e-9) + 1e-9) for lim in limits]
+    if costs.memory is None:
+        capacity = [math.floor(lim * built.share * (1 + 1e-9) + 1e-9) for lim in limits]
         return _Room(capacity, [1] * n, [0] * n, [0] * n)
     memory = _per_chunk(costs, built.share, [stage for stage, _ in built.place]).memory
     unit = max(limits) / 10_000 or 1.0

@@ -30,7 +30,7 @@ from schedcc.compiler import compile
 from schedcc.costs import FIELD_OF_CODE, CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import COMPUTE, Recompute
-from schedcc.memory_model import MemoryModel
+from schedcc.memory_model import SIZE_FIELDS, MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
 from schedcc.schedule import Schedule, ScheduleCodeError
 from schedcc.semantics import Layout
@@ -314,10 +314,7 @@ def _placed(memory: MemoryModel, stage_of: Sequence[int]) -> MemoryModel:
 
     return attrs.evolve(
         memory,
-        **{
-            field: placed(getattr(memory, field))
-            for field in ("activations", "parameters", "optimizer", "inputs", "gradients")
-        },
+        **{field: placed(getattr(memory, field)) for field in SIZE_FIELDS},
     )
 
 

@@ -234,7 +234,7 @@ def test_without_ortools_exact_says_how_to_install_and_auto_falls_back(monkeypat
 
 
 def test_auto_takes_the_exact_model_for_small_shapes_only():
-    """ "auto" solves the exact model at a small shape (its bound then the larger one) and not
+    """"auto" solves the exact model at a small shape (its bound then the larger one) and not
     under an evaluation budget; the bound says where it came from."""
     small = search(2, 2, num_chunks=1, costs=CostModel(comm=1.0), time_limit=2)
     assert small.method == "exact"
