@@ -15,6 +15,10 @@ more than 3% above the bound, within 3% of the bound.
     .venv/bin/python benchmarks/search_grid.py --quick          # 12 shapes at p = 4
     .venv/bin/python benchmarks/search_grid.py --stages 4 --exact 12 --jobs 1
 
+With `--offload` the search may offload activations ([Note: the search's offloads]) and its bound
+leaves the memory terms out; `--copy C` prices each offload and reload at C forwards (for the
+built-ins' copies too; free by default).
+
 With `--exact S` each shape is also searched with `method="exact"` in S seconds (CP-SAT on the
 relaxation of [Note: the exact model], its proven bound kept where it is the larger): the row
 adds that search's makespan and bound, and the summary counts the targets against it, and how
@@ -24,10 +28,12 @@ many shapes where the search was not strictly faster have a built-in within 3% o
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import multiprocessing
 import time
 
+import attrs
 from _stamp import stamp
 
 import schedcc
@@ -63,9 +69,11 @@ def costs_of(p: int, ratio: str, comm: float, heavy: str) -> CostModel:
     )
 
 
-def run_shape(shape) -> dict:
+def run_shape(shape, offload: bool = False, copy: float = 0.0) -> dict:
     p, m, ratio, comm, heavy, fraction, time_limit, exact = shape
     costs = costs_of(p, ratio, comm, heavy)
+    forward = RATIOS[ratio][0]
+    costs = attrs.evolve(costs, offload=copy * forward, reload=copy * forward)
     limit = fraction * p
     ranked = schedcc.tune(
         num_stages=p,
@@ -79,8 +87,8 @@ def run_shape(shape) -> dict:
     started = time.monotonic()
     try:
         found = schedcc.search(
-            p, m, costs=costs, memory_limit=limit, recompute=True, time_limit=time_limit,
-            method="heuristic",
+            p, m, costs=costs, memory_limit=limit, recompute=True, offload=offload,
+            time_limit=time_limit, method="heuristic",
         )  # fmt: skip
     except ScheduleConfigError:
         found = None
@@ -88,8 +96,8 @@ def run_shape(shape) -> dict:
     solved = None
     if exact and found is not None:
         result = schedcc.search(
-            p, m, costs=costs, memory_limit=limit, recompute=True, time_limit=exact,
-            method="exact",
+            p, m, costs=costs, memory_limit=limit, recompute=True, offload=offload,
+            time_limit=exact, method="exact",
         )  # fmt: skip
         solved = (result.makespan, result.bound, result.source, result.bound_from)
     return {
@@ -114,6 +122,10 @@ def main() -> None:
                         help="also search with method='exact' in S seconds")  # fmt: skip
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4],
                         metavar="K", help="m = K * p for each K (default 1 2 4)")  # fmt: skip
+    parser.add_argument("--offload", action="store_true",
+                        help="let the search offload activations")  # fmt: skip
+    parser.add_argument("--copy", type=float, default=0.0, metavar="C",
+                        help="each offload and reload costs C forwards (default 0)")  # fmt: skip
     args = parser.parse_args()
     shapes = [
         (p, m, ratio, comm, heavy, fraction, args.time_limit, args.exact)
@@ -125,7 +137,7 @@ def main() -> None:
     ]
     if args.quick:
         shapes = [s for s in shapes if s[0] == 4 and s[1] == 8 and s[3] == 0.1][:12]
-    print(stamp("search_grid"))
+    print(stamp("search_grid"), f"offload={args.offload} copy={args.copy:g}")
     print(
         f"{'p':>3} {'m':>3} {'F:B:W':>9} {'comm':>4} {'heavy':>10} {'limit':>5} | "
         f"{'best built-in':>24} {'found':>8} {'bound':>8} {'b-in gap':>8} {'gap':>6} "
@@ -133,7 +145,8 @@ def main() -> None:
     )
     rows = []
     with multiprocessing.Pool(args.jobs) as pool:
-        for row in pool.imap(run_shape, shapes):
+        run = functools.partial(run_shape, offload=args.offload, copy=args.copy)
+        for row in pool.imap(run, shapes):
             rows.append(row)
             p, m, ratio, comm, heavy, fraction, _, _ = row["shape"]
             name, builtin = row["builtin"] or ("none fits", float("nan"))

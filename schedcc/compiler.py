@@ -62,8 +62,9 @@ def compile(
             True (every forward with a compute to overlap), a fraction in (0, 1] (on each
             stage, that share, spread evenly), a collection of stages or of
             `(stage, chunk)` pairs, `policy(stage, chunk) -> bool`, or `ByteLimit(max_bytes,
-            memory)` (on each stage, at each point over the limit the forward held there that
-            comes back last, until its device activation bytes fit).
+            memory)` (one size or one per stage; on each stage, at each point over the limit
+            the forward held there that comes back last, until its device activation bytes
+            fit).
         grad_norm: put a `GradNorm` before every stage's step: one scalar all-reduce over all
             stages that gives the whole model's gradient norm, which an engine needs for
             `max_grad_norm` clipping, fp16 loss scaling, and for skipping a step whose gradients

@@ -35,6 +35,22 @@ answer on every machine) and the largest placement searched has at most `EXACT_M
 or on `lower_bound` within seconds (docs/performance.md, "Searched orders against the exact
 optimum"). The heuristic then gets 40% of `time_limit`, the exact model the rest ([Note: the
 exact method's time]).
+
+[Note: the search's offloads] With `offload=True` and a limit, an order that does not fit is
+offloaded where a stage is over it, as `compile(offload=ByteLimit(...))` places copies
+(`schedcc.passes.insert_offload`): at each point over the stage's budget, the forward held there
+that comes back last, until the stage fits or nothing more can go. A stage's budget is its limit
+less what else it holds at its peak (parameters, gradients, optimizer state; in whole-stage
+microbatches, the limit itself), lowered by what the offloaded order still holds over the limit,
+up to three tries. The orders with their copies are compiled again from their text (so the
+written schedule carries them) and timed with each copy on its stage's copy lane
+(`CostModel.offload`, `reload`: free by default, so that an order whose activations can all go
+fits at its unlimited makespan). Every source then adds offloaded orders: built-ins that do not
+fit, list scheduling without a budget and with twice the budget (recomputing where even that is
+over) beside the one with the budget, local search (from an offloaded
+order, its computes moved and the copies placed again), and the exact model, solved also without
+the limit at the best order's placement. The bound leaves the memory terms out: they do not hold
+for an order that offloads.
 """
 
 from __future__ import annotations
@@ -55,9 +71,14 @@ from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Compute,
     Copy,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
     parse,
 )
 from schedcc.memory_model import MemoryModel
+from schedcc.passes.insert_offload import ByteLimit
 from schedcc.program import Program
 from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
@@ -249,6 +270,7 @@ def search(
     memory_limit: float | str | Sequence | None = None,
     split_backward: bool | Iterable[bool] = (False, True),
     recompute: bool = False,
+    offload: bool = False,
     data_parallel: int = 1,
     zero: int = 0,
     builtins: bool = True,
@@ -276,6 +298,9 @@ def search(
         split_backward: orders of F/B (False), F/I/W (True) or both.
         recompute: let the search recompute forwards (`R`) where memory asks for it, and try
             the built-ins with full recomputation.
+        offload: let the search offload activations to host memory (`O` after a forward, `L`
+            ahead of its backward, on the stage's copy lane, priced by `CostModel.offload` and
+            `reload`) where an order does not fit the limit ([Note: the search's offloads]).
         data_parallel, zero: as in `schedcc.compile`.
         builtins: start from the built-in orders at the same placement.
         start: more schedule classes to start from (e.g. an order found before, to improve
@@ -316,6 +341,9 @@ def search(
         raise ScheduleConfigError(f"search: data_parallel must be >= 1, got {data_parallel!r}")
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
         raise ScheduleConfigError(f"search: zero must be 0, 1, 2 or 3, got {zero!r}")
+    for arg, value in (("recompute", recompute), ("offload", offload)):
+        if not isinstance(value, bool):
+            raise ScheduleConfigError(f"search: {arg} must be True or False, got {value!r}")
     if max_evaluations is not None and (
         isinstance(max_evaluations, bool)
         or not isinstance(max_evaluations, int)
@@ -336,6 +364,7 @@ def search(
         costs,
         limits,
         recompute,
+        offload,
         data_parallel,
         zero,
         started + share * time_limit,
@@ -503,14 +532,18 @@ class _Candidate:
     source: str
     family: _Family
     orders: tuple[tuple[str, ...], ...]
+    base: tuple[tuple[str, ...], ...] | None = None  # the orders before the search's offloads
 
 
 class _Searcher:
     """The search's state: the best candidate so far and what it has timed."""
 
-    def __init__(self, p, m, costs, limits, recompute, dp, zero, deadline, max_evals, rng):
+    def __init__(
+        self, p, m, costs, limits, recompute, offload, dp, zero, deadline, max_evals, rng
+    ):
         self.p, self.m, self.costs, self.limits = p, m, costs, limits
         self.recompute, self.dp, self.zero = recompute, dp, zero
+        self.offload = offload and limits is not None
         self.deadline, self.max_evals, self.rng = deadline, max_evals, rng
         self.evaluations = 0
         self.slowest = 0.0  # seconds of the slowest timing, compile included
@@ -553,17 +586,63 @@ class _Searcher:
                 return None
         timeline = simulate(program, self._costs_of(program, family))
         self.slowest = max(self.slowest, time.monotonic() - began)
+        base = None
         if not self._fits(timeline, family.share):
-            return None
-        candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders)
+            offloaded = self._offloaded(family, orders, timeline)
+            if offloaded is None:
+                return None
+            base, (program, timeline, orders) = orders, offloaded
+            if "offload" not in source:
+                source += " + offload"
+        candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders, base)
         self.fitting.append(candidate)
         if self.best is None or candidate.makespan < self.best.makespan - 1e-9:
             self.best = candidate
         return candidate
 
-    def _compile(self, family: _Family, orders) -> Program:
+    def _compile(self, family: _Family, orders, offload: ByteLimit | None = None) -> Program:
         schedule = _found_class(self.p, self.m, family, orders)(self.p, self.m, family.num_chunks)
-        return compile(schedule, data_parallel=self.dp, zero=self.zero)
+        return compile(schedule, data_parallel=self.dp, zero=self.zero, offload=offload)
+
+    def _offloaded(self, family: _Family, orders, timeline: Timeline):
+        """`orders` (over the limit in `timeline`) with offloads where a stage is over it
+        ([Note: the search's offloads]): `(program, timeline, orders with their copies)`, or
+        None where offloading is not allowed or does not make it fit."""
+        if not self.offload or _offloads(orders):
+            return None
+        v = family.share
+        memory = timeline.costs.memory
+        if memory is None:  # whole-stage microbatches: one unit a chunk's activation
+            counted = MemoryModel(activations=1.0)
+            budgets = [lim * v for lim in self.limits]
+        else:  # the activations' share of each limit, at the order's peak
+            counted = memory
+            budgets = [
+                lim - (held - act)
+                for lim, held, act in zip(
+                    self.limits, timeline.peak_bytes, timeline.peak_activation_bytes
+                )
+            ]
+        tried = set()
+        for _ in range(3 if memory is not None else 1):
+            if min(budgets) < 1:
+                return None
+            try:
+                limit = ByteLimit([math.floor(b + 1e-9) for b in budgets], counted)
+                program = self._compile(family, orders, offload=limit)
+                copied = _compute_orders(program, sends=_sends(orders))
+                if not _offloads(copied) or copied in tried:
+                    return None  # nothing (more) can go
+                tried.add(copied)
+                program = self._compile(family, copied)  # the copies in the written orders
+            except ScheduleError:
+                return None
+            timeline = simulate(program, self._costs_of(program, family))
+            if self._fits(timeline, v):
+                return program, timeline, copied
+            over = [h - lim for h, lim in zip(self._held(timeline, v), self.limits)]
+            budgets = [b - max(0.0, x) for b, x in zip(budgets, over)]
+        return None
 
     def final(self) -> _Candidate | None:
         """The fastest candidate, as a `FoundOrder` program (compiled and timed again)."""
@@ -606,8 +685,9 @@ class _Searcher:
         which of the two the least is."""
         paired = any(text.startswith("+") for row in best.orders for text in row)
         # an order that offloads holds fewer activations than the memory terms count
-        kinds = {(f, False, self.limits) for f in families}
-        kinds.add((best.family, paired, None if _offloads(best.orders) else self.limits))
+        limits = None if self.offload else self.limits
+        kinds = {(f, False, limits) for f in families}
+        kinds.add((best.family, paired, None if _offloads(best.orders) else limits))
         found = []
         for family, overlapped, limits in kinds:
             counted = limits if self.costs.memory is None else None  # the formula's: counts
@@ -637,7 +717,8 @@ class _Searcher:
     def exact(self, families: list[_Family], until: float, seed: int) -> None:
         """Solve each placement's exact model ([Note: the search], 4) by `until`, from its
         best order; time its solution, keep its proven bound; local search from it if it is
-        the best. Where the best order offloads, its placement without the limit too.
+        the best. Where the best order offloads, or the search may offload, its placement
+        without the limit too.
 
         [Note: the exact method's time] Half the time goes to every placement in turn (the
         smaller models first, each taking what the ones before left), the other half to the
@@ -651,7 +732,10 @@ class _Searcher:
         # the limit in whole-stage microbatches, or in bytes with a memory model
         todo = [(v, vshape, self.limits) for v, vshape in splits]
         own = self.best.family
-        if self.limits is not None and _offloads(self.best.orders) and not own.places:
+        offloads = self.offload or _offloads(self.best.orders)
+        if self.limits is not None and offloads and not own.places:
+            # its orders offloaded to fit ([Note: the search's offloads]); its bound holds for
+            # an order that offloads
             splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
             todo.append((own.num_chunks, own.vshape, None))
         todo.sort(key=lambda job: job[0])  # the smaller models first
@@ -666,7 +750,7 @@ class _Searcher:
             if not solved[job].optimal and solved[job].bound < self.best.makespan * (1 - 1e-9)
         ]
         if len(todo) > 1 and open_jobs:
-            job = min(open_jobs, key=lambda job: self._fastest_in(job))
+            job = min(open_jobs, key=lambda job: (self._fastest_in(job), job[2] is None))
             self._solve_exact(job, splits, until - time.monotonic(), seed + 1)
         if self.best is not None and self.best.source.startswith("CP-SAT"):
             self.deadline = until
@@ -725,7 +809,7 @@ class _Searcher:
             for c in self.fitting
             if (c.family.num_chunks, c.family.vshape) == (v, vshape)
             and not c.family.places
-            and not _offloads(c.orders)
+            and (limits is None or not _offloads(c.orders))  # it holds fewer than counted
             and not any(text.startswith("+") for row in c.orders for text in row)
         ]
         return min(fits, key=lambda c: c.makespan, default=None)
@@ -741,8 +825,8 @@ class _Searcher:
         )
         return (
             f"search: no order for p={self.p}, m={self.m} fits the memory limit{least}; raise "
-            "memory_limit, allow recomputation (recompute=True, --recompute), or add chunks and "
-            "placements"
+            "memory_limit, allow recomputation (recompute=True, --recompute) or offloading "
+            "(offload=True, --offload), or add chunks and placements"
         )
 
     # -- sources ------------------------------------------------------------------------------
@@ -791,20 +875,26 @@ class _Searcher:
         of the time left."""
         rules = _rules(family, self.rng)
         budgets = self._budgets(family)
-        scheduler = _ListScheduler(self.p, self.m, family, self.costs, budgets, self.recompute)
-        made = []
+        schedulers = [_ListScheduler(self.p, self.m, family, self.costs, budgets, self.recompute)]
+        if self.offload:  # orders over the limit too, offloaded to fit when timed
+            wider = [2 * b for b in budgets]  # some of it recomputed, the rest offloaded
+            for more, rec in ((None, False), (wider, self.recompute)):
+                schedulers.append(_ListScheduler(self.p, self.m, family, self.costs, more, rec))
+        made: list[list] = [[] for _ in schedulers]
         until = time.monotonic() + share * max(0.0, self.deadline - time.monotonic())
         for n, rule in enumerate(rules):
             if self.out_of_time() or (n >= 4 and time.monotonic() > until):
                 break
-            result = scheduler.run(rule)
-            if result is not None:
-                made.append(result)
-        made.sort(key=lambda r: r[0])
-        for _, orders in made[:3]:
-            if self.out_of_time():
-                break
-            self.evaluate(family, orders, "list scheduling")
+            for scheduler, out in zip(schedulers, made):
+                result = scheduler.run(rule)
+                if result is not None:
+                    out.append(result)
+        for out in made:
+            out.sort(key=lambda r: r[0])
+        for n in range(3):  # the best few of each
+            for out in made:
+                if n < len(out) and not self.out_of_time():
+                    self.evaluate(family, out[n][1], "list scheduling")
 
     def _budgets(self, family: _Family) -> list[float] | None:
         """Per stage, the activation units list scheduling may hold (None: unlimited)."""
@@ -834,7 +924,7 @@ class _Searcher:
         improved = current is not None
         while improved and not self.out_of_time():
             improved = False
-            for orders in _neighbours(current.orders, current.timeline):
+            for orders in _neighbours(current.base or current.orders, current.timeline):
                 if self.out_of_time():
                     return
                 source = current.source
@@ -863,17 +953,25 @@ def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
     return type("Found", (FoundOrder,), body)
 
 
-def _compute_orders(program: Program) -> tuple[tuple[str, ...], ...]:
+def _compute_orders(program: Program, *, sends: bool = False) -> tuple[tuple[str, ...], ...]:
     """Each stage's computes and copies as text (overlapped pairs as `F3.1 +B1`, offloads as
-    `O3`, reloads as `L3`), one batch."""
+    `O3`, reloads as `L3`), one batch; with `sends`, its sends and receives too (`SA3`, `RG1`:
+    an order that places its own, as CP-SAT's do)."""
     m = program.schedule.num_microbatches
+    kept = _KEPT + _P2P if sends else _KEPT
     return tuple(
-        tuple(str(op) for op in ops if isinstance(op, _KEPT) and op.microbatch < m)
+        tuple(str(op) for op in ops if isinstance(op, kept) and op.microbatch < m)
         for ops in program.stages
     )
 
 
 _KEPT = (Compute, Copy)  # what a replayed order keeps: comm and updates are the compiler's
+_P2P = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+
+
+def _sends(orders) -> bool:
+    """Whether `orders` place their own sends and receives ([Note: meeting time])."""
+    return any(text[:2] in ("SA", "RA", "SG", "RG") for row in orders for text in row)
 
 
 def _offloads(orders) -> bool:

@@ -8,15 +8,16 @@ by simulated time per microbatch (`makespan / m`). A schedule that fails otherwi
 raises, or its program does not validate) is an error, not a silent drop.
 
 [Note: tune's units] Costs are for one stage's share of the model with v = 1; with v chunks per
-stage a chunk runs 1/v of that share, so its compute costs are divided by v (comm and update
-costs are not). Activation memory is counted the same way: a chunk's activations are 1/v of a
-stage's, so `peak_activations` is the peak number of held chunk activations divided by v, in
-microbatches of a whole stage (1F1B's stage 0 holds p); a `MemoryModel` in the costs is likewise
-a stage's sizes at v = 1 (a list holds one per stage, and each segment takes the size of the
-stage that runs it, looped or V), each chunk holding 1/v of them. Ranking by `makespan / m` compares
-throughput at a fixed microbatch size, and equally step time at a fixed global batch when costs
-scale linearly with the microbatch size. A schedule with R model replicas (DualPipe, [Note:
-replicas]) holds v / R chunks of one replica per stage, so each chunk runs R/v of the share.
+stage a chunk runs 1/v of that share, so its compute costs are divided by v, and so are its
+copies' (an offload moves 1/v of the bytes; comm and update costs are not). Activation memory
+is counted the same way: a chunk's activations are 1/v of a stage's, so `peak_activations` is
+the peak number of held chunk activations divided by v, in microbatches of a whole stage (1F1B's
+stage 0 holds p); a `MemoryModel` in the costs is likewise a stage's sizes at v = 1 (a list
+holds one per stage, and each segment takes the size of the stage that runs it, looped or V),
+each chunk holding 1/v of them. Ranking by `makespan / m` compares throughput at a fixed
+microbatch size, and equally step time at a fixed global batch when costs scale linearly with
+the microbatch size. A schedule with R model replicas (DualPipe, [Note: replicas]) holds v / R
+chunks of one replica per stage, so each chunk runs R/v of the share.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ __all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
 #: The largest chunk count a default grid tries (the CLI's own limit).
 _MAX_CHUNKS = 64
 
-#: The cost fields a chunk pays 1/v of (see [Note: tune's units]).
-_COMPUTE_FIELDS = tuple(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE)
+#: The cost fields a chunk pays 1/v of (see [Note: tune's units]): its computes and copies.
+_CHUNK_FIELDS = (
+    *(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE),
+    "offload",
+    "reload",
+)
 
 
 @attrs.frozen
@@ -359,7 +364,7 @@ def _per_chunk(
         return costs
     scaled = {
         name: getattr(costs, name) / num_chunks
-        for name in _COMPUTE_FIELDS
+        for name in _CHUNK_FIELDS
         if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
     }
     memory = costs.memory.scaled(1 / num_chunks) if costs.memory is not None else None

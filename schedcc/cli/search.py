@@ -27,6 +27,7 @@ EPILOG = """examples:
   schedcc search -p 4 -m 8 --costs F=1,B=2,I=1,W=1,comm=0.1 --memory-limit 2 --recompute \
       --out my_order.py
   schedcc search -p 8 -m 32 --costs-from trace.json --time-limit 30
+  schedcc search -p 4 -m 8 --costs O=0.5,L=0.5 --memory-limit 1 --offload
   schedcc search -p 4 -m 8 --costs F=1,B=2,comm=1 --method exact --time-limit 20
   schedcc verify --schedule my_order.py:Found -p 4 -m 8 -v 2
 """
@@ -38,10 +39,10 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "search",
         help="find a faster order for your shape, costs and memory limit",
-        description="Search compute orders (F/B or F/I/W per stage, recomputation where memory "
-        "asks for it, looped or V placement) for the given costs and memory limit; print the "
-        "best against every built-in, its lower bound and drawing; write it as a schedule "
-        "file.",
+        description="Search compute orders (F/B or F/I/W per stage, recomputation or "
+        "offloading where memory asks for it, looped or V placement) for the given costs and "
+        "memory limit; print the best against every built-in, its lower bound and drawing; "
+        "write it as a schedule file.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -65,6 +66,12 @@ def register(subparsers) -> None:
         limit=True,
         recompute_help="let the search recompute forwards where memory asks for it (and rank "
         "the built-ins with full recomputation too)",
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="let the search offload activations to host memory where an order does not fit "
+        "the limit (copies priced by --costs O=...,L=...; free by default)",
     )
     add_stage_costs(parser)
     shared.add_parallel(parser)
@@ -110,6 +117,7 @@ def run(args) -> int:
         memory_limit=args.memory_limit,
         split_backward=_BACKWARD[args.backward],
         recompute=args.recompute,
+        offload=args.offload,
         data_parallel=args.dp,
         zero=args.zero,
         start=list(extra.values()),

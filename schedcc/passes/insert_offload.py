@@ -73,8 +73,9 @@ _COMM = frozenset(COMM)
 @attrs.frozen
 class ByteLimit:
     """Offload on each stage until its device activation bytes (counted with `memory`, [Note:
-    bytes per stage] in `schedcc.semantics.stage_bytes`) stay within `max_bytes`, or nothing
-    more can go: at the first point over the limit, the forward held there that comes back last.
+    bytes per stage] in `schedcc.semantics.stage_bytes`) stay within `max_bytes` (one size for
+    every stage, or one per stage), or nothing more can go: at the first point over the limit,
+    the forward held there that comes back last.
 
     >>> import schedcc
     >>> memory = schedcc.MemoryModel(activations=[100.0] * 4, parameters=[0.0] * 4)
@@ -84,13 +85,27 @@ class ByteLimit:
     (200.0, 200.0, 200.0, 100.0)
     """
 
-    max_bytes: float | str = attrs.field()
+    max_bytes: float | str | Sequence[float | str] = attrs.field()
     memory: MemoryModel = attrs.field()
 
     @max_bytes.validator
     def _size(self, attribute, value) -> None:
-        if parse_size(value) <= 0:
-            raise ScheduleConfigError(f"ByteLimit(max_bytes) must be positive, got {value!r}")
+        sizes = value if isinstance(value, (list, tuple)) else [value]
+        if not sizes or any(parse_size(size) <= 0 for size in sizes):
+            raise ScheduleConfigError(
+                f"ByteLimit(max_bytes) must be a positive size or one per stage, got {value!r}"
+            )
+
+    def at(self, stage: int) -> float:
+        """The most device activation bytes `stage` may hold."""
+        if isinstance(self.max_bytes, (list, tuple)):
+            if stage >= len(self.max_bytes):
+                raise ScheduleConfigError(
+                    f"ByteLimit(max_bytes) gives {len(self.max_bytes)} sizes, one per stage, but "
+                    f"the program has stage {stage}"
+                )
+            return parse_size(self.max_bytes[stage])
+        return parse_size(self.max_bytes)
 
     @memory.validator
     def _model(self, attribute, value) -> None:
@@ -223,7 +238,7 @@ def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
     the forward held there whose reload is the latest (the one whose bytes stay away longest)."""
     sizes = chunk_sizes(program, limit.memory, s, "activations")
     inputs = chunk_sizes(program, limit.memory, s, "inputs")
-    max_bytes = parse_size(limit.max_bytes)
+    max_bytes = limit.at(s)
     where = _Where(ops)
     # on the host while the first `a` ops of `ops` have run but not the first `b`
     spans = {key: (where(off), where(back)) for key, (off, back) in points.items()}

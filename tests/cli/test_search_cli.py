@@ -38,6 +38,22 @@ def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_
     assert main(verify) == 0
 
 
+def test_offload_places_copies_the_written_file_keeps(tmp_path, capsys):
+    """`--offload` at one microbatch a stage without recomputation, two chunks a stage: the
+    found order offloads (priced copies), fits, and the file it writes replays its copies and
+    passes `verify`."""
+    out = tmp_path / "offloaded.py"
+    argv = ["search", "-p", "4", "-m", "8", "-v", "2", "--costs", "F=1,B=2,O=0.5,L=0.5"]
+    argv += ["--memory-limit", "1", "--offload", "--method", "heuristic", "--time-limit", "3"]
+    assert main([*argv, "--out", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "offload" in first.split("from ")[-1]
+    assert "peak activations per stage [1 1 1 1]" in first
+    cls = get_schedule(f"{out}:Found")
+    assert any(text[0] == "O" for row in cls.orders for text in row.split())
+    assert main(["verify", "--schedule", f"{out}:Found", "-p", "4", "-m", "8", "-v", "2"]) == 0
+
+
 def test_the_found_file_ranks_in_tune(tmp_path, capsys):
     """`tune --schedule FILE:Found` ranks the written order with the built-ins."""
     out = tmp_path / "found.py"

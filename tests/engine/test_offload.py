@@ -323,6 +323,12 @@ def test_offload_policies_pick_stages_chunks_fractions_and_bytes():
     assert {s for s, _ in where(fitted)} == {0}
     assert 0 < _offloads(fitted) < _offloads(every)
     assert peaks(schedcc.compile(schedule, offload=ByteLimit(20, memory))) == peaks(every)
+    per_stage = schedcc.compile(schedule, offload=ByteLimit([50, 20], memory))
+    assert peaks(per_stage) == (50, peaks(every)[1])  # one limit per stage
+    assert {s for s, _ in where(per_stage)} == {1}
+    for sizes in ([], [40, 0], [40]):
+        with pytest.raises(ScheduleConfigError, match="ByteLimit"):
+            schedcc.compile(schedule, offload=ByteLimit(sizes, memory))
     for bad in ({5}, {(0, 2)}, "all", 3, 1.5, lambda s, c: "yes"):
         with pytest.raises(ScheduleConfigError, match="offload"):
             schedcc.compile(schedule, offload=bad)

@@ -29,7 +29,7 @@ def _heavy_last(p: int, comm: float) -> CostModel:
 
 
 @functools.cache
-def _found(p, m, chunks, split, limit=None, comm=None):
+def _found(p, m, chunks, split, limit=None, comm=None, offload=False):
     """A search at a shape (cached: several tests read one result); a fixed budget of
     evaluations so it finds the same order on every machine."""
     costs = CostModel() if comm is None else _heavy_last(p, comm)
@@ -41,6 +41,7 @@ def _found(p, m, chunks, split, limit=None, comm=None):
         costs=costs,
         memory_limit=limit,
         recompute=limit is not None,
+        offload=offload,
         time_limit=120,
         max_evaluations=150,
     )
@@ -65,6 +66,7 @@ SEARCHES = [
     (3, 6, 2, True, None, None),
     (4, 8, (1, 2), (False, True), 2, 0.05),
     (4, 8, 1, False, 2, None),
+    (4, 8, (1, 2), (False, True), 1, 0.05, True),
 ]
 
 
@@ -103,6 +105,57 @@ def test_found_order_holds_no_more_measured_bytes_than_the_limit():
     list(engine.train([(x, y)]))
     assert max(engine.peak_activation_bytes) <= limit
     assert max(result.peak_bytes) <= limit
+
+
+def test_offloading_fits_one_microbatch_a_stage_faster_than_recomputing():
+    """At one microbatch's activations a stage (a heavy last stage, comm 0.05F), the search
+    with `offload=True` places its own offloads and reloads: the order fits, carries its copies
+    in the written orders, replays to the same makespan and is faster than the best order
+    without offloading; its bound leaves the memory terms out."""
+    p, m = 4, 8
+    recomputing = _found(p, m, (1, 2), (False, True), 1, 0.05)
+    offloading = _found(p, m, (1, 2), (False, True), 1, 0.05, True)
+    orders = type(offloading.schedule).orders
+    assert any(text[0] == "O" for row in orders for text in row.split())
+    assert any(text[0] == "L" for row in orders for text in row.split())
+    assert "offload" in offloading.source
+    assert max(offloading.peak_activations) <= 1
+    assert offloading.makespan < recomputing.makespan
+    cls = type(offloading.schedule)
+    replayed = schedcc.simulate(schedcc.compile(cls(*cls.shape)), offloading.timeline.costs)
+    assert replayed.makespan == offloading.makespan
+    assert offloading.bound <= offloading.makespan + 1e-9
+    v = offloading.schedule.num_chunks
+    unlimited = lower_bound(p, m, _heavy_last(p, 0.05), _Family(v, False, False))
+    assert offloading.bound <= unlimited + 1e-9
+
+
+def test_offloaded_order_holds_no_more_measured_device_bytes_than_the_limit():
+    """With copies priced (half a forward each way), no recomputation and a byte limit of half
+    1F1B's measured activation bytes, the order `search(offload=True)` finds offloads, trains
+    on the local engine within the limit on the device, and like non-pipelined training."""
+    p, m, size, width = 4, 8, 2, 16
+    torch.manual_seed(0)
+    segments = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(p)]
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(m * size, width, generator=gen), torch.randn(m * size, width, generator=gen)
+    measured = measure_memory(segments, x[:size], y[:size], nn.functional.mse_loss)
+    memory = MemoryModel(activations=measured.activations, inputs=measured.inputs)
+    costs = CostModel(offload=0.5, reload=0.5, memory=memory)
+    one_f_one_b = schedcc.simulate(schedcc.compile(get_schedule("1f1b")(p, m)), costs)
+    limit = max(one_f_one_b.peak_activation_bytes) / 2
+    result = search(
+        p, m, num_chunks=1, costs=costs, memory_limit=limit, offload=True, max_evaluations=80
+    )
+    assert any(type(op).__name__ == "Offload" for row in result.program.stages for op in row)
+    engine = Engine(result.program, segments, nn.functional.mse_loss, sgd)
+    list(engine.train([(x, y)]))
+    assert max(engine.peak_activation_bytes) <= limit
+    assert max(result.peak_bytes) <= limit
+    difference = assert_matches_reference(
+        result.program, make_segments(p), mse, sgd, batches(1, m), atol=1e-10
+    )
+    assert difference <= 1e-10
 
 
 def test_balanced_search_matches_1f1b_and_zb_h1():
@@ -196,6 +249,8 @@ def test_a_found_class_refuses_other_shapes():
         {"data_parallel": 0},
         {"zero": 4},
         {"max_evaluations": 0},
+        {"offload": "yes"},
+        {"recompute": 1},
     ],
     ids=str,
 )
@@ -242,3 +297,33 @@ def test_random_searches_validate_and_stay_above_the_bound(p, m, chunks, split, 
     )
     # the least over the searched kinds and the built-in layouts that fit (DualPipe's pairs)
     assert result.bound <= searched + 1e-9
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.integers(2, 6),
+    chunks=st.sampled_from([1, 2]),
+    limit=st.sampled_from([1.0, 1.5, 2.0]),
+    copy=st.sampled_from([0.0, 0.5, 2.0]),
+    recompute=st.booleans(),
+)
+def test_random_offloading_searches_fit_and_train_exactly(p, m, chunks, limit, copy, recompute):
+    """Random small shapes, limits and copy costs with `offload=True`: the found order (with
+    the copies the search placed) validates again from its class, replays to its makespan,
+    fits the limit, stays above its bound, and trains a float64 model on the local engine as
+    non-pipelined training does."""
+    costs = CostModel(offload=copy, reload=copy)
+    result = search(  # one microbatch at a time fits any limit of one or more
+        p, m, num_chunks=chunks, costs=costs, memory_limit=limit, recompute=recompute,
+        offload=True, max_evaluations=25,
+    )  # fmt: skip
+    cls = type(result.schedule)
+    program = schedcc.compile(cls(*cls.shape))
+    assert schedcc.simulate(program, result.timeline.costs).makespan == result.makespan
+    assert max(result.peak_activations) <= limit + 1e-9
+    assert result.makespan >= result.bound - 1e-9
+    difference = assert_matches_reference(
+        program, make_segments(cls.shape[0] * cls.shape[2]), mse, sgd, batches(1, m),
+        atol=1e-10,
+    )  # fmt: skip
+    assert difference <= 1e-10

@@ -222,6 +222,38 @@ def test_a_proven_optimum_is_what_the_simulator_times(p, m, comm, limit):
         assert max(timeline.peak_activations) <= limit
 
 
+def test_an_order_with_its_own_comm_groups_is_offloaded_keeping_them():
+    """An order that places its own sends and receives, as CP-SAT's do ([Note: meeting time]),
+    offloaded by the search to fit 1.5 microbatches a stage ([Note: the search's offloads]):
+    the orders keep every send and receive beside the copies, the written class compiles to
+    the same program, and it fits."""
+    import random
+    import time
+
+    from schedcc.search import _compute_orders, _Searcher
+
+    p, m, v, limit = 3, 6, 2, 1.5
+    costs = CostModel(comm=0.2, offload=0.25, reload=0.25)
+    family = _Family(v, False, False)
+    given = _compute_orders(
+        schedcc.compile(get_schedule("interleaved-1f1b")(p, m, v)), sends=True
+    )
+    searcher = _Searcher(p, m, costs, (limit,) * p, False, True, 1, 0, time.monotonic() + 60,
+                         None, random.Random(0))  # fmt: skip
+    program = searcher._compile(family, given)
+    timeline = schedcc.simulate(program, searcher._costs_of(program, family))
+    assert max(timeline.peak_activations) / v > limit  # it does not fit as it is
+    program, timeline, orders = searcher._offloaded(family, given, timeline)
+    assert {"O", "L"} <= {text[0] for row in orders for text in row}
+    comm = ("SA", "RA", "SG", "RG")
+    assert [[t for t in row if t[:2] in comm] for row in orders] == [
+        [t for t in row if t[:2] in comm] for row in given
+    ]
+    written = schedcc.compile(type(program.schedule)(p, m, v))
+    assert _compute_orders(written, sends=True) == orders
+    assert max(timeline.peak_activations) / v <= limit
+
+
 def test_without_ortools_exact_says_how_to_install_and_auto_falls_back(monkeypatch):
     """With ortools missing, method="exact" is a `ScheduleConfigError` naming the extra, and
     "auto" searches heuristically."""

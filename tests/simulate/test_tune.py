@@ -69,6 +69,20 @@ def test_memory_limit_sets_programs_aside():
     assert [c.schedule for c in result.over_limit] == ["gpipe"]
 
 
+def test_a_chunk_copies_its_share_of_the_bytes():
+    """At v = 2 a chunk's offload and reload take half a stage's copy time, as its computes
+    take half their cost ([Note: tune's units]): interleaved 1F1B with every forward offloaded
+    and copies of 2 units a stage is as fast as at v = 1 with copies of 1."""
+    from schedcc.tune import _per_chunk
+
+    halved = _per_chunk(CostModel(forward=2, offload=2, reload=4, comm=1), 2)
+    assert (halved.forward, halved.offload, halved.reload, halved.comm) == (1, 1, 2, 1)
+    program = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(2, 4, 2), offload=True)
+    at_two = schedcc.simulate(program, _per_chunk(CostModel(offload=2, reload=2), 2)).makespan
+    at_one = schedcc.simulate(program, CostModel(forward=0.5, backward=1, offload=1, reload=1))
+    assert at_two == at_one.makespan
+
+
 def test_rejected_shapes_are_skipped_with_the_reason():
     """A shape the constructor rejects is a Skipped naming the rule (1F1B with v = 2)."""
     result = schedcc.tune(["1f1b"], num_stages=2, num_microbatches=4, num_chunks=[1, 2])
