@@ -47,10 +47,10 @@ written schedule carries them) and timed with each copy on its stage's copy lane
 (`CostModel.offload`, `reload`: free by default, so that an order whose activations can all go
 fits at its unlimited makespan). Every source then adds offloaded orders: built-ins that do not
 fit, list scheduling without a budget and with twice the budget (recomputing where even that is
-over) beside the one with the budget, local search (from an offloaded
-order, its computes moved and the copies placed again), and the exact model, solved also without
-the limit at the best order's placement. The bound leaves the memory terms out: they do not hold
-for an order that offloads.
+over) beside the one with the budget, local search (from an offloaded order, its computes moved
+and the copies placed again), and the exact model, solved also without the limit at the best
+order's placement. The bound leaves the memory terms out: they do not hold for an order that
+offloads.
 """
 
 from __future__ import annotations
@@ -680,9 +680,9 @@ class _Searcher:
     def bound(self, families: list[_Family], best: _Candidate) -> tuple[float, str]:
         """The least lower bound over `families` and the found order's own layout (DualPipe's
         replicas, 2BW's delay; with overlapped pairs where it has them), under the memory
-        limit in microbatches but for an order that offloads ([Note: the lower bound]); each
-        the larger of `lower_bound` and CP-SAT's where the exact model was solved for it. And
-        which of the two the least is."""
+        limit in microbatches but for an order that offloads, and where the search may offload
+        ([Note: the lower bound]); each the larger of `lower_bound` and CP-SAT's where the exact
+        model was solved for it. And which of the two the least is."""
         paired = any(text.startswith("+") for row in best.orders for text in row)
         # an order that offloads holds fewer activations than the memory terms count
         limits = None if self.offload else self.limits
