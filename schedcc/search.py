@@ -42,15 +42,15 @@ offloaded where a stage is over it, as `compile(offload=ByteLimit(...))` places 
 that comes back last, until the stage fits or nothing more can go. A stage's budget is its limit
 less what else it holds at its peak (parameters, gradients, optimizer state; in whole-stage
 microbatches, the limit itself), lowered by what the offloaded order still holds over the limit,
-up to three tries. The orders with their copies are compiled again from their text (so the
-written schedule carries them) and timed with each copy on its stage's copy lane
-(`CostModel.offload`, `reload`: free by default, so that an order whose activations can all go
-fits at its unlimited makespan). Every source then adds offloaded orders: built-ins that do not
+up to three tries. Each is timed with its copies on its stage's copy lane (`CostModel.offload`,
+`reload`: free by default, so that an order whose activations can all go fits at its unlimited
+makespan), and the one returned is compiled again from its orders with the copies, so that the
+written schedule carries them. Every source then adds offloaded orders: built-ins that do not
 fit, list scheduling without a budget and with twice the budget (recomputing where even that is
 over) beside the one with the budget, local search (from an offloaded order, its computes moved
-and the copies placed again), and the exact model, solved also without the limit at the best
-order's placement. The bound leaves the memory terms out: they do not hold for an order that
-offloads.
+and the copies placed again; from one without copies, a move that leaves the limit offloaded),
+and the exact model, solved also without the limit at the best order's placement. The bound
+leaves the memory terms out: they do not hold for an order that offloads.
 """
 
 from __future__ import annotations
@@ -571,8 +571,8 @@ class _Searcher:
         self, family: _Family, orders, source: str, program: Program | None = None
     ) -> _Candidate | None:
         """Compile (validate), simulate and check the memory of one order, or time the given
-        `program` of it; the candidate if it fits (the best so far if it is faster), else
-        None."""
+        `program` of it; the candidate if it fits (the best so far if it is faster), or fits
+        once offloaded where the search may offload, else None."""
         key = (family.num_chunks, family.vshape, orders)
         if key in self.seen:
             return None
@@ -634,7 +634,6 @@ class _Searcher:
                 if not _offloads(copied) or copied in tried:
                     return None  # nothing (more) can go
                 tried.add(copied)
-                program = self._compile(family, copied)  # the copies in the written orders
             except ScheduleError:
                 return None
             timeline = simulate(program, self._costs_of(program, family))
@@ -645,9 +644,11 @@ class _Searcher:
         return None
 
     def final(self) -> _Candidate | None:
-        """The fastest candidate, as a `FoundOrder` program (compiled and timed again)."""
+        """The fastest candidate, as a `FoundOrder` program whose orders are all it runs
+        (compiled from them and timed again: a replayed built-in, an order the search
+        offloaded)."""
         for candidate in sorted(self.fitting, key=lambda c: c.makespan):
-            if isinstance(candidate.program.schedule, FoundOrder):
+            if isinstance(candidate.program.schedule, FoundOrder) and candidate.base is None:
                 return candidate
             try:
                 program = self._compile(candidate.family, candidate.orders)

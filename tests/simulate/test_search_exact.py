@@ -225,8 +225,8 @@ def test_a_proven_optimum_is_what_the_simulator_times(p, m, comm, limit):
 def test_an_order_with_its_own_comm_groups_is_offloaded_keeping_them():
     """An order that places its own sends and receives, as CP-SAT's do ([Note: meeting time]),
     offloaded by the search to fit 1.5 microbatches a stage ([Note: the search's offloads]):
-    the orders keep every send and receive beside the copies, the written class compiles to
-    the same program, and it fits."""
+    the orders keep every send and receive beside the copies, the class written from them
+    compiles to the same orders and makespan, and it fits."""
     import random
     import time
 
@@ -249,8 +249,9 @@ def test_an_order_with_its_own_comm_groups_is_offloaded_keeping_them():
     assert [[t for t in row if t[:2] in comm] for row in orders] == [
         [t for t in row if t[:2] in comm] for row in given
     ]
-    written = schedcc.compile(type(program.schedule)(p, m, v))
+    written = schedcc.compile(_found_class(p, m, family, orders)(p, m, v))
     assert _compute_orders(written, sends=True) == orders
+    assert schedcc.simulate(written, timeline.costs).makespan == timeline.makespan
     assert max(timeline.peak_activations) / v <= limit
 
 
