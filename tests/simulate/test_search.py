@@ -84,16 +84,22 @@ def test_found_orders_train_exactly(args):
     assert difference <= 1e-10
 
 
-def test_found_order_holds_no_more_measured_bytes_than_the_limit():
-    """Under a byte limit of half 1F1B's measured activation bytes, the local engine measures
-    at most the limit on every stage while training with the found order."""
-    p, m, size, width = 4, 8, 2, 16
+def _measured(p: int, m: int, size: int = 2, width: int = 16):
+    """`(segments, x, y, memory)`: p Linear+Tanh segments, m microbatches of `size` rows, and
+    the bytes the local engine measures for one microbatch of them."""
     torch.manual_seed(0)
     segments = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(p)]
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * size, width, generator=gen), torch.randn(m * size, width, generator=gen)
     measured = measure_memory(segments, x[:size], y[:size], nn.functional.mse_loss)
-    memory = MemoryModel(activations=measured.activations, inputs=measured.inputs)
+    return segments, x, y, MemoryModel(activations=measured.activations, inputs=measured.inputs)
+
+
+def test_found_order_holds_no_more_measured_bytes_than_the_limit():
+    """Under a byte limit of half 1F1B's measured activation bytes, the local engine measures
+    at most the limit on every stage while training with the found order."""
+    p, m = 4, 8
+    segments, x, y, memory = _measured(p, m)
     one_f_one_b = schedcc.simulate(
         schedcc.compile(get_schedule("1f1b")(p, m)), CostModel(memory=memory)
     )
@@ -134,13 +140,8 @@ def test_offloaded_order_holds_no_more_measured_device_bytes_than_the_limit():
     """With copies priced (half a forward each way), no recomputation and a byte limit of half
     1F1B's measured activation bytes, the order `search(offload=True)` finds offloads, trains
     on the local engine within the limit on the device, and like non-pipelined training."""
-    p, m, size, width = 4, 8, 2, 16
-    torch.manual_seed(0)
-    segments = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(p)]
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(m * size, width, generator=gen), torch.randn(m * size, width, generator=gen)
-    measured = measure_memory(segments, x[:size], y[:size], nn.functional.mse_loss)
-    memory = MemoryModel(activations=measured.activations, inputs=measured.inputs)
+    p, m = 4, 8
+    segments, x, y, memory = _measured(p, m)
     costs = CostModel(offload=0.5, reload=0.5, memory=memory)
     one_f_one_b = schedcc.simulate(schedcc.compile(get_schedule("1f1b")(p, m)), costs)
     limit = max(one_f_one_b.peak_activation_bytes) / 2
