@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -307,21 +308,35 @@ def test_random_searches_validate_and_stay_above_the_bound(p, m, chunks, split, 
     limit=st.sampled_from([1.0, 1.5, 2.0]),
     copy=st.sampled_from([0.0, 0.5, 2.0]),
     recompute=st.booleans(),
+    # whole bytes at v = 1 and 2 (a `MemoryModel` holds whole bytes; a chunk holds half)
+    sizes=st.none() | st.lists(st.integers(1, 50).map(lambda x: 2 * x), min_size=4, max_size=4),
 )
-def test_random_offloading_searches_fit_and_train_exactly(p, m, chunks, limit, copy, recompute):
-    """Random small shapes, limits and copy costs with `offload=True`: the found order (with
-    the copies the search placed) validates again from its class, replays to its makespan,
-    fits the limit, stays above its bound, and trains a float64 model on the local engine as
-    non-pipelined training does."""
+def test_random_offloading_searches_fit_and_train_exactly(
+    p, m, chunks, limit, copy, recompute, sizes
+):
+    """Random small shapes, limits (in microbatches, or in bytes with random per-stage sizes)
+    and copy costs with `offload=True`: the found order (with the copies the search placed)
+    validates again from its class, replays to its makespan, fits the limit, stays above its
+    bound, and trains a float64 model on the local engine as non-pipelined training does."""
     costs = CostModel(offload=copy, reload=copy)
+    limits = limit
+    if sizes is not None:  # each stage's parameters, gradients and Adam state, and `limit`
+        activations, parameters = sizes[:p], sizes[-p:]
+        costs = attrs.evolve(costs, memory=MemoryModel(
+            activations=activations, parameters=parameters, optimizer=[2 * x for x in parameters]
+        ))  # fmt: skip
+        limits = [4 * w + limit * a for w, a in zip(parameters, activations)]
     result = search(  # one microbatch at a time fits any limit of one or more
-        p, m, num_chunks=chunks, costs=costs, memory_limit=limit, recompute=recompute,
+        p, m, num_chunks=chunks, costs=costs, memory_limit=limits, recompute=recompute,
         offload=True, max_evaluations=25,
     )  # fmt: skip
     cls = type(result.schedule)
     program = schedcc.compile(cls(*cls.shape))
     assert schedcc.simulate(program, result.timeline.costs).makespan == result.makespan
-    assert max(result.peak_activations) <= limit + 1e-9
+    if sizes is None:
+        assert max(result.peak_activations) <= limit + 1e-9
+    else:
+        assert all(b <= lim * (1 + 1e-9) for b, lim in zip(result.peak_bytes, limits))
     assert result.makespan >= result.bound - 1e-9
     difference = assert_matches_reference(
         program, make_segments(cls.shape[0] * cls.shape[2]), mse, sgd, batches(1, m),
