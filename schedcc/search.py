@@ -45,12 +45,13 @@ microbatches, the limit itself), lowered by what the offloaded order still holds
 up to three tries. Each is timed with its copies on its stage's copy lane (`CostModel.offload`,
 `reload`: free by default, so that an order whose activations can all go fits at its unlimited
 makespan), and the one returned is compiled again from its orders with the copies, so that the
-written schedule carries them. Every source then adds offloaded orders: built-ins that do not
-fit, list scheduling without a budget and with twice the budget (recomputing where even that is
-over) beside the one with the budget, local search (from an offloaded order, its computes moved
-and the copies placed again; from one without copies, a move that leaves the limit offloaded),
-and the exact model, solved also without the limit at the best order's placement. The bound
-leaves the memory terms out: they do not hold for an order that offloads.
+written schedule carries them. Every source then adds offloaded orders: the built-ins that do
+not fit (once all are timed, the fastest first, while time is left), list scheduling without a
+budget and with twice the budget (recomputing where even that is over) beside the one with the
+budget, local search (from an offloaded order, its computes moved and the copies placed again;
+from one without copies, a move that leaves the limit offloaded), and the exact model, solved
+also without the limit at the best order's placement. The bound leaves the memory terms out:
+they do not hold for an order that offloads.
 """
 
 from __future__ import annotations
@@ -375,6 +376,7 @@ def search(
     searcher.seed(seeds, families, recomputed=False)
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
+    searcher.offload_seeds()
     for left, family in zip(range(len(families), 0, -1), families):
         searcher.list_schedule(family, share=0.5 / left)
     searcher.improve()
@@ -553,6 +555,9 @@ class _Searcher:
         self.least_held: float | None = None
         self.seen: set = set()
         self.exact_bounds: dict = {}  # (v, vshape, limits) -> (CP-SAT's bound, split model)
+        # seeds over the limit, to offload once every seed is timed: (makespan, family, orders,
+        # source, timeline); None once they are
+        self.deferred: list | None = [] if self.offload else None
 
     # -- budget -------------------------------------------------------------------------------
 
@@ -586,19 +591,42 @@ class _Searcher:
                 return None
         timeline = simulate(program, self._costs_of(program, family))
         self.slowest = max(self.slowest, time.monotonic() - began)
-        base = None
-        if not self._fits(timeline, family.share):
-            offloaded = self._offloaded(family, orders, timeline)
-            if offloaded is None:
-                return None
-            base, (program, timeline, orders) = orders, offloaded
-            if "offload" not in source:
-                source += " + offload"
-        candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders, base)
+        if self._fits(timeline, family.share):
+            candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders)
+            return self._keep(candidate)
+        if self.offload and self.deferred is not None:  # a seed: offloaded later, fastest first
+            self.deferred.append((timeline.makespan, family, orders, source, timeline))
+            return None
+        return self._offload(family, orders, source, timeline)
+
+    def _keep(self, candidate: _Candidate) -> _Candidate:
         self.fitting.append(candidate)
         if self.best is None or candidate.makespan < self.best.makespan - 1e-9:
             self.best = candidate
         return candidate
+
+    def _offload(self, family: _Family, orders, source: str, timeline: Timeline):
+        """The candidate of `orders` offloaded to fit ([Note: the search's offloads]), or
+        None."""
+        began = time.monotonic()
+        offloaded = self._offloaded(family, orders, timeline)
+        self.slowest = max(self.slowest, time.monotonic() - began)  # the offload pass is slow
+        if offloaded is None:
+            return None
+        program, timeline, copied = offloaded
+        if "offload" not in source:
+            source += " + offload"
+        return self._keep(
+            _Candidate(program, timeline, timeline.makespan, source, family, copied, orders)
+        )
+
+    def offload_seeds(self) -> None:
+        """The seeds over the limit, offloaded to fit, the fastest first while time is left."""
+        waiting, self.deferred = sorted(self.deferred or (), key=lambda row: row[0]), None
+        for _, family, orders, source, timeline in waiting:
+            if self.out_of_time():
+                return
+            self._offload(family, orders, source, timeline)
 
     def _compile(self, family: _Family, orders, offload: ByteLimit | None = None) -> Program:
         schedule = _found_class(self.p, self.m, family, orders)(self.p, self.m, family.num_chunks)

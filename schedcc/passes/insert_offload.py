@@ -167,10 +167,15 @@ def insert_offload(program: Program, policy: Policy | _Fraction | ByteLimit) -> 
     """
     stages = []
     for s, ops in enumerate(program.stages):
-        points = {key: copies for key, copies in offload_points(ops).items() if _fits(ops, copies)}
+        where = _Where(ops)
+        points = {
+            key: copies
+            for key, copies in offload_points(ops).items()
+            if _fits(ops, copies, where)
+        }
         chosen = _choose(program, s, ops, points, policy)
         anchors = [anchor for key in chosen for anchor in points[key]]
-        stages.append(attach_copies(ops, anchors) if anchors else ops)
+        stages.append(attach_copies(ops, anchors, where) if anchors else ops)
     return program.evolve(stages=tuple(stages))
 
 
@@ -245,7 +250,7 @@ def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
     chosen: list[tuple[int, int]] = []
     while True:
         inserted = {copy for key in chosen for copy, _, _ in points[key]}
-        row = attach_copies(ops, [a for key in chosen for a in points[key]])
+        row = attach_copies(ops, [a for key in chosen for a in points[key]], where)
         done, pick = 0, None  # how many of `ops` have run; what to offload next
         for op, held in zip(row, held_bytes(row, sizes, inputs)):
             done += op not in inserted
@@ -279,16 +284,19 @@ def detach_copies(ops: Sequence[Instruction]) -> tuple[tuple[Instruction, ...], 
     return tuple(rest), anchors
 
 
-def attach_copies(ops: Sequence[Instruction], anchors: Sequence[Anchor]) -> tuple:
+def attach_copies(
+    ops: Sequence[Instruction], anchors: Sequence[Anchor], where: _Where | None = None
+) -> tuple:
     """One stage's program with each copy at its anchor: an `O` after its compute (and after the
-    comm group sending its activation, where that is later), an `L` before its compute.
+    comm group sending its activation, where that is later), an `L` before its compute (`where`:
+    `ops`' positions, when the caller has them).
 
     >>> from schedcc.ir import parse
     >>> ops = [parse(op) for op in "F0 F1 SA0 B0".split()]
     >>> " ".join(map(str, attach_copies(ops, [(Offload(0), 0, True)])))
     'F0 F1 SA0 O0 B0'
     """
-    where = _Where(ops)
+    where = _Where(ops) if where is None else where
     before: dict[int, list[Instruction]] = {}
     for anchor in sorted(anchors, key=lambda a: type(a[0]) is Reload):  # free, then take
         before.setdefault(where(anchor), []).append(anchor[0])
@@ -325,8 +333,8 @@ class _Where:
         return pos
 
 
-def _fits(ops: Sequence[Instruction], copies: tuple[Anchor, Anchor]) -> bool:
-    """Whether a compute runs between the `O` and the `L` placed at `copies` in `ops`."""
-    where = _Where(ops)
+def _fits(ops: Sequence[Instruction], copies: tuple[Anchor, Anchor], where: _Where) -> bool:
+    """Whether a compute runs between the `O` and the `L` placed at `copies` in `ops` (`where`:
+    its positions)."""
     lo, hi = where(copies[0]), where(copies[1])
     return any(isinstance(op, Compute) for op in ops[lo:hi])
