@@ -240,28 +240,54 @@ def _choose(program, s, ops, points, policy) -> list[tuple[int, int]]:
 
 def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
     """Until stage s's device activation bytes fit `limit`: at the first point over it, offload
-    the forward held there whose reload is the latest (the one whose bytes stay away longest)."""
+    the forward held there whose reload is the latest (the one whose bytes stay away longest).
+
+    One walk over the stage's program with the copies chosen so far: each `O` placed before
+    `ops[a]` (after the ones before it there, in the order chosen), each `L` before `ops[b]`
+    after them, and the bytes held after each instruction the original's less those of the
+    chosen forwards between their two copies. A pick only lowers what is held (between its
+    copies), so the points walked before it stay within the limit, and the walk goes on from
+    where it picked."""
     sizes = chunk_sizes(program, limit.memory, s, "activations")
     inputs = chunk_sizes(program, limit.memory, s, "inputs")
     max_bytes = limit.at(s)
     where = _Where(ops)
     # on the host while the first `a` ops of `ops` have run but not the first `b`
     spans = {key: (where(off), where(back)) for key, (off, back) in points.items()}
+    base = held_bytes(ops, sizes, inputs)
     chosen: list[tuple[int, int]] = []
-    while True:
-        inserted = {copy for key in chosen for copy, _, _ in points[key]}
-        row = attach_copies(ops, [a for key in chosen for a in points[key]], where)
-        done, pick = 0, None  # how many of `ops` have run; what to offload next
-        for op, held in zip(row, held_bytes(row, sizes, inputs)):
-            done += op not in inserted
-            if held > max_bytes:
-                there = [k for k, (a, b) in spans.items() if a <= done < b and k not in chosen]
-                if there:  # else nothing held at this point can go: try the next one
-                    pick = max(there, key=lambda k: spans[k][1])
-                    break
-        if pick is None:
-            return chosen
-        chosen.append(pick)
+    away = 0.0  # the bytes of chosen forwards on the host at this point of the walk
+
+    def settle(held: float, done: int, before: int) -> None:
+        """Offload at this point (`done` of `ops` run) until it fits or nothing more can go; a
+        pick whose `O` goes before `ops[before]` is off the device here already."""
+        nonlocal away
+        while held > max_bytes:
+            there = [k for k, (a, b) in spans.items() if a <= done < b and k not in chosen]
+            if not there:
+                return  # nothing held at this point can go: on to the next one
+            pick = max(there, key=lambda k: spans[k][1])
+            chosen.append(pick)
+            if spans[pick][0] < before:
+                away += sizes[pick[1]]
+                held -= sizes[pick[1]]
+
+    for x in range(len(ops) + 1):
+        ahead = base[x - 1] if x else 0.0  # held after ops[x - 1], before the copies at x
+        n = 0
+        while True:  # the offloads before ops[x], in the order chosen (a pick here joins them)
+            offloads = [k for k in chosen if spans[k][0] == x]
+            if n == len(offloads):
+                break
+            away += sizes[offloads[n][1]]
+            n += 1
+            settle(ahead - away, x, x)
+        for k in [k for k in chosen if spans[k][1] == x]:  # the reloads before ops[x]
+            away -= sizes[k[1]]
+            settle(ahead - away, x, x + 1)
+        if x < len(ops):
+            settle(base[x] - away, x + 1, x + 1)
+    return chosen
 
 
 def detach_copies(ops: Sequence[Instruction]) -> tuple[tuple[Instruction, ...], list[Anchor]]:
