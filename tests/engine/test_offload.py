@@ -221,6 +221,52 @@ def test_the_offload_pass_only_lowers_device_activations(cls, p, m, offload):
     assert got.makespan == want.makespan  # copies are free by default
 
 
+@given(
+    st.sampled_from([cls for cls in BUILT_INS if cls is not OneFOneBOffload]),
+    st.integers(1, 4),
+    st.integers(1, 10),
+    st.lists(st.integers(1, 9), min_size=8, max_size=8),
+    st.lists(st.integers(1, 40), min_size=4, max_size=4),
+)
+def test_a_byte_limit_offloads_only_what_a_point_over_it_needs(cls, p, m, sizes, limits):
+    """`ByteLimit` with random sizes and one limit per stage: after the pass, every point of a
+    stage's program still over its limit holds nothing more that could go (each forward held
+    there that can be offloaded is), and each forward offloaded is held at some point that is
+    over the limit without offloading."""
+    from schedcc.passes.insert_offload import _fits, _Where, attach_copies, offload_points
+
+    shape = next((Shape(p, m, v, 1) for v in (1, 2) if Shape(p, m, v, 1).accepted_by(cls)), None)
+    assume(shape is not None)
+    schedule = shape.build(cls)
+    memory = MemoryModel(activations=sizes[: schedule.num_segments] * 2)
+    plain = schedcc.compile(schedule)
+    program = schedcc.compile(schedule, offload=ByteLimit(limits[:p], memory))
+    for s, ops in enumerate(plain.stages):
+        where = _Where(ops)
+        points = {k: c for k, c in offload_points(ops).items() if _fits(ops, c, where)}
+        spans = {k: (where(off), where(back)) for k, (off, back) in points.items()}
+        chosen = {(op.microbatch, op.chunk) for op in program.stages[s] if type(op) is Offload}
+        chunks = range(schedule.num_chunks)
+        per_chunk = [memory.at("activations", schedule.segment_of(s, c)) for c in chunks]
+
+        def over(keys, ops=ops, points=points, where=where, per_chunk=per_chunk, s=s):
+            """How many of `ops` have run at each point over the limit, with `keys` offloaded."""
+            row = attach_copies(ops, [a for k in keys for a in points[k]], where)
+            inserted = {copy for k in keys for copy, _, _ in points[k]}
+            done, out = 0, []
+            for op, held in zip(row, held_bytes(row, per_chunk)):
+                done += op not in inserted
+                if held > limits[s]:
+                    out.append(done)
+            return out
+
+        for done in over(chosen):
+            assert all(k in chosen for k, (a, b) in spans.items() if a <= done < b)
+        before = over(())
+        for k in chosen:
+            assert any(spans[k][0] <= done < spans[k][1] for done in before)
+
+
 class _Written(Schedule):
     """A schedule that yields the orders it is given, one string per stage."""
 
