@@ -50,7 +50,7 @@ not fit (once all are timed, the fastest first, while time is left), list schedu
 budget and with twice the budget (recomputing where even that is over) beside the one with the
 budget, local search (from an offloaded order, its computes moved and the copies placed again;
 from one without copies, a move that leaves the limit offloaded), and the exact model, solved
-also without the limit at the best order's placement. The bound leaves the memory terms out:
+also without the limit at every placement. The bound leaves the memory terms out:
 they do not hold for an order that offloads.
 """
 
@@ -746,8 +746,8 @@ class _Searcher:
     def exact(self, families: list[_Family], until: float, seed: int) -> None:
         """Solve each placement's exact model ([Note: the search], 4) by `until`, from its
         best order; time its solution, keep its proven bound; local search from it if it is
-        the best. Where the best order offloads, or the search may offload, its placement
-        without the limit too.
+        the best. Where the best order offloads, its placement without the limit too; where the
+        search may offload, every placement.
 
         [Note: the exact method's time] Half the time goes to every placement in turn (the
         smaller models first, each taking what the ones before left), the other half to the
@@ -761,13 +761,14 @@ class _Searcher:
         # the limit in whole-stage microbatches, or in bytes with a memory model
         todo = [(v, vshape, self.limits) for v, vshape in splits]
         own = self.best.family
-        offloads = self.offload or _offloads(self.best.orders)
-        if self.limits is not None and offloads and not own.places:
-            # its orders offloaded to fit ([Note: the search's offloads]); its bound holds for
-            # an order that offloads
+        if self.limits is not None and self.offload:
+            # every placement without the limit too: its bound holds for an order that
+            # offloads, its orders are offloaded to fit ([Note: the search's offloads])
+            todo += [(v, vshape, None) for v, vshape in splits]
+        elif self.limits is not None and _offloads(self.best.orders) and not own.places:
             splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
             todo.append((own.num_chunks, own.vshape, None))
-        todo.sort(key=lambda job: job[0])  # the smaller models first
+        todo.sort(key=lambda job: (job[0], job[2] is None))  # the smaller models first
         first = until if len(todo) == 1 else time.monotonic() + (until - time.monotonic()) / 2
         solved = {}
         for left, job in zip(range(len(todo), 0, -1), todo):
