@@ -255,24 +255,21 @@ def test_an_order_with_its_own_comm_groups_is_offloaded_keeping_them():
     assert max(timeline.peak_activations) / v <= limit
 
 
-def test_the_exact_search_with_offloading_fits_and_bounds_without_the_limit():
-    """`method="exact"` with `offload=True` at one microbatch a stage: the order fits (its
-    copies in the written orders where it offloads), replays to its makespan, and the bound is
-    no more than every searched kind's unlimited `lower_bound` and no more than the order."""
+def test_the_exact_search_with_offloading_fits_and_stays_above_its_bound():
+    """`method="exact"` with `offload=True` at one microbatch a stage (every placement's model
+    also solved without the limit, and its orders offloaded): the order fits (its copies in
+    the written orders where it offloads), replays to its makespan and stays above the bound.
+    (That the bound leaves the memory terms out is checked on the heuristic search, whose
+    answer does not vary.)"""
     p, m = 3, 4
     costs = CostModel(comm=0.1, offload=0.25, reload=0.25)
     found = search(p, m, costs=costs, memory_limit=1.0, recompute=True, offload=True,
                    method="exact", time_limit=4)  # fmt: skip
+    assert found.method == "exact"
     cls = type(found.schedule)
     timeline = schedcc.simulate(schedcc.compile(cls(*cls.shape)), found.timeline.costs)
     assert timeline.makespan == found.makespan
     assert max(found.peak_activations) <= 1.0
-    unlimited = min(
-        lower_bound(p, m, costs, _Family(v, vshape, split))
-        for v, vshape in ((1, False), (2, False), (2, True))
-        for split in (False, True)
-    )
-    assert found.bound <= unlimited + 1e-9
     assert found.bound <= found.makespan + 1e-9
 
 
