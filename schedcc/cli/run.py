@@ -164,6 +164,19 @@ def register(subparsers) -> None:
         help="seconds --schedule search may search (default 10)",
     )
     parser.add_argument(
+        "--search-memory-limit",
+        type=float,
+        default=None,
+        metavar="N",
+        help="with --schedule search: hold each stage to N microbatches of its activations "
+        "(1F1B's stage 0 holds p), recomputing where that asks for it",
+    )
+    parser.add_argument(
+        "--search-offload",
+        action="store_true",
+        help="with --search-memory-limit: let the search offload activations to host memory too",
+    )
+    parser.add_argument(
         "--metrics",
         metavar="PATH",
         help="write one record per optimizer step: JSONL to PATH, or TensorBoard with tb:DIR",
@@ -406,8 +419,14 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         raise UsageError(f"--warmup must be 0 to --steps ({args.steps}) steps, got {args.warmup}")
     if args.schedule == "search":
         args.schedule, args.num_chunks = _searched(args, under_torchrun)
-    elif args.costs_from is not None:
-        raise UsageError("--costs-from goes with --schedule search (the order to search for it)")
+    else:
+        for flag, given in (
+            ("--costs-from", args.costs_from is not None),
+            ("--search-memory-limit", args.search_memory_limit is not None),
+            ("--search-offload", args.search_offload),
+        ):
+            if given:
+                raise UsageError(f"{flag} goes with --schedule search (the order to search for)")
     cls = get_schedule(args.schedule)
     p, dp = args.num_stages, args.dp
     if args.tp not in (1, 2, 4):
@@ -507,6 +526,13 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         raise UsageError(
             f"--search-time must be a positive number of seconds, got {args.search_time:g}"
         )
+    limit = args.search_memory_limit
+    if limit is not None and not 0 < limit < math.inf:
+        raise UsageError(
+            f"--search-memory-limit must be a positive number of microbatches, got {limit:g}"
+        )
+    if args.search_offload and limit is None:
+        raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
     from schedcc.costs import CostModel
     from schedcc.search import search
 
@@ -515,6 +541,9 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         args.num_microbatches,
         num_chunks=(1, 2) if args.num_chunks is None else args.num_chunks,
         costs=CostModel.from_trace(args.costs_from),
+        memory_limit=limit,
+        recompute=limit is not None,
+        offload=args.search_offload,
         data_parallel=args.dp or 1,
         zero=args.zero,
         time_limit=args.search_time,
@@ -523,7 +552,9 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     path.write_text(result.to_python())
     print(
         f"search: simulated step {result.makespan:.2f} ms (lower bound {result.bound:.2f} ms) "
-        f"under the costs measured in {args.costs_from}, from {result.source}; the order is "
+        f"under the costs measured in {args.costs_from}"
+        + ("" if limit is None else f", within {limit:g} microbatches a stage")
+        + f", from {result.source}; the order is "
         f"{path}:Found"
     )
     return f"{path}:Found", result.schedule.num_chunks

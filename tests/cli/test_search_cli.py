@@ -154,6 +154,14 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert re.search(r"search: simulated step [0-9.]+ ms \(lower bound", result.stdout)
     assert "Found(p=2, m=8" in result.stdout
     assert ": ok" in result.stdout
+    limited = _schedcc_run(  # within one microbatch a stage, recomputing or offloading
+        "--schedule", "search", "--costs-from", str(trace), "--search-time", "2",
+        "--search-memory-limit", "1", "--search-offload", "--steps", "2", "--model", "mlp",
+        "--check",
+    )  # fmt: skip
+    assert limited.returncode == 0, limited.stderr
+    assert "within 1 microbatches a stage" in limited.stdout
+    assert ": ok" in limited.stdout
 
 
 @pytest.mark.parametrize(
@@ -161,6 +169,11 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     [
         (["--schedule", "search"], "needs --costs-from TRACE"),
         (["--schedule", "1f1b", "--costs-from", "t.json"], "goes with --schedule search"),
+        (["--schedule", "1f1b", "--search-memory-limit", "2"], "goes with --schedule search"),
+        (["--schedule", "search", "--costs-from", "t.json", "--search-offload"],
+         "goes with --search-memory-limit"),
+        (["--schedule", "search", "--costs-from", "t.json", "--search-memory-limit", "0"],
+         "--search-memory-limit must be a positive number"),
     ],
 )
 def test_run_search_mistakes_are_one_line(argv, says, capsys):
