@@ -51,7 +51,8 @@ budget and with twice the budget (recomputing where even that is over) beside th
 budget, local search (from an offloaded order, its computes moved and the copies placed again;
 from one without copies, a move that leaves the limit offloaded), and the exact model, solved
 also without the limit at every placement. The bound leaves the memory terms out:
-they do not hold for an order that offloads.
+they do not hold for an order that offloads. An order no faster than the best found is not
+offloaded: copies only add waits (a stage's order and comm groups are the same with them).
 """
 
 from __future__ import annotations
@@ -638,6 +639,8 @@ class _Searcher:
         None where offloading is not allowed or does not make it fit."""
         if not self.offload or _offloads(orders):
             return None
+        if self.best is not None and timeline.makespan >= self.best.makespan - 1e-9:
+            return None  # copies only add waits: it cannot beat the best
         v = family.share
         memory = timeline.costs.memory
         if memory is None:  # whole-stage microbatches: one unit a chunk's activation
