@@ -156,7 +156,7 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert "Found(p=2, m=8" in result.stdout
     assert ": ok" in result.stdout
     limited = _schedcc_run(  # within one microbatch a stage, recomputing or offloading
-        "--schedule", "search", "--costs-from", str(trace), "--search-time", "2",
+        "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
         "--search-memory-limit", "1", "--search-offload", "--steps", "2", "--model", "mlp",
         "--check",
     )  # fmt: skip

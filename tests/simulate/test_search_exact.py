@@ -264,7 +264,7 @@ def test_the_exact_search_with_offloading_fits_and_stays_above_its_bound():
     p, m = 3, 4
     costs = CostModel(comm=0.1, offload=0.25, reload=0.25)
     found = search(p, m, costs=costs, memory_limit=1.0, recompute=True, offload=True,
-                   method="exact", time_limit=4)  # fmt: skip
+                   method="exact", time_limit=2)  # fmt: skip
     assert found.method == "exact"
     cls = type(found.schedule)
     timeline = schedcc.simulate(schedcc.compile(cls(*cls.shape)), found.timeline.costs)
