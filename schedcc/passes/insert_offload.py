@@ -256,6 +256,9 @@ def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
     spans = {key: (where(off), where(back)) for key, (off, back) in points.items()}
     base = held_bytes(ops, sizes, inputs)
     chosen: list[tuple[int, int]] = []
+    taken: set[tuple[int, int]] = set()
+    offloads: dict[int, list] = {}  # position -> the chosen forwards offloaded before it
+    reloads: dict[int, list] = {}  # position -> the chosen forwards reloaded before it
     away = 0.0  # the bytes of chosen forwards on the host at this point of the walk
 
     def settle(held: float, done: int, before: int) -> None:
@@ -263,26 +266,28 @@ def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
         pick whose `O` goes before `ops[before]` is off the device here already."""
         nonlocal away
         while held > max_bytes:
-            there = [k for k, (a, b) in spans.items() if a <= done < b and k not in chosen]
+            there = [k for k, (a, b) in spans.items() if a <= done < b and k not in taken]
             if not there:
                 return  # nothing held at this point can go: on to the next one
             pick = max(there, key=lambda k: spans[k][1])
             chosen.append(pick)
-            if spans[pick][0] < before:
+            taken.add(pick)
+            a, b = spans[pick]
+            offloads.setdefault(a, []).append(pick)
+            reloads.setdefault(b, []).append(pick)
+            if a < before:
                 away += sizes[pick[1]]
                 held -= sizes[pick[1]]
 
     for x in range(len(ops) + 1):
         ahead = base[x - 1] if x else 0.0  # held after ops[x - 1], before the copies at x
+        here = offloads.setdefault(x, [])  # a pick at one of these joins the end of the list
         n = 0
-        while True:  # the offloads before ops[x], in the order chosen (a pick here joins them)
-            offloads = [k for k in chosen if spans[k][0] == x]
-            if n == len(offloads):
-                break
-            away += sizes[offloads[n][1]]
+        while n < len(here):
+            away += sizes[here[n][1]]
             n += 1
             settle(ahead - away, x, x)
-        for k in [k for k in chosen if spans[k][1] == x]:  # the reloads before ops[x]
+        for k in reloads.get(x, ()):  # a pick here reloads later
             away -= sizes[k[1]]
             settle(ahead - away, x, x + 1)
         if x < len(ops):
