@@ -355,9 +355,10 @@ def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
 def _per_chunk(
     costs: CostModel, num_chunks: int, stage_of: Sequence[int] | None = None
 ) -> CostModel:
-    """`costs` with compute costs and memory sizes divided by `num_chunks` (see [Note: tune's
-    units]); given `stage_of` (the stage of each segment of a program), a `MemoryModel`'s
-    per-stage sizes (one per stage) become the sizes of the segments each stage runs."""
+    """`costs` with compute and copy costs and memory sizes divided by `num_chunks` (see
+    [Note: tune's units]); given `stage_of` (the stage of each segment of a program), a
+    `MemoryModel`'s per-stage sizes (one per stage) become the sizes of the segments each stage
+    runs."""
     if stage_of is not None and costs.memory is not None:
         costs = attrs.evolve(costs, memory=_placed(costs.memory, stage_of))
     if num_chunks == 1:
