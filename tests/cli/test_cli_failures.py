@@ -88,7 +88,8 @@ def _start(tmp_path, factory: str, *flags: str) -> Command:
     """`schedcc run --model model.py:FACTORY --steps 1 -m 2 FLAGS` started as `run_cli` runs
     it (a fresh process outside any torchrun, one thread a rank), output captured."""
     model = tmp_path / "model.py"
-    model.write_text(MODEL)
+    if not model.exists():  # written once: runs started before may be importing it
+        model.write_text(MODEL)
     argv = ["--model", f"{model}:{factory}", "--steps", "1", "-m", "2", *flags]
     return start_cli("run", "--no-progress", *argv)
 
