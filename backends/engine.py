@@ -21,7 +21,8 @@ how tensors travel between them. What a user sees is written here once, so the t
   (`schedcc.compile(..., forward_only=True)`) with the segments in eval mode, under a copy of
   the RNG state, and change no parameter, gradient, optimizer or RNG state;
 - `save(path) -> Path` (the manifest) and `load(path)` (into any shape, by parameter name);
-  `state_dict()`, the whole model's; `peak_activation_bytes` per stage;
+  `state_dict()`, the whole model's; `peak_activation_bytes` per stage, `microbatch_bytes`
+  per segment;
 - `register_handler(kind, fn)` runs an instruction kind with the user's code
   (`backends.runtime.handlers`).
 
@@ -427,6 +428,13 @@ class BaseEngine(abc.ABC):
             held[s].peak_activation_bytes if s in held else None
             for s in range(self.program.num_stages)
         ]
+
+    @property
+    def microbatch_bytes(self) -> dict[int, dict[str, int]]:
+        """Per segment this engine ran a forward of (on the distributed engine, its stage's),
+        the most one microbatch's forward saved and its input took (its first data-parallel
+        replica; `StageRuntime.microbatch_bytes`: what `schedcc run --trace` records)."""
+        return {k: v for runtime in self._runtimes() for k, v in runtime.microbatch_bytes.items()}
 
     @contextmanager
     def unsharded(self) -> Iterator[None]:

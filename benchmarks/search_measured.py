@@ -18,7 +18,10 @@ samples, one batch (one length) for every step, SGD:
    both placements, `--search-time` seconds) as the closed loop calls it ("search": F/B and
    F/I/W orders), the same with `split_backward=False` ("search F/B": only the kinds a 1F1B
    trace measures; `from_trace` reads its whole backwards split as I = W = B / 2, and, the
-   trace being a CPU run's, overlapped pairs as run in order), and every built-in that fits the
+   trace being a CPU run's, overlapped pairs as run in order), the search within the byte
+   limit itself at v = 1 ("search in bytes", as `schedcc run --schedule search
+   --search-memory-limit SIZE` calls it: the first run's measured bytes of one microbatch per
+   stage, `MemoryModel.from_trace`, count them), and every built-in that fits the
    same limit at its fastest, as `schedcc search` ranks them: `schedcc.tune` over v = 1, 2, with and
    without full recomputation, the best fitting row of each built-in (weight-delayed orders,
    2BW, left out: `train_step` runs one flush step, they run several batches a program);
@@ -59,6 +62,7 @@ from schedcc.backends.run import gpt
 from schedcc.backends.run.launch import keep_freed_memory, spawn
 from schedcc.backends.runtime.tied import tied_groups
 from schedcc.costs import CostModel
+from schedcc.memory_model import MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
 
 MICROBATCH_SIZE = 2  # `schedcc run`'s default
@@ -115,20 +119,25 @@ class _Runner:
         return [float(b) for b in gathered]
 
 
-def _first_run(p: int, m: int, data, opts) -> tuple[CostModel, list[float]]:
-    """1F1B's measured costs (`CostModel.from_trace` of its events) and peak bytes per stage;
-    with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never runs)."""
+def _first_run(p: int, m: int, data, opts) -> tuple[CostModel, list[float], MemoryModel]:
+    """1F1B's measured costs (`CostModel.from_trace` of its events), peak bytes per stage and
+    one microbatch's bytes per stage (`MemoryModel.from_trace` of what `schedcc run --trace`
+    records); with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never runs)."""
     runner = _Runner(build_schedule(get_schedule("1f1b"), p, m), False, data)
     events = _traced(runner, opts)
     if opts.trace_split:
         events += _traced(_Runner(build_schedule(get_schedule("zb-h1"), p, m), False, data), opts)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, events)
+    dist.all_gather_object(gathered, (events, runner.engine.microbatch_bytes))
     with tempfile.TemporaryDirectory() as folder:  # read back as the closed loop reads its trace
         path = Path(folder) / "run.json"
-        events = [e for rank in gathered for e in rank]
-        path.write_text(json.dumps({"traceEvents": events, "otherData": {"device": "cpu"}}))
-        return CostModel.from_trace(path), runner.peak_bytes()
+        events = [e for rank, _ in gathered for e in rank]
+        sizes = {k: size for _, rank in gathered for k, size in rank.items()}
+        memory = {f: [sizes[k][f] for k in sorted(sizes)] for f in ("activations", "inputs")}
+        path.write_text(
+            json.dumps({"traceEvents": events, "otherData": {"device": "cpu", "memory": memory}})
+        )
+        return CostModel.from_trace(path), runner.peak_bytes(), MemoryModel.from_trace(path)
 
 
 def _traced(runner: _Runner, opts) -> list[dict]:
@@ -146,19 +155,21 @@ def _traced(runner: _Runner, opts) -> list[dict]:
     return events
 
 
-def _candidates(p: int, m: int, costs: CostModel, opts) -> list[dict]:
-    """The searched order and each built-in's fastest fitting row, with their makespans (ms)."""
+def _candidates(p: int, m: int, costs: CostModel, memory, in_bytes, opts) -> list[dict]:
+    """The searched orders and each built-in's fastest fitting row, with their makespans (ms);
+    "search in bytes" searches v = 1 orders within `in_bytes` per stage, counted with `memory`,
+    the first run's measured bytes ([Note: a trace's bytes] in `backends.run.report`)."""
     limit = p / 2
     rows = []
-    for label, split in (("search", (False, True)), ("search F/B", False)):
+    searches = (
+        ("search", {"split_backward": (False, True)}),
+        ("search F/B", {"split_backward": False}),
+        ("search in bytes", {"num_chunks": 1, "memory": memory, "memory_limit": in_bytes}),
+    )
+    for label, args in searches:
+        args = {"memory_limit": limit, **args}
         found = schedcc.search(
-            p,
-            m,
-            costs=costs,
-            memory_limit=limit,
-            recompute=True,
-            split_backward=split,
-            time_limit=opts.search_time,
+            p, m, costs=costs, recompute=True, time_limit=opts.search_time, **args
         )
         ops = " ".join(found.schedule.orders).replace("+", "").split()
         kinds = "F/I/W" if any(op.startswith("I") for op in ops) else "F/B"
@@ -199,7 +210,7 @@ def _candidates(p: int, m: int, costs: CostModel, opts) -> list[dict]:
                 "activations": c.peak_activations,
             }
         )
-    return rows[: opts.max_builtins + 2]
+    return rows[: opts.max_builtins + len(searches)]
 
 
 def _built(row: dict, p: int, m: int):
@@ -214,11 +225,13 @@ def _built(row: dict, p: int, m: int):
 
 def _shape(rank: int, p: int, m: int, opts) -> dict:
     data = _data()(m * MICROBATCH_SIZE)
-    costs, peaks = _first_run(p, m, data, opts)
+    costs, peaks, memory = _first_run(p, m, data, opts)
+    # 1F1B's stage s holds p - s microbatches: p / 2 of them is this share of its peak
+    limit = [b * (p / 2) / (p - s) for s, b in enumerate(peaks)]
     rows = None
     if rank == 0:
         started = time.monotonic()
-        rows = _candidates(p, m, costs, opts)
+        rows = _candidates(p, m, costs, memory, [int(b) for b in limit], opts)
         searched_s = time.monotonic() - started
     shared = [rows if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
@@ -243,8 +256,7 @@ def _shape(rank: int, p: int, m: int, opts) -> dict:
         "p": p,
         "m": m,
         "rows": rows,
-        # 1F1B's stage s holds p - s microbatches: p / 2 of them is this share of its peak
-        "limit": [b * (p / 2) / (p - s) for s, b in enumerate(peaks)],
+        "limit": limit,
         "search_s": searched_s if rank == 0 else 0.0,
         "costs": [
             (stage.forward, stage.backward, stage.backward_input, stage.backward_weight, stage.comm)

@@ -10,16 +10,15 @@ Given by hand (`CostModel(forward=1, backward=2, comm=0.1, per_stage={...})`) or
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterable, Mapping
 from math import inf
 from os import PathLike
-from pathlib import Path
 from types import MappingProxyType
 
 import attrs
 
+from schedcc.draw.chrome import read_chrome_trace
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     COMM,
@@ -292,7 +291,7 @@ class CostModel:
                 a non-numeric `dur` or stage, or no event names an instruction.
             OSError: the file cannot be read.
         """
-        events, metadata = _trace_events(trace)
+        events, metadata = read_chrome_trace(trace)
         if metadata.get("device") == "cpu":
             defaults = {"overlap": 1.0, **defaults}
         found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
@@ -336,24 +335,6 @@ def _both_ways(measured: dict[str, float], defaults: Mapping[str, float]) -> dic
     elif all(k in out for k in split) and "backward" not in out and "backward" not in defaults:
         out["backward"] = out["backward_input"] + out["backward_weight"]
     return out
-
-
-def _trace_events(trace: str | PathLike | Iterable[Mapping]) -> tuple[list, Mapping]:
-    """The event list of a Chrome trace file (or the given events) and its "otherData"."""
-    if not isinstance(trace, (str, PathLike)):
-        return list(trace), {}
-    try:
-        data = json.loads(Path(trace).read_text())
-    except json.JSONDecodeError as exc:
-        raise ScheduleConfigError(f"trace {str(trace)!r} is not JSON: {exc}") from None
-    events = data.get("traceEvents", []) if isinstance(data, dict) else data
-    if not isinstance(events, list):
-        raise ScheduleConfigError(
-            f"trace {str(trace)!r}: expected a JSON list of events or an object with a "
-            '"traceEvents" list'
-        )
-    metadata = data.get("otherData", {}) if isinstance(data, dict) else {}
-    return events, metadata if isinstance(metadata, Mapping) else {}
 
 
 def _kind_of(event: object) -> str | None:

@@ -14,10 +14,12 @@ each point of its program ([Note: bytes per stage]).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from os import PathLike
 
 import attrs
 
+from schedcc.draw.chrome import read_chrome_trace
 from schedcc.errors import ScheduleConfigError
 from schedcc.sizes import parse_size
 
@@ -90,6 +92,48 @@ class MemoryModel:
     part_activations: tuple[tuple[float, ...], ...] | None = attrs.field(
         default=None, converter=lambda value: _part_sizes(value)
     )
+
+    @classmethod
+    def from_trace(cls, trace: str | PathLike | Iterable[Mapping]) -> MemoryModel:
+        """The bytes a run measured per segment of its cut (p·v of them, model order): what one
+        microbatch's forward saved and its input took, from the trace `schedcc run --trace`
+        writes ([Note: a trace's bytes] in `schedcc.backends.run.report`). Parameters,
+        gradients and optimizer state are 0, so a byte limit with this model is one on a
+        stage's activations, as the run's "peak activations" rows count them. The sizes hold
+        for that cut: a run at v = 1 gives the per-stage sizes `search` and `tune` take.
+
+        Raises:
+            ScheduleConfigError: the trace records no bytes (not written by `schedcc run
+                --trace`), or records them malformed.
+            OSError: the file cannot be read.
+        """
+        _, metadata = read_chrome_trace(trace)
+        memory = metadata.get("memory")
+        if memory is None:
+            raise ScheduleConfigError(
+                f"trace {trace if isinstance(trace, (str, PathLike)) else '(events)'} records "
+                "no measured bytes (schedcc run --trace writes them): give the limit in "
+                "microbatches, or the bytes yourself (a MemoryModel; --memory activations=...)"
+            )
+        sizes = {}
+        for field in ("activations", "inputs"):
+            value = memory.get(field) if isinstance(memory, Mapping) else None
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            ):
+                raise ScheduleConfigError(
+                    f"trace: its measured bytes must hold {field!r}, a list of numbers per "
+                    f"segment; got {memory!r}"
+                )
+            sizes[field] = value
+        if len(sizes["activations"]) != len(sizes["inputs"]):
+            raise ScheduleConfigError(
+                f"trace: its measured bytes give {len(sizes['activations'])} segments' "
+                f"activations but {len(sizes['inputs'])} segments' inputs"
+            )
+        return cls(**sizes)
 
     def part_sizes(self, segment: int) -> tuple[float, ...] | None:
         """What each sequence part's forward of `segment` saves, or None (see the Args)."""

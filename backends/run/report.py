@@ -19,6 +19,7 @@ from schedcc.draw.chrome import comm_flows, write_chrome_trace
 from schedcc.ir import Comm
 from schedcc.program import Program
 from schedcc.simulate import CostModel, Event, Timeline, simulate
+from schedcc.sizes import format_size
 
 __all__ = ["Progress", "check_line", "dropout_line", "measured_runs", "summarize"]
 
@@ -147,6 +148,7 @@ def summarize(
                 "schedule": repr(program.schedule),
                 "measured": True,
                 "device": "cuda" if torch.cuda.is_available() else "cpu",  # as the job chose
+                "memory": _microbatch_bytes(gathered),
             },
             unit_us=1e6,
         )
@@ -173,10 +175,32 @@ def summarize(
         groups = ", ".join(str(group) for group in program.tied)
         table.add_row("tied segments (ReduceTied)", groups)
     for stage in sorted(peaks):
-        table.add_row(f"peak activations, stage {stage}", f"{peaks[stage] / 2**20:.2f} MB")
+        table.add_row(f"peak activations, stage {stage}", format_size(peaks[stage]))
     if config.trace:
         table.add_row("trace", config.trace)
     Console().print(table)
+
+
+# [Note: a trace's bytes] A run's trace records, per segment of the run's cut (model order, p·v
+# of them), the most one microbatch's forward saved for its backward and the bytes its input
+# took, under "otherData" -> "memory": {"activations": [...], "inputs": [...]}. They are measured
+# as the "peak activations" rows count (`backends.runtime.graphs`), so `MemoryModel.from_trace`
+# reads them back as a model in which a byte limit is one on those rows: `schedcc run --schedule
+# search --search-memory-limit 40MiB` searches within 40 MiB of activations a stage and the
+# run's own rows show that the order kept to it. Parameters, gradients and optimizer state are
+# left out (the limit is on activations alone, as on a device whose static bytes are known).
+# The sizes hold for the cut they were measured on: a search or tune counts bytes at v = 1 (a
+# chunk of v holding 1/v of its stage's, [Note: tune's units]), which a real cut at v = 2 does
+# not keep (each chunk saves its own boundaries: the MLP of `--model mlp` cut in 4 saves
+# 512, 512, 512 and 768 bytes a sample pair where the cut in 2 saves 768 and 1024), so a byte
+# limit from a trace takes a first run at v = 1 and searches v = 1 orders.
+
+
+def _microbatch_bytes(gathered) -> dict[str, list[int]]:
+    """Per segment, one microbatch's activation and input bytes ([Note: a trace's bytes])."""
+    sizes = {k: size for g in gathered if g["dp"] == 0 for k, size in g["sizes"].items()}
+    segments = sorted(sizes)
+    return {field: [sizes[k][field] for k in segments] for field in ("activations", "inputs")}
 
 
 def _training_rows(config, gathered) -> list[tuple[str, str]]:

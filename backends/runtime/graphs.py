@@ -5,7 +5,9 @@ its stage recomputes, only its `KeptInput` until the `Recompute` builds the grap
 recomputation] in `backends.runtime.recompute`). `num_bytes` counts what they hold on the device
 now: each graph's saved activations (measured by `backends.runtime.memory`) but those of an
 offloaded graph, which `host_bytes` counts ([Note: offloading in the runtime] in
-`backends.runtime.offload`), and each kept input.
+`backends.runtime.offload`), and each kept input. `sizes` keeps, per chunk, the most one
+microbatch's forward saved and its input took: what `schedcc run --trace` records for a
+byte-limited search ([Note: a trace's bytes] in `backends.run.report`).
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ class Graphs:
     """The graphs and kept inputs of one stage for one run, keyed by (microbatch, chunk).
 
     `num_bytes` is the activation bytes they hold on the device now, `host_bytes` those of the
-    offloaded graphs; `peak` and `peak_host` the most each ever was (kept across runs).
+    offloaded graphs; `peak` and `peak_host` the most each ever was, and `sizes[c]` the most
+    one forward of chunk c saved and its input took (`[activations, inputs]`), kept across runs.
     """
 
     def __init__(self, stage: int) -> None:
         self._stage = stage
         self.peak = self.peak_host = 0
+        self.sizes: dict[int, list[int]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -76,6 +80,15 @@ class Graphs:
             self.num_bytes -= replacing.num_bytes
         self._graphs[i, c] = graph
         self._add(graph.num_bytes)
+        self._sized(c, 0, graph.num_bytes)
+
+    def took(self, c: int, num_bytes: int) -> None:
+        """A forward of chunk c ran on an input of `num_bytes` (`sizes`)."""
+        self._sized(c, 1, num_bytes)
+
+    def _sized(self, c: int, field: int, num_bytes: int) -> None:
+        sizes = self.sizes.setdefault(c, [0, 0])
+        sizes[field] = max(sizes[field], num_bytes)
 
     def graph(self, op: Instruction) -> Graph:
         """The graph a backward piece `op` differentiates."""

@@ -54,7 +54,13 @@ from schedcc.backends.runtime.offload import CopyLane
 from schedcc.backends.runtime.optimizers import build_lr_scheduler, build_optimizer
 from schedcc.backends.runtime.ports import Ports
 from schedcc.backends.runtime.precision import LOW_PRECISION, Precision
-from schedcc.backends.runtime.recompute import KeptInput, RngState, keeping_nothing, replaying
+from schedcc.backends.runtime.recompute import (
+    KeptInput,
+    RngState,
+    input_bytes,
+    keeping_nothing,
+    replaying,
+)
 from schedcc.backends.runtime.segment_calls import (
     SegmentCall,
     check_compile,
@@ -347,6 +353,15 @@ class StageRuntime:
         """The most `host_activation_bytes` ever was (`Graphs.peak_host`)."""
         return self._graphs.peak_host
 
+    @property
+    def microbatch_bytes(self) -> dict[int, dict[str, int]]:
+        """Per segment this stage ran a forward of: the most one microbatch's forward saved and
+        its input took, `{k: {"activations": ..., "inputs": ...}}` (`Graphs.sizes`)."""
+        return {
+            self._segment[c]: {"activations": a, "inputs": i}
+            for c, (a, i) in sorted(self._graphs.sizes.items())
+        }
+
     def load_batch(
         self,
         batch: int,
@@ -420,8 +435,11 @@ class StageRuntime:
             rng = RngState.of(params.values(), value)
             with keeping_nothing():  # the loss is recorded here; the R only rebuilds the graph
                 self._forwards.deliver(i, c, k, self._forwards.apply(c, k, params, value))
-            self._graphs.keep(i, c, KeptInput(value, leaves, params, rng))
+            kept = KeptInput(value, leaves, params, rng)
+            self._graphs.keep(i, c, kept)
+            self._graphs.took(c, kept.num_bytes)
             return
+        self._graphs.took(c, input_bytes(value))
         graph, message = self._forwards.run_segment(c, k, i, value, leaves, params)
         self._graphs.hold(i, c, graph)
         if message is not None:

@@ -18,6 +18,8 @@ __all__ = [
     "bytes_line",
     "check_limit",
     "memory_limit",
+    "memory_of",
+    "trace_memory",
     "parse_memory",
     "with_memory",
 ]
@@ -82,7 +84,8 @@ def add_memory(parser, *, limit: bool = False, recompute_help: str) -> None:
             default=None,
             metavar="N|SIZE",
             help="drop programs holding more than N microbatches of one stage's activations, "
-            "or, with --memory, more than SIZE bytes on a stage (e.g. 12GiB)",
+            "or, with --memory, more than SIZE bytes on a stage (e.g. 12GiB); without --memory, "
+            "SIZE counts the activation bytes a --costs-from run trace records",
         )
 
 
@@ -93,12 +96,42 @@ def with_memory(costs: CostModel | None, memory: MemoryModel | None) -> CostMode
     return attrs.evolve(costs or CostModel(), memory=memory)
 
 
+def memory_of(args) -> MemoryModel | None:
+    """The bytes to count `--memory-limit` with: `--memory`, or, for a size without it, those
+    the `--costs-from` trace records ([Note: a trace's bytes]); a size needs one of them."""
+    limit, memory, trace = args.memory_limit, args.memory, args.costs_from
+    if memory is None and isinstance(limit, str) and trace is not None:
+        return trace_memory(trace, args.num_stages, args.num_chunks)
+    check_limit(limit, memory)
+    return memory
+
+
+def trace_memory(trace: str, num_stages: int, num_chunks) -> MemoryModel:
+    """The bytes a run's trace records, for a byte limit on orders at v = 1 (`num_chunks`: the
+    chunks asked for, a list or None for the schedules' own), which they hold for
+    ([Note: a trace's bytes])."""
+    memory = MemoryModel.from_trace(trace)
+    segments = len(memory.activations)
+    if segments != num_stages:
+        raise ScheduleConfigError(
+            f"{trace} measured bytes on {segments} segments; a byte limit counts a stage's at "
+            f"v = 1: take the trace of a first run with -p {num_stages} -v 1"
+        )
+    if num_chunks is None or any(v != 1 for v in num_chunks):
+        raise ScheduleConfigError(
+            f"a byte limit with the bytes of {trace} holds for orders at v = 1, the cut they "
+            "were measured on: add -v 1"
+        )
+    return memory
+
+
 def check_limit(limit: float | str | None, memory: MemoryModel | None) -> None:
     """A size limit needs `--memory`; a plain number with `--memory` is bytes."""
     if isinstance(limit, str) and memory is None:
         raise ScheduleConfigError(
             f"--memory-limit {limit} is in bytes: give --memory activations=...,parameters=... "
-            "to count bytes with (or a plain number of microbatches)"
+            "to count bytes with, or --costs-from a schedcc run trace, which records them (or "
+            "a plain number of microbatches)"
         )
 
 

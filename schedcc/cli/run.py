@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from schedcc.cli import args as shared
+from schedcc.cli import memory_flags
 from schedcc.cli.args import UsageError, positive_int
 from schedcc.compiler import compile
 from schedcc.errors import ScheduleConfigError
@@ -165,11 +166,13 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--search-memory-limit",
-        type=float,
+        type=memory_flags.memory_limit,
         default=None,
-        metavar="N",
+        metavar="N|SIZE",
         help="with --schedule search: hold each stage to N microbatches of its activations "
-        "(1F1B's stage 0 holds p), recomputing where that asks for it",
+        "(1F1B's stage 0 holds p), or to SIZE bytes of them (e.g. 40MiB, as the summary's peak "
+        "activations count them, measured per microbatch in the --costs-from run), "
+        "recomputing where that asks for it",
     )
     parser.add_argument(
         "--search-offload",
@@ -527,20 +530,22 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
             f"--search-time must be a positive number of seconds, got {args.search_time:g}"
         )
     limit = args.search_memory_limit
-    if limit is not None and not 0 < limit < math.inf:
-        raise UsageError(
-            f"--search-memory-limit must be a positive number of microbatches, got {limit:g}"
-        )
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
     from schedcc.costs import CostModel
     from schedcc.search import search
 
+    chunks = (1, 2) if args.num_chunks is None else (args.num_chunks,)
+    memory = None
+    if isinstance(limit, str):  # bytes: as measured, on the first run's cut at v = 1
+        chunks = (1,) if args.num_chunks is None else chunks
+        memory = memory_flags.trace_memory(args.costs_from, args.num_stages, chunks)
     result = search(
         args.num_stages,
         args.num_microbatches,
-        num_chunks=(1, 2) if args.num_chunks is None else args.num_chunks,
+        num_chunks=chunks,
         costs=CostModel.from_trace(args.costs_from),
+        memory=memory,
         memory_limit=limit,
         recompute=limit is not None,
         offload=args.search_offload,
@@ -553,11 +558,19 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     print(
         f"search: simulated step {result.makespan:.2f} ms (lower bound {result.bound:.2f} ms) "
         f"under the costs measured in {args.costs_from}"
-        + ("" if limit is None else f", within {limit:g} microbatches a stage")
+        + _within(limit)
         + f", from {result.source}; the order is "
         f"{path}:Found"
     )
     return f"{path}:Found", result.schedule.num_chunks
+
+
+def _within(limit: float | str | None) -> str:
+    if limit is None:
+        return ""
+    if isinstance(limit, str):
+        return f", within {limit} of activations a stage"
+    return f", within {limit:g} microbatches a stage"
 
 
 def _grad_norm(args, schedule, dp: int) -> bool:

@@ -103,12 +103,12 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     shared.check_size(args.num_stages, args.num_microbatches, max(args.num_chunks))
-    memory_flags.check_limit(args.memory_limit, args.memory)
+    memory = memory_flags.memory_of(args)
     if args.offload and args.memory_limit is None:
         raise ScheduleConfigError("--offload goes with --memory-limit (what the orders must fit)")
     if not args.class_name.isidentifier():
         raise ScheduleConfigError(f"--class-name must be a Python name, got {args.class_name!r}")
-    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), args.memory)
+    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), memory)
     extra = {name: get_schedule(name) for name in args.schedule}
     result = search(
         args.num_stages,

@@ -70,8 +70,8 @@ def add_stage_costs(parser) -> None:
 
 def run(args) -> int:
     shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks or [2]))
-    memory_flags.check_limit(args.memory_limit, args.memory)
-    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), args.memory)
+    memory = memory_flags.memory_of(args)
+    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), memory)
     result = tune(
         _with_registered(args.schedule) if args.schedule else None,
         num_stages=args.num_stages,

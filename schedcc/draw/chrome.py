@@ -18,9 +18,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
 
+from schedcc.errors import ScheduleConfigError
 from schedcc.ir import SENDS, Comm, Instruction
 
-__all__ = ["chrome_trace", "comm_flows", "save", "write_chrome_trace"]
+__all__ = ["chrome_trace", "comm_flows", "read_chrome_trace", "save", "write_chrome_trace"]
 
 _CATEGORY = {"compute": "compute", "comm": "comm", "update": "update", "copy": "copy"}
 #: The copy lane of stage s is track `_COPY_TRACK + s`.
@@ -119,6 +120,30 @@ def write_chrome_trace(
     trace = chrome_trace(events, flows=flows, metadata=metadata, unit_us=unit_us)
     path.write_text(json.dumps(trace, separators=(",", ":")))
     return path
+
+
+def read_chrome_trace(trace: str | PathLike | Iterable[Mapping]) -> tuple[list, Mapping]:
+    """The event list of a Chrome trace file (or the given events) and its "otherData" ({} for
+    events given, or a file without it).
+
+    Raises:
+        ScheduleConfigError: the file is not JSON, or holds no list of events.
+        OSError: the file cannot be read.
+    """
+    if not isinstance(trace, (str, PathLike)):
+        return list(trace), {}
+    try:
+        data = json.loads(Path(trace).read_text())
+    except json.JSONDecodeError as exc:
+        raise ScheduleConfigError(f"trace {str(trace)!r} is not JSON: {exc}") from None
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ScheduleConfigError(
+            f"trace {str(trace)!r}: expected a JSON list of events or an object with a "
+            '"traceEvents" list'
+        )
+    metadata = data.get("otherData", {}) if isinstance(data, dict) else {}
+    return events, metadata if isinstance(metadata, Mapping) else {}
 
 
 def save(timeline, path: str | PathLike) -> Path:

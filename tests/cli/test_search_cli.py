@@ -15,6 +15,7 @@ import schedcc
 from schedcc import CostModel, get_schedule
 from schedcc.cli import main
 from schedcc.search import FoundOrder, search
+from schedcc.sizes import parse_size
 
 
 def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_path, capsys):
@@ -163,6 +164,24 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert limited.returncode == 0, limited.stderr
     assert "within 1 microbatches a stage" in limited.stdout
     assert ": ok" in limited.stdout
+    # in bytes: the first run's trace records one microbatch's per stage, and the run's own
+    # peak rows (measured) keep to the limit where the first run's order held more
+    sizes = json.loads(trace.read_text())["otherData"]["memory"]["activations"]
+    limit = int(1.25 * max(sizes))
+    in_bytes = _schedcc_run(
+        "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
+        "--search-memory-limit", f"{limit}B", "--steps", "2", "--model", "mlp",
+    )  # fmt: skip
+    assert in_bytes.returncode == 0, in_bytes.stderr
+    assert f"within {limit}B of activations a stage" in in_bytes.stdout
+    assert max(_peaks(first.stdout)) > limit
+    assert 0 < max(_peaks(in_bytes.stdout)) <= limit
+
+
+def _peaks(summary: str) -> list[int]:
+    """The summary's "peak activations, stage s" rows, in bytes."""
+    rows = re.findall(r"peak activations, stage \d+\s*[│|]\s*([0-9.]+ [KMG]?i?B)", summary)
+    return [parse_size(row) for row in rows]
 
 
 @pytest.mark.parametrize(
@@ -174,12 +193,16 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
         (["--schedule", "search", "--costs-from", "t.json", "--search-offload"],
          "goes with --search-memory-limit"),
         (["--schedule", "search", "--costs-from", "t.json", "--search-memory-limit", "0"],
-         "--search-memory-limit must be a positive number"),
+         "--search-memory-limit: expected a positive number"),
     ],
 )
 def test_run_search_mistakes_are_one_line(argv, says, capsys):
     """`--schedule search` without a trace, or a trace without it: one line, exit 2."""
-    assert main(["run", *argv]) == 2
+    try:
+        code = main(["run", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert says in err

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +210,96 @@ def test_per_stage_sizes_follow_each_segment_to_its_stage_at_any_v():
                               costs=sizes).ranked  # fmt: skip
         counts = row.activations  # whole-stage microbatches held on each stage
         assert row.bytes == pytest.approx([n * a for n, a in zip(counts, (1000, 2000, 4000))])
+
+
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_engine_records_what_one_microbatch_takes_per_segment(name, v, recompute):
+    """`microbatch_bytes` (what `schedcc run --trace` records) is, per segment, what one
+    microbatch's forward saves and its input takes: `measure_memory`'s sizes, with and without
+    recomputation, looped and V placement."""
+    p, m, size = 2, 4, 3
+    program = schedcc.compile(schedcc.get_schedule(name)(p, m, v), recompute=recompute)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(m * size, _WIDTH, generator=gen)
+    y = torch.randn(m * size, _WIDTH, generator=gen)
+    memory = measure_memory(_segments(p * v), x[:size], y[:size], nn.functional.mse_loss)
+    engine = Engine(program, _segments(p * v), nn.functional.mse_loss, _sgd)
+    list(engine.train([(x, y)] * program.schedule.num_batches))
+    assert engine.microbatch_bytes == {
+        k: {field: memory.at(field, k) for field in ("activations", "inputs")}
+        for k in range(p * v)
+    }
+
+
+def _trace(path, memory) -> str:
+    events = [
+        {"name": name, "ph": "X", "pid": 0, "tid": s, "ts": 0, "dur": dur}
+        for s in range(2)
+        for name, dur in (("F0", 1000), ("B0", 2000))
+    ]
+    path.write_text(json.dumps({"traceEvents": events, "otherData": {"memory": memory}}))
+    return str(path)
+
+
+def test_a_memory_model_from_a_trace_counts_activations_alone(tmp_path):
+    """`MemoryModel.from_trace` reads the per-segment bytes a run recorded, with no parameters,
+    gradients or optimizer state: a byte limit with it is one on activations."""
+    trace = _trace(tmp_path / "t.json", {"activations": [1024, 2048], "inputs": [16, 32]})
+    memory = MemoryModel.from_trace(trace)
+    assert memory == MemoryModel(activations=[1024, 2048], inputs=[16, 32])
+    timeline = _timeline("1f1b", memory)
+    assert timeline.peak_bytes == timeline.peak_activation_bytes == (2048, 2048)
+
+
+@pytest.mark.parametrize(
+    ("memory", "says"),
+    [
+        (None, "records no measured bytes"),
+        ({"activations": [1, 2]}, "'inputs', a list of numbers"),
+        ({"activations": "1KiB", "inputs": [1]}, "'activations', a list of numbers"),
+        ({"activations": [1, 2], "inputs": [1]}, "2 segments' activations but 1"),
+        ({"activations": [-1, 2], "inputs": [1, 1]}, "finite number >= 0"),
+        ([1, 2], "a list of numbers"),
+    ],
+)
+def test_a_trace_without_good_bytes_is_a_config_error(tmp_path, memory, says):
+    """A trace that records no bytes, or malformed ones, is a `ScheduleConfigError` naming why."""
+    path = tmp_path / "t.json"
+    if memory is None:
+        path.write_text(json.dumps({"traceEvents": []}))
+    else:
+        _trace(path, memory)
+    with pytest.raises(ScheduleConfigError, match=says):
+        MemoryModel.from_trace(path)
+
+
+def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
+    """`tune` and `search --costs-from TRACE --memory-limit SIZE -v 1` without `--memory` count
+    the activation bytes the trace records; a trace without them, one of a cut at v = 2, or
+    orders at another v are one line and exit 2, in `run --schedule search
+    --search-memory-limit SIZE` too."""
+    trace = _trace(tmp_path / "t.json", {"activations": [1024, 1024], "inputs": [0, 0]})
+    argv = ["-p", "2", "-m", "4", "--costs-from", trace, "--memory-limit", "1KiB"]
+    assert main(["search", *argv, "-v", "1", "--recompute", "--time-limit", "2"]) == 0
+    assert "peak bytes per stage [1.00 KiB, 1.00 KiB]" in capsys.readouterr().out
+    assert main(["tune", *argv, "-v", "1", "--recompute", "--schedule", "1f1b"]) == 0
+    assert "1f1b" in capsys.readouterr().out
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"traceEvents": json.loads(Path(trace).read_text())["traceEvents"]}))
+    argv[5] = str(bare)
+    closed_loop = ["run", "--schedule", "search", "--costs-from", str(bare), "--model", "mlp"]
+    closed_loop += ["--search-memory-limit", "1KiB"]
+    four = _trace(tmp_path / "v2.json", {"activations": [1, 2, 3, 4], "inputs": [0, 0, 0, 0]})
+    for mistake, says in (
+        (["search", *argv, "--time-limit", "1"], "records no measured bytes"),
+        (closed_loop, "records no measured bytes"),
+        (["search", *argv[:5], trace, *argv[6:]], "holds for orders at v = 1"),  # -v 1 2
+        (["tune", *argv[:5], trace, *argv[6:]], "holds for orders at v = 1"),  # each one's v
+        (["search", *argv[:5], four, *argv[6:], "-v", "1"], "measured bytes on 4 segments"),
+        ([*closed_loop[:4], four, *closed_loop[5:]], "measured bytes on 4 segments"),
+    ):
+        assert main(mistake) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        assert says in err[0]
