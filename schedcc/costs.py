@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 import attrs
 
-from schedcc.draw.chrome import read_chrome_trace
+from schedcc.draw.chrome import read_chrome_trace, track_stage
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     COMM,
@@ -268,6 +268,7 @@ class CostModel:
         trace: str | PathLike | Iterable[Mapping],
         *,
         unit_us: float = 1000.0,
+        num_stages: int | None = None,
         **defaults: float,
     ) -> CostModel:
         """Costs measured in a run: the median duration of each instruction kind, per stage.
@@ -280,6 +281,9 @@ class CostModel:
                 duration in microseconds. A comm op's duration includes any wait for its peer.
             unit_us: microseconds per cost unit: 1000 reads back what `to_chrome_trace` wrote
                 (1 ms per unit); 1e6 gives seconds.
+            num_stages: the stages the trace must measure, 0 to `num_stages - 1` (a stage's
+                costs depend on how the model was cut: a trace of another depth is refused);
+                None: any.
             defaults: fields for kinds the trace does not show (e.g. `comm=0.1`). Without
                 one, a backward the trace shows only whole or only split is read both ways
                 ([Note: a trace's backward both ways]), and a trace of a run on the CPU
@@ -288,7 +292,8 @@ class CostModel:
 
         Raises:
             ScheduleConfigError: the file is not JSON or not a trace, an instruction event has
-                a non-numeric `dur` or stage, or no event names an instruction.
+                a non-numeric `dur` or stage, no event names an instruction, or the stages are
+                not `num_stages`'.
             OSError: the file cannot be read.
         """
         events, metadata = read_chrome_trace(trace)
@@ -299,7 +304,8 @@ class CostModel:
         samples: dict[int, dict[str, list[float]]] = {}
         for event, kind in found:
             try:
-                stage = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
+                track = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
+                stage = track if by_pid else track_stage(track)
                 duration = float(event["dur"]) / unit_us
             except (TypeError, ValueError):
                 raise ScheduleConfigError(
@@ -309,6 +315,12 @@ class CostModel:
         if not samples:
             raise ScheduleConfigError(
                 "the trace has no complete ('X') events named like instructions (F3, B3.1, ...)"
+            )
+        if num_stages is not None and sorted(samples) != list(range(num_stages)):
+            where = trace if isinstance(trace, (str, PathLike)) else "the trace"
+            raise ScheduleConfigError(
+                f"{where} measured stages {sorted(samples)}, not the {num_stages} of this "
+                f"pipeline (a stage's costs depend on the cut): trace a run with -p {num_stages}"
             )
         per_stage = {
             stage: cls(**{**defaults, **_both_ways(_medians(kinds), defaults)})

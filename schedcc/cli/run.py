@@ -544,7 +544,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         args.num_stages,
         args.num_microbatches,
         num_chunks=chunks,
-        costs=CostModel.from_trace(args.costs_from),
+        costs=CostModel.from_trace(args.costs_from, num_stages=args.num_stages),
         memory=memory,
         memory_limit=limit,
         recompute=limit is not None,

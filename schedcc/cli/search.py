@@ -108,7 +108,7 @@ def run(args) -> int:
         raise ScheduleConfigError("--offload goes with --memory-limit (what the orders must fit)")
     if not args.class_name.isidentifier():
         raise ScheduleConfigError(f"--class-name must be a Python name, got {args.class_name!r}")
-    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), memory)
+    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from, args.num_stages), memory)
     extra = {name: get_schedule(name) for name in args.schedule}
     result = search(
         args.num_stages,

@@ -71,7 +71,7 @@ def add_stage_costs(parser) -> None:
 def run(args) -> int:
     shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks or [2]))
     memory = memory_flags.memory_of(args)
-    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from), memory)
+    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from, args.num_stages), memory)
     result = tune(
         _with_registered(args.schedule) if args.schedule else None,
         num_stages=args.num_stages,
@@ -95,15 +95,15 @@ def _with_registered(extra: list[str]) -> dict:
     return {**registered_classes(), **{name: get_schedule(name) for name in extra}}
 
 
-def costs_of(given: CostModel | None, trace: Path | None) -> CostModel:
-    """`--costs`, or the costs measured in `--costs-from` with `--costs` filling the kinds the
-    trace lacks."""
+def costs_of(given: CostModel | None, trace: Path | None, num_stages: int) -> CostModel:
+    """`--costs`, or the costs measured in `--costs-from` (a run of `num_stages` stages) with
+    `--costs` filling the kinds the trace lacks."""
     if trace is None:
         return given or CostModel()
     defaults = {}
     if given is not None:
         defaults = {name: getattr(given, name) for name in cost_fields()}
-    return CostModel.from_trace(trace, **defaults)
+    return CostModel.from_trace(trace, num_stages=num_stages, **defaults)
 
 
 def ranking_table(result: TuneResult) -> str:

@@ -21,7 +21,14 @@ from pathlib import Path
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import SENDS, Comm, Instruction
 
-__all__ = ["chrome_trace", "comm_flows", "read_chrome_trace", "save", "write_chrome_trace"]
+__all__ = [
+    "chrome_trace",
+    "comm_flows",
+    "read_chrome_trace",
+    "save",
+    "track_stage",
+    "write_chrome_trace",
+]
 
 _CATEGORY = {"compute": "compute", "comm": "comm", "update": "update", "copy": "copy"}
 #: The copy lane of stage s is track `_COPY_TRACK + s`.
@@ -95,6 +102,11 @@ def chrome_trace(
     if metadata:
         trace["otherData"] = dict(metadata)
     return trace
+
+
+def track_stage(tid: int) -> int:
+    """The stage a track (`tid`) belongs to: its own, or the stage whose copy lane it is."""
+    return tid - _COPY_TRACK if tid >= _COPY_TRACK else tid
 
 
 def _track_name(tid: int) -> str:

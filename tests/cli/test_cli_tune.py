@@ -102,6 +102,24 @@ def test_costs_from_trace(tmp_path, capsys):
     assert [mine[key] / base[key] for key in base] == pytest.approx([0.01] * len(base))
 
 
+def test_a_trace_of_another_depth_is_one_line(tmp_path, capsys):
+    """`tune`, `search` and `run --schedule search` with a trace of 2 stages at -p 3: one line
+    naming the stages measured, exit 2 (its stages' costs are for another cut)."""
+    events = [
+        {"name": name, "ph": "X", "ts": 0, "dur": 10, "pid": 0, "tid": stage}
+        for stage in range(2)
+        for name in ("F0", "B0")
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(events))
+    closed_loop = ["run", "--schedule", "search", "--model", "mlp"]
+    for command in (["tune"], ["search", "-m", "4"], closed_loop):
+        assert main([*command, "-p", "3", "--costs-from", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        assert "measured stages [0, 1], not the 3 of this pipeline" in err[0]
+
+
 def test_chunks_share_the_stage_cost():
     """A chunk costs 1/v of a stage: interleaved 1F1B does the same work as 1F1B per stage."""
     schedules = {"interleaved-1f1b": get_schedule("interleaved-1f1b")}

@@ -169,6 +169,28 @@ def test_costs_read_back_from_a_trace_equal_the_costs_simulated(tmp_path):
     assert measured.at(2).forward == 1.5
 
 
+def test_a_trace_with_copy_lanes_reads_them_as_their_stages(tmp_path):
+    """An offloading run's trace draws each stage's copies on a track of their own: they are
+    that stage's offload and reload costs, not another stage's."""
+    costs = CostModel(offload=0.5, reload=0.25, per_stage={1: CostModel(offload=0.75)})
+    program = schedcc.compile(schedcc.get_schedule("1f1b-offload")(3, 8))  # stages 0, 1 copy
+    path = schedcc.simulate(program, costs).to_chrome_trace(tmp_path / "t.json")
+    measured = CostModel.from_trace(path, num_stages=3)
+    assert sorted(measured.per_stage) == [0, 1, 2]
+    assert (measured.at(0).offload, measured.at(0).reload) == (0.5, 0.25)
+    assert measured.at(1).offload == 0.75
+
+
+def test_a_trace_of_another_depth_is_refused_when_the_depth_is_given(tmp_path):
+    """`num_stages=` checks the trace measured exactly those stages: a stage's costs depend on
+    how the model was cut, so a 3-stage trace read for 2 or 4 stages is a config error."""
+    path = timeline_of("1f1b", 3, 6).to_chrome_trace(tmp_path / "t.json")
+    assert sorted(CostModel.from_trace(path, num_stages=3).per_stage) == [0, 1, 2]
+    for wrong in (2, 4):
+        with pytest.raises(ScheduleConfigError, match=rf"stages \[0, 1, 2\], not the {wrong}"):
+            CostModel.from_trace(path, num_stages=wrong)
+
+
 def test_from_trace_reads_a_process_per_stage_trace_in_seconds():
     """Events whose pid is the stage and dur in microseconds give costs in the unit asked for."""
     events = [
