@@ -12,6 +12,7 @@ import argparse
 
 from schedcc.costs import FIELD_OF_CODE, CostModel, cost_fields
 from schedcc.errors import ScheduleConfigError
+from schedcc.registry import get_schedule
 
 __all__ = [
     "COST_KEYS",
@@ -120,8 +121,11 @@ def add_schedule(parser, *, default: str | None = None, required=False, many=Fal
     parser.add_argument("--schedule", default=default, required=required, metavar="NAME", help=text)
 
 
-def add_stages(parser, *, default: int | None = None, required: bool = False) -> None:
-    """`-p/--num-stages P`."""
+def add_stages(
+    parser, *, default: int | None = None, required: bool = False, found: int | None = None
+) -> None:
+    """`-p/--num-stages P` (`found`: the default unless the schedule is a found order, whose
+    own shape `fill_shape` takes)."""
     parser.add_argument(
         "-p",
         "--num-stages",
@@ -129,16 +133,30 @@ def add_stages(parser, *, default: int | None = None, required: bool = False) ->
         default=default,
         required=required,
         metavar="P",
-        help="pipeline stages",
+        help="pipeline stages" + _found_default(found),
     )
 
 
-def add_microbatches(parser, *, default=None, many: bool = False) -> None:
-    """`-m/--num-microbatches M` (with `many`: `M,...`, a list to try)."""
+def fill_shape(args, schedule: str | None, *, num_stages: int, num_microbatches: int) -> None:
+    """`-p` and `-m` left out (None): a found order's own (`FoundOrder.shape`, the one shape it
+    runs at), else `num_stages` and `num_microbatches`."""
+    from schedcc.search import FoundOrder
+
+    cls = None if schedule is None else get_schedule(schedule)
+    own = cls.shape[:2] if isinstance(cls, type) and issubclass(cls, FoundOrder) else None
+    if args.num_stages is None:
+        args.num_stages = num_stages if own is None else own[0]
+    if args.num_microbatches is None:
+        args.num_microbatches = num_microbatches if own is None else own[1]
+
+
+def add_microbatches(parser, *, default=None, many: bool = False, found: int | None = None):
+    """`-m/--num-microbatches M` (with `many`: `M,...`, a list to try; `found` as in
+    `add_stages`)."""
     kind = (int_list if many else _bounded)(MAX_MICROBATCHES, "microbatches")
     metavar = "M,..." if many else "M"
     text = "microbatch counts to try" if many else "microbatches per batch"
-    text += _default(default)
+    text += _default(default) + _found_default(found)
     parser.add_argument(
         "-m", "--num-microbatches", type=kind, default=default, metavar=metavar, help=text
     )
@@ -186,6 +204,10 @@ def add_parallel(parser, *, dp_default: int | None = 1, zero_choices=(0, 1, 2, 3
 def add_costs(parser, *, default: CostModel | None, help: str) -> None:
     """`--costs K=V,...`."""
     parser.add_argument("--costs", type=parse_costs, default=default, metavar="K=V,...", help=help)
+
+
+def _found_default(value: int | None) -> str:
+    return "" if value is None else f" (default {value}, or a found order's own)"
 
 
 def _default(value) -> str:

@@ -115,8 +115,8 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     shared.add_schedule(parser, default="1f1b")
-    shared.add_stages(parser, default=2)
-    shared.add_microbatches(parser, default=8)
+    shared.add_stages(parser, found=2)
+    shared.add_microbatches(parser, found=8)
     shared.add_chunks(parser)
     shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1, 2, 3))
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
@@ -421,8 +421,10 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
     if not 0 <= args.warmup <= args.steps:
         raise UsageError(f"--warmup must be 0 to --steps ({args.steps}) steps, got {args.warmup}")
     if args.schedule == "search":
+        shared.fill_shape(args, None, num_stages=2, num_microbatches=8)
         args.schedule, args.num_chunks = _searched(args, under_torchrun)
     else:
+        shared.fill_shape(args, args.schedule, num_stages=2, num_microbatches=8)
         for flag, given in (
             ("--costs-from", args.costs_from is not None),
             ("--search-memory-limit", args.search_memory_limit is not None),

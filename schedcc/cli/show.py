@@ -42,8 +42,8 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     shared.add_schedule(parser, required=True)
-    shared.add_stages(parser, default=4)
-    shared.add_microbatches(parser, default=8)
+    shared.add_stages(parser, found=4)
+    shared.add_microbatches(parser, found=8)
     shared.add_chunks(parser)
     shared.add_batches(parser, default=1)
     parser.add_argument(
@@ -99,6 +99,7 @@ def register(subparsers) -> None:
 
 def build(args):
     """The schedule instance the shape arguments describe (size-checked)."""
+    shared.fill_shape(args, args.schedule, num_stages=4, num_microbatches=8)
     schedule = build_schedule(
         get_schedule(args.schedule),
         args.num_stages,

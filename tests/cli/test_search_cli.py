@@ -20,7 +20,8 @@ from schedcc.sizes import parse_size
 
 def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_path, capsys):
     """The first line names the makespan and the bound, the ranking lists the found order and
-    the built-ins, the drawing has a row per stage; `--out` writes a file `verify` passes."""
+    the built-ins, the drawing has a row per stage; `--out` writes a file `verify` passes and
+    `show` draws at its own shape."""
     out = tmp_path / "my_order.py"
     argv = ["search", "-p", "3", "-m", "4", "--memory-limit", "2", "--recompute"]
     assert main([*argv, "--time-limit", "3", "--out", str(out), "--class-name", "Mine"]) == 0
@@ -37,6 +38,9 @@ def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_
     p, m, v = cls.shape
     verify = ["verify", "--schedule", f"{out}:Mine", "-p", str(p), "-m", str(m), "-v", str(v)]
     assert main(verify) == 0
+    capsys.readouterr()
+    assert main(["show", "--schedule", f"{out}:Mine"]) == 0  # its own shape, -p -m -v left out
+    assert "stage 2 |" in capsys.readouterr().out
 
 
 def test_offload_places_copies_the_written_file_keeps(tmp_path, capsys):
@@ -112,13 +116,13 @@ def test_costs_from_a_trace_of_a_slow_last_stage(tmp_path, capsys):
 
 
 def test_run_trains_the_written_file_exactly(tmp_path, capsys):
-    """`schedcc run --schedule FILE:Found` trains the found order on two processes (gloo) and
-    `--check` finds it equal to non-pipelined training."""
+    """`schedcc run --schedule FILE:Found` trains the found order on two processes (gloo), at
+    its own shape when `-p`, `-m` and `-v` are left out, and `--check` finds it equal to
+    non-pipelined training."""
     out = tmp_path / "found.py"
-    assert main(["search", "-p", "2", "-m", "8", "--time-limit", "3", "--out", str(out)]) == 0
+    assert main(["search", "-p", "2", "-m", "4", "--time-limit", "3", "--out", str(out)]) == 0
     capsys.readouterr()
-    v = get_schedule(f"{out}:Found").shape[2]
-    argv = ["--schedule", f"{out}:Found", "-p", "2", "-m", "8", "-v", str(v), "--steps", "3"]
+    argv = ["--schedule", f"{out}:Found", "--steps", "3"]
     argv += ["--check", "--model", "mlp", "--p2p", "gloo"]
     result = subprocess.run(
         [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
@@ -128,7 +132,7 @@ def test_run_trains_the_written_file_exactly(tmp_path, capsys):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr
-    assert "Found(p=2, m=8" in result.stdout
+    assert "Found(p=2, m=4" in result.stdout
     assert ": ok" in result.stdout
 
 
