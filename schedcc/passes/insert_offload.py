@@ -18,7 +18,9 @@ says (as `recompute=` does): `True` (every forward it can), a collection of stag
 that share of them, spread evenly over its program, so that its peak drops by about that share:
 PipeOffload's selective offload), or
 `ByteLimit(max_bytes, memory)` (on each stage, until its device activation bytes fit: at each
-point over the limit, the forward held there that comes back last).
+point over the limit, the forward held there that comes back last; where none is left, a reload
+that waits right before its backward instead of overlapping the compute ahead: [Note: a late
+reload]).
 
 A schedule may yield its own `Offload`s and `Reload`s (`1f1b-offload` does): insert_comm keeps
 each where the schedule put it relative to its computes (`detach_copies`, `attach_copies`), and
@@ -168,20 +170,29 @@ def insert_offload(program: Program, policy: Policy | _Fraction | ByteLimit) -> 
     stages = []
     for s, ops in enumerate(program.stages):
         where = _Where(ops)
-        points = {
-            key: copies
-            for key, copies in offload_points(ops).items()
-            if _fits(ops, copies, where)
-        }
-        chosen = _choose(program, s, ops, points, policy)
-        anchors = [anchor for key in chosen for anchor in points[key]]
+        points = _fitting(ops, offload_points(ops), where)
+        if isinstance(policy, ByteLimit):
+            late = _fitting(ops, offload_points(ops, late=True), where)
+            copies = _within(program, s, ops, points, late, policy, where)
+        else:
+            copies = {key: points[key] for key in _choose(s, points, policy)}
+        anchors = [anchor for pair in copies.values() for anchor in pair]
         stages.append(attach_copies(ops, anchors, where) if anchors else ops)
     return program.evolve(stages=tuple(stages))
 
 
-def offload_points(ops: Sequence[Instruction]) -> dict[tuple[int, int], tuple[Anchor, Anchor]]:
+def _fitting(ops, points, where: _Where) -> dict:
+    """The `points` whose copies leave a compute between them."""
+    return {key: copies for key, copies in points.items() if _fits(ops, copies, where)}
+
+
+def offload_points(
+    ops: Sequence[Instruction], *, late: bool = False
+) -> dict[tuple[int, int], tuple[Anchor, Anchor]]:
     """Per `(microbatch, chunk)` one stage's program can offload (see the module docstring),
-    the anchors of its `O` and its `L`, in the order of the forwards.
+    the anchors of its `O` and its `L`, in the order of the forwards; with `late`, the `L` right
+    before the backward itself (before its pair's forward), which then waits for the copy
+    ([Note: a late reload]).
 
     >>> from schedcc.ir import parse
     >>> points = offload_points([parse(op) for op in "F0 F1 F2 B2 B1 B0".split()])
@@ -189,6 +200,8 @@ def offload_points(ops: Sequence[Instruction]) -> dict[tuple[int, int], tuple[An
     [(0, 0), (1, 0)]
     >>> points[1, 0]  # after F1, and before B2, the compute ahead of B1
     ((Offload(microbatch=1, chunk=0), 1, True), (Reload(microbatch=1, chunk=0), 3, False))
+    >>> offload_points([parse(op) for op in "F0 F1 F2 B2 B1 B0".split()], late=True)[1, 0][1]
+    (Reload(microbatch=1, chunk=0), 4, False)
     """
     computes = [op for op in ops if isinstance(op, Compute)]
     kept_input = recomputed(ops)
@@ -204,9 +217,11 @@ def offload_points(ops: Sequence[Instruction]) -> dict[tuple[int, int], tuple[An
             if key in kept_input or key in already:
                 continue
             after = f + 1 if _pair_at(computes, f + 1) else f  # after the pair's `+B`
-            lead = n - 2 if _pair_at(computes, n) else n - 1  # ahead of the backward's pair
-            if _pair_at(computes, lead):
-                lead -= 1  # before a pair's forward
+            lead = n - 1 if _pair_at(computes, n) else n  # the backward (its pair's forward)
+            if not late:
+                lead -= 1  # the compute ahead of it
+                if _pair_at(computes, lead):
+                    lead -= 1  # before a pair's forward
             if lead - after >= 2:  # a compute runs while the bytes are on the host
                 copies = ((Offload(*key), after, True), (Reload(*key), lead, False))
                 found.append((f, key, copies))
@@ -223,14 +238,13 @@ def _pair_at(computes: Sequence[Instruction], n: int) -> bool:
     )
 
 
-def _choose(program, s, ops, points, policy) -> list[tuple[int, int]]:
-    """The `(microbatch, chunk)` stage s offloads, of those it can (`points`)."""
+def _choose(s, points, policy) -> list[tuple[int, int]]:
+    """The `(microbatch, chunk)` stage s offloads, of those it can (`points`), by a policy
+    other than `ByteLimit`."""
     keys = list(points)
     if isinstance(policy, _Fraction):  # spread evenly: the peak drops by about that share
         share = policy.share
         return [key for n, key in enumerate(keys) if ceil((n + 1) * share) > ceil(n * share)]
-    if isinstance(policy, ByteLimit):
-        return _within(program, s, ops, points, policy)
     wanted: dict[int, bool] = {}
     for _, c in keys:
         if c not in wanted:
@@ -238,9 +252,21 @@ def _choose(program, s, ops, points, policy) -> list[tuple[int, int]]:
     return [key for key in keys if wanted[key[1]]]
 
 
-def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
-    """Until stage s's device activation bytes fit `limit`: at the first point over it, offload
-    the forward held there whose reload is the latest (the one whose bytes stay away longest).
+# [Note: a late reload] A reload one compute ahead of its backward overlaps that compute, but
+# holds its bytes beside the compute's own: at one microbatch a stage, 1F1B's steady `F B` can
+# never fit by offloading alone (the reload for `B j` lands while `F k` runs). `ByteLimit` then
+# reloads later, right before the backward (after the `O` of the forward ahead of it, on the
+# same copy lane): the backward waits for the copy, and the stage holds one microbatch. It does
+# so only where a point is over the limit and nothing held there can go: first what the
+# overlapping reload allows, then a reload delayed, then a forward whose only room is before a
+# late reload.
+
+
+def _within(program, s, ops, points, late, limit: ByteLimit, where: _Where) -> dict:
+    """Until stage s's device activation bytes fit `limit`, at each point over it: offload the
+    forward held there whose reload is the latest (the one whose bytes stay away longest); where
+    none is left, delay the reload of one already back, or offload one whose only room is before
+    a late reload (`late`, [Note: a late reload]). Returns each chosen forward's copies.
 
     One walk over the stage's program with the copies chosen so far: each `O` placed before
     `ops[a]` (after the ones before it there, in the order chosen), each `L` before `ops[b]`
@@ -251,33 +277,51 @@ def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
     sizes = chunk_sizes(program, limit.memory, s, "activations")
     inputs = chunk_sizes(program, limit.memory, s, "inputs")
     max_bytes = limit.at(s)
-    where = _Where(ops)
     # on the host while the first `a` ops of `ops` have run but not the first `b`
     spans = {key: (where(off), where(back)) for key, (off, back) in points.items()}
+    lately = {key: (where(off), where(back)) for key, (off, back) in late.items()}
     base = held_bytes(ops, sizes, inputs)
-    chosen: list[tuple[int, int]] = []
-    taken: set[tuple[int, int]] = set()
+    chosen: dict[tuple[int, int], tuple[Anchor, Anchor]] = {}
     offloads: dict[int, list] = {}  # position -> the chosen forwards offloaded before it
     reloads: dict[int, list] = {}  # position -> the chosen forwards reloaded before it
+    back: set[tuple[int, int]] = set()  # chosen forwards reloaded early, before this point
     away = 0.0  # the bytes of chosen forwards on the host at this point of the walk
+
+    def take(pick, copies, span, before: int) -> float:
+        nonlocal away
+        chosen[pick] = copies
+        a, b = span
+        offloads.setdefault(a, []).append(pick)
+        reloads.setdefault(b, []).append(pick)
+        if a < before:
+            away += sizes[pick[1]]
+            return sizes[pick[1]]
+        return 0.0
 
     def settle(held: float, done: int, before: int) -> None:
         """Offload at this point (`done` of `ops` run) until it fits or nothing more can go; a
         pick whose `O` goes before `ops[before]` is off the device here already."""
         nonlocal away
         while held > max_bytes:
-            there = [k for k, (a, b) in spans.items() if a <= done < b and k not in taken]
-            if not there:
-                return  # nothing held at this point can go: on to the next one
-            pick = max(there, key=lambda k: spans[k][1])
-            chosen.append(pick)
-            taken.add(pick)
-            a, b = spans[pick]
-            offloads.setdefault(a, []).append(pick)
-            reloads.setdefault(b, []).append(pick)
-            if a < before:
+            there = [k for k, (a, b) in spans.items() if a <= done < b and k not in chosen]
+            if there:
+                pick = max(there, key=lambda k: spans[k][1])
+                held -= take(pick, points[pick], spans[pick], before)
+                continue
+            delayable = [k for k in back if lately[k][1] >= before]
+            if delayable:  # its late reload comes after this point: away again until then
+                pick = max(delayable, key=lambda k: lately[k][1])
+                back.discard(pick)
+                chosen[pick] = late[pick]
+                reloads.setdefault(lately[pick][1], []).append(pick)
                 away += sizes[pick[1]]
                 held -= sizes[pick[1]]
+                continue
+            there = [k for k, (a, b) in lately.items() if a <= done < b and k not in chosen]
+            if not there:
+                return  # nothing held at this point can go: on to the next one
+            pick = max(there, key=lambda k: lately[k][1])
+            held -= take(pick, late[pick], lately[pick], before)
 
     for x in range(len(ops) + 1):
         ahead = base[x - 1] if x else 0.0  # held after ops[x - 1], before the copies at x
@@ -287,10 +331,17 @@ def _within(program, s, ops, points, limit: ByteLimit) -> list[tuple[int, int]]:
             away += sizes[here[n][1]]
             n += 1
             settle(ahead - away, x, x)
-        for k in reloads.get(x, ()):  # a pick here reloads later
+        coming = reloads.get(x, [])  # a pick here reloads later; a delay lands later too
+        n = 0
+        while n < len(coming):
+            k = coming[n]
+            n += 1
             away -= sizes[k[1]]
+            if chosen[k] is points.get(k):  # reloaded early: a late reload could wait more
+                back.add(k)
             settle(ahead - away, x, x + 1)
         if x < len(ops):
+            back -= {k for k in back if lately[k][1] <= x}  # its backward ran
             settle(base[x] - away, x + 1, x + 1)
     return chosen
 

@@ -23,7 +23,7 @@ from strategies import PLAIN_BUILTINS
 from torch import nn
 
 import schedcc
-from schedcc import CostModel, MemoryModel, Offload, OffloadError, Reload, Schedule
+from schedcc import Backward, CostModel, MemoryModel, Offload, OffloadError, Reload, Schedule
 from schedcc.backends.local import Engine
 from schedcc.backends.reference import assert_matches_reference
 from schedcc.backends.run.launch import spawn
@@ -165,6 +165,37 @@ def test_measured_device_bytes_equal_the_bytes_model_at_every_instruction(name, 
     assert list(timeline.peak_activation_bytes) == engine.peak_activation_bytes
 
 
+@pytest.mark.parametrize(("name", "p"), [("1f1b", 3), ("gpipe", 3), ("1f1b", 4)])
+def test_one_microbatch_a_stage_fits_by_offloading_alone(name, p):
+    """A byte limit of one microbatch's activations on every stage fits 1F1B and GPipe by
+    offloading alone: a reload that cannot overlap the compute ahead waits right before its
+    backward ([Note: a late reload]). Measured on the engine the stages hold no more, and it
+    trains like non-pipelined training."""
+    m, size = 2 * p, 2
+    schedule = schedcc.get_schedule(name)(p, m)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m * size, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(m * size, 8, generator=gen, dtype=torch.float64)
+    segments = _width_segments(p)
+    memory = measure_memory(segments, x[:size], y[:size], mse)
+    limit = list(memory.activations)
+    program = schedcc.compile(schedule, offload=ByteLimit(limit, memory))
+    late = [  # an `L i` that the backward of i follows, comm aside
+        op
+        for ops in program.stages
+        for n, op in enumerate(ops)
+        if type(op) is Reload
+        and next(o for o in ops[n + 1 :] if type(o) not in _COMM) == Backward(op.microbatch)
+    ]
+    assert late
+    timeline = schedcc.simulate(program, CostModel(memory=memory))
+    assert list(timeline.peak_activation_bytes) == limit
+    engine = Engine(program, segments, mse, sgd)
+    engine.train_step(x, y)
+    assert engine.peak_activation_bytes == limit
+    assert_matches_reference(program, _width_segments(p), mse, sgd, [(x, y)])
+
+
 def test_1f1b_offload_halves_the_peak_at_the_same_speed():
     """1f1b-offload at p = 8, m = 32 (F = 1, B = 2, each copy 0.5): the peak device activation
     bytes are at most half of 1F1B's and the makespan within 5% of it, under both simulators."""
@@ -231,9 +262,16 @@ def test_the_offload_pass_only_lowers_device_activations(cls, p, m, offload):
 def test_a_byte_limit_offloads_only_what_a_point_over_it_needs(cls, p, m, sizes, limits):
     """`ByteLimit` with random sizes and one limit per stage: after the pass, every point of a
     stage's program still over its limit holds nothing more that could go (each forward held
-    there that can be offloaded is), and each forward offloaded is held at some point that is
-    over the limit without offloading."""
-    from schedcc.passes.insert_offload import _fits, _Where, attach_copies, offload_points
+    there that can be offloaded is, and none reloaded ahead of its backward could come back
+    later: [Note: a late reload]), and each forward offloaded is held, and each reload delayed
+    was back, at some point over the limit without them."""
+    from schedcc.passes.insert_offload import (
+        _fits,
+        _Where,
+        attach_copies,
+        detach_copies,
+        offload_points,
+    )
 
     shape = next((Shape(p, m, v, 1) for v in (1, 2) if Shape(p, m, v, 1).accepted_by(cls)), None)
     assume(shape is not None)
@@ -243,28 +281,41 @@ def test_a_byte_limit_offloads_only_what_a_point_over_it_needs(cls, p, m, sizes,
     program = schedcc.compile(schedule, offload=ByteLimit(limits[:p], memory))
     for s, ops in enumerate(plain.stages):
         where = _Where(ops)
-        points = {k: c for k, c in offload_points(ops).items() if _fits(ops, c, where)}
-        spans = {k: (where(off), where(back)) for k, (off, back) in points.items()}
-        chosen = {(op.microbatch, op.chunk) for op in program.stages[s] if type(op) is Offload}
+        early, late = (
+            {k: c for k, c in offload_points(ops, late=lt).items() if _fits(ops, c, where)}
+            for lt in (False, True)
+        )
+        span = {k: (where(off), where(back)) for k, (off, back) in late.items()}
+        back = {k: where(early[k][1]) for k in early}  # where an early reload goes
+        anchors = detach_copies(program.stages[s])[1]
+        chosen = {(copy.microbatch, copy.chunk) for copy, _, _ in anchors}
+        delayed = {k for k in chosen if late[k][1] in anchors}
         chunks = range(schedule.num_chunks)
         per_chunk = [memory.at("activations", schedule.segment_of(s, c)) for c in chunks]
 
-        def over(keys, ops=ops, points=points, where=where, per_chunk=per_chunk, s=s):
-            """How many of `ops` have run at each point over the limit, with `keys` offloaded."""
-            row = attach_copies(ops, [a for k in keys for a in points[k]], where)
-            inserted = {copy for k in keys for copy, _, _ in points[k]}
-            done, out = 0, []
+        def over(anchors, ops=ops, where=where, per_chunk=per_chunk, s=s):
+            """At each point over the limit with `anchors`: how many of `ops` have run, and
+            the forwards on the host there."""
+            row = attach_copies(ops, anchors, where)
+            inserted = {copy for copy, _, _ in anchors}
+            done, out, host = 0, [], set()
             for op, held in zip(row, held_bytes(row, per_chunk)):
                 done += op not in inserted
+                if op in inserted:
+                    (host.add if type(op) is Offload else host.discard)((op.microbatch, op.chunk))
                 if held > limits[s]:
-                    out.append(done)
+                    out.append((done, set(host)))
             return out
 
-        for done in over(chosen):
-            assert all(k in chosen for k, (a, b) in spans.items() if a <= done < b)
-        before = over(())
+        for done, host in over(anchors):
+            assert all(k in chosen for k, (a, b) in span.items() if a <= done < b)
+            early_back = {k for k in chosen - delayed - host if k in back}
+            assert not any(back[k] <= done < span[k][1] for k in early_back)
+        before = [done for done, _ in over([])]
         for k in chosen:
-            assert any(spans[k][0] <= done < spans[k][1] for done in before)
+            assert any(span[k][0] <= done < span[k][1] for done in before)
+        for k in delayed & set(back):  # at the end too: over before the late reload lands
+            assert any(back[k] <= done <= span[k][1] for done in before)
 
 
 class _Written(Schedule):
@@ -368,7 +419,7 @@ def test_offload_policies_pick_stages_chunks_fractions_and_bytes():
     assert peaks(fitted) == (40, 30)  # stage 1 fits already: it offloads nothing
     assert {s for s, _ in where(fitted)} == {0}
     assert 0 < _offloads(fitted) < _offloads(every)
-    assert peaks(schedcc.compile(schedule, offload=ByteLimit(20, memory))) == peaks(every)
+    assert peaks(schedcc.compile(schedule, offload=ByteLimit(20, memory))) == (20, 20)  # late
     per_stage = schedcc.compile(schedule, offload=ByteLimit([50, 20], memory))
     assert peaks(per_stage) == (50, peaks(every)[1])  # one limit per stage
     assert {s for s, _ in where(per_stage)} == {1}
