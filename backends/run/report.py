@@ -21,7 +21,14 @@ from schedcc.program import Program
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 from schedcc.sizes import format_size
 
-__all__ = ["Progress", "check_line", "dropout_line", "measured_runs", "summarize"]
+__all__ = [
+    "Progress",
+    "check_line",
+    "dropout_line",
+    "measured_runs",
+    "summarize",
+    "trained_dtype",
+]
 
 
 class Progress:
@@ -148,7 +155,7 @@ def summarize(
                 "schedule": repr(program.schedule),
                 "measured": True,
                 "device": "cuda" if torch.cuda.is_available() else "cpu",  # as the job chose
-                "memory": _microbatch_bytes(gathered),
+                "memory": {**_microbatch_bytes(gathered), "dtype": trained_dtype(config)},
             },
             unit_us=1e6,
         )
@@ -189,11 +196,18 @@ def summarize(
 # search --search-memory-limit 40MiB` searches within 40 MiB of activations a stage and the
 # run's own rows show that the order kept to it. Parameters, gradients and optimizer state are
 # left out (the limit is on activations alone, as on a device whose static bytes are known).
+# "dtype" says what the run trained in (`--check` trains in float64: twice fp32's bytes), and the
+# closed loop refuses a trace of another.
 # The sizes hold for the cut they were measured on: a search or tune counts bytes at v = 1 (a
 # chunk of v holding 1/v of its stage's, [Note: tune's units]), which a real cut at v = 2 does
 # not keep (each chunk saves its own boundaries: the MLP of `--model mlp` cut in 4 saves
 # 512, 512, 512 and 768 bytes a sample pair where the cut in 2 saves 768 and 1024), so a byte
 # limit from a trace takes a first run at v = 1 and searches v = 1 orders.
+
+
+def trained_dtype(config) -> str:
+    """What a run's activations are held in: `--check` trains in float64, else `--precision`."""
+    return "float64" if config.check else config.precision
 
 
 def _microbatch_bytes(gathered) -> dict[str, list[int]]:

@@ -9,6 +9,7 @@ import math
 import attrs
 
 from schedcc.costs import CostModel
+from schedcc.draw.chrome import read_chrome_trace
 from schedcc.errors import ScheduleConfigError
 from schedcc.memory_model import MemoryModel
 from schedcc.sizes import format_size, parse_size
@@ -106,11 +107,17 @@ def memory_of(args) -> MemoryModel | None:
     return memory
 
 
-def trace_memory(trace: str, num_stages: int, num_chunks) -> MemoryModel:
+def trace_memory(trace: str, num_stages: int, num_chunks, dtype: str | None = None) -> MemoryModel:
     """The bytes a run's trace records, for a byte limit on orders at v = 1 (`num_chunks`: the
-    chunks asked for, a list or None for the schedules' own), which they hold for
-    ([Note: a trace's bytes])."""
+    chunks asked for, a list or None for the schedules' own), which they hold for, in `dtype`
+    when given (what the run to fit trains in) ([Note: a trace's bytes])."""
     memory = MemoryModel.from_trace(trace)
+    measured = read_chrome_trace(trace)[1]["memory"].get("dtype")
+    if dtype is not None and measured is not None and measured != dtype:
+        raise ScheduleConfigError(
+            f"{trace} measured bytes of a run in {measured}, this one trains in {dtype} "
+            "(--check: float64): trace the first run as this one trains"
+        )
     segments = len(memory.activations)
     if segments != num_stages:
         raise ScheduleConfigError(

@@ -534,6 +534,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     limit = args.search_memory_limit
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
+    from schedcc.backends.run.report import trained_dtype
     from schedcc.costs import CostModel
     from schedcc.search import search
 
@@ -541,7 +542,8 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     memory = None
     if isinstance(limit, str):  # bytes: as measured, on the first run's cut at v = 1
         chunks = (1,) if args.num_chunks is None else chunks
-        memory = memory_flags.trace_memory(args.costs_from, args.num_stages, chunks)
+        dtype = trained_dtype(args)  # what the first run's bytes must have been measured in
+        memory = memory_flags.trace_memory(args.costs_from, args.num_stages, chunks, dtype)
     result = search(
         args.num_stages,
         args.num_microbatches,

@@ -278,7 +278,7 @@ def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
     """`tune` and `search --costs-from TRACE --memory-limit SIZE -v 1` without `--memory` count
     the activation bytes the trace records; a trace without them, one of a cut at v = 2, or
     orders at another v are one line and exit 2, in `run --schedule search
-    --search-memory-limit SIZE` too."""
+    --search-memory-limit SIZE` too, and there a trace of fp32 bytes for a `--check` run."""
     trace = _trace(tmp_path / "t.json", {"activations": [1024, 1024], "inputs": [0, 0]})
     argv = ["-p", "2", "-m", "4", "--costs-from", trace, "--memory-limit", "1KiB"]
     assert main(["search", *argv, "-v", "1", "--recompute", "--time-limit", "2"]) == 0
@@ -291,6 +291,8 @@ def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
     closed_loop = ["run", "--schedule", "search", "--costs-from", str(bare), "--model", "mlp"]
     closed_loop += ["--search-memory-limit", "1KiB"]
     four = _trace(tmp_path / "v2.json", {"activations": [1, 2, 3, 4], "inputs": [0, 0, 0, 0]})
+    fp32 = {"activations": [1024, 1024], "inputs": [0, 0], "dtype": "fp32"}
+    fp32 = _trace(tmp_path / "fp32.json", fp32)
     for mistake, says in (
         (["search", *argv, "--time-limit", "1"], "records no measured bytes"),
         (closed_loop, "records no measured bytes"),
@@ -298,6 +300,7 @@ def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
         (["tune", *argv[:5], trace, *argv[6:]], "holds for orders at v = 1"),  # each one's v
         (["search", *argv[:5], four, *argv[6:], "-v", "1"], "measured bytes on 4 segments"),
         ([*closed_loop[:4], four, *closed_loop[5:]], "measured bytes on 4 segments"),
+        ([*closed_loop[:4], fp32, *closed_loop[5:], "--check"], "fp32, this one trains in float64"),
     ):
         assert main(mistake) == 2
         err = capsys.readouterr().err.strip().splitlines()
