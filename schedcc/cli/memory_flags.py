@@ -1,5 +1,6 @@
-"""The memory flags of `schedcc show` and `schedcc tune`: `--recompute`, `--memory`,
-`--memory-limit` (a count of microbatches, or bytes such as 12GiB with `--memory`)."""
+"""The memory flags of `schedcc show`, `tune` and `search`: `--recompute`, `--memory`,
+`--memory-limit` (a count of microbatches, or bytes such as 12GiB with `--memory` or the bytes a
+`--costs-from` run trace records)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ __all__ = [
     "check_limit",
     "memory_limit",
     "memory_of",
-    "trace_memory",
     "parse_memory",
+    "trace_memory",
     "with_memory",
 ]
 
