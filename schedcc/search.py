@@ -936,10 +936,9 @@ class _Searcher:
         memory = self.costs.memory
         if memory is None:
             return [lim * family.num_chunks for lim in self.limits]  # chunk activations
-        v = family.num_chunks
-        scaled = memory.scaled(1 / v)
-        out = []
         place = family.segments(self.p)
+        scaled = _per_chunk(self.costs, family.share, [stage for stage, _ in place]).memory
+        out = []
         for s in range(self.p):
             fixed = 0.0
             for k, (stage, _) in enumerate(place):
@@ -1052,8 +1051,9 @@ class _ListScheduler:
     def __init__(self, p, m, family: _Family, costs: CostModel, budgets, recompute: bool):
         self.p, self.m, self.family = p, m, family
         v = family.num_chunks
-        scaled = _per_chunk(costs, v)
         self.place = family.segments(p)
+        # per-stage sizes follow each segment to its stage, as the simulated candidates' do
+        scaled = _per_chunk(costs, v, [stage for stage, _ in self.place])
         self.num_segments = len(self.place)
         self.cost = []
         for s, c in self.place:
@@ -1069,7 +1069,7 @@ class _ListScheduler:
                     "comm": model.comm,
                 }
             )
-        memory = costs.memory.scaled(1 / v) if costs.memory is not None else None
+        memory = scaled.memory
         if memory is None:
             self.act = [1.0] * self.num_segments
             self.inp = [0.0] * self.num_segments

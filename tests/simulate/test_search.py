@@ -343,3 +343,19 @@ def test_random_offloading_searches_fit_and_train_exactly(
         atol=1e-10,
     )  # fmt: skip
     assert difference <= 1e-10
+
+
+def test_list_scheduling_counts_each_segment_at_its_stages_size():
+    """Per-stage sizes follow each segment to its stage in list scheduling as in the simulated
+    candidates: the V puts chunk 1 of stage s on segment 2p - 1 - s, and each chunk holds half
+    its stage's bytes; its budgets leave out the parameters each stage holds."""
+    from schedcc.search import _ListScheduler, _Searcher
+
+    memory = MemoryModel(activations=[10, 20, 30], inputs=[2, 4, 6], parameters=[100, 0, 0])
+    costs = CostModel(memory=memory)
+    family = _Family(2, True, False)
+    scheduler = _ListScheduler(3, 6, family, costs, None, False)
+    assert scheduler.act == [5, 10, 15, 15, 10, 5]
+    assert scheduler.inp == [1, 2, 3, 3, 2, 1]
+    searcher = _Searcher(3, 6, costs, (500.0,) * 3, False, False, 1, 0, 0.0, None, None)
+    assert searcher._budgets(family) == [500 - 200, 500, 500]  # parameters and gradients
