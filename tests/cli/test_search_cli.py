@@ -148,36 +148,34 @@ def _schedcc_run(*argv: str) -> subprocess.CompletedProcess:
 
 def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     """The closed loop: a first run's trace in, `--schedule search --costs-from` searches for
-    its measured costs, prints the simulated step, and trains the found order exactly."""
+    its measured costs within a limit (in microbatches, recomputing or offloading; in the bytes
+    the trace records), prints the simulated step, and trains the found order exactly, its
+    measured peak activations within the byte limit."""
     trace = tmp_path / "first.json"
-    first = _schedcc_run("--steps", "2", "--model", "mlp", "--trace", str(trace))
+    first = _schedcc_run("--steps", "2", "--model", "mlp", "--trace", str(trace), "--check")
     assert first.returncode == 0, first.stderr
-    result = _schedcc_run(
-        "--schedule", "search", "--costs-from", str(trace), "--search-time", "2",
-        "--steps", "2", "--model", "mlp", "--check",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"search: simulated step [0-9.]+ ms \(lower bound", result.stdout)
-    assert "Found(p=2, m=8" in result.stdout
-    assert ": ok" in result.stdout
-    limited = _schedcc_run(  # within one microbatch a stage, recomputing or offloading
+    limited = _schedcc_run(  # within one microbatch a stage
         "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
         "--search-memory-limit", "1", "--search-offload", "--steps", "2", "--model", "mlp",
         "--check",
     )  # fmt: skip
     assert limited.returncode == 0, limited.stderr
+    assert re.search(r"search: simulated step [0-9.]+ ms \(lower bound", limited.stdout)
     assert "within 1 microbatches a stage" in limited.stdout
+    assert "Found(p=2, m=8" in limited.stdout
     assert ": ok" in limited.stdout
-    # in bytes: the first run's trace records one microbatch's per stage, and the run's own
-    # peak rows (measured) keep to the limit where the first run's order held more
+    # in bytes: the first run's trace records one microbatch's per stage (float64, as --check
+    # trains), and the run's own peak rows (measured) keep to the limit where 1F1B's were over
     sizes = json.loads(trace.read_text())["otherData"]["memory"]["activations"]
     limit = int(1.25 * max(sizes))
     in_bytes = _schedcc_run(
         "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
-        "--search-memory-limit", f"{limit}B", "--steps", "2", "--model", "mlp",
+        "--search-memory-limit", f"{limit}B", "--search-offload", "--steps", "2",
+        "--model", "mlp", "--check",
     )  # fmt: skip
     assert in_bytes.returncode == 0, in_bytes.stderr
     assert f"within {limit}B of activations a stage" in in_bytes.stdout
+    assert ": ok" in in_bytes.stdout
     assert max(_peaks(first.stdout)) > limit
     assert 0 < max(_peaks(in_bytes.stdout)) <= limit
 
