@@ -27,6 +27,7 @@ EPILOG = """examples:
   schedcc search -p 4 -m 8 --costs F=1,B=2,I=1,W=1,comm=0.1 --memory-limit 2 --recompute \
       --out my_order.py
   schedcc search -p 8 -m 32 --costs-from trace.json --time-limit 30
+  schedcc search -p 2 -m 8 --costs-from trace.json --memory-limit 512KiB -v 1 --recompute
   schedcc search -p 4 -m 8 --costs O=0.5,L=0.5 --memory-limit 1 --offload
   schedcc search -p 4 -m 8 --costs F=1,B=2,comm=1 --method exact --time-limit 20
   schedcc verify --schedule my_order.py:Found -p 4 -m 8 -v 2
