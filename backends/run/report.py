@@ -27,6 +27,7 @@ __all__ = [
     "dropout_line",
     "measured_runs",
     "summarize",
+    "trace_memory",
     "trained_dtype",
 ]
 
@@ -155,7 +156,7 @@ def summarize(
                 "schedule": repr(program.schedule),
                 "measured": True,
                 "device": "cuda" if torch.cuda.is_available() else "cpu",  # as the job chose
-                "memory": {**_microbatch_bytes(gathered), "dtype": trained_dtype(config)},
+                **trace_memory(program, config, gathered),
             },
             unit_us=1e6,
         )
@@ -197,12 +198,21 @@ def summarize(
 # run's own rows show that the order kept to it. Parameters, gradients and optimizer state are
 # left out (the limit is on activations alone, as on a device whose static bytes are known).
 # "dtype" says what the run trained in (`--check` trains in float64: twice fp32's bytes), and the
-# closed loop refuses a trace of another.
+# closed loop refuses a trace of another. A run with sequence parts records none: its graphs are
+# a part's, and a search counts whole microbatches.
 # The sizes hold for the cut they were measured on: a search or tune counts bytes at v = 1 (a
 # chunk of v holding 1/v of its stage's, [Note: tune's units]), which a real cut at v = 2 does
 # not keep (each chunk saves its own boundaries: the MLP of `--model mlp` cut in 4 saves
 # 512, 512, 512 and 768 bytes a sample pair where the cut in 2 saves 768 and 1024), so a byte
 # limit from a trace takes a first run at v = 1 and searches v = 1 orders.
+
+
+def trace_memory(program: Program, config, gathered) -> dict:
+    """The trace's `"memory"` record ([Note: a trace's bytes]): none for a run with sequence
+    parts, whose graphs each hold one part's activations, not a microbatch's."""
+    if program.schedule.num_parts > 1:
+        return {}
+    return {"memory": {**_microbatch_bytes(gathered), "dtype": trained_dtype(config)}}
 
 
 def trained_dtype(config) -> str:

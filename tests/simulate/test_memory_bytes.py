@@ -306,3 +306,24 @@ def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1
         assert says in err[0]
+
+
+def test_a_run_with_sequence_parts_records_no_bytes():
+    """A trace's bytes are one microbatch's per segment; a run with sequence parts holds a
+    part's per graph, so its trace records none (a byte limit from it is then refused)."""
+    from types import SimpleNamespace
+
+    from schedcc.backends.run.report import trace_memory
+
+    config = SimpleNamespace(check=False, precision="fp32")
+    gathered = [
+        {"stage": s, "dp": 0, "sizes": {s: {"activations": 10 * (s + 1), "inputs": 1}}}
+        for s in range(2)
+    ]
+    whole = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
+    assert trace_memory(whole, config, gathered) == {
+        "memory": {"activations": [10, 20], "inputs": [1, 1], "dtype": "fp32"}
+    }
+    parts = schedcc.compile(schedcc.get_schedule("seq1f1b")(2, 4))
+    assert parts.schedule.num_parts > 1
+    assert trace_memory(parts, config, gathered) == {}
