@@ -280,6 +280,7 @@ def _within(program, s, ops, points, late, limit: ByteLimit, where: _Where) -> d
     # on the host while the first `a` ops of `ops` have run but not the first `b`
     spans = {key: (where(off), where(back)) for key, (off, back) in points.items()}
     lately = {key: (where(off), where(back)) for key, (off, back) in late.items()}
+    held_early, held_late = _Held(spans), _Held(lately)
     base = held_bytes(ops, sizes, inputs)
     chosen: dict[tuple[int, int], tuple[Anchor, Anchor]] = {}
     offloads: dict[int, list] = {}  # position -> the chosen forwards offloaded before it
@@ -303,9 +304,8 @@ def _within(program, s, ops, points, late, limit: ByteLimit, where: _Where) -> d
         pick whose `O` goes before `ops[before]` is off the device here already."""
         nonlocal away
         while held > max_bytes:
-            there = [k for k, (a, b) in spans.items() if a <= done < b and k not in chosen]
-            if there:
-                pick = max(there, key=lambda k: spans[k][1])
+            pick = held_early.latest(done, chosen)
+            if pick is not None:
                 held -= take(pick, points[pick], spans[pick], before)
                 continue
             delayable = [k for k in back if lately[k][1] >= before]
@@ -317,10 +317,9 @@ def _within(program, s, ops, points, late, limit: ByteLimit, where: _Where) -> d
                 away += sizes[pick[1]]
                 held -= sizes[pick[1]]
                 continue
-            there = [k for k, (a, b) in lately.items() if a <= done < b and k not in chosen]
-            if not there:
+            pick = held_late.latest(done, chosen)
+            if pick is None:
                 return  # nothing held at this point can go: on to the next one
-            pick = max(there, key=lambda k: lately[k][1])
             held -= take(pick, late[pick], lately[pick], before)
 
     for x in range(len(ops) + 1):
@@ -337,13 +336,36 @@ def _within(program, s, ops, points, late, limit: ByteLimit, where: _Where) -> d
             k = coming[n]
             n += 1
             away -= sizes[k[1]]
-            if chosen[k] is points.get(k):  # reloaded early: a late reload could wait more
+            if chosen[k] == points.get(k):  # reloaded early: a late reload could wait more
                 back.add(k)
             settle(ahead - away, x, x + 1)
         if x < len(ops):
-            back -= {k for k in back if lately[k][1] <= x}  # its backward ran
             settle(base[x] - away, x + 1, x + 1)
     return chosen
+
+
+class _Held:
+    """Of `spans` (a key's `(a, b)`: on the host while the first `a` ops have run but not the
+    first `b`), those a point holds, swept along the walk's nondecreasing points: each call
+    looks at the keys live there only, not at every key."""
+
+    def __init__(self, spans: dict) -> None:
+        self._spans = spans
+        self._order = {key: n for n, key in enumerate(spans)}  # ties: the first forward
+        self._starts = sorted(spans, key=lambda key: spans[key][0])
+        self._next = 0
+        self._live: set = set()
+
+    def latest(self, done: int, chosen) -> tuple[int, int] | None:
+        """The key held after `done` ops, not in `chosen`, whose span ends last (None: none)."""
+        starts, spans = self._starts, self._spans
+        while self._next < len(starts) and spans[starts[self._next]][0] <= done:
+            self._live.add(starts[self._next])
+            self._next += 1
+        self._live = {k for k in self._live if spans[k][1] > done and k not in chosen}
+        if not self._live:
+            return None
+        return max(self._live, key=lambda k: (spans[k][1], -self._order[k]))
 
 
 def detach_copies(ops: Sequence[Instruction]) -> tuple[tuple[Instruction, ...], list[Anchor]]:
