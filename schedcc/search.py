@@ -933,8 +933,7 @@ class _Searcher:
         """Per stage, the activation units list scheduling may hold (None: unlimited)."""
         if self.limits is None:
             return None
-        memory = self.costs.memory
-        if memory is None:
+        if self.costs.memory is None:
             return [lim * family.num_chunks for lim in self.limits]  # chunk activations
         place = family.segments(self.p)
         scaled = _per_chunk(self.costs, family.share, [stage for stage, _ in place]).memory

@@ -26,8 +26,8 @@ __all__ = [
     "check_line",
     "dropout_line",
     "measured_runs",
+    "memory_record",
     "summarize",
-    "trace_memory",
     "trained_dtype",
 ]
 
@@ -156,7 +156,7 @@ def summarize(
                 "schedule": repr(program.schedule),
                 "measured": True,
                 "device": "cuda" if torch.cuda.is_available() else "cpu",  # as the job chose
-                **trace_memory(program, config, gathered),
+                **memory_record(program, config, gathered),
             },
             unit_us=1e6,
         )
@@ -207,7 +207,7 @@ def summarize(
 # limit from a trace takes a first run at v = 1 and searches v = 1 orders.
 
 
-def trace_memory(program: Program, config, gathered) -> dict:
+def memory_record(program: Program, config, gathered) -> dict:
     """The trace's `"memory"` record ([Note: a trace's bytes]): none for a run with sequence
     parts, whose graphs each hold one part's activations, not a microbatch's."""
     if program.schedule.num_parts > 1:

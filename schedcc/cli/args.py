@@ -126,6 +126,8 @@ def add_stages(
 ) -> None:
     """`-p/--num-stages P` (`found`: the default unless the schedule is a found order, whose
     own shape `fill_shape` takes)."""
+    if found is not None:
+        parser.set_defaults(found_stages=found)
     parser.add_argument(
         "-p",
         "--num-stages",
@@ -137,17 +139,17 @@ def add_stages(
     )
 
 
-def fill_shape(args, schedule: str | None, *, num_stages: int, num_microbatches: int) -> None:
+def fill_shape(args, schedule: str | None) -> None:
     """`-p` and `-m` left out (None): a found order's own (`FoundOrder.shape`, the one shape it
-    runs at), else `num_stages` and `num_microbatches`."""
+    runs at), else the `found=` defaults `add_stages` and `add_microbatches` were given."""
     from schedcc.search import FoundOrder
 
     cls = None if schedule is None else get_schedule(schedule)
     own = cls.shape[:2] if isinstance(cls, type) and issubclass(cls, FoundOrder) else None
     if args.num_stages is None:
-        args.num_stages = num_stages if own is None else own[0]
+        args.num_stages = args.found_stages if own is None else own[0]
     if args.num_microbatches is None:
-        args.num_microbatches = num_microbatches if own is None else own[1]
+        args.num_microbatches = args.found_microbatches if own is None else own[1]
 
 
 def add_microbatches(parser, *, default=None, many: bool = False, found: int | None = None):
@@ -157,6 +159,8 @@ def add_microbatches(parser, *, default=None, many: bool = False, found: int | N
     metavar = "M,..." if many else "M"
     text = "microbatch counts to try" if many else "microbatches per batch"
     text += _default(default) + _found_default(found)
+    if found is not None:
+        parser.set_defaults(found_microbatches=found)
     parser.add_argument(
         "-m", "--num-microbatches", type=kind, default=default, metavar=metavar, help=text
     )

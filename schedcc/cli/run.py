@@ -421,10 +421,10 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
     if not 0 <= args.warmup <= args.steps:
         raise UsageError(f"--warmup must be 0 to --steps ({args.steps}) steps, got {args.warmup}")
     if args.schedule == "search":
-        shared.fill_shape(args, None, num_stages=2, num_microbatches=8)
+        shared.fill_shape(args, None)
         args.schedule, args.num_chunks = _searched(args, under_torchrun)
     else:
-        shared.fill_shape(args, args.schedule, num_stages=2, num_microbatches=8)
+        shared.fill_shape(args, args.schedule)
         for flag, given in (
             ("--costs-from", args.costs_from is not None),
             ("--search-memory-limit", args.search_memory_limit is not None),

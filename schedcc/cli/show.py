@@ -99,7 +99,7 @@ def register(subparsers) -> None:
 
 def build(args):
     """The schedule instance the shape arguments describe (size-checked)."""
-    shared.fill_shape(args, args.schedule, num_stages=4, num_microbatches=8)
+    shared.fill_shape(args, args.schedule)
     schedule = build_schedule(
         get_schedule(args.schedule),
         args.num_stages,

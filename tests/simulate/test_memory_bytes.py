@@ -313,7 +313,7 @@ def test_a_run_with_sequence_parts_records_no_bytes():
     part's per graph, so its trace records none (a byte limit from it is then refused)."""
     from types import SimpleNamespace
 
-    from schedcc.backends.run.report import trace_memory
+    from schedcc.backends.run.report import memory_record
 
     config = SimpleNamespace(check=False, precision="fp32")
     gathered = [
@@ -321,9 +321,9 @@ def test_a_run_with_sequence_parts_records_no_bytes():
         for s in range(2)
     ]
     whole = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
-    assert trace_memory(whole, config, gathered) == {
+    assert memory_record(whole, config, gathered) == {
         "memory": {"activations": [10, 20], "inputs": [1, 1], "dtype": "fp32"}
     }
     parts = schedcc.compile(schedcc.get_schedule("seq1f1b")(2, 4))
     assert parts.schedule.num_parts > 1
-    assert trace_memory(parts, config, gathered) == {}
+    assert memory_record(parts, config, gathered) == {}
