@@ -284,7 +284,7 @@ def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
     assert main(["search", *argv, "-v", "1", "--recompute", "--time-limit", "2"]) == 0
     assert "peak bytes per stage [1.00 KiB, 1.00 KiB]" in capsys.readouterr().out
     assert main(["tune", *argv, "-v", "1", "--recompute", "--schedule", "1f1b"]) == 0
-    assert "1f1b" in capsys.readouterr().out
+    assert "over the memory limit: 1f1b m=4 v=1 (2.00 KiB)" in capsys.readouterr().out
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"traceEvents": json.loads(Path(trace).read_text())["traceEvents"]}))
     argv[5] = str(bare)
