@@ -19,9 +19,11 @@ samples, one batch (one length) for every step, SGD:
    F/I/W orders), the same with `split_backward=False` ("search F/B": only the kinds a 1F1B
    trace measures; `from_trace` reads its whole backwards split as I = W = B / 2, and, the
    trace being a CPU run's, overlapped pairs as run in order), the search within the byte
-   limit itself at v = 1 ("search in bytes", as `schedcc run --schedule search
+   limit itself ("search in bytes, cut in p", as `schedcc run --schedule search
    --search-memory-limit SIZE` calls it: the first run's measured bytes of one microbatch per
-   stage, `MemoryModel.from_trace`, count them), and every built-in that fits the
+   stage, `MemoryModel.from_trace`, count them, for orders of its cut: v = 1 and DualPipe;
+   "cut in 2p": the bytes one step of interleaved 1F1B at v = 2 measures, for orders at v = 2,
+   looped or V), and every built-in that fits the
    same limit at its fastest, as `schedcc search` ranks them: `schedcc.tune` over v = 1, 2, with and
    without full recomputation, the best fitting row of each built-in (weight-delayed orders,
    2BW, left out: `train_step` runs one flush step, they run several batches a program);
@@ -62,6 +64,7 @@ from schedcc.backends.run import gpt
 from schedcc.backends.run.launch import keep_freed_memory, spawn
 from schedcc.backends.runtime.tied import tied_groups
 from schedcc.costs import CostModel
+from schedcc.draw.chrome import cut_record
 from schedcc.memory_model import MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
 
@@ -119,25 +122,39 @@ class _Runner:
         return [float(b) for b in gathered]
 
 
-def _first_run(p: int, m: int, data, opts) -> tuple[CostModel, list[float], MemoryModel]:
+def _first_run(p: int, m: int, data, opts):
     """1F1B's measured costs (`CostModel.from_trace` of its events), peak bytes per stage and
     one microbatch's bytes per stage (`MemoryModel.from_trace` of what `schedcc run --trace`
-    records); with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never runs)."""
+    records); with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never runs).
+    And one microbatch's bytes per segment of the cut in 2p, as a first run of interleaved 1F1B
+    at v = 2 records them (one step)."""
     runner = _Runner(build_schedule(get_schedule("1f1b"), p, m), False, data)
     events = _traced(runner, opts)
     if opts.trace_split:
         events += _traced(_Runner(build_schedule(get_schedule("zb-h1"), p, m), False, data), opts)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (events, runner.engine.microbatch_bytes))
+    dist.all_gather_object(gathered, events)
+    at_two = build_schedule(get_schedule("interleaved-1f1b"), p, m, num_chunks=2)
+    interleaved = _Runner(at_two, False, data)
+    interleaved.step()
     with tempfile.TemporaryDirectory() as folder:  # read back as the closed loop reads its trace
         path = Path(folder) / "run.json"
-        events = [e for rank, _ in gathered for e in rank]
-        sizes = {k: size for _, rank in gathered for k, size in rank.items()}
-        memory = {f: [sizes[k][f] for k in sorted(sizes)] for f in ("activations", "inputs")}
-        path.write_text(
-            json.dumps({"traceEvents": events, "otherData": {"device": "cpu", "memory": memory}})
-        )
-        return CostModel.from_trace(path), runner.peak_bytes(), MemoryModel.from_trace(path)
+        events = [e for rank in gathered for e in rank]
+        metadata = {"device": "cpu", **_bytes_record(runner)}
+        path.write_text(json.dumps({"traceEvents": events, "otherData": metadata}))
+        costs, memory = CostModel.from_trace(path), MemoryModel.from_trace(path)
+        path.write_text(json.dumps({"traceEvents": [], "otherData": _bytes_record(interleaved)}))
+        return costs, runner.peak_bytes(), memory, MemoryModel.from_trace(path)
+
+
+def _bytes_record(runner: _Runner) -> dict:
+    """The `"cut"` and `"memory"` records `schedcc run --trace` writes of `runner`'s program:
+    one microbatch's bytes per segment, gathered from the ranks ([Note: a trace's bytes])."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, runner.engine.microbatch_bytes)
+    sizes = {k: size for rank in gathered for k, size in rank.items()}
+    memory = {f: [sizes[k][f] for k in sorted(sizes)] for f in ("activations", "inputs")}
+    return {"cut": cut_record(runner.engine.program.schedule), "memory": memory}
 
 
 def _traced(runner: _Runner, opts) -> list[dict]:
@@ -157,15 +174,16 @@ def _traced(runner: _Runner, opts) -> list[dict]:
 
 def _candidates(p: int, m: int, costs: CostModel, memory, in_bytes, opts) -> list[dict]:
     """The searched orders and each built-in's fastest fitting row, with their makespans (ms);
-    "search in bytes" searches v = 1 orders within `in_bytes` per stage, counted with `memory`,
-    the first run's measured bytes ([Note: a trace's bytes] in `backends.run.report`)."""
+    "search in bytes" searches orders within `in_bytes` per stage, counted with `memory`, the
+    measured bytes of the cut in p and in 2p ([Note: a trace's bytes] in
+    `backends.run.report`): each searches orders of its cut."""
     limit = p / 2
     rows = []
-    searches = (
-        ("search", {"split_backward": (False, True)}),
-        ("search F/B", {"split_backward": False}),
-        ("search in bytes", {"num_chunks": 1, "memory": memory, "memory_limit": in_bytes}),
-    )
+    searches = [("search", {"split_backward": (False, True)})]
+    searches.append(("search F/B", {"split_backward": False}))
+    for cut in memory:
+        args = {"num_chunks": (1, 2), "memory": cut, "memory_limit": in_bytes}
+        searches.append((f"search in bytes, cut in {cut.cut}", args))
     for label, args in searches:
         args = {"memory_limit": limit, **args}
         found = schedcc.search(
@@ -225,7 +243,7 @@ def _built(row: dict, p: int, m: int):
 
 def _shape(rank: int, p: int, m: int, opts) -> dict:
     data = _data()(m * MICROBATCH_SIZE)
-    costs, peaks, memory = _first_run(p, m, data, opts)
+    costs, peaks, *memory = _first_run(p, m, data, opts)
     # 1F1B's stage s holds p - s microbatches: p / 2 of them is this share of its peak
     limit = [b * (p / 2) / (p - s) for s, b in enumerate(peaks)]
     rows = None

@@ -48,6 +48,7 @@ from schedcc.memory_model import MemoryModel
 
 __all__ = [
     "ALL_KINDS",
+    "CHUNK_FIELDS",
     "FIELD_OF_CODE",
     "CostModel",
     "cost_fields",
@@ -74,6 +75,13 @@ _FIELD: dict[type[Instruction], str] = {
 }
 #: The same keyed by instruction code (`F`, `Tied`, ...), as `--costs` and `tune` name them.
 FIELD_OF_CODE = MappingProxyType({cls.code: field for cls, field in _FIELD.items()})
+#: The fields a chunk of a stage cut in v pays 1/v of (`schedcc.tune`, [Note: tune's units]):
+#: its computes and its copies (an offload moves 1/v of the bytes).
+CHUNK_FIELDS = (
+    *(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE),
+    "offload",
+    "reload",
+)
 ALL_KINDS = (*COMPUTE, *COMM, *COPY, *UPDATE)
 
 
@@ -299,10 +307,11 @@ class CostModel:
         events, metadata = read_chrome_trace(trace)
         if metadata.get("device") == "cpu":
             defaults = {"overlap": 1.0, **defaults}
+        replicas = _replicas(metadata.get("cut"))
         found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
         by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
-        samples: dict[int, dict[str, list[float]]] = {}
-        for event, kind in found:
+        samples: dict[int, dict[tuple[str, int], list[float]]] = {}
+        for event, (kind, chunk) in found:
             try:
                 track = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
                 stage = track if by_pid else track_stage(track)
@@ -311,7 +320,7 @@ class CostModel:
                 raise ScheduleConfigError(
                     f"trace event {event.get('name')!r}: its dur, pid and tid must be numbers"
                 ) from None
-            samples.setdefault(stage, {}).setdefault(kind, []).append(duration)
+            samples.setdefault(stage, {}).setdefault((kind, chunk), []).append(duration)
         if not samples:
             raise ScheduleConfigError(
                 "the trace has no complete ('X') events named like instructions (F3, B3.1, ...)"
@@ -323,14 +332,15 @@ class CostModel:
                 f"pipeline (a stage's costs depend on the cut): trace a run with -p {num_stages}"
             )
         per_stage = {
-            stage: cls(**{**defaults, **_both_ways(_medians(kinds), defaults)})
+            stage: cls(**{**defaults, **_both_ways(_medians(kinds, replicas), defaults)})
             for stage, kinds in samples.items()
         }
-        overall: dict[str, list[float]] = {}
+        overall: dict[tuple[str, int], list[float]] = {}
         for kinds in samples.values():
-            for kind, values in kinds.items():
-                overall.setdefault(kind, []).extend(values)
-        return cls(**{**defaults, **_both_ways(_medians(overall), defaults)}, per_stage=per_stage)
+            for key, values in kinds.items():
+                overall.setdefault(key, []).extend(values)
+        measured = _medians(overall, replicas)
+        return cls(**{**defaults, **_both_ways(measured, defaults)}, per_stage=per_stage)
 
 
 # [Note: a trace's backward both ways] A run of F/B orders measures whole backwards only, one of
@@ -349,7 +359,9 @@ def _both_ways(measured: dict[str, float], defaults: Mapping[str, float]) -> dic
     return out
 
 
-def _kind_of(event: object) -> str | None:
+def _kind_of(event: object) -> tuple[str, int] | None:
+    """The cost field an event measures and, for a chunk's compute or copy, its chunk (0 for
+    the others)."""
     if not isinstance(event, Mapping) or event.get("ph") != "X" or "dur" not in event:
         return None
     try:
@@ -357,13 +369,39 @@ def _kind_of(event: object) -> str | None:
     except ValueError:
         return None
     if isinstance(op, Comm):
-        return "comm"
+        return "comm", 0
     # a measured overlapped backward ran as a backward (the CPU backends run the pair in order)
-    return "backward" if isinstance(op, OverlappedBackward) else _FIELD[type(op)]
+    kind = "backward" if isinstance(op, OverlappedBackward) else _FIELD[type(op)]
+    return kind, op.chunk if kind in CHUNK_FIELDS else 0
 
 
-def _medians(kinds: Mapping[str, list[float]]) -> dict[str, float]:
-    return {kind: float(statistics.median(values)) for kind, values in kinds.items()}
+# [Note: a trace's cut] Costs are a stage's share of the model at v = 1 ([Note: tune's units]),
+# and a run at v chunks a stage times each chunk's computes apart, each on its part of that
+# share. So a trace is read back in those units: a stage's cost of a chunk's kind (computes,
+# copies) is the sum of its chunks' medians, the whole share, divided by the model replicas the
+# trace's cut record gives ("otherData" -> "cut", as `schedcc run --trace` writes it; DualPipe's
+# two chunks each run a replica's whole share, 1 without the record); comm and update kinds are
+# one median. At v = 1 it is each kind's median.
+def _replicas(cut: object) -> int:
+    """How many model replicas a trace's `cut` record says its run held (1 without one)."""
+    if cut is None:
+        return 1
+    replicas = cut.get("num_replicas") if isinstance(cut, Mapping) else None
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ScheduleConfigError(
+            f"trace: its cut record must give num_replicas, a positive integer; got {cut!r}"
+        )
+    return replicas
+
+
+def _medians(kinds: Mapping[tuple[str, int], list[float]], replicas: int) -> dict[str, float]:
+    """Each field's cost in a stage's units ([Note: a trace's cut]): per chunk a median, the
+    chunks of a chunk's kind summed over the replicas."""
+    out: dict[str, float] = {}
+    for (kind, _), values in sorted(kinds.items()):
+        share = replicas if kind in CHUNK_FIELDS else 1
+        out[kind] = out.get(kind, 0.0) + float(statistics.median(values)) / share
+    return out
 
 
 def cost_fields() -> tuple[str, ...]:

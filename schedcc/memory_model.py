@@ -61,6 +61,18 @@ def _checked(value: object) -> float:
     return float(parse_size(value))
 
 
+# [Note: a measured cut] Bytes measured on real segments (`MemoryModel.from_trace`,
+# `measure_memory`) are each segment's own, on the cut they were measured on. A cut in 2p does not
+# keep half of each segment of a cut in p (each segment saves its own boundaries: the MLP of
+# `schedcc run --model mlp` cut in 4 saves 512, 512, 512 and 768 bytes a sample pair where cut in 2
+# it saves 768 and 1024), and a V puts the loss segment on stage 0. So such a model carries its
+# `cut` (one replica's segments), and `tune` and `search` take its sizes as they are, each
+# segment its own, for programs that cut the model the same way (p * v / R segments a replica, in
+# any placement: looped, the V, DualPipe's two replicas of a cut in p); a program of another cut
+# is skipped by `tune` (with the reason) and not searched by `search`. Sizes given by hand (`cut`
+# None) are a stage's at v = 1 and each chunk holds 1/v of them ([Note: tune's units]).
+
+
 @attrs.frozen(slots=True)
 class MemoryModel:
     """Bytes per segment (see [Note: bytes per stage]).
@@ -76,12 +88,16 @@ class MemoryModel:
             `schedcc.rules.parts`), what each part's forward of a segment saves, one tuple of
             `k` sizes per segment (part j's includes what it saves of the carry it took), in
             place of `activations`; None: every part saves `activations`.
+        cut: the number of segments the sizes were measured on, one model replica's (`p * v /
+            R`), as `from_trace` and `measure_memory` set it ([Note: a measured cut]); None:
+            sizes given by hand.
 
     Each is one size for every segment, or a list with one per segment (model order, length
     `p * v`); a size is a number of bytes or a string with a unit ("64MiB").
 
     Raises:
-        ScheduleConfigError: a negative, non-numeric or unparsable size.
+        ScheduleConfigError: a negative, non-numeric or unparsable size, or a `cut` its lists
+            are not the length of.
     """
 
     activations: float | tuple[float, ...] = attrs.field(default=0.0, converter=_sizes)
@@ -92,6 +108,22 @@ class MemoryModel:
     part_activations: tuple[tuple[float, ...], ...] | None = attrs.field(
         default=None, converter=lambda value: _part_sizes(value)
     )
+    cut: int | None = attrs.field(default=None, kw_only=True)
+
+    @cut.validator
+    def _cut(self, attribute, value) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleConfigError(
+                f"MemoryModel.cut must be a positive number of segments or None, got {value!r}"
+            )
+        for field in (*SIZE_FIELDS, "part_activations"):
+            sizes = getattr(self, field)
+            if isinstance(sizes, tuple) and len(sizes) != value:
+                raise ScheduleConfigError(
+                    f"MemoryModel.{field} has {len(sizes)} sizes for a cut in {value} segments"
+                )
 
     @classmethod
     def from_trace(cls, trace: str | PathLike | Iterable[Mapping]) -> MemoryModel:
@@ -100,7 +132,8 @@ class MemoryModel:
         writes ([Note: a trace's bytes] in `schedcc.backends.run.report`). Parameters,
         gradients and optimizer state are 0, so a byte limit with this model is one on a
         stage's activations, as the run's "peak activations" rows count them. The sizes hold
-        for that cut: a run at v = 1 gives the per-stage sizes `search` and `tune` take.
+        for that cut (`cut`, [Note: a measured cut]): `search` and `tune` take them for orders
+        of a model cut the same way.
 
         Raises:
             ScheduleConfigError: the trace records no bytes (not written by `schedcc run
@@ -133,7 +166,7 @@ class MemoryModel:
                 f"trace: its measured bytes give {len(sizes['activations'])} segments' "
                 f"activations but {len(sizes['inputs'])} segments' inputs"
             )
-        return cls(**sizes)
+        return cls(**sizes, cut=len(sizes["activations"]))
 
     def part_sizes(self, segment: int) -> tuple[float, ...] | None:
         """What each sequence part's forward of `segment` saves, or None (see the Args)."""
@@ -186,4 +219,5 @@ class MemoryModel:
             part_activations=None
             if self.part_activations is None
             else tuple(times(parts) for parts in self.part_activations),
+            cut=self.cut,
         )

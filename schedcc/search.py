@@ -89,7 +89,7 @@ from schedcc.search_exact import available, require_ortools, solve_exact
 from schedcc.semantics import Layout
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
-from schedcc.tune import _per_chunk
+from schedcc.tune import _per_chunk, other_cut
 
 __all__ = [
     "EXACT_MAX_PAIRS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult", "lower_bound",
@@ -292,7 +292,9 @@ def search(
         costs: per-stage costs at v = 1, as `schedcc.tune` takes them ([Note: tune's units]: a
             chunk of two costs half); `CostModel.per_stage` for unequal stages,
             `CostModel.from_trace` for measured ones.
-        memory: the bytes per segment (at v = 1); default `costs.memory`.
+        memory: the bytes per stage at v = 1 ([Note: tune's units]), or measured per segment
+            (`MemoryModel.from_trace`, `measure_memory`: then only orders of the cut they were
+            measured on are searched, [Note: a measured cut]); default `costs.memory`.
         memory_limit: per stage (a number, or one per stage): with a memory model, the most
             bytes each stage may hold (`Timeline.peak_bytes`; sizes such as "12GiB" too);
             without one, the most microbatch activations, in whole-stage microbatches (1F1B's
@@ -358,6 +360,7 @@ def search(
         raise ScheduleConfigError(f"search: time_limit must be seconds > 0, got {time_limit!r}")
     limits = _limits(memory_limit, num_stages, costs.memory is not None)
     families = _families(num_stages, num_chunks, placement, split_backward)
+    sized = _sized(families, num_stages, costs.memory)
     method = _method(method, num_stages, num_microbatches, families, max_evaluations)
     share = 0.4 if method == "exact" else 1.0
     searcher = _Searcher(
@@ -378,16 +381,16 @@ def search(
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
     searcher.offload_seeds()
-    for left, family in zip(range(len(families), 0, -1), families):
+    for left, family in zip(range(len(sized), 0, -1), sized):
         searcher.list_schedule(family, share=0.5 / left)
     searcher.improve()
     if method == "exact" and searcher.best is not None:
         left = max(started + time_limit - time.monotonic(), 0.25 * time_limit)
-        searcher.exact(families, time.monotonic() + left, seed)
+        searcher.exact(sized, time.monotonic() + left, seed)
     best = searcher.final()
     if best is None:
         raise ScheduleConfigError(searcher.nothing_fits())
-    bound, bound_from = searcher.bound(families, best)
+    bound, bound_from = searcher.bound(sized, best)
     return SearchResult(
         schedule=best.program.schedule,
         program=best.program,
@@ -502,6 +505,24 @@ def _families(num_stages, num_chunks, placement, split) -> list[_Family]:
     return list(dict.fromkeys(found))
 
 
+def _sized(families: list[_Family], num_stages: int, memory: MemoryModel | None) -> list[_Family]:
+    """The placements measured bytes hold for ([Note: a measured cut]): all of them for sizes
+    given by hand; with none, a `ScheduleConfigError` naming the chunk count to search."""
+    sized = [f for f in families if other_cut(memory, num_stages, f.share) is None]
+    if not sized:
+        assert memory is not None
+        assert memory.cut is not None
+        cut, searched = memory.cut, sorted({f.num_chunks for f in families})
+        chunks = f"v = {cut // num_stages}" if cut % num_stages == 0 else "no chunk count"
+        raise ScheduleConfigError(
+            f"search: the bytes were measured on a model cut in {cut} segments, and orders at "
+            f"v = {', '.join(map(str, searched))} on {num_stages} stages cut it in "
+            f"{', '.join(str(num_stages * v) for v in searched)}: search {chunks} (the cut of "
+            "the run that measured them), or measure the bytes on this cut"
+        )
+    return sized
+
+
 def _limits(memory_limit, num_stages: int, in_bytes: bool) -> tuple[float, ...] | None:
     if memory_limit is None:
         return None
@@ -580,8 +601,8 @@ class _Searcher:
         `program` of it; the candidate if it fits (the best so far if it is faster), or fits
         once offloaded where the search may offload, else None."""
         key = (family.num_chunks, family.vshape, orders)
-        if key in self.seen:
-            return None
+        if key in self.seen or other_cut(self.costs.memory, self.p, family.share) is not None:
+            return None  # timed before, or of a cut the measured bytes do not hold for
         self.seen.add(key)
         self.evaluations += 1
         began = time.monotonic()

@@ -14,10 +14,12 @@ is counted the same way: a chunk's activations are 1/v of a stage's, so `peak_ac
 the peak number of held chunk activations divided by v, in microbatches of a whole stage (1F1B's
 stage 0 holds p); a `MemoryModel` in the costs is likewise a stage's sizes at v = 1 (a list
 holds one per stage, and each segment takes the size of the stage that runs it, looped or V),
-each chunk holding 1/v of them. Ranking by `makespan / m` compares throughput at a fixed
-microbatch size, and equally step time at a fixed global batch when costs scale linearly with
-the microbatch size. A schedule with R model replicas (DualPipe, [Note: replicas]) holds v / R
-chunks of one replica per stage, so each chunk runs R/v of the share.
+each chunk holding 1/v of them; bytes measured on real segments are each segment's own instead,
+for programs of the cut they were measured on ([Note: a measured cut]). Ranking by `makespan /
+m` compares throughput at a fixed microbatch size, and equally step time at a fixed global batch
+when costs scale linearly with the microbatch size. A schedule with R model replicas (DualPipe,
+[Note: replicas]) holds v / R chunks of one replica per stage, so each chunk runs R/v of the
+share.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from schedcc.compiler import compile
-from schedcc.costs import FIELD_OF_CODE, CostModel
+from schedcc.costs import CHUNK_FIELDS, CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
-from schedcc.ir import COMPUTE, Recompute
+from schedcc.ir import Recompute
 from schedcc.memory_model import SIZE_FIELDS, MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
 from schedcc.schedule import Schedule, ScheduleCodeError
@@ -43,12 +45,6 @@ __all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
 #: The largest chunk count a default grid tries (the CLI's own limit).
 _MAX_CHUNKS = 64
 
-#: The cost fields a chunk pays 1/v of (see [Note: tune's units]): its computes and copies.
-_CHUNK_FIELDS = (
-    *(FIELD_OF_CODE[cls.code] for cls in COMPUTE if cls.code in FIELD_OF_CODE),
-    "offload",
-    "reload",
-)
 
 
 @attrs.frozen
@@ -85,7 +81,8 @@ class Candidate:
 
 @attrs.frozen
 class Skipped:
-    """A shape a schedule's constructor rejects, and its reason."""
+    """A shape a schedule's constructor rejects, or one measured bytes do not hold for ([Note:
+    a measured cut]), and the reason."""
 
     schedule: str
     num_microbatches: int
@@ -280,6 +277,10 @@ class _Tuner:
             schedule = build_schedule(cls, self.num_stages, m, num_chunks=v)
         except ScheduleConfigError as exc:
             return Skipped(name, m, v, str(exc))
+        share = v // type(schedule).num_replicas  # the chunks of one model replica per stage
+        mismatch = other_cut(self.costs.memory, self.num_stages, share)
+        if mismatch is not None:
+            return Skipped(name, m, v, mismatch)
         if self.zero == 3 and schedule.weight_delay:
             return Skipped(name, m, v, "zero=3 keeps no whole stashed weights (weight delay)")
         if recompute and schedule.num_parts > 1:
@@ -301,7 +302,6 @@ class _Tuner:
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
-        share = v // type(schedule).num_replicas  # the chunks of one model replica per stage
         stage_of = Layout.of(schedule).stage_of
         return _measure(name, program, _per_chunk(self.costs, share, stage_of), share)
 
@@ -358,21 +358,36 @@ def _per_chunk(
     """`costs` with compute and copy costs and memory sizes divided by `num_chunks` (see
     [Note: tune's units]); given `stage_of` (the stage of each segment of a program), a
     `MemoryModel`'s per-stage sizes (one per stage) become the sizes of the segments each stage
-    runs."""
-    if stage_of is not None and costs.memory is not None:
-        costs = attrs.evolve(costs, memory=_placed(costs.memory, stage_of))
+    runs. Measured sizes (`MemoryModel.cut`) are each segment's own and stay as they are
+    ([Note: a measured cut])."""
+    memory = costs.memory
+    if memory is not None and memory.cut is None:
+        if stage_of is not None:
+            memory = _placed(memory, stage_of)
+        if num_chunks != 1:
+            memory = memory.scaled(1 / num_chunks)
     if num_chunks == 1:
-        return costs
+        return attrs.evolve(costs, memory=memory)
     scaled = {
         name: getattr(costs, name) / num_chunks
-        for name in _CHUNK_FIELDS
+        for name in CHUNK_FIELDS
         if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
     }
-    memory = costs.memory.scaled(1 / num_chunks) if costs.memory is not None else None
     return attrs.evolve(
         costs,
         **scaled,
         memory=memory,
         per_stage={s: _per_chunk(model, num_chunks) for s, model in costs.per_stage.items()},
         per_chunk={c: _per_chunk(model, num_chunks) for c, model in costs.per_chunk.items()},
+    )
+
+
+def other_cut(memory: MemoryModel | None, num_stages: int, share: int) -> str | None:
+    """Why measured sizes (`memory.cut`) do not hold for a program of `num_stages` stages with
+    `share` chunks of one model replica each, or None when they do ([Note: a measured cut])."""
+    if memory is None or memory.cut is None or memory.cut == num_stages * share:
+        return None
+    return (
+        f"its model is cut in {num_stages * share} segments (a replica's), the bytes were "
+        f"measured on a cut in {memory.cut}"
     )

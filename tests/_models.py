@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["WIDTH", "batches", "largest_difference", "make_segments", "mse", "sgd"]
+__all__ = [
+    "WIDTH", "batches", "largest_difference", "make_segments", "mse", "schedule_segments", "sgd",
+]
 
 WIDTH = 3
 
@@ -21,6 +23,13 @@ def make_segments(num_segments: int, *, seed: int = 0, width: int = WIDTH) -> li
             linear.bias.copy_(torch.randn(width, generator=gen, dtype=torch.float64))
         segments.append(nn.Sequential(linear, nn.Tanh()))
     return segments
+
+
+def schedule_segments(schedule, *, seed: int = 0) -> list[nn.Module]:
+    """`make_segments` for `schedule`'s segments: with model replicas (DualPipe), one replica's
+    segments repeated, each copy the same module (what `ReduceTied` keeps equal)."""
+    replicas = type(schedule).num_replicas
+    return make_segments(schedule.num_segments // replicas, seed=seed) * replicas
 
 
 def batches(num_batches: int, batch_size: int, *, seed: int = 1, width: int = WIDTH):

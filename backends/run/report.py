@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from schedcc.draw.chrome import comm_flows, write_chrome_trace
+from schedcc.draw.chrome import comm_flows, cut_record, write_chrome_trace
 from schedcc.ir import Comm
 from schedcc.program import Program
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 from schedcc.sizes import format_size
 
 __all__ = [
+    "BYTES_OF",
     "Progress",
+    "bytes_of",
     "check_line",
     "dropout_line",
     "measured_runs",
     "memory_record",
+    "other_bytes",
     "summarize",
-    "trained_dtype",
 ]
 
 
@@ -156,6 +158,7 @@ def summarize(
                 "schedule": repr(program.schedule),
                 "measured": True,
                 "device": "cuda" if torch.cuda.is_available() else "cpu",  # as the job chose
+                "cut": cut_record(program.schedule),
                 **memory_record(program, config, gathered),
             },
             unit_us=1e6,
@@ -189,41 +192,76 @@ def summarize(
     Console().print(table)
 
 
-# [Note: a trace's bytes] A run's trace records, per segment of the run's cut (model order, p·v
-# of them), the most one microbatch's forward saved for its backward and the bytes its input
-# took, under "otherData" -> "memory": {"activations": [...], "inputs": [...]}. They are measured
+# [Note: a trace's bytes] A run's trace records, per segment of one model replica of the run's cut
+# (model order, p·v / R of them), the most one microbatch's forward saved for its backward and
+# the bytes its input took, under "otherData" -> "memory": {"activations": [...], "inputs":
+# [...]}, and the cut under "cut" ([Note: a trace's cut] in `schedcc.costs`). They are measured
 # as the "peak activations" rows count (`backends.runtime.graphs`), so `MemoryModel.from_trace`
 # reads them back as a model in which a byte limit is one on those rows: `schedcc run --schedule
 # search --search-memory-limit 40MiB` searches within 40 MiB of activations a stage and the
 # run's own rows show that the order kept to it. Parameters, gradients and optimizer state are
 # left out (the limit is on activations alone, as on a device whose static bytes are known).
-# "dtype" says what the run trained in (`--check` trains in float64: twice fp32's bytes), and the
-# closed loop refuses a trace of another. A run with sequence parts records none: its graphs are
-# a part's, and a search counts whole microbatches.
-# The sizes hold for the cut they were measured on: a search or tune counts bytes at v = 1 (a
-# chunk of v holding 1/v of its stage's, [Note: tune's units]), which a real cut at v = 2 does
-# not keep (each chunk saves its own boundaries: the MLP of `--model mlp` cut in 4 saves
-# 512, 512, 512 and 768 bytes a sample pair where the cut in 2 saves 768 and 1024), so a byte
-# limit from a trace takes a first run at v = 1 and searches v = 1 orders.
+# The sizes hold for what the run trained: the record names it (`BYTES_OF`: the model, the
+# microbatch size, the dtype, as `--check` trains in float64, twice fp32's bytes, the tensor
+# parallel degree, layer recomputation, torch.compile), and the closed loop refuses a trace of
+# another. And they hold for the cut they were measured on ([Note: a measured cut] in
+# `schedcc.memory_model`): a search counts them for orders that cut the model the same way. A
+# run with sequence parts records none: its graphs are a part's, and a search counts whole
+# microbatches.
+
+#: What a microbatch's bytes depend on besides the cut: the run's fields a trace records beside
+#: them, and the flag that sets each ([Note: a trace's bytes]).
+BYTES_OF = {
+    "model": "--model",
+    "microbatch_size": "--microbatch-size",
+    "dtype": "--precision; --check trains in float64",
+    "tp": "--tp",
+    "recompute_layers": "--recompute-layers",
+    "compile": "--compile",
+}
 
 
 def memory_record(program: Program, config, gathered) -> dict:
     """The trace's `"memory"` record ([Note: a trace's bytes]): none for a run with sequence
     parts, whose graphs each hold one part's activations, not a microbatch's."""
-    if program.schedule.num_parts > 1:
+    schedule = program.schedule
+    if schedule.num_parts > 1:
         return {}
-    return {"memory": {**_microbatch_bytes(gathered), "dtype": trained_dtype(config)}}
+    length = schedule.num_segments // type(schedule).num_replicas
+    return {"memory": {**_microbatch_bytes(gathered, length), **bytes_of(config)}}
 
 
-def trained_dtype(config) -> str:
-    """What a run's activations are held in: `--check` trains in float64, else `--precision`."""
-    return "float64" if config.check else config.precision
+def bytes_of(config) -> dict:
+    """What a run's microbatch bytes depend on besides the cut (`BYTES_OF`), from its `Config`
+    or its `schedcc run` arguments."""
+    return {
+        "model": config.model,
+        "microbatch_size": config.microbatch_size,
+        "dtype": "float64" if config.check else config.precision,
+        "tp": config.tp or 1,
+        "recompute_layers": config.recompute_layers,
+        "compile": config.compile,
+    }
 
 
-def _microbatch_bytes(gathered) -> dict[str, list[int]]:
-    """Per segment, one microbatch's activation and input bytes ([Note: a trace's bytes])."""
+def other_bytes(trace: str, recorded: Mapping, config) -> str | None:
+    """Why the bytes `trace` recorded (its `"memory"` record) do not hold for a run of `config`
+    (`bytes_of`), or None ([Note: a trace's bytes])."""
+    ours = bytes_of(config)
+    for key, flag in BYTES_OF.items():
+        if key in recorded and recorded[key] != ours[key]:
+            return (
+                f"{trace} measured bytes of a run with {key} = {recorded[key]!r} ({flag}), this "
+                f"one has {ours[key]!r}: trace the first run as this one trains"
+            )
+    return None
+
+
+def _microbatch_bytes(gathered, length: int) -> dict[str, list[int]]:
+    """Per segment of one replica (the first `length`), one microbatch's activation and input
+    bytes ([Note: a trace's bytes])."""
     sizes = {k: size for g in gathered if g["dp"] == 0 for k, size in g["sizes"].items()}
-    segments = sorted(sizes)
+    segments = sorted(k for k in sizes if k < length)
     return {field: [sizes[k][field] for k in segments] for field in ("activations", "inputs")}
 
 

@@ -109,7 +109,9 @@ def measure_memory(
     cut into that many sequence parts along `seq_dim`, run part after part with their carries
     as the engines run them, and `part_activations` holds what each part's forward saves
     ([Note: sequence parts] in `schedcc.rules.parts`). `recompute_layers`: as the engines',
-    each segment keeping only every N-th layer boundary (`backends.runtime.segment_calls`).
+    each segment keeping only every N-th layer boundary (`backends.runtime.segment_calls`). The
+    model's `cut` is `len(segments)`: `tune` and `search` take its sizes for programs of that
+    cut ([Note: a measured cut] in `schedcc.memory_model`).
 
     >>> import torch
     >>> model = measure_memory([torch.nn.Linear(4, 4)], torch.ones(2, 4), torch.ones(2, 4),
@@ -144,7 +146,9 @@ def measure_memory(
         state.append(_optimizer_bytes(counted, optimizer) if optimizer is not None else 0)
         if k < last:
             value = receive(activation(out, segment=k)[0])[0]
-    return MemoryModel(activations=acts, parameters=params, optimizer=state, inputs=ins)
+    return MemoryModel(
+        activations=acts, parameters=params, optimizer=state, inputs=ins, cut=len(segments)
+    )
 
 
 def _measure_parts(segments, inputs, targets, loss_fn, optimizer, num_parts: int, seq_dim: int):
@@ -188,6 +192,7 @@ def _measure_parts(segments, inputs, targets, loss_fn, optimizer, num_parts: int
         optimizer=[_optimizer_bytes(ps, optimizer) if optimizer else 0 for ps in counted],
         inputs=ins,
         part_activations=parts,
+        cut=len(segments),
     )
 
 

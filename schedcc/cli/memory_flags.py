@@ -10,7 +10,6 @@ import math
 import attrs
 
 from schedcc.costs import CostModel
-from schedcc.draw.chrome import read_chrome_trace
 from schedcc.errors import ScheduleConfigError
 from schedcc.memory_model import MemoryModel
 from schedcc.sizes import format_size, parse_size
@@ -108,27 +107,26 @@ def memory_of(args) -> MemoryModel | None:
     return memory
 
 
-def trace_memory(trace: str, num_stages: int, num_chunks, dtype: str | None = None) -> MemoryModel:
-    """The bytes a run's trace records, for a byte limit on orders at v = 1 (`num_chunks`: the
-    chunks asked for, a list or None for the schedules' own), which they hold for, in `dtype`
-    when given (what the run to fit trains in) ([Note: a trace's bytes])."""
+def trace_memory(trace: str, num_stages: int, num_chunks) -> MemoryModel:
+    """The bytes a run's trace records, for a byte limit on orders that cut the model as that
+    run did ([Note: a measured cut]); `num_chunks`: the chunks per stage asked for (a list, or
+    None for each schedule's own), one of which must cut the model so (DualPipe's two chunks
+    at v = 2 are each a replica's whole share, a cut in p)."""
     memory = MemoryModel.from_trace(trace)
-    measured = read_chrome_trace(trace)[1]["memory"].get("dtype")
-    if dtype is not None and measured is not None and measured != dtype:
+    cut = memory.cut
+    assert cut is not None
+    if cut % num_stages:
         raise ScheduleConfigError(
-            f"{trace} measured bytes of a run in {measured}, this one trains in {dtype} "
-            "(--check: float64): trace the first run as this one trains"
+            f"{trace} measured bytes on a model cut in {cut} segments, which {num_stages} "
+            f"stages do not share evenly: take the trace of a first run with -p {num_stages}"
         )
-    segments = len(memory.activations)
-    if segments != num_stages:
+    asked = (1, 2) if num_chunks is None else tuple(num_chunks)
+    if not any(cut in (num_stages * v, num_stages * v // 2) for v in asked if v):
+        v = cut // num_stages
         raise ScheduleConfigError(
-            f"{trace} measured bytes on {segments} segments; a byte limit counts a stage's at "
-            f"v = 1: take the trace of a first run with -p {num_stages} -v 1"
-        )
-    if num_chunks is None or any(v != 1 for v in num_chunks):
-        raise ScheduleConfigError(
-            f"a byte limit with the bytes of {trace} holds for orders at v = 1, the cut they "
-            "were measured on: add -v 1"
+            f"{trace} measured bytes on a model cut in {cut} segments, v = {v} on {num_stages} "
+            f"stages, and the bytes hold for that cut: add -v {v}, or take the trace of a first "
+            f"run at -v {', '.join(map(str, asked))}"
         )
     return memory
 

@@ -534,16 +534,19 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     limit = args.search_memory_limit
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
-    from schedcc.backends.run.report import trained_dtype
+    from schedcc.backends.run.report import other_bytes
     from schedcc.costs import CostModel
+    from schedcc.draw.chrome import read_chrome_trace
     from schedcc.search import search
 
     chunks = (1, 2) if args.num_chunks is None else (args.num_chunks,)
     memory = None
-    if isinstance(limit, str):  # bytes: as measured, on the first run's cut at v = 1
-        chunks = (1,) if args.num_chunks is None else chunks
-        dtype = trained_dtype(args)  # what the first run's bytes must have been measured in
-        memory = memory_flags.trace_memory(args.costs_from, args.num_stages, chunks, dtype)
+    if isinstance(limit, str):  # bytes: as the first run measured them, for orders of its cut
+        memory = memory_flags.trace_memory(args.costs_from, args.num_stages, chunks)
+        recorded = read_chrome_trace(args.costs_from)[1]["memory"]
+        mismatch = other_bytes(args.costs_from, recorded, args)
+        if mismatch is not None:
+            raise ScheduleConfigError(mismatch)
     result = search(
         args.num_stages,
         args.num_microbatches,

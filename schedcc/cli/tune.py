@@ -162,7 +162,8 @@ def ranking_table(result: TuneResult) -> str:
         lines.append(f"over the memory limit: {dropped}")
     if result.skipped:
         lines.append(
-            f"skipped {len(result.skipped)} shapes a schedule rejects (--format json lists why)"
+            f"skipped {len(result.skipped)} shapes a schedule rejects or measured bytes do not "
+            "hold for (--format json lists why)"
         )
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from schedcc.ir import SENDS, Comm, Instruction
 __all__ = [
     "chrome_trace",
     "comm_flows",
+    "cut_record",
     "read_chrome_trace",
     "save",
     "track_stage",
@@ -175,9 +176,20 @@ def save(timeline, path: str | PathLike) -> Path:
         "num_parts": schedule.num_parts,
         "makespan": timeline.makespan,
         "bubble_fraction": timeline.bubble_fraction,
+        "cut": cut_record(schedule),
     }
     flows = comm_flows(timeline.program, timeline.events)
     return write_chrome_trace(timeline.events, path, flows=flows, metadata=metadata)
+
+
+def cut_record(schedule) -> dict[str, int]:
+    """A trace's `"cut"`: the stages, chunks per stage and model replicas of the program it
+    times (`CostModel.from_trace` reads its costs per stage with it, [Note: a trace's cut])."""
+    return {
+        "num_stages": schedule.num_stages,
+        "num_chunks": schedule.num_chunks,
+        "num_replicas": type(schedule).num_replicas,
+    }
 
 
 def comm_flows(program, events: Iterable[EventLike]) -> list[tuple[EventLike, EventLike]]:

@@ -150,10 +150,16 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     """The closed loop: a first run's trace in, `--schedule search --costs-from` searches for
     its measured costs within a limit (in microbatches, recomputing or offloading; in the bytes
     the trace records), prints the simulated step, and trains the found order exactly, its
-    measured peak activations within the byte limit."""
+    measured peak activations within the byte limit. The first run is interleaved (v = 2): its
+    trace records the cut, and the search in bytes finds an order of that cut."""
     trace = tmp_path / "first.json"
-    first = _schedcc_run("--steps", "2", "--model", "mlp", "--trace", str(trace), "--check")
+    first = _schedcc_run(
+        "--schedule", "interleaved-1f1b", "-v", "2", "--steps", "2", "--model", "mlp",
+        "--trace", str(trace), "--check",
+    )  # fmt: skip
     assert first.returncode == 0, first.stderr
+    recorded = json.loads(trace.read_text())["otherData"]
+    assert recorded["cut"] == {"num_stages": 2, "num_chunks": 2, "num_replicas": 1}
     limited = _schedcc_run(  # within one microbatch a stage
         "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
         "--search-memory-limit", "1", "--search-offload", "--steps", "2", "--model", "mlp",
@@ -164,10 +170,11 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert "within 1 microbatches a stage" in limited.stdout
     assert "Found(p=2, m=8" in limited.stdout
     assert ": ok" in limited.stdout
-    # in bytes: the first run's trace records one microbatch's per stage (float64, as --check
-    # trains), and the run's own peak rows (measured) keep to the limit where 1F1B's were over
-    sizes = json.loads(trace.read_text())["otherData"]["memory"]["activations"]
-    limit = int(1.25 * max(sizes))
+    # in bytes: the first run's trace records one microbatch's per segment (float64, as --check
+    # trains), and the run's own peak rows (measured) keep to the limit where the first run's
+    # were over: a quarter more than a stage's two segments of one microbatch
+    sizes = recorded["memory"]["activations"]
+    limit = int(1.25 * max(sizes[0] + sizes[2], sizes[1] + sizes[3]))
     in_bytes = _schedcc_run(
         "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
         "--search-memory-limit", f"{limit}B", "--search-offload", "--steps", "2",
@@ -175,6 +182,7 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     )  # fmt: skip
     assert in_bytes.returncode == 0, in_bytes.stderr
     assert f"within {limit}B of activations a stage" in in_bytes.stdout
+    assert "Found(p=2, m=8, v=2)" in in_bytes.stdout  # the cut the bytes were measured on
     assert ": ok" in in_bytes.stdout
     assert max(_peaks(first.stdout)) > limit
     assert 0 < max(_peaks(in_bytes.stdout)) <= limit

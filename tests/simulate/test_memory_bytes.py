@@ -247,7 +247,7 @@ def test_a_memory_model_from_a_trace_counts_activations_alone(tmp_path):
     gradients or optimizer state: a byte limit with it is one on activations."""
     trace = _trace(tmp_path / "t.json", {"activations": [1024, 2048], "inputs": [16, 32]})
     memory = MemoryModel.from_trace(trace)
-    assert memory == MemoryModel(activations=[1024, 2048], inputs=[16, 32])
+    assert memory == MemoryModel(activations=[1024, 2048], inputs=[16, 32], cut=2)
     timeline = _timeline("1f1b", memory)
     assert timeline.peak_bytes == timeline.peak_activation_bytes == (2048, 2048)
 
@@ -275,32 +275,42 @@ def test_a_trace_without_good_bytes_is_a_config_error(tmp_path, memory, says):
 
 
 def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
-    """`tune` and `search --costs-from TRACE --memory-limit SIZE -v 1` without `--memory` count
-    the activation bytes the trace records; a trace without them, one of a cut at v = 2, or
-    orders at another v are one line and exit 2, in `run --schedule search
-    --search-memory-limit SIZE` too, and there a trace of fp32 bytes for a `--check` run."""
+    """`tune` and `search --costs-from TRACE --memory-limit SIZE` without `--memory` count the
+    activation bytes the trace records, for orders of the cut it measured; a trace without them,
+    chunk counts that cut the model otherwise, or a trace of another run than the closed loop's
+    (here fp32 bytes for a `--check` run) are one line and exit 2."""
     trace = _trace(tmp_path / "t.json", {"activations": [1024, 1024], "inputs": [0, 0]})
     argv = ["-p", "2", "-m", "4", "--costs-from", trace, "--memory-limit", "1KiB"]
     assert main(["search", *argv, "-v", "1", "--recompute", "--time-limit", "2"]) == 0
     assert "peak bytes per stage [1.00 KiB, 1.00 KiB]" in capsys.readouterr().out
-    assert main(["tune", *argv, "-v", "1", "--recompute", "--schedule", "1f1b"]) == 0
-    assert "over the memory limit: 1f1b m=4 v=1 (2.00 KiB)" in capsys.readouterr().out
+    assert main(["tune", *argv, "-v", "1,2", "--recompute", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    over = {(c["schedule"], c["num_chunks"]): c["peak_bytes"] for c in rows["over_limit"]}
+    assert over[("1f1b", 1)] == 2048
+    skipped = {(c["schedule"], c["num_chunks"]): c["reason"] for c in rows["skipped"]}
+    assert "measured on a cut in 2" in skipped[("interleaved-1f1b", 2)]
+    ranked = {(c["schedule"], c["num_chunks"]) for c in rows["ranked"]}
+    assert ("dualpipe", 2) in ranked  # its replicas each cut the model in 2
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"traceEvents": json.loads(Path(trace).read_text())["traceEvents"]}))
     argv[5] = str(bare)
     closed_loop = ["run", "--schedule", "search", "--costs-from", str(bare), "--model", "mlp"]
     closed_loop += ["--search-memory-limit", "1KiB"]
     four = _trace(tmp_path / "v2.json", {"activations": [1, 2, 3, 4], "inputs": [0, 0, 0, 0]})
+    three = _trace(tmp_path / "v3.json", {"activations": [1, 2, 3], "inputs": [0, 0, 0]})
     fp32 = {"activations": [1024, 1024], "inputs": [0, 0], "dtype": "fp32"}
     fp32 = _trace(tmp_path / "fp32.json", fp32)
+    model = _trace(tmp_path / "gpt.json", {**json.loads(Path(fp32).read_text())["otherData"][
+        "memory"], "dtype": "float64", "model": "tiny-gpt"})
     for mistake, says in (
         (["search", *argv, "--time-limit", "1"], "records no measured bytes"),
         (closed_loop, "records no measured bytes"),
-        (["search", *argv[:5], trace, *argv[6:]], "holds for orders at v = 1"),  # -v 1 2
-        (["tune", *argv[:5], trace, *argv[6:]], "holds for orders at v = 1"),  # each one's v
-        (["search", *argv[:5], four, *argv[6:], "-v", "1"], "measured bytes on 4 segments"),
-        ([*closed_loop[:4], four, *closed_loop[5:]], "measured bytes on 4 segments"),
-        ([*closed_loop[:4], fp32, *closed_loop[5:], "--check"], "fp32, this one trains in float64"),
+        (["search", *argv[:5], four, *argv[6:], "-v", "1"], "cut in 4 segments, v = 2 on 2"),
+        (["tune", *argv[:5], four, *argv[6:], "-v", "1"], "add -v 2"),
+        ([*closed_loop[:4], four, *closed_loop[5:], "-v", "1"], "add -v 2"),
+        (["search", *argv[:5], three, *argv[6:]], "which 2 stages do not share evenly"),
+        ([*closed_loop[:4], fp32, *closed_loop[5:], "--check"], "dtype = 'fp32'"),
+        ([*closed_loop[:4], model, *closed_loop[5:], "--check"], "model = 'tiny-gpt' (--model)"),
     ):
         assert main(mistake) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -315,15 +325,19 @@ def test_a_run_with_sequence_parts_records_no_bytes():
 
     from schedcc.backends.run.report import memory_record
 
-    config = SimpleNamespace(check=False, precision="fp32")
+    config = SimpleNamespace(
+        check=False, precision="fp32", model="mlp", microbatch_size=2, tp=1,
+        recompute_layers=None, compile=None,
+    )  # fmt: skip
     gathered = [
         {"stage": s, "dp": 0, "sizes": {s: {"activations": 10 * (s + 1), "inputs": 1}}}
         for s in range(2)
     ]
     whole = schedcc.compile(schedcc.get_schedule("1f1b")(2, 4))
-    assert memory_record(whole, config, gathered) == {
-        "memory": {"activations": [10, 20], "inputs": [1, 1], "dtype": "fp32"}
-    }
+    assert memory_record(whole, config, gathered)["memory"] == {
+        "activations": [10, 20], "inputs": [1, 1], "dtype": "fp32", "model": "mlp",
+        "microbatch_size": 2, "tp": 1, "recompute_layers": None, "compile": None,
+    }  # fmt: skip
     parts = schedcc.compile(schedcc.get_schedule("seq1f1b")(2, 4))
     assert parts.schedule.num_parts > 1
     assert memory_record(parts, config, gathered) == {}

@@ -4,6 +4,7 @@ the built-ins, stay above their lower bound, and round-trip through the file the
 from __future__ import annotations
 
 import functools
+from itertools import pairwise
 
 import attrs
 import pytest
@@ -20,7 +21,7 @@ from schedcc.backends.runtime.memory import measure_memory
 from schedcc.cli import main
 from schedcc.registry import get_schedule
 from schedcc.search import FoundOrder, _Family, lower_bound, search
-from tests._models import batches, make_segments, mse, sgd
+from tests._models import batches, make_segments, mse, schedule_segments, sgd
 
 
 def _heavy_last(p: int, comm: float) -> CostModel:
@@ -80,7 +81,7 @@ def test_found_orders_train_exactly(args):
     program = schedcc.compile(schedule)
     rows = schedule.num_microbatches * 2
     difference = assert_matches_reference(
-        program, make_segments(schedule.num_segments), mse, sgd, batches(2, rows), atol=1e-10
+        program, schedule_segments(schedule), mse, sgd, batches(2, rows), atol=1e-10
     )
     assert difference <= 1e-10
 
@@ -112,6 +113,38 @@ def test_found_order_holds_no_more_measured_bytes_than_the_limit():
     list(engine.train([(x, y)]))
     assert max(engine.peak_activation_bytes) <= limit
     assert max(result.peak_bytes) <= limit
+
+
+def test_bytes_measured_on_a_cut_in_2p_are_searched_as_they_are_at_v_2():
+    """Bytes measured on a cut in 2p unequal segments are each segment's own ([Note: a measured
+    cut]): the search counts them as they are for orders at v = 2 (looped or V), the local
+    engine training the found order measures the peak the search simulated, at most the limit,
+    and exactly; asked for v = 1 alone, whose orders cut the model in p, it refuses."""
+    p, m, size = 2, 8, 2
+    torch.manual_seed(0)
+    widths = [16, 48, 24, 8, 32]
+    segments = [nn.Sequential(nn.Linear(a, b), nn.Tanh()).double() for a, b in pairwise(widths)]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m * size, 16, generator=gen, dtype=torch.float64)
+    y = torch.randn(m * size, 32, generator=gen, dtype=torch.float64)
+    measured = measure_memory(segments, x[:size], y[:size], nn.functional.mse_loss)
+    assert measured.cut == 2 * p
+    memory = attrs.evolve(measured, parameters=0)  # a limit on activations, as the engine's
+    interleaved = schedcc.compile(get_schedule("interleaved-1f1b")(p, m, 2))
+    peak = schedcc.simulate(interleaved, CostModel(memory=memory)).peak_activation_bytes
+    limit = max(peak) * 0.6
+    result = search(
+        p, m, num_chunks=(1, 2), memory=memory, memory_limit=limit, recompute=True,
+        max_evaluations=60,
+    )  # fmt: skip
+    assert result.schedule.num_chunks == 2
+    engine = Engine(result.program, segments, nn.functional.mse_loss, sgd)
+    list(engine.train([(x, y)]))
+    assert tuple(engine.peak_activation_bytes) == result.timeline.peak_activation_bytes
+    assert max(engine.peak_activation_bytes) <= limit
+    assert_matches_reference(result.program, segments, nn.functional.mse_loss, sgd, [(x, y)])
+    with pytest.raises(ScheduleConfigError, match=r"cut in 4 segments.*search v = 2"):
+        search(p, m, num_chunks=1, memory=memory, memory_limit=limit, max_evaluations=5)
 
 
 def test_offloading_fits_one_microbatch_a_stage_faster_than_recomputing():
@@ -339,7 +372,7 @@ def test_random_offloading_searches_fit_and_train_exactly(
         assert all(b <= lim * (1 + 1e-9) for b, lim in zip(result.peak_bytes, limits))
     assert result.makespan >= result.bound - 1e-9
     difference = assert_matches_reference(
-        program, make_segments(cls.shape[0] * cls.shape[2]), mse, sgd, batches(1, m),
+        program, schedule_segments(program.schedule), mse, sgd, batches(1, m),
         atol=1e-10,
     )  # fmt: skip
     assert difference <= 1e-10

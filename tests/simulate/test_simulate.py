@@ -169,6 +169,20 @@ def test_costs_read_back_from_a_trace_equal_the_costs_simulated(tmp_path):
     assert measured.at(2).forward == 1.5
 
 
+def test_a_trace_at_two_chunks_reads_back_a_stages_share(tmp_path):
+    """A stage's costs are its share of the model at v = 1 ([Note: a trace's cut]): a trace of
+    a run at v = 2 gives the sum of the stage's two chunks' medians, and over the model replicas
+    when the trace's cut has two (DualPipe's chunks each run a replica's whole share)."""
+    chunks = {0: CostModel(forward=1.0, backward=2.0), 1: CostModel(forward=2.0, backward=3.0)}
+    costs = CostModel(per_chunk=chunks)
+    for name, share in (("interleaved-1f1b", 1), ("dualpipe", 2)):
+        program = schedcc.compile(schedcc.get_schedule(name)(2, 4, 2))
+        path = schedcc.simulate(program, costs).to_chrome_trace(tmp_path / f"{name}.json")
+        measured = CostModel.from_trace(path, num_stages=2)
+        assert (measured.at(0).forward, measured.at(1).forward) == (3.0 / share, 3.0 / share)
+    assert CostModel.from_trace(tmp_path / "interleaved-1f1b.json").at(1).backward == 5.0
+
+
 def test_a_trace_with_copy_lanes_reads_them_as_their_stages(tmp_path):
     """An offloading run's trace draws each stage's copies on a track of their own: they are
     that stage's offload and reload costs, not another stage's."""
