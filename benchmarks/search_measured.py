@@ -22,8 +22,9 @@ samples, one batch (one length) for every step, SGD:
    limit itself ("search in bytes, cut in p", as `schedcc run --schedule search
    --search-memory-limit SIZE` calls it: the first run's measured bytes of one microbatch per
    stage, `MemoryModel.from_trace`, count them, for orders of its cut: v = 1 and DualPipe;
-   "cut in 2p": the bytes one step of interleaved 1F1B at v = 2 measures, for orders at v = 2,
-   looped or V), and every built-in that fits the
+   "cut in 2p": the costs and bytes of a first run of interleaved 1F1B at v = 2, traced as 1F1B
+   is, for orders at v = 2, looped or V, its simulated ms under those costs), and every
+   built-in that fits the
    same limit at its fastest, as `schedcc search` ranks them: `schedcc.tune` over v = 1, 2, with and
    without full recomputation, the best fitting row of each built-in (weight-delayed orders,
    2BW, left out: `train_step` runs one flush step, they run several batches a program);
@@ -123,28 +124,32 @@ class _Runner:
 
 
 def _first_run(p: int, m: int, data, opts):
-    """1F1B's measured costs (`CostModel.from_trace` of its events), peak bytes per stage and
-    one microbatch's bytes per stage (`MemoryModel.from_trace` of what `schedcc run --trace`
-    records); with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never runs).
-    And one microbatch's bytes per segment of the cut in 2p, as a first run of interleaved 1F1B
-    at v = 2 records them (one step)."""
+    """`(costs, peaks, runs)`: 1F1B's measured costs (`CostModel.from_trace` of its events) and
+    peak bytes per stage; with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never
+    runs). `runs`: per first run (1F1B at v = 1, interleaved 1F1B at v = 2), what the closed loop
+    reads of its trace: its costs and one microbatch's bytes per segment of its cut
+    (`MemoryModel.from_trace` of what `schedcc run --trace` records)."""
     runner = _Runner(build_schedule(get_schedule("1f1b"), p, m), False, data)
     events = _traced(runner, opts)
     if opts.trace_split:
         events += _traced(_Runner(build_schedule(get_schedule("zb-h1"), p, m), False, data), opts)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, events)
     at_two = build_schedule(get_schedule("interleaved-1f1b"), p, m, num_chunks=2)
     interleaved = _Runner(at_two, False, data)
-    interleaved.step()
-    with tempfile.TemporaryDirectory() as folder:  # read back as the closed loop reads its trace
+    runs = [_read_back(runner, events), _read_back(interleaved, _traced(interleaved, opts))]
+    return runs[0][0], runner.peak_bytes(), runs
+
+
+def _read_back(runner: _Runner, events: list[dict]) -> tuple[CostModel, MemoryModel]:
+    """The costs and bytes of `runner`'s first run, through the trace `schedcc run --trace`
+    would write of it (every rank's `events`, its cut and bytes records)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, events)
+    metadata = {"device": "cpu", **_bytes_record(runner)}
+    with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "run.json"
         events = [e for rank in gathered for e in rank]
-        metadata = {"device": "cpu", **_bytes_record(runner)}
         path.write_text(json.dumps({"traceEvents": events, "otherData": metadata}))
-        costs, memory = CostModel.from_trace(path), MemoryModel.from_trace(path)
-        path.write_text(json.dumps({"traceEvents": [], "otherData": _bytes_record(interleaved)}))
-        return costs, runner.peak_bytes(), memory, MemoryModel.from_trace(path)
+        return CostModel.from_trace(path), MemoryModel.from_trace(path)
 
 
 def _bytes_record(runner: _Runner) -> dict:
@@ -172,23 +177,21 @@ def _traced(runner: _Runner, opts) -> list[dict]:
     return events
 
 
-def _candidates(p: int, m: int, costs: CostModel, memory, in_bytes, opts) -> list[dict]:
+def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[dict]:
     """The searched orders and each built-in's fastest fitting row, with their makespans (ms);
-    "search in bytes" searches orders within `in_bytes` per stage, counted with `memory`, the
-    measured bytes of the cut in p and in 2p ([Note: a trace's bytes] in
-    `backends.run.report`): each searches orders of its cut."""
+    "search in bytes" searches orders within `in_bytes` per stage with the costs and bytes of
+    each first run in `runs` ([Note: a trace's bytes] in `backends.run.report`), orders of its
+    cut."""
     limit = p / 2
     rows = []
     searches = [("search", {"split_backward": (False, True)})]
     searches.append(("search F/B", {"split_backward": False}))
-    for cut in memory:
-        args = {"num_chunks": (1, 2), "memory": cut, "memory_limit": in_bytes}
-        searches.append((f"search in bytes, cut in {cut.cut}", args))
+    for measured, memory in runs:
+        args = {"costs": measured, "memory": memory, "memory_limit": in_bytes}
+        searches.append((f"search in bytes, cut in {memory.cut}", args))
     for label, args in searches:
-        args = {"memory_limit": limit, **args}
-        found = schedcc.search(
-            p, m, costs=costs, recompute=True, time_limit=opts.search_time, **args
-        )
+        args = {"memory_limit": limit, "costs": costs, **args}
+        found = schedcc.search(p, m, recompute=True, time_limit=opts.search_time, **args)
         ops = " ".join(found.schedule.orders).replace("+", "").split()
         kinds = "F/I/W" if any(op.startswith("I") for op in ops) else "F/B"
         rows.append(
@@ -243,13 +246,13 @@ def _built(row: dict, p: int, m: int):
 
 def _shape(rank: int, p: int, m: int, opts) -> dict:
     data = _data()(m * MICROBATCH_SIZE)
-    costs, peaks, *memory = _first_run(p, m, data, opts)
+    costs, peaks, runs = _first_run(p, m, data, opts)
     # 1F1B's stage s holds p - s microbatches: p / 2 of them is this share of its peak
     limit = [b * (p / 2) / (p - s) for s, b in enumerate(peaks)]
     rows = None
     if rank == 0:
         started = time.monotonic()
-        rows = _candidates(p, m, costs, memory, [int(b) for b in limit], opts)
+        rows = _candidates(p, m, costs, runs, [int(b) for b in limit], opts)
         searched_s = time.monotonic() - started
     shared = [rows if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)

@@ -733,9 +733,9 @@ class _Searcher:
     def bound(self, families: list[_Family], best: _Candidate) -> tuple[float, str]:
         """The least lower bound over `families` and the found order's own layout (DualPipe's
         replicas, 2BW's delay; with overlapped pairs where it has them), under the memory
-        limit in microbatches but for an order that offloads, and where the search may offload
-        ([Note: the lower bound]); each the larger of `lower_bound` and CP-SAT's where the exact
-        model was solved for it. And which of the two the least is."""
+        limit (in microbatches or bytes) but for an order that offloads, and where the search may
+        offload ([Note: the lower bound]); each the larger of `lower_bound` and CP-SAT's where the
+        exact model was solved for it. And which of the two the least is."""
         paired = any(text.startswith("+") for row in best.orders for text in row)
         # an order that offloads holds fewer activations than the memory terms count
         limits = None if self.offload else self.limits
@@ -743,8 +743,7 @@ class _Searcher:
         kinds.add((best.family, paired, None if _offloads(best.orders) else limits))
         found = []
         for family, overlapped, limits in kinds:
-            counted = limits if self.costs.memory is None else None  # the formula's: counts
-            formula = self._lower(family, counted, overlapped=overlapped)
+            formula = self._lower(family, limits, overlapped=overlapped)
             exact, split = self.exact_bounds.get(
                 (family.num_chunks, family.vshape, limits), (None, False)
             )
@@ -765,6 +764,8 @@ class _Searcher:
             overlapped=overlapped,
             memory_limit=limits,
             recompute=self.recompute,
+            data_parallel=self.dp,
+            zero=self.zero,
         )
 
     def exact(self, families: list[_Family], until: float, seed: int) -> None:

@@ -37,9 +37,16 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    So `U` is at least the least, over real `0 <= x_k <= m` (all 0 without `recompute`), of the
    largest of the work with the recomputations and the groups' comm, and the held time over N
    (a small linear program, solved exactly at its vertices). An order that offloads activations
-   (`Offload`/`Reload`: the search replays a built-in's, never adds its own) is not covered: its
-   held count drops between the copies, so its layout is bounded without the limit. With a
-   memory model (a limit in bytes) the memory terms are left out.
+   (`Offload`/`Reload`) is not covered: its held count drops between the copies, so its layout is
+   bounded without the limit.
+   With a memory model (a limit in bytes) the same two hold weighted by bytes: at every
+   instruction the activations a stage holds take at most its budget `Bs`, the limit less what
+   it holds throughout (its parameters as they rest between uses, its optimizer state); a held
+   activation of segment k takes `a_k` bytes (a recomputed forward's kept input is left out, as
+   its time before the `R`). So the held times weighted by `a_k` add up to at most `Bs * U`, and
+   the groups, each run while at most `Bs` bytes are held, number at least the sum over k of
+   `(m - x_k) * re_k * a_k / Bs`: the terms above with `N` read as `Bs / a_k` for segment k. A
+   segment whose `a_k` exceeds `Bs` fits no order (the bound is `math.inf`).
 5. With a split backward, also: all forwards and input-gradient pieces of stage s, its forced
    groups, then the input gradients below its last one and stage 0's last weight gradient.
 6. *Fill and drain.* For each segment k of stage s, the first backward of k starts no earlier
@@ -69,7 +76,10 @@ import math
 from collections.abc import Sequence
 
 from schedcc.costs import CostModel, overlapped_pair
-from schedcc.tune import _per_chunk
+from schedcc.errors import ScheduleConfigError
+from schedcc.semantics.stage_bytes import resident_parameters
+from schedcc.sizes import parse_size
+from schedcc.tune import _per_chunk, other_cut
 
 __all__ = ["lower_bound"]
 
@@ -81,8 +91,10 @@ def lower_bound(
     family,
     *,
     overlapped: bool = False,
-    memory_limit: float | Sequence[float] | None = None,
+    memory_limit: float | str | Sequence[float | str] | None = None,
     recompute: bool = True,
+    data_parallel: int = 1,
+    zero: int = 0,
 ) -> float:
     """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1.
 
@@ -92,28 +104,40 @@ def lower_bound(
         family: the placement and backward form (`schedcc.search`'s `_Family`).
         overlapped: its forwards and backwards may run as overlapped pairs (a pair costs
             `overlapped_pair`, less than F + B).
-        memory_limit: the most whole-stage microbatch activations per stage (a number, or one
-            per stage); None: no limit. Ignored with a memory model (`costs.memory`).
+        memory_limit: the most whole-stage microbatch activations per stage, or with a memory
+            model (`costs.memory`) the most bytes (a size such as "12GiB" too); a number, or one
+            per stage; None: no limit.
         recompute: the orders may recompute forwards (`R`) to fit the limit.
+        data_parallel, zero: what a stage's parameters and optimizer state take of a byte
+            limit (as `schedcc.compile`'s).
 
     Returns:
         The bound; `math.inf` where a limit leaves no room for one chunk activation.
+
+    Raises:
+        ScheduleConfigError: bytes measured on another cut than the family's ([Note: a
+            measured cut] in `schedcc.memory_model`).
     """
+    mismatch = other_cut(costs.memory, num_stages, family.share)
+    if mismatch is not None:
+        raise ScheduleConfigError(f"lower_bound: {mismatch}")
     bound = _Bound(num_stages, num_microbatches, costs, family, overlapped)
     limits = None
-    if memory_limit is not None and costs.memory is None:
-        if isinstance(memory_limit, (int, float)):
-            limits = [float(memory_limit)] * num_stages
-        else:
-            limits = [float(lim) for lim in memory_limit]
+    if memory_limit is not None:
+        values = (
+            [memory_limit] * num_stages
+            if isinstance(memory_limit, (int, float, str))
+            else list(memory_limit)
+        )
+        limits = [float(parse_size(lim) if isinstance(lim, str) else lim) for lim in values]
     best = 0.0
     for s in range(num_stages):
-        room = None
+        rooms = None
         if limits is not None:
-            room = math.floor(limits[s] * family.share * (1 + 1e-9) + 1e-9)
-            if room < 1:
+            rooms = bound.rooms(s, limits[s], data_parallel, zero)
+            if any(room < 1 for room in rooms):
                 return math.inf
-        best = max(best, bound.stage(s, room, recompute))
+        best = max(best, bound.stage(s, rooms, recompute))
     return best
 
 
@@ -139,6 +163,9 @@ class _Bound:
             self.total.append(sum(mine))
             self.least.append(min(mine, default=1.0))
         self.models = [scaled.at(s, c) for s, c in place]
+        # bytes per segment of this placement (a stage's sizes on the segments it runs)
+        self.memory = _per_chunk(costs, family.share, [s for s, _ in place]).memory
+        self.share = family.share
         chunks = max(c for _, c in place) + 1
         self.comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]
         self.on = [[k for k, (t, _) in enumerate(place) if t == s] for s in range(p)]
@@ -197,7 +224,26 @@ class _Bound:
 
     # -- per stage --------------------------------------------------------------------------
 
-    def stage(self, s: int, room: int | None, recompute: bool) -> float:
+    def rooms(self, s: int, limit: float, data_parallel: int, zero: int) -> list[float]:
+        """Per segment of stage s, how many of its activations the limit holds at once: in
+        whole-stage microbatches, `floor(limit * share)` chunk activations; in bytes, the
+        budget over the segment's activation bytes (item 4 of the Note)."""
+        ks = self.on[s]
+        if self.memory is None:
+            return [math.floor(limit * self.share * (1 + 1e-9) + 1e-9)] * len(ks)
+        memory = self.memory
+        state = sum(memory.at("optimizer", k) for k in ks)
+        budget = limit - sum(
+            resident_parameters(memory.at("parameters", k), zero=zero, data_parallel=data_parallel)
+            for k in ks
+        ) - (state / data_parallel if zero >= 1 else state)
+        out = []
+        for k in ks:
+            size = memory.at("activations", k)
+            out.append(math.inf if size <= 0 else budget / size * (1 + 1e-9))
+        return out
+
+    def stage(self, s: int, rooms: Sequence[float] | None, recompute: bool) -> float:
         ks = self.on[s]
         if not ks:
             return 0.0
@@ -213,8 +259,8 @@ class _Bound:
                 both = min(both, overlapped_pair(model))
             work += self.total[k] * both
         window = work + comm * forced
-        if room is not None:
-            window = max(window, self._window(ks, room, recompute, work, forced, comm))
+        if rooms is not None:
+            window = max(window, self._window(ks, rooms, recompute, work, forced, comm))
         best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
         if self.split and not self.overlapped and self.single:
             best = max(best, self._split_end(s, ks, head, forced))
@@ -239,8 +285,9 @@ class _Bound:
             best = max(best, fill, drain + trip + last)
         return best
 
-    def _window(self, ks, room: int, recompute: bool, work, forced, comm) -> float:
-        """The least window a stage with `room` chunk activations needs (item 4 of the Note)."""
+    def _window(self, ks, rooms: Sequence[float], recompute: bool, work, forced, comm) -> float:
+        """The least window a stage needs that holds at most `rooms[i]` activations of its
+        segment `ks[i]` at once (item 4 of the Note)."""
         n = len(ks)
         r, held, held_r, re, count = [], [], [], [], []
         for k in ks:
@@ -256,12 +303,12 @@ class _Bound:
         pieces = [
             (work + comm * forced, r),
             (
-                work + comm * sum(c * e for c, e in zip(count, re)) / room,
-                [r[i] - comm * re[i] / room for i in range(n)],
+                work + comm * sum(c * e / room for c, e, room in zip(count, re, rooms)),
+                [r[i] - comm * re[i] / rooms[i] for i in range(n)],
             ),
             (
-                sum(c * h for c, h in zip(count, held)) / room,
-                [(held_r[i] - held[i]) / room for i in range(n)],
+                sum(c * h / room for c, h, room in zip(count, held, rooms)),
+                [(held_r[i] - held[i]) / rooms[i] for i in range(n)],
             ),
         ]
         upper = count if recompute else [0] * n

@@ -318,9 +318,10 @@ def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
         assert says in err[0]
 
 
-def test_a_run_with_sequence_parts_records_no_bytes():
-    """A trace's bytes are one microbatch's per segment; a run with sequence parts holds a
-    part's per graph, so its trace records none (a byte limit from it is then refused)."""
+def test_a_trace_records_one_replicas_bytes_and_none_with_sequence_parts():
+    """A trace's bytes are one microbatch's per segment of one model replica (DualPipe's cut is
+    its first replica's), with what the run trained; a run with sequence parts holds a part's
+    per graph, so its trace records none (a byte limit from it is then refused)."""
     from types import SimpleNamespace
 
     from schedcc.backends.run.report import memory_record
@@ -341,3 +342,11 @@ def test_a_run_with_sequence_parts_records_no_bytes():
     parts = schedcc.compile(schedcc.get_schedule("seq1f1b")(2, 4))
     assert parts.schedule.num_parts > 1
     assert memory_record(parts, config, gathered) == {}
+    # DualPipe's second replica is a copy of the first: the cut is one replica's segments
+    replicated = [
+        {"stage": s, "dp": 0, "sizes": {k: {"activations": 10 * (k % 2 + 1), "inputs": 1}
+                                        for k in (s, 3 - s)}}
+        for s in range(2)
+    ]  # fmt: skip
+    dualpipe = schedcc.compile(schedcc.get_schedule("dualpipe")(2, 4, 2))
+    assert memory_record(dualpipe, config, replicated)["memory"]["activations"] == [10, 20]

@@ -3,18 +3,31 @@ whatever the per-stage costs, comm and memory limit, and it prices what it claim
 
 from __future__ import annotations
 
+import math
+
+import attrs
+import pytest
 from _builtin_schedules import names
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import stage_costs
 
 import schedcc
-from schedcc import CostModel, ScheduleError
+from schedcc import CostModel, MemoryModel, ScheduleError
 from schedcc.ir import Copy
 from schedcc.registry import build_schedule, get_schedule
 from schedcc.search import _compute_orders, _Family, _splits, search
 from schedcc.search_bound import lower_bound
 from schedcc.tune import _per_chunk
+
+#: The shapes the properties over every built-in draw: p, m, v, full recomputation or not.
+BUILTIN_SHAPES = {
+    "p": st.integers(1, 4),
+    "m": st.integers(1, 6),
+    "v": st.sampled_from([1, 2]),
+    "recompute": st.booleans(),
+    "data": st.data(),
+}
 
 
 def _bound_of(program, costs: CostModel, *, limited: bool, recompute: bool) -> float:
@@ -37,13 +50,7 @@ def _bound_of(program, costs: CostModel, *, limited: bool, recompute: bool) -> f
     )
 
 
-@given(
-    p=st.integers(1, 4),
-    m=st.integers(1, 6),
-    v=st.sampled_from([1, 2]),
-    recompute=st.booleans(),
-    data=st.data(),
-)
+@given(**BUILTIN_SHAPES)
 def test_no_builtin_beats_the_bound(p, m, v, recompute, data):
     """Every built-in at a random shape, with random per-stage costs and comm, with or without
     full recomputation, takes at least the bound of its layout, without a limit and at its own
@@ -120,3 +127,52 @@ def test_comm_on_the_round_trip_is_priced():
     with_comm = CostModel(comm=1.0, per_stage={1: CostModel(forward=4.0, backward=8.0, comm=1.0)})
     hops = 1.0 + 1.0  # stage 1's head and tail hop
     assert lower_bound(3, 4, with_comm, family) == lower_bound(3, 4, heavy, family) + hops + 1.0
+
+
+@given(**BUILTIN_SHAPES)
+def test_no_builtin_beats_the_bound_in_bytes(p, m, v, recompute, data):
+    """With random per-stage activation, input, parameter and optimizer bytes, every built-in
+    takes at least the bound of its layout under its own peak bytes as the limit (item 4 of the
+    Note, weighted by bytes), with or without full recomputation, at ZeRO 0 or 1 over 2 ranks."""
+    costs = data.draw(stage_costs(p))
+    sizes = st.lists(st.integers(1, 64), min_size=p, max_size=p)
+    memory = MemoryModel(
+        activations=data.draw(sizes), inputs=data.draw(sizes), parameters=data.draw(sizes),
+        optimizer=data.draw(sizes),
+    )  # fmt: skip
+    costs = attrs.evolve(costs, memory=memory)
+    dp, zero = data.draw(st.sampled_from([(1, 0), (2, 1)]))
+    timed = 0
+    for name in names():
+        try:
+            schedule = build_schedule(get_schedule(name), p, m, num_chunks=v)
+            program = schedcc.compile(schedule, recompute=recompute, data_parallel=dp, zero=zero)
+        except ScheduleError:
+            continue
+        if any(isinstance(op, Copy) for ops in program.stages for op in ops):
+            continue  # the memory terms do not hold for an order that offloads
+        orders = _compute_orders(program)
+        family = _Family.of(schedule, _splits(orders))
+        stage_of = [s for s, _ in family.segments(p)]
+        timeline = schedcc.simulate(program, _per_chunk(costs, family.share, stage_of))
+        bound = lower_bound(
+            p, m, costs, family, overlapped=any(t.startswith("+") for row in orders for t in row),
+            memory_limit=list(timeline.peak_bytes), recompute=recompute, data_parallel=dp,
+            zero=zero,
+        )  # fmt: skip
+        assert bound <= timeline.makespan + 1e-9, (name, bound, timeline.makespan)
+        timed += 1
+    assert timed
+
+
+def test_a_byte_limit_of_equal_sizes_bounds_as_its_microbatch_count():
+    """Counted in bytes with every segment's activations `a` and nothing else held, a limit of
+    `n * a` bounds as a limit of n whole-stage microbatches (item 4 of the Note); a limit below
+    one activation leaves no order."""
+    in_bytes = CostModel(memory=MemoryModel(activations=100))
+    for family in (_Family(1, False, False), _Family(2, True, True)):
+        for n in (1, 2, 3):
+            counted = lower_bound(4, 8, CostModel(), family, memory_limit=float(n))
+            in_limit = lower_bound(4, 8, in_bytes, family, memory_limit=f"{100 * n}B")
+            assert in_limit == pytest.approx(counted, rel=1e-8)
+    assert lower_bound(4, 8, in_bytes, _Family(1, False, False), memory_limit=99) == math.inf
