@@ -18,6 +18,7 @@ __all__ = [
     "add_memory",
     "bytes_line",
     "check_limit",
+    "cut_line",
     "memory_limit",
     "memory_of",
     "parse_memory",
@@ -129,6 +130,18 @@ def trace_memory(trace: str, num_stages: int, num_chunks) -> MemoryModel:
             f"run at -v {', '.join(map(str, asked))}"
         )
     return memory
+
+
+def cut_line(memory: MemoryModel | None, num_stages: int) -> str | None:
+    """`bytes measured on a cut in 4 segments: orders at v = 2 ...`, where measured bytes hold
+    for some chunk counts only ([Note: a measured cut]); None for bytes given by hand."""
+    if memory is None or memory.cut is None:
+        return None
+    v, left = divmod(memory.cut, num_stages)
+    if left:
+        return None
+    which = "orders at v = 1 and DualPipe's replicas" if v == 1 else f"orders at v = {v}"
+    return f"bytes measured on a cut in {memory.cut} segments: {which} (others skipped)"
 
 
 def check_limit(limit: float | str | None, memory: MemoryModel | None) -> None:

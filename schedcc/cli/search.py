@@ -128,6 +128,9 @@ def run(args) -> int:
         seed=args.seed,
         method=args.method,
     )
+    cut = memory_flags.cut_line(memory, args.num_stages)
+    if cut is not None:
+        print(cut)
     print(_found_line(result))
     found = type(result.schedule)
     ranking = tune(

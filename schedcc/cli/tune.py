@@ -86,7 +86,8 @@ def run(args) -> int:
     if args.format == "json":
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(ranking_table(result))
+        cut = memory_flags.cut_line(memory, args.num_stages)
+        print(ranking_table(result) + ("" if cut is None else "\n" + cut))
     return 0 if result.ranked else 1
 
 

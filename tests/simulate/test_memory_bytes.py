@@ -282,7 +282,9 @@ def test_cli_byte_limits_count_a_traces_bytes(tmp_path, capsys):
     trace = _trace(tmp_path / "t.json", {"activations": [1024, 1024], "inputs": [0, 0]})
     argv = ["-p", "2", "-m", "4", "--costs-from", trace, "--memory-limit", "1KiB"]
     assert main(["search", *argv, "-v", "1", "--recompute", "--time-limit", "2"]) == 0
-    assert "peak bytes per stage [1.00 KiB, 1.00 KiB]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "peak bytes per stage [1.00 KiB, 1.00 KiB]" in out
+    assert "a cut in 2 segments: orders at v = 1 and DualPipe's replicas" in out
     assert main(["tune", *argv, "-v", "1,2", "--recompute", "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     over = {(c["schedule"], c["num_chunks"]): c["peak_bytes"] for c in rows["over_limit"]}
