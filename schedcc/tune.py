@@ -367,7 +367,7 @@ def _per_chunk(
         if num_chunks != 1:
             memory = memory.scaled(1 / num_chunks)
     if num_chunks == 1:
-        return attrs.evolve(costs, memory=memory)
+        return costs if memory is costs.memory else attrs.evolve(costs, memory=memory)
     scaled = {
         name: getattr(costs, name) / num_chunks
         for name in CHUNK_FIELDS

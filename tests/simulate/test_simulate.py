@@ -226,6 +226,11 @@ def test_from_trace_reads_a_process_per_stage_trace_in_seconds():
         ("{bad", "is not JSON"),
         ('{"traceEvents": 5}', "list of events"),
         ('[1, {"name": "F0", "ph": "X", "dur": "x"}]', "must be numbers"),
+        (
+            '{"traceEvents": [{"name": "F0", "ph": "X", "dur": 1}], '
+            '"otherData": {"cut": {"num_replicas": 0}}}',
+            "num_replicas, a positive integer",
+        ),
     ],
 )
 def test_from_trace_rejects_a_malformed_trace_file_with_a_config_error(tmp_path, text, message):
