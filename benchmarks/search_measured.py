@@ -15,10 +15,11 @@ samples, one batch (one length) for every step, SGD:
    stage 0 holds p), the same count on every stage; in bytes, stage s's limit is p / 2 of the
    microbatches 1F1B's measured peak on it held (p - s of them);
 3. candidates: `schedcc.search(p, m, costs=..., memory_limit=p / 2, recompute=True)` (v = 1, 2,
-   both placements, `--search-time` seconds) as the closed loop calls it ("search": F/B and
-   F/I/W orders), the same with `split_backward=False` ("search F/B": only the kinds a 1F1B
-   trace measures; `from_trace` reads its whole backwards split as I = W = B / 2, and, the
-   trace being a CPU run's, overlapped pairs as run in order), the search within the byte
+   both placements, `--search-time` seconds) over both backward forms ("search": F/B and F/I/W
+   orders; `from_trace` reads a 1F1B trace's whole backwards split as I = W = B / 2, and, the
+   trace being a CPU run's, overlapped pairs as run in order), the same with
+   `split_backward=False` ("search F/B": only the kinds a 1F1B trace measures, as the closed
+   loop calls it, `measured_backward`), the search within the byte
    limit itself ("search in bytes, cut in p", as `schedcc run --schedule search
    --search-memory-limit SIZE` calls it: the first run's measured bytes of one microbatch per
    stage, `MemoryModel.from_trace`, count them, for orders of its cut: v = 1 and DualPipe;

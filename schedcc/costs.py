@@ -53,6 +53,7 @@ __all__ = [
     "CostModel",
     "cost_fields",
     "kind_cost",
+    "measured_backward",
     "overlapped_pair",
 ]
 
@@ -343,12 +344,36 @@ class CostModel:
         return cls(**{**defaults, **_both_ways(measured, defaults)}, per_stage=per_stage)
 
 
+def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, ...]:
+    """The backward forms a trace measured, as `schedcc.search`'s `split_backward` takes them:
+    `(False,)` whole backwards only, `(True,)` input and weight gradients only, `(False, True)`
+    both or neither ([Note: a trace's backward both ways]: the form it did not measure is read
+    off the other, and orders of that form measure slower than they simulate).
+
+    Raises:
+        ScheduleConfigError: the file is not JSON or not a trace.
+        OSError: the file cannot be read.
+    """
+    events, _ = read_chrome_trace(trace)
+    kinds = {kind for event in events if (kind := _kind_of(event)) is not None}
+    whole = any(k == "backward" for k, _ in kinds)
+    split = any(k in ("backward_input", "backward_weight") for k, _ in kinds)
+    if whole != split:
+        return (split,)
+    return (False, True)
+
+
 # [Note: a trace's backward both ways] A run of F/B orders measures whole backwards only, one of
 # F/I/W orders input and weight gradients only; a search over both forms needs both. Left at the
 # default 1.0 the missing kind is a fiction (a 1F1B trace with B = 8 ms gave I = W = 1 ms, and
 # the search chose F/I/W orders that measured far slower than simulated). So the missing form is
 # read off the measured one: I = W = B / 2 (a linear layer's two gradients are matrix products of
 # the same size, the zero-bubble paper's I = W), and B = I + W. A kind the caller gives wins.
+# Read so, the missing form is still a guess, and an optimistic one on the CPU engines: with a
+# 1F1B trace, the F/I/W orders the search chose measured 8-20% slower than the F/B orders it found
+# for the same costs in 6 of 7 shapes (docs/performance.md, "Backward forms"). So the closed loop,
+# and `schedcc search --costs-from` unless `--backward` says otherwise, search the forms the trace
+# measured (`measured_backward`).
 def _both_ways(measured: dict[str, float], defaults: Mapping[str, float]) -> dict[str, float]:
     out = dict(measured)
     split = ("backward_input", "backward_weight")

@@ -535,7 +535,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
     from schedcc.backends.run.report import other_bytes
-    from schedcc.costs import CostModel
+    from schedcc.costs import CostModel, measured_backward
     from schedcc.draw.chrome import read_chrome_trace
     from schedcc.search import search
 
@@ -554,6 +554,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         costs=CostModel.from_trace(args.costs_from, num_stages=args.num_stages),
         memory=memory,
         memory_limit=limit,
+        split_backward=measured_backward(args.costs_from),
         recompute=limit is not None,
         offload=args.search_offload,
         data_parallel=args.dp or 1,

@@ -14,6 +14,7 @@ from pathlib import Path
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
 from schedcc.cli.tune import add_stage_costs, costs_of, ranking_table
+from schedcc.costs import measured_backward
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.search import METHODS, PLACEMENTS, SearchResult, search
@@ -59,8 +60,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--backward",
         choices=tuple(_BACKWARD),
-        default="both",
-        help="whole backwards (B), split into I and W (IW), or both (default both)",
+        default=None,
+        help="whole backwards (B), split into I and W (IW), or both (default: with --costs-from, "
+        "the forms the trace measured; else both)",
     )
     memory_flags.add_memory(
         parser,
@@ -118,7 +120,7 @@ def run(args) -> int:
         placement=PLACEMENTS if args.placement == "both" else args.placement,
         costs=costs,
         memory_limit=args.memory_limit,
-        split_backward=_BACKWARD[args.backward],
+        split_backward=_split_backward(args),
         recompute=args.recompute,
         offload=args.offload,
         data_parallel=args.dp,
@@ -154,6 +156,16 @@ def run(args) -> int:
             f"{args.out}:{args.class_name} -p {p} -m {m} -v {v}"
         )
     return 0
+
+
+def _split_backward(args) -> tuple[bool, ...]:
+    """`--backward`, or by default the forms a `--costs-from` trace measured (whole, split or
+    both: [Note: a trace's backward both ways]), else both."""
+    if args.backward is not None:
+        return _BACKWARD[args.backward]
+    if args.costs_from is not None:
+        return measured_backward(args.costs_from)
+    return _BACKWARD["both"]
 
 
 def _found_line(result: SearchResult) -> str:

@@ -14,7 +14,8 @@ import pytest
 import schedcc
 from schedcc import CostModel, get_schedule
 from schedcc.cli import main
-from schedcc.search import FoundOrder, search
+from schedcc.costs import measured_backward
+from schedcc.search import FoundOrder, _splits, search
 from schedcc.sizes import parse_size
 
 
@@ -115,6 +116,27 @@ def test_costs_from_a_trace_of_a_slow_last_stage(tmp_path, capsys):
     assert measured > bound(CostModel())
 
 
+def test_costs_from_a_trace_search_the_backward_forms_it_measured(tmp_path, capsys):
+    """`--costs-from` a trace of F/B orders searches F/B orders only, one of F/I/W orders F/I/W
+    only ([Note: a trace's backward both ways]: the form it did not measure is a guess);
+    `--backward both` searches both, where F/I/W orders simulate faster."""
+    for name, split in (("1f1b", False), ("zb-h1", True)):
+        trace = tmp_path / f"{name}.json"
+        program = schedcc.compile(get_schedule(name)(3, 6))
+        schedcc.simulate(program, CostModel(comm=0.1)).to_chrome_trace(trace)
+        assert measured_backward(trace) == (split,)
+        argv = ["search", "-p", "3", "-m", "6", "-v", "1", "--costs-from", str(trace)]
+        out = tmp_path / f"found_{name.replace('-', '_')}.py"
+        assert main([*argv, "--time-limit", "1", "--method", "heuristic", "--out", str(out)]) == 0
+        capsys.readouterr()
+        found = get_schedule(f"{out}:Found")
+        assert _splits(found.orders) == split
+    assert main([*argv[:-2], "--costs-from", str(tmp_path / "1f1b.json"), "--backward", "both",
+                 "--time-limit", "1", "--method", "heuristic"]) == 0  # fmt: skip
+    assert " I0 " in capsys.readouterr().out  # the drawing of an F/I/W order
+    assert measured_backward([]) == (False, True)  # nothing measured: both
+
+
 def test_run_trains_the_written_file_exactly(tmp_path, capsys):
     """`schedcc run --schedule FILE:Found` trains the found order on two processes (gloo), at
     its own shape when `-p`, `-m` and `-v` are left out, and `--check` finds it equal to
@@ -151,7 +173,8 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     its measured costs within a limit (in microbatches, recomputing or offloading; in the bytes
     the trace records), prints the simulated step, and trains the found order exactly, its
     measured peak activations within the byte limit. The first run is interleaved (v = 2): its
-    trace records the cut, and the search in bytes finds an order of that cut."""
+    trace records the cut, and the search in bytes finds an order of that cut, of the backward
+    form the trace measured (whole)."""
     trace = tmp_path / "first.json"
     first = _schedcc_run(
         "--schedule", "interleaved-1f1b", "-v", "2", "--steps", "2", "--model", "mlp",
@@ -183,6 +206,8 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert in_bytes.returncode == 0, in_bytes.stderr
     assert f"within {limit}B of activations a stage" in in_bytes.stdout
     assert "Found(p=2, m=8, v=2)" in in_bytes.stdout  # the cut the bytes were measured on
+    path = re.search(r"the order is (\S+):Found", in_bytes.stdout).group(1)
+    assert not _splits(get_schedule(f"{path}:Found").orders)  # the trace measured whole B only
     assert ": ok" in in_bytes.stdout
     assert max(_peaks(first.stdout)) > limit
     assert 0 < max(_peaks(in_bytes.stdout)) <= limit
