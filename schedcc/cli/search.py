@@ -13,7 +13,7 @@ from pathlib import Path
 
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
-from schedcc.cli.tune import add_stage_costs, costs_of, ranking_table
+from schedcc.cli.tune import add_stage_costs, costs_of, guessed_line, ranking_table
 from schedcc.costs import measured_backward
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule, registered_classes
@@ -147,6 +147,9 @@ def run(args) -> int:
         recompute=(False, True) if args.recompute else False,
     )
     print(ranking_table(ranking))
+    guessed = guessed_line(args.costs_from, args.costs)
+    if guessed is not None and True in _split_backward(args):
+        print(guessed)
     print(result.timeline.to_ascii())
     if args.out is not None:
         args.out.write_text(result.to_python(args.class_name))

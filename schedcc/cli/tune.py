@@ -12,7 +12,7 @@ from pathlib import Path
 
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
-from schedcc.costs import CostModel, cost_fields
+from schedcc.costs import CostModel, cost_fields, measured_backward
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.sizes import format_size
 from schedcc.tune import TuneResult, tune
@@ -86,8 +86,11 @@ def run(args) -> int:
     if args.format == "json":
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        cut = memory_flags.cut_line(memory, args.num_stages)
-        print(ranking_table(result) + ("" if cut is None else "\n" + cut))
+        notes = (
+            memory_flags.cut_line(memory, args.num_stages),
+            guessed_line(args.costs_from, args.costs),
+        )
+        print("\n".join([ranking_table(result), *filter(None, notes)]))
     return 0 if result.ranked else 1
 
 
@@ -105,6 +108,18 @@ def costs_of(given: CostModel | None, trace: Path | None, num_stages: int) -> Co
     if given is not None:
         defaults = {name: getattr(given, name) for name in cost_fields()}
     return CostModel.from_trace(trace, num_stages=num_stages, **defaults)
+
+
+def guessed_line(trace: Path | None, given: CostModel | None) -> str | None:
+    """A line where the costs of F/I/W orders are a guess: a trace of whole backwards only,
+    read as I = W = B / 2 ([Note: a trace's backward both ways])."""
+    if trace is None or given is not None or measured_backward(trace) != (False,):
+        return None
+    return (
+        f"{trace} measured whole backwards only: I and W are read as B / 2, so orders that "
+        "split them (zb-h1, ...) rank ahead of what they measure (a trace of one, e.g. "
+        "schedcc run --schedule zb-h1 --trace, times them)"
+    )
 
 
 def ranking_table(result: TuneResult) -> str:

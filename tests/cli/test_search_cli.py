@@ -119,7 +119,8 @@ def test_costs_from_a_trace_of_a_slow_last_stage(tmp_path, capsys):
 def test_costs_from_a_trace_search_the_backward_forms_it_measured(tmp_path, capsys):
     """`--costs-from` a trace of F/B orders searches F/B orders only, one of F/I/W orders F/I/W
     only ([Note: a trace's backward both ways]: the form it did not measure is a guess);
-    `--backward both` searches both, where F/I/W orders simulate faster."""
+    `--backward both` searches both, where F/I/W orders simulate faster, and says that their
+    costs are a guess, as `tune` does."""
     for name, split in (("1f1b", False), ("zb-h1", True)):
         trace = tmp_path / f"{name}.json"
         program = schedcc.compile(get_schedule(name)(3, 6))
@@ -133,7 +134,12 @@ def test_costs_from_a_trace_search_the_backward_forms_it_measured(tmp_path, caps
         assert _splits(found.orders) == split
     assert main([*argv[:-2], "--costs-from", str(tmp_path / "1f1b.json"), "--backward", "both",
                  "--time-limit", "1", "--method", "heuristic"]) == 0  # fmt: skip
-    assert " I0 " in capsys.readouterr().out  # the drawing of an F/I/W order
+    out = capsys.readouterr().out
+    assert " I0 " in out  # the drawing of an F/I/W order
+    assert "measured whole backwards only: I and W are read as B / 2" in out
+    for name, guessed in (("1f1b", True), ("zb-h1", False)):  # tune says so too
+        assert main(["tune", *argv[1:-2], "--costs-from", str(tmp_path / f"{name}.json")]) == 0
+        assert ("measured whole backwards only" in capsys.readouterr().out) == guessed
     assert measured_backward([]) == (False, True)  # nothing measured: both
 
 
