@@ -345,10 +345,11 @@ class CostModel:
 
 
 def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, ...]:
-    """The backward forms a trace measured, as `schedcc.search`'s `split_backward` takes them:
-    `(False,)` whole backwards only, `(True,)` input and weight gradients only, `(False, True)`
-    both or neither ([Note: a trace's backward both ways]: the form it did not measure is read
-    off the other, and orders of that form measure slower than they simulate).
+    """The backward forms a search may price from a trace, as `schedcc.search`'s
+    `split_backward` takes them: `(False,)` where it measured whole backwards only (input and
+    weight gradients read off them are optimistic: [Note: a trace's backward both ways]), else
+    both (a whole backward read as I + W is priced high, if anything: one pass costs no more
+    than the two).
 
     Raises:
         ScheduleConfigError: the file is not JSON or not a trace.
@@ -358,9 +359,7 @@ def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, 
     kinds = {kind for event in events if (kind := _kind_of(event)) is not None}
     whole = any(k == "backward" for k, _ in kinds)
     split = any(k in ("backward_input", "backward_weight") for k, _ in kinds)
-    if whole != split:
-        return (split,)
-    return (False, True)
+    return (False,) if whole and not split else (False, True)
 
 
 # [Note: a trace's backward both ways] A run of F/B orders measures whole backwards only, one of
@@ -372,8 +371,9 @@ def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, 
 # Read so, the missing form is still a guess, and an optimistic one on the CPU engines: with a
 # 1F1B trace, the F/I/W orders the search chose measured 8-20% slower than the F/B orders it found
 # for the same costs in 6 of 7 shapes (docs/performance.md, "Backward forms"). So the closed loop,
-# and `schedcc search --costs-from` unless `--backward` says otherwise, search the forms the trace
-# measured (`measured_backward`).
+# and `schedcc search --costs-from` unless `--backward` says otherwise, search F/B orders only
+# after a trace of whole backwards (`measured_backward`); after one of split backwards, both (B =
+# I + W is the pessimistic side: one pass costs no more than the two).
 def _both_ways(measured: dict[str, float], defaults: Mapping[str, float]) -> dict[str, float]:
     out = dict(measured)
     split = ("backward_input", "backward_weight")

@@ -162,8 +162,8 @@ def run(args) -> int:
 
 
 def _split_backward(args) -> tuple[bool, ...]:
-    """`--backward`, or by default the forms a `--costs-from` trace measured (whole, split or
-    both: [Note: a trace's backward both ways]), else both."""
+    """`--backward`, or by default the forms a `--costs-from` trace prices without optimism
+    (`measured_backward`: F/B only after whole backwards), else both."""
     if args.backward is not None:
         return _BACKWARD[args.backward]
     if args.costs_from is not None:
