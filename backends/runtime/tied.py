@@ -401,11 +401,20 @@ class StageTies:
 
     def reduce(self, group: int, all_reduce) -> None:
         """`ReduceTied(group)` where the collective blocks: `all_reduce(group, tensor)` sums a
-        part over the group's stages in place."""
+        tensor over the group's stages in place. The group's parts go as one flat tensor, one
+        collective (a model replica ties every parameter: one collective each took most of a
+        DualPipe step on gloo); a sum of parts is elementwise, so each is the sum it would be
+        alone."""
         parts = self.parts(group)
-        for part in parts:
-            all_reduce(group, part)
-        self.apply(group, parts)
+        if len({(part.dtype, part.device) for part in parts}) > 1:  # not one flat tensor
+            for part in parts:
+                all_reduce(group, part)
+            self.apply(group, parts)
+            return
+        flat = torch.cat(parts) if parts else None
+        if flat is not None:
+            all_reduce(group, flat)
+        self.apply(group, list(flat.split([part.numel() for part in parts])) if parts else [])
 
     def refresh(self) -> None:
         """Copy loaded module values into the private copies."""

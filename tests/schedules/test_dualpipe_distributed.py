@@ -34,7 +34,10 @@ def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwar
     data = models.TeacherData(width=8, seed=2)
     batches = [data.batch(2 * m, step) for step in range(2 * batches_per_run)]
     engine = Engine(program, segments, loss_fn, optimizer, timeout=60, **kwargs)
+    collectives = _counted(engine)
     losses = list(engine.train(batches))
+    tied = sum(type(op).__name__ == "ReduceTied" for op in program.stages[engine.stage])
+    assert len(collectives) == tied * len(batches) // batches_per_run  # one a tied group
     expected = list(LocalEngine(program, oracle, loss_fn, optimizer).train(batches))
     where = f"{schedule!r} rank {rank}"
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
@@ -53,6 +56,20 @@ def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwar
         k = schedule.segment_of(engine.stage, c)
         for got, want in zip(segments[k].parameters(), oracle[k].parameters()):
             assert torch.allclose(got, want, rtol=0, atol=1e-12), (where, k)
+
+
+def _counted(engine) -> list[int]:
+    """The tied groups `engine`'s `ReduceTied`s sum over, one entry a collective they launch
+    (every parameter of a replica is tied: one collective a group, not one a parameter)."""
+    calls, runtime = [], engine.runtime
+    reduce = runtime._tie_reduce
+
+    def counting(group, tensor):
+        calls.append(group)
+        reduce(group, tensor)
+
+    runtime._tie_reduce = counting
+    return calls
 
 
 def _worker(rank: int, world_size: int) -> int:
