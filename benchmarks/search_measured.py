@@ -24,7 +24,8 @@ samples, one batch (one length) for every step, SGD:
    --search-memory-limit SIZE` calls it: the first run's measured bytes of one microbatch per
    stage, `MemoryModel.from_trace`, count them, for orders of its cut: v = 1 and DualPipe;
    "cut in 2p": the costs and bytes of a first run of interleaved 1F1B at v = 2, traced as 1F1B
-   is, for orders at v = 2, looped or V, its simulated ms under those costs), and every
+   is, for orders at v = 2, looped or V, its simulated ms under those costs; both of the
+   backward forms the trace prices, `measured_backward`: F/B after these runs), and every
    built-in that fits the
    same limit at its fastest, as `schedcc search` ranks them: `schedcc.tune` over v = 1, 2, with and
    without full recomputation, the best fitting row of each built-in (weight-delayed orders,
@@ -65,7 +66,7 @@ from schedcc.backends.distributed.engine import Engine
 from schedcc.backends.run import gpt
 from schedcc.backends.run.launch import keep_freed_memory, spawn
 from schedcc.backends.runtime.tied import tied_groups
-from schedcc.costs import CostModel
+from schedcc.costs import CostModel, measured_backward
 from schedcc.draw.chrome import cut_record
 from schedcc.memory_model import MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
@@ -140,9 +141,10 @@ def _first_run(p: int, m: int, data, opts):
     return runs[0][0], runner.peak_bytes(), runs
 
 
-def _read_back(runner: _Runner, events: list[dict]) -> tuple[CostModel, MemoryModel]:
-    """The costs and bytes of `runner`'s first run, through the trace `schedcc run --trace`
-    would write of it (every rank's `events`, its cut and bytes records)."""
+def _read_back(runner: _Runner, events: list[dict]):
+    """The costs, bytes and backward forms to search (`measured_backward`) of `runner`'s first
+    run, through the trace `schedcc run --trace` would write of it (every rank's `events`, its
+    cut and bytes records)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, events)
     metadata = {"device": "cpu", **_bytes_record(runner)}
@@ -150,7 +152,7 @@ def _read_back(runner: _Runner, events: list[dict]) -> tuple[CostModel, MemoryMo
         path = Path(folder) / "run.json"
         events = [e for rank in gathered for e in rank]
         path.write_text(json.dumps({"traceEvents": events, "otherData": metadata}))
-        return CostModel.from_trace(path), MemoryModel.from_trace(path)
+        return CostModel.from_trace(path), MemoryModel.from_trace(path), measured_backward(path)
 
 
 def _bytes_record(runner: _Runner) -> dict:
@@ -187,8 +189,9 @@ def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[
     rows = []
     searches = [("search", {"split_backward": (False, True)})]
     searches.append(("search F/B", {"split_backward": False}))
-    for measured, memory in runs:
+    for measured, memory, forms in runs:
         args = {"costs": measured, "memory": memory, "memory_limit": in_bytes}
+        args["split_backward"] = forms  # as the closed loop searches
         searches.append((f"search in bytes, cut in {memory.cut}", args))
     for label, args in searches:
         args = {"memory_limit": limit, "costs": costs, **args}
