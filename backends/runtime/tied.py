@@ -406,15 +406,14 @@ class StageTies:
         DualPipe step on gloo); a sum of parts is elementwise, so each is the sum it would be
         alone."""
         parts = self.parts(group)
-        if len({(part.dtype, part.device) for part in parts}) > 1:  # not one flat tensor
+        if len({(part.dtype, part.device) for part in parts}) == 1:
+            flat = torch.cat(parts)
+            all_reduce(group, flat)
+            parts = list(flat.split([part.numel() for part in parts]))
+        else:  # none, or of several dtypes: one collective each
             for part in parts:
                 all_reduce(group, part)
-            self.apply(group, parts)
-            return
-        flat = torch.cat(parts) if parts else None
-        if flat is not None:
-            all_reduce(group, flat)
-        self.apply(group, list(flat.split([part.numel() for part in parts])) if parts else [])
+        self.apply(group, parts)
 
     def refresh(self) -> None:
         """Copy loaded module values into the private copies."""
