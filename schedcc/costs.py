@@ -11,7 +11,7 @@ Given by hand (`CostModel(forward=1, backward=2, comm=0.1, per_stage={...})`) or
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from math import inf
 from os import PathLike
 from types import MappingProxyType
@@ -175,6 +175,24 @@ def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
     return MappingProxyType(table)
 
 
+def _segments(value: Iterable[CostModel] | None) -> tuple[CostModel, ...]:
+    """`per_segment` as a tuple of `CostModel`s (a `ScheduleConfigError` else)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping, CostModel)) or not isinstance(value, Iterable):
+        raise ScheduleConfigError(
+            f"CostModel.per_segment must be a sequence of CostModels, one per segment of the "
+            f"model, got {value!r}"
+        )
+    models = tuple(value)
+    for k, model in enumerate(models):
+        if not isinstance(model, CostModel):
+            raise ScheduleConfigError(
+                f"CostModel.per_segment[{k}] must be a CostModel, got {model!r}"
+            )
+    return models
+
+
 @attrs.frozen(slots=True, eq=True, hash=False)
 class CostModel:
     """Durations of each instruction kind, in any consistent unit (default: a forward is 1).
@@ -201,6 +219,15 @@ class CostModel:
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
         per_chunk: `{chunk: CostModel}`; computes on that chunk read from the given model.
+        per_segment: one `CostModel` per segment of one model replica, in model order, whose
+            compute and copy costs (`CHUNK_FIELDS`) are that segment's own: what a run
+            measured of each (`from_trace` sets them) or what you know of each (the segment
+            holding an LM head). A program cutting a replica in as many segments reads segment
+            `k`'s from `per_segment[k]` wherever its placement puts it (looped, V, DualPipe's
+            second replica); one cutting it in fewer reads each of its segments as the sum of
+            the ones it merges; another cut reads the per-stage costs ([Note: segment costs]).
+            Read from the top-level model only; they take precedence over `per_stage` and
+            `per_chunk` for those fields.
         per_microbatch: one factor per microbatch of a batch (`m` of them, e.g. its samples
             or tokens relative to the mean): a compute of microbatch `i` costs what the model
             says times `per_microbatch[i % m]` (microbatches of unequal size, see
@@ -211,6 +238,8 @@ class CostModel:
 
     Resolution, most specific first: `per_stage[s].per_chunk[c]`, `per_stage[s]`,
     `per_chunk[c]`, then this model's own fields. A comm group reads the model of its first op.
+    `per_segment` is resolved onto a program's placement first (`placed`; `schedcc.simulate`,
+    `tune` and `search` do it).
 
     Raises:
         ScheduleConfigError: a negative or non-numeric cost, or a malformed override.
@@ -238,6 +267,7 @@ class CostModel:
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_microbatch: tuple[float, ...] = attrs.field(default=(), converter=_factors)
+    per_segment: tuple[CostModel, ...] = attrs.field(default=(), converter=_segments)
 
     def at(self, stage: int, chunk: int = 0) -> CostModel:
         """The model that applies to `chunk` on `stage` (see the resolution order above)."""
@@ -257,6 +287,49 @@ class CostModel:
         if self.per_microbatch and isinstance(op, COMPUTE):
             cost *= self.per_microbatch[op.microbatch % len(self.per_microbatch)]
         return cost
+
+    def placed(self, place: Sequence[tuple[int, int]], cut: int | None = None) -> CostModel:
+        """This model with `per_segment` resolved onto a program's placement: `place[k]` is
+        segment `k`'s `(stage, chunk)` and `cut` how many segments one model replica is cut
+        in (default: all of them; segment `k` is a copy of the replica's `k % cut`). Each
+        segment's compute and copy costs become `per_stage[s].per_chunk[c]`'s, from its own
+        model or the sum of those it merges; at a cut `per_segment` does not divide into,
+        nothing changes but `per_segment` dropping ([Note: segment costs]).
+
+        >>> head = CostModel(forward=3.0, backward=6.0)
+        >>> costs = CostModel(per_segment=[CostModel(), CostModel(), CostModel(), head])
+        >>> v_shape = costs.placed([(0, 0), (1, 0), (1, 1), (0, 1)])  # stage 0 holds the head
+        >>> v_shape.at(0, 1).forward, v_shape.at(1, 1).forward
+        (3.0, 1.0)
+        >>> costs.placed([(0, 0), (1, 0)]).at(1).forward  # two segments merged a stage
+        4.0
+        """
+        segments = self.per_segment
+        if not segments:
+            return self
+        base = attrs.evolve(self, per_segment=())
+        cut = len(place) if cut is None else cut
+        if not 0 < cut <= len(segments) or len(segments) % cut:
+            return base
+        merge = len(segments) // cut
+        chunks: dict[int, dict[int, CostModel]] = {}
+        for k, (stage, chunk) in enumerate(place):
+            j = k % cut
+            merged = segments[j * merge : (j + 1) * merge]
+            own = {
+                field: sum(kind_cost(model, cls) for model in merged)
+                for cls, field in _FIELD.items()
+                if field in CHUNK_FIELDS
+            }
+            chunks.setdefault(stage, {})[chunk] = attrs.evolve(
+                _bare(base.at(stage, chunk)), **own
+            )
+        per_stage = dict(base.per_stage)
+        for stage, models in chunks.items():
+            per_stage[stage] = attrs.evolve(
+                _bare(base.per_stage.get(stage, base)), per_chunk=models
+            )
+        return attrs.evolve(base, per_stage=per_stage)
 
     def check_microbatches(self, num_microbatches: int) -> None:
         """Raise unless `per_microbatch` is empty or gives `num_microbatches` factors.
@@ -341,9 +414,33 @@ class CostModel:
             for key, values in kinds.items():
                 overall.setdefault(key, []).extend(values)
         measured = _medians(overall, replicas)
-        return cls(**{**defaults, **_both_ways(measured, defaults)}, per_stage=per_stage)
+        per_segment = [
+            cls(**{**defaults, **_both_ways(_medians(kinds, 1), defaults)})
+            for kinds in _by_segment(samples, metadata.get("cut"))
+        ]
+        return cls(
+            **{**defaults, **_both_ways(measured, defaults)},
+            per_stage=per_stage,
+            per_segment=per_segment,
+        )
 
 
+def _bare(model: CostModel) -> CostModel:
+    """`model`'s own fields, without its overrides and memory."""
+    return attrs.evolve(model, per_stage={}, per_chunk={}, per_segment=(), memory=None)
+
+
+# [Note: segment costs] What a segment costs is the segment's: the embedding's, the LM head's.
+# Per-stage costs mean it for the placement they were measured in only: a V puts the first and
+# the last segments on stage 0, and stage costs read in tune's units ([Note: tune's units]) would
+# price each of its chunks at the average of whatever that stage ran in the trace, and a cut in
+# p from a trace cut in 2p would add up segments k and k + p rather than 2k and 2k + 1. So costs
+# may come per segment of one replica (`per_segment`; `from_trace` reads them through the
+# trace's cut record), and `placed` resolves them onto a program: at the same cut, each segment
+# its own wherever it lies; at a coarser one (the model cut in fewer, larger segments), each its
+# segments' sum, as exact as the trace (a merged boundary's comm is not a compute); at a finer
+# one, no split is known (the head lies in one half only), so the per-stage costs in tune's units
+# price it as before. Comm, reduce and update costs stay per stage.
 def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, ...]:
     """The backward forms a search may price from a trace, as `schedcc.search`'s
     `split_backward` takes them: `(False,)` where it measured whole backwards only (input and
@@ -419,6 +516,46 @@ def _replicas(cut: object) -> int:
     return replicas
 
 
+def _by_segment(
+    samples: Mapping[int, Mapping[tuple[str, int], list[float]]], cut: object
+) -> list[dict[tuple[str, int], list[float]]]:
+    """A trace's compute and copy samples per segment of one model replica, through its cut
+    record's segment table ("segments": stage s's chunk c ran segment `segments[s][c]`, a copy
+    of the replica's `% (p * v / R)`); none without one ([Note: segment costs])."""
+    table = cut.get("segments") if isinstance(cut, Mapping) else None
+    if table is None:
+        return []
+    flat = [k for row in table for k in row] if _rows_of_ints(table) else []
+    replicas = _replicas(cut)
+    if sorted(flat) != list(range(len(flat))) or not flat or len(flat) % replicas:
+        raise ScheduleConfigError(
+            "trace: its cut record's segments must list each stage's segments, every one of "
+            f"0..p*v-1 once, a multiple of num_replicas in all; got {table!r}"
+        )
+    length = len(flat) // replicas
+    out: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(length)]
+    for stage, kinds in samples.items():
+        for (kind, chunk), values in kinds.items():
+            if kind not in CHUNK_FIELDS:
+                continue
+            if not (stage < len(table) and chunk < len(table[stage])):
+                raise ScheduleConfigError(
+                    f"trace: stage {stage} ran chunk {chunk}, which its cut record's segments "
+                    f"{table!r} do not place"
+                )
+            segment = out[table[stage][chunk] % length]
+            segment.setdefault((kind, 0), []).extend(values)
+    return out
+
+
+def _rows_of_ints(table: object) -> bool:
+    return isinstance(table, list) and all(
+        isinstance(row, list)
+        and all(isinstance(k, int) and not isinstance(k, bool) for k in row)
+        for row in table
+    )
+
+
 def _medians(kinds: Mapping[tuple[str, int], list[float]], replicas: int) -> dict[str, float]:
     """Each field's cost in a stage's units ([Note: a trace's cut]): per chunk a median, the
     chunks of a chunk's kind summed over the replicas."""
@@ -439,4 +576,4 @@ def cost_fields() -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(CostModel) if f.name not in _OVERRIDES)
 
 
-_OVERRIDES = ("per_stage", "per_chunk", "memory", "per_microbatch")
+_OVERRIDES = ("per_stage", "per_chunk", "memory", "per_microbatch", "per_segment")

@@ -291,7 +291,8 @@ def search(
         placement: "looped", "v" (two chunks per stage), or both; "v" applies to v = 2 only.
         costs: per-stage costs at v = 1, as `schedcc.tune` takes them ([Note: tune's units]: a
             chunk of two costs half); `CostModel.per_stage` for unequal stages,
-            `CostModel.from_trace` for measured ones.
+            `CostModel.per_segment` for unequal segments (each its own in any placement, [Note:
+            segment costs]), `CostModel.from_trace` for measured ones (both).
         memory: the bytes per stage at v = 1 ([Note: tune's units]), or measured per segment
             (`MemoryModel.from_trace`, `measure_memory`: then only orders of the cut they were
             measured on are searched, [Note: a measured cut]); default `costs.memory`.
@@ -577,6 +578,7 @@ class _Searcher:
         self.least_held: float | None = None
         self.seen: set = set()
         self.exact_bounds: dict = {}  # (v, vshape, limits) -> (CP-SAT's bound, split model)
+        self.family_costs: dict[_Family, CostModel] = {}  # the costs in each family's units
         # seeds over the limit, to offload once every seed is timed: (makespan, family, orders,
         # source, timeline); None once they are
         self.deferred: list | None = [] if self.offload else None
@@ -713,8 +715,14 @@ class _Searcher:
 
     def _costs_of(self, program: Program, family: _Family) -> CostModel:
         """The costs in `program`'s units ([Note: tune's units]): per chunk, with per-stage
-        memory sizes on the segments each stage runs."""
-        return _per_chunk(self.costs, family.share, Layout.of(program.schedule).stage_of)
+        memory sizes and per-segment costs on the segments each stage runs (the same for every
+        order of a family: its placement)."""
+        costs = self.family_costs.get(family)
+        if costs is None:
+            layout = Layout.of(program.schedule)
+            place = list(zip(layout.stage_of, layout.chunk_of))
+            costs = self.family_costs[family] = _per_chunk(self.costs, family.share, place)
+        return costs
 
     def _held(self, timeline: Timeline, v: int) -> tuple[float, ...]:
         if timeline.costs.memory is not None:
@@ -958,7 +966,7 @@ class _Searcher:
         if self.costs.memory is None:
             return [lim * family.num_chunks for lim in self.limits]  # chunk activations
         place = family.segments(self.p)
-        scaled = _per_chunk(self.costs, family.share, [stage for stage, _ in place]).memory
+        scaled = _per_chunk(self.costs, family.share, place).memory
         out = []
         for s in range(self.p):
             fixed = 0.0
@@ -1074,7 +1082,7 @@ class _ListScheduler:
         v = family.num_chunks
         self.place = family.segments(p)
         # per-stage sizes follow each segment to its stage, as the simulated candidates' do
-        scaled = _per_chunk(costs, v, [stage for stage, _ in self.place])
+        scaled = _per_chunk(costs, v, self.place)
         self.num_segments = len(self.place)
         self.cost = []
         for s, c in self.place:

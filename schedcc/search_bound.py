@@ -148,8 +148,8 @@ class _Bound:
     def __init__(self, p: int, m: int, costs: CostModel, family, overlapped: bool):
         self.p, self.split, self.overlapped = p, family.split, overlapped
         self.single = family.num_replicas == 1
-        scaled = _per_chunk(costs, family.share)
         self.place = place = family.segments(p)
+        scaled = _per_chunk(costs, family.share, place)
         num = len(place)
         length = num // family.num_replicas
         self.first = [k - k % length for k in range(num)]  # the replica's first segment
@@ -164,7 +164,7 @@ class _Bound:
             self.least.append(min(mine, default=1.0))
         self.models = [scaled.at(s, c) for s, c in place]
         # bytes per segment of this placement (a stage's sizes on the segments it runs)
-        self.memory = _per_chunk(costs, family.share, [s for s, _ in place]).memory
+        self.memory = scaled.memory
         self.share = family.share
         chunks = max(c for _, c in place) + 1
         self.comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]

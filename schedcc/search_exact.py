@@ -237,7 +237,7 @@ def _room(memory_limit, built: _Model, costs: CostModel, *, data_parallel: int, 
     if costs.memory is None:
         capacity = [math.floor(lim * built.share * (1 + 1e-9) + 1e-9) for lim in limits]
         return _Room(capacity, [1] * n, [0] * n, [0] * n)
-    memory = _per_chunk(costs, built.share, [stage for stage, _ in built.place]).memory
+    memory = _per_chunk(costs, built.share, built.place).memory
     unit = max(limits) / 10_000 or 1.0
 
     def units(value: float) -> int:
@@ -275,7 +275,7 @@ class _Model:
         self.share = family.share
         self.num_segments = len(self.place)
         self.seg_of = {sc: k for k, sc in enumerate(self.place)}
-        scaled = _per_chunk(costs, family.share)
+        scaled = _per_chunk(costs, family.share, self.place)
         models = [scaled.at(s, c) for s, c in self.place]
         chunks = max(c for _, c in self.place) + 1
         comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]

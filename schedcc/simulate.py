@@ -35,6 +35,7 @@ from schedcc.memory_model import MemoryModel
 from schedcc.program import Program
 from schedcc.semantics import (
     CopyLanes,
+    Layout,
     StageBytes,
     Tensors,
     Units,
@@ -274,6 +275,8 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
     Args:
         program: a compiled program (`schedcc.compile`).
         costs: the cost model; `CostModel()` (F = 1, B = 2, I = W = 1, free comm) by default.
+            Its `per_segment` costs, if any, are placed on the program's segments first
+            (`CostModel.placed`).
         eager: time it with sends that never wait, as the distributed engine runs over gloo
             (see [Note: eager simulation]); a comm op then spans its message's flight, and the
             timeline has no critical path.
@@ -293,6 +296,10 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
         raise ScheduleConfigError(f"costs must be a CostModel, got {costs!r}")
     ensure_valid(program)  # the validator's error for a program it refuses
     costs.check_microbatches(program.schedule.num_microbatches)
+    if costs.per_segment:  # [Note: segment costs]
+        layout = Layout.of(program.schedule)
+        place = list(zip(layout.stage_of, layout.chunk_of))
+        costs = costs.placed(place, len(place) // layout.num_replicas)
     stages = program.stages
     with paused_gc():
         tables = _tables(costs, len(stages))

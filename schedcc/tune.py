@@ -9,7 +9,8 @@ raises, or its program does not validate) is an error, not a silent drop.
 
 [Note: tune's units] Costs are for one stage's share of the model with v = 1; with v chunks per
 stage a chunk runs 1/v of that share, so its compute costs are divided by v, and so are its
-copies' (an offload moves 1/v of the bytes; comm and update costs are not). Activation memory
+copies' (an offload moves 1/v of the bytes; comm and update costs are not), except where the
+costs come per segment (`CostModel.per_segment`, [Note: segment costs]). Activation memory
 is counted the same way: a chunk's activations are 1/v of a stage's, so `peak_activations` is
 the peak number of held chunk activations divided by v, in microbatches of a whole stage (1F1B's
 stage 0 holds p); a `MemoryModel` in the costs is likewise a stage's sizes at v = 1 (a list
@@ -302,8 +303,9 @@ class _Tuner:
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
-        stage_of = Layout.of(schedule).stage_of
-        return _measure(name, program, _per_chunk(self.costs, share, stage_of), share)
+        layout = Layout.of(schedule)
+        place = list(zip(layout.stage_of, layout.chunk_of))
+        return _measure(name, program, _per_chunk(self.costs, share, place), share)
 
 
 def _placed(memory: MemoryModel, stage_of: Sequence[int]) -> MemoryModel:
@@ -353,33 +355,39 @@ def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
 
 
 def _per_chunk(
-    costs: CostModel, num_chunks: int, stage_of: Sequence[int] | None = None
+    costs: CostModel, num_chunks: int, place: Sequence[tuple[int, int]] | None = None
 ) -> CostModel:
     """`costs` with compute and copy costs and memory sizes divided by `num_chunks` (see
-    [Note: tune's units]); given `stage_of` (the stage of each segment of a program), a
-    `MemoryModel`'s per-stage sizes (one per stage) become the sizes of the segments each stage
-    runs. Measured sizes (`MemoryModel.cut`) are each segment's own and stay as they are
-    ([Note: a measured cut])."""
+    [Note: tune's units]); given `place` (the `(stage, chunk)` of each segment of a program),
+    a `MemoryModel`'s per-stage sizes (one per stage) become the sizes of the segments each
+    stage runs, and per-segment costs are placed on them (`CostModel.placed`, [Note: segment
+    costs]). Measured sizes (`MemoryModel.cut`) and per-segment costs are each segment's own
+    and are not divided ([Note: a measured cut])."""
     memory = costs.memory
     if memory is not None and memory.cut is None:
-        if stage_of is not None:
-            memory = _placed(memory, stage_of)
+        if place is not None:
+            memory = _placed(memory, [stage for stage, _ in place])
         if num_chunks != 1:
             memory = memory.scaled(1 / num_chunks)
     if num_chunks == 1:
-        return costs if memory is costs.memory else attrs.evolve(costs, memory=memory)
-    scaled = {
-        name: getattr(costs, name) / num_chunks
-        for name in CHUNK_FIELDS
-        if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
-    }
-    return attrs.evolve(
-        costs,
-        **scaled,
-        memory=memory,
-        per_stage={s: _per_chunk(model, num_chunks) for s, model in costs.per_stage.items()},
-        per_chunk={c: _per_chunk(model, num_chunks) for c, model in costs.per_chunk.items()},
-    )
+        scaled = costs if memory is costs.memory else attrs.evolve(costs, memory=memory)
+    else:
+        divided = {
+            name: getattr(costs, name) / num_chunks
+            for name in CHUNK_FIELDS
+            if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
+        }
+        scaled = attrs.evolve(
+            costs,
+            **divided,
+            memory=memory,
+            per_stage={s: _per_chunk(m, num_chunks) for s, m in costs.per_stage.items()},
+            per_chunk={c: _per_chunk(m, num_chunks) for c, m in costs.per_chunk.items()},
+        )
+    if place is None or not costs.per_segment:
+        return scaled
+    num_stages = max(stage for stage, _ in place) + 1
+    return scaled.placed(place, num_stages * num_chunks)
 
 
 def other_cut(memory: MemoryModel | None, num_stages: int, share: int) -> str | None:

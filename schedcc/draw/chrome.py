@@ -182,13 +182,15 @@ def save(timeline, path: str | PathLike) -> Path:
     return write_chrome_trace(timeline.events, path, flows=flows, metadata=metadata)
 
 
-def cut_record(schedule) -> dict[str, int]:
+def cut_record(schedule) -> dict:
     """A trace's `"cut"`: the stages, chunks per stage and model replicas of the program it
-    times (`CostModel.from_trace` reads its costs per stage with it, [Note: a trace's cut])."""
+    times, and the segment each stage's chunk runs (`CostModel.from_trace` reads its costs per
+    stage and per segment with it, [Note: a trace's cut], [Note: segment costs])."""
     return {
         "num_stages": schedule.num_stages,
         "num_chunks": schedule.num_chunks,
         "num_replicas": type(schedule).num_replicas,
+        "segments": [list(row) for row in schedule.segment_table()],
     }
 
 

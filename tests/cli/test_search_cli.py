@@ -189,7 +189,10 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
     recorded = json.loads(trace.read_text())["otherData"]
-    assert recorded["cut"] == {"num_stages": 2, "num_chunks": 2, "num_replicas": 1}
+    assert recorded["cut"] == {
+        "num_stages": 2, "num_chunks": 2, "num_replicas": 1, "segments": [[0, 2], [1, 3]],
+    }  # fmt: skip
+    assert len(CostModel.from_trace(trace).per_segment) == 4  # each segment's own costs
     limited = _schedcc_run(  # within one microbatch a stage
         "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
         "--search-memory-limit", "1", "--search-offload", "--steps", "2", "--model", "mlp",

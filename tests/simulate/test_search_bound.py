@@ -153,8 +153,8 @@ def test_no_builtin_beats_the_bound_in_bytes(p, m, v, recompute, data):
             continue  # the memory terms do not hold for an order that offloads
         orders = _compute_orders(program)
         family = _Family.of(schedule, _splits(orders))
-        stage_of = [s for s, _ in family.segments(p)]
-        timeline = schedcc.simulate(program, _per_chunk(costs, family.share, stage_of))
+        place = family.segments(p)
+        timeline = schedcc.simulate(program, _per_chunk(costs, family.share, place))
         bound = lower_bound(
             p, m, costs, family, overlapped=any(t.startswith("+") for row in orders for t in row),
             memory_limit=list(timeline.peak_bytes), recompute=recompute, data_parallel=dp,
