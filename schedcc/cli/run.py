@@ -535,6 +535,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
     from schedcc.backends.run.report import other_bytes
+    from schedcc.cli.tune import finer_line
     from schedcc.costs import CostModel, measured_backward
     from schedcc.draw.chrome import read_chrome_trace
     from schedcc.search import search
@@ -547,11 +548,12 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         mismatch = other_bytes(args.costs_from, recorded, args)
         if mismatch is not None:
             raise ScheduleConfigError(mismatch)
+    costs = CostModel.from_trace(args.costs_from, num_stages=args.num_stages)
     result = search(
         args.num_stages,
         args.num_microbatches,
         num_chunks=chunks,
-        costs=CostModel.from_trace(args.costs_from, num_stages=args.num_stages),
+        costs=costs,
         memory=memory,
         memory_limit=limit,
         split_backward=measured_backward(args.costs_from),
@@ -570,6 +572,10 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         + f", from {result.source}; the order is "
         f"{path}:Found"
     )
+    found = result.schedule
+    finer = finer_line(costs, args.num_stages, [found.num_chunks // type(found).num_replicas])
+    if finer is not None:
+        print(finer)
     return f"{path}:Found", result.schedule.num_chunks
 
 

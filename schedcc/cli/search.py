@@ -13,7 +13,7 @@ from pathlib import Path
 
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
-from schedcc.cli.tune import add_stage_costs, costs_of, guessed_line, ranking_table
+from schedcc.cli.tune import add_stage_costs, costs_of, finer_line, guessed_line, ranking_table
 from schedcc.costs import measured_backward
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule, registered_classes
@@ -150,6 +150,9 @@ def run(args) -> int:
     guessed = guessed_line(args.costs_from, args.costs)
     if guessed is not None and True in _split_backward(args):
         print(guessed)
+    finer = finer_line(costs, args.num_stages, (c.num_chunks for c in ranking.ranked))
+    if finer is not None:
+        print(finer)
     print(result.timeline.to_ascii())
     if args.out is not None:
         args.out.write_text(result.to_python(args.class_name))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from schedcc.cli import args as shared
@@ -17,7 +18,7 @@ from schedcc.registry import get_schedule, registered_classes
 from schedcc.sizes import format_size
 from schedcc.tune import TuneResult, tune
 
-__all__ = ["add_stage_costs", "costs_of", "ranking_table", "register", "run"]
+__all__ = ["add_stage_costs", "costs_of", "finer_line", "ranking_table", "register", "run"]
 
 EPILOG = """examples:
   schedcc tune -p 8 -m 8,16,32
@@ -89,6 +90,7 @@ def run(args) -> int:
         notes = (
             memory_flags.cut_line(memory, args.num_stages),
             guessed_line(args.costs_from, args.costs),
+            finer_line(costs, args.num_stages, (c.num_chunks for c in result.ranked)),
         )
         print("\n".join([ranking_table(result), *filter(None, notes)]))
     return 0 if result.ranked else 1
@@ -119,6 +121,21 @@ def guessed_line(trace: Path | None, given: CostModel | None) -> str | None:
         f"{trace} measured whole backwards only: I and W are read as B / 2, so orders that "
         "split them (zb-h1, ...) rank ahead of what they measure (a trace of one, e.g. "
         "schedcc run --schedule zb-h1 --trace, times them)"
+    )
+
+
+def finer_line(costs: CostModel, num_stages: int, chunks: Iterable[int]) -> str | None:
+    """A line where some of `chunks` cut a stage finer than the costs' segments were measured:
+    no segment's split is known, so those orders are priced from each stage's costs divided
+    among its chunks ([Note: segment costs]); None where every order is priced per segment."""
+    measured, left = divmod(len(costs.per_segment), num_stages)
+    if not measured or left or all(v <= measured for v in chunks):
+        return None
+    return (
+        f"costs measured per segment of a cut in {len(costs.per_segment)} (v = {measured}): "
+        f"orders at v <= {measured} (and DualPipe's replicas of that cut) are priced segment by "
+        "segment, those at more chunks a stage from each stage's costs divided among its chunks, "
+        f"a guess where segments differ (a trace of a run at that v measures them)"
     )
 
 

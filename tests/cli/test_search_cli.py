@@ -144,6 +144,25 @@ def test_costs_from_a_trace_search_the_backward_forms_it_measured(tmp_path, caps
     assert measured_backward([]) == (False, True)  # nothing measured: both
 
 
+def test_orders_finer_than_the_traces_cut_are_said_to_be_priced_by_stage(tmp_path, capsys):
+    """A trace of a run at v = 1 measures no segment of a cut in 2p: `tune` and `search` say
+    which rows are priced from stage costs divided among chunks ([Note: segment costs]); a
+    trace at v = 2 prices both v = 1 and v = 2 per segment and no line is printed."""
+    finer = "priced segment by segment, those at more chunks a stage"
+    for name, v, said in (("1f1b", 1, True), ("interleaved-1f1b", 2, False)):
+        trace = tmp_path / f"{name}.json"
+        program = schedcc.compile(get_schedule(name)(2, 4, v))
+        schedcc.simulate(program).to_chrome_trace(trace)
+        shape = ["-p", "2", "-m", "4", "--costs-from", str(trace)]
+        assert main(["tune", *shape, "-v", "1,2"]) == 0
+        assert (finer in capsys.readouterr().out) == said
+        assert main(["search", *shape, "-v", "1,2", "--time-limit", "1"]) == 0
+        assert (finer in capsys.readouterr().out) == said
+    at_one = ["-p", "2", "-m", "4", "-v", "1", "--costs-from", str(tmp_path / "1f1b.json")]
+    assert main(["tune", *at_one]) == 0
+    assert finer not in capsys.readouterr().out  # every row at the trace's cut
+
+
 def test_run_trains_the_written_file_exactly(tmp_path, capsys):
     """`schedcc run --schedule FILE:Found` trains the found order on two processes (gloo), at
     its own shape when `-p`, `-m` and `-v` are left out, and `--check` finds it equal to
