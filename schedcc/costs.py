@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import pairwise
 from math import inf
 from os import PathLike
 from types import MappingProxyType
@@ -384,16 +385,24 @@ class CostModel:
         replicas = _replicas(metadata.get("cut"))
         found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
         by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
-        samples: dict[int, dict[tuple[str, int], list[float]]] = {}
+        timed = []  # (stage, track, start, kind, chunk, duration)
         for event, (kind, chunk) in found:
             try:
                 track = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
                 stage = track if by_pid else track_stage(track)
                 duration = float(event["dur"]) / unit_us
+                start = float(event.get("ts", 0))
             except (TypeError, ValueError):
                 raise ScheduleConfigError(
-                    f"trace event {event.get('name')!r}: its dur, pid and tid must be numbers"
+                    f"trace event {event.get('name')!r}: its dur, ts, pid and tid must be "
+                    "numbers"
                 ) from None
+            timed.append((stage, track, start, kind, chunk, duration))
+        if metadata.get("measured") is True:
+            timed = _unpaired(timed)
+        samples: dict[int, dict[tuple[str, int], list[float]]] = {}
+        for stage, _, _, kind, chunk, duration in timed:
+            kind = "backward" if kind == _PAIRED else kind  # a simulated pair's rest
             samples.setdefault(stage, {}).setdefault((kind, chunk), []).append(duration)
         if not samples:
             raise ScheduleConfigError(
@@ -454,7 +463,7 @@ def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, 
     """
     events, _ = read_chrome_trace(trace)
     kinds = {kind for event in events if (kind := _kind_of(event)) is not None}
-    whole = any(k == "backward" for k, _ in kinds)
+    whole = any(k in ("backward", _PAIRED) for k, _ in kinds)
     split = any(k in ("backward_input", "backward_weight") for k, _ in kinds)
     return (False,) if whole and not split else (False, True)
 
@@ -492,9 +501,51 @@ def _kind_of(event: object) -> tuple[str, int] | None:
         return None
     if isinstance(op, Comm):
         return "comm", 0
-    # a measured overlapped backward ran as a backward (the CPU backends run the pair in order)
-    kind = "backward" if isinstance(op, OverlappedBackward) else _FIELD[type(op)]
-    return kind, op.chunk if kind in CHUNK_FIELDS else 0
+    # an overlapped pair's backward is read as a backward ([Note: a measured pair])
+    kind = _PAIRED if isinstance(op, OverlappedBackward) else _FIELD[type(op)]
+    return kind, op.chunk if kind in CHUNK_FIELDS or kind == _PAIRED else 0
+
+
+#: The kind `_kind_of` gives an overlapped pair's backward (`+B1`), read as a backward.
+_PAIRED = "paired backward"
+
+
+# [Note: a measured pair] The engines run an overlapped pair `F3 +B1` at its `OverlappedBackward`
+# ([Note: running an overlapped pair] in `backends/runtime/handlers.py`): a run's trace times the
+# forward's event as a marker (microseconds) and the `+B1` event as the whole pair, the forward
+# then the backward. A simulated trace times each half as the simulator prices it (the forward
+# its cost, `+B1` the rest of the pair, `overlapped_pair`). So in a measured trace (`"measured":
+# true`, as `schedcc run --trace` writes it) a paired forward is no sample of a forward, and the
+# pair, less the median unpaired forward of its forward's chunk on that stage, is a sample of
+# the backward (dropped where no unpaired forward of that chunk was measured); in a simulated
+# one `+B1` is read as a backward as it is. Read as forwards, DualPipe-V's markers made its
+# forwards 0.01 ms where they take 2 ms, and its backwards F + B.
+def _unpaired(timed: list[tuple]) -> list[tuple]:
+    """A measured trace's samples `(stage, track, start, kind, chunk, duration)` with each
+    overlapped pair read as its backward ([Note: a measured pair])."""
+    ordered = sorted(timed, key=lambda t: (t[1], t[2]))
+    computes = [t for t in ordered if t[3] != "comm"]
+    paired = {}  # a pair's backward sample -> its forward's
+    for before, after in pairwise(computes):
+        if after[3] == _PAIRED and before[3] == "forward" and before[1] == after[1]:
+            paired[after] = before
+    markers = set(paired.values())
+    forwards: dict[tuple[int, int], list[float]] = {}
+    for t in ordered:
+        if t[3] == "forward" and t not in markers:
+            forwards.setdefault((t[0], t[4]), []).append(t[5])
+    out = []
+    for t in ordered:
+        if t in markers:
+            continue
+        if t[3] == _PAIRED:
+            forward = paired.get(t)
+            alone = forwards.get((t[0], forward[4])) if forward is not None else None
+            if not alone:
+                continue  # no forward known to take off the pair
+            t = (*t[:3], "backward", t[4], max(t[5] - statistics.median(alone), 0.0))
+        out.append(t)
+    return out
 
 
 # [Note: a trace's cut] Costs are a stage's share of the model at v = 1 ([Note: tune's units]),

@@ -7,6 +7,7 @@ tests/schedules/test_dualpipe.py)."""
 from __future__ import annotations
 
 import copy
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from schedcc.backends.distributed.engine import Engine
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import spawn
+from schedcc.ir import Compute, Forward, OverlappedBackward
 
 
 def _masked_sum(out, y):
@@ -52,10 +54,24 @@ def _compare(rank: int, m: int, batches_per_run: int, loss_fn=F.mse_loss, **kwar
         assert torch.allclose(predicted, want, rtol=0, atol=1e-12), where
     else:
         assert predicted is None, where
+    _check_pairs_timed_as_read(engine.trace_events())
     for c in range(2):
         k = schedule.segment_of(engine.stage, c)
         for got, want in zip(segments[k].parameters(), oracle[k].parameters()):
             assert torch.allclose(got, want, rtol=0, atol=1e-12), (where, k)
+
+
+def _check_pairs_timed_as_read(events) -> None:
+    """What `CostModel.from_trace` reads a run's pairs by ([Note: a measured pair]): each
+    overlapped backward's event directly follows its forward's on the stage, and that forward
+    is a marker timed within the pair's event, which runs both halves."""
+    computes = [e for e in events if isinstance(e[1], Compute)]
+    pairs = [(a, b) for a, b in pairwise(computes) if isinstance(b[1], OverlappedBackward)]
+    assert pairs
+    for (_, forward, f_start, f_end), (_, _, b_start, b_end) in pairs:
+        assert isinstance(forward, Forward)
+        assert f_end <= b_start
+        assert f_end - f_start < b_end - b_start
 
 
 def _counted(engine) -> list[int]:

@@ -182,3 +182,32 @@ def _split(model: CostModel) -> CostModel:
     """`model` with I = W = B / 2, as a trace of whole backwards is read both ways."""
     half = model.backward / 2
     return attrs.evolve(model, backward_input=half, backward_weight=half)
+
+
+def test_a_measured_overlapped_pair_is_read_as_its_backward(tmp_path):
+    """A run's trace times a pair `F3 +B1` as a marker and the whole pair ([Note: a measured
+    pair]): its forward is no forward sample, and the pair less the stage's unpaired forward of
+    that chunk is a backward sample; a backward form the pairs alone show is dropped, and a
+    simulated trace's `+B` (the rest of the pair) is read as a backward as it is."""
+
+    def event(name, ts, dur, tid=0):
+        return {"name": name, "ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur}
+
+    events = [
+        event("F0", 0, 2000), event("F1", 2000, 2200),  # unpaired: median 2.1 ms
+        event("SA0", 4200, 50),  # comm between a forward and a pair's backward is no pair
+        event("F2", 4300, 10), event("+B0", 4310, 3100),  # B0 = 3.1 - 2.1 = 1.0
+        event("F3", 7500, 10), event("+B1", 7510, 3300),  # B1 = 1.2
+        event("B2", 10900, 1100), event("B3", 12000, 1300),  # B: 1.0, 1.2, 1.1, 1.3
+        event("F0", 0, 3000, tid=2), event("+B0", 3000, 4000, tid=2),  # stage 2: a pair only
+    ]  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"traceEvents": events, "otherData": {"measured": True}}))
+    measured = CostModel.from_trace(path)
+    assert measured.at(0).forward == pytest.approx(2.1)
+    assert measured.at(0).backward == pytest.approx(1.15)
+    assert sorted(measured.per_stage) == [0]  # no forward of stage 2 to take off its pair
+    path.write_text(json.dumps({"traceEvents": events[:9]}))  # simulated: each as priced
+    simulated = CostModel.from_trace(path)
+    assert simulated.at(0).forward == pytest.approx(1.005)  # median of 2.0, 2.2, 0.01, 0.01
+    assert simulated.at(0).backward == pytest.approx(2.2)  # 3.1, 3.3, 1.1, 1.3
