@@ -28,6 +28,7 @@ __all__ = [
     "check_size",
     "int_list",
     "parse_costs",
+    "parse_segment_costs",
     "positive_int",
 ]
 
@@ -89,6 +90,31 @@ def int_list(limit: int, what: str):
 
 def parse_costs(text: str) -> CostModel:
     """An argparse type: `F=1,B=2,I=1,W=1,comm=0.1` (or the long field names) to a CostModel."""
+    try:
+        return CostModel(**_cost_fields(text))
+    except ScheduleConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_segment_costs(text: str) -> tuple[dict[str, float], ...]:
+    """An argparse type: `F=1.3,B=2.6;;;F=2.5,B=5`, the costs of each segment of the model in
+    order (`;` between segments, an empty one taking `--costs`), as fields for
+    `CostModel(per_segment=...)`.
+
+    >>> parse_segment_costs("F=2;;B=3")
+    ({'forward': 2.0}, {}, {'backward': 3.0})
+    """
+    segments = tuple(_cost_fields(part) for part in text.split(";"))
+    for fields in segments:
+        try:
+            CostModel(**fields)
+        except ScheduleConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return segments
+
+
+def _cost_fields(text: str) -> dict[str, float]:
+    """`F=1,B=2` to `{"forward": 1.0, "backward": 2.0}` (an `ArgumentTypeError` if malformed)."""
     fields: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -104,10 +130,7 @@ def parse_costs(text: str) -> CostModel:
             raise argparse.ArgumentTypeError(
                 f"bad cost {item!r}: {value!r} is not a number"
             ) from None
-    try:
-        return CostModel(**fields)
-    except ScheduleConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return fields
 
 
 def add_schedule(parser, *, default: str | None = None, required=False, many=False) -> None:

@@ -111,7 +111,7 @@ def run(args) -> int:
         raise ScheduleConfigError("--offload goes with --memory-limit (what the orders must fit)")
     if not args.class_name.isidentifier():
         raise ScheduleConfigError(f"--class-name must be a Python name, got {args.class_name!r}")
-    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from, args.num_stages), memory)
+    costs = memory_flags.with_memory(costs_of(args), memory)
     extra = {name: get_schedule(name) for name in args.schedule}
     result = search(
         args.num_stages,
@@ -178,6 +178,8 @@ def _found_line(result: SearchResult) -> str:
     schedule = type(result.schedule)
     p, m, v = schedule.shape
     kind = "V" if schedule.vshape else "looped"
+    if schedule.places:  # a built-in's own placement, replayed
+        kind = "two replicas" if schedule.num_replicas > 1 else "its own placement"
     held = (
         "peak bytes per stage [" + ", ".join(format_size(b) for b in result.peak_bytes) + "]"
         if result.peak_bytes is not None

@@ -11,9 +11,12 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import attrs
+
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
-from schedcc.costs import CostModel, cost_fields, measured_backward
+from schedcc.cli.args import UsageError
+from schedcc.costs import CHUNK_FIELDS, CostModel, cost_fields, measured_backward
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.sizes import format_size
 from schedcc.tune import TuneResult, tune
@@ -56,9 +59,18 @@ def register(subparsers) -> None:
 
 
 def add_stage_costs(parser) -> None:
-    """`--costs K=V,...` and `--costs-from TRACE` (read together by `costs_of`)."""
+    """`--costs K=V,...`, `--segment-costs K=V,...;...` and `--costs-from TRACE` (read together
+    by `costs_of`)."""
     shared.add_costs(
         parser, default=None, help="per-stage costs at v = 1, e.g. F=1,B=2,I=1,W=1,comm=0.1"
+    )
+    parser.add_argument(
+        "--segment-costs",
+        type=shared.parse_segment_costs,
+        default=None,
+        metavar="K=V,...;...",
+        help="each segment's own compute costs, in model order, e.g. ';;;F=2.5,B=5' for a "
+        "heavy last of 4 (an empty one: --costs); each is its own in any placement",
     )
     parser.add_argument(
         "--costs-from",
@@ -72,7 +84,7 @@ def add_stage_costs(parser) -> None:
 def run(args) -> int:
     shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks or [2]))
     memory = memory_flags.memory_of(args)
-    costs = memory_flags.with_memory(costs_of(args.costs, args.costs_from, args.num_stages), memory)
+    costs = memory_flags.with_memory(costs_of(args), memory)
     result = tune(
         _with_registered(args.schedule) if args.schedule else None,
         num_stages=args.num_stages,
@@ -101,15 +113,41 @@ def _with_registered(extra: list[str]) -> dict:
     return {**registered_classes(), **{name: get_schedule(name) for name in extra}}
 
 
-def costs_of(given: CostModel | None, trace: Path | None, num_stages: int) -> CostModel:
-    """`--costs`, or the costs measured in `--costs-from` (a run of `num_stages` stages) with
-    `--costs` filling the kinds the trace lacks."""
+def costs_of(args) -> CostModel:
+    """`--costs`, with `--segment-costs` each segment's own ([Note: segment costs]); or the
+    costs measured in `--costs-from` (a run of `-p` stages) with `--costs` filling the kinds the
+    trace lacks."""
+    given, trace, num_stages = args.costs, args.costs_from, args.num_stages
+    if trace is not None and args.segment_costs is not None:
+        raise UsageError(
+            "--segment-costs and --costs-from both give each segment's costs: give one"
+        )
     if trace is None:
-        return given or CostModel()
+        return _with_segments(given or CostModel(), args.segment_costs, num_stages)
     defaults = {}
     if given is not None:
         defaults = {name: getattr(given, name) for name in cost_fields()}
     return CostModel.from_trace(trace, num_stages=num_stages, **defaults)
+
+
+def _with_segments(
+    base: CostModel, segments: tuple[dict[str, float], ...] | None, num_stages: int
+) -> CostModel:
+    """`base` with each segment's fields over it as `per_segment`, and, where the segments are
+    a multiple of the stages, each stage's (its consecutive segments summed, the cut at v = 1)
+    as `per_stage`: what orders at a cut finer than the segments' read ([Note: segment
+    costs])."""
+    if segments is None:
+        return base
+    models = [attrs.evolve(base, **fields) for fields in segments]
+    per_stage = {}
+    if len(models) % num_stages == 0:
+        stages = CostModel(per_segment=models).placed([(s, 0) for s in range(num_stages)])
+        per_stage = {
+            s: attrs.evolve(base, **{f: getattr(stages.at(s), f) for f in CHUNK_FIELDS})
+            for s in range(num_stages)
+        }
+    return attrs.evolve(base, per_segment=models, per_stage=per_stage)
 
 
 def guessed_line(trace: Path | None, given: CostModel | None) -> str | None:
@@ -132,10 +170,11 @@ def finer_line(costs: CostModel, num_stages: int, chunks: Iterable[int]) -> str 
     if not measured or left or all(v <= measured for v in chunks):
         return None
     return (
-        f"costs measured per segment of a cut in {len(costs.per_segment)} (v = {measured}): "
-        f"orders at v <= {measured} (and DualPipe's replicas of that cut) are priced segment by "
-        "segment, those at more chunks a stage from each stage's costs divided among its chunks, "
-        f"a guess where segments differ (a trace of a run at that v measures them)"
+        f"costs per segment of a cut in {len(costs.per_segment)} (v = {measured}): orders at "
+        f"v <= {measured} (and DualPipe's replicas of that cut) are priced segment by segment, "
+        "those at more chunks a stage from each stage's costs divided among its chunks, a guess "
+        "where segments differ (the costs of p * v segments, or a trace of a run at that v, "
+        "price them)"
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from schedcc import CostModel, get_schedule, tune
@@ -100,6 +101,44 @@ def test_costs_from_trace(tmp_path, capsys):
     base = {(r["schedule"], r["num_chunks"]): r["makespan"] for r in unit["ranked"]}
     assert mine.keys() == base.keys()
     assert [mine[key] / base[key] for key in base] == pytest.approx([0.01] * len(base))
+
+
+def test_segment_costs_price_each_segment_where_it_lies(capsys):
+    """`--segment-costs` gives each segment's costs ([Note: segment costs]): every row is timed
+    as the library times its program under them; four segments price v = 2 orders segment by
+    segment (a V holds the heavy last on stage 0) and v = 1 orders with them summed; two
+    segments price v = 2 orders from each stage's divided among its chunks (DualPipe's replicas
+    of a cut in p segment by segment); a malformed one, or one beside --costs-from, is one
+    line, exit 2."""
+    base = CostModel(backward=2, comm=0.1)
+    for given, segments in (
+        (";;;F=2.5,B=5", [base] * 3 + [CostModel(forward=2.5, backward=5, comm=0.1)]),
+        ("F=1;F=3", [base, CostModel(forward=3, comm=0.1)]),
+    ):
+        code, out = _json(capsys, "-p", "2", "-m", "4", "-v", "1,2", "--costs", "B=2,comm=0.1",
+                          "--segment-costs", given)  # fmt: skip
+        assert code == 0
+        rows = {(r["schedule"], r["num_chunks"]): r["makespan"] for r in out["ranked"]}
+        assert ("zb-v", 2) in rows
+        assert ("1f1b", 1) in rows
+        costs = CostModel(backward=2, comm=0.1, per_segment=segments)
+        if len(segments) == 2:  # a cut in p: v = 2 rows but DualPipe's read the stage costs
+            costs = attrs.evolve(costs, per_stage=dict(enumerate(segments)))
+        for (name, v), makespan in rows.items():
+            expected = tune([name], num_stages=2, num_microbatches=4, num_chunks=v, costs=costs)
+            assert makespan in [c.makespan for c in expected.ranked], (name, v)
+    v_shape = rows[("zb-v", 2)]
+    assert v_shape != _json(capsys, "-p", "2", "-m", "4", "-v", "2", "--costs", "B=2,comm=0.1",
+                            "--segment-costs", "F=3;F=1")[1]["ranked"][0]["makespan"]  # fmt: skip
+    for bad in (["--segment-costs", "F=x;"], ["--segment-costs", "F=1", "--costs-from", "t.json"]):
+        try:
+            code = main(["tune", "-p", "2", "-m", "4", *bad])
+        except SystemExit as exc:  # argparse's own refusal
+            code = exc.code
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        assert "--segment-costs" in err[0]
 
 
 def test_a_trace_of_another_depth_is_one_line(tmp_path, capsys):

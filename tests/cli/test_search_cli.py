@@ -163,6 +163,23 @@ def test_orders_finer_than_the_traces_cut_are_said_to_be_priced_by_stage(tmp_pat
     assert finer not in capsys.readouterr().out  # every row at the trace's cut
 
 
+def test_segment_costs_search_as_the_library_prices_them(tmp_path, capsys):
+    """`search --segment-costs`: the found V order's makespan is its simulated one under those
+    segment costs (the heavy last segment on stage 0), as the line prints it."""
+    out = tmp_path / "found.py"
+    argv = ["search", "-p", "2", "-m", "4", "-v", "2", "--placement", "v", "--costs",
+            "B=2,comm=0.1", "--segment-costs", ";;;F=2.5,B=5", "--time-limit", "1",
+            "--method", "heuristic", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    found = get_schedule(f"{out}:Found")
+    segments = [CostModel(comm=0.1)] * 3 + [CostModel(forward=2.5, backward=5, comm=0.1)]
+    costs = CostModel(comm=0.1, per_segment=segments)
+    makespan = schedcc.simulate(schedcc.compile(found(2, 4, 2)), costs).makespan
+    assert line.startswith("found: p=2 m=4 v=2 (V), makespan ")
+    assert f"makespan {makespan:g}," in line
+
+
 def test_run_trains_the_written_file_exactly(tmp_path, capsys):
     """`schedcc run --schedule FILE:Found` trains the found order on two processes (gloo), at
     its own shape when `-p`, `-m` and `-v` are left out, and `--check` finds it equal to
