@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import torch
 from _builtin_schedules import names
 from hypothesis import strategies as st
@@ -123,17 +124,26 @@ _COST = st.floats(0.1, 3.0)
 @st.composite
 def stage_costs(draw, num_stages: int) -> CostModel:
     """Costs of every kind drawn per stage (B from half to 1.5x I + W), comm above 0, a
-    recompute cost of its own or not: what the search's bounds must hold under."""
+    recompute cost of its own or not, and sometimes each of 2p segments' computes of their own
+    (`per_segment`, [Note: segment costs]: orders at v = 2 read them where they lie, at v = 1
+    summed): what the search's bounds must hold under."""
     per_stage = {}
     for s in range(num_stages):
-        backward_input, backward_weight = draw(_COST), draw(_COST)
-        per_stage[s] = CostModel(
-            forward=draw(_COST),
-            backward=draw(st.floats(0.5, 1.5)) * (backward_input + backward_weight),
-            backward_input=backward_input,
-            backward_weight=backward_weight,
+        per_stage[s] = attrs.evolve(
+            _computes(draw),
             comm=draw(st.floats(0.01, 2.0)),
-            recompute=draw(st.none() | _COST),
             overlap=draw(st.floats(0.0, 1.0)),
         )
-    return CostModel(per_stage=per_stage)
+    segments = [_computes(draw) for _ in range(2 * num_stages)] if draw(st.booleans()) else ()
+    return CostModel(per_stage=per_stage, per_segment=segments)
+
+
+def _computes(draw) -> CostModel:
+    backward_input, backward_weight = draw(_COST), draw(_COST)
+    return CostModel(
+        forward=draw(_COST),
+        backward=draw(st.floats(0.5, 1.5)) * (backward_input + backward_weight),
+        backward_input=backward_input,
+        backward_weight=backward_weight,
+        recompute=draw(st.none() | _COST),
+    )
