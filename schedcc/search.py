@@ -92,13 +92,16 @@ from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, other_cut
 
 __all__ = [
-    "EXACT_MAX_PAIRS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult", "lower_bound",
-    "search",
+    "EXACT_MAX_PAIRS", "MAX_CHUNKS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult",
+    "lower_bound", "placement_name", "search",
 ]
 
 #: The placements `search` can search: looped (segment k on stage k % p, chunk k // p) and the
-#: V (two chunks: down the stages and back up, as zb-v).
+#: V (two chunks: down the stages and back up, as zb-v; at more chunks a wave, each odd chunk
+#: back up: Hanayo's at v = 4).
 PLACEMENTS = ("looped", "v")
+#: The most chunks per stage `search` builds orders for (`num_chunks`).
+MAX_CHUNKS = 4
 #: How `search` finds orders: "heuristic" ([Note: the search], 1-3), "exact" (and CP-SAT, 4), or
 #: "auto" ([Note: the exact method's rule]).
 METHODS = ("auto", "heuristic", "exact")
@@ -110,7 +113,8 @@ _EXACT_WORKERS = 2  # CP-SAT's workers
 class FoundOrder(Schedule):
     """Base of a schedule that replays a fixed compute order (what `schedcc.search` writes).
 
-    A subclass sets `shape = (p, m, v)`, `vshape` (the V placement, else looped) and `orders`,
+    A subclass sets `shape = (p, m, v)`, `vshape` (the V placement, or at more chunks a wave:
+    chunk c runs down the stages for even c and back up for odd; else looped) and `orders`,
     one string per stage of instructions as `schedcc.ir.parse` reads them (`F3.1`, `I0`, `R2`, `O2`,
     ...) for one batch; each further batch replays it on its own microbatches.
 
@@ -219,7 +223,7 @@ class SearchResult:
         """A short Python file defining `class_name`, a `FoundOrder` replaying this order."""
         schedule = self.schedule
         p, m, v = schedule.shape
-        kind = "V" if schedule.vshape else "looped"
+        kind = placement_name(type(schedule))
         lines = [
             f'"""An order found by schedcc search: p={p}, m={m}, v={v} ({kind} placement).',
             "",
@@ -261,6 +265,16 @@ class SearchResult:
         return "\n".join(lines) + "\n"
 
 
+def placement_name(cls: type[FoundOrder]) -> str:
+    """How a found order places its segments: "looped", "V", "wave" (a V at more chunks),
+    "two replicas" or "its own placement" (a built-in's, replayed)."""
+    if cls.places:
+        return "two replicas" if cls.num_replicas > 1 else "its own placement"
+    if not cls.vshape:
+        return "looped"
+    return "V" if cls.shape[2] == 2 else "wave"
+
+
 def search(
     num_stages: int,
     num_microbatches: int,
@@ -287,8 +301,10 @@ def search(
     Args:
         num_stages, num_microbatches: the shape `p`, `m` (one batch; the order replays per
             batch).
-        num_chunks: chunks per stage to try (1, 2 or both).
-        placement: "looped", "v" (two chunks per stage), or both; "v" applies to v = 2 only.
+        num_chunks: chunks per stage to try (1 to `MAX_CHUNKS`, one or several).
+        placement: "looped", "v" (the V at two chunks per stage, a wave beyond: chunk c runs
+            down the stages for even c and back up for odd, Hanayo's W at v = 4; "wave" says
+            the same), or both; "v" applies to v >= 2 only.
         costs: per-stage costs at v = 1, as `schedcc.tune` takes them ([Note: tune's units]: a
             chunk of two costs half); `CostModel.per_stage` for unequal stages,
             `CostModel.per_segment` for unequal segments (each its own in any placement, [Note:
@@ -480,8 +496,11 @@ def _families(num_stages, num_chunks, placement, split) -> list[_Family]:
     places = (placement,) if isinstance(placement, str) else tuple(placement)
     splits = (split,) if isinstance(split, bool) else tuple(split)
     for v in chunks:
-        if isinstance(v, bool) or v not in (1, 2):
-            raise ScheduleConfigError(f"search: num_chunks must be 1 or 2, got {v!r}")
+        if isinstance(v, bool) or v not in range(1, MAX_CHUNKS + 1):
+            raise ScheduleConfigError(
+                f"search: num_chunks must be 1 to {MAX_CHUNKS}, got {v!r}"
+            )
+    places = tuple("v" if place == "wave" else place for place in places)
     for place in places:
         if place not in PLACEMENTS:
             raise ScheduleConfigError(
@@ -495,13 +514,13 @@ def _families(num_stages, num_chunks, placement, split) -> list[_Family]:
     found = []
     for v in sorted(set(chunks)):
         for place in places:
-            if place == "v" and (v != 2 or num_stages < 2):
+            if place == "v" and (v < 2 or num_stages < 2):
                 continue
             found.extend(_Family(v, place == "v", s) for s in sorted(set(splits)))
     if not found:
         raise ScheduleConfigError(
-            "search: the V placement needs num_chunks=2 (-v 2) and at least 2 stages; add "
-            "the looped placement (placement='looped', --placement looped)"
+            "search: the V placement (a wave) needs num_chunks of 2 or more (-v 2) and at "
+            "least 2 stages; add the looped placement (placement='looped', --placement looped)"
         )
     return list(dict.fromkeys(found))
 

@@ -17,7 +17,7 @@ from schedcc.cli.tune import add_stage_costs, costs_of, finer_line, guessed_line
 from schedcc.costs import measured_backward
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule, registered_classes
-from schedcc.search import METHODS, PLACEMENTS, SearchResult, search
+from schedcc.search import METHODS, PLACEMENTS, SearchResult, placement_name, search
 from schedcc.sizes import format_size
 from schedcc.tune import tune
 
@@ -53,9 +53,10 @@ def register(subparsers) -> None:
     shared.add_chunks(parser, default=[1, 2], many=True)
     parser.add_argument(
         "--placement",
-        choices=(*PLACEMENTS, "both"),
+        choices=(*PLACEMENTS, "wave", "both"),
         default="both",
-        help="looped, v (two chunks per stage) or both (default both)",
+        help="looped, v (the V at -v 2, a wave at more chunks; wave says the same) or both "
+        "(default both)",
     )
     parser.add_argument(
         "--backward",
@@ -177,9 +178,7 @@ def _split_backward(args) -> tuple[bool, ...]:
 def _found_line(result: SearchResult) -> str:
     schedule = type(result.schedule)
     p, m, v = schedule.shape
-    kind = "V" if schedule.vshape else "looped"
-    if schedule.places:  # a built-in's own placement, replayed
-        kind = "two replicas" if schedule.num_replicas > 1 else "its own placement"
+    kind = placement_name(schedule)
     held = (
         "peak bytes per stage [" + ", ".join(format_size(b) for b in result.peak_bytes) + "]"
         if result.peak_bytes is not None
