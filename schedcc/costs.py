@@ -16,6 +16,7 @@ from itertools import pairwise
 from math import inf
 from os import PathLike
 from types import MappingProxyType
+from typing import NamedTuple
 
 import attrs
 
@@ -385,7 +386,7 @@ class CostModel:
         replicas = _replicas(metadata.get("cut"))
         found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
         by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
-        timed = []  # (stage, track, start, kind, chunk, duration)
+        timed: list[_Sample] = []
         for event, (kind, chunk) in found:
             try:
                 track = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
@@ -397,13 +398,13 @@ class CostModel:
                     f"trace event {event.get('name')!r}: its dur, ts, pid and tid must be "
                     "numbers"
                 ) from None
-            timed.append((stage, track, start, kind, chunk, duration))
+            timed.append(_Sample(stage, track, start, kind, chunk, duration))
         if metadata.get("measured") is True:
             timed = _unpaired(timed)
         samples: dict[int, dict[tuple[str, int], list[float]]] = {}
-        for stage, _, _, kind, chunk, duration in timed:
-            kind = "backward" if kind == _PAIRED else kind  # a simulated pair's rest
-            samples.setdefault(stage, {}).setdefault((kind, chunk), []).append(duration)
+        for t in timed:
+            kind = "backward" if t.kind == _PAIRED else t.kind  # a simulated pair's rest
+            samples.setdefault(t.stage, {}).setdefault((kind, t.chunk), []).append(t.duration)
         if not samples:
             raise ScheduleConfigError(
                 "the trace has no complete ('X') events named like instructions (F3, B3.1, ...)"
@@ -520,30 +521,44 @@ _PAIRED = "paired backward"
 # the backward (dropped where no unpaired forward of that chunk was measured); in a simulated
 # one `+B1` is read as a backward as it is. Read as forwards, DualPipe-V's markers made its
 # forwards 0.01 ms where they take 2 ms, and its backwards F + B.
-def _unpaired(timed: list[tuple]) -> list[tuple]:
-    """A measured trace's samples `(stage, track, start, kind, chunk, duration)` with each
-    overlapped pair read as its backward ([Note: a measured pair])."""
-    ordered = sorted(timed, key=lambda t: (t[1], t[2]))
-    computes = [t for t in ordered if t[3] != "comm"]
-    paired = {}  # a pair's backward sample -> its forward's
-    for before, after in pairwise(computes):
-        if after[3] == _PAIRED and before[3] == "forward" and before[1] == after[1]:
-            paired[after] = before
+class _Sample(NamedTuple):
+    """One timed instruction of a trace: its stage and track, start, cost field and chunk, and
+    its duration in cost units."""
+
+    stage: int
+    track: int
+    start: float
+    kind: str
+    chunk: int
+    duration: float
+
+
+def _unpaired(timed: list[_Sample]) -> list[_Sample]:
+    """A measured trace's samples with each overlapped pair read as its backward ([Note: a
+    measured pair])."""
+    ordered = sorted(timed, key=lambda t: (t.track, t.start))
+    computes = [t for t in ordered if t.kind != "comm"]
+    paired = {  # a pair's backward -> its forward (the marker just before it on its track)
+        after: before
+        for before, after in pairwise(computes)
+        if after.kind == _PAIRED and before.kind == "forward" and before.track == after.track
+    }
     markers = set(paired.values())
     forwards: dict[tuple[int, int], list[float]] = {}
     for t in ordered:
-        if t[3] == "forward" and t not in markers:
-            forwards.setdefault((t[0], t[4]), []).append(t[5])
+        if t.kind == "forward" and t not in markers:
+            forwards.setdefault((t.stage, t.chunk), []).append(t.duration)
     out = []
     for t in ordered:
         if t in markers:
             continue
-        if t[3] == _PAIRED:
+        if t.kind == _PAIRED:
             forward = paired.get(t)
-            alone = forwards.get((t[0], forward[4])) if forward is not None else None
+            alone = forwards.get((t.stage, forward.chunk)) if forward is not None else None
             if not alone:
                 continue  # no forward known to take off the pair
-            t = (*t[:3], "backward", t[4], max(t[5] - statistics.median(alone), 0.0))
+            rest = max(t.duration - statistics.median(alone), 0.0)
+            t = t._replace(kind="backward", duration=rest)
         out.append(t)
     return out
 
