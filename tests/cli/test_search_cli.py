@@ -81,7 +81,7 @@ def test_the_found_file_ranks_in_tune(tmp_path, capsys):
     [
         (["-p", "3", "-m", "4", "--memory-limit", "0.1"], "no order for p=3, m=4 fits"),
         (["-p", "3", "-m", "4", "--offload"], "--offload goes with --memory-limit"),
-        (["-p", "3", "-m", "4", "-v", "1", "--placement", "v"], "V placement needs"),
+        (["-p", "3", "-m", "4", "-v", "1", "--placement", "v"], "V placement (a wave) needs"),
         (["-p", "3", "-m", "4", "--memory-limit", "1GiB"], "--memory-limit 1GiB is in bytes"),
         (["-p", "3", "-m", "4", "--class-name", "not a name"], "--class-name"),
         (["-p", "3", "-m", "4", "--time-limit", "0"], "time_limit"),
