@@ -771,11 +771,15 @@ class _Searcher:
         found = []
         for family, overlapped, limits in kinds:
             formula = self._lower(family, limits, overlapped=overlapped)
-            exact, split = self.exact_bounds.get(
-                (family.num_chunks, family.vshape, limits), (None, False)
-            )
-            if family.places or overlapped or (family.split and not split):
-                exact = None  # a layout or backward form the model did not cover
+            exact = None
+            if not (family.places or overlapped):  # a layout the model covers
+                solved = [(family.num_chunks, family.vshape, limits)]
+                if self.offload and limits is None:  # solved under the limit with offloads too
+                    solved.append((family.num_chunks, family.vshape, self.limits))
+                entries = [self.exact_bounds.get(key, (None, False)) for key in solved]
+                # a model of whole backwards only bounds no order of split ones
+                proven = [b for b, split in entries if b is not None and split >= family.split]
+                exact = max(proven, default=None)
             if exact is not None and exact > formula * (1 + 1e-6):  # not by rounding alone
                 found.append((exact, "CP-SAT"))
             else:
@@ -844,9 +848,10 @@ class _Searcher:
         v, vshape, limits = job
         split = any(splits[v, vshape])  # a split model holds whole backwards too
         family = _Family(v, vshape, split)
-        counted = limits if self.costs.memory is None else None
+        offload = self.offload and limits is not None  # [Note: offloads in the exact model]
+        counted = limits if self.costs.memory is None and not offload else None
         lower = min(self._lower(_Family(v, vshape, s), counted) for s in splits[v, vshape])
-        start = self._start_of(v, vshape, limits)
+        start = self._start_of(v, vshape, limits, offload)
         solution = solve_exact(
             self.p,
             self.m,
@@ -854,6 +859,7 @@ class _Searcher:
             family,
             memory_limit=limits,
             recompute=self.recompute,
+            offload=offload,
             data_parallel=self.dp,
             zero=self.zero,
             time_limit=max(0.1, seconds),
@@ -883,15 +889,18 @@ class _Searcher:
             default=math.inf,
         )
 
-    def _start_of(self, v: int, vshape: bool, limits) -> _Candidate | None:
+    def _start_of(
+        self, v: int, vshape: bool, limits, offload: bool = False
+    ) -> _Candidate | None:
         """The fastest candidate of a placement that the exact model can start from (no
-        replicas, overlapped pairs or offloads; fitting the limit it is solved under)."""
+        replicas, overlapped pairs, or offloads unless the model has them; fitting the limit it
+        is solved under)."""
         fits = [
             c
             for c in self.fitting
             if (c.family.num_chunks, c.family.vshape) == (v, vshape)
             and not c.family.places
-            and (limits is None or not _offloads(c.orders))  # it holds fewer than counted
+            and (limits is None or offload or not _offloads(c.orders))  # held fewer than counted
             and not any(text.startswith("+") for row in c.orders for text in row)
         ]
         return min(fits, key=lambda c: c.makespan, default=None)

@@ -42,8 +42,9 @@ such order is a solution of the model with its simulated makespan, rounded down:
 optimum, and CP-SAT's proven bound on it, is at most every order's makespan. It leaves out
 what the rendezvous costs beyond that (a group waiting for partners of other meetings, the
 comm groups the compiler places where both stages are not idle, the updates), overlapped pairs,
-offloads, model replicas and a weight delay: the bound holds for an order with those (but
-offloads, whose held count drops, only without the limit), the model just does not find them.
+model replicas and a weight delay, and offloads unless asked for: the bound holds for an order
+with those (but offloads, whose held count drops, only without the limit, or with them in the
+model), the model just does not find them.
 Orders with a microbatch's forwards out of step are allowed; where every microbatch costs the
 same, the forwards on the first segment are taken in microbatch order (relabel any solution's
 microbatches by them: the same makespan).
@@ -57,6 +58,24 @@ when its stage is free, a comm group is done once every partner group is posted,
 the latest of its meetings, plus its comm, before the next compute's start in the model. So
 where CP-SAT proves its solution optimal, the simulated makespan is the optimum (per-chunk comm
 costs aside: a group costs its first op's).
+
+[Note: offloads in the exact model] With `offload=True` and a limit, each activation that is not
+recomputed may be offloaded (`schedcc.rules.offload`): a literal; an `O` interval and an `L`
+interval on its stage's copy lane (one no-overlap per stage over them, each its copy cost,
+`CostModel.offload` and `reload`), the `O` no earlier than where it is issued, the `L` after the
+`O`'s end and before the backward's start. An `O` is issued after its forward and, where the
+activation crosses to another stage, after the send's comm group is done (its meeting plus the
+stage's comm: the device keeps an output until it leaves); the activation is held from its
+forward to there and again from the `L`'s start to its last backward piece. It stays a
+relaxation: in an order that offloads, the bytes drop where its `O` is issued, no earlier than
+that, and come back where its `L` is issued, no later than the reload starts; the copy lane
+runs its copies one at a time no earlier than their issue, and a backward waits for its reload.
+In the order written from a solution each `O` is placed where it is issued and each `L` where
+its copy starts, so that where the simulator keeps the model's times the program holds no more
+than the cumulative counts (a reload placed after a compute that was running is issued at that
+compute's end: later, holding less, its backward perhaps waiting); the search times the order
+and checks its memory again, as every candidate's. Without a limit
+there is nothing to offload for and the model has no copies.
 """
 
 from __future__ import annotations
@@ -69,7 +88,15 @@ import attrs
 
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
-from schedcc.ir import Compute, RecvActivation, RecvGrad, SendActivation, SendGrad
+from schedcc.ir import (
+    Compute,
+    Offload,
+    RecvActivation,
+    RecvGrad,
+    Reload,
+    SendActivation,
+    SendGrad,
+)
 from schedcc.semantics.stage_bytes import resident_parameters
 from schedcc.tune import _per_chunk
 
@@ -131,6 +158,7 @@ def solve_exact(
     *,
     memory_limit: float | Sequence[float] | None = None,
     recompute: bool = False,
+    offload: bool = False,
     data_parallel: int = 1,
     zero: int = 0,
     time_limit: float = 1.0,
@@ -151,6 +179,9 @@ def solve_exact(
             activations, or bytes with a `costs.memory` ([Note: bytes in the exact model]);
             None leaves memory out.
         recompute: allow recomputed forwards (`R`).
+        offload: allow offloaded activations (`O` after the forward, `L` before the backward,
+            on the stage's copy lane) under a memory limit ([Note: offloads in the exact
+            model]).
         data_parallel, zero: what the bytes a stage holds depend on (with `costs.memory`).
         hint: a `Timeline` of an order of this placement, to start from.
         upper: a makespan some order reaches (cost units): solutions above it are cut off,
@@ -170,7 +201,7 @@ def solve_exact(
     started = time.monotonic()
     built = _Model(cp_model, num_stages, num_microbatches, costs, family)
     room = _room(memory_limit, built, costs, data_parallel=data_parallel, zero=zero)
-    built.build(room, recompute, upper, lower)
+    built.build(room, recompute, upper, lower, offload=offload and room is not None)
     if hint is not None:
         built.add_hint(hint)
     solver = cp_model.CpSolver()
@@ -283,7 +314,8 @@ class _Model:
         self.alike = len(set(factors)) == 1
         fields = ("forward", "backward", "backward_input", "backward_weight")
         every = [getattr(x, f) * a for x in models for f in fields for a in set(factors)]
-        self.scale = _scale(every + comm)
+        copies = [cost for x in models for cost in (x.offload, x.reload)]
+        self.scale = _scale(every + comm + copies)
 
         def tick(value: float) -> int:
             return math.floor(value * self.scale + 1e-9)
@@ -303,13 +335,18 @@ class _Model:
             ]
             for a in factors
         ]
+        self.copy = [(tick(x.offload), tick(x.reload)) for x in models]  # copies: unscaled
 
     # -- building ------------------------------------------------------------------------------
 
-    def build(self, room, recompute: bool, upper: float | None, lower: float) -> None:
+    def build(
+        self, room, recompute: bool, upper: float | None, lower: float, *, offload: bool = False
+    ) -> None:
         add = self.model
         serial = sum(sum(c.values()) for row in self.cost for c in row)
         serial += 2 * self.m * self.num_segments * max(self.comm, default=0)
+        if offload:
+            serial += self.m * sum(o + r for o, r in self.copy)
         self.horizon = serial if upper is None else min(serial, self.tick(upper))
         self.floor = min(self.tick(lower), self.horizon)
         self.ops = {}  # (code, i, k) -> (start var, size, presence literal or None)
@@ -319,12 +356,17 @@ class _Model:
         self.makespan = add.new_int_var(self.floor, self.horizon, "makespan")
         self.meetings = []  # (var, producer stage, consumer stage, i, k, j)
         self.pairs = []  # (literal: the compute before the meeting, its key, meeting index)
+        self.copies = {}  # (i, k) -> (offloaded literal, O's start, L's start)
         rec = recompute and room is not None
         for i in range(self.m):
             for k in range(self.num_segments):
                 self._computes(i, k, rec)
+                if offload:
+                    self._copies(i, k)
         for i in range(self.m):
             self._dependencies(i)
+        if offload:
+            self._copy_lanes()
         self.on_stage = [[key for key in self.ops if self._stage(key) == t] for t in range(self.p)]
         for keys in self.on_stage:
             add.add_no_overlap([self._interval(key) for key in keys])
@@ -402,6 +444,43 @@ class _Model:
             add.add(span[0] >= self._end("R", i, k)).only_enforce_if(recomputed)
         self.spans[i, k] = (*span, whole, recomputed)
 
+    def _copies(self, i: int, k: int) -> None:
+        """Microbatch i's activation on segment k, offloaded or not ([Note: offloads in the
+        exact model]): `O` after its forward, `L` after the `O` and before its backward."""
+        add = self.model
+        off = add.new_bool_var(f"off{i}.{k}")
+        out, back = self.copy[k]
+        drop = add.new_int_var(0, self.horizon, f"drop{i}.{k}")  # where the O is issued
+        o_start = add.new_int_var(0, max(0, self.horizon - out), f"O{i}.{k}")
+        l_start = add.new_int_var(0, max(0, self.horizon - back), f"L{i}.{k}")
+        begin, _, _, _, recomputed = self.spans[i, k]
+        add.add(o_start >= drop).only_enforce_if(off)
+        add.add(l_start >= o_start + out).only_enforce_if(off)
+        add.add(begin >= l_start + back).only_enforce_if(off)
+        if recomputed is not None:
+            add.add_implication(off, ~recomputed)  # a recomputed forward saves nothing
+        self.copies[i, k] = (off, drop, o_start, l_start)
+
+    def _copy_lanes(self) -> None:
+        """One copy lane per stage: its copies do not overlap each other; and an activation is
+        offloaded only after its send left (the device keeps an output until it leaves)."""
+        add = self.model
+        lanes = [[] for _ in range(self.p)]
+        for (_, k), (off, _, o_start, l_start) in self.copies.items():
+            out, back = self.copy[k]
+            lane = lanes[self.place[k][0]]
+            lane.append(add.new_optional_fixed_size_interval_var(o_start, out, off, ""))
+            lane.append(add.new_optional_fixed_size_interval_var(l_start, back, off, ""))
+        for lane in lanes:
+            add.add_no_overlap(lane)
+        sent = {(i, k): (meet, s) for meet, s, _, i, k, j in self.meetings if j == k + 1}
+        for (i, k), (_, drop, _, _) in self.copies.items():
+            ready = [self._end("F", i, k)]
+            if (i, k) in sent:  # issued once the send's comm group is done
+                meet, s = sent[i, k]
+                ready.append(meet + self.comm[s])
+            add.add_max_equality(drop, ready)
+
     def _dependencies(self, i: int) -> None:
         """Microbatch i's forwards up, the turn on the last segment, its gradients down; a
         meeting on each crossing."""
@@ -453,21 +532,37 @@ class _Model:
         held = [[] for _ in range(self.p)]  # per stage, (interval, demand)
         for (i, k), (_, _, last, _, recomputed) in self.spans.items():
             s = self.place[k][0]
-            if recomputed is None:
+            copied = self.copies.get((i, k))
+            if copied is not None:  # held until its O is issued and from its L on, offloaded
+                off, drop, _, l_start = copied
+                size = add.new_int_var(0, self.horizon, "")
+                until = add.new_optional_interval_var(self._start("F", i, k), size, drop, off, "")
+                size = add.new_int_var(0, self.horizon, "")
+                back = add.new_optional_interval_var(l_start, size, last, off, "")
+                held[s] += [(until, room.activations[k]), (back, room.activations[k])]
+            if recomputed is None and copied is None:
                 size = add.new_int_var(0, self.horizon, "")
                 interval = add.new_interval_var(self._start("F", i, k), size, last, "")
                 held[s].append((interval, room.activations[k]))
                 self.held[i, k] = [(size, "F")]
                 continue
+            kept = ~recomputed if recomputed is not None else None
+            if copied is not None:  # held whole: neither recomputed nor offloaded
+                kept = add.new_bool_var("")
+                others = [copied[0]] + ([recomputed] if recomputed is not None else [])
+                add.add_bool_or([kept, *others])
+                for other in others:
+                    add.add_implication(kept, ~other)
+            options = [("F", kept)] + ([("R", recomputed)] if recomputed is not None else [])
             parts = []
-            for code, lit in (("F", ~recomputed), ("R", recomputed)):
+            for code, lit in options:
                 size = add.new_int_var(0, self.horizon, "")
                 begin = self._start(code, i, k)
                 interval = add.new_optional_interval_var(begin, size, last, lit, "")
                 held[s].append((interval, room.activations[k]))
                 parts.append((size, code))
             self.held[i, k] = parts
-            if room.inputs[k]:
+            if room.inputs[k] and recomputed is not None:
                 size = add.new_int_var(0, self.horizon, "")
                 begin, until = self._start("F", i, k), self._start("R", i, k)
                 interval = add.new_optional_interval_var(begin, size, until, recomputed, "")
@@ -489,7 +584,7 @@ class _Model:
     def add_hint(self, timeline) -> None:
         """Start from `timeline`'s order: its compute starts, meetings and choices, in ticks
         ([Note: the exact model]: a timeline of the placement is a solution)."""
-        starts, posted = {}, {}
+        starts, posted, copied = {}, {}, {}
         for stage, op, start, _ in timeline.events:
             k = self.seg_of.get((stage, getattr(op, "chunk", 0)))
             if k is None:
@@ -498,9 +593,15 @@ class _Model:
                 starts[op.code, op.microbatch, k] = self.tick(start)
             elif isinstance(op, (SendActivation, RecvActivation, SendGrad, RecvGrad)):
                 posted.setdefault(_transfer(op, k), []).append(self.tick(start))
+            elif isinstance(op, (Offload, Reload)):
+                copied[op.code, op.microbatch, k] = self.tick(start)
         values = self._hint_computes(starts)
         if values is None:
             return
+        for (i, k), (off, _, o_start, l_start) in self.copies.items():
+            values[off] = int(("O", i, k) in copied and ("L", i, k) in copied)
+            if values[off]:
+                values[o_start], values[l_start] = copied["O", i, k], copied["L", i, k]
         for meet, _, _, i, k, j in self.meetings:
             ready = values[self._start("F", i, k)] + self.cost[i][k]["F"]
             kind = "act"
@@ -548,9 +649,10 @@ class _Model:
         return values
 
     def orders(self, solver) -> tuple[tuple[str, ...], ...]:
-        """Each stage's present computes by start (`F3.1`, `I0`, `R2`), and each crossing's
-        send and receive at its meeting (`SA3.1`, `RG0`), so the compiler keeps the model's
-        comm groups instead of placing its own."""
+        """Each stage's present computes by start (`F3.1`, `I0`, `R2`), each crossing's send
+        and receive at its meeting (`SA3.1`, `RG0`), so the compiler keeps the model's comm
+        groups instead of placing its own, and each offloaded activation's copies at their
+        starts (`O3.1`, `L3.1`)."""
         rank = {"F": 0, "R": 1, "B": 2, "I": 2, "W": 3}
         rows: list[list] = [[] for _ in range(self.p)]
         for (code, i, k), (start, size, present) in self.ops.items():
@@ -564,6 +666,13 @@ class _Model:
             send, recv = ("SA", "RA") if j > k else ("SG", "RG")
             rows[s].append(((at, 0, n), _text(send, i, self.place[k][1])))
             rows[t].append(((at, 0, n), _text(recv, i, self.place[j][1])))
+        after = len(self.meetings)  # a copy after the sends of its time, before its computes
+        for (i, k), (off, drop, _, l_start) in self.copies.items():
+            if solver.boolean_value(off):
+                stage, chunk = self.place[k]
+                for code, issued in (("O", drop), ("L", l_start)):
+                    at = solver.value(issued)
+                    rows[stage].append(((at, 0, after, code == "L"), _text(code, i, chunk)))
         return tuple(tuple(text for _, text in sorted(row)) for row in rows)
 
 

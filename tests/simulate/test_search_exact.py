@@ -19,6 +19,7 @@ import schedcc
 from schedcc import CostModel, MemoryModel, ScheduleConfigError, ScheduleError
 from schedcc.backends.reference import assert_matches_reference
 from schedcc.ir import Copy, OverlappedBackward
+from schedcc.passes.insert_offload import ByteLimit
 from schedcc.registry import build_schedule, get_schedule
 from schedcc.search import _Family, _found_class, search
 from schedcc.search_bound import lower_bound
@@ -318,3 +319,76 @@ def test_the_exact_time_goes_half_to_every_placement_then_to_the_fastest(monkeyp
     assert last == (v, vshape)  # the exact model found nothing: the heuristic's best holds
     assert hint is not None
     assert hint.makespan == pytest.approx(found.makespan)
+
+
+@settings(max_examples=4)
+@given(p=st.integers(2, 3), m=st.integers(2, 4), copy=st.sampled_from([0.0, 0.5, 2.0]),
+       data=st.data())  # fmt: skip
+def test_every_offloaded_builtin_timeline_is_a_solution_of_the_offload_model(p, m, copy, data):
+    """[Note: offloads in the exact model]'s argument, checked: 1F1B, GPipe and interleaved
+    1F1B offloaded down to one chunk activation a stage (`ByteLimit`), timed with random costs
+    and copy costs, each satisfy every constraint of their placement's model with offloads
+    under their own peak as the limit, at no more than their simulated makespan."""
+    cp_model = require_ortools()
+    costs = attrs.evolve(data.draw(stage_costs(p)), offload=copy, reload=copy)
+    timed = 0
+    for name, v in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)):
+        schedule = build_schedule(get_schedule(name), p, m, num_chunks=v)
+        limit = ByteLimit(1.0, MemoryModel(activations=1.0))
+        program = schedcc.compile(schedule, offload=limit)
+        if not any(isinstance(op, Copy) for row in program.stages for op in row):
+            continue
+        timeline = schedcc.simulate(program, _per_chunk(costs, v))
+        model = _Model(cp_model, p, m, costs, _Family(v, False, False))
+        peak = max(timeline.peak_activations) / v
+        model.build(_room(peak, model, costs, data_parallel=1, zero=0), False, None, 0.0,
+                    offload=True)  # fmt: skip
+        model.add_hint(timeline)
+        solver = cp_model.CpSolver()
+        solver.parameters.fix_variables_to_their_hinted_value = True
+        solver.parameters.num_workers = 1
+        status = solver.solve(model.model)
+        assert status == cp_model.OPTIMAL, (name, solver.status_name(status))
+        assert solver.objective_value / model.scale <= timeline.makespan + 1e-9, name
+        timed += 1
+    assert timed  # gpipe holds every microbatch: it offloads at m >= 2
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 3)])
+def test_offloads_in_the_model_fit_one_microbatch_at_the_unlimited_optimum(p, m):
+    """Under one microbatch a stage, copies of half a forward: with offloads the model's
+    proven optimum is the unlimited one (without them it is far above), and its order, its
+    copies placed where the model issues them, compiles, fits the limit, simulates within half
+    a forward of it and trains a float64 model as non-pipelined training does."""
+    family = _Family(1, False, False)
+    costs = CostModel(offload=0.5, reload=0.5)
+    free = solve_exact(p, m, costs, family, time_limit=10)
+    kept = solve_exact(p, m, costs, family, memory_limit=1.0, time_limit=10)
+    found = solve_exact(p, m, costs, family, memory_limit=1.0, offload=True, time_limit=10)
+    assert (free.optimal, kept.optimal, found.optimal) == (True, True, True)
+    assert found.makespan == pytest.approx(free.makespan)
+    assert kept.makespan > free.makespan + 5
+    cls = _found_class(p, m, family, found.orders)
+    assert any(text.startswith("O") for row in cls.orders for text in row.split())
+    timeline = schedcc.simulate(schedcc.compile(cls(p, m, 1)), costs)
+    assert max(timeline.peak_activations) <= 1
+    assert found.makespan - 1e-9 <= timeline.makespan <= found.makespan + 0.5
+    schedule = cls(p, m, 1, num_batches=2)
+    difference = assert_matches_reference(
+        schedcc.compile(schedule), make_segments(p), mse, sgd, batches(2, 2 * m), atol=1e-10
+    )
+    assert difference <= 1e-10
+
+
+def test_an_exact_search_that_may_offload_solves_the_limited_model_with_copies():
+    """`search(offload=True, method="exact")` under a limit solves each placement's model with
+    offloads: its order fits, stays above its bound, and is no slower than the offloaded F/B
+    optimum simulates (within half a forward of the unlimited F/B one, above)."""
+    costs = CostModel(offload=0.5, reload=0.5)
+    found = search(3, 3, num_chunks=1, costs=costs, memory_limit=1, offload=True,
+                   method="exact", time_limit=6)  # fmt: skip
+    free = solve_exact(3, 3, costs, _Family(1, False, False), time_limit=5)
+    assert free.optimal
+    assert max(found.peak_activations) <= 1
+    assert found.bound <= found.makespan + 1e-9
+    assert found.makespan <= free.makespan + 0.5 + 1e-9
