@@ -356,7 +356,7 @@ class _Model:
         self.makespan = add.new_int_var(self.floor, self.horizon, "makespan")
         self.meetings = []  # (var, producer stage, consumer stage, i, k, j)
         self.pairs = []  # (literal: the compute before the meeting, its key, meeting index)
-        self.copies = {}  # (i, k) -> (offloaded literal, O's start, L's start)
+        self.copies = {}  # (i, k) -> (offloaded literal, O's issue, O's start, L's start)
         rec = recompute and room is not None
         for i in range(self.m):
             for k in range(self.num_segments):
@@ -651,8 +651,8 @@ class _Model:
     def orders(self, solver) -> tuple[tuple[str, ...], ...]:
         """Each stage's present computes by start (`F3.1`, `I0`, `R2`), each crossing's send
         and receive at its meeting (`SA3.1`, `RG0`), so the compiler keeps the model's comm
-        groups instead of placing its own, and each offloaded activation's copies at their
-        starts (`O3.1`, `L3.1`)."""
+        groups instead of placing its own, and each offloaded activation's `O` where it is
+        issued and `L` where its copy starts (`O3.1`, `L3.1`)."""
         rank = {"F": 0, "R": 1, "B": 2, "I": 2, "W": 3}
         rows: list[list] = [[] for _ in range(self.p)]
         for (code, i, k), (start, size, present) in self.ops.items():
