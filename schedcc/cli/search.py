@@ -31,6 +31,7 @@ EPILOG = """examples:
   schedcc search -p 2 -m 8 --costs-from trace.json --memory-limit 512KiB -v 1 --recompute
   schedcc search -p 4 -m 8 --costs O=0.5,L=0.5 --memory-limit 1 --offload
   schedcc search -p 4 -m 8 --costs F=1,B=2,comm=1 --method exact --time-limit 20
+  schedcc search -p 4 -m 8 --segment-costs 'F=1.3,B=2.6;;;;;;;F=2.5,B=5' -v 1,2,4 --placement wave
   schedcc verify --schedule my_order.py:Found -p 4 -m 8 -v 2
 """
 
