@@ -122,8 +122,14 @@ def costs_of(args) -> CostModel:
         raise UsageError(
             "--segment-costs and --costs-from both give each segment's costs: give one"
         )
+    segments = args.segment_costs
+    if segments is not None and len(segments) % num_stages:
+        raise UsageError(
+            f"--segment-costs gives {len(segments)} segments, which {num_stages} stages do not "
+            f"share: give p * v of them ({num_stages} at v = 1, {2 * num_stages} at v = 2)"
+        )
     if trace is None:
-        return _with_segments(given or CostModel(), args.segment_costs, num_stages)
+        return _with_segments(given or CostModel(), segments, num_stages)
     defaults = {}
     if given is not None:
         defaults = {name: getattr(given, name) for name in cost_fields()}
@@ -133,20 +139,17 @@ def costs_of(args) -> CostModel:
 def _with_segments(
     base: CostModel, segments: tuple[dict[str, float], ...] | None, num_stages: int
 ) -> CostModel:
-    """`base` with each segment's fields over it as `per_segment`, and, where the segments are
-    a multiple of the stages, each stage's (its consecutive segments summed, the cut at v = 1)
-    as `per_stage`: what orders at a cut finer than the segments' read ([Note: segment
-    costs])."""
+    """`base` with each segment's fields over it as `per_segment`, and each stage's (its
+    consecutive segments summed, the cut at v = 1) as `per_stage`: what orders at a cut finer
+    than the segments' read ([Note: segment costs])."""
     if segments is None:
         return base
     models = [attrs.evolve(base, **fields) for fields in segments]
-    per_stage = {}
-    if len(models) % num_stages == 0:
-        stages = CostModel(per_segment=models).placed([(s, 0) for s in range(num_stages)])
-        per_stage = {
-            s: attrs.evolve(base, **{f: getattr(stages.at(s), f) for f in CHUNK_FIELDS})
-            for s in range(num_stages)
-        }
+    stages = CostModel(per_segment=models).placed([(s, 0) for s in range(num_stages)])
+    per_stage = {
+        s: attrs.evolve(base, **{f: getattr(stages.at(s), f) for f in CHUNK_FIELDS})
+        for s in range(num_stages)
+    }
     return attrs.evolve(base, per_segment=models, per_stage=per_stage)
 
 

@@ -130,7 +130,11 @@ def test_segment_costs_price_each_segment_where_it_lies(capsys):
     v_shape = rows[("zb-v", 2)]
     assert v_shape != _json(capsys, "-p", "2", "-m", "4", "-v", "2", "--costs", "B=2,comm=0.1",
                             "--segment-costs", "F=3;F=1")[1]["ranked"][0]["makespan"]  # fmt: skip
-    for bad in (["--segment-costs", "F=x;"], ["--segment-costs", "F=1", "--costs-from", "t.json"]):
+    for bad in (
+        ["--segment-costs", "F=x;"],
+        ["--segment-costs", "F=1;;", "-v", "1,2"],  # 3 segments: no cut of 2 stages
+        ["--segment-costs", "F=1;", "--costs-from", "t.json"],
+    ):
         try:
             code = main(["tune", "-p", "2", "-m", "4", *bad])
         except SystemExit as exc:  # argparse's own refusal
