@@ -1,13 +1,14 @@
 """`search`: find a compute order for a shape, its costs and a memory limit, proven and timed.
 
 `search(p, m, costs=..., memory_limit=...)` builds orders of F/B (or F/I/W) per stage, with
-recomputation where memory asks for it, for each placement it is given (looped with one or two
-chunks per stage, or a V), and keeps the fastest that validates and fits. Every candidate is a
+recomputation where memory asks for it, for each placement it is given (looped with one to four
+chunks per stage, or a V and, at more chunks, a wave), and keeps the fastest that validates and
+fits. Every candidate is a
 `FoundOrder` schedule compiled by `schedcc.compile` (so the validator proves it) and timed by
 `schedcc.simulate`; a candidate that does not validate or does not fit is dropped.
 
 [Note: the search] Three sources of candidates, all timed by the simulator:
-1. every built-in order (`registered_classes`) at one chunk per stage or two, and with full
+1. every built-in order (`registered_classes`) at each searched chunk count, and with full
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
    2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s: the search
    starts from the best of what exists, and times them all whatever `time_limit` says;
@@ -21,8 +22,9 @@ chunks per stage, or a V), and keeps the fastest that validates and fits. Every 
    drop a recomputation; keep a change that is no slower and fits, until `time_limit` or
    `max_evaluations`;
 4. with `method="exact"`: per placement, CP-SAT's best order for a relaxation of the simulator
-   (`schedcc.search_exact`, [Note: the exact model]), started from the best order found at that
-   placement, in the time left (then local search from it, if it is the best).
+   (`schedcc.search_exact`, [Note: the exact model]; with `offload=True`, its offloads too),
+   started from the best order found at that placement, in the time left (then local search
+   from it, if it is the best).
 
 `SearchResult.bound` is `schedcc.search_bound.lower_bound` ([Note: the lower bound] there), the
 least over the placements and backward forms searched and the found order's own layout; with

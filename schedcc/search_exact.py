@@ -5,7 +5,7 @@ model]); CP-SAT proves a bound on that optimum within its time limit, and its be
 an order that `schedcc.search` compiles and simulates like any other. `ortools` is imported
 only here, and only when a model is solved: `pip install "schedcc[search]"`.
 
-[Note: the exact model] One CP-SAT model per placement (looped or V, one or two chunks per
+[Note: the exact model] One CP-SAT model per placement (looped, or V and its waves, any chunks per
 stage) and memory limit, in integer ticks (every cost rounded down). Its variables:
 - an interval per compute: the forward `F` of each microbatch i on each segment k, its
   backward `B`, or `I` then `W` (with a split backward; a whole `B` stays a choice where it
