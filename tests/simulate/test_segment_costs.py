@@ -8,6 +8,7 @@ import json
 
 import attrs
 import pytest
+from _builtin_schedules import builtins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,6 @@ from schedcc.ir import COMPUTE, OverlappedBackward
 from schedcc.registry import build_schedule, get_schedule
 from schedcc.semantics import Layout
 from schedcc.tune import _per_chunk
-from tests._builtin_schedules import builtins
 
 costs_drawn = st.floats(0.25, 4.0, allow_nan=False).map(lambda x: round(x, 2))
 segment_costs = st.builds(
