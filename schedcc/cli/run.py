@@ -464,6 +464,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         num_batches=batches_per_run,
     )
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
+    _check_parts(schedule, args.model)
     grad_norm = _grad_norm(args, schedule, dp)  # a bad program fails here, exit 2
     _check_trace(args.trace)
     _check_metrics(args.metrics)
@@ -585,6 +586,21 @@ def _within(limit: float | str | None) -> str:
     if isinstance(limit, str):
         return f", within {limit} of activations a stage"
     return f", within {limit:g} microbatches a stage"
+
+
+def _check_parts(schedule, model: str) -> None:
+    """A schedule of sequence parts needs segments that take a carry ([Note: sequence parts]
+    in `schedcc.rules.parts`): the built-in models' do not, so their run is refused before any
+    rank starts (it would fail splitting the batch, or on the first forward)."""
+    from schedcc.backends.run.models import BUILT_IN
+
+    if schedule.num_parts > 1 and model in BUILT_IN:
+        raise UsageError(
+            f"{schedule.name or type(schedule).__name__} splits each microbatch into "
+            f"{schedule.num_parts} sequence parts, which needs segments that take the carry of "
+            f"the part before (forward(x, carry) -> (y, carry)); the built-in --model {model} "
+            "has none: give --model my_model.py:make with such segments"
+        )
 
 
 def _grad_norm(args, schedule, dp: int) -> bool:

@@ -110,6 +110,15 @@ def _refused(*args: str) -> str:
     return line
 
 
+@pytest.mark.parametrize("model", ["tiny-gpt", "mlp"])
+def test_sequence_parts_on_a_built_in_model_are_refused_before_training(model):
+    """seq1f1b needs segments that take a carry; the built-in models have none: one line
+    naming what it needs, exit 2, before any rank starts (not a split error on a rank)."""
+    line = _refused("--schedule", "seq1f1b", "--model", model)
+    assert "2 sequence parts" in line
+    assert f"--model {model} has none" in line
+
+
 def test_a_trace_path_that_is_a_directory_is_refused_before_training(tmp_path):
     """--trace DIR (a directory, not a file) is one line, exit 2, before any rank starts."""
     assert "is a directory" in _refused("--trace", str(tmp_path))
