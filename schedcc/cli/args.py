@@ -24,6 +24,7 @@ __all__ = [
     "add_microbatches",
     "add_parallel",
     "add_schedule",
+    "add_segment_costs",
     "add_stages",
     "check_size",
     "int_list",
@@ -231,6 +232,18 @@ def add_parallel(parser, *, dp_default: int | None = 1, zero_choices=(0, 1, 2, 3
 def add_costs(parser, *, default: CostModel | None, help: str) -> None:
     """`--costs K=V,...`."""
     parser.add_argument("--costs", type=parse_costs, default=default, metavar="K=V,...", help=help)
+
+
+def add_segment_costs(parser) -> None:
+    """`--segment-costs K=V,...;...` (`parse_segment_costs`; [Note: segment costs])."""
+    parser.add_argument(
+        "--segment-costs",
+        type=parse_segment_costs,
+        default=None,
+        metavar="K=V,...;...",
+        help="each segment's own compute costs, in model order, e.g. ';;;F=2.5,B=5' for a "
+        "heavy last of 4 (an empty one: --costs); each is its own in any placement",
+    )
 
 
 def _found_default(value: int | None) -> str:

@@ -10,8 +10,11 @@ import argparse
 import math
 from pathlib import Path
 
+import attrs
+
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
+from schedcc.cli.args import UsageError
 from schedcc.compiler import compile
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError
@@ -23,6 +26,7 @@ __all__ = ["register", "run"]
 EPILOG = """examples:
   schedcc show --schedule 1f1b -p 4 -m 8
   schedcc show --schedule interleaved-1f1b -p 4 -m 8 -v 2 --costs F=1,B=2,comm=0.1
+  schedcc show --schedule zb-v -p 2 -m 4 -v 2 --segment-costs ';;;F=2.5,I=2.5,W=2.5'
   schedcc show --schedule gpipe -p 4 -m 8 --format svg -o gpipe.svg
   schedcc show --schedule 1f1b -p 4 -m 8 --forward-only
   schedcc show --schedule 1f1b -p 4 -m 8 --recompute --memory activations=64MiB,params=1GiB
@@ -59,6 +63,7 @@ def register(subparsers) -> None:
     shared.add_costs(
         parser, default=CostModel(), help="instruction costs, e.g. F=1,B=2,I=1,W=1,comm=0.1"
     )
+    shared.add_segment_costs(parser)
     parser.add_argument(
         "--eager",
         action="store_true",
@@ -117,6 +122,21 @@ def build(args):
     return schedule
 
 
+def _with_segments(args, schedule) -> CostModel:
+    """`--costs` with `--segment-costs` each segment's own ([Note: segment costs]): as many as
+    one model replica's segments, or a multiple of them (summed per segment)."""
+    if args.segment_costs is None:
+        return args.costs
+    cut = schedule.num_segments // type(schedule).num_replicas
+    if len(args.segment_costs) % cut:
+        raise UsageError(
+            f"--segment-costs gives {len(args.segment_costs)} segments, but this program cuts "
+            f"the model in {cut}: give {cut} (or a multiple, summed per segment)"
+        )
+    models = [attrs.evolve(args.costs, **fields) for fields in args.segment_costs]
+    return attrs.evolve(args.costs, per_segment=models)
+
+
 def run(args) -> int:
     schedule = build(args)
     program = compile(
@@ -127,7 +147,7 @@ def run(args) -> int:
         recompute=args.recompute,
         offload=args.offload,
     )
-    costs = memory_flags.with_memory(args.costs, args.memory)
+    costs = memory_flags.with_memory(_with_segments(args, schedule), args.memory)
     timeline = simulate(program, costs, eager=args.eager)
     if not math.isfinite(timeline.makespan):
         raise ScheduleConfigError(

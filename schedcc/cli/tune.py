@@ -64,14 +64,7 @@ def add_stage_costs(parser) -> None:
     shared.add_costs(
         parser, default=None, help="per-stage costs at v = 1, e.g. F=1,B=2,I=1,W=1,comm=0.1"
     )
-    parser.add_argument(
-        "--segment-costs",
-        type=shared.parse_segment_costs,
-        default=None,
-        metavar="K=V,...;...",
-        help="each segment's own compute costs, in model order, e.g. ';;;F=2.5,B=5' for a "
-        "heavy last of 4 (an empty one: --costs); each is its own in any placement",
-    )
+    shared.add_segment_costs(parser)
     parser.add_argument(
         "--costs-from",
         type=Path,

@@ -123,6 +123,10 @@ def test_verify_fails_a_broken_schedule_and_explains(tmp_path):
         (["verify", "--schedule", "missing_file.py:X"], "does not exist"),
         (["verify", "--schedule", "schedcc.ir:Forward"], "not a subclass of schedcc.Schedule"),
         (["show", "--schedule", "1f1b", "--costs", "F=fast"], "not a number"),
+        (
+            ["show", "--schedule", "zb-v", "-p", "2", "-v", "2", "--segment-costs", ";;F=2"],
+            "cuts the model in 4",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, says):
@@ -153,6 +157,23 @@ def test_verify_refuses_both_a_schedule_and_a_torch_class(capsys):
     """verify with --schedule and --torch together is bad input (exit 2), not one silently."""
     assert main(["verify", "--schedule", "1f1b", "--torch", "Schedule1F1B"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_show_prices_each_segment_where_its_placement_puts_it(capsys):
+    """`show --segment-costs` simulates each segment at its own costs: zb-v's stage 0 holds the
+    first and the last segment (the V), so a heavy last segment makes stage 0 the busy one, as
+    `schedcc.simulate` times it under `CostModel(per_segment=...)`."""
+    import schedcc
+    from schedcc import CostModel
+
+    argv = ["show", "--schedule", "zb-v", "-p", "2", "-m", "4", "-v", "2"]
+    assert main([*argv, "--segment-costs", ";;;F=2.5,I=2.5,W=2.5"]) == 0
+    out = capsys.readouterr().out
+    heavy = CostModel(forward=2.5, backward_input=2.5, backward_weight=2.5)
+    costs = CostModel(per_segment=[CostModel()] * 3 + [heavy])
+    timeline = schedcc.simulate(schedcc.compile(schedcc.get_schedule("zb-v")(2, 4, 2)), costs)
+    assert f"makespan {timeline.makespan:g}," in out
+    assert timeline.busy[0] > timeline.busy[1]
 
 
 def test_show_without_v_uses_the_schedules_own_chunks(capsys):
