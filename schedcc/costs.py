@@ -177,6 +177,17 @@ def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
     return MappingProxyType(table)
 
 
+# [Note: segment costs] What a segment costs is the segment's: the embedding's, the LM head's.
+# Per-stage costs mean it for the placement they were measured in only: a V puts the first and
+# the last segments on stage 0, and stage costs read in tune's units ([Note: tune's units]) would
+# price each of its chunks at the average of whatever that stage ran in the trace, and a cut in
+# p from a trace cut in 2p would add up segments k and k + p rather than 2k and 2k + 1. So costs
+# may come per segment of one replica (`per_segment`; `from_trace` reads them through the
+# trace's cut record), and `placed` resolves them onto a program: at the same cut, each segment
+# its own wherever it lies; at a coarser one (the model cut in fewer, larger segments), each its
+# segments' sum, as exact as the trace (a merged boundary's comm is not a compute); at a finer
+# one, no split is known (the head lies in one half only), so the per-stage costs in tune's units
+# price it as before. Comm, reduce and update costs stay per stage.
 def _segments(value: Iterable[CostModel] | None) -> tuple[CostModel, ...]:
     """`per_segment` as a tuple of `CostModel`s (a `ScheduleConfigError` else)."""
     if value is None:
@@ -314,17 +325,18 @@ class CostModel:
         if not 0 < cut <= len(segments) or len(segments) % cut:
             return base
         merge = len(segments) // cut
-        chunks: dict[int, dict[int, CostModel]] = {}
-        for k, (stage, chunk) in enumerate(place):
-            j = k % cut
-            merged = segments[j * merge : (j + 1) * merge]
-            own = {
-                field: sum(kind_cost(model, cls) for model in merged)
+        own = [  # each of a replica's segments: the compute and copy costs of those it merges
+            {
+                field: sum(kind_cost(model, cls) for model in segments[j * merge : (j + 1) * merge])
                 for cls, field in _FIELD.items()
                 if field in CHUNK_FIELDS
             }
+            for j in range(cut)
+        ]
+        chunks: dict[int, dict[int, CostModel]] = {}
+        for k, (stage, chunk) in enumerate(place):
             chunks.setdefault(stage, {})[chunk] = attrs.evolve(
-                _bare(base.at(stage, chunk)), **own
+                _bare(base.at(stage, chunk)), **own[k % cut]
             )
         per_stage = dict(base.per_stage)
         for stage, models in chunks.items():
@@ -440,17 +452,6 @@ def _bare(model: CostModel) -> CostModel:
     return attrs.evolve(model, per_stage={}, per_chunk={}, per_segment=(), memory=None)
 
 
-# [Note: segment costs] What a segment costs is the segment's: the embedding's, the LM head's.
-# Per-stage costs mean it for the placement they were measured in only: a V puts the first and
-# the last segments on stage 0, and stage costs read in tune's units ([Note: tune's units]) would
-# price each of its chunks at the average of whatever that stage ran in the trace, and a cut in
-# p from a trace cut in 2p would add up segments k and k + p rather than 2k and 2k + 1. So costs
-# may come per segment of one replica (`per_segment`; `from_trace` reads them through the
-# trace's cut record), and `placed` resolves them onto a program: at the same cut, each segment
-# its own wherever it lies; at a coarser one (the model cut in fewer, larger segments), each its
-# segments' sum, as exact as the trace (a merged boundary's comm is not a compute); at a finer
-# one, no split is known (the head lies in one half only), so the per-stage costs in tune's units
-# price it as before. Comm, reduce and update costs stay per stage.
 def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, ...]:
     """The backward forms a search may price from a trace, as `schedcc.search`'s
     `split_backward` takes them: `(False,)` where it measured whole backwards only (input and

@@ -88,7 +88,6 @@ from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
 from schedcc.search_bound import lower_bound
 from schedcc.search_exact import available, require_ortools, solve_exact
-from schedcc.semantics import Layout
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, other_cut
@@ -634,7 +633,7 @@ class _Searcher:
                 program = self._compile(family, orders)
             except ScheduleError:
                 return None
-        timeline = simulate(program, self._costs_of(program, family))
+        timeline = simulate(program, self._costs_of(family))
         self.slowest = max(self.slowest, time.monotonic() - began)
         if self._fits(timeline, family.share):
             candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders)
@@ -711,7 +710,7 @@ class _Searcher:
                 tried.add(copied)
             except ScheduleError:
                 return None
-            timeline = simulate(program, self._costs_of(program, family))
+            timeline = simulate(program, self._costs_of(family))
             if self._fits(timeline, v):
                 return program, timeline, copied
             over = [h - lim for h, lim in zip(self._held(timeline, v), self.limits)]
@@ -729,19 +728,18 @@ class _Searcher:
                 program = self._compile(candidate.family, candidate.orders)
             except ScheduleError:  # a replayed built-in validates as the built-in does
                 continue
-            timeline = simulate(program, self._costs_of(program, candidate.family))
+            timeline = simulate(program, self._costs_of(candidate.family))
             if self._fits(timeline, candidate.family.share):
                 return attrs.evolve(candidate, program=program, timeline=timeline)
         return None
 
-    def _costs_of(self, program: Program, family: _Family) -> CostModel:
-        """The costs in `program`'s units ([Note: tune's units]): per chunk, with per-stage
-        memory sizes and per-segment costs on the segments each stage runs (the same for every
-        order of a family: its placement)."""
+    def _costs_of(self, family: _Family) -> CostModel:
+        """The costs in the units of `family`'s orders ([Note: tune's units]): per chunk, with
+        per-stage memory sizes and per-segment costs on the segments its placement gives each
+        stage (once per family)."""
         costs = self.family_costs.get(family)
         if costs is None:
-            layout = Layout.of(program.schedule)
-            place = list(zip(layout.stage_of, layout.chunk_of))
+            place = family.segments(self.p)
             costs = self.family_costs[family] = _per_chunk(self.costs, family.share, place)
         return costs
 
@@ -853,7 +851,7 @@ class _Searcher:
         offload = self.offload and limits is not None  # [Note: offloads in the exact model]
         counted = limits if self.costs.memory is None and not offload else None
         lower = min(self._lower(_Family(v, vshape, s), counted) for s in splits[v, vshape])
-        start = self._start_of(v, vshape, limits, offload)
+        start = self._start_of(v, vshape, limits)
         solution = solve_exact(
             self.p,
             self.m,
@@ -891,18 +889,16 @@ class _Searcher:
             default=math.inf,
         )
 
-    def _start_of(
-        self, v: int, vshape: bool, limits, offload: bool = False
-    ) -> _Candidate | None:
+    def _start_of(self, v: int, vshape: bool, limits) -> _Candidate | None:
         """The fastest candidate of a placement that the exact model can start from (no
-        replicas, overlapped pairs, or offloads unless the model has them; fitting the limit it
-        is solved under)."""
+        replicas, overlapped pairs, or offloads unless the model has them: under a limit where
+        the search may offload; fitting the limit it is solved under)."""
         fits = [
             c
             for c in self.fitting
             if (c.family.num_chunks, c.family.vshape) == (v, vshape)
             and not c.family.places
-            and (limits is None or offload or not _offloads(c.orders))  # held fewer than counted
+            and (limits is None or self.offload or not _offloads(c.orders))  # held fewer
             and not any(text.startswith("+") for row in c.orders for text in row)
         ]
         return min(fits, key=lambda c: c.makespan, default=None)

@@ -298,8 +298,7 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
     costs.check_microbatches(program.schedule.num_microbatches)
     if costs.per_segment:  # [Note: segment costs]
         layout = Layout.of(program.schedule)
-        place = list(zip(layout.stage_of, layout.chunk_of))
-        costs = costs.placed(place, len(place) // layout.num_replicas)
+        costs = costs.placed(layout.place, layout.replica_length)
     stages = program.stages
     with paused_gc():
         tables = _tables(costs, len(stages))

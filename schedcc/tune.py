@@ -303,8 +303,7 @@ class _Tuner:
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
-        layout = Layout.of(schedule)
-        place = list(zip(layout.stage_of, layout.chunk_of))
+        place = Layout.of(schedule).place
         return _measure(name, program, _per_chunk(self.costs, share, place), share)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from schedcc.costs import FIELD_OF_CODE, CostModel, cost_fields
+import attrs
+
+from schedcc.costs import CHUNK_FIELDS, FIELD_OF_CODE, CostModel, cost_fields
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule
 
@@ -31,6 +33,7 @@ __all__ = [
     "parse_costs",
     "parse_segment_costs",
     "positive_int",
+    "with_segments",
 ]
 
 #: The largest value each count may take on the command line.
@@ -112,6 +115,23 @@ def parse_segment_costs(text: str) -> tuple[dict[str, float], ...]:
         except ScheduleConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return segments
+
+
+def with_segments(
+    base: CostModel, segments: tuple[dict[str, float], ...] | None, num_stages: int
+) -> CostModel:
+    """`base` with each segment's fields over it as `per_segment`, and each stage's (its
+    consecutive segments summed, the cut at v = 1) as `per_stage`: what orders at a cut finer
+    than the segments' read ([Note: segment costs])."""
+    if segments is None:
+        return base
+    models = [attrs.evolve(base, **fields) for fields in segments]
+    stages = CostModel(per_segment=models).placed([(s, 0) for s in range(num_stages)])
+    per_stage = {
+        s: attrs.evolve(base, **{f: getattr(stages.at(s), f) for f in CHUNK_FIELDS})
+        for s in range(num_stages)
+    }
+    return attrs.evolve(base, per_segment=models, per_stage=per_stage)
 
 
 def _cost_fields(text: str) -> dict[str, float]:

@@ -10,8 +10,6 @@ import argparse
 import math
 from pathlib import Path
 
-import attrs
-
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
 from schedcc.cli.args import UsageError
@@ -133,8 +131,7 @@ def _with_segments(args, schedule) -> CostModel:
             f"--segment-costs gives {len(args.segment_costs)} segments, but this program cuts "
             f"the model in {cut}: give {cut} (or a multiple, summed per segment)"
         )
-    models = [attrs.evolve(args.costs, **fields) for fields in args.segment_costs]
-    return attrs.evolve(args.costs, per_segment=models)
+    return shared.with_segments(args.costs, args.segment_costs, schedule.num_stages)
 
 
 def run(args) -> int:

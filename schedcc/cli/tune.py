@@ -11,12 +11,10 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-import attrs
-
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
 from schedcc.cli.args import UsageError
-from schedcc.costs import CHUNK_FIELDS, CostModel, cost_fields, measured_backward
+from schedcc.costs import CostModel, cost_fields, measured_backward
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.sizes import format_size
 from schedcc.tune import TuneResult, tune
@@ -122,28 +120,11 @@ def costs_of(args) -> CostModel:
             f"share: give p * v of them ({num_stages} at v = 1, {2 * num_stages} at v = 2)"
         )
     if trace is None:
-        return _with_segments(given or CostModel(), segments, num_stages)
+        return shared.with_segments(given or CostModel(), segments, num_stages)
     defaults = {}
     if given is not None:
         defaults = {name: getattr(given, name) for name in cost_fields()}
     return CostModel.from_trace(trace, num_stages=num_stages, **defaults)
-
-
-def _with_segments(
-    base: CostModel, segments: tuple[dict[str, float], ...] | None, num_stages: int
-) -> CostModel:
-    """`base` with each segment's fields over it as `per_segment`, and each stage's (its
-    consecutive segments summed, the cut at v = 1) as `per_stage`: what orders at a cut finer
-    than the segments' read ([Note: segment costs])."""
-    if segments is None:
-        return base
-    models = [attrs.evolve(base, **fields) for fields in segments]
-    stages = CostModel(per_segment=models).placed([(s, 0) for s in range(num_stages)])
-    per_stage = {
-        s: attrs.evolve(base, **{f: getattr(stages.at(s), f) for f in CHUNK_FIELDS})
-        for s in range(num_stages)
-    }
-    return attrs.evolve(base, per_segment=models, per_stage=per_stage)
 
 
 def guessed_line(trace: Path | None, given: CostModel | None) -> str | None:

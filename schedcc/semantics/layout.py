@@ -81,6 +81,11 @@ class Layout:
         return len(self.stage_of)
 
     @property
+    def place(self) -> tuple[tuple[int, int], ...]:
+        """`(stage, chunk)` of each segment."""
+        return tuple(zip(self.stage_of, self.chunk_of))
+
+    @property
     def last(self) -> int:
         """The last segment of the last replica (the one that ends in the loss)."""
         return len(self.stage_of) - 1

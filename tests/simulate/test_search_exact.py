@@ -242,7 +242,7 @@ def test_an_order_with_its_own_comm_groups_is_offloaded_keeping_them():
     searcher = _Searcher(p, m, costs, (limit,) * p, False, True, 1, 0, time.monotonic() + 60,
                          None, random.Random(0))  # fmt: skip
     program = searcher._compile(family, given)
-    timeline = schedcc.simulate(program, searcher._costs_of(program, family))
+    timeline = schedcc.simulate(program, searcher._costs_of(family))
     assert max(timeline.peak_activations) / v > limit  # it does not fit as it is
     program, timeline, orders = searcher._offloaded(family, given, timeline)
     assert {"O", "L"} <= {text[0] for row in orders for text in row}
