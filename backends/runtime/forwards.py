@@ -14,7 +14,6 @@ left and hands its own on (`backends.runtime.carries`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -144,9 +143,13 @@ class SegmentForwards:
         """Chunk c's segment as a callable on `params` (stashed weights or tied copies), or as
         it is."""
         module = self.modules[c]
-        if self._delay or module in self._shadowed:
-            return functools.partial(torch.func.functional_call, module, params)
-        return module
+        if not (self._delay or module in self._shadowed):
+            return module
+
+        def on_params(*args: Any, **kwargs: Any) -> Any:
+            return torch.func.functional_call(module, params, args, kwargs)
+
+        return on_params
 
     def _name(self, c: int, k: int) -> Callable[[], str]:
         return lambda: f"the forward of segment {k} ({name_of(self.modules[c])})"
