@@ -205,16 +205,21 @@ class ParallelGPTBlock(ParallelBlock):
         self.drop = copy.deepcopy(block.drop)
 
     def forward(self, x: torch.Tensor, pad_mask: torch.Tensor, pos_ids: torch.Tensor):
-        from schedcc.backends.run.gpt import attend
+        return self.forward_part(x, pad_mask, pos_ids, None)[0]
+
+    def forward_part(self, x, pad_mask: torch.Tensor, pos_ids: torch.Tensor, past):
+        """`Block.forward_part` over the group: the carry holds this rank's heads' keys and
+        values."""
+        from schedcc.backends.run.gpt import attend_part
 
         batch, seq, _ = x.shape
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
         local = q.shape[-1]
         shape = (batch, seq, self.num_heads, local // self.num_heads)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
-        attn = attend(q, k, v, pad_mask, pos_ids, self.drop)
+        attn, seen = attend_part(q, k, v, pad_mask, pos_ids, self.drop, past)
         x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, local)))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        return x + self.drop(self.mlp(self.norm2(x))), seen
 
 
 def _is_gpt_segment(module: nn.Module) -> bool:

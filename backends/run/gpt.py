@@ -14,6 +14,19 @@ the seed and its name), so a pipeline rank allocates only its own; the last segm
 then starts equal to the first one's embedding, a tie found by value (`compile(...,
 tied=[(0, n - 1)])`). `schedcc.split(model, ["blocks.2"])` cuts it automatically.
 
+[Note: the GPT's carry] Under a schedule of sequence parts ([Note: sequence parts] in
+`schedcc.rules.parts`) a `GPTSegment` is called with its inputs and one more argument, the carry
+of the part before (None for the first), and returns `(output, carry)` ([Note: the parts'
+calling convention] in `backends.runtime.carries`). Its carry is `(pad_mask, ((keys, values),
+...))`: the padding mask of every position so far and, for each of its blocks, the keys (already
+rotated) and values there. From it part j + 1 computes exactly what the whole sequence does
+there: the first segment continues the position ids from the real tokens the mask counts
+(`position_ids(pad_mask, before)`), and each block's queries attend over the carried keys and
+their own, with the causal mask and the "always sees itself" diagonal on global positions. The
+parts are slices of the padded batch, so the sequence length must be a multiple of their number
+(`PaddedBigramData(pad_to_multiple_of=k)`); without the extra argument the segment computes
+what it always has.
+
     >>> model = GPT(GPTConfig(vocab=16, max_len=8, d_model=8, num_heads=2, num_blocks=2))
     >>> (tokens, pad_mask), targets = PaddedBigramData(vocab=16, max_len=8).batch(3, step=0)
     >>> tuple(model(tokens, pad_mask).shape) == (*tokens.shape, 16)
@@ -69,13 +82,21 @@ class GPTConfig:
     dropout: float = 0.0
 
 
-def position_ids(pad_mask: torch.Tensor) -> torch.Tensor:
+def position_ids(pad_mask: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
     """int64 position of each token among the real ones of its row (0 at leading padding).
+
+    `before`: each row's real tokens in the earlier sequence parts (int64 `(b,)`), so a part's
+    ids continue the whole sequence's. A position id never exceeds its row's real tokens less
+    one, however much padding follows them.
 
     >>> position_ids(torch.tensor([[False, False, True], [True, False, False]])).tolist()
     [[0, 1, 1], [0, 0, 1]]
+    >>> position_ids(torch.tensor([[False, True], [False, False]]), torch.tensor([2, 1])).tolist()
+    [[2, 2], [1, 2]]
     """
-    return ((~pad_mask).long().cumsum(dim=1) - 1).clamp(min=0)
+    if before is None:
+        return ((~pad_mask).long().cumsum(dim=1) - 1).clamp(min=0)
+    return ((~pad_mask).long().cumsum(dim=1) + before[:, None] - 1).clamp(min=0)
 
 
 def _rotate(t: torch.Tensor, pos_ids: torch.Tensor) -> torch.Tensor:
@@ -92,14 +113,26 @@ def attend(q, k, v, pad_mask: torch.Tensor, pos_ids: torch.Tensor, drop: nn.Modu
     """Causal self-attention of `(batch, heads, seq, dim)` queries, keys and values, rotated by
     position: a query sees earlier real tokens, and always itself (so a padding row is never
     empty)."""
-    seq = q.shape[-2]
+    return attend_part(q, k, v, pad_mask, pos_ids, drop, None)[0]
+
+
+def attend_part(q, k, v, pad_mask: torch.Tensor, pos_ids: torch.Tensor, drop: nn.Module, past):
+    """`attend` on one sequence part ([Note: the GPT's carry]): `(attention, seen)`.
+
+    `pad_mask` covers the keys: the earlier parts' columns, then this part's; `past` is the
+    `(keys, values)` of the earlier parts (keys rotated), or None for the first part. The
+    queries are the part's last positions, so the causal mask and the diagonal are on global
+    positions. `seen` is `(keys, values)` of every position so far, for the next part.
+    """
     q, k = _rotate(q, pos_ids), _rotate(k, pos_ids)
+    if past is not None:
+        k, v = torch.cat((past[0], k), dim=-2), torch.cat((past[1], v), dim=-2)
+    seq, total = q.shape[-2], k.shape[-2]
+    rows = torch.arange(total - seq, total, device=q.device)[:, None]  # global query positions
+    cols = torch.arange(total, device=q.device)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-    allowed = (causal & ~pad_mask[:, None, None, :]) | torch.eye(
-        seq, dtype=torch.bool, device=q.device
-    )
-    return drop(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)) @ v
+    allowed = ((cols <= rows) & ~pad_mask[:, None, None, :]) | (cols == rows)
+    return drop(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)) @ v, (k, v)
 
 
 class Block(nn.Module):
@@ -119,13 +152,18 @@ class Block(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, pad_mask: torch.Tensor, pos_ids: torch.Tensor):
+        return self.forward_part(x, pad_mask, pos_ids, None)[0]
+
+    def forward_part(self, x, pad_mask: torch.Tensor, pos_ids: torch.Tensor, past):
+        """The block on one sequence part: `(x, seen)`, as `attend_part` takes `pad_mask`
+        (every key's) and `past` and returns `seen`."""
         batch, seq, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
         shape = (batch, seq, self.num_heads, width // self.num_heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        attn = attend(q, k, v, pad_mask, pos_ids, self.drop)
+        attn, seen = attend_part(q, k, v, pad_mask, pos_ids, self.drop, past)
         x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, width)))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        return x + self.drop(self.mlp(self.norm2(x))), seen
 
 
 class GPT(nn.Module):
@@ -180,12 +218,17 @@ class GPTSegment(nn.Module):
     """Blocks of a `GPT`, with the embeddings if first and the norm and head if last.
 
     Boundary value: the tuple `(x, pad_mask, pos_ids)`. The first segment takes the batch's
-    inputs `(tokens, pad_mask)`; the last returns the logits.
+    inputs `(tokens, pad_mask)`; the last returns the logits. Called with one more argument, a
+    carry, it runs one sequence part and returns `(output, carry)` ([Note: the parts' calling
+    convention] in `backends.runtime.carries`; [Note: the GPT's carry]).
 
     Args:
         blocks: the segment's blocks, in order.
         embed: `(tok, pos, drop)` for the first segment, else None.
         final: `(norm, head)` for the last segment, else None.
+
+    Raises:
+        TypeError: called with another number of arguments.
     """
 
     def __init__(self, blocks, *, embed=None, final=None):
@@ -197,15 +240,46 @@ class GPTSegment(nn.Module):
         if final is not None:
             self.norm, self.head = final
 
-    def forward(self, *inputs: torch.Tensor):
-        if self.first:
-            tokens, pad_mask = inputs
-            pos_ids = position_ids(pad_mask)
-            x = self.drop(self.tok(tokens) + self.pos(pos_ids))
-        else:
-            x, pad_mask, pos_ids = inputs
+    def forward(self, *args):
+        arity = 2 if self.first else 3
+        if len(args) == arity + 1:
+            return self._forward_part(args[:-1], args[-1])
+        if len(args) != arity:
+            takes = "(tokens, pad_mask)" if self.first else "(x, pad_mask, pos_ids)"
+            raise TypeError(
+                f"this GPTSegment takes {takes}, and a carry with sequence parts; got "
+                f"{len(args)} arguments"
+            )
+        x, pad_mask, pos_ids = self._enter(args, None)
         for block in self.blocks:
             x = block(x, pad_mask, pos_ids)
+        return self._leave(x, pad_mask, pos_ids)
+
+    def _forward_part(self, inputs, carry):
+        """One sequence part: `(output, carry)`, the carry `(pad_mask, ((keys, values), ...))`
+        of every position so far, one pair per block."""
+        if carry is None:
+            seen_mask, pasts = None, [None] * len(self.blocks)
+        else:
+            seen_mask, pasts = carry
+        x, pad_mask, pos_ids = self._enter(inputs, seen_mask)
+        keys_mask = pad_mask if seen_mask is None else torch.cat((seen_mask, pad_mask), dim=1)
+        seen = []
+        for block, past in zip(self.blocks, pasts):
+            x, kv = block.forward_part(x, keys_mask, pos_ids, past)
+            seen.append(kv)
+        return self._leave(x, pad_mask, pos_ids), (keys_mask, tuple(seen))
+
+    def _enter(self, inputs, seen_mask):
+        """`(x, pad_mask, pos_ids)` of the inputs: the first segment embeds the tokens."""
+        if not self.first:
+            return inputs
+        tokens, pad_mask = inputs
+        before = None if seen_mask is None else (~seen_mask).sum(dim=1)
+        pos_ids = position_ids(pad_mask, before)
+        return self.drop(self.tok(tokens) + self.pos(pos_ids)), pad_mask, pos_ids
+
+    def _leave(self, x, pad_mask, pos_ids):
         if self.last:
             return self.head(self.norm(x))
         return x, pad_mask, pos_ids
@@ -324,9 +398,21 @@ class PaddedBigramData:
     position has the same marginal and `entropy` is the best mean loss over real targets any
     model can reach, whatever the lengths.
 
+    With `pad_to_multiple_of=k` every batch then gets padding columns on the right up to a
+    multiple of `k` (for `k` sequence parts; [Note: sequence parts] in `schedcc.rules.parts`):
+    the same rows and tokens, so the real targets and a loss over them are unchanged. A batch
+    may then be longer than `max_len`, but no position id is: the ids count real tokens only.
+
     >>> (tokens, pad_mask), targets = PaddedBigramData(max_len=6, seed=1).batch(4, step=2)
     >>> bool(((targets == IGNORE_INDEX) == pad_mask).all())
     True
+    >>> tuple(PaddedBigramData(max_len=6, seed=1).batch(4, step=1)[1].shape)
+    (4, 5)
+    >>> (tokens, pad_mask), targets = PaddedBigramData(
+    ...     max_len=6, seed=1, pad_to_multiple_of=4
+    ... ).batch(4, step=1)
+    >>> tuple(tokens.shape), bool(pad_mask[:, 5:].all())
+    ((4, 8), True)
     """
 
     def __init__(
@@ -337,9 +423,13 @@ class PaddedBigramData:
         min_len: int = 2,
         seed: int = 0,
         sharpness: float = 2.5,
+        pad_to_multiple_of: int = 1,
     ):
         if not 1 <= min_len <= max_len:
             raise ScheduleConfigError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        if pad_to_multiple_of < 1:
+            raise ScheduleConfigError(f"need pad_to_multiple_of >= 1, got {pad_to_multiple_of}")
+        self.pad_to_multiple_of = pad_to_multiple_of
         gen = torch.Generator().manual_seed(seed)
         logits = torch.randn(vocab, vocab, generator=gen, dtype=torch.float64) * sharpness
         self.transition = logits.softmax(dim=-1)
@@ -370,6 +460,11 @@ class PaddedBigramData:
         pad_mask = torch.arange(seq)[None, :] >= lengths[:, None]
         tokens = chain[:, :-1].masked_fill(pad_mask, 0)
         targets = chain[:, 1:].masked_fill(pad_mask, IGNORE_INDEX)
+        extra = -seq % self.pad_to_multiple_of
+        if extra:
+            tokens = F.pad(tokens, (0, extra), value=0)
+            pad_mask = F.pad(pad_mask, (0, extra), value=True)
+            targets = F.pad(targets, (0, extra), value=IGNORE_INDEX)
         return (tokens, pad_mask), targets
 
 

@@ -111,8 +111,9 @@ def main(rank: int, world_size: int, config, model: RunModel | None = None) -> i
 def _train(rank: int, config, device: torch.device, model: RunModel | None) -> int:
     if config.check:
         torch.set_default_dtype(torch.float64)
+    parts = {} if config.num_parts is None else {"num_parts": config.num_parts}  # -k
     schedule = get_schedule(config.schedule)(
-        config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches
+        config.num_stages, config.num_microbatches, config.num_chunks, config.num_batches, **parts
     )
     program = compile(
         schedule,
@@ -220,11 +221,12 @@ def _own_model(schedule, stage: int, config, model: RunModel | None, rank: int):
     length = schedule.num_segments // replicas
     held = sorted({schedule.segment_of(stage, c) % length for c in range(schedule.num_chunks)})
     initial = None
+    parts = schedule.num_parts
     if config.check and rank == 0:
-        whole = model or models.build(config.model, length, seed=config.seed)
+        whole = model or models.build(config.model, length, seed=config.seed, parts=parts)
         initial = copy.deepcopy(list(whole.segments)) * replicas
     if model is None:
-        model = models.build(config.model, length, seed=config.seed, segments=held)
+        model = models.build(config.model, length, seed=config.seed, segments=held, parts=parts)
     else:
         model = dataclasses.replace(model, segments={j: model.segments[j] for j in held})
     return model, dict(model.segments), initial
@@ -418,11 +420,15 @@ def _state(engine: Engine, schedule) -> dict[int, dict[str, torch.Tensor]]:
 
 def _reference_eval(initial, program: Program, model: RunModel, config) -> float:
     """The held-out loss of the non-pipelined model `initial` (one replica), as `_evaluate`
-    averages it: each batch's loss over its local batches (`reference_loss`), in eval mode."""
+    averages it: each batch's loss over its local batches (`reference_loss`), in eval mode;
+    with sequence parts, on the whole sequences (`Chain(..., carries=True)`)."""
     from schedcc.backends.reference import Chain, reference_loss
 
-    chain = Chain(initial[: len(initial) // type(program.schedule).num_replicas]).eval()
-    split = config.num_microbatches * config.num_batches  # as `Engine.evaluate` splits
+    schedule = program.schedule
+    replica = initial[: len(initial) // type(schedule).num_replicas]
+    chain = Chain(replica, carries=schedule.num_parts > 1).eval()
+    # as `Engine.evaluate` splits, each microbatch of the data whole
+    split = config.num_microbatches * config.num_batches // schedule.num_parts
     with torch.no_grad():
         losses = [
             float(
@@ -440,10 +446,11 @@ def _reference_eval(initial, program: Program, model: RunModel, config) -> float
 
 def _check(program: Program, config, model: RunModel, initial, gathered) -> tuple[float, str]:
     """`(largest parameter difference, the objective compared)`: non-pipelined training of the
-    objective the run trains, on the same local batches and microbatches."""
+    objective the run trains, on the same local batches and microbatches (with sequence parts,
+    each microbatch of the data as one whole sequence)."""
     from schedcc.backends.reference import train_reference
 
-    dp = config.data_parallel
+    dp, parts = config.data_parallel, program.schedule.num_parts
     objectives: list[str] = []
     train_reference(
         initial[: len(initial) // type(program.schedule).num_replicas],  # one model replica
@@ -454,9 +461,10 @@ def _check(program: Program, config, model: RunModel, initial, gathered) -> tupl
         batches_per_run=program.schedule.num_batches,
         max_grad_norm=config.max_grad_norm,
         skip_nonfinite=config.grad_norm,
-        num_microbatches=config.num_microbatches,
+        num_microbatches=config.num_microbatches // parts,
         objectives=objectives,
         lr_scheduler=lr_scheduler_of(model, config),
+        carries=parts > 1,
     )
     pipelined: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for payload in gathered:

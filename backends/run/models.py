@@ -27,7 +27,12 @@ drops the rest. What the run does with it:
   be deterministic (`--check` sets every dropout probability to 0 for both, and says where);
 - `batch(batch_size, step)` gives the global batch of optimizer step `step` (`batch_size` is
   `m * --microbatch-size * dp`); every rank draws it and keeps its data-parallel share, so it must
-  be a pure function of `step` (`--check` and `--resume` replay it too).
+  be a pure function of `step` (`--check` and `--resume` replay it too);
+- under a schedule of sequence parts (`seq1f1b`, `-k K`), each segment is called on one part
+  at a time with the carry of the part before ([Note: the parts' calling convention] in
+  `backends.runtime.carries`), and `batch` must give sequences that `K` parts divide (a batch
+  that does not split is one line before any rank starts); the built-in `tiny-gpt` is given
+  `parts=K` and pads its batches to a multiple of it (`SEQUENCE_PARTS`).
 
 A bad NAME, a `make` that raises, or a return value that breaks the contract is one line naming
 `--model NAME` (`UserError`), before any rank starts.
@@ -74,6 +79,7 @@ __all__ = [
     "BUILT_IN",
     "HELD_OUT",
     "RunModel",
+    "SEQUENCE_PARTS",
     "TeacherData",
     "build",
     "builds_some",
@@ -197,13 +203,21 @@ def factory(name: str) -> Callable[..., RunModel]:
 
 
 def build(
-    name: str, num_segments: int, *, seed: int = 0, segments: Sequence[int] | None = None
+    name: str,
+    num_segments: int,
+    *,
+    seed: int = 0,
+    segments: Sequence[int] | None = None,
+    parts: int = 1,
 ) -> RunModel:
     """`--model name`'s factory called for `num_segments` segments, its result checked.
 
     With `segments` (indices in `range(num_segments)`), the result holds `{k: module}` for just
     those: built alone by a factory that takes `segments=` (`builds_some`), else cut from the
-    whole model, whose other segments are dropped.
+    whole model, whose other segments are dropped. `parts` (the schedule's `num_parts`) goes to
+    the built-ins whose segments take sequence parts (`SEQUENCE_PARTS`), which pad their
+    batches' lengths to a multiple of it; a factory of one's own keeps its contract and makes
+    lengths that split itself.
 
     Raises:
         UserError: see `factory`; the factory raised (its exception's first line), returned
@@ -213,17 +227,15 @@ def build(
     make = factory(name)
     some = segments is not None and builds_some(make)
     wanted = tuple(segments) if segments is not None else None
-    extra = f", segments={wanted}" if some else ""
-    call = f"{getattr(make, '__name__', 'make')}({num_segments}, seed={seed}{extra})"
+    kwargs: dict[str, Any] = {"seed": seed}
+    if some:
+        kwargs["segments"] = wanted
+    if parts > 1 and name in SEQUENCE_PARTS:
+        kwargs["parts"] = parts
+    extra = "".join(f", {key}={value}" for key, value in kwargs.items())
+    call = f"{getattr(make, '__name__', 'make')}({num_segments}{extra})"
     model = call_user(
-        call,
-        lambda: (
-            make(num_segments, seed=seed, segments=wanted)
-            if some
-            else make(num_segments, seed=seed)
-        ),
-        error=UserError,
-        where=f"--model {name}",
+        call, lambda: make(num_segments, **kwargs), error=UserError, where=f"--model {name}"
     )
     if not isinstance(model, RunModel):
         raise UserError(
@@ -281,16 +293,21 @@ def check_batch(
     num_microbatches: int,
     data_parallel: int,
     field: str = "batch",
+    parts: int = 1,
+    seq_dim: int = 1,
 ) -> None:
     """Draw the first batch of `field` (`batch` or `eval_batch`) and split it as the engines
-    will; raise `UserError` if that fails."""
+    will (into `parts` sequence parts along `seq_dim`, the schedule's); raise `UserError` if
+    that fails."""
     call = f"{field}({batch_size}, 0)"
     draw = getattr(model, field)
     batch = call_user(call, lambda: draw(batch_size, 0), error=UserError, where=f"--model {name}")
     try:
         for r, (inputs, targets) in enumerate(local_batches(batch, 0, data_parallel)):
             where = f"{call} (replica {r})" if data_parallel > 1 else call
-            split_pair(inputs, targets, num_microbatches, where=where)
+            split_pair(
+                inputs, targets, num_microbatches, where=where, parts=parts, seq_dim=seq_dim
+            )
     except ScheduleConfigError as exc:
         raise UserError(f"--model {name}: {exc}") from None
 
@@ -299,13 +316,22 @@ def check_batch(
 
 
 def tiny_gpt(
-    num_segments: int, *, seed: int = 0, segments: Sequence[int] | None = None
+    num_segments: int,
+    *,
+    seed: int = 0,
+    segments: Sequence[int] | None = None,
+    parts: int = 1,
 ) -> RunModel:
     """The GPT of `backends/run/gpt.py` (32 wide, `max(4, num_segments)` blocks, LM head tied to
     the token embedding) on padded bigram sequences of 8 to 32 tokens (the length varies); the
     boundary value is `(x, pad_mask, pos_ids)` and the floor is the chain's entropy. With
-    `segments`, only those are built (`gpt_segment`), with the whole model's values."""
-    data = PaddedBigramData(vocab=64, max_len=32, min_len=8, seed=seed)
+    `segments`, only those are built (`gpt_segment`), with the whole model's values.
+
+    Its segments take sequence parts (a schedule's `num_parts`, e.g. seq1f1b's) and their carry
+    ([Note: the GPT's carry] in `backends.run.gpt`); with `parts` each batch is padded on the
+    right to a multiple of `parts` tokens (padding: the loss and the position ids are those of
+    the unpadded batch), and `parts=1` draws exactly the batches it draws without."""
+    data = PaddedBigramData(vocab=64, max_len=32, min_len=8, seed=seed, pad_to_multiple_of=parts)
     config = GPTConfig(vocab=data.vocab, max_len=data.max_len, num_blocks=max(4, num_segments))
     if segments is None:
         built: Any = gpt_segments(GPT(config, seed=seed), num_segments)
@@ -353,6 +379,9 @@ def held_out(batch: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
 
 #: The models `--model` knows by name.
 BUILT_IN: dict[str, Callable[..., RunModel]] = {"tiny-gpt": tiny_gpt, "mlp": mlp}
+
+#: The built-ins whose segments take sequence parts (a carry): their factories take `parts=`.
+SEQUENCE_PARTS = frozenset({"tiny-gpt"})
 
 
 class TeacherData:
