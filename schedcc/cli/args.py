@@ -25,6 +25,7 @@ __all__ = [
     "add_costs",
     "add_microbatches",
     "add_parallel",
+    "add_parts",
     "add_schedule",
     "add_segment_costs",
     "add_stages",
@@ -234,6 +235,19 @@ def add_batches(parser, *, default: int | None = None) -> None:
         default=default,
         metavar="N",
         help="batches (optimizer steps) in one program",
+    )
+
+
+def add_parts(parser) -> None:
+    """`-k/--parts K`: sequence parts per microbatch (`num_parts`; None: the schedule's own)."""
+    parser.add_argument(
+        "-k",
+        "--parts",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="sequence parts per microbatch, m counting the parts (default: the schedule's own, "
+        "1 for most, 2 for seq1f1b)",
     )
 
 

@@ -30,6 +30,7 @@ __all__ = ["Config", "register", "run"]
 EPILOG = """examples:
   schedcc run
   schedcc run --schedule interleaved-1f1b -p 2 -v 2 -m 8 --steps 50 --trace run.json
+  schedcc run --schedule seq1f1b -m 8 -k 4 --check
   schedcc run --dp 2 --zero 1 --check
   schedcc run --schedule my_schedules.py:MySchedule --model mlp
   schedcc run --schedule search --costs-from run.json     (run.json: a first run's --trace)
@@ -88,6 +89,8 @@ class Config:
     warmup: int = 0
     #: `--metrics`: a JSONL file, or `tb:DIR` (`backends.metrics.open_metrics`); None: none.
     metrics: str | None = None
+    #: `-k`: sequence parts per microbatch (None: the schedule's own `default_num_parts`).
+    num_parts: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -118,6 +121,7 @@ def register(subparsers) -> None:
     shared.add_stages(parser, found=2)
     shared.add_microbatches(parser, found=8)
     shared.add_chunks(parser)
+    shared.add_parts(parser)
     shared.add_parallel(parser, dp_default=None, zero_choices=(0, 1, 2, 3))
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps")
     parser.add_argument(
@@ -346,13 +350,20 @@ def _model(config: Config, schedule):
         torch.set_default_dtype(torch.float64)  # what the ranks build in
     try:
         replicas = type(schedule).num_replicas  # DualPipe: one replica's segments, held twice
-        model = models.build(config.model, schedule.num_segments // replicas, seed=config.seed)
+        model = models.build(
+            config.model,
+            schedule.num_segments // replicas,
+            seed=config.seed,
+            parts=schedule.num_parts,
+        )
         models.check_batch(
             model,
             config.model,
             batch_size=job.global_batch_size(config),
             num_microbatches=config.num_microbatches,
             data_parallel=config.data_parallel,
+            parts=schedule.num_parts,
+            seq_dim=schedule.seq_dim,
         )
         if config.eval_every and model.eval_batch is None:
             raise UserError(
@@ -366,6 +377,8 @@ def _model(config: Config, schedule):
                 batch_size=job.eval_batch_size(config),
                 num_microbatches=config.num_microbatches * config.num_batches,
                 data_parallel=config.data_parallel,
+                parts=schedule.num_parts,
+                seq_dim=schedule.seq_dim,
                 field="eval_batch",
             )
     except UserError as exc:
@@ -462,6 +475,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         args.num_microbatches,
         num_chunks=args.num_chunks,
         num_batches=batches_per_run,
+        num_parts=args.parts,
     )
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
     _check_parts(schedule, args.model)
@@ -509,6 +523,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         lr_schedule=args.lr_schedule,
         warmup=args.warmup,
         metrics=args.metrics,
+        num_parts=args.parts,
     )
     return config, schedule
 
@@ -590,16 +605,18 @@ def _within(limit: float | str | None) -> str:
 
 def _check_parts(schedule, model: str) -> None:
     """A schedule of sequence parts needs segments that take a carry ([Note: sequence parts]
-    in `schedcc.rules.parts`): the built-in models' do not, so their run is refused before any
-    rank starts (it would fail splitting the batch, or on the first forward)."""
-    from schedcc.backends.run.models import BUILT_IN
+    in `schedcc.rules.parts`): a built-in model whose segments take none (`mlp`: its samples
+    have no sequence) is refused before any rank starts (it would fail splitting the batch, or
+    on the first forward)."""
+    from schedcc.backends.run.models import BUILT_IN, SEQUENCE_PARTS
 
-    if schedule.num_parts > 1 and model in BUILT_IN:
+    if schedule.num_parts > 1 and model in BUILT_IN and model not in SEQUENCE_PARTS:
         raise UsageError(
             f"{schedule.name or type(schedule).__name__} splits each microbatch into "
             f"{schedule.num_parts} sequence parts, which needs segments that take the carry of "
             f"the part before (forward(x, carry) -> (y, carry)); the built-in --model {model} "
-            "has none: give --model my_model.py:make with such segments"
+            f"has no sequence to split: use --model {', '.join(sorted(SEQUENCE_PARTS))}, or "
+            "give --model my_model.py:make with such segments"
         )
 
 

@@ -48,15 +48,7 @@ def register(subparsers) -> None:
     shared.add_microbatches(parser, found=8)
     shared.add_chunks(parser)
     shared.add_batches(parser, default=1)
-    parser.add_argument(
-        "-k",
-        "--parts",
-        type=shared.positive_int,
-        default=None,
-        metavar="K",
-        help="sequence parts per microbatch, m counting the parts (default: the schedule's own, "
-        "1 for most, 2 for seq1f1b)",
-    )
+    shared.add_parts(parser)
     shared.add_parallel(parser)
     shared.add_costs(
         parser, default=CostModel(), help="instruction costs, e.g. F=1,B=2,I=1,W=1,comm=0.1"

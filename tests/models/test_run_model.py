@@ -73,6 +73,21 @@ def test_dualpipe_trains_the_gpt_on_its_token_loss():
     assert re.search(r"check: .*: ok", result.stdout), result.stdout
 
 
+def test_seq1f1b_trains_the_gpt_on_sequence_parts_and_checks():
+    """`schedcc run --schedule seq1f1b -k 4 --check` on the built-in GPT: each microbatch cut
+    into 4 sequence parts (batches padded to a multiple of 4), the segments handing their
+    carry on, equal to non-pipelined training of the whole sequences, and so is the held-out
+    loss."""
+    result = _run(
+        "--schedule", "seq1f1b", "-p", "2", "-m", "4", "-k", "4", "--steps", "2", "--check",
+        "--eval-every", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "parts=4" in result.stdout
+    assert re.search(r"check: largest parameter difference .*: ok", result.stdout)
+    assert re.search(r"check: final evaluation loss difference .*: ok", result.stdout)
+
+
 def test_a_model_from_a_file_trains_interleaved_and_checks(tmp_path):
     """--model examples/char_lm.py:make (cut by schedcc.split, tied head, its own AdamW) under
     interleaved 1F1B (v = 2): the tie spans segments 0 and 3 on two ranks, --check holds, the
@@ -132,6 +147,12 @@ BAD = textwrap.dedent(
             return data(batch_size + 1, step)
         return RunModel([nn.Linear(2, 2)] * num_segments, torch.nn.functional.mse_loss, batch)
 
+    def odd_sequence(num_segments, *, seed):
+        def batch(batch_size, step):
+            x = torch.randn(batch_size, 3, 2)
+            return x, x
+        return RunModel([nn.Linear(2, 2)] * num_segments, torch.nn.functional.mse_loss, batch)
+
     def no_seed(num_segments):
         pass
 
@@ -171,6 +192,11 @@ BAD = textwrap.dedent(
         ("bad.py:one_segment", (), "returned 1 segment(s); the schedule needs p*v = 2"),
         ("bad.py:not_a_loss", (), "raised TypeError: RunModel.loss_fn must be a callable"),
         ("bad.py:odd_batch", (), "batch(16, 0): 17 samples cannot be split into m=8"),
+        (
+            "bad.py:odd_sequence",
+            ("--schedule", "seq1f1b"),
+            "shape (4, 3, 2), which does not split into 2 equal sequence parts",
+        ),
         ("bad.py:no_seed", (), "unexpected keyword argument 'seed'"),
         ("bad.py:own_optimizer", ("--lr", "0.1"), "brings its own optimizer"),
         ("bad.py:own_optimizer", ("--eval-every", "1"), "has no held-out data"),
@@ -180,8 +206,9 @@ BAD = textwrap.dedent(
 def test_a_bad_model_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, target, extra, says):
     """A missing file, module or attribute, an unknown name, a factory that raises, returns
     something other than a RunModel or breaks its contract, a batch or held-out batch that does
-    not split, --eval-every without held-out data, or --lr beside the model's own optimizer:
-    one line naming --model, exit 2, before any rank."""
+    not split (into microbatches, or into sequence parts), --eval-every without held-out data,
+    or --lr beside the model's own optimizer: one line naming --model, exit 2, before any
+    rank."""
     (tmp_path / "bad.py").write_text(BAD)
     monkeypatch.chdir(tmp_path)
     code = main(["run", "--no-progress", "--steps", "1", "--model", target, *extra])
