@@ -19,6 +19,9 @@ With `--offload` the search may offload activations ([Note: the search's offload
 leaves the memory terms out; `--copy C` prices each offload and reload at C forwards (for the
 built-ins' copies too; free by default).
 
+With `--eager` the built-ins, the search and the bound all time the eager timeline (sends that
+never wait, as the distributed engine runs on every transport; [Note: eager simulation]).
+
 With `--exact S` each shape is also searched with `method="exact"` in S seconds (CP-SAT on the
 relaxation of [Note: the exact model], its proven bound kept where it is the larger): the row
 adds that search's makespan and bound, and the summary counts the targets against it, and how
@@ -69,7 +72,7 @@ def costs_of(p: int, ratio: str, comm: float, heavy: str) -> CostModel:
     )
 
 
-def run_shape(shape, offload: bool = False, copy: float = 0.0) -> dict:
+def run_shape(shape, offload: bool = False, copy: float = 0.0, eager: bool = False) -> dict:
     p, m, ratio, comm, heavy, fraction, time_limit, exact = shape
     costs = costs_of(p, ratio, comm, heavy)
     forward = RATIOS[ratio][0]
@@ -82,13 +85,14 @@ def run_shape(shape, offload: bool = False, copy: float = 0.0) -> dict:
         costs=costs,
         memory_limit=limit,
         recompute=(False, True),
+        eager=eager,
     ).ranked
     builtin = ranked[0] if ranked else None
     started = time.monotonic()
     try:
         found = schedcc.search(
             p, m, costs=costs, memory_limit=limit, recompute=True, offload=offload,
-            time_limit=time_limit, method="heuristic",
+            time_limit=time_limit, method="heuristic", eager=eager,
         )  # fmt: skip
     except ScheduleConfigError:
         found = None
@@ -97,7 +101,7 @@ def run_shape(shape, offload: bool = False, copy: float = 0.0) -> dict:
     if exact and found is not None:
         result = schedcc.search(
             p, m, costs=costs, memory_limit=limit, recompute=True, offload=offload,
-            time_limit=exact, method="exact",
+            time_limit=exact, method="exact", eager=eager,
         )  # fmt: skip
         solved = (result.makespan, result.bound, result.source, result.bound_from)
     return {
@@ -126,6 +130,9 @@ def main() -> None:
                         help="let the search offload activations")  # fmt: skip
     parser.add_argument("--copy", type=float, default=0.0, metavar="C",
                         help="each offload and reload costs C forwards (default 0)")  # fmt: skip
+    parser.add_argument("--eager", action="store_true",
+                        help="time, search and bound the eager timeline (sends that never "
+                        "wait, as the engine runs)")  # fmt: skip
     args = parser.parse_args()
     shapes = [
         (p, m, ratio, comm, heavy, fraction, args.time_limit, args.exact)
@@ -137,7 +144,9 @@ def main() -> None:
     ]
     if args.quick:
         shapes = [s for s in shapes if s[0] == 4 and s[1] == 8 and s[3] == 0.1][:12]
-    print(stamp("search_grid"), f"offload={args.offload} copy={args.copy:g}")
+    print(
+        stamp("search_grid"), f"offload={args.offload} copy={args.copy:g} eager={args.eager}"
+    )
     print(
         f"{'p':>3} {'m':>3} {'F:B:W':>9} {'comm':>4} {'heavy':>10} {'limit':>5} | "
         f"{'best built-in':>24} {'found':>8} {'bound':>8} {'b-in gap':>8} {'gap':>6} "
@@ -145,7 +154,9 @@ def main() -> None:
     )
     rows = []
     with multiprocessing.Pool(args.jobs) as pool:
-        run = functools.partial(run_shape, offload=args.offload, copy=args.copy)
+        run = functools.partial(
+            run_shape, offload=args.offload, copy=args.copy, eager=args.eager
+        )
         for row in pool.imap(run, shapes):
             rows.append(row)
             p, m, ratio, comm, heavy, fraction, _, _ = row["shape"]

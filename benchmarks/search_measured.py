@@ -38,8 +38,11 @@ The table: measured ms per step, the simulated makespan (ms, under the measured 
 over simulated, and the most saved-activation bytes any stage held (measured, the engine's
 `peak_activation_bytes`) against the byte limit of that stage.
 
+With `--eager` every search and simulated makespan is of the eager timeline (sends that never
+wait, as the engine runs on every transport and the closed loop searches).
+
     python benchmarks/search_measured.py [--stages 2 4] [--rounds 10] [--warmup 3]
-        [--trace-steps 5] [--search-time 10] [--trace-split] [--quick]
+        [--trace-steps 5] [--search-time 10] [--trace-split] [--eager] [--quick]
 """
 
 from __future__ import annotations
@@ -195,7 +198,9 @@ def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[
         searches.append((f"search in bytes, cut in {memory.cut}", args))
     for label, args in searches:
         args = {"memory_limit": limit, "costs": costs, **args}
-        found = schedcc.search(p, m, recompute=True, time_limit=opts.search_time, **args)
+        found = schedcc.search(
+            p, m, recompute=True, time_limit=opts.search_time, eager=opts.eager, **args
+        )
         ops = " ".join(found.schedule.orders).replace("+", "").split()
         kinds = "F/I/W" if any(op.startswith("I") for op in ops) else "F/B"
         rows.append(
@@ -217,6 +222,7 @@ def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[
         costs=costs,
         memory_limit=limit,
         recompute=(False, True),
+        eager=opts.eager,
     )
     # weight-delayed orders (2BW) are left out: `train_step` runs one flush step, and they need
     # several batches a run (`schedcc run` gives them 4), so their makespan is another quantity
@@ -349,6 +355,12 @@ def main() -> int:
         "--trace-split",
         action="store_true",
         help="trace zb-h1 after 1F1B, so the costs hold measured I and W",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="search and simulate eagerly (sends that never wait), as `schedcc run --schedule "
+        "search` does and the engine runs; default: the rendezvous model",
     )
     parser.add_argument(
         "--quick", action="store_true", help="p=2, m=4, 2 rounds, 2 built-ins: a smoke run"

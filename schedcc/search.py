@@ -188,6 +188,8 @@ class SearchResult:
         bound_from: which bound `bound` is: "lower_bound" ([Note: the lower bound]) or
             "CP-SAT" (the exact model's proven bound, [Note: the exact model]).
         method: "heuristic" or "exact" (what "auto" chose).
+        eager: whether `timeline` and `bound` are of the eager timeline (sends that never
+            wait, as the distributed engine runs) rather than the rendezvous one.
     """
 
     schedule: FoundOrder
@@ -199,6 +201,7 @@ class SearchResult:
     seconds: float
     bound_from: str = "lower_bound"
     method: str = "heuristic"
+    eager: bool = False
 
     @property
     def makespan(self) -> float:
@@ -225,10 +228,11 @@ class SearchResult:
         schedule = self.schedule
         p, m, v = schedule.shape
         kind = placement_name(type(schedule))
+        timed = " (eager: sends that never wait)" if self.eager else ""
         lines = [
             f'"""An order found by schedcc search: p={p}, m={m}, v={v} ({kind} placement).',
             "",
-            f"Simulated makespan {self.makespan:g}, lower bound {self.bound:g} "
+            f"Simulated makespan{timed} {self.makespan:g}, lower bound {self.bound:g} "
             f"({self.gap:.1%} above it); from {self.source}.",
             f"Check it with: schedcc verify --schedule THIS_FILE.py:{class_name} -p {p} -m {m}"
             f" -v {v}",
@@ -296,6 +300,7 @@ def search(
     max_evaluations: int | None = None,
     seed: int = 0,
     method: str = "auto",
+    eager: bool = False,
 ) -> SearchResult:
     """The fastest order found for this shape, its costs and memory limit ([Note: the search]).
 
@@ -335,6 +340,11 @@ def search(
         method: "heuristic", "exact" (also CP-SAT's optimum of a relaxation per placement,
             [Note: the exact model]; needs `pip install "schedcc[search]"`) or "auto" (exact
             where it helps: [Note: the exact method's rule]).
+        eager: time every candidate as the distributed engine runs it on every transport,
+            sends that never wait (`simulate(..., eager=True)`, [Note: eager simulation]), and
+            bound that timeline ([Note: the lower bound], [Note: the eager exact model]);
+            default: the rendezvous model the validator proves (a comm group takes its stage's
+            time once its partners are posted).
 
     Returns:
         A `SearchResult`: the schedule, its program and timeline, and the lower bound.
@@ -363,7 +373,7 @@ def search(
         raise ScheduleConfigError(f"search: data_parallel must be >= 1, got {data_parallel!r}")
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
         raise ScheduleConfigError(f"search: zero must be 0, 1, 2 or 3, got {zero!r}")
-    for arg, value in (("recompute", recompute), ("offload", offload)):
+    for arg, value in (("recompute", recompute), ("offload", offload), ("eager", eager)):
         if not isinstance(value, bool):
             raise ScheduleConfigError(f"search: {arg} must be True or False, got {value!r}")
     if max_evaluations is not None and (
@@ -393,6 +403,7 @@ def search(
         started + share * time_limit,
         max_evaluations,
         random.Random(seed),
+        eager=eager,
     )
     seeds = _seeds(start) + (list(registered_classes().items()) if builtins else [])
     searcher.seed(seeds, families, recomputed=False)
@@ -419,6 +430,7 @@ def search(
         seconds=time.monotonic() - started,
         bound_from=bound_from,
         method=method,
+        eager=eager,
     )
 
 
@@ -584,9 +596,11 @@ class _Searcher:
     """The search's state: the best candidate so far and what it has timed."""
 
     def __init__(
-        self, p, m, costs, limits, recompute, offload, dp, zero, deadline, max_evals, rng
+        self, p, m, costs, limits, recompute, offload, dp, zero, deadline, max_evals, rng,
+        *, eager: bool = False,
     ):
         self.p, self.m, self.costs, self.limits = p, m, costs, limits
+        self.eager = eager  # time and bound the eager timeline
         self.recompute, self.dp, self.zero = recompute, dp, zero
         self.offload = offload and limits is not None
         self.deadline, self.max_evals, self.rng = deadline, max_evals, rng
@@ -633,7 +647,7 @@ class _Searcher:
                 program = self._compile(family, orders)
             except ScheduleError:
                 return None
-        timeline = simulate(program, self._costs_of(family))
+        timeline = self._simulate(program, family)
         self.slowest = max(self.slowest, time.monotonic() - began)
         if self._fits(timeline, family.share):
             candidate = _Candidate(program, timeline, timeline.makespan, source, family, orders)
@@ -710,7 +724,7 @@ class _Searcher:
                 tried.add(copied)
             except ScheduleError:
                 return None
-            timeline = simulate(program, self._costs_of(family))
+            timeline = self._simulate(program, family)
             if self._fits(timeline, v):
                 return program, timeline, copied
             over = [h - lim for h, lim in zip(self._held(timeline, v), self.limits)]
@@ -728,10 +742,14 @@ class _Searcher:
                 program = self._compile(candidate.family, candidate.orders)
             except ScheduleError:  # a replayed built-in validates as the built-in does
                 continue
-            timeline = simulate(program, self._costs_of(candidate.family))
+            timeline = self._simulate(program, candidate.family)
             if self._fits(timeline, candidate.family.share):
                 return attrs.evolve(candidate, program=program, timeline=timeline)
         return None
+
+    def _simulate(self, program: Program, family: _Family) -> Timeline:
+        """`program`'s timeline under the costs of `family`, eagerly where the search is."""
+        return simulate(program, self._costs_of(family), eager=self.eager)
 
     def _costs_of(self, family: _Family) -> CostModel:
         """The costs in the units of `family`'s orders ([Note: tune's units]): per chunk, with
@@ -797,6 +815,7 @@ class _Searcher:
             recompute=self.recompute,
             data_parallel=self.dp,
             zero=self.zero,
+            eager=self.eager,
         )
 
     def exact(self, families: list[_Family], until: float, seed: int) -> None:
@@ -868,6 +887,7 @@ class _Searcher:
             lower=lower,
             num_workers=_EXACT_WORKERS,
             seed=seed,
+            eager=self.eager,
         )
         known, _ = self.exact_bounds.get(job, (-math.inf, split))
         self.exact_bounds[job] = (max(known, solution.bound), split)
@@ -964,11 +984,14 @@ class _Searcher:
         of the time left."""
         rules = _rules(family, self.rng)
         budgets = self._budgets(family)
-        schedulers = [_ListScheduler(self.p, self.m, family, self.costs, budgets, self.recompute)]
+        settings = [(budgets, self.recompute)]
         if self.offload:  # orders over the limit too, offloaded to fit when timed
             wider = [2 * b for b in budgets]  # some of it recomputed, the rest offloaded
-            for more, rec in ((None, False), (wider, self.recompute)):
-                schedulers.append(_ListScheduler(self.p, self.m, family, self.costs, more, rec))
+            settings += [(None, False), (wider, self.recompute)]
+        schedulers = [
+            _ListScheduler(self.p, self.m, family, self.costs, more, rec, eager=self.eager)
+            for more, rec in settings
+        ]
         made: list[list] = [[] for _ in schedulers]
         until = time.monotonic() + share * max(0.0, self.deadline - time.monotonic())
         for n, rule in enumerate(rules):
@@ -1101,10 +1124,14 @@ def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
 
 class _ListScheduler:
     """Builds one order per rule on its own clock: compute costs, a comm cost per hop between
-    stages, sends that never wait; recomputation where the memory budget asks for it."""
+    stages (taken from the sender's time, or with `eager` only in flight), sends that never
+    wait; recomputation where the memory budget asks for it."""
 
-    def __init__(self, p, m, family: _Family, costs: CostModel, budgets, recompute: bool):
+    def __init__(
+        self, p, m, family: _Family, costs: CostModel, budgets, recompute: bool, *, eager=False
+    ):
         self.p, self.m, self.family = p, m, family
+        self.eager = eager
         v = family.num_chunks
         self.place = family.segments(p)
         # per-stage sizes follow each segment to its stage, as the simulated candidates' do
@@ -1151,8 +1178,12 @@ class _ListScheduler:
         p, m, L = self.p, self.m, self.num_segments
         split = self.family.split
         rng = random.Random(rule.seed)
+        # when each forward's and backward's result is there for its consumer (eagerly, a
+        # message still in flight when its stage is free again), and when its stage finished it
         fend = [[None] * L for _ in range(m)]
         bend = [[None] * L for _ in range(m)]
+        fdone = [[None] * L for _ in range(m)]
+        bdone = [[None] * L for _ in range(m)]
         rend = [[None] * L for _ in range(m)]
         recomputed = [[False] * L for _ in range(m)]
         nf, nb, nw = [0] * L, [0] * L, [0] * L
@@ -1197,7 +1228,7 @@ class _ListScheduler:
                                 budgets[s] + 1e-9
                             )
                             if fits:
-                                out.append((rank, fend[i][k], "R", i, k, False))
+                                out.append((rank, fdone[i][k], "R", i, k, False))
                         else:
                             if recomputed[i][k]:
                                 ready = max(ready, rend[i][k])
@@ -1206,7 +1237,7 @@ class _ListScheduler:
                     i = nw[k]
                     if i < nb[k]:
                         rank = (0 if rule.eager_weight else 2, 0)
-                        out.append((rank, bend[i][k], "W", i, k, False))
+                        out.append((rank, bdone[i][k], "W", i, k, False))
             return out
 
         def choose(s: int):
@@ -1239,15 +1270,16 @@ class _ListScheduler:
             if ver != version[s]:
                 continue
             _, _, code, i, k, rec = op
-            end = start + self.cost[k][code] + self.sends[k].get("B" if code == "I" else code, 0)
-            free[s] = end
+            done = start + self.cost[k][code]
+            end = done + self.sends[k].get("B" if code == "I" else code, 0)
+            free[s] = done if self.eager else end
             makespan = max(makespan, end)
             chunk = self.place[k][1]
             orders[s].append(f"{code}{i}.{chunk}" if chunk else f"{code}{i}")
             touched = {s}
             if code == "F":
                 nf[k] += 1
-                fend[i][k] = end
+                fend[i][k], fdone[i][k] = end, done
                 inflight[s] += k == self.lowest[s]
                 if rec:
                     recomputed[i][k] = True
@@ -1266,7 +1298,7 @@ class _ListScheduler:
                     held[s] -= self.act[k]
                 else:
                     nb[k] += 1
-                    bend[i][k] = end
+                    bend[i][k], bdone[i][k] = end, done
                     inflight[s] -= k == self.lowest[s]
                     if not split:
                         held[s] -= self.act[k]

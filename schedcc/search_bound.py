@@ -56,6 +56,12 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    segments below it on s has run from `head(s)` on; its round trip, its backward and the
    backwards below k (input-gradient pieces, with a split backward) follow.
 
+With `eager=True` the bound is of the eager timeline instead ([Note: eager simulation] in
+`schedcc.simulate_eager`: sends that never wait, a message in flight for the receive's comm,
+taking no stage's time): items 1, 2, 4's Little's law, 5 and 6 hold as they are (every hop they
+count is a message's flight, the consumer starting no earlier than the producer's end plus it),
+and the comm groups of items 3 and 4 take nothing, so they drop out.
+
 It leaves out the updates (`ReduceGrads`, `OptimizerStep`), groups beyond those the paths force
 (a steady 1F1B runs two per microbatch on a middle stage, but an order may batch the messages
 of many microbatches into one group and wait for them instead, so no count per microbatch is
@@ -95,6 +101,7 @@ def lower_bound(
     recompute: bool = True,
     data_parallel: int = 1,
     zero: int = 0,
+    eager: bool = False,
 ) -> float:
     """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1.
 
@@ -110,6 +117,8 @@ def lower_bound(
         recompute: the orders may recompute forwards (`R`) to fit the limit.
         data_parallel, zero: what a stage's parameters and optimizer state take of a byte
             limit (as `schedcc.compile`'s).
+        eager: bound the eager timeline (`simulate(..., eager=True)`) instead of the
+            rendezvous one: no comm groups on the stages.
 
     Returns:
         The bound; `math.inf` where a limit leaves no room for one chunk activation.
@@ -121,7 +130,7 @@ def lower_bound(
     mismatch = other_cut(costs.memory, num_stages, family.share)
     if mismatch is not None:
         raise ScheduleConfigError(f"lower_bound: {mismatch}")
-    bound = _Bound(num_stages, num_microbatches, costs, family, overlapped)
+    bound = _Bound(num_stages, num_microbatches, costs, family, overlapped, eager)
     limits = None
     if memory_limit is not None:
         values = (
@@ -145,7 +154,9 @@ class _Bound:
     """What one family's bound reads per segment: costs, paths and returns ([Note: the lower
     bound])."""
 
-    def __init__(self, p: int, m: int, costs: CostModel, family, overlapped: bool):
+    def __init__(
+        self, p: int, m: int, costs: CostModel, family, overlapped: bool, eager: bool = False
+    ):
         self.p, self.split, self.overlapped = p, family.split, overlapped
         self.single = family.num_replicas == 1
         self.place = place = family.segments(p)
@@ -168,6 +179,8 @@ class _Bound:
         self.share = family.share
         chunks = max(c for _, c in place) + 1
         self.comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]
+        # what a comm group takes of its stage's time: nothing when sends never wait
+        self.group = [0.0] * p if eager else self.comm
         self.on = [[k for k, (t, _) in enumerate(place) if t == s] for s in range(p)]
 
     # -- per segment ------------------------------------------------------------------------
@@ -250,7 +263,7 @@ class _Bound:
         head = min(self.head(k) for k in ks)
         tail = 0.0 if self.split else min(self.tail(k) for k in ks)
         forced = max(self.returns(k) for k in ks)
-        comm = self.comm[s]
+        comm = self.group[s]
         work = 0.0
         for k in ks:
             model = self.models[k]
@@ -319,14 +332,14 @@ class _Bound:
         below its last one and stage 0's last weight gradient."""
         ahead = sum(self.total[k] * (self.models[k].forward + self.piece(k)) for k in ks)
         if s == 0:
-            return head + ahead + self.comm[s] * forced
+            return head + ahead + self.group[s] * forced
         low = min(ks)
         below = self.tail(low)
         zero = self.models[0]
         last = self.least[0] * max(
             0.0, min(zero.backward_weight, zero.backward - zero.backward_input)
         )
-        return head + ahead + self.comm[s] * forced + below + last
+        return head + ahead + self.group[s] * forced + below + last
 
 
 def _min_of_max(pieces, upper: Sequence[float]) -> float:

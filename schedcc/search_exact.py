@@ -59,6 +59,17 @@ the latest of its meetings, plus its comm, before the next compute's start in th
 where CP-SAT proves its solution optimal, the simulated makespan is the optimum (per-chunk comm
 costs aside: a group costs its first op's).
 
+[Note: the eager exact model] With `eager=True` the model is one of the eager timeline
+([Note: eager simulation] in `schedcc.simulate_eager`: sends that never wait, a message in
+flight for the receive's comm, no stage's time taken): a crossing has no meeting, its consumer
+starts no earlier than the producer's end plus the receiver's comm, and an `O` is issued at its
+forward's end (a comm group holds its stage up for nothing). Every order that validates and
+fits is a solution with its eager timeline's times, rounded down (each compute at its start,
+no two of a stage at once, each after what it needs has arrived), so the optimum bounds every
+eager makespan. A solution's order is its computes (and copies) by start, without comm: the
+compiler places the groups, which eagerly only say in which order each peer's messages go, and
+the eager simulator runs each compute no later than the model does.
+
 [Note: offloads in the exact model] With `offload=True` and a limit, each activation that is not
 recomputed may be offloaded (`schedcc.rules.offload`): a literal; an `O` interval and an `L`
 interval on its stage's copy lane (one no-overlap per stage over them, each its copy cost,
@@ -167,6 +178,7 @@ def solve_exact(
     lower: float = 0.0,
     num_workers: int = 2,
     seed: int = 0,
+    eager: bool = False,
 ) -> ExactSolution:
     """Solve one placement's model ([Note: the exact model]) within `time_limit` seconds.
 
@@ -188,6 +200,8 @@ def solve_exact(
             and the bound is `upper` where none is below it.
         lower: a makespan no order beats (e.g. `lower_bound`'s), to start the bound from.
         num_workers, seed: CP-SAT's (one worker runs one strategy, and proves far less).
+        eager: model the eager timeline (`simulate(..., eager=True)`) instead of the
+            rendezvous one ([Note: the eager exact model]).
 
     Raises:
         ScheduleConfigError: ortools is not installed (the message says how to install it).
@@ -199,7 +213,7 @@ def solve_exact(
     """
     cp_model = require_ortools()
     started = time.monotonic()
-    built = _Model(cp_model, num_stages, num_microbatches, costs, family)
+    built = _Model(cp_model, num_stages, num_microbatches, costs, family, eager=eager)
     room = _room(memory_limit, built, costs, data_parallel=data_parallel, zero=zero)
     built.build(room, recompute, upper, lower, offload=offload and room is not None)
     if hint is not None:
@@ -297,11 +311,12 @@ def _scale(values) -> int:
 class _Model:
     """The CP-SAT model of one placement ([Note: the exact model]) and its variables."""
 
-    def __init__(self, cp_model, p: int, m: int, costs: CostModel, family):
+    def __init__(self, cp_model, p: int, m: int, costs: CostModel, family, *, eager=False):
         assert family.num_replicas == 1, "the model has no replicas"
         assert not family.places, "the model has looped and V placements only"
         self.model = cp_model.CpModel()
         self.p, self.m, self.split = p, m, family.split
+        self.eager = eager  # [Note: the eager exact model]
         self.place = family.segments(p)
         self.share = family.share
         self.num_segments = len(self.place)
@@ -496,6 +511,9 @@ class _Model:
         s, t = self.place[k][0], self.place[j][0]
         if s == t:
             self.model.add(consumer >= ready)
+            return
+        if self.eager:  # in flight: no meeting ([Note: the eager exact model])
+            self.model.add(consumer >= ready + self.comm[t])
             return
         meet = self.model.new_int_var(0, self.horizon, f"M{i}.{k}.{j}")
         self.model.add(meet >= ready)

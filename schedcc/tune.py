@@ -98,6 +98,8 @@ class TuneResult:
     ranked: tuple[Candidate, ...]
     over_limit: tuple[Candidate, ...]
     skipped: tuple[Skipped, ...]
+    #: whether the makespans are of the eager timeline (sends that never wait)
+    eager: bool = False
 
     @property
     def best(self) -> Candidate | None:
@@ -110,6 +112,7 @@ class TuneResult:
             "ranked": [attrs.asdict(c) for c in self.ranked],
             "over_limit": [attrs.asdict(c) for c in self.over_limit],
             "skipped": [attrs.asdict(s) for s in self.skipped],
+            "eager": self.eager,
         }
 
 
@@ -124,6 +127,7 @@ def tune(
     data_parallel: int = 1,
     zero: int = 0,
     recompute: bool | Iterable[bool] = False,
+    eager: bool = False,
 ) -> TuneResult:
     """Simulate each schedule at each (m, v) and rank those within `memory_limit` by time.
 
@@ -141,6 +145,9 @@ def tune(
         data_parallel, zero: as in `schedcc.compile` (adds the gradient reductions).
         recompute: without (False), with (True) or both ways (`(False, True)`): full
             recomputation, `compile(..., recompute=True)`; each is its own candidate.
+        eager: time each program as the distributed engine runs it, sends that never wait
+            (`simulate(..., eager=True)`, [Note: eager simulation]); default: the rendezvous
+            model the validator proves.
 
     Returns:
         A `TuneResult`: `ranked` fastest first (ties: less memory first), `over_limit`,
@@ -165,7 +172,7 @@ def tune(
     if in_bytes and memory_limit is not None:
         memory_limit = parse_size(memory_limit)
     grid = _Grid.of(num_stages, num_microbatches, num_chunks, memory_limit)
-    tuner = _Tuner(num_stages, costs, data_parallel, zero)
+    tuner = _Tuner(num_stages, costs, data_parallel, zero, eager)
     results = [
         tuner.run(name, cls, m, v, r)
         for name, cls in _resolve(schedules).items()
@@ -188,6 +195,7 @@ def tune(
         ranked=tuple(ranked),
         over_limit=tuple(c for c, ok in zip(candidates, fits) if not ok),
         skipped=tuple(r for r in skipped.values() if isinstance(r, Skipped)),
+        eager=eager,
     )
 
 
@@ -266,6 +274,7 @@ class _Tuner:
     costs: CostModel
     data_parallel: int
     zero: int
+    eager: bool = False
 
     def run(
         self, name: str, cls: type[Schedule], m: int, v: int, recompute: bool = False
@@ -304,7 +313,9 @@ class _Tuner:
                 position=exc.position,
             ) from exc
         place = Layout.of(schedule).place
-        return _measure(name, program, _per_chunk(self.costs, share, place), share)
+        return _measure(
+            name, program, _per_chunk(self.costs, share, place), share, eager=self.eager
+        )
 
 
 def _placed(memory: MemoryModel, stage_of: Sequence[int]) -> MemoryModel:
@@ -324,12 +335,14 @@ def _placed(memory: MemoryModel, stage_of: Sequence[int]) -> MemoryModel:
     )
 
 
-def _measure(name: str, program, costs: CostModel, share: int) -> Candidate:
-    """Simulate `program` into a `Candidate` (see [Note: tune's units]); `share` is how many
-    chunks a stage's share of the model is cut into."""
+def _measure(
+    name: str, program, costs: CostModel, share: int, *, eager: bool = False
+) -> Candidate:
+    """Simulate `program` into a `Candidate` (see [Note: tune's units]), eagerly or not;
+    `share` is how many chunks a stage's share of the model is cut into."""
     schedule = program.schedule
     m, v = schedule.num_microbatches, schedule.num_chunks
-    timeline = simulate(program, costs)
+    timeline = simulate(program, costs, eager=eager)
     if not math.isfinite(timeline.makespan):
         raise ScheduleConfigError(
             f"{name} at p={schedule.num_stages}, m={m}, v={v}: the simulated makespan "

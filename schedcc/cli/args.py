@@ -280,6 +280,16 @@ def add_segment_costs(parser) -> None:
     )
 
 
+def add_eager(parser, *, what: str = "time it") -> None:
+    """`--eager`: time with sends that never wait ([Note: eager simulation])."""
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help=f"{what} with sends that never wait, as the distributed engine runs on every "
+        "transport (default: every exchange a rendezvous, the model the validator proves)",
+    )
+
+
 def _found_default(value: int | None) -> str:
     return "" if value is None else f" (default {value}, or a found order's own)"
 

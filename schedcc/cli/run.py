@@ -530,8 +530,9 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
 
 def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     """`--schedule search`: the order `schedcc.search` finds for the costs measured in
-    `--costs-from` (milliseconds), written to a file the ranks load; its simulated step is
-    printed, to set against the measured one in the summary."""
+    `--costs-from` (milliseconds), timed as the engine runs it (eagerly: sends that never
+    wait), written to a file the ranks load; its simulated step is printed, to set against the
+    measured one in the summary."""
     if under_torchrun:
         raise UsageError(
             "--schedule search runs on the processes schedcc run starts; under torchrun, search "
@@ -578,11 +579,13 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         data_parallel=args.dp or 1,
         zero=args.zero,
         time_limit=args.search_time,
+        eager=True,  # as the engine runs on every transport
     )
     path = Path(tempfile.mkdtemp(prefix="schedcc-search-")) / "found.py"
     path.write_text(result.to_python())
     print(
-        f"search: simulated step {result.makespan:.2f} ms (lower bound {result.bound:.2f} ms) "
+        f"search: simulated step {result.makespan:.2f} ms, eagerly as the engine runs (lower "
+        f"bound {result.bound:.2f} ms) "
         f"under the costs measured in {args.costs_from}"
         + _within(limit)
         + f", from {result.source}; the order is "

@@ -31,6 +31,7 @@ EPILOG = """examples:
   schedcc search -p 2 -m 8 --costs-from trace.json --memory-limit 512KiB -v 1 --recompute
   schedcc search -p 4 -m 8 --costs O=0.5,L=0.5 --memory-limit 1 --offload
   schedcc search -p 4 -m 8 --costs F=1,B=2,comm=1 --method exact --time-limit 20
+  schedcc search -p 4 -m 8 -v 1,2,4 --costs F=1,B=2,comm=0.1 --eager
   schedcc search -p 4 -m 8 --segment-costs 'F=1.3,B=2.6;;;;;;;F=2.5,B=5' -v 1,2,4 --placement wave
   schedcc verify --schedule my_order.py:Found -p 4 -m 8 -v 2
 """
@@ -96,6 +97,7 @@ def register(subparsers) -> None:
         'and its optimum; pip install "schedcc[search]") or auto (exact for small shapes when '
         "ortools is installed; default)",
     )
+    shared.add_eager(parser, what="time and bound every order")
     parser.add_argument("--seed", type=int, default=0, help="seed of the ties' order")
     parser.add_argument(
         "--out", type=Path, default=None, metavar="FILE", help="write the found schedule here"
@@ -131,6 +133,7 @@ def run(args) -> int:
         time_limit=args.time_limit,
         seed=args.seed,
         method=args.method,
+        eager=args.eager,
     )
     cut = memory_flags.cut_line(memory, args.num_stages)
     if cut is not None:
@@ -147,6 +150,7 @@ def run(args) -> int:
         data_parallel=args.dp,
         zero=args.zero,
         recompute=(False, True) if args.recompute else False,
+        eager=args.eager,
     )
     print(ranking_table(ranking))
     guessed = guessed_line(args.costs_from, args.costs)
@@ -187,8 +191,9 @@ def _found_line(result: SearchResult) -> str:
         + " ".join(f"{a:g}" for a in result.peak_activations)
         + "]"
     )
+    timed = " (eager)" if result.eager else ""
     return (
-        f"found: p={p} m={m} v={v} ({kind}), makespan {result.makespan:g}, lower bound "
+        f"found: p={p} m={m} v={v} ({kind}), makespan{timed} {result.makespan:g}, lower bound "
         f"{result.bound:g} ({result.bound_from}; {result.gap:.1%} above it), {held}; from "
         f"{result.source}, {result.evaluations} orders timed in {result.seconds:.1f} s "
         f"({result.method} search)"

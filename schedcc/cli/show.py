@@ -54,12 +54,7 @@ def register(subparsers) -> None:
         parser, default=CostModel(), help="instruction costs, e.g. F=1,B=2,I=1,W=1,comm=0.1"
     )
     shared.add_segment_costs(parser)
-    parser.add_argument(
-        "--eager",
-        action="store_true",
-        help="time it with sends that never wait, as the distributed engine runs over gloo "
-        "(default: every exchange a rendezvous, as the validator proves and NCCL needs)",
-    )
+    shared.add_eager(parser)
     parser.add_argument(
         "--forward-only",
         action="store_true",

@@ -26,6 +26,7 @@ EPILOG = """examples:
   schedcc tune -p 4 -m 8,16 -v 1,2 --memory-limit 4 --costs F=1,B=2,I=1,W=1
   schedcc tune -p 4 -m 8 --costs-from trace.json --dp 2 --zero 1 --format json
   schedcc tune -p 4 -m 8 --schedule my_schedules.py:MySchedule
+  schedcc tune -p 4 -m 8 -v 1,2,4 --costs F=1,B=2,comm=0.1 --eager
   schedcc tune -p 4 -m 8,16 --recompute --memory act=256MiB,params=2GiB,opt=4GiB \
       --memory-limit 12GiB
 """
@@ -52,6 +53,7 @@ def register(subparsers) -> None:
     add_stage_costs(parser)
     shared.add_parallel(parser)
     shared.add_schedule(parser, many=True)
+    shared.add_eager(parser, what="time every program")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.set_defaults(func=run)
 
@@ -86,6 +88,7 @@ def run(args) -> int:
         data_parallel=args.dp,
         zero=args.zero,
         recompute=(False, True) if args.recompute else False,
+        eager=args.eager,
     )
     if args.format == "json":
         print(json.dumps(result.to_dict(), indent=2))
@@ -162,7 +165,7 @@ def ranking_table(result: TuneResult) -> str:
         "schedule",
         "m",
         "v",
-        "makespan",
+        "makespan (eager)" if result.eager else "makespan",
         "per mb",
         "bubble",
         "peak act",

@@ -54,6 +54,23 @@ def test_zero_bubble_beats_1f1b_at_equal_memory(capsys):
     assert {row["schedule"] for row in report["over_limit"]} >= {"gpipe"}
 
 
+def test_eager_times_every_program_as_the_engine_runs_it(capsys):
+    """`--eager`: interleaved 1F1B at p = 2, m = 8, v = 2 takes the ideal 25.5 (sends that never
+    wait) where the rendezvous model takes 28.5, and the JSON says which timeline it is."""
+    argv = ("-p", "2", "-m", "8", "-v", "2", "--schedule", "interleaved-1f1b")
+    _, eager = _json(capsys, *argv, "--eager")
+    _, rendezvous = _json(capsys, *argv)
+    assert eager["eager"] is True
+    assert rendezvous["eager"] is False
+    def interleaved(report) -> list[float]:
+        return [r["makespan"] for r in report["ranked"] if r["schedule"] == "interleaved-1f1b"]
+
+    assert interleaved(eager) == [25.5]
+    assert interleaved(rendezvous) == [28.5]
+    assert main(["tune", *argv, "--eager"]) == 0
+    assert "makespan (eager)" in capsys.readouterr().out
+
+
 def test_memory_limit_drops_programs(capsys):
     """A limit below every program's peak leaves nothing ranked and exits 1 with a message."""
     code = main(["tune", "-p", "4", "-m", "8", "--memory-limit", "1"])

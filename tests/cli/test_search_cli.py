@@ -14,9 +14,11 @@ import pytest
 import schedcc
 from schedcc import CostModel, get_schedule
 from schedcc.cli import main
+from schedcc.cli.args import parse_costs
 from schedcc.costs import measured_backward
 from schedcc.search import FoundOrder, _splits, search
 from schedcc.sizes import parse_size
+from schedcc.tune import _per_chunk
 
 
 def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_path, capsys):
@@ -42,6 +44,27 @@ def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_
     capsys.readouterr()
     assert main(["show", "--schedule", f"{out}:Mine"]) == 0  # its own shape, -p -m -v left out
     assert "stage 2 |" in capsys.readouterr().out
+
+
+def test_eager_searches_times_and_ranks_as_the_engine_runs(tmp_path, capsys):
+    """`--eager`: the found line says so and gives the eager makespan and bound (the order's
+    eager timeline, which the written file's docstring names), and the ranking times every
+    built-in eagerly (its makespan column says so)."""
+    out = tmp_path / "eager.py"
+    argv = ["search", "-p", "2", "-m", "8", "-v", "2", "--placement", "looped", "--costs",
+            "F=1,B=2,comm=0.2", "--method", "heuristic", "--time-limit", "2"]  # fmt: skip
+    argv.append("--eager")
+    assert main([*argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    first = text.splitlines()[0]
+    made = float(re.search(r"makespan \(eager\) ([0-9.]+),", first).group(1))
+    cls = get_schedule(f"{out}:Found")
+    costs = _per_chunk(parse_costs("F=1,B=2,comm=0.2"), 2)  # what --costs says, per chunk
+    program = schedcc.compile(cls(2, 8, 2))
+    assert made == pytest.approx(schedcc.simulate(program, costs, eager=True).makespan, abs=1e-4)
+    assert made < schedcc.simulate(program, costs).makespan  # rendezvous waits for partners
+    assert "makespan (eager)" in text
+    assert "Simulated makespan (eager: sends that never wait)" in out.read_text()
 
 
 def test_offload_places_copies_the_written_file_keeps(tmp_path, capsys):
@@ -235,7 +258,8 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
         "--check",
     )  # fmt: skip
     assert limited.returncode == 0, limited.stderr
-    assert re.search(r"search: simulated step [0-9.]+ ms \(lower bound", limited.stdout)
+    assert re.search(r"search: simulated step [0-9.]+ ms, eagerly as the engine runs \(lower bound",
+                     limited.stdout)
     assert "within 1 microbatches a stage" in limited.stdout
     assert "Found(p=2, m=8" in limited.stdout
     assert ": ok" in limited.stdout

@@ -41,11 +41,13 @@ _MEMORY_MODELS = st.builds(
 )
 
 
-def _builtin_timelines(p: int, m: int, costs: CostModel, *, dp: int = 1, zero: int = 0):
+def _builtin_timelines(
+    p: int, m: int, costs: CostModel, *, dp: int = 1, zero: int = 0, eager: bool = False
+):
     """`(name, family, timeline, peak)` of each built-in at v = 1 and 2, with and without
     full recomputation, whose layout the model covers (looped or V, no replicas, overlapped
-    pairs or offloads); `peak` in whole-stage microbatches, or with `costs.memory` each
-    stage's peak bytes."""
+    pairs or offloads), timed eagerly with `eager`; `peak` in whole-stage microbatches, or
+    with `costs.memory` each stage's peak bytes."""
     for name in names():
         for v in (1, 2):
             for recompute in (False, True):
@@ -64,7 +66,7 @@ def _builtin_timelines(p: int, m: int, costs: CostModel, *, dp: int = 1, zero: i
                     continue
                 if any(isinstance(op, (Copy, OverlappedBackward)) for op in ops):
                     continue
-                timeline = schedcc.simulate(program, _per_chunk(costs, v))
+                timeline = schedcc.simulate(program, _per_chunk(costs, v), eager=eager)
                 peak = max(timeline.peak_activations) / v
                 if costs.memory is not None:
                     peak = list(timeline.peak_bytes)
@@ -77,15 +79,18 @@ def test_every_builtin_timeline_is_a_solution_of_the_model(p, m, data):
     """[Note: the exact model]'s argument, checked: each built-in's simulated timeline, in
     ticks, satisfies every constraint of its placement's model under its own peak as the
     limit (in microbatches, or its peak bytes per stage under a random memory model, data
-    parallelism and ZeRO), at no more than its simulated makespan."""
+    parallelism and ZeRO), at no more than its simulated makespan; and its eager timeline
+    ([Note: the eager exact model]) satisfies the eager model's."""
     cp_model = require_ortools()
     costs = data.draw(stage_costs(p))
     dp, zero = 1, 0
     if data.draw(st.booleans(), label="in bytes"):  # [Note: bytes in the exact model]
         costs = attrs.evolve(costs, memory=data.draw(_MEMORY_MODELS))
         dp, zero = data.draw(st.sampled_from([(1, 0), (2, 1), (2, 2), (2, 3)]), label="dp, zero")
-    for name, family, timeline, peak in _builtin_timelines(p, m, costs, dp=dp, zero=zero):
-        model = _Model(cp_model, p, m, costs, family)
+    eager = data.draw(st.booleans(), label="eager")
+    timelines = _builtin_timelines(p, m, costs, dp=dp, zero=zero, eager=eager)
+    for name, family, timeline, peak in timelines:
+        model = _Model(cp_model, p, m, costs, family, eager=eager)
         model.build(_room(peak, model, costs, data_parallel=dp, zero=zero), True, None, 0.0)
         model.add_hint(timeline)
         solver = cp_model.CpSolver()
@@ -392,3 +397,32 @@ def test_an_exact_search_that_may_offload_solves_the_limited_model_with_copies()
     assert max(found.peak_activations) <= 1
     assert found.bound <= found.makespan + 1e-9
     assert found.makespan <= free.makespan + 0.5 + 1e-9
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "comm", "limit"), [(2, 3, 0.5, None), (3, 3, 0.3, 1.0)], ids=str
+)
+def test_an_eager_proven_optimum_is_what_the_eager_simulator_times(p, m, comm, limit):
+    """[Note: the eager exact model]: where CP-SAT proves the eager model's order optimal, the
+    eager simulator times it at the optimum (no meetings: the compiler places the groups),
+    below the rendezvous model's optimum where comm costs; the order trains exactly."""
+    costs = CostModel(comm=comm, per_stage={0: CostModel(forward=1.3, backward=2.6, comm=comm)})
+    family = _Family(1, False, True)
+    found = solve_exact(p, m, costs, family, memory_limit=limit, recompute=limit is not None,
+                        time_limit=5, eager=True)  # fmt: skip
+    assert found.optimal
+    assert not any(text[:2] in ("SA", "RA", "SG", "RG") for row in found.orders for text in row)
+    schedule = _found_class(p, m, family, found.orders)(p, m, 1)
+    timeline = schedcc.simulate(schedcc.compile(schedule), costs, eager=True)
+    assert timeline.makespan == pytest.approx(found.makespan)
+    if limit is not None:
+        assert max(timeline.peak_activations) <= limit
+    rendezvous = solve_exact(p, m, costs, family, memory_limit=limit,
+                             recompute=limit is not None, time_limit=5)  # fmt: skip
+    assert rendezvous.optimal
+    assert found.makespan < rendezvous.makespan - 1e-9
+    twice = _found_class(p, m, family, found.orders)(p, m, 1, num_batches=2)
+    difference = assert_matches_reference(
+        schedcc.compile(twice), make_segments(p), mse, sgd, batches(2, 2 * m), atol=1e-10
+    )
+    assert difference <= 1e-10

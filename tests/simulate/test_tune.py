@@ -52,6 +52,28 @@ def test_results_are_typed_and_ranked_fastest_first():
     assert one.makespan == 33.0
 
 
+def test_eager_ranks_by_the_eager_timeline():
+    """`tune(eager=True)` times each program as the engine runs it: every row's makespan is
+    `simulate(..., eager=True)`'s, and interleaved 1F1B at p = 2, m = 8, v = 2 takes the ideal
+    51 there against 57 under rendezvous ([Note: interleaved at two stages])."""
+    from schedcc.registry import build_schedule, get_schedule
+    from schedcc.tune import _per_chunk
+
+    kwargs = {"num_stages": 2, "num_microbatches": 8, "num_chunks": 2}
+    eager = schedcc.tune(["interleaved-1f1b", "looped-bfs", "zb-v"], eager=True, **kwargs)
+    rendezvous = schedcc.tune(["interleaved-1f1b", "looped-bfs", "zb-v"], **kwargs)
+    assert eager.eager
+    assert not rendezvous.eager
+    for c in eager.ranked:
+        program = schedcc.compile(build_schedule(get_schedule(c.schedule), 2, 8, num_chunks=2))
+        assert c.makespan == pytest.approx(
+            schedcc.simulate(program, _per_chunk(CostModel(), 2), eager=True).makespan
+        )
+    [fast] = [c for c in eager.ranked if c.schedule == "interleaved-1f1b"]
+    [slow] = [c for c in rendezvous.ranked if c.schedule == "interleaved-1f1b"]
+    assert (2 * fast.makespan, 2 * slow.makespan) == (51.0, 57.0)  # in whole-stage forwards / 2
+
+
 def test_every_registered_schedule_by_default_once_per_class():
     """schedules=None tries every registered schedule once, under its own name, not an alias."""
     result = schedcc.tune(num_stages=2, num_microbatches=4, num_chunks=[1, 2])
