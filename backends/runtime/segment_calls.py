@@ -48,7 +48,7 @@ from schedcc.ir import BackwardInput
 if TYPE_CHECKING:
     from schedcc.program import Program
 
-__all__ = ["SegmentCall", "check_compile", "check_recompute_layers"]
+__all__ = ["SegmentCall", "check_compile", "check_one_value", "check_recompute_layers"]
 
 
 def check_recompute_layers(every: object) -> int | None:
@@ -65,6 +65,21 @@ def check_recompute_layers(every: object) -> int | None:
             "e.g. recompute_layers=2 keeps every 2nd layer boundary of each segment"
         )
     return every
+
+
+def check_one_value(program: Program, every: int | None, backend: str | None) -> None:
+    """Layered recomputation (`every`) and a compiled segment (`backend`) apply a segment to
+    one value: a program of sequence parts, whose segments also take a carry, is refused.
+
+    Raises:
+        ScheduleConfigError: either with sequence parts.
+    """
+    schedule = program.schedule
+    if schedule.num_parts > 1 and (every or backend):
+        raise ScheduleConfigError(
+            f"recompute_layers= and compile= apply a segment to one value; {schedule!r} "
+            "runs sequence parts, whose segments take (x, carry): leave both off"
+        )
 
 
 def check_compile(backend: object, program: Program) -> str | None:

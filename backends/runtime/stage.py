@@ -64,6 +64,7 @@ from schedcc.backends.runtime.recompute import (
 from schedcc.backends.runtime.segment_calls import (
     SegmentCall,
     check_compile,
+    check_one_value,
     check_recompute_layers,
 )
 from schedcc.backends.runtime.stage_state import StageState
@@ -177,11 +178,7 @@ class StageRuntime:
         self._segment = [schedule.segment_of(stage, c) for c in range(schedule.num_chunks)]
         #: how each chunk's segment is applied: [Note: recomputing every N layers]
         every, backend = check_recompute_layers(recompute_layers), check_compile(compile, program)
-        if schedule.num_parts > 1 and (every or backend):
-            raise ScheduleConfigError(
-                f"recompute_layers= and compile= apply a segment to one value; {schedule!r} "
-                "runs sequence parts, whose segments take (x, carry): leave both off"
-            )
+        check_one_value(program, every, backend)
         self._calls = [
             SegmentCall(m, segment=k, recompute_layers=every, compile=backend)
             for m, k in zip(self.modules, self._segment)

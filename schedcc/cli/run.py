@@ -412,11 +412,15 @@ def _model(config: Config, schedule):
 def _check_segment_calls(config: Config, segments, program) -> None:
     """`--recompute-layers` and `--compile` checked against the model's segments and the
     program, as every rank's engine checks them: one line (exit 2), not one from every rank."""
-    from schedcc.backends.runtime.segment_calls import SegmentCall, check_compile
+    from schedcc.backends.runtime.segment_calls import (
+        SegmentCall,
+        check_compile,
+        check_one_value,
+    )
 
     flags = "--recompute-layers" if config.recompute_layers else "--compile"
     try:
-        check_compile(config.compile, program)
+        check_one_value(program, config.recompute_layers, check_compile(config.compile, program))
         if config.recompute_layers:
             held = segments.items() if isinstance(segments, dict) else enumerate(segments)
             for k, segment in held:

@@ -32,6 +32,15 @@ def test_run_clips_a_tensor_parallel_gpt_over_broadcast_pairs_as_non_pipelined()
     assert re.search(r"precision\s*│\s*fp32\s*│", result.stdout)
 
 
+def test_seq1f1b_trains_a_tensor_parallel_gpt_on_parts_as_non_pipelined():
+    """`--schedule seq1f1b --tp 2 --check` (4 processes): each rank's heads carry their own
+    keys and values from part to part, and every shard equals that shard of dense
+    non-pipelined training of the whole sequences."""
+    result = _run("--schedule", "seq1f1b", "-m", "4", "--tp", "2", "--steps", "2", "--check")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"check: largest parameter difference .*: ok", result.stdout)
+
+
 def test_bad_engine_flags_are_one_line_and_exit_2():
     """A negative norm, --check with bf16 (it compares float64 training), or --tp 3 (the GPT's
     4 heads do not split 3 ways) is one readable line and exit 2, before any rank starts."""

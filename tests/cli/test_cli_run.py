@@ -119,6 +119,15 @@ def test_sequence_parts_on_the_mlp_are_refused_before_training():
     assert "--model mlp has no sequence to split: use --model tiny-gpt" in line
 
 
+@pytest.mark.parametrize("flag", [("--compile",), ("--recompute-layers", "2")])
+def test_a_segment_call_flag_with_sequence_parts_is_refused_before_training(flag):
+    """--compile and --recompute-layers apply a segment to one value, not to a part and its
+    carry: with seq1f1b on tiny-gpt one line, exit 2, before any rank starts."""
+    line = _refused("--schedule", "seq1f1b", *flag)
+    assert f"{flag[0]} with --model tiny-gpt" in line
+    assert "apply a segment to one value" in line
+
+
 def test_a_trace_path_that_is_a_directory_is_refused_before_training(tmp_path):
     """--trace DIR (a directory, not a file) is one line, exit 2, before any rank starts."""
     assert "is a directory" in _refused("--trace", str(tmp_path))
