@@ -6,7 +6,10 @@ fastest built-in over v = 1, 2, 4 (`schedcc.tune`), and `schedcc.search(num_chun
 `placement="wave"` (each odd chunk back up the stages, Hanayo's) and `"looped"` (the heuristic,
 `--time-limit` seconds each), with the wave's lower bound. Simulated makespans, in forwards.
 
+With `--eager`, every makespan and bound is of the eager timeline (sends that never wait).
+
     .venv/bin/python benchmarks/search_waves.py [--stages 4 8] [--comms 0 0.1] [--time-limit 5]
+        [--eager]
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import schedcc
 from schedcc import CostModel
 
 
-def row(p: int, m: int, comm: float, seconds: float) -> str:
+def row(p: int, m: int, comm: float, seconds: float, eager: bool = False) -> str:
     costs = CostModel(comm=comm)
-    built = schedcc.tune(num_stages=p, num_microbatches=m, num_chunks=[1, 2, 4], costs=costs)
+    built = schedcc.tune(
+        num_stages=p, num_microbatches=m, num_chunks=[1, 2, 4], costs=costs, eager=eager
+    )
     interleaved = min(
         c.makespan for c in built.ranked if (c.schedule, c.num_chunks) == ("interleaved-1f1b", 4)
     )
@@ -35,6 +40,7 @@ def row(p: int, m: int, comm: float, seconds: float) -> str:
             costs=costs,
             time_limit=seconds,
             method="heuristic",
+            eager=eager,
         )
         for place in ("wave", "looped")
     }
@@ -50,8 +56,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--comms", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--time-limit", type=float, default=5.0)
+    parser.add_argument("--eager", action="store_true", help="time everything eagerly")
     args = parser.parse_args()
-    print(stamp("search_waves"))
+    print(stamp("search_waves"), f"eager={args.eager}")
     print(
         "| p | m | comm | interleaved-1f1b v=4 | fastest built-in | search, wave v=4 "
         "| search, looped v=4 | bound (wave) |"
@@ -60,7 +67,7 @@ def main() -> None:
     for p in args.stages:
         for m in (2 * p, 4 * p):
             for comm in args.comms:
-                print(row(p, m, comm, args.time_limit), flush=True)
+                print(row(p, m, comm, args.time_limit, args.eager), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ fits. Every candidate is a
    started from the best order found at that placement, in the time left (then local search
    from it, if it is the best).
 
+With `eager=True` every source times its candidates eagerly (`simulate(..., eager=True)`: sends
+that never wait, as the distributed engine runs), list scheduling's clock keeps a send's comm in
+flight instead of on its stage, and the bound and the exact model are those of the eager
+timeline.
+
 `SearchResult.bound` is `schedcc.search_bound.lower_bound` ([Note: the lower bound] there), the
 least over the placements and backward forms searched and the found order's own layout; with
 `method="exact"`, each placement's is the larger of it and CP-SAT's proven bound.
