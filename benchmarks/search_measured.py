@@ -34,12 +34,13 @@ samples, one batch (one length) for every step, SGD:
    rounds of one timed step each, the order rotating from round to round; a step is timed
    barrier to barrier on every rank and the slowest rank counts; median per candidate.
 
-The table: measured ms per step, the simulated makespan (ms, under the measured costs), measured
-over simulated, and the most saved-activation bytes any stage held (measured, the engine's
-`peak_activation_bytes`) against the byte limit of that stage.
+The table: measured ms per step, the simulated makespan (ms, under the measured costs) in the
+rendezvous model and eagerly (sends that never wait, as the engine runs), measured over each, and
+the most saved-activation bytes any stage held (measured, the engine's `peak_activation_bytes`)
+against the byte limit of that stage.
 
-With `--eager` every search and simulated makespan is of the eager timeline (sends that never
-wait, as the engine runs on every transport and the closed loop searches).
+With `--eager` each search runs twice, in the rendezvous model and eagerly (as the closed loop
+searches), and both orders are trained side by side.
 
     python benchmarks/search_measured.py [--stages 2 4] [--rounds 10] [--warmup 3]
         [--trace-steps 5] [--search-time 10] [--trace-split] [--eager] [--quick]
@@ -52,6 +53,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -196,34 +198,45 @@ def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[
         args = {"costs": measured, "memory": memory, "memory_limit": in_bytes}
         args["split_backward"] = forms  # as the closed loop searches
         searches.append((f"search in bytes, cut in {memory.cut}", args))
-    for label, args in searches:
+    timings = (False, True) if opts.eager else (False,)
+    for (label, args), eager in itertools.product(searches, timings):
         args = {"memory_limit": limit, "costs": costs, **args}
         found = schedcc.search(
-            p, m, recompute=True, time_limit=opts.search_time, eager=opts.eager, **args
+            p, m, recompute=True, time_limit=opts.search_time, eager=eager, **args
         )
         ops = " ".join(found.schedule.orders).replace("+", "").split()
         kinds = "F/I/W" if any(op.startswith("I") for op in ops) else "F/B"
+        timed = {
+            key: schedcc.simulate(found.program, found.timeline.costs, eager=key).makespan
+            for key in (False, True)
+        }
         rows.append(
             {
-                "name": f"{label} ({found.source}; {kinds}, v={found.schedule.num_chunks})",
+                "name": f"{label}{', eager' if eager else ''} ({found.source}; {kinds}, "
+                f"v={found.schedule.num_chunks})",
                 # a class does not pickle across ranks; its file's text does
                 "schedule": found.to_python(),
                 "num_chunks": found.schedule.num_chunks,
                 "recompute": False,  # its recomputations are in its order
-                "simulated": found.makespan,
+                "simulated": timed[False],
+                "eager": timed[True],
                 "activations": max(found.peak_activations),
             }
         )
-    ranking = schedcc.tune(
-        registered_classes(),
-        num_stages=p,
-        num_microbatches=m,
-        num_chunks=(1, 2),
-        costs=costs,
-        memory_limit=limit,
-        recompute=(False, True),
-        eager=opts.eager,
+    ranking, eagerly = (
+        schedcc.tune(
+            registered_classes(),
+            num_stages=p,
+            num_microbatches=m,
+            num_chunks=(1, 2),
+            costs=costs,
+            memory_limit=limit,
+            recompute=(False, True),
+            eager=eager,
+        )
+        for eager in (False, True)
     )
+    eager_of = {(c.schedule, c.num_chunks, c.recompute): c.makespan for c in eagerly.ranked}
     # weight-delayed orders (2BW) are left out: `train_step` runs one flush step, and they need
     # several batches a run (`schedcc run` gives them 4), so their makespan is another quantity
     seen = {name for name, cls in registered_classes().items() if cls.weight_delay}
@@ -238,6 +251,7 @@ def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[
                 "num_chunks": c.num_chunks,
                 "recompute": c.recompute,
                 "simulated": c.makespan,
+                "eager": eager_of[c.schedule, c.num_chunks, c.recompute],
                 "activations": c.peak_activations,
             }
         )
@@ -322,16 +336,17 @@ def _print(shape: dict) -> None:
         + "; ".join(", ".join(f"{x:.2f}" for x in costs) for costs in shape["costs"])
     )
     print(
-        "| candidate | measured ms | simulated ms | measured/simulated | simulated activations | "
-        "peak measured / limit bytes (worst stage) |"
+        "| candidate | measured ms | simulated ms | measured/simulated | eager ms | "
+        "measured/eager | simulated activations | peak measured / limit bytes (worst stage) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in shape["rows"]:
         ratios = [b / lim for b, lim in zip(row["bytes"], limit) if lim > 0]
         worst = max(range(len(ratios)), key=ratios.__getitem__)
         print(
             f"| {row['name']} | {row['measured']:.2f} | {row['simulated']:.2f} | "
-            f"{row['measured'] / row['simulated']:.2f} | {row['activations']:g} | "
+            f"{row['measured'] / row['simulated']:.2f} | {row['eager']:.2f} | "
+            f"{row['measured'] / row['eager']:.2f} | {row['activations']:g} | "
             f"{row['bytes'][worst] / 1024:.0f} / {limit[worst] / 1024:.0f} KiB (stage {worst}, "
             f"{ratios[worst]:.2f}) |",
             flush=True,
@@ -359,8 +374,8 @@ def main() -> int:
     parser.add_argument(
         "--eager",
         action="store_true",
-        help="search and simulate eagerly (sends that never wait), as `schedcc run --schedule "
-        "search` does and the engine runs; default: the rendezvous model",
+        help="also search eagerly (sends that never wait), as `schedcc run --schedule search` "
+        "does, and train those orders beside the rendezvous ones",
     )
     parser.add_argument(
         "--quick", action="store_true", help="p=2, m=4, 2 rounds, 2 built-ins: a smoke run"
