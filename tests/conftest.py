@@ -34,6 +34,15 @@ def _no_terminal_width(monkeypatch):
     monkeypatch.delenv("LINES", raising=False)
 
 
+@pytest.fixture
+def float64():
+    """Build and train in float64 (what `--check` does), then restore the default dtype."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
 # The tiers: a test that starts processes (ranks through `spawn` or a multiprocessing context,
 # the `schedcc` command through tests/_cli.py or `subprocess`, or `schedcc run`
 # in-process) is marked `distributed`; the fast tier is `python -m pytest -m "not distributed"`.

@@ -33,14 +33,6 @@ def _adam(params):
     return torch.optim.Adam(params, lr=1e-2)
 
 
-@pytest.fixture
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
 def _difference(stdout: str) -> float:
     """The largest parameter difference the `--check` line reports."""
     found = re.search(

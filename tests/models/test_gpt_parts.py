@@ -25,15 +25,6 @@ TOLERANCE = 1e-10
 CONFIG = GPTConfig(vocab=16, max_len=12, d_model=16, num_heads=2, num_blocks=3)
 
 
-@pytest.fixture
-def float64():
-    """Build and train in float64 (what `--check` does), then restore the default dtype."""
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(dtype)
-
-
 def _on_parts(segments, inputs, num_parts: int) -> torch.Tensor:
     """The logits of `segments` run part after part along the sequence, each segment called
     with its own carry of the part before (None for the first), as a schedule of parts does."""
