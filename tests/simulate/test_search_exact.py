@@ -426,3 +426,29 @@ def test_an_eager_proven_optimum_is_what_the_eager_simulator_times(p, m, comm, l
         schedcc.compile(twice), make_segments(p), mse, sgd, batches(2, 2 * m), atol=1e-10
     )
     assert difference <= 1e-10
+
+
+def test_the_exact_search_eagerly_times_and_bounds_the_eager_timeline():
+    """`search(method="exact", eager=True)`: its order (no comm written: the compiler places
+    it) times eagerly at its makespan, above its bound, and no slower eagerly than the order the
+    rendezvous search returns; its bound (CP-SAT's, where proven higher) is below every
+    built-in's eager makespan."""
+    costs = CostModel(comm=0.3, per_stage={2: CostModel(forward=1.5, backward=3.0, comm=0.3)})
+    found = {
+        eager: search(3, 3, num_chunks=1, costs=costs, method="exact", time_limit=4, eager=eager)
+        for eager in (False, True)
+    }
+    eager = found[True]
+    assert eager.eager
+    assert eager.method == "exact"
+    again = schedcc.simulate(eager.program, eager.timeline.costs, eager=True)
+    assert again.makespan == pytest.approx(eager.makespan)
+    assert eager.bound <= eager.makespan + 1e-9
+    rendezvous = found[False]
+    assert eager.makespan <= schedcc.simulate(
+        rendezvous.program, rendezvous.timeline.costs, eager=True
+    ).makespan + 1e-9
+    for name in ("1f1b", "zb-h1", "gpipe"):  # the bound holds for what exists too, eagerly
+        program = schedcc.compile(get_schedule(name)(3, 3))
+        timed = schedcc.simulate(program, _per_chunk(costs, 1), eager=True)
+        assert eager.bound <= timed.makespan + 1e-9, name
