@@ -241,6 +241,13 @@ class SearchResult:
             f"({self.gap:.1%} above it); from {self.source}.",
             f"Check it with: schedcc verify --schedule THIS_FILE.py:{class_name} -p {p} -m {m}"
             f" -v {v}",
+        ]
+        if self.eager:
+            lines.append(
+                f"Draw it as it was timed: schedcc show --schedule THIS_FILE.py:{class_name} "
+                "--eager"
+            )
+        lines += [
             '"""',
             "",
             "from schedcc.search import FoundOrder",

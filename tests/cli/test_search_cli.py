@@ -64,7 +64,12 @@ def test_eager_searches_times_and_ranks_as_the_engine_runs(tmp_path, capsys):
     assert made == pytest.approx(schedcc.simulate(program, costs, eager=True).makespan, abs=1e-4)
     assert made < schedcc.simulate(program, costs).makespan  # rendezvous waits for partners
     assert "makespan (eager)" in text
-    assert "Simulated makespan (eager: sends that never wait)" in out.read_text()
+    written = out.read_text()
+    assert "Simulated makespan (eager: sends that never wait)" in written
+    assert "schedcc show --schedule THIS_FILE.py:Found --eager" in written
+    show = ["show", "--schedule", f"{out}:Found", "--eager", "--costs"]
+    assert main([*show, "F=0.5,B=1,I=0.5,W=0.5,comm=0.2"]) == 0  # show's costs: per chunk
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"makespan {made:g},")
 
 
 def test_offload_places_copies_the_written_file_keeps(tmp_path, capsys):
