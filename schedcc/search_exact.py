@@ -68,7 +68,9 @@ fits is a solution with its eager timeline's times, rounded down (each compute a
 no two of a stage at once, each after what it needs has arrived), so the optimum bounds every
 eager makespan. A solution's order is its computes (and copies) by start, without comm: the
 compiler places the groups, which eagerly only say in which order each peer's messages go, and
-the eager simulator runs each compute no later than the model does.
+the eager simulator runs each compute no later than the model does (per-chunk comm costs aside:
+the model takes a stage's least), so a proven optimum is the eager makespan
+(tests/simulate/test_search_exact.py checks both).
 
 [Note: offloads in the exact model] With `offload=True` and a limit, each activation that is not
 recomputed may be offloaded (`schedcc.rules.offload`): a literal; an `O` interval and an `L`
