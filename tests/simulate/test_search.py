@@ -391,14 +391,16 @@ def test_random_searches_validate_and_stay_above_the_bound(p, m, chunks, split, 
     recompute=st.booleans(),
     # whole bytes at v = 1 and 2 (a `MemoryModel` holds whole bytes; a chunk holds half)
     sizes=st.none() | st.lists(st.integers(1, 50).map(lambda x: 2 * x), min_size=4, max_size=4),
+    eager=st.booleans(),
 )
 def test_random_offloading_searches_fit_and_train_exactly(
-    p, m, chunks, limit, copy, recompute, sizes
+    p, m, chunks, limit, copy, recompute, sizes, eager
 ):
     """Random small shapes, limits (in microbatches, or in bytes with random per-stage sizes)
-    and copy costs with `offload=True`: the found order (with the copies the search placed)
-    validates again from its class, replays to its makespan, fits the limit, stays above its
-    bound, and trains a float64 model on the local engine as non-pipelined training does."""
+    and copy costs with `offload=True`, timed in the rendezvous model or eagerly: the found
+    order (with the copies the search placed) validates again from its class, replays to its
+    makespan in that model, fits the limit, stays above its bound, and trains a float64 model on
+    the local engine as non-pipelined training does."""
     costs = CostModel(offload=copy, reload=copy)
     limits = limit
     if sizes is not None:  # each stage's parameters, gradients and Adam state, and `limit`
@@ -409,11 +411,12 @@ def test_random_offloading_searches_fit_and_train_exactly(
         limits = [4 * w + limit * a for w, a in zip(parameters, activations)]
     result = search(  # one microbatch at a time fits any limit of one or more
         p, m, num_chunks=chunks, costs=costs, memory_limit=limits, recompute=recompute,
-        offload=True, max_evaluations=25,
+        offload=True, max_evaluations=25, eager=eager,
     )  # fmt: skip
     cls = type(result.schedule)
     program = schedcc.compile(cls(*cls.shape))
-    assert schedcc.simulate(program, result.timeline.costs).makespan == result.makespan
+    replayed = schedcc.simulate(program, result.timeline.costs, eager=eager)
+    assert replayed.makespan == result.makespan
     if sizes is None:
         assert max(result.peak_activations) <= limit + 1e-9
     else:
