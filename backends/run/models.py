@@ -6,6 +6,7 @@ default: the GPT of `backends/run/gpt.py`; `mlp`), `package.module:make` or
 
     def make(num_segments: int, *, seed: int) -> RunModel
     def make(num_segments: int, *, seed: int, segments: tuple[int, ...] | None = None) -> RunModel
+    def make(num_segments: int, *, seed: int, segments=None, parts: int = 1) -> RunModel
 
 It builds the model cut into `num_segments` (`p * v`) segments in model order and returns them
 with the loss and the data (`RunModel`). A factory that takes `segments` builds only those when
@@ -31,8 +32,9 @@ drops the rest. What the run does with it:
 - under a schedule of sequence parts (`seq1f1b`, `-k K`), each segment is called on one part
   at a time with the carry of the part before ([Note: the parts' calling convention] in
   `backends.runtime.carries`), and `batch` must give sequences that `K` parts divide (a batch
-  that does not split is one line before any rank starts); the built-in `tiny-gpt` is given
-  `parts=K` and pads its batches to a multiple of it (`SEQUENCE_PARTS`).
+  that does not split is one line before any rank starts); a factory that takes `parts` is
+  given `parts=K` (`takes_parts`; `tiny-gpt` pads its batches to a multiple of it), and a
+  built-in that does not (`mlp`: no sequence) is refused with parts.
 
 A bad NAME, a `make` that raises, or a return value that breaks the contract is one line naming
 `--model NAME` (`UserError`), before any rank starts.
@@ -79,7 +81,6 @@ __all__ = [
     "BUILT_IN",
     "HELD_OUT",
     "RunModel",
-    "SEQUENCE_PARTS",
     "TeacherData",
     "build",
     "builds_some",
@@ -88,6 +89,7 @@ __all__ = [
     "mlp",
     "mlp_segments",
     "split_evenly",
+    "takes_parts",
     "tiny_gpt",
 ]
 
@@ -214,10 +216,9 @@ def build(
 
     With `segments` (indices in `range(num_segments)`), the result holds `{k: module}` for just
     those: built alone by a factory that takes `segments=` (`builds_some`), else cut from the
-    whole model, whose other segments are dropped. `parts` (the schedule's `num_parts`) goes to
-    the built-ins whose segments take sequence parts (`SEQUENCE_PARTS`), which pad their
-    batches' lengths to a multiple of it; a factory of one's own keeps its contract and makes
-    lengths that split itself.
+    whole model, whose other segments are dropped. `parts` (the schedule's `num_parts`, above 1)
+    goes to a factory that takes it (`takes_parts`: `tiny-gpt` pads its batches' lengths to a
+    multiple of it); one that does not makes lengths that split itself.
 
     Raises:
         UserError: see `factory`; the factory raised (its exception's first line), returned
@@ -230,7 +231,7 @@ def build(
     kwargs: dict[str, Any] = {"seed": seed}
     if some:
         kwargs["segments"] = wanted
-    if parts > 1 and name in SEQUENCE_PARTS:
+    if parts > 1 and takes_parts(make):
         kwargs["parts"] = parts
     extra = "".join(f", {key}={value}" for key, value in kwargs.items())
     call = f"{getattr(make, '__name__', 'make')}({num_segments}{extra})"
@@ -267,12 +268,21 @@ def build(
 
 def builds_some(make: Callable[..., RunModel]) -> bool:
     """Whether factory `make` takes `segments=` (builds only the segments it is given)."""
+    return _takes(make, "segments")
+
+
+def takes_parts(make: Callable[..., RunModel]) -> bool:
+    """Whether factory `make` takes `parts=` (the sequence parts each microbatch is cut into)."""
+    return _takes(make, "parts")
+
+
+def _takes(make: Callable[..., RunModel], keyword: str) -> bool:
     try:
         parameters = inspect.signature(make).parameters.values()
     except (TypeError, ValueError):  # no signature to read: call it the old way
         return False
     return any(
-        p.name == "segments" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        p.name == keyword and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
         for p in parameters
     )
 
@@ -379,9 +389,6 @@ def held_out(batch: Callable[[int, int], Any]) -> Callable[[int, int], Any]:
 
 #: The models `--model` knows by name.
 BUILT_IN: dict[str, Callable[..., RunModel]] = {"tiny-gpt": tiny_gpt, "mlp": mlp}
-
-#: The built-ins whose segments take sequence parts (a carry): their factories take `parts=`.
-SEQUENCE_PARTS = frozenset({"tiny-gpt"})
 
 
 class TeacherData:

@@ -615,14 +615,15 @@ def _check_parts(schedule, model: str) -> None:
     in `schedcc.rules.parts`): a built-in model whose segments take none (`mlp`: its samples
     have no sequence) is refused before any rank starts (it would fail splitting the batch, or
     on the first forward)."""
-    from schedcc.backends.run.models import BUILT_IN, SEQUENCE_PARTS
+    from schedcc.backends.run.models import BUILT_IN, takes_parts
 
-    if schedule.num_parts > 1 and model in BUILT_IN and model not in SEQUENCE_PARTS:
+    if schedule.num_parts > 1 and model in BUILT_IN and not takes_parts(BUILT_IN[model]):
+        parted = sorted(name for name, make in BUILT_IN.items() if takes_parts(make))
         raise UsageError(
             f"{schedule.name or type(schedule).__name__} splits each microbatch into "
             f"{schedule.num_parts} sequence parts, which needs segments that take the carry of "
             f"the part before (forward(x, carry) -> (y, carry)); the built-in --model {model} "
-            f"has no sequence to split: use --model {', '.join(sorted(SEQUENCE_PARTS))}, or "
+            f"has no sequence to split: use --model {', '.join(parted)}, or "
             "give --model my_model.py:make with such segments"
         )
 

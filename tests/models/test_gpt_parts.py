@@ -144,3 +144,36 @@ def test_seq1f1b_trains_tiny_gpt_as_non_pipelined_training(float64, p, m, num_pa
         return torch.optim.Adam(params, lr=1e-2)
 
     assert_matches_reference(program, model.segments, model.loss_fn, adam, batches)
+
+
+
+FACTORIES = """
+import torch
+from schedcc.backends.run.models import RunModel
+
+
+def _model(num_segments, parts):  # the parts it was given, as its floor
+    segments = [torch.nn.Identity() for _ in range(num_segments)]
+    return RunModel(segments, lambda y, t: y, lambda b, s: None, floor=parts)
+
+
+def with_parts(num_segments, *, seed, parts=1):
+    return _model(num_segments, parts)
+
+
+def without(num_segments, *, seed):
+    return _model(num_segments, None)
+"""
+
+
+def test_a_factory_that_takes_parts_is_given_them(tmp_path):
+    """`parts=` goes to any factory that takes it (the contract `builds_some` reads for
+    `segments=`), only above one; a factory without it is called as before; of the
+    built-ins, `tiny-gpt` takes it and `mlp` (no sequence) does not."""
+    path = tmp_path / "factories.py"
+    path.write_text(FACTORIES)
+    assert models.build(f"{path}:with_parts", 2, parts=4).floor == 4
+    assert models.build(f"{path}:with_parts", 2, parts=1).floor == 1  # its own default
+    assert models.build(f"{path}:without", 2, parts=4).floor is None  # no TypeError
+    assert models.takes_parts(models.BUILT_IN["tiny-gpt"])
+    assert not models.takes_parts(models.BUILT_IN["mlp"])
