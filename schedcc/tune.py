@@ -168,6 +168,8 @@ def tune(
     costs = CostModel() if costs is None else costs
     if not isinstance(costs, CostModel):
         raise ScheduleConfigError(f"tune: costs must be a CostModel, got {costs!r}")
+    if not isinstance(eager, bool):
+        raise ScheduleConfigError(f"tune: eager must be True or False, got {eager!r}")
     in_bytes = costs.memory is not None
     if in_bytes and memory_limit is not None:
         memory_limit = parse_size(memory_limit)

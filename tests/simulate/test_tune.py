@@ -151,6 +151,7 @@ def test_costs_that_overflow_are_a_config_error():
         ({"num_stages": 2, "memory_limit": -1}, "memory_limit"),
         ({"num_stages": 2, "costs": {"forward": 1}}, "CostModel"),
         ({"num_stages": 2, "zero": 5}, "zero"),
+        ({"num_stages": 2, "eager": "yes"}, "eager"),
     ],
 )
 def test_bad_arguments_are_config_errors(kwargs, says):
