@@ -1117,6 +1117,9 @@ class _Rule:
     cap: float  # microbatches in flight per stage, a multiple of its depth to the end
     jitter: float
     seed: int
+    owed: bool = True  # a forward holds its activation only with room left for the
+    # recomputations its stage owes (else it is recomputed too): never stuck, though it may
+    # recompute more than needed; without, an order may get stuck (and is dropped)
 
 
 def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
@@ -1126,7 +1129,8 @@ def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
         for backward_first in (True, False):
             for deep in (True, False) if family.num_chunks > 1 else (True,):
                 for eager in (False, True) if family.split else (False,):
-                    rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0))
+                    for owed in (True, False):
+                        rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0, owed))
     rules.extend(
         attrs.evolve(rng.choice(rules[:8]), jitter=0.5, seed=rng.randrange(1 << 30))
         for _ in range(8)
@@ -1212,6 +1216,19 @@ class _ListScheduler:
             """`(rank, ready time, code, microbatch, segment)` for each compute stage s could
             run next (deps known); memory-blocked forwards are left out."""
             out = []
+            # a recomputed activation still to be rebuilt needs its room back before its
+            # backward: with `rule.owed`, a forward that would take that room instead is
+            # recomputed too, or waits (else the stage may hold what it cannot free)
+            pending = 0.0
+            if rule.owed and budgets is not None:
+                pending = max(
+                    (
+                        self.act[k] - self.inp[k]
+                        for k in self.by_stage[s]
+                        if any(recomputed[j][k] and rend[j][k] is None for j in range(nb[k], nf[k]))
+                    ),
+                    default=0.0,
+                )
             for k in self.by_stage[s]:
                 c = self.place[k][1]
                 i = nf[k]
@@ -1221,7 +1238,7 @@ class _ListScheduler:
                     if ready is not None:
                         # entering, it keeps room for its later chunks on this stage
                         rest = self.stage_act[s] - self.act[k] if entering else 0.0
-                        need = self.act[k] + rest
+                        need = self.act[k] + rest + pending
                         fits = budgets is None or held[s] + need <= budgets[s] + 1e-9
                         rec = False
                         if not fits and self.recompute:

@@ -49,6 +49,12 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    segment whose `a_k` exceeds `Bs` fits no order (the bound is `math.inf`).
 5. With a split backward, also: all forwards and input-gradient pieces of stage s, its forced
    groups, then the input gradients below its last one and stage 0's last weight gradient.
+   Under a limit, the forwards and input gradients are all of the stage's work but the weight
+   gradients still to run when its last input gradient ends; each of those keeps its
+   activation held until it runs (`BackwardWeight` frees it), so they are at most what the
+   limit holds at once: `n_k` of segment k with `sum(n_k / N_k)` at most 1 (`N_k` read as in
+   item 4). That last input gradient is of the stage's lowest segment (each microbatch's comes
+   after its own on the segments above), so the chain below follows it as before.
 6. *Fill and drain.* For each segment k of stage s, the first backward of k starts no earlier
    than k's head, a forward and the round trip of item 4; every backward of k, and of the
    segments below k on stage s (each microbatch's comes after its backward on k), runs after
@@ -167,12 +173,13 @@ class _Bound:
         self.end = [f + length - 1 for f in self.first]  # and its last
         factors = costs.per_microbatch or (1.0,)
         of = list(family.replicas) or [0] * m
-        self.count, self.total, self.least = [], [], []  # per segment, over its replica
+        self.count, self.total, self.least, self.heaviest = [], [], [], []  # per segment
         for k in range(num):
             mine = [factors[i % len(factors)] for i in range(m) if of[i] == k // length]
             self.count.append(len(mine))
             self.total.append(sum(mine))
             self.least.append(min(mine, default=1.0))
+            self.heaviest.append(max(mine, default=1.0))
         self.models = [scaled.at(s, c) for s, c in place]
         # bytes per segment of this placement (a stage's sizes on the segments it runs)
         self.memory = scaled.memory
@@ -276,7 +283,7 @@ class _Bound:
             window = max(window, self._window(ks, rooms, recompute, work, forced, comm))
         best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
         if self.split and not self.overlapped and self.single:
-            best = max(best, self._split_end(s, ks, head, forced))
+            best = max(best, self._split_end(s, ks, head, forced, rooms))
         return best
 
     def _fill_and_drain(self, ks, head: float, tail: float) -> float:
@@ -327,12 +334,16 @@ class _Bound:
         upper = count if recompute else [0] * n
         return _min_of_max(pieces, upper)
 
-    def _split_end(self, s: int, ks, head: float, forced: int) -> float:
+    def _split_end(self, s: int, ks, head: float, forced: int, rooms=None) -> float:
         """Item 5: the forwards and input gradients of stage s, its groups, the input gradients
-        below its last one and stage 0's last weight gradient."""
+        below its last one and stage 0's last weight gradient; under a limit (`rooms`), the
+        whole work of stage s less the weight gradients it can still hold then."""
         ahead = sum(self.total[k] * (self.models[k].forward + self.piece(k)) for k in ks)
         if s == 0:
             return head + ahead + self.group[s] * forced
+        if rooms is not None:
+            work = sum(self.total[k] * (self.models[k].forward + self.whole(k)) for k in ks)
+            ahead = max(ahead, work - self._held_weights(ks, rooms))
         low = min(ks)
         below = self.tail(low)
         zero = self.models[0]
@@ -341,6 +352,21 @@ class _Bound:
         )
         return head + ahead + self.group[s] * forced + below + last
 
+    def _held_weights(self, ks, rooms: Sequence[float]) -> float:
+        """The most weight-gradient work stage s can have left when its last input gradient
+        ends: one per activation it holds then, `n_k` of segment k with `sum(n_k / room_k)`
+        at most 1 (the held activations fit) and `n_k` at most its microbatches; the largest
+        first (a fractional knapsack)."""
+        left, most = 1.0, 0.0
+        weights = [self.heaviest[k] * self.models[k].backward_weight for k in ks]
+        counts = [self.count[k] for k in ks]
+        for w, room, count in sorted(zip(weights, rooms, counts), key=lambda x: -x[0] * x[1]):
+            n = min(count, left * room)
+            most += n * w
+            left -= n / room
+            if left <= 0:
+                break
+        return most
 
 def _min_of_max(pieces, upper: Sequence[float]) -> float:
     """The least over `0 <= x_i <= upper[i]` of the largest `a + sum(b_i * x_i)` of `pieces`

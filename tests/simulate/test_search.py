@@ -443,3 +443,27 @@ def test_list_scheduling_counts_each_segment_at_its_stages_size():
     assert scheduler.inp == [1, 2, 3, 3, 2, 1]
     searcher = _Searcher(3, 6, costs, (500.0,) * 3, False, False, 1, 0, 0.0, None, None)
     assert searcher._budgets(family) == [500 - 200, 500, 500]  # parameters and gradients
+
+
+def test_list_scheduling_keeps_room_for_a_recomputation_it_owes():
+    """A forward that would hold its activation where an earlier recomputed one must be rebuilt
+    before its backward is recomputed too (`_Rule.owed`): every such rule of an F/I/W order at
+    one microbatch a stage (a 1.5x last stage) finishes, where some without it get stuck; and
+    the eager search meets its bound there, 41.5 (the last stage busy from its head to its
+    last input gradient but for the one weight gradient it may hold, then three input
+    gradients and stage 0's weight gradient)."""
+    import random
+
+    from schedcc.search import _ListScheduler, _rules
+
+    costs = CostModel(per_stage={3: CostModel(forward=1.5, backward=3.0, backward_input=1.5,
+                                              backward_weight=1.5)})  # fmt: skip
+    family = _Family(1, False, True)
+    scheduler = _ListScheduler(4, 8, family, costs, [1.2] * 4, True, eager=True)
+    rules = _rules(family, random.Random(0))
+    assert all(scheduler.run(rule) is not None for rule in rules if rule.owed)
+    assert any(scheduler.run(rule) is None for rule in rules if not rule.owed)
+    found = search(4, 8, num_chunks=1, split_backward=True, costs=costs, memory_limit=1.2,
+                   recompute=True, method="heuristic", max_evaluations=40, eager=True)  # fmt: skip
+    assert found.makespan == pytest.approx(41.5)
+    assert found.bound == pytest.approx(41.5)
