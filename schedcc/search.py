@@ -994,8 +994,8 @@ class _Searcher:
     def list_schedule(self, family: _Family, share: float) -> None:
         """Time the best few orders list scheduling makes under many rules, in about `share`
         of the time left."""
-        rules = _rules(family, self.rng)
         budgets = self._budgets(family)
+        rules = _rules(family, self.rng, limited=budgets is not None)
         settings = [(budgets, self.recompute)]
         if self.offload:  # orders over the limit too, offloaded to fit when timed
             wider = [2 * b for b in budgets]  # some of it recomputed, the rest offloaded
@@ -1005,7 +1005,9 @@ class _Searcher:
             for more, rec in settings
         ]
         made: list[list] = [[] for _ in schedulers]
-        until = time.monotonic() + share * max(0.0, self.deadline - time.monotonic())
+        left = share * max(0.0, self.deadline - time.monotonic())
+        until = time.monotonic() + (0.7 if budgets is not None else 1.0) * left
+        ranked = []  # (estimate, n, rule) of the first scheduler's orders
         for n, rule in enumerate(rules):
             if self.out_of_time() or (n >= 4 and time.monotonic() > until):
                 break
@@ -1013,6 +1015,20 @@ class _Searcher:
                 result = scheduler.run(rule)
                 if result is not None:
                     out.append(result)
+                    if out is made[0]:
+                        ranked.append((result[0], n, rule))
+        if budgets is not None and self.recompute and family.num_chunks > 1:
+            # the best rules again, recomputing each stage's lowest chunk, the longest held
+            until = time.monotonic() + 0.3 * left
+            more: list[list] = [[] for _ in schedulers]
+            for n, (_, _, rule) in enumerate(sorted(ranked)[:8]):
+                if self.out_of_time() or (n >= 2 and time.monotonic() > until):
+                    break
+                for scheduler, out in zip(schedulers, more):
+                    result = scheduler.run(attrs.evolve(rule, recompute_lowest=True))
+                    if result is not None:
+                        out.append(result)
+            made += more  # the best few of these too, not in place of the others'
         for out in made:
             out.sort(key=lambda r: r[0])
         for n in range(3):  # the best few of each
@@ -1117,25 +1133,33 @@ class _Rule:
     cap: float  # microbatches in flight per stage, a multiple of its depth to the end
     jitter: float
     seed: int
-    owed: bool = True  # a forward holds its activation only with room left for the
-    # recomputations its stage owes (else it is recomputed too): never stuck, though it may
-    # recompute more than needed; without, an order may get stuck (and is dropped)
+    # under a budget: a forward holds its activation only with room left for the
+    # recomputations its stage owes, else it is recomputed too (never stuck, though it may
+    # recompute more than needed; without, an order may get stuck, and is dropped)
+    owed: bool = True
+    # under a budget, with several chunks a stage: every forward of each stage's lowest chunk
+    # (the longest held) is recomputed
+    recompute_lowest: bool = False
 
 
-def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
+def _rules(family: _Family, rng: random.Random, limited: bool = False) -> list[_Rule]:
+    """The rules list scheduling tries, in order; under a memory limit (`limited`) each with
+    and without `owed`."""
     rules = []
     caps = (1.0, 1.5, 2.0, 0.75, 3.0, math.inf, 0.5)
     for cap in caps:
         for backward_first in (True, False):
             for deep in (True, False) if family.num_chunks > 1 else (True,):
                 for eager in (False, True) if family.split else (False,):
-                    for owed in (True, False):
+                    for owed in (True, False) if limited else (True,):
                         rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0, owed))
     rules.extend(
         attrs.evolve(rng.choice(rules[:8]), jitter=0.5, seed=rng.randrange(1 << 30))
         for _ in range(8)
     )
     return rules
+
+
 
 
 class _ListScheduler:
@@ -1208,6 +1232,11 @@ class _ListScheduler:
         inflight = [0] * p
         orders: list[list[str]] = [[] for _ in range(p)]
         cap = [rule.cap * self.depth[s] for s in range(p)]
+        planned = [
+            rule.recompute_lowest and self.recompute and self.budgets is not None
+            and len(self.by_stage[s]) > 1 and k == self.lowest[s]
+            for k, (s, _) in enumerate(self.place)
+        ]
         budgets = self.budgets
         remaining = m * L * (3 if split else 2)
         bcode = "I" if split else "B"
@@ -1240,6 +1269,8 @@ class _ListScheduler:
                         rest = self.stage_act[s] - self.act[k] if entering else 0.0
                         need = self.act[k] + rest + pending
                         fits = budgets is None or held[s] + need <= budgets[s] + 1e-9
+                        if planned[k]:
+                            fits = False
                         rec = False
                         if not fits and self.recompute:
                             rec = held[s] + self.inp[k] + rest <= budgets[s] + 1e-9
