@@ -1,12 +1,12 @@
 """What `schedcc run` shows: a progress bar while training and the summary table at the end.
 
 The summary reads the measured instruction times every rank gathered to rank 0: the median step
-time (the slowest rank's, barrier-aligned clocks), the throughput (what the timed steps' batches
-count for, tokens or samples, over their time), the measured bubble
-(`Timeline.bubble_fraction` of the measured events) against the simulated one (`schedcc.simulate`
-with `CostModel.from_trace` of the same run, timed as the engine ran it: eagerly, as every
-transport posts and waits; see [Note: eager simulation]), and each
-stage's peak activation memory.
+time (the slowest rank's, barrier-aligned clocks) against the simulated one (`schedcc.simulate`
+with `CostModel.from_trace` of the same run's events, as `--costs-from` reads its trace, timed as
+the engine ran it: eagerly, as every transport posts and waits; see [Note: eager simulation]),
+the throughput (what the timed steps' batches count for, tokens or samples, over their time),
+the measured bubble (`Timeline.bubble_fraction` of the measured events) against the simulated
+one, and each stage's peak activation memory.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from schedcc.draw.chrome import comm_flows, cut_record, write_chrome_trace
-from schedcc.ir import Comm
 from schedcc.program import Program
+from schedcc.semantics import Layout
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 from schedcc.sizes import format_size
+from schedcc.tune import _per_chunk
 
 __all__ = [
     "BYTES_OF",
@@ -146,7 +147,7 @@ def summarize(
     counted = sum(sizes[r * per_run + b] for r in steady for b in range(per_run))
     rate = counted / sum(_run_seconds(gathered, r) for r in steady)
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
-    simulated = _simulated_bubble(program, [e for r in steady for e in runs[r]])
+    simulated = _simulated(program, [e for r in steady for e in runs[r]])
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
         events = runs[-1]
@@ -178,9 +179,17 @@ def summarize(
         table.add_row(f"loss {model.floor_name}", f"{model.floor:.4f}")
     for row in _training_rows(config, gathered):
         table.add_row(*row)
-    table.add_row("median step time", f"{step_seconds * 1e3:.2f} ms")
+    step = f"{step_seconds * 1e3:.2f}"
+    if simulated is None:
+        table.add_row("median step time", f"{step} ms")
+    else:
+        table.add_row(
+            "median step time: measured / simulated",
+            f"{step} / {simulated.makespan / per_run:.2f} ms",
+        )
     table.add_row(f"{model.unit}/s", f"{rate:,.0f}")
-    table.add_row("bubble: measured / simulated", f"{measured:.1%} / {simulated:.1%}")
+    bubble = math.nan if simulated is None else simulated.bubble_fraction
+    table.add_row("bubble: measured / simulated", f"{measured:.1%} / {bubble:.1%}")
     table.add_row("point-to-point", _transports(gathered))
     if program.tied:
         groups = ", ".join(str(group) for group in program.tied)
@@ -279,15 +288,20 @@ def _training_rows(config, gathered) -> list[tuple[str, str]]:
     return rows
 
 
-def _simulated_bubble(program: Program, events: list[Event]) -> float:
+def _simulated(program: Program, events: list[Event]) -> Timeline | None:
+    """The program simulated eagerly (as the engine runs it) under the costs its own measured
+    events give (`CostModel.from_trace`, milliseconds, a stage's units: each chunk priced at its
+    share, [Note: tune's units]); None when no event times an instruction."""
     samples = [
         {"name": str(e.instruction), "ph": "X", "tid": e.stage, "dur": (e.end - e.start) * 1e6}
         for e in events
-        if not isinstance(e.instruction, Comm)
     ]
     if not samples:
-        return math.nan
-    return simulate(program, CostModel.from_trace(samples), eager=True).bubble_fraction
+        return None
+    schedule = program.schedule
+    share = schedule.num_chunks // type(schedule).num_replicas
+    costs = _per_chunk(CostModel.from_trace(samples), share, Layout.of(schedule).place)
+    return simulate(program, costs, eager=True)
 
 
 def _transports(gathered) -> str:

@@ -1,11 +1,13 @@
-"""`schedcc run`'s summary: the simulated bubble is timed the way the engine ran the program."""
+"""`schedcc run`'s summary: the simulated step and bubble are timed the way the engine ran the
+program, under the costs its own events measure."""
 
 from __future__ import annotations
 
 import pytest
 
 import schedcc
-from schedcc.backends.run.report import _simulated_bubble
+from schedcc import CostModel
+from schedcc.backends.run.report import _simulated
 
 
 def test_the_simulated_bubble_is_timed_as_the_engine_runs():
@@ -14,5 +16,19 @@ def test_the_simulated_bubble_is_timed_as_the_engine_runs():
     model's rendezvous timing."""
     program = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(2, 8, 2))
     measured = list(schedcc.simulate(program, eager=True).events)
-    assert _simulated_bubble(program, measured) == pytest.approx(1 / 17)
+    assert _simulated(program, measured).bubble_fraction == pytest.approx(1 / 17)
     assert schedcc.simulate(program).bubble_fraction > 1 / 17
+
+
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)])
+def test_the_simulated_step_reads_back_the_run_it_measured(name, v):
+    """A run's own events give back its step: each chunk priced at its measured share of the
+    stage's costs (`from_trace` reads a stage's costs, the chunks summed), with comm and the
+    updates, so a program timed at those costs simulates to the same makespan (in ms: the
+    events are in seconds)."""
+    costs = CostModel(forward=1.5, backward=2.5, comm=0.25, step=0.5, norm=0.25,
+                      per_stage={1: CostModel(forward=2.0, backward=3.0, comm=0.25, step=0.5,
+                                              norm=0.25)})  # fmt: skip
+    program = schedcc.compile(schedcc.get_schedule(name)(2, 8, v), grad_norm=True)
+    ran = schedcc.simulate(program, costs, eager=True)
+    assert _simulated(program, list(ran.events)).makespan == pytest.approx(ran.makespan * 1e3)
