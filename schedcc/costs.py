@@ -361,7 +361,7 @@ class CostModel:
     @classmethod
     def from_trace(
         cls,
-        trace: str | PathLike | Iterable[Mapping],
+        trace: str | PathLike | Mapping | Iterable[Mapping],
         *,
         unit_us: float = 1000.0,
         num_stages: int | None = None,
@@ -370,11 +370,12 @@ class CostModel:
         """Costs measured in a run: the median duration of each instruction kind, per stage.
 
         Args:
-            trace: a Chrome trace file (a JSON list, or an object with "traceEvents"), or its
-                events. Complete events ("ph": "X") whose name parses as an instruction
-                (`F3.1`, `B0`, `Reduce`, ...) count; the stage is their `pid` when the events
-                span several pids (a process per stage), else their `tid`; `dur` is the
-                duration in microseconds. A comm op's duration includes any wait for its peer.
+            trace: a Chrome trace file (a JSON list, or an object with "traceEvents"), that
+                object parsed (its "otherData" read as a file's), or its events. Complete
+                events ("ph": "X") whose name parses as an instruction (`F3.1`, `B0`,
+                `Reduce`, ...) count; the stage is their `pid` when the events span several
+                pids (a process per stage), else their `tid`; `dur` is the duration in
+                microseconds. A comm op's duration includes any wait for its peer.
             unit_us: microseconds per cost unit: 1000 reads back what `to_chrome_trace` wrote
                 (1 ms per unit); 1e6 gives seconds.
             num_stages: the stages the trace must measure, 0 to `num_stages - 1` (a stage's

@@ -147,7 +147,8 @@ def summarize(
     counted = sum(sizes[r * per_run + b] for r in steady for b in range(per_run))
     rate = counted / sum(_run_seconds(gathered, r) for r in steady)
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
-    simulated = _simulated(program, [e for r in steady for e in runs[r]])
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # as the job chose
+    simulated = _simulated(program, [e for r in steady for e in runs[r]], device)
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
         events = runs[-1]
@@ -158,7 +159,7 @@ def summarize(
             metadata={
                 "schedule": repr(program.schedule),
                 "measured": True,
-                "device": "cuda" if torch.cuda.is_available() else "cpu",  # as the job chose
+                "device": device,
                 "cut": cut_record(program.schedule),
                 **memory_record(program, config, gathered),
             },
@@ -288,20 +289,24 @@ def _training_rows(config, gathered) -> list[tuple[str, str]]:
     return rows
 
 
-def _simulated(program: Program, events: list[Event]) -> Timeline | None:
+def _simulated(program: Program, events: list[Event], device: str = "cpu") -> Timeline | None:
     """The program simulated eagerly (as the engine runs it) under the costs its own measured
-    events give (`CostModel.from_trace`, milliseconds, a stage's units: each chunk priced at its
-    share, [Note: tune's units]); None when no event times an instruction."""
+    events give, read as `CostModel.from_trace` reads the trace `--trace` writes of them (in
+    milliseconds; each segment its own measured costs, an overlapped pair read as run on
+    `device`), priced per chunk as `tune` prices them ([Note: tune's units]); None when no event
+    times an instruction."""
     samples = [
-        {"name": str(e.instruction), "ph": "X", "tid": e.stage, "dur": (e.end - e.start) * 1e6}
+        {"name": str(e.instruction), "ph": "X", "tid": e.stage, "ts": e.start * 1e6,
+         "dur": (e.end - e.start) * 1e6}
         for e in events
-    ]
+    ]  # fmt: skip
     if not samples:
         return None
     schedule = program.schedule
+    metadata = {"measured": True, "device": device, "cut": cut_record(schedule)}
+    costs = CostModel.from_trace({"traceEvents": samples, "otherData": metadata})
     share = schedule.num_chunks // type(schedule).num_replicas
-    costs = _per_chunk(CostModel.from_trace(samples), share, Layout.of(schedule).place)
-    return simulate(program, costs, eager=True)
+    return simulate(program, _per_chunk(costs, share, Layout.of(schedule).place), eager=True)
 
 
 def _transports(gathered) -> str:

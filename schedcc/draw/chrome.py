@@ -135,27 +135,34 @@ def write_chrome_trace(
     return path
 
 
-def read_chrome_trace(trace: str | PathLike | Iterable[Mapping]) -> tuple[list, Mapping]:
-    """The event list of a Chrome trace file (or the given events) and its "otherData" ({} for
-    events given, or a file without it).
+def read_chrome_trace(
+    trace: str | PathLike | Mapping | Iterable[Mapping],
+) -> tuple[list, Mapping]:
+    """The event list of a Chrome trace file, or of its parsed object (`{"traceEvents": [...],
+    "otherData": {...}}`), or the given events, and its "otherData" ({} for events given, or a
+    trace without it).
 
     Raises:
         ScheduleConfigError: the file is not JSON, or holds no list of events.
         OSError: the file cannot be read.
     """
-    if not isinstance(trace, (str, PathLike)):
+    if isinstance(trace, Mapping):
+        data = trace
+    elif not isinstance(trace, (str, PathLike)):
         return list(trace), {}
-    try:
-        data = json.loads(Path(trace).read_text())
-    except json.JSONDecodeError as exc:
-        raise ScheduleConfigError(f"trace {str(trace)!r} is not JSON: {exc}") from None
-    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    else:
+        try:
+            data = json.loads(Path(trace).read_text())
+        except json.JSONDecodeError as exc:
+            raise ScheduleConfigError(f"trace {str(trace)!r} is not JSON: {exc}") from None
+    events = data.get("traceEvents", []) if isinstance(data, Mapping) else data
     if not isinstance(events, list):
+        where = repr(str(trace)) if isinstance(trace, (str, PathLike)) else "(object)"
         raise ScheduleConfigError(
-            f"trace {str(trace)!r}: expected a JSON list of events or an object with a "
+            f"trace {where}: expected a JSON list of events or an object with a "
             '"traceEvents" list'
         )
-    metadata = data.get("otherData", {}) if isinstance(data, dict) else {}
+    metadata = data.get("otherData", {}) if isinstance(data, Mapping) else {}
     return events, metadata if isinstance(metadata, Mapping) else {}
 
 

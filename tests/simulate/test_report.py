@@ -32,3 +32,33 @@ def test_the_simulated_step_reads_back_the_run_it_measured(name, v):
     program = schedcc.compile(schedcc.get_schedule(name)(2, 8, v), grad_norm=True)
     ran = schedcc.simulate(program, costs, eager=True)
     assert _simulated(program, list(ran.events)).makespan == pytest.approx(ran.makespan * 1e3)
+
+
+def test_the_simulated_step_reads_dualpipe_s_replicas_and_pairs_as_measured():
+    """DualPipe holds a chunk of each model replica per stage and runs overlapped pairs: its
+    measured events (a pair timed as a marker of its forward and the whole pair, the halves in
+    order on the CPU) give back its step, each replica's chunk at its own costs."""
+    from schedcc.ir import Forward, OverlappedBackward
+
+    costs = CostModel(forward=1.5, backward=2.5, comm=0.25, overlap=1.0)
+    program = schedcc.compile(schedcc.get_schedule("dualpipe")(2, 8, 2))
+    ran = schedcc.simulate(program, costs, eager=True)
+    assert any(isinstance(e.instruction, OverlappedBackward) for e in ran.events)
+    measured, pair_start = [], None
+    events = sorted(ran.events, key=lambda e: (e.stage, e.start, e.end))
+    for event, after in zip(events, [*events[1:], None]):
+        if pair_start is not None:  # a pair's backward: the whole pair
+            measured.append(event._replace(start=pair_start))
+            pair_start = None
+        elif (
+            isinstance(event.instruction, Forward)
+            and after is not None
+            and isinstance(after.instruction, OverlappedBackward)
+            and after.stage == event.stage
+            and after.start == pytest.approx(event.end)
+        ):  # a pair's forward: a marker
+            measured.append(event._replace(end=event.start))
+            pair_start = event.start
+        else:
+            measured.append(event)
+    assert _simulated(program, measured).makespan == pytest.approx(ran.makespan * 1e3)

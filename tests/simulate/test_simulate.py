@@ -167,6 +167,8 @@ def test_costs_read_back_from_a_trace_equal_the_costs_simulated(tmp_path):
     assert measured.at(0).backward == 2.5
     assert measured.at(1).forward == 3.0
     assert measured.at(2).forward == 1.5
+    parsed = json.loads(path.read_text())  # the trace's object, as a file's: the same costs
+    assert CostModel.from_trace(parsed) == measured
 
 
 def test_a_trace_at_two_chunks_reads_back_a_stages_share(tmp_path):
