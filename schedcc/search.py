@@ -16,8 +16,13 @@ fits. Every candidate is a
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
    flight and under its memory budget: a forward that would not fit keeps only its input and is
-   recomputed (`R`) later, when its memory is free; many rules and seeded ties, ranked by the
-   list scheduler's own clock, the best few timed by the simulator;
+   recomputed (`R`) later, when its memory is free, and so is one that would take the room an
+   earlier recomputed microbatch needs back before its backward (`_Rule.owed`: no stage holds
+   what it cannot free); many rules and seeded ties, ranked by the list scheduler's own clock,
+   the best few timed by the simulator. Under a limit the rules run again, the best first while
+   time is left, choosing otherwise what to recompute (`_variants`: holding whatever fits now,
+   which may get stuck but recomputes less; with several chunks a stage, every forward of each
+   stage's lowest chunk, the one held longest), and the best few of those are timed too;
 3. local search from the best: swap two adjacent computes of a stage, move a weight gradient, or
    drop a recomputation; keep a change that is no slower and fits, until `time_limit` or
    `max_evaluations`;
@@ -995,7 +1000,7 @@ class _Searcher:
         """Time the best few orders list scheduling makes under many rules, in about `share`
         of the time left."""
         budgets = self._budgets(family)
-        rules = _rules(family, self.rng, limited=budgets is not None)
+        rules = _rules(family, self.rng)
         settings = [(budgets, self.recompute)]
         if self.offload:  # orders over the limit too, offloaded to fit when timed
             wider = [2 * b for b in budgets]  # some of it recomputed, the rest offloaded
@@ -1007,28 +1012,34 @@ class _Searcher:
         made: list[list] = [[] for _ in schedulers]
         left = share * max(0.0, self.deadline - time.monotonic())
         until = time.monotonic() + (0.7 if budgets is not None else 1.0) * left
-        ranked = []  # (estimate, n, rule) of the first scheduler's orders
+        tried = []  # (estimate, n) of each rule run, by the first scheduler
         for n, rule in enumerate(rules):
             if self.out_of_time() or (n >= 4 and time.monotonic() > until):
                 break
+            estimate = math.inf
             for scheduler, out in zip(schedulers, made):
                 result = scheduler.run(rule)
                 if result is not None:
                     out.append(result)
                     if out is made[0]:
-                        ranked.append((result[0], n, rule))
-        if budgets is not None and self.recompute and family.num_chunks > 1:
-            # the best rules again, recomputing each stage's lowest chunk, the longest held
+                        estimate = result[0]
+            tried.append((estimate, n))
+        if budgets is not None:
+            # under a limit, the rules again, the best first while time is left, choosing
+            # otherwise what to recompute ([Note: the search], 2); the best few of these are
+            # timed too, not in place of the others'
             until = time.monotonic() + 0.3 * left
-            more: list[list] = [[] for _ in schedulers]
-            for n, (_, _, rule) in enumerate(sorted(ranked)[:8]):
-                if self.out_of_time() or (n >= 2 and time.monotonic() > until):
+            more: dict[int, list[list]] = {}  # per kind of variant, per scheduler
+            for k, (_, n) in enumerate(sorted(tried)):
+                if self.out_of_time() or (k >= 2 and time.monotonic() > until):
                     break
-                for scheduler, out in zip(schedulers, more):
-                    result = scheduler.run(attrs.evolve(rule, recompute_lowest=True))
-                    if result is not None:
-                        out.append(result)
-            made += more  # the best few of these too, not in place of the others'
+                for j, variant in enumerate(_variants(rules[n], family, self.recompute)):
+                    outs = more.setdefault(j, [[] for _ in schedulers])
+                    for scheduler, out in zip(schedulers, outs):
+                        result = scheduler.run(variant)
+                        if result is not None:
+                            out.append(result)
+            made += [out for outs in more.values() for out in outs]
         for out in made:
             out.sort(key=lambda r: r[0])
         for n in range(3):  # the best few of each
@@ -1142,17 +1153,15 @@ class _Rule:
     recompute_lowest: bool = False
 
 
-def _rules(family: _Family, rng: random.Random, limited: bool = False) -> list[_Rule]:
-    """The rules list scheduling tries, in order; under a memory limit (`limited`) each with
-    and without `owed`."""
+def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
+    """The rules list scheduling tries first, in order."""
     rules = []
     caps = (1.0, 1.5, 2.0, 0.75, 3.0, math.inf, 0.5)
     for cap in caps:
         for backward_first in (True, False):
             for deep in (True, False) if family.num_chunks > 1 else (True,):
                 for eager in (False, True) if family.split else (False,):
-                    for owed in (True, False) if limited else (True,):
-                        rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0, owed))
+                    rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0))
     rules.extend(
         attrs.evolve(rng.choice(rules[:8]), jitter=0.5, seed=rng.randrange(1 << 30))
         for _ in range(8)
@@ -1160,6 +1169,16 @@ def _rules(family: _Family, rng: random.Random, limited: bool = False) -> list[_
     return rules
 
 
+
+
+def _variants(rule: _Rule, family: _Family, recompute: bool) -> list[_Rule]:
+    """Under a memory limit, `rule`'s other ways to choose what to recompute: holding every
+    activation that fits now (`owed` off), and with several chunks a stage, recomputing every
+    forward of each stage's lowest chunk, the one held longest (`recompute_lowest`)."""
+    out = [attrs.evolve(rule, owed=False)]
+    if recompute and family.num_chunks > 1:
+        out.append(attrs.evolve(rule, recompute_lowest=True))
+    return out
 
 
 class _ListScheduler:
