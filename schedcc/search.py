@@ -1029,17 +1029,17 @@ class _Searcher:
             # otherwise what to recompute ([Note: the search], 2); the best few of these are
             # timed too, not in place of the others'
             until = time.monotonic() + 0.3 * left
-            more: dict[int, list[list]] = {}  # per kind of variant, per scheduler
+            again: dict[int, list[list]] = {}  # per kind of variant, per scheduler
             for k, (_, n) in enumerate(sorted(tried)):
                 if self.out_of_time() or (k >= 2 and time.monotonic() > until):
                     break
                 for j, variant in enumerate(_variants(rules[n], family, self.recompute)):
-                    outs = more.setdefault(j, [[] for _ in schedulers])
+                    outs = again.setdefault(j, [[] for _ in schedulers])
                     for scheduler, out in zip(schedulers, outs):
                         result = scheduler.run(variant)
                         if result is not None:
                             out.append(result)
-            made += [out for outs in more.values() for out in outs]
+            made += [out for outs in again.values() for out in outs]
         for out in made:
             out.sort(key=lambda r: r[0])
         for n in range(3):  # the best few of each
