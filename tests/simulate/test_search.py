@@ -490,3 +490,40 @@ def test_list_scheduling_may_recompute_a_stage_s_longest_held_chunk():
     found = search(4, 8, num_chunks=2, placement="v", costs=costs, memory_limit=1.2,
                    recompute=True, method="heuristic", max_evaluations=60, eager=True)  # fmt: skip
     assert found.makespan < 37.0
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.integers(2, 8),
+    layout=st.sampled_from([(1, False), (2, False), (2, True)]),
+    split=st.booleans(),
+    limit=st.floats(0.5, 2.5),
+    data=st.data(),
+)
+def test_list_scheduled_orders_validate_and_keep_to_their_budget(p, m, layout, split, limit, data):
+    """Every order list scheduling makes under a limit, by every rule and every way of choosing
+    what to recompute (`_variants`), with random per-stage costs, compiles (so validates) and
+    holds no more chunk activations on any stage than its budget when simulated."""
+    import random
+
+    from strategies import stage_costs
+
+    from schedcc.search import _found_class, _ListScheduler, _rules, _variants
+
+    costs = data.draw(stage_costs(p))
+    v, vshape = layout
+    family = _Family(v, vshape, split)
+    budgets = [limit * v] * p
+    scheduler = _ListScheduler(p, m, family, costs, budgets, True)
+    first = _rules(family, random.Random(0))[:8]
+    again = [variant for rule in first for variant in _variants(rule, family, True)]
+    made = 0
+    for rule in first + again:
+        result = scheduler.run(rule)
+        if result is None:
+            continue  # stuck under the budget: the search drops it
+        made += 1
+        schedule = _found_class(p, m, family, result[1])(p, m, v)
+        timeline = schedcc.simulate(schedcc.compile(schedule), costs)
+        assert max(timeline.peak_activations) <= budgets[0] + 1e-9, rule
+    event("some rule made an order" if made else "every rule got stuck")
