@@ -999,8 +999,8 @@ class _Searcher:
     def list_schedule(self, family: _Family, share: float) -> None:
         """Time the best few orders list scheduling makes under many rules, in about `share`
         of the time left."""
-        budgets = self._budgets(family)
         rules = _rules(family, self.rng)
+        budgets = self._budgets(family)
         settings = [(budgets, self.recompute)]
         if self.offload:  # orders over the limit too, offloaded to fit when timed
             wider = [2 * b for b in budgets]  # some of it recomputed, the rest offloaded
@@ -1169,8 +1169,6 @@ def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
     return rules
 
 
-
-
 def _variants(rule: _Rule, family: _Family, recompute: bool) -> list[_Rule]:
     """Under a memory limit, `rule`'s other ways to choose what to recompute: holding every
     activation that fits now (`owed` off), and with several chunks a stage, recomputing every
@@ -1251,12 +1249,12 @@ class _ListScheduler:
         inflight = [0] * p
         orders: list[list[str]] = [[] for _ in range(p)]
         cap = [rule.cap * self.depth[s] for s in range(p)]
-        planned = [
-            rule.recompute_lowest and self.recompute and self.budgets is not None
-            and len(self.by_stage[s]) > 1 and k == self.lowest[s]
+        budgets = self.budgets
+        planning = rule.recompute_lowest and self.recompute and budgets is not None
+        planned = [  # forwards always recomputed: each stage's lowest of several chunks
+            planning and len(self.by_stage[s]) > 1 and k == self.lowest[s]
             for k, (s, _) in enumerate(self.place)
         ]
-        budgets = self.budgets
         remaining = m * L * (3 if split else 2)
         bcode = "I" if split else "B"
 

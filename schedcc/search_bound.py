@@ -368,6 +368,7 @@ class _Bound:
                 break
         return most
 
+
 def _min_of_max(pieces, upper: Sequence[float]) -> float:
     """The least over `0 <= x_i <= upper[i]` of the largest `a + sum(b_i * x_i)` of `pieces`
     (`(a, b)` pairs): convex and piecewise linear, so it is least at a point where n of the
