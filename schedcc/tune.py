@@ -41,7 +41,7 @@ from schedcc.semantics import Layout
 from schedcc.simulate import simulate
 from schedcc.sizes import parse_size
 
-__all__ = ["Candidate", "Skipped", "TuneResult", "tune"]
+__all__ = ["Candidate", "Skipped", "TuneResult", "priced", "tune"]
 
 #: The largest chunk count a default grid tries (the CLI's own limit).
 _MAX_CHUNKS = 64
@@ -314,10 +314,15 @@ class _Tuner:
                 stage=exc.stage,
                 position=exc.position,
             ) from exc
-        place = Layout.of(schedule).place
-        return _measure(
-            name, program, _per_chunk(self.costs, share, place), share, eager=self.eager
-        )
+        return _measure(name, program, priced(self.costs, schedule), share, eager=self.eager)
+
+
+def priced(costs: CostModel, schedule: Schedule) -> CostModel:
+    """`costs`, in a stage's units at v = 1 ([Note: tune's units]), priced for `schedule`'s
+    chunks: each its share of its stage (a stage's chunks of one model replica), per-segment
+    costs and sizes where its segments lie; what `simulate` takes for a program of it."""
+    share = schedule.num_chunks // type(schedule).num_replicas
+    return _per_chunk(costs, share, Layout.of(schedule).place)
 
 
 def _placed(memory: MemoryModel, stage_of: Sequence[int]) -> MemoryModel:

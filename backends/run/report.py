@@ -17,10 +17,9 @@ from collections.abc import Mapping, Sequence
 
 from schedcc.draw.chrome import comm_flows, cut_record, write_chrome_trace
 from schedcc.program import Program
-from schedcc.semantics import Layout
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 from schedcc.sizes import format_size
-from schedcc.tune import _per_chunk
+from schedcc.tune import priced
 
 __all__ = [
     "BYTES_OF",
@@ -305,8 +304,7 @@ def _simulated(program: Program, events: list[Event], device: str = "cpu") -> Ti
     schedule = program.schedule
     metadata = {"measured": True, "device": device, "cut": cut_record(schedule)}
     costs = CostModel.from_trace({"traceEvents": samples, "otherData": metadata})
-    share = schedule.num_chunks // type(schedule).num_replicas
-    return simulate(program, _per_chunk(costs, share, Layout.of(schedule).place), eager=True)
+    return simulate(program, priced(costs, schedule), eager=True)
 
 
 def _transports(gathered) -> str:
