@@ -23,9 +23,21 @@ fits. Every candidate is a
    time is left, choosing otherwise what to recompute (`_variants`: holding whatever fits now,
    which may get stuck but recomputes less; with several chunks a stage, every forward of each
    stage's lowest chunk, the one held longest), and the best few of those are timed too;
-3. local search from the best: swap two adjacent computes of a stage, move a weight gradient, or
-   drop a recomputation; keep a change that is no slower and fits, until `time_limit` or
-   `max_evaluations`;
+3. local search from the best (then, while time is left, from the best of each other placement
+   and layout in turn), until `time_limit` or `max_evaluations`. The climb: two adjacent
+   computes of a stage swapped or a recomputation dropped, the stages that idle most first, the
+   first move that is faster kept, until none is. With `eager=True` it runs on a quick clock
+   (`schedcc.search_local`, [Note: the quick clock]), and from its local optimum an iterated
+   local search: random moves (a compute moved up to six places on its stage, a recomputation
+   dropped), each kept where the clock times it no slower (a lower makespan, or the same with
+   the stages ending earlier in sum); after `_PATIENCE` moves without a gain, a few random
+   moves away from the best order of the walk (a compute moved, a recomputation added before a
+   backward), until `_ROUNDS` such restarts in a row find nothing better. Each order the clock
+   times faster than every one timed before is compiled and simulated. In the rendezvous
+   model, whose comm groups' waits are not on the clock, the simulator times each move of the
+   climb, and the walk follows in the time left, the clock's eager time choosing which orders
+   the simulator times; an order with overlapped pairs or copies only climbs, on the
+   simulator;
 4. with `method="exact"`: per placement, CP-SAT's best order for a relaxation of the simulator
    (`schedcc.search_exact`, [Note: the exact model]; with `offload=True`, its offloads too),
    started from the best order found at that placement, in the time left (then local search
@@ -98,6 +110,7 @@ from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
 from schedcc.search_bound import lower_bound
 from schedcc.search_exact import available, require_ortools, solve_exact
+from schedcc.search_local import QuickClock, kick, move, neighbours
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, other_cut
@@ -119,6 +132,8 @@ METHODS = ("auto", "heuristic", "exact")
 #: The most (microbatch, segment) pairs of one placement for which "auto" solves the exact model.
 EXACT_MAX_PAIRS = 64
 _EXACT_WORKERS = 2  # CP-SAT's workers
+_PATIENCE = 1000  # local search's moves on the quick clock without a gain before a restart
+_ROUNDS = 20  # and its restarts in a row without a better order before it stops
 
 
 class FoundOrder(Schedule):
@@ -622,6 +637,7 @@ class _Searcher:
         self.offload = offload and limits is not None
         self.deadline, self.max_evals, self.rng = deadline, max_evals, rng
         self.evaluations = 0
+        self.moves = 0  # orders local search timed on the quick clock
         self.slowest = 0.0  # seconds of the slowest timing, compile included
         self.best: _Candidate | None = None
         self.fitting: list[_Candidate] = []
@@ -1067,22 +1083,132 @@ class _Searcher:
         return out
 
     def improve(self) -> None:
-        """Local search from the best candidate ([Note: the search], 3): first improvement
-        over every move, in a fixed order, until none helps (a local optimum) or time is up."""
-        current = self.best
-        improved = current is not None
+        """Local search ([Note: the search], 3) from the best candidate, then, while time is
+        left, from the best of each other placement and layout in turn, the fastest first."""
+        begun: set[_Family] = set()
+        while not self.out_of_time():
+            starts = [c for c in self.fitting if c.family not in begun]
+            if not starts:
+                return
+            start = min(starts, key=lambda c: c.makespan)
+            begun.add(start.family)
+            self._improve_from(start)
+
+    def _improve_from(self, current: _Candidate) -> None:
+        """Local search from `current`: eagerly on the quick clock where it times the order
+        ([Note: the quick clock] in `schedcc.search_local`); else with the simulator alone,
+        and then, in the rendezvous model, on the quick clock (its eager time a guide, the
+        simulator's the judge) in the time that is left."""
+        clock = self._clock(current.family)
+        if self.eager and self._on_clock(clock, current):
+            self._iterate(current, clock)
+            return
+        current = self._climb(current)
+        if self._on_clock(clock, current) and not self.out_of_time():
+            self._iterate(current, clock)
+
+    @staticmethod
+    def _on_clock(clock: QuickClock | None, candidate: _Candidate) -> bool:
+        """Whether the quick clock times `candidate`'s order (no copies, pairs or sends)."""
+        if clock is None or candidate.base is not None or not clock.covers(candidate.orders):
+            return False
+        return clock.time(candidate.orders) is not None
+
+    def _climb(self, current: _Candidate) -> _Candidate:
+        """First improvement over every move, in a fixed order, each timed by the simulator,
+        until none helps (a local optimum) or time is up; the last candidate kept."""
+        improved = True
         while improved and not self.out_of_time():
             improved = False
-            for orders in _neighbours(current.base or current.orders, current.timeline):
+            for orders in neighbours(current.base or current.orders, current.timeline.idle):
                 if self.out_of_time():
-                    return
-                source = current.source
-                if "local search" not in source:
-                    source += " + local search"
-                found = self.evaluate(current.family, orders, source)
+                    return current
+                found = self.evaluate(current.family, orders, _searched(current.source))
                 if found is not None and found.makespan < current.makespan - 1e-9:
                     current, improved = found, True
                     break
+        return current
+
+    def _iterate(self, current: _Candidate, clock: QuickClock) -> None:
+        """Iterated local search on the quick clock: random moves, each kept where the clock
+        times it no slower (a lower makespan, or the same with the stages ending no later in
+        sum), and after `_PATIENCE` moves without a gain, a few random moves away from the
+        best order of the walk, until `_ROUNDS` such restarts in a row find no better one (or
+        time is up); each order the clock times faster than any timed before is compiled and
+        simulated."""
+        family, source = current.family, _searched(current.source)
+        here = best = current.orders
+        here_time = best_time = clock.time(here)
+        timed = here_time[0]  # the fastest the clock gave an order the simulator timed
+        limit = math.inf if self.max_evals is None else 20 * self.max_evals
+        stale = rounds = 0
+        climbing = True  # first the simulator-only climb's moves, on the clock
+        while self.moves < limit and rounds <= _ROUNDS:
+            if climbing:
+                climbing = False
+                for new in neighbours(here, current.timeline.idle):
+                    self.moves += 1
+                    if self.moves % 32 == 0 and self.out_of_time():
+                        return
+                    new_time = clock.time(new)
+                    if new_time is not None and new_time[0] < here_time[0] - 1e-9:
+                        here, here_time, climbing = new, new_time, True
+                        break
+                if climbing:
+                    if here_time[0] < timed - 1e-9:
+                        timed = here_time[0]
+                        self.evaluate(family, here, source)
+                    best, best_time = here, here_time
+                    continue
+            self.moves += 1
+            if self.moves % 32 == 0 and self.out_of_time():
+                return
+            new = move(here, self.rng)
+            new_time = None if new is None else clock.time(new)
+            if new_time is not None and not _earlier(here_time, new_time):
+                stale = 0 if _earlier(new_time, here_time) else stale + 1
+                here, here_time = new, new_time
+                if here_time[0] < timed - 1e-9:
+                    timed = here_time[0]
+                    self.evaluate(family, here, source)
+                if _earlier(here_time, best_time):
+                    best, best_time, rounds = here, here_time, 0
+            else:
+                stale += 1
+            if stale > _PATIENCE:  # start again a few moves from the best
+                stale, rounds = 0, rounds + 1
+                for _ in range(8):
+                    here = kick(best, self.rng, self.rng.randint(2, 6))
+                    here_time = clock.time(here)
+                    if here_time is not None:
+                        break
+                else:
+                    here, here_time = best, best_time
+
+    def _clock(self, family: _Family) -> QuickClock | None:
+        """The quick clock of `family`'s orders (eager), or None for a built-in's own
+        layout."""
+        if family.places:
+            return None
+        place = family.segments(self.p)
+        costs = self._costs_of(family)
+        memory = costs.memory
+        if memory is None:
+            act, inp = [1.0] * len(place), [0.0] * len(place)
+        else:
+            act = [memory.at("activations", k) for k in range(len(place))]
+            inp = [memory.at("inputs", k) for k in range(len(place))]
+        budgets = self._budgets(family)
+        return QuickClock(place, costs, act, inp, budgets)
+
+
+def _searched(source: str) -> str:
+    return source if "local search" in source else source + " + local search"
+
+
+def _earlier(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether quick time `a` (makespan, stages' ends added up) beats `b`."""
+    return a[0] < b[0] - 1e-9 or (a[0] <= b[0] + 1e-9 and a[1] < b[1] - 1e-9)
 
 
 def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
@@ -1388,35 +1514,3 @@ class _ListScheduler:
                 for t in range(p):
                     push(t)
         return makespan, tuple(tuple(row) for row in orders)
-
-
-# -- local search ------------------------------------------------------------------------------
-
-
-def _neighbours(orders, timeline: Timeline):
-    """The orders one move away from `orders`, the stages that idle most first: a
-    recomputation dropped, or two adjacent computes of a stage swapped (where neither must
-    come first on the stage)."""
-    idle = timeline.idle
-    for stage in sorted(range(len(orders)), key=lambda s: (-idle[s], s)):
-        row = orders[stage]
-        changed = [row[:j] + row[j + 1 :] for j, text in enumerate(row) if _recomputes(text)]
-        for j in range(len(row) - 1):
-            if not _same_thread(row[j], row[j + 1]):
-                changed.append((*row[:j], row[j + 1], row[j], *row[j + 2 :]))
-        for new in changed:
-            yield (*orders[:stage], new, *orders[stage + 1 :])
-
-
-def _recomputes(text: str) -> bool:
-    """Whether `text` is a recomputation (`R3`, not a receive `RA3` or `RG3`)."""
-    return text[0] == "R" and text[1:2].isdigit()
-
-
-def _same_thread(a: str, b: str) -> bool:
-    """Whether two computes must keep their order on a stage: the same microbatch and chunk,
-    or the same kind on the same chunk (each kind runs its microbatches in order)."""
-    x, y = parse(a), parse(b)
-    if (x.microbatch, x.chunk) == (y.microbatch, y.chunk):
-        return True
-    return type(x) is type(y) and x.chunk == y.chunk

@@ -1,0 +1,284 @@
+"""Local search over the orders `schedcc.search` finds: the moves, and a quick clock to screen
+them ([Note: the quick clock]).
+
+[Note: the quick clock] Compiling and simulating one order takes milliseconds (the compiler
+lowers its messages and the validator proves it), so a local search that times every neighbour
+that way sees a few hundred and stops at the first local optimum. `QuickClock` times an order of
+computes (F, B, I, W, R) directly in the eager timeline ([Note: eager simulation] in
+`schedcc.simulate_eager`): each stage runs its computes in order, each starting once its stage
+is free and its input is there (the producer's end, plus the receiving stage's comm where the
+producer is on another stage); a forward holds its activation until its backward (with a split
+backward, its weight gradient), or, when its stage recomputes it, only its input until the `R`.
+For an order the compiler accepts it gives the simulator's makespan, and says over budget
+exactly where the simulated order does not fit (a property test holds it to that), in well
+under a millisecond. It is a screen all the same: an order it times faster is compiled and
+simulated like every other candidate, and only that timing counts. It leaves out the updates
+(free in the search's cost models) and the rendezvous model's comm groups, so the search uses it
+only for eager searches; orders with overlapped pairs, sends or copies are timed by the
+simulator alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Iterator, Sequence
+
+from schedcc.costs import CostModel
+from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Recompute, parse
+
+__all__ = ["QuickClock", "kick", "move", "neighbours", "recomputes", "same_thread"]
+
+_F, _B, _I, _W, _R = range(5)
+_CODES = {Forward: _F, Backward: _B, BackwardInput: _I, BackwardWeight: _W, Recompute: _R}
+
+Orders = tuple[tuple[str, ...], ...]
+
+
+class QuickClock:
+    """Times orders of computes of one placement in the eager timeline ([Note: the quick
+    clock]).
+
+    Args:
+        place: `(stage, chunk)` of each segment of the model's one replica.
+        costs: the costs in the orders' units (per chunk, `schedcc.tune`'s `_per_chunk`).
+        activations, inputs: per segment, what a held activation takes of a stage's budget and
+            what a recomputed forward keeps (its input).
+        budgets: per stage, the most a stage may hold (None: no limit).
+    """
+
+    def __init__(
+        self,
+        place: Sequence[tuple[int, int]],
+        costs: CostModel,
+        activations: Sequence[float],
+        inputs: Sequence[float],
+        budgets: Sequence[float] | None,
+    ):
+        self.place = list(place)
+        self.costs, self.budgets = costs, budgets
+        self.activations, self.inputs = list(activations), list(inputs)
+        self.segment = {sc: k for k, sc in enumerate(self.place)}
+        self.p = max(s for s, _ in self.place) + 1
+        self.comm = [
+            min(costs.at(s, c).comm for t, c in self.place if t == s) for s in range(self.p)
+        ]
+        self._ops: dict[tuple[int, str], tuple | None] = {}
+        self._rows: dict[tuple[int, tuple[str, ...]], list[tuple]] = {}
+
+    def op(self, stage: int, text: str) -> tuple | None:
+        """`(code, microbatch, segment, cost)` of one compute of `stage`, or None where it is
+        not a compute this clock times."""
+        key = (stage, text)
+        if key not in self._ops:
+            found = None
+            try:
+                ins = parse(text)
+            except ValueError:
+                ins = None
+            code = _CODES.get(type(ins))
+            segment = self.segment.get((stage, getattr(ins, "chunk", -1)))
+            if code is not None and segment is not None:
+                found = (code, ins.microbatch, segment, self.costs.cost(stage, ins))
+            self._ops[key] = found
+        return self._ops[key]
+
+    def covers(self, orders: Orders) -> bool:
+        """Whether every entry of `orders` is a compute this clock times."""
+        return len(orders) == self.p and all(
+            self.op(s, text) is not None for s, row in enumerate(orders) for text in row
+        )
+
+    def time(self, orders: Orders) -> tuple[float, float] | None:
+        """`(makespan, the stages' ends added up)` of `orders` in the eager timeline, or None
+        where they get stuck (a compute waits for one that runs after it) or a stage holds
+        more than its budget."""
+        p, budgets = self.p, self.budgets
+        rows = [self._row(s, row) for s, row in enumerate(orders)]
+        forward: dict[int, float] = {}  # (microbatch, segment) -> when its forward ended
+        backward: dict[int, float] = {}  # and its backward (input gradient)
+        rebuilt: set[int] = set()
+        clock, at, held = [0.0] * p, [0] * p, [0.0] * p
+        left = sum(len(row) for row in rows)
+        while left:
+            moved = False
+            for s in range(p):
+                row, now, pos, mine = rows[s], clock[s], at[s], held[s]
+                budget = None if budgets is None else budgets[s] + 1e-9
+                while pos < len(row):
+                    code, key, wait, add, cost, delta, redo = row[pos]
+                    if code in (_W, _R):  # after its stage's input gradient, its forward
+                        if key not in (backward if code == _W else forward):
+                            break
+                        ready = 0.0
+                    else:  # a backward piece after its forward and its recomputation
+                        if code != _F and (key not in forward or (redo and key not in rebuilt)):
+                            break
+                        ends = forward if code == _F else backward
+                        if wait is None:
+                            ready = 0.0
+                        elif wait in ends:
+                            ready = ends[wait] + add
+                        else:
+                            break
+                    now = (now if now > ready else ready) + cost
+                    if code == _F:
+                        forward[key] = now
+                    elif code == _R:
+                        rebuilt.add(key)
+                    elif code != _W:
+                        backward[key] = now
+                    mine += delta
+                    if budget is not None and mine > budget:
+                        return None
+                    pos += 1
+                if pos != at[s]:
+                    moved = True
+                    left -= pos - at[s]
+                    at[s], clock[s], held[s] = pos, now, mine
+            if not moved:
+                return None
+        return max(clock), sum(clock)
+
+    def _row(self, s: int, row: tuple[str, ...]) -> list[tuple]:
+        """Stage s's computes as the clock reads them: `(code, key, the key it waits for on
+        another segment or None, what its arrival adds, cost, what it changes of the stage's
+        held activations, whether it waits for its recomputation)`; keys are
+        `microbatch * segments + segment`."""
+        cached = self._rows.get((s, row))
+        if cached is not None:
+            return cached
+        num, ops = len(self.place), [self.op(s, text) for text in row]
+        redone = {(i, k) for code, i, k, _ in ops if code == _R}
+        out = []
+        for code, i, k, cost in ops:
+            key, wait, add, delta = i * num + k, None, 0.0, 0.0
+            if code == _F:
+                if k > 0:
+                    wait, add = key - 1, self._hop(k - 1, s)
+                delta = self.inputs[k] if (i, k) in redone else self.activations[k]
+            elif code == _R:
+                delta = self.activations[k] - self.inputs[k]
+            elif code in (_B, _I) and k < num - 1:
+                wait, add = key + 1, self._hop(k + 1, s)
+            if code in (_B, _W):
+                delta = -self.activations[k]
+            out.append((code, key, wait, add, cost, delta, (i, k) in redone))
+        self._rows[s, row] = out
+        return out
+
+    def _hop(self, producer: int, s: int) -> float:
+        """What a message from segment `producer` to stage s spends in flight."""
+        return 0.0 if self.place[producer][0] == s else self.comm[s]
+
+
+# -- moves -------------------------------------------------------------------------------------
+
+
+def recomputes(text: str) -> bool:
+    """Whether `text` is a recomputation (`R3`, not a receive `RA3` or `RG3`)."""
+    return text[0] == "R" and text[1:2].isdigit()
+
+
+def same_thread(a: str, b: str) -> bool:
+    """Whether two computes must keep their order on a stage: the same microbatch and chunk,
+    or the same kind on the same chunk (each kind runs its microbatches in order)."""
+    (kind, microbatch, chunk), (other, microbatch_b, chunk_b) = _read(a), _read(b)
+    if chunk != chunk_b:
+        return False
+    return microbatch == microbatch_b or kind is other
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _read(text: str) -> tuple[type, int, int]:
+    ins = parse(text)
+    return type(ins), ins.microbatch, ins.chunk
+
+
+def neighbours(orders: Orders, idle: Sequence[float]) -> Iterator[Orders]:
+    """The orders one move away from `orders`, the stages that idle most first: a
+    recomputation dropped, or two adjacent computes of a stage swapped (where neither must
+    come first on the stage)."""
+    for stage in sorted(range(len(orders)), key=lambda s: (-idle[s], s)):
+        row = orders[stage]
+        changed = [row[:j] + row[j + 1 :] for j, text in enumerate(row) if recomputes(text)]
+        for j in range(len(row) - 1):
+            if not same_thread(row[j], row[j + 1]):
+                changed.append((*row[:j], row[j + 1], row[j], *row[j + 2 :]))
+        for new in changed:
+            yield (*orders[:stage], new, *orders[stage + 1 :])
+
+
+def move(orders: Orders, rng: random.Random, reach: int = 6) -> Orders | None:
+    """`orders` one random move away: a compute of a random stage moved up to `reach` places
+    earlier or later (past none it must keep its order with: at one place, a swap with its
+    neighbour), or one time in ten a recomputation dropped; None where the move drawn is not
+    allowed."""
+    s = rng.randrange(len(orders))
+    row = orders[s]
+    if len(row) < 2:
+        return None
+    if rng.random() < 0.1:
+        redone = [j for j, text in enumerate(row) if recomputes(text)]
+        if not redone:
+            return None
+        new = _moved(row, rng.choice(redone), 0)
+    else:
+        new = _moved(row, rng.randrange(len(row)), rng.choice((-1, 1)) * rng.randint(1, reach))
+    return None if new is None else (*orders[:s], new, *orders[s + 1 :])
+
+
+def kick(orders: Orders, rng: random.Random, size: int) -> Orders:
+    """`orders` after `size` random moves: a compute moved up to twelve places, or one time in
+    three a recomputation added before a backward (it frees memory for the moves after it)."""
+    out = orders
+    for _ in range(size * 4):
+        if size <= 0:
+            break
+        s = rng.randrange(len(out))
+        row = out[s]
+        if not row:
+            continue
+        new = None
+        if rng.random() < 1 / 3:
+            new = _recomputed(row, rng.randrange(len(row)))
+        else:
+            j = rng.randrange(len(row))
+            new = _moved(row, j, rng.choice([d for d in range(-12, 13) if d]))
+        if new is not None:
+            out = (*out[:s], new, *out[s + 1 :])
+            size -= 1
+    return out
+
+
+def _moved(row: tuple[str, ...], j: int, d: int) -> tuple[str, ...] | None:
+    """`row` with entry j moved d places (0: dropped, for a recomputation), or None where it
+    would pass one it must keep its order with, or leave the row."""
+    if d == 0:
+        return row[:j] + row[j + 1 :]
+    to = j + d
+    if not 0 <= to < len(row):
+        return None
+    text = row[j]
+    between = row[to:j] if d < 0 else row[j + 1 : to + 1]
+    if any(same_thread(text, other) for other in between):
+        return None
+    rest = row[:j] + row[j + 1 :]
+    return (*rest[:to], text, *rest[to:])
+
+
+def _recomputed(row: tuple[str, ...], j: int) -> tuple[str, ...] | None:
+    """`row` with entry j's forward recomputed (`R` just before its first backward piece),
+    or None where j is no forward, it is recomputed already, or its backward is not on the
+    row."""
+    text = row[j]
+    if text[0] != "F" or "+" in text:
+        return None
+    tag = text[1:]
+    redo = "R" + tag
+    if redo in row:
+        return None
+    for n in range(j + 1, len(row)):
+        if row[n][1:] == tag and row[n][0] in "BI":
+            return (*row[:n], redo, *row[n:])
+    return None
