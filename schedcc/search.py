@@ -36,8 +36,7 @@ fits. Every candidate is a
    times faster than every one timed before is compiled and simulated. In the rendezvous
    model, whose comm groups' waits are not on the clock, the simulator times each move of the
    climb, and the walk follows in the time left, the clock's eager time choosing which orders
-   the simulator times; an order with overlapped pairs or copies only climbs, on the
-   simulator;
+   the simulator times; an order with copies only climbs, on the simulator;
 4. with `method="exact"`: per placement, CP-SAT's best order for a relaxation of the simulator
    (`schedcc.search_exact`, [Note: the exact model]; with `offload=True`, its offloads too),
    started from the best order found at that placement, in the time left (then local search
@@ -1064,11 +1063,12 @@ class _Searcher:
                     self.evaluate(family, out[n][1], "list scheduling")
 
     def _budgets(self, family: _Family) -> list[float] | None:
-        """Per stage, the activation units list scheduling may hold (None: unlimited)."""
+        """Per stage, the activation units list scheduling and the quick clock let a stage hold
+        (None: unlimited)."""
         if self.limits is None:
             return None
         if self.costs.memory is None:
-            return [lim * family.num_chunks for lim in self.limits]  # chunk activations
+            return [lim * family.share for lim in self.limits]  # chunk activations
         place = family.segments(self.p)
         scaled = _per_chunk(self.costs, family.share, place).memory
         out = []
@@ -1108,9 +1108,9 @@ class _Searcher:
             self._iterate(current, clock)
 
     @staticmethod
-    def _on_clock(clock: QuickClock | None, candidate: _Candidate) -> bool:
-        """Whether the quick clock times `candidate`'s order (no copies, pairs or sends)."""
-        if clock is None or candidate.base is not None or not clock.covers(candidate.orders):
+    def _on_clock(clock: QuickClock, candidate: _Candidate) -> bool:
+        """Whether the quick clock times `candidate`'s order (no copies or sends)."""
+        if candidate.base is not None or not clock.covers(candidate.orders):
             return False
         return clock.time(candidate.orders) is not None
 
@@ -1185,11 +1185,8 @@ class _Searcher:
                 else:
                     here, here_time = best, best_time
 
-    def _clock(self, family: _Family) -> QuickClock | None:
-        """The quick clock of `family`'s orders (eager), or None for a built-in's own
-        layout."""
-        if family.places:
-            return None
+    def _clock(self, family: _Family) -> QuickClock:
+        """The quick clock of `family`'s orders (eager)."""
         place = family.segments(self.p)
         costs = self._costs_of(family)
         memory = costs.memory
@@ -1199,7 +1196,7 @@ class _Searcher:
             act = [memory.at("activations", k) for k in range(len(place))]
             inp = [memory.at("inputs", k) for k in range(len(place))]
         budgets = self._budgets(family)
-        return QuickClock(place, costs, act, inp, budgets)
+        return QuickClock(place, costs, act, inp, budgets, family.num_replicas)
 
 
 def _searched(source: str) -> str:

@@ -8,14 +8,15 @@ computes (F, B, I, W, R) directly in the eager timeline ([Note: eager simulation
 `schedcc.simulate_eager`): each stage runs its computes in order, each starting once its stage
 is free and its input is there (the producer's end, plus the receiving stage's comm where the
 producer is on another stage); a forward holds its activation until its backward (with a split
-backward, its weight gradient), or, when its stage recomputes it, only its input until the `R`.
+backward, its weight gradient), or, when its stage recomputes it, only its input until the `R`;
+an overlapped pair (`F3.1 +B1`, DualPipe's) starts once the inputs of both are there, and its
+forward's output leaves at the pair's end; each microbatch runs the segments of its replica.
 For an order the compiler accepts it gives the simulator's makespan, and says over budget
 exactly where the simulated order does not fit (a property test holds it to that), in well
 under a millisecond. It is a screen all the same: an order it times faster is compiled and
 simulated like every other candidate, and only that timing counts. It leaves out the updates
-(free in the search's cost models) and the rendezvous model's comm groups, so the search uses it
-only for eager searches; orders with overlapped pairs, sends or copies are timed by the
-simulator alone.
+(free in the search's cost models) and the rendezvous model's comm groups: for a rendezvous
+search its time is only a guide. Orders with sends or copies are timed by the simulator alone.
 """
 
 from __future__ import annotations
@@ -25,12 +26,23 @@ import random
 from collections.abc import Iterator, Sequence
 
 from schedcc.costs import CostModel
-from schedcc.ir import Backward, BackwardInput, BackwardWeight, Forward, Recompute, parse
+from schedcc.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    OverlappedBackward,
+    Recompute,
+    parse,
+)
 
 __all__ = ["QuickClock", "kick", "move", "neighbours", "recomputes", "same_thread"]
 
-_F, _B, _I, _W, _R = range(5)
-_CODES = {Forward: _F, Backward: _B, BackwardInput: _I, BackwardWeight: _W, Recompute: _R}
+_F, _B, _I, _W, _R, _P = range(6)  # _P: an overlapped pair's backward
+_CODES = {
+    Forward: _F, Backward: _B, BackwardInput: _I, BackwardWeight: _W, Recompute: _R,
+    OverlappedBackward: _P,
+}  # fmt: skip
 
 Orders = tuple[tuple[str, ...], ...]
 
@@ -40,11 +52,13 @@ class QuickClock:
     clock]).
 
     Args:
-        place: `(stage, chunk)` of each segment of the model's one replica.
+        place: `(stage, chunk)` of each segment, the replicas' one after the other.
         costs: the costs in the orders' units (per chunk, `schedcc.tune`'s `_per_chunk`).
         activations, inputs: per segment, what a held activation takes of a stage's budget and
             what a recomputed forward keeps (its input).
         budgets: per stage, the most a stage may hold (None: no limit).
+        replicas: how many model replicas `place` holds, one after the other (DualPipe's two);
+            each microbatch runs the segments of its own.
     """
 
     def __init__(
@@ -54,8 +68,12 @@ class QuickClock:
         activations: Sequence[float],
         inputs: Sequence[float],
         budgets: Sequence[float] | None,
+        replicas: int = 1,
     ):
         self.place = list(place)
+        length = len(self.place) // replicas
+        self.first = [k - k % length for k in range(len(self.place))]  # of k's replica
+        self.last = [first + length - 1 for first in self.first]
         self.costs, self.budgets = costs, budgets
         self.activations, self.inputs = list(activations), list(inputs)
         self.segment = {sc: k for k, sc in enumerate(self.place)}
@@ -95,6 +113,8 @@ class QuickClock:
         more than its budget."""
         p, budgets = self.p, self.budgets
         rows = [self._row(s, row) for s, row in enumerate(orders)]
+        if None in rows:
+            return None
         forward: dict[int, float] = {}  # (microbatch, segment) -> when its forward ended
         backward: dict[int, float] = {}  # and its backward (input gradient)
         rebuilt: set[int] = set()
@@ -106,28 +126,29 @@ class QuickClock:
                 row, now, pos, mine = rows[s], clock[s], at[s], held[s]
                 budget = None if budgets is None else budgets[s] + 1e-9
                 while pos < len(row):
-                    code, key, wait, add, cost, delta, redo = row[pos]
+                    code, key, wait, add, cost, delta, redo, pair = row[pos]
                     if code in (_W, _R):  # after its stage's input gradient, its forward
                         if key not in (backward if code == _W else forward):
                             break
                         ready = 0.0
-                    else:  # a backward piece after its forward and its recomputation
-                        if code != _F and (key not in forward or (redo and key not in rebuilt)):
-                            break
-                        ends = forward if code == _F else backward
-                        if wait is None:
-                            ready = 0.0
-                        elif wait in ends:
-                            ready = ends[wait] + add
-                        else:
+                    else:
+                        ready = _arrival(code, key, wait, add, redo, forward, backward, rebuilt)
+                        if ready is not None and code == _F and pair is not None:
+                            # an overlapped pair starts once the inputs of both are there
+                            other = _arrival(_B, *pair, forward, backward, rebuilt)
+                            ready = None if other is None else max(ready, other)
+                        if ready is None:
                             break
                     now = (now if now > ready else ready) + cost
                     if code == _F:
-                        forward[key] = now
+                        if pair is None:  # a pair's forward leaves at the pair's end
+                            forward[key] = now
                     elif code == _R:
                         rebuilt.add(key)
                     elif code != _W:
                         backward[key] = now
+                        if code == _P:
+                            forward[pair] = now
                     mine += delta
                     if budget is not None and mine > budget:
                         return None
@@ -140,36 +161,56 @@ class QuickClock:
                 return None
         return max(clock), sum(clock)
 
-    def _row(self, s: int, row: tuple[str, ...]) -> list[tuple]:
+    def _row(self, s: int, row: tuple[str, ...]) -> list[tuple] | None:
         """Stage s's computes as the clock reads them: `(code, key, the key it waits for on
         another segment or None, what its arrival adds, cost, what it changes of the stage's
-        held activations, whether it waits for its recomputation)`; keys are
-        `microbatch * segments + segment`."""
+        held activations, whether it waits for its recomputation, its pair)`, where the pair
+        of an overlapped pair's forward is its backward's `(key, wait, add, redo)` and that of
+        the backward its forward's key; keys are `microbatch * segments + segment`. None where
+        an overlapped backward does not follow a forward."""
         cached = self._rows.get((s, row))
-        if cached is not None:
+        if cached is not None or (s, row) in self._rows:
             return cached
         num, ops = len(self.place), [self.op(s, text) for text in row]
         redone = {(i, k) for code, i, k, _ in ops if code == _R}
         out = []
         for code, i, k, cost in ops:
-            key, wait, add, delta = i * num + k, None, 0.0, 0.0
+            key, wait, add, delta, pair = i * num + k, None, 0.0, 0.0, None
             if code == _F:
-                if k > 0:
+                if k > self.first[k]:
                     wait, add = key - 1, self._hop(k - 1, s)
                 delta = self.inputs[k] if (i, k) in redone else self.activations[k]
             elif code == _R:
                 delta = self.activations[k] - self.inputs[k]
-            elif code in (_B, _I) and k < num - 1:
+            elif code != _W and k < self.last[k]:
                 wait, add = key + 1, self._hop(k + 1, s)
-            if code in (_B, _W):
+            if code in (_B, _W, _P):
                 delta = -self.activations[k]
-            out.append((code, key, wait, add, cost, delta, (i, k) in redone))
+            if code == _P:
+                if not out or out[-1][0] != _F:
+                    out = None
+                    break
+                forward = out[-1]
+                pair = forward[1]
+                out[-1] = (*forward[:7], (key, wait, add, (i, k) in redone))
+            out.append((code, key, wait, add, cost, delta, (i, k) in redone, pair))
         self._rows[s, row] = out
         return out
 
     def _hop(self, producer: int, s: int) -> float:
         """What a message from segment `producer` to stage s spends in flight."""
         return 0.0 if self.place[producer][0] == s else self.comm[s]
+
+
+def _arrival(code, key, wait, add, redo, forward, backward, rebuilt) -> float | None:
+    """When a forward's or backward's input is there (None: not yet); a backward also waits
+    for its stage's forward and recomputation of it."""
+    if code != _F and (key not in forward or (redo and key not in rebuilt)):
+        return None
+    if wait is None:
+        return 0.0
+    ends = forward if code == _F else backward
+    return ends[wait] + add if wait in ends else None
 
 
 # -- moves -------------------------------------------------------------------------------------

@@ -12,7 +12,17 @@ from hypothesis import strategies as st
 from strategies import stage_costs
 
 from schedcc import CostModel, ScheduleError, compile
-from schedcc.search import _Family, _found_class, _ListScheduler, _rules, _Searcher, search
+from schedcc.registry import get_schedule
+from schedcc.search import (
+    _compute_orders,
+    _Family,
+    _found_class,
+    _ListScheduler,
+    _rules,
+    _Searcher,
+    _splits,
+    search,
+)
 from schedcc.search_local import kick, move
 
 
@@ -51,8 +61,65 @@ def test_the_quick_clock_times_orders_as_the_eager_simulator(
     orders = [made[1] for made in map(scheduler.run, _rules(family, rng)[:6]) if made]
     orders += [kick(o, rng, rng.randint(1, 8)) for o in orders for _ in range(3)]
     orders += [new for o in orders[:6] for new in (move(o, rng) for _ in range(3)) if new]
+    compared = _compare(searcher, clock, family, p, m, v, orders)
+    event(f"timed {'some' if compared else 'none'}")
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.sampled_from([2, 4, 6, 8]),
+    name=st.sampled_from(["dualpipe", "dualpipe-v", "pipedream-2bw", "zb-v", "1f1b"]),
+    limit=st.none() | st.floats(0.5, 2.5),
+    recompute=st.booleans(),
+    data=st.data(),
+)
+def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
+    p, m, name, limit, recompute, data
+):
+    """The same for the built-ins in their own layouts, as the search starts from them
+    (DualPipe's two replicas and overlapped pairs, 2BW's weight delay), with or without full
+    recomputation, and a few random moves away (a move that splits an overlapped pair is
+    stuck on the clock)."""
+    costs = data.draw(stage_costs(p))
+    v = 2 if name in ("dualpipe", "dualpipe-v", "zb-v") else 1
+    try:
+        schedule = get_schedule(name)(p, m, v)
+        program = compile(schedule, recompute=recompute)
+    except ScheduleError:
+        return  # not at this shape
+    orders = _compute_orders(program)
+    family = _Family.of(schedule, _splits(orders))
+    searcher = _searcher(p, m, costs, limit, v)
+    clock = searcher._clock(family)
+    rng = random.Random(data.draw(st.integers(0, 1 << 20)))
+    candidates = [orders] + [kick(orders, rng, rng.randint(1, 6)) for _ in range(6)]
+    candidates += [new for new in (move(orders, rng) for _ in range(12)) if new]
+    _compare(searcher, clock, family, p, m, v, candidates)
+
+
+def test_an_overlapped_pair_starts_once_both_inputs_are_there():
+    """DualPipe at p = 4, m = 8 with comm 3: its overlapped pairs wait for their backward's
+    gradient as well as their forward's activation (53, where a pair that started on its
+    forward's alone would make 52), on the clock as in the simulator; an order that splits a
+    pair is stuck on the clock."""
+    schedule = get_schedule("dualpipe")(4, 8, 2)
+    program = compile(schedule)
+    orders = _compute_orders(program)
+    family = _Family.of(schedule, _splits(orders))
+    searcher = _searcher(4, 8, CostModel(comm=3.0), None, 2)
+    clock = searcher._clock(family)
+    assert clock.time(orders)[0] == searcher._simulate(program, family).makespan == 53.0
+    row = orders[0]
+    j = row.index("+B5.1")
+    split = (row[j], *row[:j], *row[j + 1 :])  # the pair's backward first, on its own
+    assert clock.time((split, *orders[1:])) is None
+
+
+def _compare(searcher, clock, family, p, m, v, candidates) -> int:
+    """Check the clock against the compiler and the eager simulator on `candidates`; how
+    many it timed."""
     compared = 0
-    for order in orders:
+    for order in candidates:
         assert clock.covers(order)
         quick = clock.time(order)
         try:
@@ -67,7 +134,7 @@ def test_the_quick_clock_times_orders_as_the_eager_simulator(
         if quick is not None:
             assert quick[0] == pytest.approx(timeline.makespan, rel=1e-9, abs=1e-9)
             compared += 1
-    event(f"timed {'some' if compared else 'none'}")
+    return compared
 
 
 def _stuck(clock, order) -> bool:
