@@ -1130,47 +1130,45 @@ class _Searcher:
         return current
 
     def _iterate(self, current: _Candidate, clock: QuickClock) -> None:
-        """Iterated local search on the quick clock: random moves, each kept where the clock
-        times it no slower (a lower makespan, or the same with the stages ending no later in
-        sum), and after `_PATIENCE` moves without a gain, a few random moves away from the
-        best order of the walk, until `_ROUNDS` such restarts in a row find no better one (or
-        time is up); each order the clock times faster than any timed before is compiled and
-        simulated."""
+        """Local search on the quick clock from `current`: the climb's moves first, then an
+        iterated walk of random moves, each kept where the clock times it no slower (a lower
+        makespan, or the same with the stages ending no later in sum); after `_PATIENCE` moves
+        without a gain, a few random moves away from the best order of the walk, until
+        `_ROUNDS` such restarts in a row find no better one (or time is up). Each order the
+        clock times faster than any timed before is compiled and simulated."""
         family, source = current.family, _searched(current.source)
-        here = best = current.orders
-        here_time = best_time = clock.time(here)
-        timed = here_time[0]  # the fastest the clock gave an order the simulator timed
         limit = math.inf if self.max_evals is None else 20 * self.max_evals
+        here, here_time = current.orders, clock.time(current.orders)
+        timed = here_time[0]  # the fastest the clock gave an order the simulator timed
+
+        def offer(orders, quick) -> None:
+            nonlocal timed
+            if quick[0] < timed - 1e-9:
+                timed = quick[0]
+                self.evaluate(family, orders, source)
+
+        climbing = True
+        while climbing and self.moves < limit:
+            climbing = False
+            for new in neighbours(here, current.timeline.idle):
+                if self._count_move():
+                    return
+                new_time = clock.time(new)
+                if new_time is not None and new_time[0] < here_time[0] - 1e-9:
+                    here, here_time, climbing = new, new_time, True
+                    offer(here, here_time)
+                    break
+        best, best_time = here, here_time
         stale = rounds = 0
-        climbing = True  # first the simulator-only climb's moves, on the clock
         while self.moves < limit and rounds <= _ROUNDS:
-            if climbing:
-                climbing = False
-                for new in neighbours(here, current.timeline.idle):
-                    self.moves += 1
-                    if self.moves % 32 == 0 and self.out_of_time():
-                        return
-                    new_time = clock.time(new)
-                    if new_time is not None and new_time[0] < here_time[0] - 1e-9:
-                        here, here_time, climbing = new, new_time, True
-                        break
-                if climbing:
-                    if here_time[0] < timed - 1e-9:
-                        timed = here_time[0]
-                        self.evaluate(family, here, source)
-                    best, best_time = here, here_time
-                    continue
-            self.moves += 1
-            if self.moves % 32 == 0 and self.out_of_time():
+            if self._count_move():
                 return
             new = move(here, self.rng)
             new_time = None if new is None else clock.time(new)
             if new_time is not None and not _earlier(here_time, new_time):
                 stale = 0 if _earlier(new_time, here_time) else stale + 1
                 here, here_time = new, new_time
-                if here_time[0] < timed - 1e-9:
-                    timed = here_time[0]
-                    self.evaluate(family, here, source)
+                offer(here, here_time)
                 if _earlier(here_time, best_time):
                     best, best_time, rounds = here, here_time, 0
             else:
@@ -1184,6 +1182,12 @@ class _Searcher:
                         break
                 else:
                     here, here_time = best, best_time
+
+    def _count_move(self) -> bool:
+        """Count one order timed on the quick clock; whether local search must stop (time
+        checked every 32)."""
+        self.moves += 1
+        return self.moves % 32 == 0 and self.out_of_time()
 
     def _clock(self, family: _Family) -> QuickClock:
         """The quick clock of `family`'s orders (eager)."""

@@ -45,6 +45,7 @@ _CODES = {
 }  # fmt: skip
 
 Orders = tuple[tuple[str, ...], ...]
+_ROWS_KEPT = 4096  # rows a clock keeps as read before it starts again
 
 
 class QuickClock:
@@ -78,11 +79,9 @@ class QuickClock:
         self.activations, self.inputs = list(activations), list(inputs)
         self.segment = {sc: k for k, sc in enumerate(self.place)}
         self.p = max(s for s, _ in self.place) + 1
-        self.comm = [
-            min(costs.at(s, c).comm for t, c in self.place if t == s) for s in range(self.p)
-        ]
         self._ops: dict[tuple[int, str], tuple | None] = {}
-        self._rows: dict[tuple[int, tuple[str, ...]], list[tuple]] = {}
+        # each stage's rows as read, the recent ones (a move changes one row of an order)
+        self._rows: dict[tuple[int, tuple[str, ...]], list[tuple] | None] = {}
 
     def op(self, stage: int, text: str) -> tuple | None:
         """`(code, microbatch, segment, cost)` of one compute of `stage`, or None where it is
@@ -171,6 +170,8 @@ class QuickClock:
         cached = self._rows.get((s, row))
         if cached is not None or (s, row) in self._rows:
             return cached
+        if len(self._rows) >= _ROWS_KEPT:
+            self._rows.clear()
         num, ops = len(self.place), [self.op(s, text) for text in row]
         redone = {(i, k) for code, i, k, _ in ops if code == _R}
         out = []
@@ -178,12 +179,12 @@ class QuickClock:
             key, wait, add, delta, pair = i * num + k, None, 0.0, 0.0, None
             if code == _F:
                 if k > self.first[k]:
-                    wait, add = key - 1, self._hop(k - 1, s)
+                    wait, add = key - 1, self._hop(k - 1, k)
                 delta = self.inputs[k] if (i, k) in redone else self.activations[k]
             elif code == _R:
                 delta = self.activations[k] - self.inputs[k]
             elif code != _W and k < self.last[k]:
-                wait, add = key + 1, self._hop(k + 1, s)
+                wait, add = key + 1, self._hop(k + 1, k)
             if code in (_B, _W, _P):
                 delta = -self.activations[k]
             if code == _P:
@@ -197,9 +198,11 @@ class QuickClock:
         self._rows[s, row] = out
         return out
 
-    def _hop(self, producer: int, s: int) -> float:
-        """What a message from segment `producer` to stage s spends in flight."""
-        return 0.0 if self.place[producer][0] == s else self.comm[s]
+    def _hop(self, producer: int, consumer: int) -> float:
+        """What a message from segment `producer` to segment `consumer` spends in flight: the
+        receive's comm, where they are on two stages."""
+        stage, chunk = self.place[consumer]
+        return 0.0 if self.place[producer][0] == stage else self.costs.at(stage, chunk).comm
 
 
 def _arrival(code, key, wait, add, redo, forward, backward, rebuilt) -> float | None:
