@@ -177,3 +177,17 @@ def test_local_search_on_the_quick_clock_beats_its_start():
     assert runs[0].makespan == runs[1].makespan
     assert runs[0].makespan < 16.0
     assert "local search" in runs[0].source
+
+
+def test_a_rendezvous_search_walks_on_from_its_climb():
+    """A rendezvous search (the default) climbs on the simulator, then walks on the quick
+    clock's eager time, the simulator judging: p = 4, m = 4, 1:2:1, comm 1F, a 1.5x last stage,
+    0.6x 1F1B's activations: 33.5, where the climb alone stops at 35.0."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
+                      comm=1.0)  # fmt: skip
+    costs = CostModel(comm=1.0, per_stage={3: heavy})
+    found = search(4, 4, costs=costs, memory_limit=2.4, recompute=True, method="heuristic",
+                   max_evaluations=100, time_limit=600)  # fmt: skip
+    assert not found.eager
+    assert found.makespan < 35.0 - 1e-9
+    assert found.makespan >= found.bound - 1e-9
