@@ -11,12 +11,15 @@ producer is on another stage); a forward holds its activation until its backward
 backward, its weight gradient), or, when its stage recomputes it, only its input until the `R`;
 an overlapped pair (`F3.1 +B1`, DualPipe's) starts once the inputs of both are there, and its
 forward's output leaves at the pair's end; each microbatch runs the segments of its replica.
-For an order the compiler accepts it gives the simulator's makespan, and says over budget
-exactly where the simulated order does not fit (a property test holds it to that), in well
-under a millisecond. It is a screen all the same: an order it times faster is compiled and
-simulated like every other candidate, and only that timing counts. It leaves out the updates
-(free in the search's cost models) and the rendezvous model's comm groups: for a rendezvous
-search its time is only a guide. Orders with sends or copies are timed by the simulator alone.
+For an order the compiler accepts it gives the simulator's makespan, in well under a
+millisecond; in whole-stage microbatches it says over budget exactly where the simulated order
+does not fit, and in bytes it may call an order over budget that fits (its budget sets aside
+each segment's parameters, gradients and optimizer state throughout), never one that does not
+(property tests hold it to both). It is a screen all the same: an order it times faster is
+compiled and simulated like every other candidate, and only that timing counts. It leaves out
+the updates (free in the search's cost models) and the rendezvous model's comm groups: for a
+rendezvous search its time is only a guide. Orders with sends or copies are timed by the
+simulator alone.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import random
 
 import attrs
@@ -11,7 +12,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from strategies import stage_costs
 
-from schedcc import CostModel, ScheduleError, compile
+from schedcc import CostModel, MemoryModel, ScheduleError, compile
 from schedcc.registry import get_schedule
 from schedcc.search import (
     _compute_orders,
@@ -113,6 +114,50 @@ def test_an_overlapped_pair_starts_once_both_inputs_are_there():
     j = row.index("+B5.1")
     split = (row[j], *row[:j], *row[j + 1 :])  # the pair's backward first, on its own
     assert clock.time((split, *orders[1:])) is None
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.sampled_from([2, 4, 6, 8]),
+    layout=st.sampled_from([(1, False), (2, False), (2, True)]),
+    split=st.booleans(),
+    data=st.data(),
+)
+def test_the_quick_clock_in_bytes_never_passes_an_order_that_does_not_fit(
+    p, m, layout, split, data
+):
+    """With a memory model and a limit in bytes the clock counts every segment's gradients
+    from the start (the simulator from its first weight gradient): an order it times fits as
+    simulated, at the simulator's makespan (it may call one over its budget that fits)."""
+    sizes = st.lists(st.floats(1.0, 50.0), min_size=p, max_size=p)
+    memory = MemoryModel(activations=data.draw(sizes), inputs=data.draw(sizes),
+                         parameters=data.draw(sizes), optimizer=data.draw(sizes))  # fmt: skip
+    costs = attrs.evolve(data.draw(stage_costs(p)), memory=memory)
+    held = data.draw(st.floats(1.0, 3.0)) * max(memory.activations)  # a few microbatches
+    limit = 2 * max(memory.parameters) + max(memory.optimizer) + held
+    v, vshape = layout
+    family = _Family(v, vshape, split)
+    searcher = _Searcher(p, m, costs, (limit,) * p, True, False, 1, 0, 0.0, None, None,
+                         eager=True)  # fmt: skip
+    clock = searcher._clock(family)
+    scheduler = _ListScheduler(p, m, family, costs, searcher._budgets(family), True, eager=True)
+    rng = random.Random(data.draw(st.integers(0, 1 << 20)))
+    rules = _rules(family, rng)
+    orders = [made[1] for made in map(scheduler.run, rules[:4]) if made]
+    free = _ListScheduler(p, m, family, costs, None, False, eager=True)  # over the limit too
+    orders += [free.run(rule)[1] for rule in rules if rule.cap == math.inf][:2]
+    orders += [kick(o, rng, rng.randint(1, 6)) for o in orders for _ in range(3)]
+    for order in orders:
+        quick = clock.time(order)
+        if quick is None:
+            continue
+        try:
+            program = compile(_found_class(p, m, family, order)(p, m, v))
+        except ScheduleError:
+            continue
+        timeline = searcher._simulate(program, family)
+        assert searcher._fits(timeline, family.share), order
+        assert quick[0] == pytest.approx(timeline.makespan, rel=1e-9, abs=1e-9)
 
 
 def _compare(searcher, clock, family, p, m, v, candidates) -> int:
