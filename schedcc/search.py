@@ -109,7 +109,7 @@ from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
 from schedcc.search_bound import lower_bound
 from schedcc.search_exact import available, require_ortools, solve_exact
-from schedcc.search_local import QuickClock, kick, move, neighbours
+from schedcc.search_local import QuickClock, held_sizes, kick, move, neighbours
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, other_cut
@@ -1191,16 +1191,8 @@ class _Searcher:
 
     def _clock(self, family: _Family) -> QuickClock:
         """The quick clock of `family`'s orders (eager)."""
-        place = family.segments(self.p)
-        costs = self._costs_of(family)
-        memory = costs.memory
-        if memory is None:
-            act, inp = [1.0] * len(place), [0.0] * len(place)
-        else:
-            act = [memory.at("activations", k) for k in range(len(place))]
-            inp = [memory.at("inputs", k) for k in range(len(place))]
-        budgets = self._budgets(family)
-        return QuickClock(place, costs, act, inp, budgets, family.num_replicas)
+        place, costs = family.segments(self.p), self._costs_of(family)
+        return QuickClock(place, costs, self._budgets(family), family.num_replicas)
 
 
 def _searched(source: str) -> str:
@@ -1335,13 +1327,7 @@ class _ListScheduler:
                     "comm": model.comm,
                 }
             )
-        memory = scaled.memory
-        if memory is None:
-            self.act = [1.0] * self.num_segments
-            self.inp = [0.0] * self.num_segments
-        else:
-            self.act = [memory.at("activations", k) for k in range(self.num_segments)]
-            self.inp = [memory.at("inputs", k) for k in range(self.num_segments)]
+        self.act, self.inp = held_sizes(scaled.memory, self.num_segments)
         self.budgets = budgets
         self.recompute = recompute
         self.by_stage = [[k for k, (s, _) in enumerate(self.place) if s == t] for t in range(p)]

@@ -39,7 +39,9 @@ from schedcc.ir import (
     parse,
 )
 
-__all__ = ["QuickClock", "kick", "move", "neighbours", "recomputes", "same_thread"]
+__all__ = [
+    "QuickClock", "held_sizes", "kick", "move", "neighbours", "recomputes", "same_thread",
+]
 
 _F, _B, _I, _W, _R, _P = range(6)  # _P: an overlapped pair's backward
 _CODES = {
@@ -57,9 +59,8 @@ class QuickClock:
 
     Args:
         place: `(stage, chunk)` of each segment, the replicas' one after the other.
-        costs: the costs in the orders' units (per chunk, `schedcc.tune`'s `_per_chunk`).
-        activations, inputs: per segment, what a held activation takes of a stage's budget and
-            what a recomputed forward keeps (its input).
+        costs: the costs in the orders' units (per chunk, `schedcc.tune`'s `_per_chunk`), with
+            the bytes a stage holds where there is a memory model (`held_sizes`).
         budgets: per stage, the most a stage may hold (None: no limit).
         replicas: how many model replicas `place` holds, one after the other (DualPipe's two);
             each microbatch runs the segments of its own.
@@ -69,8 +70,6 @@ class QuickClock:
         self,
         place: Sequence[tuple[int, int]],
         costs: CostModel,
-        activations: Sequence[float],
-        inputs: Sequence[float],
         budgets: Sequence[float] | None,
         replicas: int = 1,
     ):
@@ -79,7 +78,7 @@ class QuickClock:
         self.first = [k - k % length for k in range(len(self.place))]  # of k's replica
         self.last = [first + length - 1 for first in self.first]
         self.costs, self.budgets = costs, budgets
-        self.activations, self.inputs = list(activations), list(inputs)
+        self.activations, self.inputs = held_sizes(costs.memory, len(self.place))
         self.segment = {sc: k for k, sc in enumerate(self.place)}
         self.p = max(s for s, _ in self.place) + 1
         self._ops: dict[tuple[int, str], tuple | None] = {}
@@ -206,6 +205,18 @@ class QuickClock:
         receive's comm, where they are on two stages."""
         stage, chunk = self.place[consumer]
         return 0.0 if self.place[producer][0] == stage else self.costs.at(stage, chunk).comm
+
+
+def held_sizes(memory, num: int) -> tuple[list[float], list[float]]:
+    """Per segment of `num`, what a held activation takes of its stage's budget and what a
+    recomputed forward keeps of it (its input): bytes with a memory model (`memory`, per
+    segment), else one chunk activation and nothing."""
+    if memory is None:
+        return [1.0] * num, [0.0] * num
+    return (
+        [memory.at("activations", k) for k in range(num)],
+        [memory.at("inputs", k) for k in range(num)],
+    )
 
 
 def _arrival(code, key, wait, add, redo, forward, backward, rebuilt) -> float | None:

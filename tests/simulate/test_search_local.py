@@ -95,7 +95,8 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
     candidates = [orders] + [kick(orders, rng, rng.randint(1, 6)) for _ in range(6)]
     candidates += [new for new in (move(orders, rng) for _ in range(12)) if new]
-    _compare(searcher, clock, family, p, m, v, candidates)
+    compared = _compare(searcher, clock, family, p, m, v, candidates)
+    event(f"timed {'some' if compared else 'none'}")
 
 
 def test_an_overlapped_pair_starts_once_both_inputs_are_there():
