@@ -1176,7 +1176,8 @@ class _Searcher:
             if stale > _PATIENCE:  # start again a few moves from the best
                 stale, rounds = 0, rounds + 1
                 for _ in range(8):
-                    here = kick(best, self.rng, self.rng.randint(2, 6))
+                    size = self.rng.randint(2, 6)
+                    here = kick(best, self.rng, size, recompute=self.recompute)
                     here_time = clock.time(here)
                     if here_time is not None:
                         break

@@ -286,9 +286,10 @@ def move(orders: Orders, rng: random.Random, reach: int = 6) -> Orders | None:
     return None if new is None else (*orders[:s], new, *orders[s + 1 :])
 
 
-def kick(orders: Orders, rng: random.Random, size: int) -> Orders:
-    """`orders` after `size` random moves: a compute moved up to twelve places, or one time in
-    three a recomputation added before a backward (it frees memory for the moves after it)."""
+def kick(orders: Orders, rng: random.Random, size: int, *, recompute: bool) -> Orders:
+    """`orders` after `size` random moves: a compute moved up to twelve places, or, where the
+    search may `recompute`, one time in three a recomputation added before a backward (it frees
+    memory for the moves after it)."""
     out = orders
     for _ in range(size * 4):
         if size <= 0:
@@ -298,7 +299,7 @@ def kick(orders: Orders, rng: random.Random, size: int) -> Orders:
         if not row:
             continue
         new = None
-        if rng.random() < 1 / 3:
+        if recompute and rng.random() < 1 / 3:
             new = _recomputed(row, rng.randrange(len(row)))
         else:
             j = rng.randrange(len(row))

@@ -60,7 +60,7 @@ def test_the_quick_clock_times_orders_as_the_eager_simulator(
     scheduler = _ListScheduler(p, m, family, costs, budgets, True, eager=True)
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
     orders = [made[1] for made in map(scheduler.run, _rules(family, rng)[:6]) if made]
-    orders += [kick(o, rng, rng.randint(1, 8)) for o in orders for _ in range(3)]
+    orders += [kick(o, rng, rng.randint(1, 8), recompute=True) for o in orders for _ in range(3)]
     orders += [new for o in orders[:6] for new in (move(o, rng) for _ in range(3)) if new]
     compared = _compare(searcher, clock, family, p, m, v, orders)
     event(f"timed {'some' if compared else 'none'}")
@@ -93,7 +93,7 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
     searcher = _searcher(p, m, costs, limit, v)
     clock = searcher._clock(family)
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
-    candidates = [orders] + [kick(orders, rng, rng.randint(1, 6)) for _ in range(6)]
+    candidates = [orders] + [kick(orders, rng, rng.randint(1, 6), recompute=True) for _ in range(6)]
     candidates += [new for new in (move(orders, rng) for _ in range(12)) if new]
     compared = _compare(searcher, clock, family, p, m, v, candidates)
     event(f"timed {'some' if compared else 'none'}")
@@ -147,7 +147,7 @@ def test_the_quick_clock_in_bytes_never_passes_an_order_that_does_not_fit(
     orders = [made[1] for made in map(scheduler.run, rules[:4]) if made]
     free = _ListScheduler(p, m, family, costs, None, False, eager=True)  # over the limit too
     orders += [free.run(rule)[1] for rule in rules if rule.cap == math.inf][:2]
-    orders += [kick(o, rng, rng.randint(1, 6)) for o in orders for _ in range(3)]
+    orders += [kick(o, rng, rng.randint(1, 6), recompute=True) for o in orders for _ in range(3)]
     for order in orders:
         quick = clock.time(order)
         if quick is None:
@@ -237,3 +237,14 @@ def test_a_rendezvous_search_walks_on_from_its_climb():
     assert not found.eager
     assert found.makespan < 35.0 - 1e-9
     assert found.makespan >= found.bound - 1e-9
+
+
+def test_local_search_adds_no_recomputation_the_search_may_not_make():
+    """Without `recompute`, the walk's restarts add no recomputation: at p = 4, m = 8 under one
+    microbatch of activations a stage the order found recomputes nothing and keeps to its
+    bound, 96 (a walk that added `R`s returned orders that recompute, 75-79, below it)."""
+    found = search(4, 8, num_chunks=1, split_backward=False, memory_limit=1, recompute=False,
+                   max_evaluations=1000, time_limit=600, eager=True)  # fmt: skip
+    assert not any(text.startswith("R") for row in found.schedule.orders for text in row)
+    assert found.makespan >= found.bound - 1e-9
+    assert found.makespan == 96.0
