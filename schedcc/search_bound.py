@@ -26,27 +26,34 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
 4. *Memory* (with `memory_limit`, in whole-stage microbatches; no memory model). A microbatch's
    activation on segment k is held from its forward to its last backward piece, or from its
    `Recompute` (then it is recomputed and costs an `R` more); at every instruction a stage holds
-   at most `N = floor(limit * share)` chunk activations. Two consequences, over the window of
+   at most `N = floor(limit * share)` chunk activations. Three consequences, over the window of
    item 1 of length `U`:
    - Little's law: the held times add up to at most `N * U`; a microbatch not recomputed is held
      at least `H_k` (its forward, the round trip up the pipeline and back with its hops, its whole
      backward), a recomputed one at least its `R` and its backward;
+   - the ramps: a held interval begins at a forward (or an `R`) and ends at a backward (or a
+     weight gradient) of the stage, one at a time, so the i-th to begin and the i-th from the
+     last to end each leave `N - i` of the limit unheld for at least the least of those
+     pieces, `f` and `b`: the held times add up to at most `N * U - (f + b) * N * (N - 1) / 2`
+     (the two ramps do not meet: the stage's work alone spaces the intervals' starts and ends
+     that far apart, half as far where an overlapped pair may do both);
    - every group of item 3 on a path of a held activation is run while it is held, and a group
      holds at most N at once: the groups number at least `sum over k of (m - x_k) * re_k / N`
      for `x_k` microbatches recomputed on segment k.
    So `U` is at least the least, over real `0 <= x_k <= m` (all 0 without `recompute`), of the
-   largest of the work with the recomputations and the groups' comm, and the held time over N
-   (a small linear program, solved exactly at its vertices). An order that offloads activations
-   (`Offload`/`Reload`) is not covered: its held count drops between the copies, so its layout is
-   bounded without the limit.
-   With a memory model (a limit in bytes) the same two hold weighted by bytes: at every
+   largest of the work with the recomputations and the groups' comm, the held time and the
+   ramps over N, and item 7 (a small linear program, solved exactly at its vertices). An order
+   that offloads activations (`Offload`/`Reload`) is not covered: its held count drops between
+   the copies, so its layout is bounded without the limit.
+   With a memory model (a limit in bytes) the same hold weighted by bytes: at every
    instruction the activations a stage holds take at most its budget `Bs`, the limit less what
    it holds throughout (its parameters as they rest between uses, its optimizer state); a held
    activation of segment k takes `a_k` bytes (a recomputed forward's kept input is left out, as
    its time before the `R`). So the held times weighted by `a_k` add up to at most `Bs * U`, and
    the groups, each run while at most `Bs` bytes are held, number at least the sum over k of
-   `(m - x_k) * re_k * a_k / Bs`: the terms above with `N` read as `Bs / a_k` for segment k. A
-   segment whose `a_k` exceeds `Bs` fits no order (the bound is `math.inf`).
+   `(m - x_k) * re_k * a_k / Bs`: the terms above with `N` read as `Bs / a_k` for segment k
+   (in the ramps, the largest `a_k / Bs` as `1 / N`). A segment whose `a_k` exceeds `Bs` fits
+   no order (the bound is `math.inf`).
 5. With a split backward, also: all forwards and input-gradient pieces of stage s, its forced
    groups, then the input gradients below its last one and stage 0's last weight gradient.
    Under a limit, the forwards and input gradients are all of the stage's work but the weight
@@ -61,12 +68,22 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    it, then `tail(s)`. And the last forward of k ends after every forward of k and of the
    segments below it on s has run from `head(s)` on; its round trip, its backward and the
    backwards below k (input-gradient pieces, with a split backward) follow.
+7. *Start-up under the limit.* Stage s runs no backward piece before `T1`, the least over its
+   segments k of k's head, a forward and its round trip (item 6). Until then no activation is
+   freed, so the forwards and recomputations that keep theirs take at most what the limit
+   holds at once of the longest of them, `L` (N of them; in bytes a fractional knapsack of
+   `Bs`). The rest of `T1 - head(s) - L` the stage idles, or runs forwards whose activations it
+   drops and recomputes later at `R` each: the window is at least its work and
+   `min(1, R / F)` of that rest (all of it without `recompute`). This is why a tight limit
+   costs a stage whose first backward comes late: at p = 4, m = 8, 1:2:1, a 1.3x first stage
+   at 0.3x 1F1B's activations, the V placement's stage 0 holds two chunk activations, waits
+   4.3 for its first backward and idles or recomputes 3.0 of it (34.2 where the work is 31.2).
 
 With `eager=True` the bound is of the eager timeline instead ([Note: eager simulation] in
 `schedcc.simulate_eager`: sends that never wait, a message in flight for the receive's comm,
-taking no stage's time): items 1, 2, 4's Little's law, 5 and 6 hold as they are (every hop they
-count is a message's flight, the consumer starting no earlier than the producer's end plus it),
-and the comm groups of items 3 and 4 take nothing, so they drop out.
+taking no stage's time): items 1, 2, 4's Little's law and ramps, 5, 6 and 7 hold as they are
+(every hop they count is a message's flight, the consumer starting no earlier than the
+producer's end plus it), and the comm groups of items 3 and 4 take nothing, so they drop out.
 
 It leaves out the updates (`ReduceGrads`, `OptimizerStep`), groups beyond those the paths force
 (a steady 1F1B runs two per microbatch on a middle stage, but an order may batch the messages
@@ -312,7 +329,7 @@ class _Bound:
         r, held, held_r, re, count = [], [], [], [], []
         for k in ks:
             model = self.models[k]
-            redo = model.forward if model.recompute is None else model.recompute
+            redo = self._redo(k)
             r.append(self.least[k] * redo)
             last = self.least[k] * self.whole(k)
             held.append(self.least[k] * model.forward + self.round_trip(k) + last)
@@ -327,12 +344,68 @@ class _Bound:
                 [r[i] - comm * re[i] / rooms[i] for i in range(n)],
             ),
             (
-                sum(c * h / room for c, h, room in zip(count, held, rooms)),
+                sum(c * h / room for c, h, room in zip(count, held, rooms))
+                + self._ramps(ks, rooms),
                 [(held_r[i] - held[i]) / rooms[i] for i in range(n)],
             ),
         ]
+        pieces.append((work + self._start_up(ks, rooms, recompute), [0.0] * n))
         upper = count if recompute else [0] * n
         return _min_of_max(pieces, upper)
+
+    def _start_up(self, ks, rooms: Sequence[float], recompute: bool) -> float:
+        """Item 7: the time stage s loses before its first backward, idle or recomputing."""
+        first = min(
+            self.head(k) + self.least[k] * self.models[k].forward + self.round_trip(k)
+            for k in ks
+        )
+        longest = [
+            self.heaviest[k] * max(self.models[k].forward, self._redo(k)) for k in ks
+        ]
+        short = first - min(self.head(k) for k in ks) - self._most_held(ks, rooms, longest)
+        if short <= 0:
+            return 0.0
+        if not recompute:
+            return short
+        # a dropped forward costs its recomputation later: at least this share of it
+        cheapest = min(
+            1.0 if model.forward <= 0 else min(1.0, self._redo(k) / model.forward)
+            for k, model in ((k, self.models[k]) for k in ks)
+        )
+        return cheapest * short
+
+    def _ramps(self, ks, rooms: Sequence[float]) -> float:
+        """Item 4's ramps: the held share of the limit the window cannot use while its stage
+        starts holding activations and while it frees its last ones."""
+        most = max(1 / room for room in rooms)  # the largest share one activation takes
+        if most <= 0:
+            return 0.0
+        # the stage's held intervals begin at forwards (or recomputations) and end at
+        # backwards (or weight gradients), one at a time, at least this far apart
+        start = min(
+            self.least[k] * min(self.models[k].forward, self._redo(k)) for k in ks
+        )
+        end = min(self.least[k] * self._frees(k) for k in ks)
+        # the i-th interval to begin (or the i-th from the last to end) leaves 1 - i * most
+        # of the limit unused for one spacing. The two ramps do not meet: the stage's work
+        # spaces its intervals' starts and ends at least that far apart over the window (half
+        # as far where an overlapped pair may start one interval and end another)
+        intervals = sum(self.count[k] for k in ks)
+        ramp = min(math.ceil(1 / most) - 1, intervals // 2 if self.overlapped else intervals)
+        return (start + end) * (ramp - most * ramp * (ramp + 1) / 2)
+
+    def _redo(self, k: int) -> float:
+        model = self.models[k]
+        return model.forward if model.recompute is None else model.recompute
+
+    def _frees(self, k: int) -> float:
+        """The least an instruction that frees segment k's activation takes: its whole
+        backward, or with a split one its weight gradient (an overlapped pair takes at least
+        its backward)."""
+        model = self.models[k]
+        if self.split:
+            return min(model.backward, model.backward_weight)
+        return model.backward
 
     def _split_end(self, s: int, ks, head: float, forced: int, rooms=None) -> float:
         """Item 5: the forwards and input gradients of stage s, its groups, the input gradients
@@ -343,7 +416,8 @@ class _Bound:
             return head + ahead + self.group[s] * forced
         if rooms is not None:
             work = sum(self.total[k] * (self.models[k].forward + self.whole(k)) for k in ks)
-            ahead = max(ahead, work - self._held_weights(ks, rooms))
+            weights = [self.heaviest[k] * self.models[k].backward_weight for k in ks]
+            ahead = max(ahead, work - self._most_held(ks, rooms, weights))
         low = min(ks)
         below = self.tail(low)
         zero = self.models[0]
@@ -352,15 +426,13 @@ class _Bound:
         )
         return head + ahead + self.group[s] * forced + below + last
 
-    def _held_weights(self, ks, rooms: Sequence[float]) -> float:
-        """The most weight-gradient work stage s can have left when its last input gradient
-        ends: one per activation it holds then, `n_k` of segment k with `sum(n_k / room_k)`
-        at most 1 (the held activations fit) and `n_k` at most its microbatches; the largest
-        first (a fractional knapsack)."""
+    def _most_held(self, ks, rooms: Sequence[float], each: Sequence[float]) -> float:
+        """The most `sum(n_k * each[i])` over activations the limit can hold at once: `n_k`
+        of segment `k = ks[i]` with `sum(n_k / room_k)` at most 1 and `n_k` at most its
+        microbatches; the largest first (a fractional knapsack)."""
         left, most = 1.0, 0.0
-        weights = [self.heaviest[k] * self.models[k].backward_weight for k in ks]
         counts = [self.count[k] for k in ks]
-        for w, room, count in sorted(zip(weights, rooms, counts), key=lambda x: -x[0] * x[1]):
+        for w, room, count in sorted(zip(each, rooms, counts), key=lambda x: -x[0] * x[1]):
             n = min(count, left * room)
             most += n * w
             left -= n / room

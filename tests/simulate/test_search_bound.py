@@ -4,11 +4,12 @@ whatever the per-stage costs, comm and memory limit, and it prices what it claim
 from __future__ import annotations
 
 import math
+import random
 
 import attrs
 import pytest
 from _builtin_schedules import names
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 from strategies import stage_costs
 
@@ -16,8 +17,18 @@ import schedcc
 from schedcc import CostModel, MemoryModel, ScheduleError
 from schedcc.ir import Copy
 from schedcc.registry import build_schedule, get_schedule
-from schedcc.search import _compute_orders, _Family, _splits, search
+from schedcc.search import (
+    _compute_orders,
+    _Family,
+    _found_class,
+    _ListScheduler,
+    _rules,
+    _Searcher,
+    _splits,
+    search,
+)
 from schedcc.search_bound import lower_bound
+from schedcc.search_local import kick, move
 from schedcc.tune import _per_chunk
 
 #: The shapes the properties over every built-in draw: p, m, v, full recomputation or not.
@@ -128,6 +139,102 @@ def test_the_memory_limit_prices_recomputation():
         schedcc.compile(get_schedule("1f1b")(4, 8), recompute=True)
     ).makespan
     assert free < tight <= recomputing
+
+
+def test_the_ramps_price_filling_and_emptying_the_limit():
+    """p = 4, m = 8, F 1, B 2, at most two whole-stage microbatches held and no recomputation:
+    stage 0 holds each microbatch at least 12 (its forward, the round trip 9, its backward),
+    two at once, so Little's law gives 48; and the second activation is held only after the
+    first forward, the last alone after the second-last backward: 1.5 more (item 4 of the
+    Note). CP-SAT proves 51 the optimum of this shape."""
+    family = _Family(1, False, False)
+    costs = CostModel()
+    assert lower_bound(4, 8, costs, family, memory_limit=2.0, recompute=False) == 49.5
+    assert lower_bound(4, 8, costs, family, memory_limit=2.0, recompute=False, eager=True) == 49.5
+    # one at a time: no ramp, the 96 of 8 microbatches held 12 each, which 1F1B's order meets
+    one = schedcc.simulate(schedcc.compile(get_schedule("1f1b")(4, 8)), costs)
+    assert lower_bound(4, 8, costs, family, memory_limit=1.0, recompute=False) == 96.0 > 33.0
+    assert one.makespan == 33.0  # 1F1B itself holds four on stage 0
+
+
+def test_a_late_first_backward_under_a_tight_limit_costs_its_wait():
+    """p = 4, m = 8, 1:2:1, a 1.3x first stage, at 0.3x 1F1B's activations on the V with
+    split backwards: stage 0 holds two chunk activations (0.65 a forward), and its first
+    backward, of the last chunk, comes 4.3 after its start; the other 3.0 it idles or runs
+    forwards it recomputes later (item 7 of the Note): 34.2 where its work is 31.2. Without
+    recomputation Little's law binds instead; at 0.6x, four activations: 1.7 lost."""
+    costs = CostModel(per_stage={0: CostModel(forward=1.3, backward=2.6, backward_input=1.3,
+                                              backward_weight=1.3)})  # fmt: skip
+    family = _Family(2, True, True)
+    for eager in (False, True):
+        assert lower_bound(4, 8, costs, family, eager=eager) == pytest.approx(31.2)
+        assert lower_bound(4, 8, costs, family, memory_limit=1.2, eager=eager) == (
+            pytest.approx(34.2)
+        )
+        assert lower_bound(4, 8, costs, family, memory_limit=2.4, eager=eager) == (
+            pytest.approx(32.9)
+        )
+        assert lower_bound(
+            4, 8, costs, family, memory_limit=1.2, recompute=False, eager=eager
+        ) > 40.0
+    found = search(4, 8, num_chunks=2, placement="v", costs=costs, memory_limit=1.2,
+                   recompute=True, max_evaluations=40, eager=True)  # fmt: skip
+    assert found.makespan >= 34.2 - 1e-9
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.integers(2, 8),
+    layout=st.sampled_from([(1, False), (2, False), (2, True)]),
+    split=st.booleans(),
+    in_bytes=st.booleans(),
+    eager=st.booleans(),
+    data=st.data(),
+)
+def test_orders_near_the_best_stay_above_the_bound_at_their_own_peak(
+    p, m, layout, split, in_bytes, eager, data
+):
+    """List-scheduled orders under a random limit and orders a few random moves from them
+    (recomputations added or dropped), with random per-stage costs and comm, unequal
+    microbatches or not, in whole-stage microbatches or in random bytes: each one that
+    compiles takes at least the bound of its layout under its own peak as the limit, timed
+    eagerly or not. Tight orders like these are where a bound that counts too much fails."""
+    costs = data.draw(stage_costs(p))
+    if data.draw(st.booleans()):
+        costs = attrs.evolve(costs, per_microbatch=[1.0 + (i % 3) / 2 for i in range(m)])
+    if in_bytes:
+        sizes = st.lists(st.integers(1, 64), min_size=p, max_size=p)
+        costs = attrs.evolve(costs, memory=MemoryModel(
+            activations=data.draw(sizes), inputs=data.draw(sizes), parameters=data.draw(sizes),
+            optimizer=data.draw(sizes),
+        ))  # fmt: skip
+    v, vshape = layout
+    family = _Family(v, vshape, split)
+    limit = data.draw(st.floats(0.5, 2.5))
+    if in_bytes:  # a few of the largest activations beside what every stage holds throughout
+        memory = costs.memory
+        limit = limit * max(memory.activations) + 2 * max(memory.parameters) + max(
+            memory.optimizer
+        )
+    searcher = _Searcher(p, m, costs, (limit,) * p, True, False, 1, 0, 0.0, None, None,
+                         eager=eager)  # fmt: skip
+    scheduler = _ListScheduler(p, m, family, costs, searcher._budgets(family), True, eager=eager)
+    rng = random.Random(data.draw(st.integers(0, 1 << 20)))
+    orders = [made[1] for made in map(scheduler.run, _rules(family, rng)[:6]) if made]
+    orders += [kick(o, rng, rng.randint(1, 8), recompute=True) for o in orders for _ in range(3)]
+    orders += [new for o in orders[:6] for new in (move(o, rng) for _ in range(4)) if new]
+    timed = 0
+    for order in orders:
+        try:
+            program = schedcc.compile(_found_class(p, m, family, order)(p, m, v))
+        except ScheduleError:
+            continue
+        timeline = searcher._simulate(program, family)
+        peak = searcher._held(timeline, family.share)
+        bound = lower_bound(p, m, costs, family, memory_limit=list(peak), eager=eager)
+        assert bound <= timeline.makespan + 1e-9, (order, bound, timeline.makespan)
+        timed += 1
+    event(f"timed {'some' if timed else 'none'}")
 
 
 def test_comm_on_the_round_trip_is_priced():
