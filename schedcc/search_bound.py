@@ -78,10 +78,21 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    costs a stage whose first backward comes late: at p = 4, m = 8, 1:2:1, a 1.3x first stage
    at 0.3x 1F1B's activations, the V placement's stage 0 holds two chunk activations, waits
    4.3 for its first backward and idles or recomputes 3.0 of it (34.2 where the work is 31.2).
+8. *Lone computes beside overlapped pairs.* Item 2 prices each microbatch's backward as run in
+   a pair, saving what the pair's `+B` takes less than the backward alone (the saving is the
+   backward's own: a `+B` costs its pair beyond its forward). No pair runs before `T1` of item
+   7 (no backward can) or after the stage's last forward (none is left to pair with), where
+   the stage waits at least `D`, the least round trip and backward of its segments. So those
+   two stretches are idle, recomputation or lone computes (forwards before, backwards after,
+   each at most the longest of its kind), and every microbatch whose forward or backward runs
+   alone saves nothing: the work is at least item 2's, the least saving times the larger of
+   the two counts of lone computes, and what of either stretch the stage's microbatches do
+   not fill. DualPipe at p = 4, m = 8, comm 1F, a 1.5x last stage: 33.75 where item 2 alone
+   gives 30 (stage 3 waits 7.5 for its first backward).
 
 With `eager=True` the bound is of the eager timeline instead ([Note: eager simulation] in
 `schedcc.simulate_eager`: sends that never wait, a message in flight for the receive's comm,
-taking no stage's time): items 1, 2, 4's Little's law and ramps, 5, 6 and 7 hold as they are
+taking no stage's time): items 1, 2, 4's Little's law and ramps, 5, 6, 7 and 8 hold as they are
 (every hop they count is a message's flight, the consumer starting no earlier than the
 producer's end plus it), and the comm groups of items 3 and 4 take nothing, so they drop out.
 
@@ -298,10 +309,50 @@ class _Bound:
         window = work + comm * forced
         if rooms is not None:
             window = max(window, self._window(ks, rooms, recompute, work, forced, comm))
+        if self.overlapped:
+            window = max(window, work + self._unpaired(ks, head))
         best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
         if self.split and not self.overlapped and self.single:
             best = max(best, self._split_end(s, ks, head, forced, rooms))
         return best
+
+    def _unpaired(self, ks, head: float) -> float:
+        """Item 8: what the stage's work priced as overlapped pairs leaves out before its first
+        backward and after its last forward, where no pair can run."""
+        alone = [self._alone(k) for k in ks]
+        saved = min(
+            self.least[k] * max(0.0, b - (overlapped_pair(self.models[k]) - self.models[k].forward))
+            for k, b in zip(ks, alone)
+        )
+        first = min(
+            self.head(k) + self.least[k] * self.models[k].forward + self.round_trip(k)
+            for k in ks
+        )
+        end = min(self.round_trip(k) + self.least[k] * b for k, b in zip(ks, alone))
+        forward = max(self.heaviest[k] * self.models[k].forward for k in ks)
+        backward = max(self.heaviest[k] * self._longest_backward(k) for k in ks)
+        n = sum(self.count[k] for k in ks)
+        lost = 0.0
+        counts = []
+        for wait, each in ((first - head, forward), (end, backward)):
+            # the wait is spent idle, recomputing or on lone computes, each at most `each`
+            alone_count = n if each <= 0 else min(n, max(0.0, wait) / each)
+            lost += max(0.0, wait - alone_count * each)
+            counts.append(alone_count)
+        return lost + saved * max(counts)
+
+    def _alone(self, k: int) -> float:
+        """The least a microbatch's backward on segment k takes outside a pair."""
+        model = self.models[k]
+        if self.split:
+            return min(model.backward, model.backward_input + model.backward_weight)
+        return model.backward
+
+    def _longest_backward(self, k: int) -> float:
+        model = self.models[k]
+        if self.split:
+            return max(model.backward, model.backward_input + model.backward_weight)
+        return model.backward
 
     def _fill_and_drain(self, ks, head: float, tail: float) -> float:
         """Item 6 of the Note: for each segment k of the stage, its first backward waits for

@@ -237,6 +237,29 @@ def test_orders_near_the_best_stay_above_the_bound_at_their_own_peak(
     event(f"timed {'some' if timed else 'none'}")
 
 
+def test_lone_computes_beside_overlapped_pairs_are_priced():
+    """DualPipe's layout at p = 4, m = 8, comm 1F, a 1.5x last stage: priced as pairs, stage 3's
+    work is 30; but its first backward can start only 7.5 after its first forward, so five
+    forwards (1.5 each) run alone, and each saves nothing (item 8 of the Note): 33.75. Its own
+    order, and one local search walked from it, take longer."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
+                      comm=1.0)  # fmt: skip
+    costs = CostModel(comm=1.0, per_stage={3: heavy})
+    schedule = get_schedule("dualpipe")(4, 8, 2)
+    program = schedcc.compile(schedule, recompute=True)
+    orders = _compute_orders(program)
+    family = _Family.of(schedule, _splits(orders))
+    for eager in (False, True):
+        bound = lower_bound(4, 8, costs, family, overlapped=True, eager=eager)
+        assert bound == pytest.approx(33.75)
+        timeline = schedcc.simulate(program, _per_chunk(costs, 1, family.segments(4)),
+                                    eager=eager)  # fmt: skip
+        assert timeline.makespan >= bound
+    found = search(4, 8, costs=costs, memory_limit=4.0, recompute=True, max_evaluations=60,
+                   eager=True)  # fmt: skip
+    assert found.makespan >= found.bound - 1e-9
+
+
 def test_comm_on_the_round_trip_is_priced():
     """With comm, a middle stage's bound counts the group its round trip forces: the bound
     grows by more than the head and tail hops alone."""
