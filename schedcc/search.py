@@ -19,10 +19,13 @@ fits. Every candidate is a
    recomputed (`R`) later, when its memory is free, and so is one that would take the room an
    earlier recomputed microbatch needs back before its backward (`_Rule.owed`: no stage holds
    what it cannot free); many rules and seeded ties, ranked by the list scheduler's own clock,
-   the best few timed by the simulator. Under a limit the rules run again, the best first while
-   time is left, choosing otherwise what to recompute (`_variants`: holding whatever fits now,
-   which may get stuck but recomputes less; with several chunks a stage, every forward of each
-   stage's lowest chunk, the one held longest), and the best few of those are timed too;
+   the best few timed by the simulator (eagerly, only those the quick clock of item 3 times
+   fastest: it gives the simulator's makespan, at a fiftieth of the cost). Under a limit the
+   rules run again, the best first while time is left, choosing otherwise what to recompute
+   (`_variants`: holding whatever fits now, which may get stuck but recomputes less; with
+   several chunks a stage, every forward of each stage's lowest chunk, the one held longest),
+   and the best few of those are timed too. List scheduling takes half the time the built-ins
+   leave, evenly over the placements (at least four rules each);
 3. local search from the best (then, while time is left, from the best of each other placement
    and layout in turn), until `time_limit` or `max_evaluations`. The climb: two adjacent
    computes of a stage swapped or a recomputation dropped, the stages that idle most first, the
@@ -441,8 +444,8 @@ def search(
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
     searcher.offload_seeds()
-    for left, family in zip(range(len(sized), 0, -1), sized):
-        searcher.list_schedule(family, share=0.5 / left)
+    for k, family in enumerate(sized):  # half the time left, evenly over the placements
+        searcher.list_schedule(family, share=1 / (2 * len(sized) - k))
     searcher.improve()
     if method == "exact" and searcher.best is not None:
         left = max(started + time_limit - time.monotonic(), 0.25 * time_limit)
@@ -1057,10 +1060,30 @@ class _Searcher:
             made += [out for outs in again.values() for out in outs]
         for out in made:
             out.sort(key=lambda r: r[0])
-        for n in range(3):  # the best few of each
-            for out in made:
-                if n < len(out) and not self.out_of_time():
-                    self.evaluate(family, out[n][1], "list scheduling")
+        chosen = [out[n][1] for n in range(3) for out in made if n < len(out)]  # the best few
+        for orders in self._worth_timing(family, chosen):
+            if self.out_of_time():
+                break
+            self.evaluate(family, orders, "list scheduling")
+
+    def _worth_timing(self, family: _Family, chosen: list) -> list:
+        """Of `chosen` orders, those worth compiling and simulating: all of them, but in an
+        eager search that may not offload, the quick clock's fastest first, and then only
+        those it times faster than the fastest one of them; none it times over its budget (in
+        bytes it may call one over that fits: those come last)."""
+        if not self.eager or self.offload:
+            return chosen
+        clock = self._clock(family)
+        timed, untimed = [], []
+        for orders in dict.fromkeys(chosen):
+            quick = clock.time(orders) if clock.covers(orders) else None
+            if quick is not None:
+                timed.append((quick, orders))
+            elif self.costs.memory is not None:
+                untimed.append(orders)
+        timed.sort(key=lambda pair: pair[0])
+        kept = timed[:1] + [pair for pair in timed[1:] if pair[0][0] < timed[0][0][0] - 1e-9]
+        return [orders for _, orders in kept] + untimed
 
     def _budgets(self, family: _Family) -> list[float] | None:
         """Per stage, the activation units list scheduling and the quick clock let a stage hold
