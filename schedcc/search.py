@@ -11,7 +11,8 @@ fits. Every candidate is a
 1. every built-in order (`registered_classes`) at each searched chunk count, and with full
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
    2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s: the search
-   starts from the best of what exists, and times them all whatever `time_limit` says;
+   starts from the best of what exists, and times them all whatever `time_limit` says (an
+   eager search on the quick clock of item 3, the simulator timing each layout's fastest);
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -648,6 +649,7 @@ class _Searcher:
         self.seen: set = set()
         self.exact_bounds: dict = {}  # (v, vshape, limits) -> (CP-SAT's bound, split model)
         self.family_costs: dict[_Family, CostModel] = {}  # the costs in each family's units
+        self.clocks: dict[_Family, QuickClock] = {}
         # seeds over the limit, to offload once every seed is timed: (makespan, family, orders,
         # source, timeline); None once they are
         self.deferred: list | None = [] if self.offload else None
@@ -987,9 +989,11 @@ class _Searcher:
                 table[s][c] = k
             tables[family.num_chunks, family.vshape] = table
         every_placement = {f.vshape for f in families if f.num_chunks == 2} == {False, True}
+        waiting: list = []  # seeds the quick clock timed, to simulate the fastest of
         for v in sorted({f.num_chunks for f in families}):
             for name, cls in classes:  # all of them, whatever the time: the search starts here
                 if self.max_evals is not None and self.evaluations >= self.max_evals:
+                    self._time_seeds(waiting)
                     return
                 if recomputed and (name, v) in self.fitting_builtins:
                     continue
@@ -1000,8 +1004,10 @@ class _Searcher:
                     plain = cls.num_replicas == 1 and not cls.weight_delay and ours
                     if not plain and not (every_placement or v == 1):
                         continue
+                    # validated once chosen (`final` compiles the order found again)
                     program = compile(
-                        schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed
+                        schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed,
+                        validate=False,
                     )
                 except ScheduleError:
                     continue
@@ -1011,8 +1017,39 @@ class _Searcher:
                 if not any(f.num_chunks == v and f.split == split for f in families):
                     continue
                 source = name + (" with recompute" if recomputed else "")
-                if self.evaluate(form, orders, source, program) is not None:
+                fits = self._on_the_clock(form, orders, source, program, waiting)
+                if fits is None:  # not on the clock: the simulator says
+                    fits = self.evaluate(form, orders, source, program) is not None
+                if fits:
                     self.fitting_builtins.add((name, v))
+        self._time_seeds(waiting)
+
+    def _on_the_clock(self, family: _Family, orders, source: str, program, waiting) -> bool | None:
+        """In an eager search that may not offload, whether a seed fits as the quick clock
+        says (exactly, in whole-stage microbatches; in bytes only where it times it), queued in
+        `waiting` to be simulated if it is worth it; None where the simulator must say."""
+        if not self.eager or self.offload:
+            return None
+        clock = self._clock(family)
+        quick = clock.time(orders) if clock.covers(orders) else None
+        if quick is not None:
+            waiting.append((quick, family, orders, source, program))
+            return True
+        if self.costs.memory is None and (waiting or self.best) and clock.covers(orders):
+            return False  # over its budget (a built-in's order never gets stuck)
+        return None
+
+    def _time_seeds(self, waiting) -> None:
+        """Simulate the queued seeds worth it: each layout's fastest on the quick clock, and
+        any the clock times faster still (it gives the simulator's makespan)."""
+        fastest: dict[_Family, float] = {}
+        for quick, family, orders, source, program in sorted(waiting, key=lambda row: row[0]):
+            if self.max_evals is not None and self.evaluations >= self.max_evals:
+                return
+            if family in fastest and quick[0] >= fastest[family] - 1e-9:
+                continue
+            fastest.setdefault(family, quick[0])
+            self.evaluate(family, orders, source, program)
 
     def list_schedule(self, family: _Family, share: float) -> None:
         """Time the best few orders list scheduling makes under many rules, in about `share`
@@ -1214,9 +1251,14 @@ class _Searcher:
         return self.moves % 32 == 0 and self.out_of_time()
 
     def _clock(self, family: _Family) -> QuickClock:
-        """The quick clock of `family`'s orders (eager)."""
-        place, costs = family.segments(self.p), self._costs_of(family)
-        return QuickClock(place, costs, self._budgets(family), family.num_replicas)
+        """The quick clock of `family`'s orders (eager), one per family: what it reads of an
+        order's entries and rows it keeps."""
+        clock = self.clocks.get(family)
+        if clock is None:
+            place, costs = family.segments(self.p), self._costs_of(family)
+            clock = QuickClock(place, costs, self._budgets(family), family.num_replicas)
+            self.clocks[family] = clock
+        return clock
 
 
 def _searched(source: str) -> str:
