@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
+from strategies import stage_costs
 from torch import nn
 
 import schedcc
@@ -527,3 +528,25 @@ def test_list_scheduled_orders_validate_and_keep_to_their_budget(p, m, layout, s
         timeline = schedcc.simulate(schedcc.compile(schedule), costs)
         assert max(timeline.peak_activations) <= budgets[0] + 1e-9, rule
     event("some rule made an order" if made else "every rule got stuck")
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.integers(2, 6),
+    limit=st.none() | st.floats(1.0, 3.0),
+    data=st.data(),
+)
+def test_an_eager_search_is_never_slower_than_a_builtin_that_fits(p, m, limit, data):
+    """Eagerly the built-ins are timed on the quick clock and only each layout's fastest
+    simulated: under random per-stage costs, comm and limits, the order found in a tenth of a
+    second (every built-in is timed whatever the time) is no slower than the fastest built-in
+    `schedcc.tune` times eagerly within the limit."""
+    costs = data.draw(stage_costs(p))
+    try:
+        found = search(p, m, costs=costs, memory_limit=limit, recompute=True, eager=True,
+                       method="heuristic", time_limit=0.1)  # fmt: skip
+    except ScheduleConfigError:
+        return
+    ranked = schedcc.tune(num_stages=p, num_microbatches=m, num_chunks=(1, 2), costs=costs,
+                          memory_limit=limit, recompute=(False, True), eager=True).ranked
+    assert found.makespan <= min(c.makespan for c in ranked) + 1e-9
