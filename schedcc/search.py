@@ -993,7 +993,7 @@ class _Searcher:
         for v in sorted({f.num_chunks for f in families}):
             for name, cls in classes:  # all of them, whatever the time: the search starts here
                 if self.max_evals is not None and self.evaluations >= self.max_evals:
-                    self._time_seeds(waiting)
+                    self._time_fastest(waiting, whatever_the_time=True)
                     return
                 if recomputed and (name, v) in self.fitting_builtins:
                     continue
@@ -1017,14 +1017,14 @@ class _Searcher:
                 if not any(f.num_chunks == v and f.split == split for f in families):
                     continue
                 source = name + (" with recompute" if recomputed else "")
-                fits = self._on_the_clock(form, orders, source, program, waiting)
+                fits = self._seed_on_clock(form, orders, source, program, waiting)
                 if fits is None:  # not on the clock: the simulator says
                     fits = self.evaluate(form, orders, source, program) is not None
                 if fits:
                     self.fitting_builtins.add((name, v))
-        self._time_seeds(waiting)
+        self._time_fastest(waiting, whatever_the_time=True)  # each layout's fastest
 
-    def _on_the_clock(self, family: _Family, orders, source: str, program, waiting) -> bool | None:
+    def _seed_on_clock(self, family: _Family, orders, source: str, program, waiting) -> bool | None:
         """In an eager search that may not offload, whether a seed fits as the quick clock
         says (exactly, in whole-stage microbatches; in bytes only where it times it), queued in
         `waiting` to be simulated if it is worth it; None where the simulator must say."""
@@ -1039,17 +1039,22 @@ class _Searcher:
             return False  # over its budget (a built-in's order never gets stuck)
         return None
 
-    def _time_seeds(self, waiting) -> None:
-        """Simulate the queued seeds worth it: each layout's fastest on the quick clock, and
-        any the clock times faster still (it gives the simulator's makespan)."""
-        fastest: dict[_Family, float] = {}
-        for quick, family, orders, source, program in sorted(waiting, key=lambda row: row[0]):
-            if self.max_evals is not None and self.evaluations >= self.max_evals:
-                return
-            if family in fastest and quick[0] >= fastest[family] - 1e-9:
+    def _time_fastest(self, queued, *, whatever_the_time: bool = False) -> None:
+        """Simulate, of `queued` `(quick time, family, orders, source, program or None)`
+        rows, each family's fastest on the quick clock that the simulator keeps: the clock
+        gives the simulator's makespan, so no other is faster. Until time is up, or with
+        `whatever_the_time` until the evaluations are."""
+        done: set[_Family] = set()
+        for _, family, orders, source, program in sorted(queued, key=lambda row: row[0]):
+            if family in done:
                 continue
-            fastest.setdefault(family, quick[0])
-            self.evaluate(family, orders, source, program)
+            if whatever_the_time:
+                if self.max_evals is not None and self.evaluations >= self.max_evals:
+                    return
+            elif self.out_of_time():
+                return
+            if self.evaluate(family, orders, source, program) is not None:
+                done.add(family)
 
     def list_schedule(self, family: _Family, share: float) -> None:
         """Time the best few orders list scheduling makes under many rules, in about `share`
@@ -1098,29 +1103,29 @@ class _Searcher:
         for out in made:
             out.sort(key=lambda r: r[0])
         chosen = [out[n][1] for n in range(3) for out in made if n < len(out)]  # the best few
-        for orders in self._worth_timing(family, chosen):
+        if self.eager and not self.offload:  # the fastest on the quick clock
+            queued = self._clocked(family, chosen)
+            self._time_fastest([(quick, family, orders, "list scheduling", None)
+                                for quick, orders in queued])  # fmt: skip
+            return
+        for orders in chosen:
             if self.out_of_time():
-                break
+                return
             self.evaluate(family, orders, "list scheduling")
 
-    def _worth_timing(self, family: _Family, chosen: list) -> list:
-        """Of `chosen` orders, those worth compiling and simulating: all of them, but in an
-        eager search that may not offload, the quick clock's fastest first, and then only
-        those it times faster than the fastest one of them; none it times over its budget (in
-        bytes it may call one over that fits: those come last)."""
-        if not self.eager or self.offload:
-            return chosen
+    def _clocked(self, family: _Family, chosen: list) -> list:
+        """`(quick time, orders)` of the `chosen` orders the quick clock times: none it calls
+        over its budget, unless in bytes, where it may call one over that fits (those as the
+        slowest)."""
         clock = self._clock(family)
-        timed, untimed = [], []
+        out = []
         for orders in dict.fromkeys(chosen):
             quick = clock.time(orders) if clock.covers(orders) else None
             if quick is not None:
-                timed.append((quick, orders))
+                out.append((quick, orders))
             elif self.costs.memory is not None:
-                untimed.append(orders)
-        timed.sort(key=lambda pair: pair[0])
-        kept = timed[:1] + [pair for pair in timed[1:] if pair[0][0] < timed[0][0][0] - 1e-9]
-        return [orders for _, orders in kept] + untimed
+                out.append(((math.inf,), orders))
+        return out
 
     def _budgets(self, family: _Family) -> list[float] | None:
         """Per stage, the activation units list scheduling and the quick clock let a stage hold

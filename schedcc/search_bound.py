@@ -324,10 +324,7 @@ class _Bound:
             self.least[k] * max(0.0, b - (overlapped_pair(self.models[k]) - self.models[k].forward))
             for k, b in zip(ks, alone)
         )
-        first = min(
-            self.head(k) + self.least[k] * self.models[k].forward + self.round_trip(k)
-            for k in ks
-        )
+        first = self._first_backward(ks)
         end = min(self.round_trip(k) + self.least[k] * b for k, b in zip(ks, alone))
         forward = max(self.heaviest[k] * self.models[k].forward for k in ks)
         backward = max(self.heaviest[k] * self._longest_backward(k) for k in ks)
@@ -349,6 +346,7 @@ class _Bound:
         return model.backward
 
     def _longest_backward(self, k: int) -> float:
+        """The most a microbatch's backward on segment k takes outside a pair."""
         model = self.models[k]
         if self.split:
             return max(model.backward, model.backward_input + model.backward_weight)
@@ -406,10 +404,7 @@ class _Bound:
 
     def _start_up(self, ks, rooms: Sequence[float], recompute: bool) -> float:
         """Item 7: the time stage s loses before its first backward, idle or recomputing."""
-        first = min(
-            self.head(k) + self.least[k] * self.models[k].forward + self.round_trip(k)
-            for k in ks
-        )
+        first = self._first_backward(ks)
         longest = [
             self.heaviest[k] * max(self.models[k].forward, self._redo(k)) for k in ks
         ]
@@ -420,10 +415,18 @@ class _Bound:
             return short
         # a dropped forward costs its recomputation later: at least this share of it
         cheapest = min(
-            1.0 if model.forward <= 0 else min(1.0, self._redo(k) / model.forward)
-            for k, model in ((k, self.models[k]) for k in ks)
+            1.0 if self.models[k].forward <= 0 else min(1.0, self._redo(k) / self.models[k].forward)
+            for k in ks
         )
         return cheapest * short
+
+    def _first_backward(self, ks) -> float:
+        """The earliest a backward of segments `ks` can start: a head, a forward, a round
+        trip."""
+        return min(
+            self.head(k) + self.least[k] * self.models[k].forward + self.round_trip(k)
+            for k in ks
+        )
 
     def _ramps(self, ks, rooms: Sequence[float]) -> float:
         """Item 4's ramps: the held share of the limit the window cannot use while its stage
