@@ -19,7 +19,7 @@ from schedcc.program import Program
 from schedcc.schedule import Schedule
 from schedcc.validate import validate as _validate
 
-__all__ = ["compile", "normalize_tied", "with_replicas"]
+__all__ = ["compile", "computes", "normalize_tied", "with_replicas"]
 
 
 def compile(
@@ -124,6 +124,27 @@ def compile(
             program = lower(program)
         if validate:
             _validate(program, max_activations=max_activations)
+    return program
+
+
+def computes(
+    schedule: Schedule, *, data_parallel: int = 1, zero: int = 0, recompute: bool = False
+) -> Program:
+    """`schedule`'s instructions as collected, its recomputations placed (all of them with
+    `recompute=True`), before any lowering: no comm, update or version, and not validated.
+    Its computes run in the order `compile` gives them; `schedcc.search` times them on its
+    quick clock before it compiles the fastest.
+
+    Raises:
+        ScheduleError: the schedule yields something invalid.
+    """
+    policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
+    if policy is not None and schedule.num_parts > 1:
+        raise ScheduleConfigError(f"{schedule!r} splits microbatches: no recompute=")
+    with paused_gc():
+        program = collect(schedule, data_parallel=data_parallel, zero=zero)
+        if policy is not None:
+            program = insert_recompute(program, policy)
     return program
 
 

@@ -94,7 +94,7 @@ from typing import ClassVar
 
 import attrs
 
-from schedcc.compiler import compile
+from schedcc.compiler import compile, computes
 from schedcc.costs import CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
@@ -990,6 +990,7 @@ class _Searcher:
             tables[family.num_chunks, family.vshape] = table
         every_placement = {f.vshape for f in families if f.num_chunks == 2} == {False, True}
         waiting: list = []  # seeds the quick clock timed, to simulate the fastest of
+        clocked = self.eager and not self.offload
         for v in sorted({f.num_chunks for f in families}):
             for name, cls in classes:  # all of them, whatever the time: the search starts here
                 if self.max_evals is not None and self.evaluations >= self.max_evals:
@@ -1004,10 +1005,10 @@ class _Searcher:
                     plain = cls.num_replicas == 1 and not cls.weight_delay and ours
                     if not plain and not (every_placement or v == 1):
                         continue
-                    # validated once chosen (`final` compiles the order found again)
-                    program = compile(
-                        schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed,
-                        validate=False,
+                    # on the clock its computes alone, else compiled; either way validated
+                    # where it is timed (the simulator validates, `final` compiles it again)
+                    program = (computes if clocked else _compile_unchecked)(
+                        schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed
                     )
                 except ScheduleError:
                     continue
@@ -1017,23 +1018,29 @@ class _Searcher:
                 if not any(f.num_chunks == v and f.split == split for f in families):
                     continue
                 source = name + (" with recompute" if recomputed else "")
-                fits = self._seed_on_clock(form, orders, source, program, waiting)
+                fits = self._seed_on_clock(form, orders, source, waiting) if clocked else None
                 if fits is None:  # not on the clock: the simulator says
+                    if clocked:
+                        try:
+                            program = _compile_unchecked(
+                                schedule, data_parallel=self.dp, zero=self.zero,
+                                recompute=recomputed,
+                            )  # fmt: skip
+                        except ScheduleError:
+                            continue
                     fits = self.evaluate(form, orders, source, program) is not None
                 if fits:
                     self.fitting_builtins.add((name, v))
         self._time_fastest(waiting, whatever_the_time=True)  # each layout's fastest
 
-    def _seed_on_clock(self, family: _Family, orders, source: str, program, waiting) -> bool | None:
-        """In an eager search that may not offload, whether a seed fits as the quick clock
-        says (exactly, in whole-stage microbatches; in bytes only where it times it), queued in
-        `waiting` to be simulated if it is worth it; None where the simulator must say."""
-        if not self.eager or self.offload:
-            return None
+    def _seed_on_clock(self, family: _Family, orders, source: str, waiting) -> bool | None:
+        """Whether a seed fits as the quick clock says (exactly, in whole-stage microbatches;
+        in bytes only where it times it), queued in `waiting` to be compiled and simulated if it
+        is the fastest of its layout; None where the simulator must say."""
         clock = self._clock(family)
         quick = clock.time(orders) if clock.covers(orders) else None
         if quick is not None:
-            waiting.append((quick, family, orders, source, program))
+            waiting.append((quick, family, orders, source, None))
             return True
         if self.costs.memory is None and (waiting or self.best) and clock.covers(orders):
             return False  # over its budget (a built-in's order never gets stuck)
@@ -1290,6 +1297,11 @@ def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
             weight_delay=family.weight_delay,
         )
     return type("Found", (FoundOrder,), body)
+
+
+def _compile_unchecked(schedule: Schedule, **options) -> Program:
+    """`compile` without the validator (the simulator validates what it times)."""
+    return compile(schedule, validate=False, **options)
 
 
 def _compute_orders(program: Program, *, sends: bool = False) -> tuple[tuple[str, ...], ...]:
