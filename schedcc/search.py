@@ -1020,7 +1020,7 @@ class _Searcher:
                 source = name + (" with recompute" if recomputed else "")
                 fits = self._seed_on_clock(form, orders, source, waiting) if clocked else None
                 if fits is None:  # not on the clock: the simulator says
-                    if clocked:
+                    if clocked:  # compiled now (lowering places copies beside the computes)
                         try:
                             program = _compile_unchecked(
                                 schedule, data_parallel=self.dp, zero=self.zero,
@@ -1028,6 +1028,7 @@ class _Searcher:
                             )  # fmt: skip
                         except ScheduleError:
                             continue
+                        orders = _compute_orders(program)
                     fits = self.evaluate(form, orders, source, program) is not None
                 if fits:
                     self.fitting_builtins.add((name, v))

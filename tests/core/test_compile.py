@@ -11,6 +11,7 @@ import gc
 
 import networkx as nx
 import pytest
+from _builtin_schedules import names
 from _orders import OrderSchedule, random_orders
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,8 +30,11 @@ from schedcc import (
     UnmatchedCommError,
     validate,
 )
+from schedcc.compiler import computes
 from schedcc.ir import SENDS, WEIGHT_GRADIENT, Comm, Compute
 from schedcc.passes import assign_versions, build_graph, collect, insert_comm, insert_updates
+from schedcc.registry import build_schedule, get_schedule
+from schedcc.search import _compute_orders
 from schedcc.semantics import Tensors, Units, match_comm, unit_durations, walk
 
 _PARALLEL = st.sampled_from([(1, 0), (2, 0), (2, 1), (2, 2), (1, 1)])
@@ -339,3 +343,24 @@ def _rendezvous_makespan(stages, tensors) -> float:
     result = walk(units, partner, unit_durations(stages, units))
     assert not result.stuck
     return max((row[-1] for row in result.end if row), default=0)
+
+
+@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("recompute", [False, True])
+def test_computes_run_in_the_order_compile_gives_them(name, recompute):
+    """`computes` (what a search times before it compiles) has every built-in's computes in
+    the order the compiled program runs them, with or without full recomputation, at v = 1
+    and 2 (copies to the host are placed beside them by lowering: a search compiles an order
+    with copies before it times it)."""
+
+    def computes_only(orders):
+        return tuple(tuple(t for t in row if t[0] not in "OL") for row in orders)
+
+    for p, m, v in ((2, 4, 1), (4, 8, 2)):
+        try:
+            schedule = build_schedule(get_schedule(name), p, m, num_chunks=v)
+            program = schedcc.compile(schedule, recompute=recompute)
+        except ScheduleError:
+            continue
+        collected = _compute_orders(computes(schedule, recompute=recompute))
+        assert computes_only(collected) == computes_only(_compute_orders(program))
