@@ -100,12 +100,7 @@ def compile(
     if type(grad_norm) is not bool:
         raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
     groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
-    policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
-    if policy is not None and schedule.num_parts > 1:
-        raise ScheduleConfigError(
-            f"{schedule!r} splits microbatches into sequence parts, whose forwards hand their "
-            "carry on (see [Note: sequence parts]); compile it without recompute="
-        )
+    policy = _recompute_policy(schedule, recompute)
     offloads = offload_policy(offload, schedule.num_stages, schedule.num_chunks)
     if zero == 3:
         _check_zero3(schedule)
@@ -136,16 +131,26 @@ def computes(
     quick clock before it compiles the fastest.
 
     Raises:
+        ScheduleConfigError: `recompute` with sequence parts, as `compile`.
         ScheduleError: the schedule yields something invalid.
     """
-    policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
-    if policy is not None and schedule.num_parts > 1:
-        raise ScheduleConfigError(f"{schedule!r} splits microbatches: no recompute=")
+    policy = _recompute_policy(schedule, recompute)
     with paused_gc():
         program = collect(schedule, data_parallel=data_parallel, zero=zero)
         if policy is not None:
             program = insert_recompute(program, policy)
     return program
+
+
+def _recompute_policy(schedule: Schedule, recompute) -> Policy | None:
+    """`recompute=` as a policy, refused for a schedule of sequence parts."""
+    policy = recompute_policy(recompute, schedule.num_stages, schedule.num_chunks)
+    if policy is not None and schedule.num_parts > 1:
+        raise ScheduleConfigError(
+            f"{schedule!r} splits microbatches into sequence parts, whose forwards hand their "
+            "carry on (see [Note: sequence parts]); compile it without recompute="
+        )
+    return policy
 
 
 def _check_zero3(schedule: Schedule) -> None:

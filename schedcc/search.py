@@ -1039,21 +1039,21 @@ class _Searcher:
         in bytes only where it times it), queued in `waiting` to be compiled and simulated if it
         is the fastest of its layout; None where the simulator must say."""
         clock = self._clock(family)
-        quick = clock.time(orders) if clock.covers(orders) else None
+        quick = clock.time_covered(orders)
         if quick is not None:
-            waiting.append((quick, family, orders, source, None))
+            waiting.append((quick, family, orders, source))
             return True
         if self.costs.memory is None and (waiting or self.best) and clock.covers(orders):
             return False  # over its budget (a built-in's order never gets stuck)
         return None
 
     def _time_fastest(self, queued, *, whatever_the_time: bool = False) -> None:
-        """Simulate, of `queued` `(quick time, family, orders, source, program or None)`
-        rows, each family's fastest on the quick clock that the simulator keeps: the clock
-        gives the simulator's makespan, so no other is faster. Until time is up, or with
+        """Compile and simulate, of `queued` `(quick time, family, orders, source)` rows, each
+        family's fastest on the quick clock that the simulator keeps: the clock gives the
+        simulator's makespan, so no other is faster. Until time is up, or with
         `whatever_the_time` until the evaluations are."""
         done: set[_Family] = set()
-        for _, family, orders, source, program in sorted(queued, key=lambda row: row[0]):
+        for _, family, orders, source in sorted(queued, key=lambda row: row[0]):
             if family in done:
                 continue
             if whatever_the_time:
@@ -1061,7 +1061,7 @@ class _Searcher:
                     return
             elif self.out_of_time():
                 return
-            if self.evaluate(family, orders, source, program) is not None:
+            if self.evaluate(family, orders, source) is not None:
                 done.add(family)
 
     def list_schedule(self, family: _Family, share: float) -> None:
@@ -1113,7 +1113,7 @@ class _Searcher:
         chosen = [out[n][1] for n in range(3) for out in made if n < len(out)]  # the best few
         if self.eager and not self.offload:  # the fastest on the quick clock
             queued = self._clocked(family, chosen)
-            self._time_fastest([(quick, family, orders, "list scheduling", None)
+            self._time_fastest([(quick, family, orders, "list scheduling")
                                 for quick, orders in queued])  # fmt: skip
             return
         for orders in chosen:
@@ -1128,7 +1128,7 @@ class _Searcher:
         clock = self._clock(family)
         out = []
         for orders in dict.fromkeys(chosen):
-            quick = clock.time(orders) if clock.covers(orders) else None
+            quick = clock.time_covered(orders)
             if quick is not None:
                 out.append((quick, orders))
             elif self.costs.memory is not None:
@@ -1183,9 +1183,7 @@ class _Searcher:
     @staticmethod
     def _on_clock(clock: QuickClock, candidate: _Candidate) -> bool:
         """Whether the quick clock times `candidate`'s order (no copies or sends)."""
-        if candidate.base is not None or not clock.covers(candidate.orders):
-            return False
-        return clock.time(candidate.orders) is not None
+        return candidate.base is None and clock.time_covered(candidate.orders) is not None
 
     def _climb(self, current: _Candidate) -> _Candidate:
         """First improvement over every move, in a fixed order, each timed by the simulator,

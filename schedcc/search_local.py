@@ -108,6 +108,10 @@ class QuickClock:
             self.op(s, text) is not None for s, row in enumerate(orders) for text in row
         )
 
+    def time_covered(self, orders: Orders) -> tuple[float, float] | None:
+        """`time(orders)` where the clock covers them, else None."""
+        return self.time(orders) if self.covers(orders) else None
+
     def time(self, orders: Orders) -> tuple[float, float] | None:
         """`(makespan, the stages' ends added up)` of `orders` in the eager timeline, or None
         where they get stuck (a compute waits for one that runs after it) or a stage holds
