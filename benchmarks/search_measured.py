@@ -14,7 +14,8 @@ samples, one batch (one length) for every step, SGD:
 2. the memory limit is half of 1F1B's peak activations: p / 2 whole-stage microbatches (1F1B's
    stage 0 holds p), the same count on every stage; in bytes, stage s's limit is p / 2 of the
    microbatches 1F1B's measured peak on it held (p - s of them);
-3. candidates: `schedcc.search(p, m, costs=..., memory_limit=p / 2, recompute=True)` (v = 1, 2,
+3. candidates: `schedcc.search(p, m, costs=..., memory_limit=p / 2, recompute=True,
+   tied=[(0, -1)])` (every order timed with the tied head's all-reduce it runs; v = 1, 2,
    both placements, `--search-time` seconds) over both backward forms ("search": F/B and F/I/W
    orders; `from_trace` reads a 1F1B trace's whole backwards split as I = W = B / 2, and, the
    trace being a CPU run's, overlapped pairs as run in order), the same with
@@ -77,6 +78,7 @@ from schedcc.memory_model import MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
 
 MICROBATCH_SIZE = 2  # `schedcc run`'s default
+TIED = [(0, -1)]  # the head tied to the embedding: every candidate's program takes its all-reduce
 
 
 def _sgd(params):
@@ -202,7 +204,7 @@ def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[
     for (label, args), eager in itertools.product(searches, timings):
         args = {"memory_limit": limit, "costs": costs, **args}
         found = schedcc.search(
-            p, m, recompute=True, time_limit=opts.search_time, eager=eager, **args
+            p, m, recompute=True, time_limit=opts.search_time, eager=eager, tied=TIED, **args
         )
         ops = " ".join(found.schedule.orders).replace("+", "").split()
         kinds = "F/I/W" if any(op.startswith("I") for op in ops) else "F/B"
@@ -231,6 +233,7 @@ def _candidates(p: int, m: int, costs: CostModel, runs, in_bytes, opts) -> list[
             num_chunks=(1, 2),
             costs=costs,
             memory_limit=limit,
+            tied=TIED,
             recompute=(False, True),
             eager=eager,
         )

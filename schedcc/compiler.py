@@ -44,7 +44,9 @@ def compile(
             after every backward) or 3 (as 2, and each chunk's parameters stay sharded between
             uses: `Unshard` before its first compute of a batch, `Reshard` after its last).
         tied: groups of segment indices whose segments share parameters (e.g. `[(0, 3)]` for an
-            LM head tied to the token embedding); each stage holding a segment of group `g` gets
+            LM head tied to the token embedding; a negative index counts from the last segment
+            of a model replica, so `[(0, -1)]` says the same at any cut); each stage holding a
+            segment of group `g` gets
             a `ReduceTied(g)` per batch that sums the gradients of every copy before the step.
             A schedule with model replicas (DualPipe) ties each segment to its copies itself,
             joined with these groups (see [Note: replicas] in `schedcc.semantics.layout`).
@@ -99,7 +101,8 @@ def compile(
         raise ScheduleConfigError(f"forward_only must be True or False, got {forward_only!r}")
     if type(grad_norm) is not bool:
         raise ScheduleConfigError(f"grad_norm must be True or False, got {grad_norm!r}")
-    groups = with_replicas(normalize_tied(tied, schedule.num_segments), schedule)
+    replicas = type(schedule).num_replicas
+    groups = with_replicas(normalize_tied(tied, schedule.num_segments, replicas), schedule)
     policy = _recompute_policy(schedule, recompute)
     offloads = offload_policy(offload, schedule.num_stages, schedule.num_chunks)
     if zero == 3:
@@ -203,8 +206,12 @@ def with_replicas(
     return tuple(sorted(tuple(g) for g in merged.values() if len(g) > 1))
 
 
-def normalize_tied(tied: Iterable[Iterable[int]], num_segments: int) -> tuple[tuple[int, ...], ...]:
-    """`tied` as a sorted tuple of sorted tuples of segment indices, checked.
+def normalize_tied(
+    tied: Iterable[Iterable[int]], num_segments: int, num_replicas: int = 1
+) -> tuple[tuple[int, ...], ...]:
+    """`tied` as a sorted tuple of sorted tuples of segment indices, checked; a negative index
+    counts from the end of one model replica (`num_segments / num_replicas` segments), so
+    `[(0, -1)]` ties the first segment to the last however the model is cut.
 
     Raises:
         ScheduleConfigError: `tied` is not a collection of groups of ints, a group has fewer than
@@ -212,8 +219,11 @@ def normalize_tied(tied: Iterable[Iterable[int]], num_segments: int) -> tuple[tu
 
     >>> normalize_tied([[3, 0], (5, 1)], 6)
     ((0, 3), (1, 5))
+    >>> normalize_tied([(0, -1)], 8), normalize_tied([(0, -1)], 8, num_replicas=2)
+    (((0, 7),), ((0, 3),))
     """
-    example = f"e.g. tied=[(0, {num_segments - 1})] for the first and last segment"
+    length = num_segments // num_replicas
+    example = f"e.g. tied=[(0, {length - 1})] (or (0, -1)) for the first and last segment"
     if isinstance(tied, (str, bytes)) or not isinstance(tied, Iterable):
         raise ScheduleConfigError(
             f"tied must be groups of segment indices, {example}; got {tied!r}"
@@ -226,13 +236,15 @@ def normalize_tied(tied: Iterable[Iterable[int]], num_segments: int) -> tuple[tu
                 f"each group in tied must be a tuple of segment indices, {example}; got {group!r}"
             )
         members = tuple(group)
-        bad = [k for k in members if type(k) is not int or not 0 <= k < num_segments]
+        bad = [k for k in members if type(k) is not int or not -length <= k < num_segments]
         if bad:
             raise ScheduleConfigError(
                 f"tied group {members!r}: {bad[0]!r} is not a segment index in "
-                f"[0, {num_segments}) (the schedule has p*v = {num_segments} segments)"
+                f"[{-length}, {num_segments}) (the schedule has p*v = {num_segments} segments"
+                + (f", {length} a model replica" if num_replicas > 1 else "")
+                + "; a negative index counts from the last)"
             )
-        members = tuple(sorted(set(members)))
+        members = tuple(sorted({k % length if k < 0 else k for k in members}))
         if len(members) < 2:
             raise ScheduleConfigError(
                 f"tied group {tuple(group)!r} names fewer than two segments; a group lists the "

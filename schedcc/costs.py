@@ -53,9 +53,11 @@ __all__ = [
     "CHUNK_FIELDS",
     "FIELD_OF_CODE",
     "CostModel",
+    "MeasuredUpdates",
     "cost_fields",
     "kind_cost",
     "measured_backward",
+    "measured_updates",
     "overlapped_pair",
 ]
 
@@ -405,13 +407,15 @@ class CostModel:
                 track = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
                 stage = track if by_pid else track_stage(track)
                 duration = float(event["dur"]) / unit_us
-                start = float(event.get("ts", 0))
+                start = float(event.get("ts", 0)) / unit_us
             except (TypeError, ValueError):
                 raise ScheduleConfigError(
                     f"trace event {event.get('name')!r}: its dur, ts, pid and tid must be "
                     "numbers"
                 ) from None
-            timed.append(_Sample(stage, track, start, kind, chunk, duration))
+            meet = event["name"] if isinstance(parse(event["name"]), _MEETS) else None
+            timed.append(_Sample(stage, track, start, kind, chunk, duration, meet))
+        timed = _after_meeting(timed)
         if metadata.get("measured") is True:
             timed = _unpaired(timed)
         samples: dict[int, dict[tuple[str, int], list[float]]] = {}
@@ -469,6 +473,63 @@ def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, 
     whole = any(k in ("backward", _PAIRED) for k, _ in kinds)
     split = any(k in ("backward_input", "backward_weight") for k, _ in kinds)
     return (False,) if whole and not split else (False, True)
+
+
+# [Note: a trace's updates] The updates a run compiled cost what its trace measured of them:
+# the collectives of its tied groups (`ReduceTied`, priced `reduce`) and of the gradient norm
+# (`GradNorm`, `norm`), 5-15% of a step for the tied-head GPT on the CPU. An order searched or
+# ranked without them is timed for another program than the one that runs, faster by their
+# cost. So `schedcc run --trace` records them ("otherData" -> "updates": the tied groups within
+# one model replica of its cut, and whether it took the norm), and the closed loop, `search
+# --costs-from` and `tune --costs-from` compile every order with them (`measured_updates`). A
+# tie of the first and last segments (the embedding and the LM head) holds at every cut, and is
+# read as `(0, -1)`; a tie of other segments names segments of the trace's cut only.
+@attrs.frozen
+class MeasuredUpdates:
+    """The updates a traced run compiled ([Note: a trace's updates]): its `tied` groups, the
+    first segment 0 and the last -1 (any other index one of the segments of `cut`), whether it
+    took the gradient norm (`grad_norm`), and the segments of one model replica it was cut in
+    (`cut`)."""
+
+    tied: tuple[tuple[int, ...], ...] = ()
+    grad_norm: bool = False
+    cut: int | None = None
+
+    @property
+    def cut_free(self) -> bool:
+        """Whether `tied` names the same segments at every cut (only 0 and -1)."""
+        return all(k <= 0 for group in self.tied for k in group)
+
+
+def measured_updates(trace: str | PathLike | Mapping | Iterable[Mapping]) -> MeasuredUpdates:
+    """The updates the run a trace times compiled (none where it records none: a simulated
+    trace, or one of another tool).
+
+    Raises:
+        ScheduleConfigError: the file is not a trace, or its record is malformed.
+        OSError: the file cannot be read.
+    """
+    _, metadata = read_chrome_trace(trace)
+    record = metadata.get("updates")
+    if record is None:
+        return MeasuredUpdates()
+    cut = metadata.get("cut")
+    try:
+        length = cut["num_stages"] * cut["num_chunks"] // _replicas(cut)
+        groups, grad_norm = record["tied"], record["grad_norm"]
+    except (KeyError, TypeError):
+        groups = grad_norm = None
+    if not (_rows_of_ints(groups) and isinstance(grad_norm, bool)):
+        raise ScheduleConfigError(
+            "trace: its updates record must give tied (groups of segment indices) and grad_norm "
+            f"(a boolean), and its cut record the stages and chunks; got {record!r}, {cut!r}"
+        )
+
+    def named(k: int) -> int:  # the last segment as -1, the first 0, and the others as cut
+        return -1 if 0 < k == length - 1 else k
+
+    tied = tuple(tuple(sorted(map(named, g), key=lambda k: (k < 0, k))) for g in groups)
+    return MeasuredUpdates(tied, grad_norm, length)
 
 
 # [Note: a trace's backward both ways] A run of F/B orders measures whole backwards only, one of
@@ -533,6 +594,35 @@ class _Sample(NamedTuple):
     kind: str
     chunk: int
     duration: float
+    meet: str | None = None  # a collective's name (`Tied0`, `Norm`): its members meet
+
+
+#: The collectives the stages of one pipeline meet at.
+_MEETS = (ReduceTied, GradNorm)
+
+
+# [Note: a collective's wait] A `ReduceTied` or `GradNorm` starts on each stage of its group
+# when that stage gets to it and ends once every member has arrived and the collective has run,
+# so its measured duration holds the wait for the last member: at the end of a step, most of
+# it. The simulators start a collective once its members are all there and end it on each stage
+# its cost later, so a member's cost is its end less the last member's start, the k-th
+# occurrence of one name on each stage being one collective (a trace of one pipeline replica;
+# a `ReduceGrads` meets other replicas, which it does not show, and is read as it is). In a
+# simulated trace the members start together, and this reads each duration back as it is.
+def _after_meeting(timed: list[_Sample]) -> list[_Sample]:
+    """`timed` with each collective's duration counted from its last member's start."""
+    occurrences: dict[tuple[str, int], list[_Sample]] = {}
+    for t in sorted(timed, key=lambda t: t.start):
+        if t.meet is not None:
+            occurrences.setdefault((t.meet, t.stage), []).append(t)
+    met: dict[_Sample, _Sample] = {}
+    for name in {name for name, _ in occurrences}:
+        rows = [row for (n, _), row in occurrences.items() if n == name]
+        for members in zip(*rows):
+            last = max(t.start for t in members)
+            for t in members:
+                met[t] = t._replace(duration=max(t.start + t.duration - last, 0.0))
+    return [met.get(t, t) for t in timed]
 
 
 def _unpaired(timed: list[_Sample]) -> list[_Sample]:

@@ -111,12 +111,12 @@ from schedcc.passes.insert_offload import ByteLimit
 from schedcc.program import Program
 from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
-from schedcc.search_bound import lower_bound
+from schedcc.search_bound import closing, lower_bound
 from schedcc.search_exact import available, require_ortools, solve_exact
 from schedcc.search_local import QuickClock, held_sizes, kick, move, neighbours
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
-from schedcc.tune import _per_chunk, other_cut
+from schedcc.tune import _per_chunk, other_cut, tied_at_cuts
 
 __all__ = [
     "EXACT_MAX_PAIRS", "MAX_CHUNKS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult",
@@ -329,6 +329,8 @@ def search(
     offload: bool = False,
     data_parallel: int = 1,
     zero: int = 0,
+    tied: Iterable[Iterable[int]] = (),
+    grad_norm: bool = False,
     builtins: bool = True,
     start: Iterable[type[Schedule]] = (),
     time_limit: float = 10.0,
@@ -364,6 +366,11 @@ def search(
             ahead of its backward, on the stage's copy lane, priced by `CostModel.offload` and
             `reload`) where an order does not fit the limit ([Note: the search's offloads]).
         data_parallel, zero: as in `schedcc.compile`.
+        tied, grad_norm: as in `schedcc.compile`, for every order timed: the collectives that
+            sum a tied group's gradients (`ReduceTied`) and take the global gradient norm
+            (`GradNorm`) cost what `costs.reduce` and `costs.norm` say, as in the run they
+            stand for. Searching several cuts (v = 1 and 2), name segments that hold at every
+            cut: 0 the first, -1 the last (`[(0, -1)]` an LM head tied to the embedding).
         builtins: start from the built-in orders at the same placement.
         start: more schedule classes to start from (e.g. an order found before, to improve
             it); those with another placement or shape are left out.
@@ -408,7 +415,8 @@ def search(
         raise ScheduleConfigError(f"search: data_parallel must be >= 1, got {data_parallel!r}")
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
         raise ScheduleConfigError(f"search: zero must be 0, 1, 2 or 3, got {zero!r}")
-    for arg, value in (("recompute", recompute), ("offload", offload), ("eager", eager)):
+    flags = (("recompute", recompute), ("offload", offload), ("eager", eager))
+    for arg, value in (*flags, ("grad_norm", grad_norm)):
         if not isinstance(value, bool):
             raise ScheduleConfigError(f"search: {arg} must be True or False, got {value!r}")
     if max_evaluations is not None and (
@@ -423,6 +431,8 @@ def search(
         raise ScheduleConfigError(f"search: time_limit must be seconds > 0, got {time_limit!r}")
     limits = _limits(memory_limit, num_stages, costs.memory is not None)
     families = _families(num_stages, num_chunks, placement, split_backward)
+    cuts = sorted({num_stages * family.share for family in families})
+    tied = tied_at_cuts(tied, cuts, "search")  # one cut, where an index is above 0
     sized = _sized(families, num_stages, costs.memory)
     method = _method(method, num_stages, num_microbatches, families, max_evaluations)
     share = 0.4 if method == "exact" else 1.0
@@ -439,6 +449,9 @@ def search(
         max_evaluations,
         random.Random(seed),
         eager=eager,
+        tied=tied,
+        grad_norm=grad_norm,
+        tied_cut=cuts[0] if any(k > 0 for group in tied for k in group) else None,
     )
     seeds = _seeds(start) + (list(registered_classes().items()) if builtins else [])
     searcher.seed(seeds, families, recomputed=False)
@@ -632,11 +645,15 @@ class _Searcher:
 
     def __init__(
         self, p, m, costs, limits, recompute, offload, dp, zero, deadline, max_evals, rng,
-        *, eager: bool = False,
+        *, eager: bool = False, tied=(), grad_norm: bool = False, tied_cut: int | None = None,
     ):
         self.p, self.m, self.costs, self.limits = p, m, costs, limits
         self.eager = eager  # time and bound the eager timeline
         self.recompute, self.dp, self.zero = recompute, dp, zero
+        # compile's options for every order
+        self.options = {"data_parallel": dp, "zero": zero, "tied": tied, "grad_norm": grad_norm}
+        # the cut `tied` names segments of, where it names one (an index above 0)
+        self.tied_cut = tied_cut
         self.offload = offload and limits is not None
         self.deadline, self.max_evals, self.rng = deadline, max_evals, rng
         self.evaluations = 0
@@ -725,7 +742,7 @@ class _Searcher:
 
     def _compile(self, family: _Family, orders, offload: ByteLimit | None = None) -> Program:
         schedule = _found_class(self.p, self.m, family, orders)(self.p, self.m, family.num_chunks)
-        return compile(schedule, data_parallel=self.dp, zero=self.zero, offload=offload)
+        return compile(schedule, offload=offload, **self.options)
 
     def _offloaded(self, family: _Family, orders, timeline: Timeline):
         """`orders` (over the limit in `timeline`) with offloads where a stage is over it
@@ -835,6 +852,8 @@ class _Searcher:
                 # a model of whole backwards only bounds no order of split ones
                 proven = [b for b, split in entries if b is not None and split >= family.split]
                 exact = max(proven, default=None)
+            if exact is not None:  # CP-SAT's model ends at the last compute
+                exact += closing(self.costs, self.p, self.options["grad_norm"])
             if exact is not None and exact > formula * (1 + 1e-6):  # not by rounding alone
                 found.append((exact, "CP-SAT"))
             else:
@@ -853,6 +872,7 @@ class _Searcher:
             data_parallel=self.dp,
             zero=self.zero,
             eager=self.eager,
+            grad_norm=self.options["grad_norm"],
         )
 
     def exact(self, families: list[_Family], until: float, seed: int) -> None:
@@ -1007,9 +1027,14 @@ class _Searcher:
                         continue
                     # on the clock its computes alone, else compiled; either way validated
                     # where it is timed (the simulator validates, `final` compiles it again)
-                    program = (computes if clocked else _compile_unchecked)(
-                        schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed
-                    )
+                    if clocked:
+                        program = computes(
+                            schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed
+                        )
+                    else:
+                        program = _compile_unchecked(
+                            schedule, recompute=recomputed, **self.options
+                        )
                 except ScheduleError:
                     continue
                 orders = _compute_orders(program)
@@ -1017,15 +1042,16 @@ class _Searcher:
                 form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
                 if not any(f.num_chunks == v and f.split == split for f in families):
                     continue
+                if self.tied_cut not in (None, self.p * form.share):
+                    continue  # its ties name segments of another cut
                 source = name + (" with recompute" if recomputed else "")
                 fits = self._seed_on_clock(form, orders, source, waiting) if clocked else None
                 if fits is None:  # not on the clock: the simulator says
                     if clocked:  # compiled now (lowering places copies beside the computes)
                         try:
                             program = _compile_unchecked(
-                                schedule, data_parallel=self.dp, zero=self.zero,
-                                recompute=recomputed,
-                            )  # fmt: skip
+                                schedule, recompute=recomputed, **self.options
+                            )
                         except ScheduleError:
                             continue
                         orders = _compute_orders(program)

@@ -96,7 +96,9 @@ taking no stage's time): items 1, 2, 4's Little's law and ramps, 5, 6, 7 and 8 h
 (every hop they count is a message's flight, the consumer starting no earlier than the
 producer's end plus it), and the comm groups of items 3 and 4 take nothing, so they drop out.
 
-It leaves out the updates (`ReduceGrads`, `OptimizerStep`), groups beyond those the paths force
+Of the updates it counts only what closes the run (`closing`): the stage whose compute ends
+last takes its `OptimizerStep` after it, after the `GradNorm` where the program takes one. It
+leaves out the rest (`ReduceGrads`, `ReduceTied`), groups beyond those the paths force
 (a steady 1F1B runs two per microbatch on a middle stage, but an order may batch the messages
 of many microbatches into one group and wait for them instead, so no count per microbatch is
 unavoidable), and idle time forced by the dependencies except along the head, tail and paths.
@@ -136,6 +138,7 @@ def lower_bound(
     data_parallel: int = 1,
     zero: int = 0,
     eager: bool = False,
+    grad_norm: bool = False,
 ) -> float:
     """The makespan no order of `family` beats ([Note: the lower bound]); costs at v = 1.
 
@@ -153,6 +156,7 @@ def lower_bound(
             limit (as `schedcc.compile`'s).
         eager: bound the eager timeline (`simulate(..., eager=True)`) instead of the
             rendezvous one: no comm groups on the stages.
+        grad_norm: the programs take the global gradient norm (`closing`).
 
     Returns:
         The bound; `math.inf` where a limit leaves no room for one chunk activation.
@@ -181,7 +185,20 @@ def lower_bound(
             if any(room < 1 for room in rooms):
                 return math.inf
         best = max(best, bound.stage(s, rooms, recompute))
-    return best
+    return best + closing(costs, num_stages, grad_norm)
+
+
+def closing(costs: CostModel, num_stages: int, grad_norm: bool = False) -> float:
+    """What follows the last compute of a run, at least: the stage that runs it then takes
+    its optimizer step, after the gradient norm's collective where the program takes one (it
+    starts once that stage is there); the least of that over the stages.
+
+    >>> closing(CostModel(step=1.0, norm=0.5, per_stage={1: CostModel(step=0.8)}), 2, True)
+    0.8
+    """
+    return min(
+        costs.at(s).step + (costs.at(s).norm if grad_norm else 0.0) for s in range(num_stages)
+    )
 
 
 class _Bound:

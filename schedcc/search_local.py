@@ -17,8 +17,10 @@ does not fit, and in bytes it may call an order over budget that fits (its budge
 each segment's parameters, gradients and optimizer state throughout), never one that does not
 (property tests hold it to both). It is a screen all the same: an order it times faster is
 compiled and simulated like every other candidate, and only that timing counts. It leaves out
-the updates (free in the search's cost models) and the rendezvous model's comm groups: for a
-rendezvous search its time is only a guide. Orders with sends or copies are timed by the
+the updates (free in the default costs; with measured ones they follow each stage's last
+compute, and the norm's and a tied head's collectives wait for the last stage there, so they
+add about the same to every order of a placement) and the rendezvous model's comm groups: for
+a rendezvous search its time is only a guide. Orders with sends or copies are timed by the
 simulator alone.
 """
 

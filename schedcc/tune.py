@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from schedcc.compiler import compile
+from schedcc.compiler import compile, normalize_tied
 from schedcc.costs import CHUNK_FIELDS, CostModel
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import Recompute
@@ -126,6 +126,8 @@ def tune(
     memory_limit: float | str | None = None,
     data_parallel: int = 1,
     zero: int = 0,
+    tied: Iterable[Iterable[int]] = (),
+    grad_norm: bool = False,
     recompute: bool | Iterable[bool] = False,
     eager: bool = False,
 ) -> TuneResult:
@@ -143,6 +145,11 @@ def tune(
             drop those whose peak bytes (`Timeline.peak_bytes`) exceed this many bytes
             instead (a number or a size such as "12GiB").
         data_parallel, zero: as in `schedcc.compile` (adds the gradient reductions).
+        tied, grad_norm: as in `schedcc.compile`: the collectives of a tied group
+            (`ReduceTied`, priced `costs.reduce`) and of the global gradient norm (`GradNorm`,
+            `costs.norm`) in every program, as in the run they stand for. The schedules cut
+            the model differently (v, DualPipe's replicas): name segments that hold at every
+            cut, 0 the first and -1 the last, unless they all cut it alike.
         recompute: without (False), with (True) or both ways (`(False, True)`): full
             recomputation, `compile(..., recompute=True)`; each is its own candidate.
         eager: time each program as the distributed engine runs it, sends that never wait
@@ -173,13 +180,23 @@ def tune(
     in_bytes = costs.memory is not None
     if in_bytes and memory_limit is not None:
         memory_limit = parse_size(memory_limit)
+    if not isinstance(grad_norm, bool):
+        raise ScheduleConfigError(f"tune: grad_norm must be True or False, got {grad_norm!r}")
     grid = _Grid.of(num_stages, num_microbatches, num_chunks, memory_limit)
-    tuner = _Tuner(num_stages, costs, data_parallel, zero, eager)
+    classes = _resolve(schedules)
+
+    def chunk_counts(cls: type[Schedule]) -> tuple[int, ...]:
+        return grid.chunks or cls.chunk_counts(_MAX_CHUNKS, first=2)
+
+    cuts = {num_stages * v for c in classes.values() for v in chunk_counts(c)}
+    options = {"data_parallel": data_parallel, "zero": zero, "grad_norm": grad_norm}
+    options["tied"] = tied_at_cuts(tied, cuts, "tune")  # one cut, where an index is above 0
+    tuner = _Tuner(num_stages, costs, options, eager)
     results = [
         tuner.run(name, cls, m, v, r)
-        for name, cls in _resolve(schedules).items()
+        for name, cls in classes.items()
         for m in grid.microbatches
-        for v in grid.chunks or cls.chunk_counts(_MAX_CHUNKS, first=2)
+        for v in chunk_counts(cls)
         for r in _recompute_values(recompute)
     ]
     candidates = [r for r in results if isinstance(r, Candidate)]
@@ -199,6 +216,24 @@ def tune(
         skipped=tuple(r for r in skipped.values() if isinstance(r, Skipped)),
         eager=eager,
     )
+
+
+def tied_at_cuts(tied, cuts: Iterable[int], caller: str) -> tuple[tuple[int, ...], ...]:
+    """`tied` as a tuple of groups, checked at every cut (segments of one model replica) the
+    candidates make: `ScheduleConfigError` on a malformed group or one out of range, or, with
+    several cuts, an index above 0 (only 0 and negative indices mean the same segment at each).
+    """
+    cuts = sorted(set(cuts))
+    for cut in cuts:
+        normalize_tied(tied, cut)
+    groups = tuple(tuple(group) for group in tied)
+    if len(cuts) > 1 and any(k > 0 for group in groups for k in group):
+        raise ScheduleConfigError(
+            f"{caller}: tied={list(groups)!r} names segments of one cut, but the orders cut the "
+            f"model in {' or '.join(map(str, cuts))} segments: name the first 0 and count the "
+            "others from the last (-1 the last), or try one num_chunks"
+        )
+    return groups
 
 
 def _recompute_values(recompute: bool | Iterable[bool]) -> tuple[bool, ...]:
@@ -274,8 +309,7 @@ class _Tuner:
 
     num_stages: int
     costs: CostModel
-    data_parallel: int
-    zero: int
+    options: dict  # compile's: data_parallel, zero, tied, grad_norm
     eager: bool = False
 
     def run(
@@ -293,14 +327,16 @@ class _Tuner:
         mismatch = other_cut(self.costs.memory, self.num_stages, share)
         if mismatch is not None:
             return Skipped(name, m, v, mismatch)
-        if self.zero == 3 and schedule.weight_delay:
+        tied = self.options["tied"]
+        if share != v and any(k > 0 for group in tied for k in group):
+            cut = v * self.num_stages
+            return Skipped(name, m, v, f"tied={list(tied)!r} names segments of a cut in {cut}")
+        if self.options["zero"] == 3 and schedule.weight_delay:
             return Skipped(name, m, v, "zero=3 keeps no whole stashed weights (weight delay)")
         if recompute and schedule.num_parts > 1:
             return Skipped(name, m, v, "sequence parts hand their carry on: no recomputation")
         try:
-            program = compile(
-                schedule, data_parallel=self.data_parallel, zero=self.zero, recompute=recompute
-            )
+            program = compile(schedule, recompute=recompute, **self.options)
         except ScheduleCodeError as exc:
             raise type(exc)(f"{name}: {exc}") from exc
         except ScheduleConfigError:

@@ -160,6 +160,7 @@ def summarize(
                 "measured": True,
                 "device": device,
                 "cut": cut_record(program.schedule),
+                "updates": {"tied": [list(g) for g in config.tied], "grad_norm": program.grad_norm},
                 **memory_record(program, config, gathered),
             },
             unit_us=1e6,

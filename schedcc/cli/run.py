@@ -557,11 +557,14 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
     from schedcc.backends.run.report import other_bytes
     from schedcc.cli.tune import finer_line
-    from schedcc.costs import CostModel, measured_backward
+    from schedcc.costs import CostModel, measured_backward, measured_updates
     from schedcc.draw.chrome import read_chrome_trace
     from schedcc.search import search
 
+    updates = measured_updates(args.costs_from)  # the first run's ties and norm
     chunks = (1, 2) if args.num_chunks is None else (args.num_chunks,)
+    if not updates.cut_free and args.num_chunks is None:  # its ties name segments of its cut
+        chunks = (max(updates.cut // args.num_stages, 1),)
     memory = None
     if isinstance(limit, str):  # bytes: as the first run measured them, for orders of its cut
         memory = memory_flags.trace_memory(args.costs_from, args.num_stages, chunks)
@@ -582,6 +585,8 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         offload=args.search_offload,
         data_parallel=args.dp or 1,
         zero=args.zero,
+        tied=updates.tied,
+        grad_norm=updates.grad_norm,
         time_limit=args.search_time,
         eager=True,  # as the engine runs on every transport
     )

@@ -13,7 +13,15 @@ from pathlib import Path
 
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
-from schedcc.cli.tune import add_stage_costs, costs_of, finer_line, guessed_line, ranking_table
+from schedcc.cli.tune import (
+    add_stage_costs,
+    add_updates,
+    costs_of,
+    finer_line,
+    guessed_line,
+    ranking_table,
+    updates_of,
+)
 from schedcc.costs import measured_backward
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import get_schedule, registered_classes
@@ -81,6 +89,7 @@ def register(subparsers) -> None:
     )
     add_stage_costs(parser)
     shared.add_parallel(parser)
+    add_updates(parser)
     shared.add_schedule(parser, many=True)
     parser.add_argument(
         "--time-limit",
@@ -117,6 +126,7 @@ def run(args) -> int:
         raise ScheduleConfigError(f"--class-name must be a Python name, got {args.class_name!r}")
     costs = memory_flags.with_memory(costs_of(args), memory)
     extra = {name: get_schedule(name) for name in args.schedule}
+    updates = updates_of(args)
     result = search(
         args.num_stages,
         args.num_microbatches,
@@ -129,6 +139,7 @@ def run(args) -> int:
         offload=args.offload,
         data_parallel=args.dp,
         zero=args.zero,
+        **updates,
         start=list(extra.values()),
         time_limit=args.time_limit,
         seed=args.seed,
@@ -149,6 +160,7 @@ def run(args) -> int:
         memory_limit=args.memory_limit,
         data_parallel=args.dp,
         zero=args.zero,
+        **updates,
         recompute=(False, True) if args.recompute else False,
         eager=args.eager,
     )

@@ -14,17 +14,33 @@ from pathlib import Path
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
 from schedcc.cli.args import UsageError
-from schedcc.costs import CostModel, cost_fields, measured_backward
+from schedcc.costs import (
+    CostModel,
+    MeasuredUpdates,
+    cost_fields,
+    measured_backward,
+    measured_updates,
+)
 from schedcc.registry import get_schedule, registered_classes
 from schedcc.sizes import format_size
 from schedcc.tune import TuneResult, tune
 
-__all__ = ["add_stage_costs", "costs_of", "finer_line", "ranking_table", "register", "run"]
+__all__ = [
+    "add_stage_costs",
+    "add_updates",
+    "costs_of",
+    "finer_line",
+    "ranking_table",
+    "register",
+    "run",
+    "updates_of",
+]
 
 EPILOG = """examples:
   schedcc tune -p 8 -m 8,16,32
   schedcc tune -p 4 -m 8,16 -v 1,2 --memory-limit 4 --costs F=1,B=2,I=1,W=1
   schedcc tune -p 4 -m 8 --costs-from trace.json --dp 2 --zero 1 --format json
+  schedcc tune -p 4 -m 8 --costs F=1,B=2,reduce=0.5,norm=0.2 --tied 0,-1 --grad-norm
   schedcc tune -p 4 -m 8 --schedule my_schedules.py:MySchedule
   schedcc tune -p 4 -m 8 -v 1,2,4 --costs F=1,B=2,comm=0.1 --eager
   schedcc tune -p 4 -m 8,16 --recompute --memory act=256MiB,params=2GiB,opt=4GiB \
@@ -52,6 +68,7 @@ def register(subparsers) -> None:
     )
     add_stage_costs(parser)
     shared.add_parallel(parser)
+    add_updates(parser)
     shared.add_schedule(parser, many=True)
     shared.add_eager(parser, what="time every program")
     parser.add_argument("--format", choices=("table", "json"), default="table")
@@ -74,6 +91,49 @@ def add_stage_costs(parser) -> None:
     )
 
 
+def add_updates(parser) -> None:
+    """`--tied GROUPS` and `--grad-norm`: the updates every program carries (read from a
+    `--costs-from` trace of `schedcc run` by default, `updates_of`)."""
+    parser.add_argument(
+        "--tied",
+        type=_tied_groups,
+        default=None,
+        metavar="K,K[;...]",
+        help="segments that share parameters, summed by a ReduceTied (priced reduce=): e.g. "
+        "0,-1 for an LM head tied to the embedding (-1 the last segment, at any cut); default: "
+        "with --costs-from, the ties of the run it traced, else none",
+    )
+    parser.add_argument(
+        "--grad-norm",
+        action="store_true",
+        default=None,
+        help="every program takes the global gradient norm (a GradNorm, priced norm=), as "
+        "clipping needs; default: with --costs-from, as the run it traced did, else not",
+    )
+
+
+def _tied_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    """`--tied 0,-1;2,5` as groups of segment indices."""
+    try:
+        return tuple(
+            tuple(int(k) for k in group.split(",")) for group in text.split(";") if group.strip()
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give groups of segment indices, e.g. 0,-1 or 0,5;1,4"
+        ) from None
+
+
+def updates_of(args) -> dict:
+    """`tied=` and `grad_norm=` for `schedcc.tune` and `schedcc.search`: the flags, else what
+    the `--costs-from` trace's run compiled ([Note: a trace's updates] in `schedcc.costs`)."""
+    traced = MeasuredUpdates() if args.costs_from is None else measured_updates(args.costs_from)
+    return {
+        "tied": traced.tied if args.tied is None else args.tied,
+        "grad_norm": traced.grad_norm if args.grad_norm is None else args.grad_norm,
+    }
+
+
 def run(args) -> int:
     shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks or [2]))
     memory = memory_flags.memory_of(args)
@@ -87,6 +147,7 @@ def run(args) -> int:
         memory_limit=args.memory_limit,
         data_parallel=args.dp,
         zero=args.zero,
+        **updates_of(args),
         recompute=(False, True) if args.recompute else False,
         eager=args.eager,
     )

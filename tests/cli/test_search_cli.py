@@ -257,6 +257,7 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
         "num_stages": 2, "num_chunks": 2, "num_replicas": 1, "segments": [[0, 2], [1, 3]],
     }  # fmt: skip
     assert len(CostModel.from_trace(trace).per_segment) == 4  # each segment's own costs
+    assert recorded["updates"] == {"tied": [], "grad_norm": True}  # what its program compiled
     limited = _schedcc_run(  # within one microbatch a stage
         "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
         "--search-memory-limit", "1", "--search-offload", "--steps", "2", "--model", "mlp",
@@ -316,3 +317,83 @@ def test_run_search_mistakes_are_one_line(argv, says, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert says in err
+
+
+def _traced_with_updates(tmp_path, costs: CostModel):
+    """A trace of 1F1B at p = 2, m = 4, its head tied and its norm taken, as `schedcc run
+    --trace` records them; and the timeline that wrote it."""
+    program = schedcc.compile(get_schedule("1f1b")(2, 4), tied=[(0, 1)], grad_norm=True)
+    timeline = schedcc.simulate(program, costs, eager=True)
+    trace = timeline.to_chrome_trace(tmp_path / "first.json")
+    written = json.loads(trace.read_text())
+    written.setdefault("otherData", {})["updates"] = {"tied": [[0, 1]], "grad_norm": True}
+    trace.write_text(json.dumps(written))
+    return trace, timeline
+
+
+def test_costs_from_a_trace_time_the_updates_its_run_compiled(tmp_path, capsys):
+    """`tune` and `search --costs-from` compile every program with the trace's ties and norm
+    ([Note: a trace's updates]): tune times 1F1B as the traced step, and the found order's
+    makespan is its own compiled with them (the first and last segments tied at v = 2 too);
+    `--tied` and `--grad-norm` say the same for costs given by hand."""
+    costs = CostModel(reduce=1.5, norm=0.5, step=1.0, comm=0.1)
+    trace, timeline = _traced_with_updates(tmp_path, costs)
+    shape = ["-p", "2", "-m", "4", "--eager"]
+    assert main(["tune", *shape, "-v", "1", "--costs-from", str(trace), "--format", "json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    traced = next(row for row in ranked if row["schedule"] == "1f1b")
+    assert traced["makespan"] == pytest.approx(timeline.makespan)
+    out = tmp_path / "found.py"
+    argv = ["search", *shape, "-v", "1,2", "--costs-from", str(trace), "--time-limit", "1",
+            "--method", "heuristic", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    makespan = float(re.search(r"makespan \(eager\) ([0-9.]+)", line).group(1))
+    found = get_schedule(f"{out}:Found")(*get_schedule(f"{out}:Found").shape)
+    program = schedcc.compile(found, tied=[(0, -1)], grad_norm=True)
+    measured = CostModel.from_trace(trace)
+    expected = schedcc.simulate(program, _per_chunk(measured, found.num_chunks), eager=True)
+    assert makespan == pytest.approx(expected.makespan, abs=1e-4)
+    by_hand = ["-v", "1", "--costs", "reduce=1.5,norm=0.5,step=1,comm=0.1", "--format", "json"]
+    assert main(["tune", *shape, *by_hand, "--tied", "0,-1", "--grad-norm"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert next(r for r in ranked if r["schedule"] == "1f1b")["makespan"] == pytest.approx(
+        timeline.makespan
+    )
+
+
+def test_run_searches_for_the_program_its_first_run_compiled(tmp_path, capsys):
+    """The closed loop's search times its orders with the ties and norm the first run's trace
+    records: the simulated step it prints is the found order's, compiled with them."""
+    from schedcc.cli import build_parser
+    from schedcc.cli.run import _searched
+
+    costs = CostModel(reduce=1.5, norm=0.5, step=1.0, comm=0.1)
+    trace, _ = _traced_with_updates(tmp_path, costs)
+    argv = ["run", "--schedule", "search", "-p", "2", "-m", "4", "--costs-from", str(trace),
+            "--search-time", "1"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    path, v = _searched(args, False)
+    step = float(re.search(r"simulated step ([0-9.]+) ms", capsys.readouterr().out).group(1))
+    found = get_schedule(path)(*get_schedule(path).shape)
+    program = schedcc.compile(found, tied=[(0, -1)], grad_norm=True)
+    measured = CostModel.from_trace(trace)
+    expected = schedcc.simulate(program, _per_chunk(measured, found.num_chunks), eager=True)
+    assert step == pytest.approx(expected.makespan, abs=0.005)
+    assert found.num_chunks == v
+
+
+def test_bad_ties_are_one_line(capsys):
+    """A malformed `--tied`, or one naming segments of one cut across several, exits 2."""
+    for argv, says in (
+        (["--tied", "0,x"], "give groups of segment indices"),
+        (["-v", "1,2", "--tied", "0,1"], "names segments of one cut"),
+    ):
+        try:
+            code = main(["search", "-p", "2", "-m", "4", *argv])
+        except SystemExit as exc:  # argparse's own
+            code = exc.code
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert says in err

@@ -55,10 +55,17 @@ def test_reduce_tied_prints_and_parses():
 
 @pytest.mark.parametrize(
     ("tied", "expected"),
-    [([(3, 0)], ((0, 3),)), ([[5, 1], (0, 2, 2)], ((0, 2), (1, 5))), ((), ())],
+    [
+        ([(3, 0)], ((0, 3),)),
+        ([[5, 1], (0, 2, 2)], ((0, 2), (1, 5))),
+        ((), ()),
+        ([(0, -1)], ((0, 5),)),
+        ([(-6, -2, 1)], ((0, 1, 4),)),
+    ],
 )
 def test_compile_normalises_tied(tied, expected):
-    """`tied` becomes a sorted tuple of sorted tuples, kept on the program."""
+    """`tied` becomes a sorted tuple of sorted tuples, kept on the program; a negative index
+    counts from the last segment."""
     program = compile(get_schedule("1f1b")(6, 6), tied=tied)
     assert program.tied == expected
     assert program.evolve(zero=0).tied == expected
@@ -70,7 +77,8 @@ def test_compile_normalises_tied(tied, expected):
         ([(0,)], "fewer than two"),
         ([(0, 0)], "fewer than two"),
         ([(0, 4)], "not a segment index"),
-        ([(0, -1)], "not a segment index"),
+        ([(0, -5)], "not a segment index"),
+        ([(3, -1)], "fewer than two"),
         ([(0, 1), (1, 2)], "two tied groups"),
         ("01", "groups of segment indices"),
         ([3], "tuple of segment indices"),
@@ -81,6 +89,19 @@ def test_compile_refuses_bad_tied(tied, words):
     """A group of fewer than two segments, out of range or overlapping another is refused."""
     with pytest.raises(ScheduleConfigError, match=words):
         compile(get_schedule("1f1b")(4, 4), tied=tied)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_a_negative_index_counts_from_the_end_of_one_replica(p):
+    """`(0, -1)` ties the first and last segments at any cut; under DualPipe, those of one
+    model replica (each tied to its copy in the other too)."""
+    for v in (1, 2):
+        schedule = get_schedule("interleaved-1f1b")(p, 2 * p, num_chunks=v) if v > 1 else (
+            get_schedule("1f1b")(p, 2 * p)
+        )
+        assert compile(schedule, tied=[(0, -1)]).tied == ((0, p * v - 1),)
+    dual = get_schedule("dualpipe")(p, 2 * p)
+    assert compile(dual, tied=[(0, -1)]).tied == compile(dual, tied=[(0, p - 1)]).tied
 
 
 @pytest.mark.parametrize(("name", "kwargs"), BUILT_INS)
