@@ -36,9 +36,11 @@ samples, one batch (one length) for every step, SGD:
    barrier to barrier on every rank and the slowest rank counts; median per candidate.
 
 The table: measured ms per step, the simulated makespan (ms, under the measured costs) in the
-rendezvous model and eagerly (sends that never wait, as the engine runs), measured over each, and
-the most saved-activation bytes any stage held (measured, the engine's `peak_activation_bytes`)
-against the byte limit of that stage.
+rendezvous model and eagerly (sends that never wait, as the engine runs), measured over each; the
+instructions' span (from the first instruction's start to the last one's end over the ranks,
+median over the rounds: what the simulator times, without `train_step`'s own time around them
+and the barriers) over the eager makespan; and the most saved-activation bytes any stage held
+(measured, the engine's `peak_activation_bytes`) against the byte limit of that stage.
 
 With `--eager` each search runs twice, in the rendezvous model and eagerly (as the closed loop
 searches), and both orders are trained side by side.
@@ -123,6 +125,12 @@ class _Runner:
 
     def step(self) -> None:
         self.engine.train_step(self.x, self.y)
+
+    def instructions(self) -> tuple[float, float]:
+        """When this rank's first instruction of the last step started and its last ended
+        (seconds, the machine's monotonic clock, which every rank reads alike)."""
+        events = self.engine.trace_events()
+        return min(e[2] for e in events), max(e[3] for e in events)
 
     def peak_bytes(self) -> list[float]:
         """Every stage's most saved-activation bytes (gathered from the ranks)."""
@@ -289,15 +297,22 @@ def _shape(rank: int, p: int, m: int, opts) -> dict:
         for _ in range(opts.warmup):
             runner.step()
     times: list[list[float]] = [[] for _ in runners]
+    spans: list[list[tuple[float, float]]] = [[] for _ in runners]
     order = list(range(len(runners)))
     for turn in range(opts.rounds):
         k = turn % len(order)  # rotate: no candidate always follows the same one
         for i in order[k:] + order[:k]:
             times[i].append(_timed(runners[i].step))
-    for row, runner, values in zip(rows, runners, times):
+            spans[i].append(runners[i].instructions())
+    for row, runner, values, span in zip(rows, runners, times, spans):
         slowest = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         row["measured"] = statistics.median(slowest.tolist()) * 1e3
+        first = torch.tensor([start for start, _ in span], dtype=torch.float64)
+        last = torch.tensor([end for _, end in span], dtype=torch.float64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX)
+        row["span"] = statistics.median((last - first).tolist()) * 1e3
         row["bytes"] = runner.peak_bytes()
         del row["schedule"]
     return {
@@ -340,16 +355,18 @@ def _print(shape: dict) -> None:
     )
     print(
         "| candidate | measured ms | simulated ms | measured/simulated | eager ms | "
-        "measured/eager | simulated activations | peak measured / limit bytes (worst stage) |"
+        "measured/eager | instructions ms | instructions/eager | simulated activations | "
+        "peak measured / limit bytes (worst stage) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in shape["rows"]:
         ratios = [b / lim for b, lim in zip(row["bytes"], limit) if lim > 0]
         worst = max(range(len(ratios)), key=ratios.__getitem__)
         print(
             f"| {row['name']} | {row['measured']:.2f} | {row['simulated']:.2f} | "
             f"{row['measured'] / row['simulated']:.2f} | {row['eager']:.2f} | "
-            f"{row['measured'] / row['eager']:.2f} | {row['activations']:g} | "
+            f"{row['measured'] / row['eager']:.2f} | {row['span']:.2f} | "
+            f"{row['span'] / row['eager']:.2f} | {row['activations']:g} | "
             f"{row['bytes'][worst] / 1024:.0f} / {limit[worst] / 1024:.0f} KiB (stage {worst}, "
             f"{ratios[worst]:.2f}) |",
             flush=True,
