@@ -37,10 +37,11 @@ samples, one batch (one length) for every step, SGD:
 
 The table: measured ms per step, the simulated makespan (ms, under the measured costs) in the
 rendezvous model and eagerly (sends that never wait, as the engine runs), measured over each; the
-instructions' span (from the first instruction's start to the last one's end over the ranks,
-median over the rounds: what the simulator times, without `train_step`'s own time around them
-and the barriers) over the eager makespan; and the most saved-activation bytes any stage held
-(measured, the engine's `peak_activation_bytes`) against the byte limit of that stage.
+instructions' span (the longest over the ranks from a rank's first instruction's start to its
+last one's end, median over the rounds: what the simulator times, without `train_step`'s own
+time around them and the barriers) over the eager makespan; and the most saved-activation
+bytes any stage held (measured, the engine's `peak_activation_bytes`) against the byte limit of
+that stage.
 
 With `--eager` each search runs twice, in the rendezvous model and eagerly (as the closed loop
 searches), and both orders are trained side by side.
@@ -126,11 +127,11 @@ class _Runner:
     def step(self) -> None:
         self.engine.train_step(self.x, self.y)
 
-    def instructions(self) -> tuple[float, float]:
-        """When this rank's first instruction of the last step started and its last ended
-        (seconds, the machine's monotonic clock, which every rank reads alike)."""
+    def instructions(self) -> float:
+        """Seconds from this rank's first instruction's start of the last step to its last
+        one's end (each rank's clock starts at its own origin, so spans, not times, compare)."""
         events = self.engine.trace_events()
-        return min(e[2] for e in events), max(e[3] for e in events)
+        return max(e[3] for e in events) - min(e[2] for e in events)
 
     def peak_bytes(self) -> list[float]:
         """Every stage's most saved-activation bytes (gathered from the ranks)."""
@@ -297,7 +298,7 @@ def _shape(rank: int, p: int, m: int, opts) -> dict:
         for _ in range(opts.warmup):
             runner.step()
     times: list[list[float]] = [[] for _ in runners]
-    spans: list[list[tuple[float, float]]] = [[] for _ in runners]
+    spans: list[list[float]] = [[] for _ in runners]
     order = list(range(len(runners)))
     for turn in range(opts.rounds):
         k = turn % len(order)  # rotate: no candidate always follows the same one
@@ -308,11 +309,9 @@ def _shape(rank: int, p: int, m: int, opts) -> dict:
         slowest = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         row["measured"] = statistics.median(slowest.tolist()) * 1e3
-        first = torch.tensor([start for start, _ in span], dtype=torch.float64)
-        last = torch.tensor([end for _, end in span], dtype=torch.float64)
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        dist.all_reduce(last, op=dist.ReduceOp.MAX)
-        row["span"] = statistics.median((last - first).tolist()) * 1e3
+        longest = torch.tensor(span, dtype=torch.float64)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        row["span"] = statistics.median(longest.tolist()) * 1e3
         row["bytes"] = runner.peak_bytes()
         del row["schedule"]
     return {
