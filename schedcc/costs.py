@@ -59,6 +59,7 @@ __all__ = [
     "measured_backward",
     "measured_updates",
     "overlapped_pair",
+    "warmups",
 ]
 
 #: The cost field each instruction class reads (comm instructions all read `comm`).
@@ -101,6 +102,37 @@ def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
     if cls is OverlappedBackward:
         return overlapped_pair(model) - model.forward
     return getattr(model, _FIELD[cls])
+
+
+# [Note: a step's first computes] On the CPU engines a stage's first forward of a step takes
+# 30-50% longer than the rest, and its first backward 10-20% (tiny-gpt at p = 2: 0.5-1.0 ms on a
+# 1.9 ms forward, 0.2-0.4 ms on a 1.8 ms backward; docs/performance.md, "A step's first
+# computes"): the optimizer step has just written every parameter, and the first pass of a step
+# allocates what the rest reuse. A median of each kind leaves that out, and on the critical path
+# of a pipeline's fill it adds up: steps simulated 7-17% under what they measured. So the costs
+# carry it per stage (`warmup_forward`, `warmup_backward`), the simulators add it to the stage's
+# first compute of each kind in program order (`warmups`), and `from_trace` reads it as the
+# median, over the runs a trace holds (a track's runs are split at its `Step`s), of the first
+# forward's duration less the median forward of its chunk on that stage (likewise backwards); a
+# simulated trace reads back what it was simulated with.
+def warmups(
+    costs: CostModel, stages: Sequence[Sequence[Instruction]]
+) -> dict[tuple[int, int], float]:
+    """`{(stage, position): extra}`: each stage's first forward and first backward (B, I, or an
+    overlapped pair's) of the program `stages`, and what they take beyond their cost
+    ([Note: a step's first computes]); none where the costs have no warm-up."""
+    out: dict[tuple[int, int], float] = {}
+    for s, ops in enumerate(stages):
+        model = costs.per_stage.get(s, costs)
+        for extra, kinds in (
+            (model.warmup_forward, (Forward,)),
+            (model.warmup_backward, (Backward, BackwardInput, OverlappedBackward)),
+        ):
+            if extra:
+                pos = next((j for j, op in enumerate(ops) if type(op) in kinds), None)
+                if pos is not None:
+                    out[s, pos] = out.get((s, pos), 0.0) + extra
+    return out
 
 
 def overlapped_pair(model: CostModel) -> float:
@@ -230,6 +262,11 @@ class CostModel:
         offload, reload: an `Offload` and a `Reload`, on the stage's copy lane: they overlap
             the stage's computes but not each other, and a backward piece waits for its
             reload ([Note: offloading] in `schedcc.rules.offload`).
+        warmup_forward, warmup_backward: what a stage's first forward, and its first backward
+            (B, I or an overlapped pair's), of a run of the program take beyond their cost:
+            after the optimizer step a stage's caches are cold and its buffers unallocated
+            ([Note: a step's first computes]); whatever the chunk, not scaled by
+            `per_microbatch`. `from_trace` measures them.
         memory: bytes per segment (`schedcc.MemoryModel`), for `Timeline.peak_bytes`
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
@@ -279,6 +316,8 @@ class CostModel:
     reload: float = attrs.field(default=0.0, validator=_non_negative)
     memory: MemoryModel | None = attrs.field(default=None, validator=_memory_model)
     overlap: float = attrs.field(default=0.5, validator=_fraction)
+    warmup_forward: float = attrs.field(default=0.0, validator=_non_negative)
+    warmup_backward: float = attrs.field(default=0.0, validator=_non_negative)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_microbatch: tuple[float, ...] = attrs.field(default=(), converter=_factors)
@@ -432,8 +471,12 @@ class CostModel:
                 f"{where} measured stages {sorted(samples)}, not the {num_stages} of this "
                 f"pipeline (a stage's costs depend on the cut): trace a run with -p {num_stages}"
             )
+        warm = _warmups(timed, samples)  # [Note: a step's first computes]
         per_stage = {
-            stage: cls(**{**defaults, **_both_ways(_medians(kinds, replicas), defaults)})
+            stage: cls(
+                **{**defaults, **_both_ways(_medians(kinds, replicas), defaults)},
+                **{f: v for f, v in warm.get(stage, {}).items() if f not in defaults},
+            )
             for stage, kinds in samples.items()
         }
         overall: dict[tuple[str, int], list[float]] = {}
@@ -623,6 +666,34 @@ def _after_meeting(timed: list[_Sample]) -> list[_Sample]:
             for t in members:
                 met[t] = t._replace(duration=max(t.start + t.duration - last, 0.0))
     return [met.get(t, t) for t in timed]
+
+
+def _warmups(
+    timed: list[_Sample], samples: Mapping[int, Mapping[tuple[str, int], list[float]]]
+) -> dict[int, dict[str, float]]:
+    """Per stage, `warmup_forward` and `warmup_backward` as the trace shows them: over its runs
+    on each track (split after each `step`), the median of the first forward's duration less
+    the median forward of its chunk on its stage, likewise the first backward's; none below 0
+    ([Note: a step's first computes])."""
+    fields = {"forward": "warmup_forward", "backward": "warmup_backward"}
+    fields.update({"backward_input": "warmup_backward", _PAIRED: "warmup_backward"})
+    excess: dict[int, dict[str, list[float]]] = {}
+    seen: dict[int, set[str]] = {}
+    for t in sorted(timed, key=lambda t: (t.track, t.start)):
+        if t.kind == "step":
+            seen[t.track] = set()  # the next run on this track
+            continue
+        field = fields.get(t.kind)
+        if field is None or field in seen.setdefault(t.track, set()):
+            continue
+        seen[t.track].add(field)
+        kind = "backward" if t.kind == _PAIRED else t.kind
+        usual = statistics.median(samples[t.stage][kind, t.chunk])
+        excess.setdefault(t.stage, {}).setdefault(field, []).append(t.duration - usual)
+    return {
+        stage: {field: max(float(statistics.median(values)), 0.0) for field, values in row.items()}
+        for stage, row in excess.items()
+    }
 
 
 def _unpaired(timed: list[_Sample]) -> list[_Sample]:

@@ -5,7 +5,9 @@ them ([Note: the quick clock]).
 lowers its messages and the validator proves it), so a local search that times every neighbour
 that way sees a few hundred and stops at the first local optimum. `QuickClock` times an order of
 computes (F, B, I, W, R) directly in the eager timeline ([Note: eager simulation] in
-`schedcc.simulate_eager`): each stage runs its computes in order, each starting once its stage
+`schedcc.simulate_eager`; a stage's first forward and backward warmed up as the simulators warm
+them, [Note: a step's first computes] in `schedcc.costs`): each stage runs its computes in
+order, each starting once its stage
 is free and its input is there (the producer's end, plus the receiving stage's comm where the
 producer is on another stage); a forward holds its activation until its backward (with a split
 backward, its weight gradient), or, when its stage recomputes it, only its input until the `R`;
@@ -182,9 +184,16 @@ class QuickClock:
             self._rows.clear()
         num, ops = len(self.place), [self.op(s, text) for text in row]
         redone = {(i, k) for code, i, k, _ in ops if code == _R}
+        model = self.costs.per_stage.get(s, self.costs)  # a step's first computes warm up
+        warm = {_F: model.warmup_forward, _B: model.warmup_backward}
+        warm[_I] = warm[_P] = warm[_B]
         out = []
         for code, i, k, cost in ops:
             key, wait, add, delta, pair = i * num + k, None, 0.0, 0.0, None
+            if warm.get(code):
+                cost += warm[code]
+                for first in (_F,) if code == _F else (_B, _I, _P):
+                    warm[first] = 0.0
             if code == _F:
                 if k > self.first[k]:
                     wait, add = key - 1, self._hop(k - 1, k)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import attrs
 
 from schedcc._gc import paused_gc
-from schedcc.costs import ALL_KINDS, CostModel, kind_cost
+from schedcc.costs import ALL_KINDS, CostModel, kind_cost, warmups
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMPUTE, Compute, Instruction
 from schedcc.memory_model import MemoryModel
@@ -310,7 +310,7 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
         if costs == _DEFAULT:  # the validator's walk: [Note: the reference walk]
             result = program.reference_walk
         else:
-            durations = _durations(costs, tables, stages, units)
+            durations = _durations(costs, tables, stages, units, warmups(costs, stages))
             lanes = CopyLanes.of(stages, units)  # [Note: offloading]
             result = walk(units, partner, durations, links=model.links, lanes=lanes)
     if result.stuck or problems:  # cannot happen for a validated program
@@ -323,27 +323,30 @@ _DEFAULT = CostModel()
 
 
 def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:
-    """Per stage, the cost of each instruction class, or None where a per-chunk override or a
-    per-microbatch factor can apply (then each op resolves its own cost)."""
+    """Per stage, the cost of each instruction class, or None where a per-chunk override, a
+    per-microbatch factor or a warm-up can apply (then each op resolves its own cost)."""
     tables: list[dict | None] = []
     for s in range(num_stages):
         model = costs.per_stage.get(s, costs)
-        if costs.per_microbatch or model.per_chunk or (model is costs and costs.per_chunk):
+        warm = model.warmup_forward or model.warmup_backward
+        if costs.per_microbatch or model.per_chunk or (model is costs and costs.per_chunk) or warm:
             tables.append(None)
         else:
             tables.append({cls: kind_cost(model, cls) for cls in ALL_KINDS})
     return tables
 
 
-def _durations(costs: CostModel, tables, stages, units: Units) -> list[list[float]]:
-    """`durations[s][j]`: the cost of unit j on stage s (one dict lookup per unit, usually)."""
+def _durations(costs: CostModel, tables, stages, units: Units, extra) -> list[list[float]]:
+    """`durations[s][j]`: the cost of unit j on stage s (one dict lookup per unit, usually),
+    with `extra[s, position]` where a stage's first compute of a kind warms up."""
     out = []
     for s, ops in enumerate(stages):
         table, bounds = tables[s], units.bounds[s]
         if table is None:
-            out.append([costs.cost(s, ops[lo]) for lo, _ in bounds])
+            row = [costs.cost(s, ops[lo]) + extra.get((s, lo), 0.0) for lo, _ in bounds]
         else:
-            out.append([table[type(ops[lo])] for lo, _ in bounds])
+            row = [table[type(ops[lo])] for lo, _ in bounds]
+        out.append(row)
     return out
 
 
@@ -355,7 +358,8 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         return table[type(op)] if table is not None else costs.cost(s, op)
 
     meets = program.rendezvous_model.meets or None  # ReduceTied and GradNorm collectives
-    spans = eager_spans(program.stages, tensors, cost, meets=meets)
+    extra = warmups(costs, program.stages)
+    spans = eager_spans(program.stages, tensors, cost, meets=meets, extra=extra)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")
     return [

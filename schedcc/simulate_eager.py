@@ -24,7 +24,7 @@ no earlier than its reload ends.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from schedcc.ir import (
     Comm,
@@ -51,12 +51,14 @@ def eager_spans(
     cost: Callable[[int, Instruction], float],
     *,
     meets: Sequence[Sequence[tuple | None]] | None = None,
+    extra: Mapping[tuple[int, int], float] | None = None,
 ) -> list[list[tuple[float, float]]] | None:
     """`spans[s][pos] = (start, end)` of every instruction in the eager timeline (see the note
     above); None if the program gets stuck (it does not validate). Linear: a stage that waits for
     a tensor is resumed once, when the tensor's producer has run. `meets` is the rendezvous model's
-    (`RendezvousModel.meets`): each `ReduceTied`'s other members."""
-    plans, flight = _plans(stages, tensors, cost)
+    (`RendezvousModel.meets`): each `ReduceTied`'s other members. `extra[s, position]` is
+    added to that op's cost (a step's first computes, `schedcc.costs.warmups`)."""
+    plans, flight = _plans(stages, tensors, cost, extra or {})
     arrived = _collectives(plans, meets) if meets else []
     units = Units.of(stages)  # a copy and a backward piece are one-instruction units
     lanes = CopyLanes.of(stages, units)
@@ -122,7 +124,7 @@ def _lane(lanes: CopyLanes | None, bounds, s: int) -> tuple[frozenset[int], dict
     return copies, {first[j]: first[r] for j, r in lanes.waits[s].items()}
 
 
-def _plans(stages, tensors: Tensors, cost) -> tuple[_Plan, dict[int, float]]:
+def _plans(stages, tensors: Tensors, cost, extra) -> tuple[_Plan, dict[int, float]]:
     """Each op's plan entry, and `flight[key]`: the cost of the receive that moves `key`."""
     span = tensors.span
     plans: _Plan = []
@@ -146,7 +148,7 @@ def _plans(stages, tensors: Tensors, cost) -> tuple[_Plan, dict[int, float]]:
                     duration, forward_needs, forward_makes = row[-1]  # see the note above
                     row[-1] = (duration, forward_needs + needs, ())
                     needs, makes = (), forward_makes + makes
-                row.append((cost(s, op), needs, makes))
+                row.append((cost(s, op) + extra.get((s, pos), 0.0), needs, makes))
             else:
                 row.append((cost(s, op), (), ()))
         plans.append(row)

@@ -138,6 +138,18 @@ def stage_costs(draw, num_stages: int) -> CostModel:
     return CostModel(per_stage=per_stage, per_segment=segments)
 
 
+@st.composite
+def warmed_up(draw, costs: CostModel) -> CostModel:
+    """`costs` with each stage's first forward and backward of a step warmed up by a drawn
+    amount, 0 included ([Note: a step's first computes])."""
+    warm = st.sampled_from([0.0, 0.25]) | st.floats(0.0, 2.0)
+    per_stage = {
+        s: attrs.evolve(model, warmup_forward=draw(warm), warmup_backward=draw(warm))
+        for s, model in costs.per_stage.items()
+    }
+    return attrs.evolve(costs, per_stage=per_stage)
+
+
 def _computes(draw) -> CostModel:
     backward_input, backward_weight = draw(_COST), draw(_COST)
     return CostModel(

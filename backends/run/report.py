@@ -147,7 +147,7 @@ def summarize(
     rate = counted / sum(_run_seconds(gathered, r) for r in steady)
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # as the job chose
-    simulated = _simulated(program, [e for r in steady for e in runs[r]], device)
+    simulated = _simulated(program, _one_after_another([runs[r] for r in steady]), device)
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
         events = runs[-1]
@@ -287,6 +287,17 @@ def _training_rows(config, gathered) -> list[tuple[str, str]]:
         rows.append(("grad norm: last", f"{norm:.4g}{clip}"))
         rows.append(("skipped steps (inf/nan)", str(gathered[0]["skipped"])))
     return rows
+
+
+def _one_after_another(runs: Sequence[list[Event]]) -> list[Event]:
+    """The events of `runs` (each from time 0) on one clock, each run after the last one's
+    end: so each stage's runs read apart, split at its steps ([Note: a step's first computes]
+    in `schedcc.costs`)."""
+    out, offset = [], 0.0
+    for events in runs:
+        out.extend(e._replace(start=e.start + offset, end=e.end + offset) for e in events)
+        offset += max((e.end for e in events), default=0.0)
+    return out
 
 
 def _simulated(program: Program, events: list[Event], device: str = "cpu") -> Timeline | None:

@@ -62,3 +62,26 @@ def test_the_simulated_step_reads_dualpipe_s_replicas_and_pairs_as_measured():
         else:
             measured.append(event)
     assert _simulated(program, measured).makespan == pytest.approx(ran.makespan * 1e3)
+
+
+def test_the_simulated_step_reads_back_the_warm_up_of_each_run():
+    """A stage's first forward and backward of each step take longer ([Note: a step's first
+    computes]): the summary lays the steady runs one after another, so `from_trace` splits each
+    stage's at its steps and takes the median first compute's excess over the runs; laid over
+    each other from time 0, it would read one first compute of the three."""
+    from schedcc.backends.run.report import _one_after_another
+
+    def ran(warm: float):
+        costs = CostModel(forward=1.5, backward=2.5, comm=0.25, step=0.5, per_stage={
+            1: CostModel(forward=2.0, backward=3.0, comm=0.25, step=0.5, warmup_forward=warm,
+                         warmup_backward=warm / 2)})  # fmt: skip
+        return schedcc.simulate(program, costs, eager=True)
+
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 8))
+    runs = [list(ran(warm).events) for warm in (3.0, 1.0, 1.0)]
+    laid = _one_after_another(runs)
+    second = laid[len(runs[0]) : 2 * len(runs[0])]
+    assert [e.start for e in second] == [e.start + ran(3.0).makespan for e in runs[1]]
+    assert _simulated(program, laid).makespan == pytest.approx(ran(1.0).makespan * 1e3)
+    overlaid = [e for run in runs for e in run]
+    assert _simulated(program, overlaid).makespan > ran(1.0).makespan * 1e3 + 1.0

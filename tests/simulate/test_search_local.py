@@ -10,7 +10,7 @@ import attrs
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
-from strategies import stage_costs
+from strategies import stage_costs, warmed_up
 
 from schedcc import CostModel, MemoryModel, ScheduleError, compile
 from schedcc.registry import get_schedule
@@ -39,17 +39,21 @@ def _searcher(p, m, costs, limit, v):
     split=st.booleans(),
     limit=st.none() | st.floats(0.5, 2.5),
     factors=st.booleans(),
+    warm=st.booleans(),
     data=st.data(),
 )
 def test_the_quick_clock_times_orders_as_the_eager_simulator(
-    p, m, layout, split, limit, factors, data
+    p, m, layout, split, limit, factors, warm, data
 ):
     """For list-scheduled orders and orders a few random moves from them (some with a
     recomputation added or dropped), under random per-stage costs and comm, unequal
-    microbatches and a limit or none: where an order compiles, the quick clock gives the eager
-    simulator's makespan, and says it is over its budget exactly where the simulated order
-    does not fit; where the clock says an order gets stuck, the compiler refuses it."""
+    microbatches, a step's first computes warmed up or not, and a limit or none: where an order
+    compiles, the quick clock gives the eager simulator's makespan, and says it is over its
+    budget exactly where the simulated order does not fit; where the clock says an order gets
+    stuck, the compiler refuses it."""
     costs = data.draw(stage_costs(p))
+    if warm:
+        costs = data.draw(warmed_up(costs))
     if factors:
         costs = attrs.evolve(costs, per_microbatch=[1.0 + (i % 3) / 2 for i in range(m)])
     v, vshape = layout
@@ -72,16 +76,19 @@ def test_the_quick_clock_times_orders_as_the_eager_simulator(
     name=st.sampled_from(["dualpipe", "dualpipe-v", "pipedream-2bw", "zb-v", "1f1b"]),
     limit=st.none() | st.floats(0.5, 2.5),
     recompute=st.booleans(),
+    warm=st.booleans(),
     data=st.data(),
 )
 def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
-    p, m, name, limit, recompute, data
+    p, m, name, limit, recompute, warm, data
 ):
     """The same for the built-ins in their own layouts, as the search starts from them
     (DualPipe's two replicas and overlapped pairs, 2BW's weight delay), with or without full
     recomputation, and a few random moves away (a move that splits an overlapped pair is
     stuck on the clock)."""
     costs = data.draw(stage_costs(p))
+    if warm:
+        costs = data.draw(warmed_up(costs))
     v = 2 if name in ("dualpipe", "dualpipe-v", "zb-v") else 1
     try:
         schedule = get_schedule(name)(p, m, v)
