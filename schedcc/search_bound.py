@@ -16,7 +16,8 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    weight gradient may end the run, so `tail(s) = 0`.
 2. *Work.* Between the two, stage s runs every forward and backward of its segments (a whole
    backward at the least of B, I + W and, with overlapped pairs, what a `+B` takes beyond its
-   forward), and its recomputations.
+   forward), and its recomputations; its first forward and first backward take their
+   warm-ups more ([Note: a step's first computes] in `schedcc.costs`).
 3. *Forced groups.* Follow one microbatch from its forward on segment k of stage s to k's
    backward: the forwards up, the backwards down. Each time that path leaves s and comes back,
    the compute it comes back to needs a receive that is posted after the compute it left from
@@ -226,6 +227,11 @@ class _Bound:
             self.least.append(min(mine, default=1.0))
             self.heaviest.append(max(mine, default=1.0))
         self.models = [scaled.at(s, c) for s, c in place]
+        # a stage's first forward and first backward of the run warm up
+        self.warm = [
+            (model := costs.per_stage.get(s, costs)).warmup_forward + model.warmup_backward
+            for s in range(p)
+        ]
         # bytes per segment of this placement (a stage's sizes on the segments it runs)
         self.memory = scaled.memory
         self.share = family.share
@@ -323,6 +329,7 @@ class _Bound:
             if self.overlapped:
                 both = min(both, overlapped_pair(model))
             work += self.total[k] * both
+        work += self.warm[s]
         window = work + comm * forced
         if rooms is not None:
             window = max(window, self._window(ks, rooms, recompute, work, forced, comm))

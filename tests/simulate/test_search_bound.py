@@ -11,7 +11,7 @@ import pytest
 from _builtin_schedules import names
 from hypothesis import event, given
 from hypothesis import strategies as st
-from strategies import stage_costs
+from strategies import stage_costs, warmed_up
 
 import schedcc
 from schedcc import CostModel, MemoryModel, ScheduleError
@@ -67,10 +67,13 @@ def _bound_of(
 @given(**BUILTIN_SHAPES)
 def test_no_builtin_beats_the_bound(p, m, v, recompute, data):
     """Every built-in at a random shape, with random per-stage costs and comm, with or without
-    full recomputation, takes at least the bound of its layout, without a limit and at its own
-    peak activations (an order that offloads activations only without a limit); timed eagerly
-    (sends that never wait), at least the eager bound."""
+    full recomputation, a step's first computes warmed up or not, takes at least the bound of
+    its layout, without a limit and at its own peak activations (an order that offloads
+    activations only without a limit); timed eagerly (sends that never wait), at least the
+    eager bound."""
     costs = data.draw(stage_costs(p))
+    if data.draw(st.booleans()):
+        costs = data.draw(warmed_up(costs))
     timed = 0
     for name in names():
         try:
@@ -101,13 +104,23 @@ def test_no_builtin_beats_the_bound(p, m, v, recompute, data):
 )
 def test_found_orders_stay_above_the_bound_under_a_limit(p, m, chunks, limit, eager, data):
     """A search with random per-stage costs, comm and memory limit (recomputation allowed),
-    timing the rendezvous or the eager timeline, finds an order no faster than its bound, and
-    the bound is the least over the searched kinds with the limit applied."""
+    timing the rendezvous or the eager timeline, a step's first computes warmed up or not, its
+    updates (a tied head's all-reduce, the norm, the step) free or not, finds an order no
+    faster than its bound, and the bound is the least over the searched kinds with the limit
+    applied."""
     costs = data.draw(stage_costs(p))
+    if data.draw(st.booleans()):
+        costs = data.draw(warmed_up(costs))
+    closing = data.draw(st.booleans())
+    if closing:
+        updates = {"reduce": 0.5, "norm": 0.25, "step": 0.75}
+        per_stage = {s: attrs.evolve(c, **updates) for s, c in costs.per_stage.items()}
+        costs = attrs.evolve(costs, per_stage=per_stage)
     try:
         result = search(
             p, m, num_chunks=chunks, costs=costs, memory_limit=limit, recompute=True,
-            max_evaluations=20, eager=eager,
+            max_evaluations=20, eager=eager, tied=[(0, -1)] if closing else (),
+            grad_norm=closing,
         )  # fmt: skip
     except schedcc.ScheduleConfigError:
         return  # nothing fits the limit
@@ -124,7 +137,7 @@ def test_found_orders_stay_above_the_bound_under_a_limit(p, m, chunks, limit, ea
     again = schedcc.simulate(result.program, result.timeline.costs, eager=eager)
     assert again.makespan == pytest.approx(result.makespan)
     assert result.bound <= lower_bound(
-        p, m, costs, own, overlapped=paired, memory_limit=limit, eager=eager
+        p, m, costs, own, overlapped=paired, memory_limit=limit, eager=eager, grad_norm=closing
     ) + 1e-9
 
 

@@ -91,3 +91,13 @@ def test_a_trace_of_several_runs_takes_the_median_first_compute(tmp_path):
 def test_a_negative_warm_up_is_refused():
     with pytest.raises(ScheduleConfigError, match="warmup_forward"):
         CostModel(warmup_forward=-1.0)
+
+
+def test_the_bound_counts_each_stage_s_warm_up():
+    """The warm-ups are work a stage runs: at p = 2, m = 4, F/B orders, the bound 15 (1F1B's
+    makespan, the optimum) rises by a stage's 0.75 of warm-ups; the order found, no slower than
+    1F1B with them (16.5), stays above it."""
+    kwargs = {"num_chunks": 1, "split_backward": False, "eager": True, "method": "heuristic"}
+    found = schedcc.search(2, 4, costs=_WARM, max_evaluations=20, **kwargs)
+    assert found.bound == pytest.approx(15.75)
+    assert found.bound <= found.makespan <= 16.5
