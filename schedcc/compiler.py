@@ -46,8 +46,8 @@ def compile(
         tied: groups of segment indices whose segments share parameters (e.g. `[(0, 3)]` for an
             LM head tied to the token embedding; a negative index counts from the last segment
             of a model replica, so `[(0, -1)]` says the same at any cut); each stage holding a
-            segment of group `g` gets
-            a `ReduceTied(g)` per batch that sums the gradients of every copy before the step.
+            segment of group `g` gets a `ReduceTied(g)` per batch that sums the gradients of
+            every copy before the step.
             A schedule with model replicas (DualPipe) ties each segment to its copies itself,
             joined with these groups (see [Note: replicas] in `schedcc.semantics.layout`).
         forward_only: keep only the schedule's forwards (and its activation comm, if it yields

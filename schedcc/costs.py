@@ -106,15 +106,16 @@ def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
 
 # [Note: a step's first computes] On the CPU engines a stage's first forward of a step takes
 # 30-50% longer than the rest, and its first backward 10-20% (tiny-gpt at p = 2: 0.5-1.0 ms on a
-# 1.9 ms forward, 0.2-0.4 ms on a 1.8 ms backward; docs/performance.md, "A step's first
-# computes"): the optimizer step has just written every parameter, and the first pass of a step
-# allocates what the rest reuse. A median of each kind leaves that out, and on the critical path
-# of a pipeline's fill it adds up: steps simulated 7-17% under what they measured. So the costs
-# carry it per stage (`warmup_forward`, `warmup_backward`), the simulators add it to the stage's
-# first compute of each kind in program order (`warmups`), and `from_trace` reads it as the
-# median, over the runs a trace holds (a track's runs are split at its `Step`s), of the first
-# forward's duration less the median forward of its chunk on that stage (likewise backwards); a
-# simulated trace reads back what it was simulated with.
+# 1.9 ms forward, 0.2-0.4 ms on a 1.8 ms backward; docs/performance.md, "The updates a run
+# compiles, a collective's wait, a step's first computes"): the optimizer step has just written
+# every parameter, and the first pass of a step allocates what the rest reuse. A median of each
+# kind leaves that out, and on the critical path of a pipeline's fill it adds up: steps
+# simulated 7-17% under what they measured. So the costs carry it per stage (`warmup_forward`,
+# `warmup_backward`), the simulators add it to the stage's first compute of each kind in program
+# order (`warmups`), and `from_trace` reads it as the median, over the runs a trace holds (a
+# track's runs are split at its `Step`s), of the first forward's duration less the median
+# forward of its chunk on that stage (likewise backwards); a simulated trace reads back what it
+# was simulated with.
 def warmups(
     costs: CostModel, stages: Sequence[Sequence[Instruction]]
 ) -> dict[tuple[int, int], float]:
@@ -452,7 +453,8 @@ class CostModel:
                     f"trace event {event.get('name')!r}: its dur, ts, pid and tid must be "
                     "numbers"
                 ) from None
-            meet = event["name"] if isinstance(parse(event["name"]), _MEETS) else None
+            meets = kind in ("reduce", "norm") and isinstance(parse(event["name"]), _MEETS)
+            meet = event["name"] if meets else None
             timed.append(_Sample(stage, track, start, kind, chunk, duration, meet))
         timed = _after_meeting(timed)
         if metadata.get("measured") is True:
