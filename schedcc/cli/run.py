@@ -556,7 +556,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
     from schedcc.backends.run.report import other_bytes
-    from schedcc.cli.tune import finer_line
+    from schedcc.cli.tune import finer_line, updates_line
     from schedcc.costs import CostModel, measured_backward, measured_updates
     from schedcc.draw.chrome import read_chrome_trace
     from schedcc.search import search
@@ -601,9 +601,12 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         f"{path}:Found"
     )
     found = result.schedule
-    finer = finer_line(costs, args.num_stages, [found.num_chunks // type(found).num_replicas])
-    if finer is not None:
-        print(finer)
+    for line in (
+        finer_line(costs, args.num_stages, [found.num_chunks // type(found).num_replicas]),
+        updates_line({"tied": updates.tied, "grad_norm": updates.grad_norm}),
+    ):
+        if line is not None:
+            print(line)
     return f"{path}:Found", result.schedule.num_chunks
 
 

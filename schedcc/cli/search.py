@@ -20,6 +20,7 @@ from schedcc.cli.tune import (
     finer_line,
     guessed_line,
     ranking_table,
+    updates_line,
     updates_of,
 )
 from schedcc.costs import measured_backward
@@ -168,9 +169,12 @@ def run(args) -> int:
     guessed = guessed_line(args.costs_from, args.costs)
     if guessed is not None and True in _split_backward(args):
         print(guessed)
-    finer = finer_line(costs, args.num_stages, (c.num_chunks for c in ranking.ranked))
-    if finer is not None:
-        print(finer)
+    for line in (
+        finer_line(costs, args.num_stages, (c.num_chunks for c in ranking.ranked)),
+        updates_line(updates),
+    ):
+        if line is not None:
+            print(line)
     print(result.timeline.to_ascii())
     if args.out is not None:
         args.out.write_text(result.to_python(args.class_name))

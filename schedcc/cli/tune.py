@@ -33,6 +33,7 @@ __all__ = [
     "ranking_table",
     "register",
     "run",
+    "updates_line",
     "updates_of",
 ]
 
@@ -124,6 +125,15 @@ def _tied_groups(text: str) -> tuple[tuple[int, ...], ...]:
         ) from None
 
 
+def updates_line(updates: dict) -> str | None:
+    """A line naming the updates every program was timed with, where there are any."""
+    said = [f"tied {', '.join(map(str, updates['tied']))}"] if updates["tied"] else []
+    said += ["the gradient norm"] if updates["grad_norm"] else []
+    if not said:
+        return None
+    return f"every program timed with its updates' collectives: {' and '.join(said)}"
+
+
 def updates_of(args) -> dict:
     """`tied=` and `grad_norm=` for `schedcc.tune` and `schedcc.search`: the flags, else what
     the `--costs-from` trace's run compiled ([Note: a trace's updates] in `schedcc.costs`)."""
@@ -138,6 +148,7 @@ def run(args) -> int:
     shared.check_size(args.num_stages, max(args.num_microbatches), max(args.num_chunks or [2]))
     memory = memory_flags.memory_of(args)
     costs = memory_flags.with_memory(costs_of(args), memory)
+    updates = updates_of(args)
     result = tune(
         _with_registered(args.schedule) if args.schedule else None,
         num_stages=args.num_stages,
@@ -147,7 +158,7 @@ def run(args) -> int:
         memory_limit=args.memory_limit,
         data_parallel=args.dp,
         zero=args.zero,
-        **updates_of(args),
+        **updates,
         recompute=(False, True) if args.recompute else False,
         eager=args.eager,
     )
@@ -158,6 +169,7 @@ def run(args) -> int:
             memory_flags.cut_line(memory, args.num_stages),
             guessed_line(args.costs_from, args.costs),
             finer_line(costs, args.num_stages, (c.num_chunks for c in result.ranked)),
+            updates_line(updates),
         )
         print("\n".join([ranking_table(result), *filter(None, notes)]))
     return 0 if result.ranked else 1

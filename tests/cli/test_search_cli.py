@@ -347,7 +347,9 @@ def test_costs_from_a_trace_time_the_updates_its_run_compiled(tmp_path, capsys):
     argv = ["search", *shape, "-v", "1,2", "--costs-from", str(trace), "--time-limit", "1",
             "--method", "heuristic", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
-    line = capsys.readouterr().out.splitlines()[0]
+    printed = capsys.readouterr().out
+    assert "timed with its updates' collectives: tied (0, -1) and the gradient norm" in printed
+    line = printed.splitlines()[0]
     makespan = float(re.search(r"makespan \(eager\) ([0-9.]+)", line).group(1))
     found = get_schedule(f"{out}:Found")(*get_schedule(f"{out}:Found").shape)
     program = schedcc.compile(found, tied=[(0, -1)], grad_norm=True)
@@ -374,7 +376,9 @@ def test_run_searches_for_the_program_its_first_run_compiled(tmp_path, capsys):
             "--search-time", "1"]  # fmt: skip
     args = build_parser().parse_args(argv)
     path, v = _searched(args, False)
-    step = float(re.search(r"simulated step ([0-9.]+) ms", capsys.readouterr().out).group(1))
+    printed = capsys.readouterr().out
+    step = float(re.search(r"simulated step ([0-9.]+) ms", printed).group(1))
+    assert "collectives: tied (0, -1) and the gradient norm" in printed
     found = get_schedule(path)(*get_schedule(path).shape)
     program = schedcc.compile(found, tied=[(0, -1)], grad_norm=True)
     measured = CostModel.from_trace(trace)
