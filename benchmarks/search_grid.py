@@ -14,6 +14,7 @@ more than 3% above the bound, within 3% of the bound.
         --comms 0.1 --heavy "last 1.5x"                         # 9 shapes at p = 16
     .venv/bin/python benchmarks/search_grid.py --quick          # 12 shapes at p = 4
     .venv/bin/python benchmarks/search_grid.py --stages 4 --exact 12 --jobs 1
+    .venv/bin/python benchmarks/search_grid.py --stages 4 --eager --method auto --jobs 1
 
 With `--offload` the search may offload activations ([Note: the search's offloads]) and its bound
 leaves the memory terms out; `--copy C` prices each offload and reload at C forwards (for the
@@ -72,7 +73,9 @@ def costs_of(p: int, ratio: str, comm: float, heavy: str) -> CostModel:
     )
 
 
-def run_shape(shape, offload: bool = False, copy: float = 0.0, eager: bool = False) -> dict:
+def run_shape(
+    shape, offload: bool = False, copy: float = 0.0, eager: bool = False, method: str = "heuristic"
+) -> dict:
     p, m, ratio, comm, heavy, fraction, time_limit, exact = shape
     costs = costs_of(p, ratio, comm, heavy)
     forward = RATIOS[ratio][0]
@@ -92,7 +95,7 @@ def run_shape(shape, offload: bool = False, copy: float = 0.0, eager: bool = Fal
     try:
         found = schedcc.search(
             p, m, costs=costs, memory_limit=limit, recompute=True, offload=offload,
-            time_limit=time_limit, method="heuristic", eager=eager,
+            time_limit=time_limit, method=method, eager=eager,
         )  # fmt: skip
     except ScheduleConfigError:
         found = None
@@ -122,6 +125,9 @@ def main() -> None:
     parser.add_argument("--comms", type=float, nargs="+", default=list(COMMS))
     parser.add_argument("--heavy", nargs="+", default=list(HEAVY), choices=list(HEAVY))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--method", choices=("heuristic", "auto", "exact"), default="heuristic",
+                        help="the search's method (default heuristic; auto: schedcc.search's "
+                        "default, CP-SAT too at small shapes with ortools)")  # fmt: skip
     parser.add_argument("--exact", type=float, default=0.0, metavar="S",
                         help="also search with method='exact' in S seconds")  # fmt: skip
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4],
@@ -145,7 +151,8 @@ def main() -> None:
     if args.quick:
         shapes = [s for s in shapes if s[0] == 4 and s[1] == 8 and s[3] == 0.1][:12]
     print(
-        stamp("search_grid"), f"offload={args.offload} copy={args.copy:g} eager={args.eager}"
+        stamp("search_grid"),
+        f"offload={args.offload} copy={args.copy:g} eager={args.eager} method={args.method}",
     )
     print(
         f"{'p':>3} {'m':>3} {'F:B:W':>9} {'comm':>4} {'heavy':>10} {'limit':>5} | "
@@ -155,7 +162,7 @@ def main() -> None:
     rows = []
     with multiprocessing.Pool(args.jobs) as pool:
         run = functools.partial(
-            run_shape, offload=args.offload, copy=args.copy, eager=args.eager
+            run_shape, offload=args.offload, copy=args.copy, eager=args.eager, method=args.method
         )
         for row in pool.imap(run, shapes):
             rows.append(row)
