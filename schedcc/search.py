@@ -119,7 +119,7 @@ from schedcc.search_exact import available, require_ortools, solve_exact
 from schedcc.search_local import QuickClock, held_sizes, kick, move, neighbours
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
-from schedcc.tune import _per_chunk, other_cut, tied_at_cuts
+from schedcc.tune import _per_chunk, names_one_cut, other_cut, tied_at_cuts
 
 __all__ = [
     "EXACT_MAX_PAIRS", "MAX_CHUNKS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult",
@@ -458,7 +458,7 @@ def search(
         eager=eager,
         tied=tied,
         grad_norm=grad_norm,
-        tied_cut=cuts[0] if any(k > 0 for group in tied for k in group) else None,
+        tied_cut=cuts[0] if names_one_cut(tied) else None,
     )
     seeds = _seeds(start) + (list(registered_classes().items()) if builtins else [])
     searcher.seed(seeds, families, recomputed=False)
@@ -751,6 +751,11 @@ class _Searcher:
         schedule = _found_class(self.p, self.m, family, orders)(self.p, self.m, family.num_chunks)
         return compile(schedule, offload=offload, **self.options)
 
+    def _unchecked(self, schedule: Schedule, recompute: bool) -> Program:
+        """`schedule` compiled with the search's options but without the validator (the
+        simulator validates what it times)."""
+        return compile(schedule, validate=False, recompute=recompute, **self.options)
+
     def _offloaded(self, family: _Family, orders, timeline: Timeline):
         """`orders` (over the limit in `timeline`) with offloads where a stage is over it
         ([Note: the search's offloads]): `(program, timeline, orders with their copies)`, or
@@ -1039,9 +1044,7 @@ class _Searcher:
                             schedule, data_parallel=self.dp, zero=self.zero, recompute=recomputed
                         )
                     else:
-                        program = _compile_unchecked(
-                            schedule, recompute=recomputed, **self.options
-                        )
+                        program = self._unchecked(schedule, recomputed)
                 except ScheduleError:
                     continue
                 orders = _compute_orders(program)
@@ -1056,9 +1059,7 @@ class _Searcher:
                 if fits is None:  # not on the clock: the simulator says
                     if clocked:  # compiled now (lowering places copies beside the computes)
                         try:
-                            program = _compile_unchecked(
-                                schedule, recompute=recomputed, **self.options
-                            )
+                            program = self._unchecked(schedule, recomputed)
                         except ScheduleError:
                             continue
                         orders = _compute_orders(program)
@@ -1329,11 +1330,6 @@ def _found_class(p, m, family: _Family, orders) -> type[FoundOrder]:
             weight_delay=family.weight_delay,
         )
     return type("Found", (FoundOrder,), body)
-
-
-def _compile_unchecked(schedule: Schedule, **options) -> Program:
-    """`compile` without the validator (the simulator validates what it times)."""
-    return compile(schedule, validate=False, **options)
 
 
 def _compute_orders(program: Program, *, sends: bool = False) -> tuple[tuple[str, ...], ...]:

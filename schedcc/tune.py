@@ -218,6 +218,11 @@ def tune(
     )
 
 
+def names_one_cut(tied: Iterable[Iterable[int]]) -> bool:
+    """Whether `tied` names a segment above 0: one that is the same segment at one cut only."""
+    return any(k > 0 for group in tied for k in group)
+
+
 def tied_at_cuts(tied, cuts: Iterable[int], caller: str) -> tuple[tuple[int, ...], ...]:
     """`tied` as a tuple of groups, checked at every cut (segments of one model replica) the
     candidates make: `ScheduleConfigError` on a malformed group or one out of range, or, with
@@ -227,7 +232,7 @@ def tied_at_cuts(tied, cuts: Iterable[int], caller: str) -> tuple[tuple[int, ...
     for cut in cuts:
         normalize_tied(tied, cut)
     groups = tuple(tuple(group) for group in tied)
-    if len(cuts) > 1 and any(k > 0 for group in groups for k in group):
+    if len(cuts) > 1 and names_one_cut(groups):
         raise ScheduleConfigError(
             f"{caller}: tied={list(groups)!r} names segments of one cut, but the orders cut the "
             f"model in {' or '.join(map(str, cuts))} segments: name the first 0 and count the "
@@ -328,7 +333,7 @@ class _Tuner:
         if mismatch is not None:
             return Skipped(name, m, v, mismatch)
         tied = self.options["tied"]
-        if share != v and any(k > 0 for group in tied for k in group):
+        if share != v and names_one_cut(tied):
             cut = v * self.num_stages
             return Skipped(name, m, v, f"tied={list(tied)!r} names segments of a cut in {cut}")
         if self.options["zero"] == 3 and schedule.weight_delay:

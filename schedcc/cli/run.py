@@ -603,7 +603,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     found = result.schedule
     for line in (
         finer_line(costs, args.num_stages, [found.num_chunks // type(found).num_replicas]),
-        updates_line({"tied": updates.tied, "grad_norm": updates.grad_norm}),
+        updates_line(updates.tied, updates.grad_norm),
     ):
         if line is not None:
             print(line)

@@ -171,7 +171,7 @@ def run(args) -> int:
         print(guessed)
     for line in (
         finer_line(costs, args.num_stages, (c.num_chunks for c in ranking.ranked)),
-        updates_line(updates),
+        updates_line(**updates),
     ):
         if line is not None:
             print(line)

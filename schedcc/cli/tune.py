@@ -125,10 +125,10 @@ def _tied_groups(text: str) -> tuple[tuple[int, ...], ...]:
         ) from None
 
 
-def updates_line(updates: dict) -> str | None:
+def updates_line(tied, grad_norm: bool) -> str | None:
     """A line naming the updates every program was timed with, where there are any."""
-    said = [f"tied {', '.join(map(str, updates['tied']))}"] if updates["tied"] else []
-    said += ["the gradient norm"] if updates["grad_norm"] else []
+    said = [f"tied {', '.join(map(str, tied))}"] if tied else []
+    said += ["the gradient norm"] if grad_norm else []
     if not said:
         return None
     return f"every program timed with its updates' collectives: {' and '.join(said)}"
@@ -169,7 +169,7 @@ def run(args) -> int:
             memory_flags.cut_line(memory, args.num_stages),
             guessed_line(args.costs_from, args.costs),
             finer_line(costs, args.num_stages, (c.num_chunks for c in result.ranked)),
-            updates_line(updates),
+            updates_line(**updates),
         )
         print("\n".join([ranking_table(result), *filter(None, notes)]))
     return 0 if result.ranked else 1
