@@ -52,9 +52,12 @@ __all__ = [
     "ALL_KINDS",
     "CHUNK_FIELDS",
     "FIELD_OF_CODE",
+    "FIXED_OF",
     "CostModel",
     "MeasuredUpdates",
     "cost_fields",
+    "fixed_merge",
+    "fixed_share",
     "kind_cost",
     "measured_backward",
     "measured_updates",
@@ -134,6 +137,53 @@ def warmups(
                 if pos is not None:
                     out[s, pos] = out.get((s, pos), 0.0) + extra
     return out
+
+
+# [Note: a compute's fixed time] Part of what a compute costs does not shrink with its chunk: the
+# runtime's work around the segment's own ([Note: a compute's own time] in
+# `backends.runtime.segment_calls`): tiny-gpt at p = 2 on the CPU, 0.08-0.11 ms of a 2.1 ms
+# forward, 0.05-0.07 ms of a 1.9 ms backward. Costs are a stage's share at v = 1 ([Note: tune's
+# units]), and dividing them whole by v priced a finer cut's chunks under what they measured (and
+# merging measured segments, their sum, over). So `fixed_forward`
+# (of each F and R) and `fixed_backward` (of each B, I and W) say how much of a compute's cost
+# is fixed: a chunk of a stage cut in v costs `(cost - fixed) / v + fixed` (`fixed_share`), and a
+# segment merging k measured ones their costs' sum less `(k - 1) * fixed` (`fixed_merge`); the
+# fixed part is taken as no more than each cost. `from_trace` reads them where a run recorded
+# each compute's own time (`"segment_us"`, as `schedcc run --trace` writes it): per stage, the
+# median over its computes of the duration less the own time. A model's own per-segment work
+# (set-up in each segment's forward) counts as the segment's, divided with it.
+#: The compute fields that have a fixed part, and the field giving it.
+FIXED_OF = MappingProxyType(
+    {
+        "forward": "fixed_forward",
+        "recompute": "fixed_forward",
+        "backward": "fixed_backward",
+        "backward_input": "fixed_backward",
+        "backward_weight": "fixed_backward",
+    }
+)
+
+
+def fixed_share(model: CostModel, field: str, cost: float, parts: int) -> float:
+    """`cost`, the `field` cost of a stage's share, as one of `parts` equal computes of it: its
+    fixed part whole and the rest divided ([Note: a compute's fixed time]).
+
+    >>> fixed_share(CostModel(fixed_forward=0.2), "forward", 2.0, 2)
+    1.1
+    """
+    fixed = min(getattr(model, FIXED_OF[field]), cost) if field in FIXED_OF else 0.0
+    return (cost - fixed) / parts + fixed
+
+
+def fixed_merge(model: CostModel, field: str, costs: Sequence[float]) -> float:
+    """The `field` cost of one compute merging computes of `costs`: their sum less the fixed
+    part of all but one ([Note: a compute's fixed time]).
+
+    >>> fixed_merge(CostModel(fixed_forward=0.2), "forward", [1.0, 1.5])
+    2.3
+    """
+    fixed = min(getattr(model, FIXED_OF[field]), *costs) if field in FIXED_OF and costs else 0.0
+    return sum(costs) - fixed * (len(costs) - 1)
 
 
 def overlapped_pair(model: CostModel) -> float:
@@ -268,6 +318,11 @@ class CostModel:
             after the optimizer step a stage's caches are cold and its buffers unallocated
             ([Note: a step's first computes]); whatever the chunk, not scaled by
             `per_microbatch`. `from_trace` measures them.
+        fixed_forward, fixed_backward: the part of each forward (and `Recompute`), and of each
+            B, I and W, that does not shrink with its chunk (the runtime's own work around the
+            segment's): part of those costs, not added to them. Pricing a stage's costs at v
+            chunks, or merging measured segments, divides only the rest ([Note: a compute's
+            fixed time], `fixed_share`). `from_trace` measures them.
         memory: bytes per segment (`schedcc.MemoryModel`), for `Timeline.peak_bytes`
             and `Timeline.peak_activation_bytes`; read from the top-level model only.
         per_stage: `{stage: CostModel}`; that stage reads its costs from the given model.
@@ -319,6 +374,8 @@ class CostModel:
     overlap: float = attrs.field(default=0.5, validator=_fraction)
     warmup_forward: float = attrs.field(default=0.0, validator=_non_negative)
     warmup_backward: float = attrs.field(default=0.0, validator=_non_negative)
+    fixed_forward: float = attrs.field(default=0.0, validator=_non_negative)
+    fixed_backward: float = attrs.field(default=0.0, validator=_non_negative)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_microbatch: tuple[float, ...] = attrs.field(default=(), converter=_factors)
@@ -348,8 +405,9 @@ class CostModel:
         segment `k`'s `(stage, chunk)` and `cut` how many segments one model replica is cut
         in (default: all of them; segment `k` is a copy of the replica's `k % cut`). Each
         segment's compute and copy costs become `per_stage[s].per_chunk[c]`'s, from its own
-        model or the sum of those it merges; at a cut `per_segment` does not divide into,
-        nothing changes but `per_segment` dropping ([Note: segment costs]).
+        model or the sum of those it merges (less their fixed parts but one: `fixed_merge`);
+        at a cut `per_segment` does not divide into, nothing changes but `per_segment` dropping
+        ([Note: segment costs]).
 
         >>> head = CostModel(forward=3.0, backward=6.0)
         >>> costs = CostModel(per_segment=[CostModel(), CostModel(), CostModel(), head])
@@ -369,7 +427,7 @@ class CostModel:
         merge = len(segments) // cut
         own = [  # each of a replica's segments: the compute and copy costs of those it merges
             {
-                field: sum(kind_cost(model, cls) for model in segments[j * merge : (j + 1) * merge])
+                field: [kind_cost(model, cls) for model in segments[j * merge : (j + 1) * merge]]
                 for cls, field in _FIELD.items()
                 if field in CHUNK_FIELDS
             }
@@ -377,9 +435,11 @@ class CostModel:
         ]
         chunks: dict[int, dict[int, CostModel]] = {}
         for k, (stage, chunk) in enumerate(place):
-            chunks.setdefault(stage, {})[chunk] = attrs.evolve(
-                _bare(base.at(stage, chunk)), **own[k % cut]
-            )
+            model = _bare(base.at(stage, chunk))
+            merged = {  # less the fixed parts they merge: [Note: a compute's fixed time]
+                field: fixed_merge(model, field, costs) for field, costs in own[k % cut].items()
+            }
+            chunks.setdefault(stage, {})[chunk] = attrs.evolve(model, **merged)
         per_stage = dict(base.per_stage)
         for stage, models in chunks.items():
             per_stage[stage] = attrs.evolve(
@@ -455,7 +515,8 @@ class CostModel:
                 ) from None
             meets = kind in ("reduce", "norm") and isinstance(parse(event["name"]), _MEETS)
             meet = event["name"] if meets else None
-            timed.append(_Sample(stage, track, start, kind, chunk, duration, meet))
+            own = _own_time(event, unit_us) if kind in FIXED_OF else None
+            timed.append(_Sample(stage, track, start, kind, chunk, duration, meet, own))
         timed = _after_meeting(timed)
         if metadata.get("measured") is True:
             timed = _unpaired(timed)
@@ -474,9 +535,18 @@ class CostModel:
                 f"pipeline (a stage's costs depend on the cut): trace a run with -p {num_stages}"
             )
         warm = _warmups(timed, samples)  # [Note: a step's first computes]
+        fixed = _fixed(timed, defaults)  # [Note: a compute's fixed time]
+
+        def model(kinds, replicas: int, fixed: Mapping[str, float], **more: float) -> CostModel:
+            fields = {**defaults, **fixed}
+            measured = _both_ways(_medians(kinds, replicas, fields), defaults, fields)
+            return cls(**{**fields, **measured}, **more)
+
         per_stage = {
-            stage: cls(
-                **{**defaults, **_both_ways(_medians(kinds, replicas), defaults)},
+            stage: model(
+                kinds,
+                replicas,
+                fixed.get(stage, {}),
                 **{f: v for f, v in warm.get(stage, {}).items() if f not in defaults},
             )
             for stage, kinds in samples.items()
@@ -485,15 +555,12 @@ class CostModel:
         for kinds in samples.values():
             for key, values in kinds.items():
                 overall.setdefault(key, []).extend(values)
-        measured = _medians(overall, replicas)
         per_segment = [
-            cls(**{**defaults, **_both_ways(_medians(kinds, 1), defaults)})
+            model(kinds, 1, fixed.get(None, {}))
             for kinds in _by_segment(samples, metadata.get("cut"))
         ]
-        return cls(
-            **{**defaults, **_both_ways(measured, defaults)},
-            per_stage=per_stage,
-            per_segment=per_segment,
+        return model(
+            overall, replicas, fixed.get(None, {}), per_stage=per_stage, per_segment=per_segment
         )
 
 
@@ -589,13 +656,18 @@ def measured_updates(trace: str | PathLike | Mapping | Iterable[Mapping]) -> Mea
 # and `schedcc search --costs-from` unless `--backward` says otherwise, search F/B orders only
 # after a trace of whole backwards (`measured_backward`); after one of split backwards, both (B =
 # I + W is the pessimistic side: one pass costs no more than the two).
-def _both_ways(measured: dict[str, float], defaults: Mapping[str, float]) -> dict[str, float]:
+def _both_ways(
+    measured: dict[str, float], defaults: Mapping[str, float], fields: Mapping[str, float]
+) -> dict[str, float]:
+    """`measured` with the backward form it lacks read off the other (each compute's fixed
+    part in `fields`' `fixed_backward`, [Note: a compute's fixed time])."""
     out = dict(measured)
     split = ("backward_input", "backward_weight")
+    model = CostModel(fixed_backward=fields.get("fixed_backward", 0.0))
     if "backward" in out and not any(k in out or k in defaults for k in split):
-        out.update(dict.fromkeys(split, out["backward"] / 2))
+        out.update(dict.fromkeys(split, fixed_share(model, "backward", out["backward"], 2)))
     elif all(k in out for k in split) and "backward" not in out and "backward" not in defaults:
-        out["backward"] = out["backward_input"] + out["backward_weight"]
+        out["backward"] = fixed_merge(model, "backward", [out[k] for k in split])
     return out
 
 
@@ -640,6 +712,7 @@ class _Sample(NamedTuple):
     chunk: int
     duration: float
     meet: str | None = None  # a collective's name (`Tied0`, `Norm`): its members meet
+    own: float | None = None  # a compute's time in its segment's own work, where recorded
 
 
 #: The collectives the stages of one pipeline meet at.
@@ -723,7 +796,7 @@ def _unpaired(timed: list[_Sample]) -> list[_Sample]:
             if not alone:
                 continue  # no forward known to take off the pair
             rest = max(t.duration - statistics.median(alone), 0.0)
-            t = t._replace(kind="backward", duration=rest)
+            t = t._replace(kind="backward", duration=rest, own=None)
         out.append(t)
     return out
 
@@ -787,14 +860,59 @@ def _rows_of_ints(table: object) -> bool:
     )
 
 
-def _medians(kinds: Mapping[tuple[str, int], list[float]], replicas: int) -> dict[str, float]:
+def _medians(
+    kinds: Mapping[tuple[str, int], list[float]], replicas: int, fields: Mapping[str, float]
+) -> dict[str, float]:
     """Each field's cost in a stage's units ([Note: a trace's cut]): per chunk a median, the
-    chunks of a chunk's kind summed over the replicas."""
-    out: dict[str, float] = {}
+    chunks of a chunk's kind summed over the replicas, as one compute: their fixed parts but
+    one left out (`fields`' `fixed_forward` and `fixed_backward`, [Note: a compute's fixed
+    time])."""
+    chunks: dict[str, list[float]] = {}
     for (kind, _), values in sorted(kinds.items()):
-        share = replicas if kind in CHUNK_FIELDS else 1
-        out[kind] = out.get(kind, 0.0) + float(statistics.median(values)) / share
+        chunks.setdefault(kind, []).append(float(statistics.median(values)))
+    out: dict[str, float] = {}
+    for kind, medians in chunks.items():
+        if kind not in CHUNK_FIELDS:
+            out[kind] = sum(medians)
+            continue
+        fixed = min(fields.get(FIXED_OF[kind], 0.0), *medians) if kind in FIXED_OF else 0.0
+        out[kind] = sum(value - fixed for value in medians) / replicas + fixed
     return out
+
+
+def _own_time(event: Mapping, unit_us: float) -> float | None:
+    """A compute event's time in its segment's own work (`"segment_us"` in its args, as a
+    measured run records it: [Note: a compute's own time]), in cost units; None without one."""
+    args = event.get("args")
+    own = args.get("segment_us") if isinstance(args, Mapping) else None
+    if own is None:
+        return None
+    if isinstance(own, bool) or not isinstance(own, (int, float)) or not own >= 0:
+        raise ScheduleConfigError(
+            f"trace event {event.get('name')!r}: its segment_us must be a number >= 0, got {own!r}"
+        )
+    return float(own) / unit_us
+
+
+def _fixed(timed: list[_Sample], defaults: Mapping[str, float]) -> dict[int | None, dict]:
+    """Per stage (and over them all, None), `fixed_forward` and `fixed_backward` as the trace
+    shows them: the median of each compute's duration less its own time, over the computes
+    that record one; none below 0, none the caller gives ([Note: a compute's fixed time])."""
+    rests: dict[int | None, dict[str, list[float]]] = {}
+    for t in timed:
+        if t.own is None or t.kind not in FIXED_OF:
+            continue
+        rest = max(t.duration - t.own, 0.0)
+        for key in (t.stage, None):
+            rests.setdefault(key, {}).setdefault(FIXED_OF[t.kind], []).append(rest)
+    return {
+        key: {
+            field: float(statistics.median(values))
+            for field, values in row.items()
+            if field not in defaults
+        }
+        for key, row in rests.items()
+    }
 
 
 def cost_fields() -> tuple[str, ...]:

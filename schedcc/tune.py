@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from schedcc.compiler import compile, normalize_tied
-from schedcc.costs import CHUNK_FIELDS, CostModel
+from schedcc.costs import CHUNK_FIELDS, CostModel, fixed_share
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import Recompute
 from schedcc.memory_model import SIZE_FIELDS, MemoryModel
@@ -418,11 +418,12 @@ def _per_chunk(
     costs: CostModel, num_chunks: int, place: Sequence[tuple[int, int]] | None = None
 ) -> CostModel:
     """`costs` with compute and copy costs and memory sizes divided by `num_chunks` (see
-    [Note: tune's units]); given `place` (the `(stage, chunk)` of each segment of a program),
-    a `MemoryModel`'s per-stage sizes (one per stage) become the sizes of the segments each
-    stage runs, and per-segment costs are placed on them (`CostModel.placed`, [Note: segment
-    costs]). Measured sizes (`MemoryModel.cut`) and per-segment costs are each segment's own
-    and are not divided ([Note: a measured cut])."""
+    [Note: tune's units]; a compute's fixed part whole, [Note: a compute's fixed time]); given
+    `place` (the `(stage, chunk)` of each segment of a program), a `MemoryModel`'s per-stage
+    sizes (one per stage) become the sizes of the segments each stage runs, and per-segment
+    costs are placed on them (`CostModel.placed`, [Note: segment costs]). Measured sizes
+    (`MemoryModel.cut`) and per-segment costs are each segment's own and are not divided
+    ([Note: a measured cut])."""
     memory = costs.memory
     if memory is not None and memory.cut is None:
         if place is not None:
@@ -432,8 +433,8 @@ def _per_chunk(
     if num_chunks == 1:
         scaled = costs if memory is costs.memory else attrs.evolve(costs, memory=memory)
     else:
-        divided = {
-            name: getattr(costs, name) / num_chunks
+        divided = {  # each its fixed part whole: [Note: a compute's fixed time]
+            name: fixed_share(costs, name, getattr(costs, name), num_chunks)
             for name in CHUNK_FIELDS
             if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
         }

@@ -295,8 +295,12 @@ class Engine(BaseEngine):
         #: where a run that reads nothing on the host ends ([Note: one run ahead])
         self._run_ends = RunEnds()
         #: Per run of the program: (start, end) seconds of each of `_ops` (a unit of the rendezvous
-        #: model), since the engine's clock 0.
+        #: model), since the engine's clock 0; a compute's ends once the sends of what it made are
+        #: posted (the stage's time until then: [Note: a compute's own time]).
         self.unit_times: list[list[tuple[float, float]]] = []
+        #: Per run, the seconds each unit spent in its segment's own work: the user's forward and
+        #: loss, autograd's backward (0 but for a compute; [Note: a compute's own time]).
+        self.segment_times: list[list[float]] = []
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -474,8 +478,9 @@ class Engine(BaseEngine):
     def _run(self, prepared, *, read: bool = True) -> list[tuple[Any, dict[str, Any]]]:
         split, sizes = prepared
         self._connect()
-        times = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
+        times, own = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
         self.unit_times.append(times)
+        self.segment_times.append(own)
         return self._losses(len(split), read=read)
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:
@@ -559,7 +564,8 @@ class Engine(BaseEngine):
         self, ops, visit, transfers: Transfers, split, *, forward_only: bool = False, sizes=()
     ):
         """Run a program's units once on `split` (per batch, this stage's microbatches, of
-        `sizes` where given); the (start, end) of each unit. A failure tells the peers first
+        `sizes` where given); the (start, end) of each unit, and the seconds of each spent in
+        its segment's own work ([Note: a compute's own time]). A failure tells the peers first
         ([Note: failures])."""
         runtime = self.runtime
         runtime.reset(forward_only=forward_only)
@@ -567,26 +573,29 @@ class Engine(BaseEngine):
         sizes = list(sizes) or [None] * len(split)
         for batch, (inputs, targets) in enumerate(split):
             runtime.load_batch(batch, inputs, targets, sizes=sizes[batch])
-        clock, clock0 = time.perf_counter, self._clock0
+        clock, clock0, segment = time.perf_counter, self._clock0, runtime.segment_clock
         times = [(0.0, 0.0)] * len(ops)  # a comm group not visited: its waits', from `finish`
+        own = [0.0] * len(ops)
         try:
             for index in visit:
                 op = ops[index]
                 self._at = None if forward_only else index
                 transfers.before(index)
+                before = segment.seconds
                 start = clock()
                 if isinstance(op, Update):
                     self._update(op)
                 else:
                     runtime.run(op)
+                transfers.after(index)  # a unit's span ends once its sends are posted
                 times[index] = (start - clock0, clock() - clock0)
-                transfers.after(index)
+                own[index] = segment.seconds - before
             self._at = None
             transfers.finish(times, clock0)
         except BaseException as exc:
             transfers.abort(self._reason(exc, ops[index] if visit else None))
             raise
-        return times
+        return times, own
 
     def _wait_device(self) -> None:
         """On CUDA, the run's end: its kernels done within the timeout ([Note: failures])."""

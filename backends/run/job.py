@@ -172,6 +172,7 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
         "stage": engine.stage,
         "dp": dp_index,
         "times": engine.unit_times,
+        "segment": engine.segment_times,
         "peak": engine.runtime.peak_activation_bytes,
         "sizes": engine.runtime.microbatch_bytes,
         "p2p": engine.point_to_point,

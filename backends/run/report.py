@@ -90,8 +90,15 @@ class Progress:
             self._bar.stop()
 
 
-def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[Event]]:
-    """Per run of the program, the measured events of data-parallel replica 0, from time 0."""
+#: The steady runs (the last ones, after the first) a `--trace` holds, one after another: each
+#: per-step kind (a step, a collective) measured that many times, not once.
+TRACED_RUNS = 10
+
+
+def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[tuple]]:
+    """Per run of the program, the measured events of data-parallel replica 0, from time 0:
+    `(stage, instruction, start, end, own)`, `own` the seconds a compute spent in its segment's
+    own work ([Note: a compute's own time]), None for the other instructions."""
     bounds = _bounds(program)
     replica = [g for g in gathered if g["dp"] == 0]
     runs = []
@@ -100,10 +107,14 @@ def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[Event
         for payload in replica:
             stage = payload["stage"]
             ops = program.stages[stage]
-            for (lo, hi), (start, end) in zip(bounds[stage], payload["times"][r]):
-                events.extend(Event(stage, ops[pos], start, end) for pos in range(lo, hi))
-        origin = min(e.start for e in events)
-        runs.append([e._replace(start=e.start - origin, end=e.end - origin) for e in events])
+            spans = zip(bounds[stage], payload["times"][r], payload["segment"][r])
+            for (lo, hi), (start, end), own in spans:
+                events.extend(
+                    (stage, ops[pos], start, end, own if ops[pos].group == "compute" else None)
+                    for pos in range(lo, hi)
+                )
+        origin = min(e[2] for e in events)
+        runs.append([(s, op, a - origin, b - origin, own) for s, op, a, b, own in events])
     return runs
 
 
@@ -138,7 +149,8 @@ def summarize(
     from rich.console import Console
     from rich.table import Table
 
-    runs = measured_runs(program, gathered)
+    own = measured_runs(program, gathered)
+    runs = [[Event(*event[:4]) for event in run] for run in own]
     steady = range(1, len(runs)) if len(runs) > 1 else range(len(runs))
     per_run = config.num_batches
     run_seconds = statistics.median(_run_seconds(gathered, r) for r in steady)
@@ -150,12 +162,14 @@ def summarize(
     simulated = _simulated(program, _one_after_another([runs[r] for r in steady]), device)
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
-        events = runs[-1]
+        traced = list(steady)[-TRACED_RUNS:]
+        laid = _one_after_another([runs[r] for r in traced])
         write_chrome_trace(
-            events,
+            _one_after_another([own[r] for r in traced]),
             config.trace,
-            flows=comm_flows(program, events),
+            flows=comm_flows(program, laid),  # the last run's: each op's last event
             metadata={
+                "runs": len(traced),
                 "schedule": repr(program.schedule),
                 "measured": True,
                 "device": device,
@@ -289,15 +303,21 @@ def _training_rows(config, gathered) -> list[tuple[str, str]]:
     return rows
 
 
-def _one_after_another(runs: Sequence[list[Event]]) -> list[Event]:
-    """The events of `runs` (each from time 0) on one clock, each run after the last one's
-    end: so each stage's runs read apart, split at its steps ([Note: a step's first computes]
-    in `schedcc.costs`)."""
+def _one_after_another(runs: Sequence[list[tuple]]) -> list[tuple]:
+    """The events of `runs` (each from time 0; `Event`s, or `_runs`' with a fifth element) on
+    one clock, each run after the last one's end: so each stage's runs read apart, split at its
+    steps ([Note: a step's first computes] in `schedcc.costs`)."""
     out, offset = [], 0.0
     for events in runs:
-        out.extend(e._replace(start=e.start + offset, end=e.end + offset) for e in events)
-        offset += max((e.end for e in events), default=0.0)
+        out.extend(_shifted(e, offset) for e in events)
+        offset += max((e[3] for e in events), default=0.0)
     return out
+
+
+def _shifted(event: tuple, offset: float) -> tuple:
+    stage, op, start, end, *rest = event
+    moved = (stage, op, start + offset, end + offset, *rest)
+    return Event(*moved) if isinstance(event, Event) else moved
 
 
 def _simulated(program: Program, events: list[Event], device: str = "cpu") -> Timeline | None:

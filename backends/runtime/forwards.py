@@ -33,7 +33,7 @@ from schedcc.ir import Offload
 if TYPE_CHECKING:
     from schedcc.backends.runtime.clipping import StageNorm
     from schedcc.backends.runtime.precision import Precision
-    from schedcc.backends.runtime.segment_calls import SegmentCall
+    from schedcc.backends.runtime.segment_calls import SegmentCall, SegmentClock
     from schedcc.ir import Instruction
     from schedcc.semantics.layout import Layout
 
@@ -55,6 +55,8 @@ class SegmentForwards:
         num_microbatches: `m`, the microbatches of a batch.
         stashed: whether a forward runs on stashed weights (weight_delay >= 1).
         shadowed: the modules whose tied parameters run as private copies.
+        clock: what adds up the time spent in the segments' own work, the user's forward and
+            loss ([Note: a compute's own time] in `backends.runtime.segment_calls`).
     """
 
     def __init__(
@@ -74,8 +76,10 @@ class SegmentForwards:
         num_microbatches: int,
         stashed: bool,
         shadowed: Sequence[nn.Module],
+        clock: SegmentClock,
     ) -> None:
         self.modules, self._calls, self._layout = modules, calls, layout
+        self._clock = clock
         self.precision, self.norm, self.loss_fn = precision, norm, loss_fn
         self._book, self._counts, self._ports, self._carries = book, counts, ports, carries
         self._m, self._delay, self._shadowed = num_microbatches, stashed, shadowed
@@ -123,7 +127,7 @@ class SegmentForwards:
     def apply(self, c: int, k: int, params, value: Any) -> Any:
         """Segment k (chunk c) on `params`, in the stage's precision: its output as it leaves."""
         on = params if self._delay or self.modules[c] in self._shadowed else None  # stashed or tied
-        with self.precision.compute():
+        with self.precision.compute(), self._clock:
             out = call_user(self._name(c, k), lambda: self._calls[c](value, on), passing=_LOST_PEER)
         return self.precision.boundary(out, last=self._layout.is_last(k))
 
@@ -132,7 +136,7 @@ class SegmentForwards:
         calling convention] in `backends.runtime.carries`)."""
         module, name = self._module(c, params), self._name(c, k)
         where = name()
-        with self.precision.compute():
+        with self.precision.compute(), self._clock:
             out, carried = call_user(
                 name, lambda: call_part(module, value, carry, where=where), passing=_LOST_PEER
             )
@@ -168,7 +172,8 @@ class SegmentForwards:
         batch, replica = self._counts.key(i)
         if self.training:  # [Note: a count known up front]
             self._counts.know_up_front(batch, self._ports.batch_targets(batch))
-        result = call_loss(self.loss_fn, out, self._ports.target(i))
+        with self._clock:
+            result = call_loss(self.loss_fn, out, self._ports.target(i))
         where = f"loss_fn on microbatch {i}"
         objective = self._book.objective(
             batch, result, where=where, record=record, replica=replica, index=i % self._m

@@ -63,6 +63,7 @@ from schedcc.backends.runtime.recompute import (
 )
 from schedcc.backends.runtime.segment_calls import (
     SegmentCall,
+    SegmentClock,
     check_compile,
     check_one_value,
     check_recompute_layers,
@@ -288,6 +289,9 @@ class StageRuntime:
         #: sequence parts' carries between the forwards of a segment ([Note: sequence parts])
         self._parts = schedule.num_parts
         self._carries = Carries(stage, self._parts)
+        #: the seconds spent in the segments' own work, added up ([Note: a compute's own time]
+        #: in `backends.runtime.segment_calls`): what a backend reads around each compute
+        self.segment_clock = SegmentClock()
         #: how the stage applies its segments (`backends.runtime.forwards`)
         self._forwards = SegmentForwards(
             self.modules,
@@ -304,6 +308,7 @@ class StageRuntime:
             num_microbatches=self._m,
             stashed=self._delay > 0,
             shadowed=self._shadowed,
+            clock=self.segment_clock,
         )
         self.reset()
 
@@ -469,7 +474,9 @@ class StageRuntime:
     def _backward(self, op: Backward) -> None:
         graph = self._graphs.graph(op)
         self._into_buffer(op.chunk)
-        got = full_backward(graph, self._output_grads(op), self._stashed_into(op))
+        grads = self._output_grads(op)
+        with self.segment_clock:
+            got = full_backward(graph, grads, self._stashed_into(op))
         self._emit_input_grad(op, graph, got)
         self._graphs.free(op)
 
@@ -494,7 +501,8 @@ class StageRuntime:
     def _backward_input(self, op: BackwardInput) -> None:
         graph = self._graphs.graph(op)
         graph.grads = self._output_grads(op)  # what BackwardWeight differentiates
-        got = grad_roots(graph.roots, graph.grads, graph.leaves, retain_graph=True)
+        with self.segment_clock:
+            got = grad_roots(graph.roots, graph.grads, graph.leaves, retain_graph=True)
         self._emit_input_grad(op, graph, got)
 
     def _backward_weight(self, op: BackwardWeight) -> None:
@@ -502,7 +510,8 @@ class StageRuntime:
         if graph.grads is None:
             raise self._refused(op, "runs before its BackwardInput")
         self._into_buffer(op.chunk)
-        weight_backward(graph, self._stashed_into(op))
+        with self.segment_clock:
+            weight_backward(graph, self._stashed_into(op))
         self._graphs.free(op)
 
     def _into_buffer(self, c: int) -> None:

@@ -122,12 +122,12 @@ def with_segments(
     base: CostModel, segments: tuple[dict[str, float], ...] | None, num_stages: int
 ) -> CostModel:
     """`base` with each segment's fields over it as `per_segment`, and each stage's (its
-    consecutive segments summed, the cut at v = 1) as `per_stage`: what orders at a cut finer
-    than the segments' read ([Note: segment costs])."""
+    consecutive segments summed, less `base`'s fixed parts but one: the cut at v = 1) as
+    `per_stage`: what orders at a cut finer than the segments' read ([Note: segment costs])."""
     if segments is None:
         return base
     models = [attrs.evolve(base, **fields) for fields in segments]
-    stages = CostModel(per_segment=models).placed([(s, 0) for s in range(num_stages)])
+    stages = attrs.evolve(base, per_segment=models).placed([(s, 0) for s in range(num_stages)])
     per_stage = {
         s: attrs.evolve(base, **{f: getattr(stages.at(s), f) for f in CHUNK_FIELDS})
         for s in range(num_stages)
@@ -264,8 +264,22 @@ def add_parallel(parser, *, dp_default: int | None = 1, zero_choices=(0, 1, 2, 3
 
 
 def add_costs(parser, *, default: CostModel | None, help: str) -> None:
-    """`--costs K=V,...`."""
-    parser.add_argument("--costs", type=parse_costs, default=default, metavar="K=V,...", help=help)
+    """`--costs K=V,...`: the `CostModel` (`args.costs`) and the fields it names
+    (`args.costs_named`), which alone fill what a trace lacks (`--costs-from`)."""
+    parser.set_defaults(costs_named=frozenset())
+    parser.add_argument("--costs", action=_Costs, default=default, metavar="K=V,...", help=help)
+
+
+class _Costs(argparse.Action):
+    """`--costs`: `parse_costs`, and the names of the fields it gives as `costs_named`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            model = parse_costs(values)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, model)
+        namespace.costs_named = frozenset(_cost_fields(values))
 
 
 def add_segment_costs(parser) -> None:

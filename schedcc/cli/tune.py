@@ -17,7 +17,6 @@ from schedcc.cli.args import UsageError
 from schedcc.costs import (
     CostModel,
     MeasuredUpdates,
-    cost_fields,
     measured_backward,
     measured_updates,
 )
@@ -197,9 +196,7 @@ def costs_of(args) -> CostModel:
         )
     if trace is None:
         return shared.with_segments(given or CostModel(), segments, num_stages)
-    defaults = {}
-    if given is not None:
-        defaults = {name: getattr(given, name) for name in cost_fields()}
+    defaults = {name: getattr(given, name) for name in args.costs_named}  # the named ones only
     return CostModel.from_trace(trace, num_stages=num_stages, **defaults)
 
 

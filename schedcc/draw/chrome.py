@@ -35,7 +35,7 @@ _CATEGORY = {"compute": "compute", "comm": "comm", "update": "update", "copy": "
 #: The copy lane of stage s is track `_COPY_TRACK + s`.
 _COPY_TRACK = 1_000_000
 
-EventLike = Sequence  # (stage, instruction, start, end)
+EventLike = Sequence  # (stage, instruction, start, end), or with a compute's own time fifth
 
 
 def chrome_trace(
@@ -48,7 +48,10 @@ def chrome_trace(
     """The trace as a JSON-ready dict (`{"traceEvents": [...], "otherData": metadata}`).
 
     Args:
-        events: `(stage, instruction, start, end)` tuples; times in any unit.
+        events: `(stage, instruction, start, end)` tuples; times in any unit. A fifth element,
+            where not None, is the time the compute spent in its segment's own work (a
+            measured run's, [Note: a compute's own time]): written as the event's
+            `"segment_us"`, which `CostModel.from_trace` reads.
         flows: `(send event, receive event)` pairs to join with arrows.
         metadata: put under "otherData" (schedule, shape, bubble, ...).
         unit_us: microseconds per time unit: 1000 draws a simulated cost unit as 1 ms; a
@@ -58,9 +61,12 @@ def chrome_trace(
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "pipeline"}},
     ]
     stages: set[int] = set()
-    for stage, op, start, end in events:
+    for stage, op, start, end, *own in events:
         tid = stage + _COPY_TRACK if op.group == "copy" else stage
         stages.add(tid)
+        args = _args(op)
+        if own and own[0] is not None:
+            args["segment_us"] = round(own[0] * unit_us, 3)
         out.append(
             {
                 "name": str(op),
@@ -70,7 +76,7 @@ def chrome_trace(
                 "tid": tid,
                 "ts": round(start * unit_us, 3),
                 "dur": round(max(0.0, end - start) * unit_us, 3),
-                "args": _args(op),
+                "args": args,
             }
         )
     for stage in sorted(stages):  # a track: a stage, or a stage's copy lane

@@ -3,6 +3,7 @@ bad input, and two torchrun launchers on 127.0.0.1 (the multi-node path)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from _cli import run_cli
 
+from schedcc import CostModel
 from schedcc.backends.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,14 +32,26 @@ def _run(*args: str, timeout: float = 120, env=None) -> subprocess.CompletedProc
 
 
 def test_run_trains_1f1b_and_prints_the_summary(tmp_path):
-    """`schedcc run --schedule 1f1b --steps 3` trains and reports loss, floor, bubble, memory."""
+    """`schedcc run --schedule 1f1b --steps 3` trains and reports loss, floor, bubble, memory;
+    its trace holds the steady runs, each compute with its own time."""
     trace = tmp_path / "trace.json"
     result = _run("--schedule", "1f1b", "--steps", "3", "--trace", str(trace))
     assert result.returncode == 0, result.stderr
     for text in ("entropy floor", "median step time", "bubble", "peak activations, stage 1"):
         assert text in result.stdout
     assert re.search(r"point-to-point\s*│\s*shared memory\s*│", result.stdout), result.stdout
-    assert '"name":"F0"' in trace.read_text()
+    written = json.loads(trace.read_text())
+    assert written["otherData"]["runs"] == 2  # the steady ones: every step but the first
+    events = [e for e in written["traceEvents"] if e.get("ph") == "X"]
+    assert sorted(e["tid"] for e in events if e["name"] == "F0") == [0, 0, 1, 1]
+    for event in events:  # a compute's own time: its segment's, inside its span
+        own = event["args"].get("segment_us")
+        if event["args"]["kind"] in ("Forward", "Backward"):
+            assert 0 < own < event["dur"], event
+        else:
+            assert own is None, event
+    costs = CostModel.from_trace(trace)
+    assert all(costs.at(s).fixed_forward > 0 and costs.at(s).fixed_backward > 0 for s in (0, 1))
 
 
 def test_run_with_data_parallel_zero_1_checks_equal_to_non_pipelined(tmp_path):

@@ -120,6 +120,31 @@ def test_costs_from_trace(tmp_path, capsys):
     assert [mine[key] / base[key] for key in base] == pytest.approx([0.01] * len(base))
 
 
+def test_costs_fill_only_the_kinds_a_trace_lacks(tmp_path):
+    """`--costs comm=0.05` beside `--costs-from` gives comm alone: what the trace reads beyond
+    its medians stays its own (a stage's first forward, I and W off its whole backward, a
+    compute's fixed part, the CPU's overlap)."""
+    from schedcc.cli import build_parser
+    from schedcc.cli.tune import costs_of
+
+    timed = [("F0", 0, 1500, 1400), ("F1", 2, 1000, 900), ("B0", 3, 2000, 1800), ("Step", 5, 1, 0)]
+    events = [
+        {"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": 0, "tid": stage,
+         "args": {"segment_us": own} if own else {}}
+        for stage in range(2)
+        for name, ts, dur, own in timed
+    ]  # fmt: skip
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events, "otherData": {"device": "cpu"}}))
+    argv = ["tune", "-p", "2", "--costs-from", str(path), "--costs", "comm=0.05"]
+    got = costs_of(build_parser().parse_args(argv))
+    want = CostModel.from_trace(path, num_stages=2, comm=0.05)
+    assert got == want
+    assert (got.at(1).comm, got.overlap, got.at(1).warmup_forward) == (0.05, 1.0, 0.25)
+    assert got.at(1).fixed_forward == pytest.approx(0.1)
+    assert got.at(1).backward_input == pytest.approx((2.0 - 0.2) / 2 + 0.2)
+
+
 def test_segment_costs_price_each_segment_where_it_lies(capsys):
     """`--segment-costs` gives each segment's costs ([Note: segment costs]): every row is timed
     as the library times its program under them; four segments price v = 2 orders segment by
