@@ -55,6 +55,7 @@ __all__ = [
     "FIXED_OF",
     "CostModel",
     "MeasuredUpdates",
+    "WARMUP_FIELDS",
     "cost_fields",
     "fixed_merge",
     "fixed_share",
@@ -113,30 +114,45 @@ def kind_cost(model: CostModel, cls: type[Instruction]) -> float:
 # compiles, a collective's wait, a step's first computes"): the optimizer step has just written
 # every parameter, and the first pass of a step allocates what the rest reuse. A median of each
 # kind leaves that out, and on the critical path of a pipeline's fill it adds up: steps
-# simulated 7-17% under what they measured. So the costs carry it per stage (`warmup_forward`,
-# `warmup_backward`), the simulators add it to the stage's first compute of each kind in program
-# order (`warmups`), and `from_trace` reads it as the median, over the runs a trace holds (a
-# track's runs are split at its `Step`s), of the first forward's duration less the median
-# forward of its chunk on that stage (likewise backwards); a simulated trace reads back what it
-# was simulated with.
+# simulated 7-17% under what they measured. The parameters are the chunk's: at v = 2 each chunk's
+# first forward is slow in its turn (stage 1: 0.43 ms each, against 0.97 for its one chunk at
+# v = 1). So the costs carry it per stage in tune's units (`warmup_forward`, `warmup_backward`, a
+# stage's at v = 1, each of v chunks taking 1 / v of it: `WARMUP_FIELDS`), the simulators add
+# each chunk's to its first compute of each kind in program order (`warmups`), and `from_trace`
+# reads it as the median, over the runs a trace holds (a track's runs are split at its `Step`s),
+# of each chunk's first forward's duration less the median forward of that chunk, summed over
+# the stage's chunks (likewise backwards); a simulated trace reads back what it was simulated
+# with.
 def warmups(
     costs: CostModel, stages: Sequence[Sequence[Instruction]]
 ) -> dict[tuple[int, int], float]:
-    """`{(stage, position): extra}`: each stage's first forward and first backward (B, I, or an
-    overlapped pair's) of the program `stages`, and what they take beyond their cost
-    ([Note: a step's first computes]); none where the costs have no warm-up."""
+    """`{(stage, position): extra}`: on each stage, each chunk's first forward and first
+    backward (B, I, or an overlapped pair's) of the program `stages`, and what they take beyond
+    their cost, its chunk's `warmup_forward` or `warmup_backward` ([Note: a step's first
+    computes]); none where the costs have no warm-up."""
     out: dict[tuple[int, int], float] = {}
     for s, ops in enumerate(stages):
-        model = costs.per_stage.get(s, costs)
-        for extra, kinds in (
-            (model.warmup_forward, (Forward,)),
-            (model.warmup_backward, (Backward, BackwardInput, OverlappedBackward)),
-        ):
+        seen: set[tuple[str, int]] = set()
+        for pos, op in enumerate(ops):
+            field = _WARMED.get(type(op))
+            if field is None or (field, op.chunk) in seen:
+                continue
+            seen.add((field, op.chunk))
+            extra = getattr(costs.at(s, op.chunk), field)
             if extra:
-                pos = next((j for j, op in enumerate(ops) if type(op) in kinds), None)
-                if pos is not None:
-                    out[s, pos] = out.get((s, pos), 0.0) + extra
+                out[s, pos] = extra
     return out
+
+
+#: The computes whose first of a chunk warms up, and the field it reads.
+_WARMED = {
+    Forward: "warmup_forward",
+    Backward: "warmup_backward",
+    BackwardInput: "warmup_backward",
+    OverlappedBackward: "warmup_backward",
+}
+#: The warm-up fields: a stage's at v = 1, shared among its chunks ([Note: tune's units]).
+WARMUP_FIELDS = ("warmup_forward", "warmup_backward")
 
 
 # [Note: a compute's fixed time] Part of what a compute costs does not shrink with its chunk: the
@@ -534,7 +550,7 @@ class CostModel:
                 f"{where} measured stages {sorted(samples)}, not the {num_stages} of this "
                 f"pipeline (a stage's costs depend on the cut): trace a run with -p {num_stages}"
             )
-        warm = _warmups(timed, samples)  # [Note: a step's first computes]
+        warm = _warmups(timed, samples, replicas)  # [Note: a step's first computes]
         fixed = _fixed(timed, defaults)  # [Note: a compute's fixed time]
 
         def model(kinds, replicas: int, fixed: Mapping[str, float], **more: float) -> CostModel:
@@ -744,31 +760,36 @@ def _after_meeting(timed: list[_Sample]) -> list[_Sample]:
 
 
 def _warmups(
-    timed: list[_Sample], samples: Mapping[int, Mapping[tuple[str, int], list[float]]]
+    timed: list[_Sample],
+    samples: Mapping[int, Mapping[tuple[str, int], list[float]]],
+    replicas: int,
 ) -> dict[int, dict[str, float]]:
-    """Per stage, `warmup_forward` and `warmup_backward` as the trace shows them: over its runs
-    on each track (split after each `step`), the median of the first forward's duration less
-    the median forward of its chunk on its stage, likewise the first backward's; none below 0
-    ([Note: a step's first computes])."""
+    """Per stage, `warmup_forward` and `warmup_backward` as the trace shows them, in a stage's
+    units ([Note: a trace's cut]): over its runs on each track (split after each `step`), per
+    chunk the median of its first forward's duration less its median forward (none below 0),
+    summed over the stage's chunks and divided by the model replicas; likewise the first
+    backwards ([Note: a step's first computes])."""
     fields = {"forward": "warmup_forward", "backward": "warmup_backward"}
     fields.update({"backward_input": "warmup_backward", _PAIRED: "warmup_backward"})
-    excess: dict[int, dict[str, list[float]]] = {}
-    seen: dict[int, set[str]] = {}
+    excess: dict[int, dict[tuple[str, int], list[float]]] = {}
+    seen: dict[int, set[tuple[str, int]]] = {}
     for t in sorted(timed, key=lambda t: (t.track, t.start)):
         if t.kind == "step":
             seen[t.track] = set()  # the next run on this track
             continue
         field = fields.get(t.kind)
-        if field is None or field in seen.setdefault(t.track, set()):
+        if field is None or (field, t.chunk) in seen.setdefault(t.track, set()):
             continue
-        seen[t.track].add(field)
+        seen[t.track].add((field, t.chunk))
         kind = "backward" if t.kind == _PAIRED else t.kind
         usual = statistics.median(samples[t.stage][kind, t.chunk])
-        excess.setdefault(t.stage, {}).setdefault(field, []).append(t.duration - usual)
-    return {
-        stage: {field: max(float(statistics.median(values)), 0.0) for field, values in row.items()}
-        for stage, row in excess.items()
-    }
+        excess.setdefault(t.stage, {}).setdefault((field, t.chunk), []).append(t.duration - usual)
+    out: dict[int, dict[str, float]] = {}
+    for stage, row in excess.items():
+        for (field, _), values in row.items():
+            warm = max(float(statistics.median(values)), 0.0) / replicas
+            out.setdefault(stage, {})[field] = out.get(stage, {}).get(field, 0.0) + warm
+    return out
 
 
 def _unpaired(timed: list[_Sample]) -> list[_Sample]:

@@ -227,11 +227,10 @@ class _Bound:
             self.least.append(min(mine, default=1.0))
             self.heaviest.append(max(mine, default=1.0))
         self.models = [scaled.at(s, c) for s, c in place]
-        # a stage's first forward and first backward of the run warm up
-        self.warm = [
-            (model := costs.per_stage.get(s, costs)).warmup_forward + model.warmup_backward
-            for s in range(p)
-        ]
+        # each chunk's first forward and first backward of the run warm up
+        self.warm = [0.0] * p
+        for (s, _), model in zip(place, self.models, strict=True):
+            self.warm[s] += model.warmup_forward + model.warmup_backward
         # bytes per segment of this placement (a stage's sizes on the segments it runs)
         self.memory = scaled.memory
         self.share = family.share

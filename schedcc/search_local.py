@@ -48,6 +48,14 @@ __all__ = [
 ]
 
 _F, _B, _I, _W, _R, _P = range(6)  # _P: an overlapped pair's backward
+#: The computes whose first of a segment in a run warms up, and the cost field it reads
+#: ([Note: a step's first computes] in `schedcc.costs`).
+_WARM_OF = {
+    _F: "warmup_forward",
+    _B: "warmup_backward",
+    _I: "warmup_backward",
+    _P: "warmup_backward",
+}
 _CODES = {
     Forward: _F, Backward: _B, BackwardInput: _I, BackwardWeight: _W, Recompute: _R,
     OverlappedBackward: _P,
@@ -184,16 +192,14 @@ class QuickClock:
             self._rows.clear()
         num, ops = len(self.place), [self.op(s, text) for text in row]
         redone = {(i, k) for code, i, k, _ in ops if code == _R}
-        model = self.costs.per_stage.get(s, self.costs)  # a step's first computes warm up
-        warm = {_F: model.warmup_forward, _B: model.warmup_backward}
-        warm[_I] = warm[_P] = warm[_B]
+        warmed: set[tuple[str, int]] = set()  # each chunk's first computes of a step warm up
         out = []
         for code, i, k, cost in ops:
             key, wait, add, delta, pair = i * num + k, None, 0.0, 0.0, None
-            if warm.get(code):
-                cost += warm[code]
-                for first in (_F,) if code == _F else (_B, _I, _P):
-                    warm[first] = 0.0
+            first = _WARM_OF.get(code)
+            if first is not None and (first, k) not in warmed:
+                warmed.add((first, k))
+                cost += getattr(self.costs.at(*self.place[k]), first)
             if code == _F:
                 if k > self.first[k]:
                     wait, add = key - 1, self._hop(k - 1, k)

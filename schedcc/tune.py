@@ -8,9 +8,11 @@ by simulated time per microbatch (`makespan / m`). A schedule that fails otherwi
 raises, or its program does not validate) is an error, not a silent drop.
 
 [Note: tune's units] Costs are for one stage's share of the model with v = 1; with v chunks per
-stage a chunk runs 1/v of that share, so its compute costs are divided by v, and so are its
-copies' (an offload moves 1/v of the bytes; comm and update costs are not), except where the
-costs come per segment (`CostModel.per_segment`, [Note: segment costs]). Activation memory
+stage a chunk runs 1/v of that share, so its compute costs are divided by v (but for their
+fixed part, [Note: a compute's fixed time]), and so are its copies' (an offload moves 1/v of the
+bytes) and its warm-ups (its first computes of a step, [Note: a step's first computes]; comm and
+update costs are not), except where the costs come per segment (`CostModel.per_segment`, [Note:
+segment costs]). Activation memory
 is counted the same way: a chunk's activations are 1/v of a stage's, so `peak_activations` is
 the peak number of held chunk activations divided by v, in microbatches of a whole stage (1F1B's
 stage 0 holds p); a `MemoryModel` in the costs is likewise a stage's sizes at v = 1 (a list
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from schedcc.compiler import compile, normalize_tied
-from schedcc.costs import CHUNK_FIELDS, CostModel, fixed_share
+from schedcc.costs import CHUNK_FIELDS, WARMUP_FIELDS, CostModel, fixed_share
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import Recompute
 from schedcc.memory_model import SIZE_FIELDS, MemoryModel
@@ -438,6 +440,9 @@ def _per_chunk(
             for name in CHUNK_FIELDS
             if getattr(costs, name) is not None  # an unset recompute cost follows the forward's
         }
+        divided.update(  # each chunk's first computes: [Note: a step's first computes]
+            {name: getattr(costs, name) / num_chunks for name in WARMUP_FIELDS}
+        )
         scaled = attrs.evolve(
             costs,
             **divided,

@@ -10,6 +10,7 @@ import pytest
 import schedcc
 from schedcc import CostModel, ScheduleConfigError
 from schedcc.costs import warmups
+from schedcc.tune import priced
 
 _WARM = CostModel(warmup_forward=0.5, warmup_backward=0.25)
 
@@ -101,3 +102,36 @@ def test_the_bound_counts_each_stage_s_warm_up():
     found = schedcc.search(2, 4, costs=_WARM, max_evaluations=20, **kwargs)
     assert found.bound == pytest.approx(15.75)
     assert found.bound <= found.makespan <= 16.5
+
+
+def test_each_chunk_s_first_computes_warm_up_with_its_share():
+    """A chunk holds its share of the stage's parameters: interleaved 1F1B at v = 2 warms up
+    the first forward and first backward of each chunk on each stage, each with half of the
+    stage's warm-up (its costs at v = 1)."""
+    schedule = schedcc.get_schedule("interleaved-1f1b")(2, 4, num_chunks=2)
+    program = schedcc.compile(schedule)
+    warm = warmups(priced(_WARM, schedule), program.stages)
+    found = {(s, str(program.stages[s][pos])): extra for (s, pos), extra in warm.items()}
+    for s in (0, 1):
+        assert found[s, "F0"] == found[s, "F0.1"] == pytest.approx(0.25)
+        assert found[s, "B0"] == found[s, "B0.1"] == pytest.approx(0.125)
+    assert len(found) == 8
+
+
+def test_a_trace_at_v_2_reads_back_each_stage_s_warm_up(tmp_path):
+    """Simulated at v = 2 from a stage's warm-ups, each chunk's share of them, a trace (with its
+    cut) reads back the stage's: the chunks' summed; priced again, the same step."""
+    costs = CostModel(
+        forward=2.0,
+        backward=4.0,
+        per_stage={0: CostModel(forward=2.0, backward=4.0, warmup_forward=1.0),
+                   1: CostModel(forward=2.0, backward=4.0, warmup_backward=0.5)},
+    )  # fmt: skip
+    schedule = schedcc.get_schedule("interleaved-1f1b")(2, 8, num_chunks=2)
+    program = schedcc.compile(schedule)
+    timeline = schedcc.simulate(program, priced(costs, schedule), eager=True)
+    read = CostModel.from_trace(timeline.to_chrome_trace(tmp_path / "v2.json"))
+    assert (read.at(0).warmup_forward, read.at(0).warmup_backward) == pytest.approx((1.0, 0))
+    assert (read.at(1).warmup_forward, read.at(1).warmup_backward) == pytest.approx((0, 0.5))
+    again = schedcc.simulate(program, priced(read, schedule), eager=True)
+    assert again.makespan == pytest.approx(timeline.makespan)
