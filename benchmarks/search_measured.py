@@ -190,8 +190,8 @@ def _traced(runner: _Runner, opts) -> list[dict]:
         runner.step()
         events += [
             {"name": str(op), "ph": "X", "pid": stage, "tid": 0, "ts": start * 1e6,
-             "dur": (end - start) * 1e6}
-            for stage, op, start, end in runner.engine.trace_events()
+             "dur": (end - start) * 1e6, "args": {} if own is None else {"segment_us": own * 1e6}}
+            for stage, op, start, end, own in runner.engine.trace_events(own=True)
         ]  # fmt: skip
     return events
 

@@ -60,6 +60,12 @@ def compare_program(rank, schedule, steps, dp=1, zero=0, linked=True, **kwargs):
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-12, (where, losses, expected)
     traced = [op for _, op, _, _ in engine.trace_events()]
     assert traced == list(program.stages[engine.stage]), where  # each instruction once, in order
+    owns = []  # a compute's own time (a pair's forward, held back to its backward: none)
+    for _, op, start, end, own in engine.trace_events(own=True):
+        assert (own is not None) == (op.group == "compute"), (where, op)
+        assert own is None or 0 <= own <= end - start, (where, op, own, end - start)
+        owns.append(own or 0.0)
+    assert sum(owns) > 0, where
     assert engine.current_instruction is None, where  # between runs it waits on nothing
     for c in range(v):
         k = schedule.segment_of(engine.stage, c)

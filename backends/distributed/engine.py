@@ -309,12 +309,17 @@ class Engine(BaseEngine):
         """The segments this rank holds, by chunk."""
         return self.runtime.modules
 
-    def trace_events(self, run: int = -1) -> list[tuple[int, Instruction, float, float]]:
-        """`(stage, instruction, start, end)` per instruction of run `run` (seconds)."""
+    def trace_events(self, run: int = -1, *, own: bool = False) -> list[tuple]:
+        """`(stage, instruction, start, end)` per instruction of run `run` (seconds); with `own`
+        a fifth element, the seconds a compute spent in its segment's own work (None for the
+        other instructions; [Note: a compute's own time]), as `chrome_trace` writes it."""
         ops = self.program.stages[self.stage]
         events = []
-        for (lo, hi), (start, end) in zip(self._bounds, self.unit_times[run]):
-            events.extend((self.stage, ops[pos], start, end) for pos in range(lo, hi))
+        spans = zip(self._bounds, self.unit_times[run], self.segment_times[run])
+        for (lo, hi), (start, end), seconds in spans:
+            for pos in range(lo, hi):
+                mine = seconds if ops[pos].group == "compute" else None
+                events.append((self.stage, ops[pos], start, end, mine)[: 5 if own else 4])
         return events
 
     def _norm_reduce(self, part: torch.Tensor) -> None:
