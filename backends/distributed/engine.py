@@ -52,6 +52,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -114,7 +115,11 @@ from schedcc.ir import Instruction, Update
 from schedcc.program import Program
 from schedcc.semantics import Layout, Units
 
-__all__ = ["Engine"]
+__all__ = ["KEPT_RUNS", "Engine"]
+
+#: The runs whose times an engine keeps, the last ones (`Engine.unit_times`): a long training
+#: holds no more of them.
+KEPT_RUNS = 128
 
 
 class Engine(BaseEngine):
@@ -294,13 +299,16 @@ class Engine(BaseEngine):
         self._clock0 = 0.0
         #: where a run that reads nothing on the host ends ([Note: one run ahead])
         self._run_ends = RunEnds()
-        #: Per run of the program: (start, end) seconds of each of `_ops` (a unit of the rendezvous
-        #: model), since the engine's clock 0; a compute's ends once the sends of what it made are
-        #: posted (the stage's time until then: [Note: a compute's own time]).
-        self.unit_times: list[list[tuple[float, float]]] = []
-        #: Per run, the seconds each unit spent in its segment's own work: the user's forward and
-        #: loss, autograd's backward (0 but for a compute; [Note: a compute's own time]).
-        self.segment_times: list[list[float]] = []
+        #: Per run of the program, the last `KEPT_RUNS`: (start, end) seconds of each of `_ops` (a
+        #: unit of the rendezvous model), since the engine's clock 0; a compute's ends once the
+        #: sends of what it made are posted (the stage's time until then: [Note: a compute's own
+        #: time]).
+        self.unit_times: deque[list[tuple[float, float]]] = deque(maxlen=KEPT_RUNS)
+        #: Per run kept, the seconds each unit spent in its segment's own work: the user's forward
+        #: and loss, autograd's backward (0 but for a compute; [Note: a compute's own time]).
+        self.segment_times: deque[list[float]] = deque(maxlen=KEPT_RUNS)
+        #: The runs timed in all, the first of those kept being run `runs_timed - len(unit_times)`.
+        self.runs_timed = 0
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -486,6 +494,7 @@ class Engine(BaseEngine):
         times, own = self._execute(self._ops, self._visit, self._transfers, split, sizes=sizes)
         self.unit_times.append(times)
         self.segment_times.append(own)
+        self.runs_timed += 1
         return self._losses(len(split), read=read)
 
     def _forward_run(self, inputs: Any, targets: Any) -> tuple[float | None, Any]:

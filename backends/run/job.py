@@ -171,8 +171,9 @@ def _train(rank: int, config, device: torch.device, model: RunModel | None) -> i
     mine = {
         "stage": engine.stage,
         "dp": dp_index,
-        "times": engine.unit_times,
-        "segment": engine.segment_times,
+        "times": list(engine.unit_times),
+        "segment": list(engine.segment_times),
+        "first": engine.runs_timed - len(engine.unit_times),  # the first kept run's index
         "peak": engine.runtime.peak_activation_bytes,
         "sizes": engine.runtime.microbatch_bytes,
         "p2p": engine.point_to_point,

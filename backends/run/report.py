@@ -30,6 +30,7 @@ __all__ = [
     "measured_runs",
     "memory_record",
     "other_bytes",
+    "steady_runs",
     "summarize",
 ]
 
@@ -118,6 +119,18 @@ def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[tuple
     return runs
 
 
+def steady_runs(first: int, kept: int) -> list[int]:
+    """Which of `kept` runs (the first of them run `first` of the job) the summary reads: all
+    but the job's first run, unless that is the only one.
+
+    >>> steady_runs(0, 4), steady_runs(0, 1), steady_runs(5, 3)
+    ([1, 2, 3], [0], [0, 1, 2])
+    """
+    if first == 0 and kept > 1:
+        return list(range(1, kept))
+    return list(range(kept))
+
+
 def _bounds(program: Program):
     from schedcc.semantics import Units
 
@@ -151,18 +164,19 @@ def summarize(
 
     own = measured_runs(program, gathered)
     runs = [[Event(*event[:4]) for event in run] for run in own]
-    steady = range(1, len(runs)) if len(runs) > 1 else range(len(runs))
+    first = gathered[0]["first"]  # the run the engines' kept times start at
+    steady = steady_runs(first, len(runs))
     per_run = config.num_batches
     run_seconds = statistics.median(_run_seconds(gathered, r) for r in steady)
     step_seconds = run_seconds / per_run
-    counted = sum(sizes[r * per_run + b] for r in steady for b in range(per_run))
+    counted = sum(sizes[(first + r) * per_run + b] for r in steady for b in range(per_run))
     rate = counted / sum(_run_seconds(gathered, r) for r in steady)
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # as the job chose
     simulated = _simulated(program, _one_after_another([runs[r] for r in steady]), device)
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
-        traced = list(steady)[-TRACED_RUNS:]
+        traced = steady[-TRACED_RUNS:]
         laid = _one_after_another([runs[r] for r in traced])
         write_chrome_trace(
             _one_after_another([own[r] for r in traced]),
