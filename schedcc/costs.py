@@ -157,17 +157,17 @@ WARMUP_FIELDS = ("warmup_forward", "warmup_backward")
 
 # [Note: a compute's fixed time] Part of what a compute costs does not shrink with its chunk: the
 # runtime's work around the segment's own ([Note: a compute's own time] in
-# `backends.runtime.segment_calls`): tiny-gpt at p = 2 on the CPU, 0.08-0.11 ms of a 2.1 ms
-# forward, 0.05-0.07 ms of a 1.9 ms backward. Costs are a stage's share at v = 1 ([Note: tune's
-# units]), and dividing them whole by v priced a finer cut's chunks under what they measured (and
-# merging measured segments, their sum, over). So `fixed_forward`
-# (of each F and R) and `fixed_backward` (of each B, I and W) say how much of a compute's cost
-# is fixed: a chunk of a stage cut in v costs `(cost - fixed) / v + fixed` (`fixed_share`), and a
-# segment merging k measured ones their costs' sum less `(k - 1) * fixed` (`fixed_merge`); the
-# fixed part is taken as no more than each cost. `from_trace` reads them where a run recorded
-# each compute's own time (`"segment_us"`, as `schedcc run --trace` writes it): per stage, the
-# median over its computes of the duration less the own time. A model's own per-segment work
-# (set-up in each segment's forward) counts as the segment's, divided with it.
+# `backends.runtime.segment_calls`): tiny-gpt at p = 2 on the CPU, 0.1-0.2 ms of a 2.2 ms forward,
+# 0.05-0.14 ms of a 2.0 ms backward. Costs are a stage's share at v = 1 ([Note: tune's units]),
+# and dividing them whole by v priced a finer cut's chunks 3-9% under what they measured (and
+# merging measured segments, their sum, 1-14% over). So `fixed_forward` (of each F and R) and
+# `fixed_backward` (of each B, I and W) say how much of a compute's cost is fixed: a chunk of a
+# stage cut in v costs `(cost - fixed) / v + fixed` (`fixed_share`), and a segment merging k
+# measured ones their costs' sum less `(k - 1) * fixed` (`fixed_merge`); the fixed part is taken
+# as no more than each cost. `from_trace` reads them where a run recorded each compute's own
+# time (`"segment_us"`, as `schedcc run --trace` writes it): per stage, the median over its
+# computes of the duration less the own time. A model's own per-segment work (set-up in each
+# segment's forward) counts as the segment's, divided with it.
 #: The compute fields that have a fixed part, and the field giving it.
 FIXED_OF = MappingProxyType(
     {
@@ -553,9 +553,11 @@ class CostModel:
         warm = _warmups(timed, samples, replicas)  # [Note: a step's first computes]
         fixed = _fixed(timed, defaults)  # [Note: a compute's fixed time]
 
-        def model(kinds, replicas: int, fixed: Mapping[str, float], **more: float) -> CostModel:
-            fields = {**defaults, **fixed}
-            measured = _both_ways(_medians(kinds, replicas, fields), defaults, fields)
+        def model(kinds, share: int, fixed_parts: Mapping[str, float], **more) -> CostModel:
+            """The model of `kinds`' samples, its chunks summed over `share` replicas, with
+            `fixed_parts` and the caller's defaults."""
+            fields = {**defaults, **fixed_parts}
+            measured = _both_ways(_medians(kinds, share, fields), defaults, fields)
             return cls(**{**fields, **measured}, **more)
 
         per_stage = {

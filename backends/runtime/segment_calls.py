@@ -33,8 +33,8 @@ equals eager within float rounding, not bit for bit (docs/training.md says how c
 [Note: a compute's own time] A compute's time on a stage is the segment's own work (the user's
 forward and loss, autograd's backward over them) and the runtime's around it (taking the input,
 holding the graph, handing the output on, its bookkeeping). Cutting a stage finer divides the
-first among the chunks, not the second: on the CPU the runtime's part is 0.05-0.15 ms a compute,
-up to 6% of a tiny-gpt stage's forward at p = 2. So `StageRuntime.segment_clock` adds up the
+first among the chunks, not the second: on the CPU the runtime's part is 0.05-0.2 ms a compute,
+up to 9% of a tiny-gpt stage's forward at p = 2. So `StageRuntime.segment_clock` adds up the
 seconds spent in the segment's own work, and the distributed engine records what each compute
 took of it beside its span (which it ends once the sends of what the compute made are posted,
 the stage's time too); a trace carries it (`"segment_us"`) and `CostModel.from_trace` reads the
