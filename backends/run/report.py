@@ -162,8 +162,8 @@ def summarize(
     from rich.console import Console
     from rich.table import Table
 
-    own = measured_runs(program, gathered)
-    runs = [[Event(*event[:4]) for event in run] for run in own]
+    own_runs = measured_runs(program, gathered)  # each compute with its own time
+    runs = [[Event(*event[:4]) for event in run] for run in own_runs]
     first = gathered[0]["first"]  # the run the engines' kept times start at
     steady = steady_runs(first, len(runs))
     per_run = config.num_batches
@@ -179,7 +179,7 @@ def summarize(
         traced = steady[-TRACED_RUNS:]
         laid = _one_after_another([runs[r] for r in traced])
         write_chrome_trace(
-            _one_after_another([own[r] for r in traced]),
+            _one_after_another([own_runs[r] for r in traced]),
             config.trace,
             flows=comm_flows(program, laid),  # the last run's: each op's last event
             metadata={
@@ -318,9 +318,9 @@ def _training_rows(config, gathered) -> list[tuple[str, str]]:
 
 
 def _one_after_another(runs: Sequence[list[tuple]]) -> list[tuple]:
-    """The events of `runs` (each from time 0; `Event`s, or `_runs`' with a fifth element) on
-    one clock, each run after the last one's end: so each stage's runs read apart, split at its
-    steps ([Note: a step's first computes] in `schedcc.costs`)."""
+    """The events of `runs` (each from time 0; `Event`s, or `measured_runs`' with a fifth
+    element) on one clock, each run after the last one's end: so each stage's runs read apart,
+    split at its steps ([Note: a step's first computes] in `schedcc.costs`)."""
     out, offset = [], 0.0
     for events in runs:
         out.extend(_shifted(e, offset) for e in events)
@@ -329,6 +329,7 @@ def _one_after_another(runs: Sequence[list[tuple]]) -> list[tuple]:
 
 
 def _shifted(event: tuple, offset: float) -> tuple:
+    """`event` `offset` later, of its own type."""
     stage, op, start, end, *rest = event
     moved = (stage, op, start + offset, end + offset, *rest)
     return Event(*moved) if isinstance(event, Event) else moved
