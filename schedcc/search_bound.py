@@ -16,8 +16,8 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    weight gradient may end the run, so `tail(s) = 0`.
 2. *Work.* Between the two, stage s runs every forward and backward of its segments (a whole
    backward at the least of B, I + W and, with overlapped pairs, what a `+B` takes beyond its
-   forward), and its recomputations; its first forward and first backward take their
-   warm-ups more ([Note: a step's first computes] in `schedcc.costs`).
+   forward), and its recomputations; each chunk's first forward and first backward take
+   their warm-ups more ([Note: a step's first computes] in `schedcc.costs`).
 3. *Forced groups.* Follow one microbatch from its forward on segment k of stage s to k's
    backward: the forwards up, the backwards down. Each time that path leaves s and comes back,
    the compute it comes back to needs a receive that is posted after the compute it left from

@@ -3,27 +3,26 @@ them ([Note: the quick clock]).
 
 [Note: the quick clock] Compiling and simulating one order takes milliseconds (the compiler
 lowers its messages and the validator proves it), so a local search that times every neighbour
-that way sees a few hundred and stops at the first local optimum. `QuickClock` times an order of
-computes (F, B, I, W, R) directly in the eager timeline ([Note: eager simulation] in
-`schedcc.simulate_eager`; a stage's first forward and backward warmed up as the simulators warm
-them, [Note: a step's first computes] in `schedcc.costs`): each stage runs its computes in
-order, each starting once its stage
-is free and its input is there (the producer's end, plus the receiving stage's comm where the
-producer is on another stage); a forward holds its activation until its backward (with a split
-backward, its weight gradient), or, when its stage recomputes it, only its input until the `R`;
-an overlapped pair (`F3.1 +B1`, DualPipe's) starts once the inputs of both are there, and its
-forward's output leaves at the pair's end; each microbatch runs the segments of its replica.
-For an order the compiler accepts it gives the simulator's makespan, in well under a
-millisecond; in whole-stage microbatches it says over budget exactly where the simulated order
-does not fit, and in bytes it may call an order over budget that fits (its budget sets aside
-each segment's parameters, gradients and optimizer state throughout), never one that does not
-(property tests hold it to both). It is a screen all the same: an order it times faster is
-compiled and simulated like every other candidate, and only that timing counts. It leaves out
-the updates (free in the default costs; with measured ones they follow each stage's last
-compute, and the norm's and a tied head's collectives wait for the last stage there, so they
-add about the same to every order of a placement) and the rendezvous model's comm groups: for
-a rendezvous search its time is only a guide. Orders with sends or copies are timed by the
-simulator alone.
+that way sees a few hundred and stops at the first local optimum. `QuickClock` times an order
+of computes (F, B, I, W, R) directly in the eager timeline ([Note: eager simulation] in
+`schedcc.simulate_eager`; each chunk's first forward and backward warmed up as the simulators
+warm them, [Note: a step's first computes] in `schedcc.costs`): each stage runs its computes in
+order, each starting once its stage is free and its input is there (the producer's end, plus
+the receiving stage's comm where the producer is on another stage); a forward holds its
+activation until its backward (with a split backward, its weight gradient), or, when its stage
+recomputes it, only its input until the `R`; an overlapped pair (`F3.1 +B1`, DualPipe's) starts
+once the inputs of both are there, and its forward's output leaves at the pair's end; each
+microbatch runs the segments of its replica. For an order the compiler accepts it gives the
+simulator's makespan, in well under a millisecond; in whole-stage microbatches it says over
+budget exactly where the simulated order does not fit, and in bytes it may call an order over
+budget that fits (its budget sets aside each segment's parameters, gradients and optimizer
+state throughout), never one that does not (property tests hold it to both). It is a screen all
+the same: an order it times faster is compiled and simulated like every other candidate, and
+only that timing counts. It leaves out the updates (free in the default costs; with measured
+ones they follow each stage's last compute, and the norm's and a tied head's collectives wait
+for the last stage there, so they add about the same to every order of a placement) and the
+rendezvous model's comm groups: for a rendezvous search its time is only a guide. Orders with
+sends or copies are timed by the simulator alone.
 """
 
 from __future__ import annotations

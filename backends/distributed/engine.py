@@ -115,11 +115,22 @@ from schedcc.ir import Instruction, Update
 from schedcc.program import Program
 from schedcc.semantics import Layout, Units
 
-__all__ = ["KEPT_RUNS", "Engine"]
+__all__ = ["KEPT_RUNS", "Engine", "unit_events"]
 
 #: The runs whose times an engine keeps, the last ones (`Engine.unit_times`): a long training
 #: holds no more of them.
 KEPT_RUNS = 128
+
+
+def unit_events(stage: int, ops, bounds, times, own) -> list[tuple]:
+    """`(stage, instruction, start, end, own)` per instruction of one run of a stage's units
+    (`bounds`, their `times` and the seconds of `own` work each took: `Engine.unit_times` and
+    `Engine.segment_times`), `own` None but for a compute ([Note: a compute's own time])."""
+    return [
+        (stage, ops[pos], start, end, seconds if ops[pos].group == "compute" else None)
+        for (lo, hi), (start, end), seconds in zip(bounds, times, own, strict=True)
+        for pos in range(lo, hi)
+    ]
 
 
 class Engine(BaseEngine):
@@ -322,13 +333,10 @@ class Engine(BaseEngine):
         a fifth element, the seconds a compute spent in its segment's own work (None for the
         other instructions; [Note: a compute's own time]), as `chrome_trace` writes it."""
         ops = self.program.stages[self.stage]
-        events = []
-        spans = zip(self._bounds, self.unit_times[run], self.segment_times[run])
-        for (lo, hi), (start, end), seconds in spans:
-            for pos in range(lo, hi):
-                mine = seconds if ops[pos].group == "compute" else None
-                events.append((self.stage, ops[pos], start, end, mine)[: 5 if own else 4])
-        return events
+        events = unit_events(
+            self.stage, ops, self._bounds, self.unit_times[run], self.segment_times[run]
+        )
+        return events if own else [event[:4] for event in events]
 
     def _norm_reduce(self, part: torch.Tensor) -> None:
         """`GradNorm`'s sum: over this stage's tensor-parallel ranks, then over the stages."""

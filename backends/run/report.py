@@ -100,6 +100,8 @@ def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[tuple
     """Per run of the program, the measured events of data-parallel replica 0, from time 0:
     `(stage, instruction, start, end, own)`, `own` the seconds a compute spent in its segment's
     own work ([Note: a compute's own time]), None for the other instructions."""
+    from schedcc.backends.distributed.engine import unit_events
+
     bounds = _bounds(program)
     replica = [g for g in gathered if g["dp"] == 0]
     runs = []
@@ -107,13 +109,8 @@ def measured_runs(program: Program, gathered: Sequence[dict]) -> list[list[tuple
         events = []
         for payload in replica:
             stage = payload["stage"]
-            ops = program.stages[stage]
-            spans = zip(bounds[stage], payload["times"][r], payload["segment"][r])
-            for (lo, hi), (start, end), own in spans:
-                events.extend(
-                    (stage, ops[pos], start, end, own if ops[pos].group == "compute" else None)
-                    for pos in range(lo, hi)
-                )
+            ops, times, own = program.stages[stage], payload["times"][r], payload["segment"][r]
+            events.extend(unit_events(stage, ops, bounds[stage], times, own))
         origin = min(e[2] for e in events)
         runs.append([(s, op, a - origin, b - origin, own) for s, op, a, b, own in events])
     return runs
