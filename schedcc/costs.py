@@ -63,6 +63,7 @@ __all__ = [
     "measured_backward",
     "measured_updates",
     "overlapped_pair",
+    "takes",
     "warmups",
 ]
 
@@ -153,6 +154,51 @@ _WARMED = {
 }
 #: The warm-up fields: a stage's at v = 1, shared among its chunks ([Note: tune's units]).
 WARMUP_FIELDS = ("warmup_forward", "warmup_backward")
+
+
+# [Note: a receive's take] A message that has come is not yet its consumer's: the engine takes
+# it (over shared memory, a copy out of the sender's slot; over gloo, its header read and its
+# tensors unpacked) on the receiving stage's own time, before the compute that first needs it.
+# tiny-gpt at p = 2 on the CPU: 0.05-0.1 ms a receive, beside 1-2 ms computes. An interleaved
+# step takes one before nearly every compute, and priced without it each compute ended
+# 0.07-0.09 ms later than simulated than the one before it: orders at v = 2 priced from a v = 1
+# trace came out 3-19% fast. So `receive` is that time per message, apart from `comm` (its
+# flight in the eager timeline, the exchange in the rendezvous one): the simulators add it to
+# each compute once per message from another stage that it is the first on its stage to need
+# (`takes`), and the quick clock, the exact model and the bound count it the same way (the bound
+# as part of each stage's work). A measured run records each comm group's takes apart from its
+# waits (the transports count the time they wait for a peer), its trace gives each receive its
+# share (`"take_us"`, as `schedcc run --trace` writes it), and `from_trace` reads `receive` per
+# stage as their median, and each comm op's duration less its group's takes as `comm`.
+def takes(costs: CostModel, stages: Sequence[Sequence[Instruction]], tensors) -> dict:
+    """`{(stage, position): extra}`: what each compute of the program `stages` takes beyond its
+    cost to take the messages from other stages it is the first on its stage to need, `receive`
+    each ([Note: a receive's take]); none where no model has a `receive`. `tensors` is the
+    program's `schedcc.semantics.Tensors`."""
+    out: dict[tuple[int, int], float] = {}
+    if not _receives(costs):
+        return out
+    for s, ops in enumerate(stages):
+        table, seen = tensors.compute_table(s), set()
+        for pos, op in enumerate(ops):
+            use = table.get((type(op), op.chunk)) if isinstance(op, COMPUTE) else None
+            if use is None or not use.remote:
+                continue
+            base = op.microbatch * tensors.span
+            new = {base + key for key in use.remote} - seen
+            seen |= new
+            cost = costs.at(s, op.chunk).receive * len(new)
+            if cost:
+                out[s, pos] = cost
+    return out
+
+
+def _receives(costs: CostModel) -> bool:
+    """Whether any model of `costs` (its own, a stage's, a chunk's) has a `receive`."""
+    models = [costs, *costs.per_chunk.values()]
+    for model in costs.per_stage.values():
+        models += [model, *model.per_chunk.values()]
+    return any(model.receive for model in models)
 
 
 # [Note: a compute's fixed time] Part of what a compute costs does not shrink with its chunk: the
@@ -313,7 +359,11 @@ class CostModel:
 
     Args:
         forward, backward, backward_input, backward_weight: compute costs (F, B, I, W).
-        comm: the cost of one comm group (a batched exchange), on top of waiting for the peer.
+        comm: the cost of one comm group (a batched exchange), on top of waiting for the peer;
+            in the eager timeline, a message's flight, taken from neither stage.
+        receive: what the receiving stage spends taking one message that has come (unpacking
+            it) before the compute that first needs it, on its own time: added to that compute
+            ([Note: a receive's take]). `from_trace` measures it.
         reduce: a `ReduceGrads` (all-reduce, or reduce-scatter under ZeRO), or a `ReduceTied`
             (the all-reduce of a tied group's gradients, once its members are all there).
         norm: a `GradNorm` (one scalar all-reduce over every stage, once they are all there:
@@ -378,6 +428,7 @@ class CostModel:
     backward_input: float = attrs.field(default=1.0, validator=_non_negative)
     backward_weight: float = attrs.field(default=1.0, validator=_non_negative)
     comm: float = attrs.field(default=0.0, validator=_non_negative)
+    receive: float = attrs.field(default=0.0, validator=_non_negative)
     reduce: float = attrs.field(default=0.0, validator=_non_negative)
     step: float = attrs.field(default=0.0, validator=_non_negative)
     norm: float = attrs.field(default=0.0, validator=_non_negative)
@@ -493,7 +544,9 @@ class CostModel:
                 events ("ph": "X") whose name parses as an instruction (`F3.1`, `B0`,
                 `Reduce`, ...) count; the stage is their `pid` when the events span several
                 pids (a process per stage), else their `tid`; `dur` is the duration in
-                microseconds. A comm op's duration includes any wait for its peer.
+                microseconds. A comm op's duration includes any wait for its peer; where a
+                receive records its take (`"take_us"`, as `schedcc run --trace` writes it),
+                that is a sample of `receive` and not of `comm` ([Note: a receive's take]).
             unit_us: microseconds per cost unit: 1000 reads back what `to_chrome_trace` wrote
                 (1 ms per unit); 1e6 gives seconds.
             num_stages: the stages the trace must measure, 0 to `num_stages - 1` (a stage's
@@ -531,11 +584,14 @@ class CostModel:
                 ) from None
             meets = kind in ("reduce", "norm") and isinstance(parse(event["name"]), _MEETS)
             meet = event["name"] if meets else None
-            own = _own_time(event, unit_us) if kind in FIXED_OF else None
+            own = _own_time(event, unit_us, "segment_us") if kind in FIXED_OF else None
+            if kind == "comm":  # [Note: a receive's take]
+                own = _own_time(event, unit_us, "take_us")
             timed.append(_Sample(stage, track, start, kind, chunk, duration, meet, own))
         timed = _after_meeting(timed)
         if metadata.get("measured") is True:
             timed = _unpaired(timed)
+        timed = _taken(timed)  # [Note: a receive's take]
         samples: dict[int, dict[tuple[str, int], list[float]]] = {}
         for t in timed:
             kind = "backward" if t.kind == _PAIRED else t.kind  # a simulated pair's rest
@@ -730,7 +786,7 @@ class _Sample(NamedTuple):
     chunk: int
     duration: float
     meet: str | None = None  # a collective's name (`Tied0`, `Norm`): its members meet
-    own: float | None = None  # a compute's time in its segment's own work, where recorded
+    own: float | None = None  # a compute's time in its segment's own work, a receive's take
 
 
 #: The collectives the stages of one pipeline meet at.
@@ -903,18 +959,41 @@ def _medians(
     return out
 
 
-def _own_time(event: Mapping, unit_us: float) -> float | None:
-    """A compute event's time in its segment's own work (`"segment_us"` in its args, as a
-    measured run records it: [Note: a compute's own time]), in cost units; None without one."""
+def _own_time(event: Mapping, unit_us: float, field: str) -> float | None:
+    """A measured event's own time in cost units, `field` in its args: a compute's in its
+    segment's own work (`"segment_us"`, [Note: a compute's own time]), a receive's in taking its
+    message (`"take_us"`, [Note: a receive's take]); None without one."""
     args = event.get("args")
-    own = args.get("segment_us") if isinstance(args, Mapping) else None
+    own = args.get(field) if isinstance(args, Mapping) else None
     if own is None:
         return None
     if isinstance(own, bool) or not isinstance(own, (int, float)) or not own >= 0:
         raise ScheduleConfigError(
-            f"trace event {event.get('name')!r}: its segment_us must be a number >= 0, got {own!r}"
+            f"trace event {event.get('name')!r}: its {field} must be a number >= 0, got {own!r}"
         )
     return float(own) / unit_us
+
+
+def _taken(timed: list[_Sample]) -> list[_Sample]:
+    """`timed` with each comm op's duration less its comm group's takes (the ops of a group
+    share its span), and each receive's take a sample of `receive` ([Note: a receive's
+    take])."""
+    groups: dict[tuple[int, float, float], float] = {}
+    for t in timed:
+        if t.kind == "comm" and t.own is not None:
+            key = (t.track, t.start, t.duration)
+            groups[key] = groups.get(key, 0.0) + t.own
+    if not groups:
+        return timed
+    out = []
+    for t in timed:
+        if t.kind == "comm":
+            if t.own is not None:
+                out.append(t._replace(kind="receive", duration=t.own, own=None))
+            taken = groups.get((t.track, t.start, t.duration), 0.0)
+            t = t._replace(duration=max(t.duration - taken, 0.0), own=None)
+        out.append(t)
+    return out
 
 
 def _fixed(timed: list[_Sample], defaults: Mapping[str, float]) -> dict[int | None, dict]:

@@ -17,7 +17,9 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
 2. *Work.* Between the two, stage s runs every forward and backward of its segments (a whole
    backward at the least of B, I + W and, with overlapped pairs, what a `+B` takes beyond its
    forward), and its recomputations; each chunk's first forward and first backward take
-   their warm-ups more ([Note: a step's first computes] in `schedcc.costs`).
+   their warm-ups more ([Note: a step's first computes] in `schedcc.costs`), and each forward
+   or backward whose input comes from another stage that stage's `receive` more ([Note: a
+   receive's take] in `schedcc.costs`).
 3. *Forced groups.* Follow one microbatch from its forward on segment k of stage s to k's
    backward: the forwards up, the backwards down. Each time that path leaves s and comes back,
    the compute it comes back to needs a receive that is posted after the compute it left from
@@ -231,7 +233,20 @@ class _Bound:
         self.warm = [0.0] * p
         for (s, _), model in zip(place, self.models, strict=True):
             self.warm[s] += model.warmup_forward + model.warmup_backward
-        # bytes per segment of this placement (a stage's sizes on the segments it runs)
+        # each message from another stage is taken on its receiver's time: [Note: a receive's
+        # take] in `schedcc.costs` (a forward's input, a backward's gradient)
+        self.take_in, self.take_back = [], []  # per segment: its forward's, its backward's
+        self.takes = [0.0] * p
+        for k, (s, _) in enumerate(place):
+            up, down = (
+                self.models[k].receive
+                if 0 <= j < num and self.first[j] == self.first[k] and place[j][0] != s
+                else 0.0
+                for j in (k - 1, k + 1)
+            )
+            self.take_in.append(up)
+            self.take_back.append(down)
+            self.takes[s] += self.count[k] * (up + down)
         self.memory = scaled.memory
         self.share = family.share
         chunks = max(c for _, c in place) + 1
@@ -328,7 +343,7 @@ class _Bound:
             if self.overlapped:
                 both = min(both, overlapped_pair(model))
             work += self.total[k] * both
-        work += self.warm[s]
+        work += self.warm[s] + self.takes[s]
         window = work + comm * forced
         if rooms is not None:
             window = max(window, self._window(ks, rooms, recompute, work, forced, comm))
@@ -349,8 +364,10 @@ class _Bound:
         )
         first = self._first_backward(ks)
         end = min(self.round_trip(k) + self.least[k] * b for k, b in zip(ks, alone))
-        forward = max(self.heaviest[k] * self.models[k].forward for k in ks)
-        backward = max(self.heaviest[k] * self._longest_backward(k) for k in ks)
+        forward = max(self.heaviest[k] * self.models[k].forward + self.take_in[k] for k in ks)
+        backward = max(
+            self.heaviest[k] * self._longest_backward(k) + self.take_back[k] for k in ks
+        )
         n = sum(self.count[k] for k in ks)
         lost = 0.0
         counts = []
@@ -428,8 +445,9 @@ class _Bound:
     def _start_up(self, ks, rooms: Sequence[float], recompute: bool) -> float:
         """Item 7: the time stage s loses before its first backward, idle or recomputing."""
         first = self._first_backward(ks)
-        longest = [
-            self.heaviest[k] * max(self.models[k].forward, self._redo(k)) for k in ks
+        longest = [  # a forward with its take
+            self.heaviest[k] * max(self.models[k].forward, self._redo(k)) + self.take_in[k]
+            for k in ks
         ]
         short = first - min(self.head(k) for k in ks) - self._most_held(ks, rooms, longest)
         if short <= 0:

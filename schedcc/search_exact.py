@@ -325,6 +325,7 @@ class _Model:
         self.seg_of = {sc: k for k, sc in enumerate(self.place)}
         scaled = _per_chunk(costs, family.share, self.place)
         models = [scaled.at(s, c) for s, c in self.place]
+        n = len(models)
         chunks = max(c for _, c in self.place) + 1
         comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]
         factors = [costs.per_microbatch[i] if costs.per_microbatch else 1.0 for i in range(m)]
@@ -339,16 +340,22 @@ class _Model:
 
         self.tick = tick
         self.comm = [tick(c) for c in comm]
+        # what a forward's and a backward's messages from another stage add ([Note: a
+        # receive's take] in `schedcc.costs`)
+        takes = [
+            [x.receive if 0 <= j < n and self.place[j][0] != s else 0.0 for j in (k - 1, k + 1)]
+            for k, ((s, _), x) in enumerate(zip(self.place, models, strict=True))
+        ]
         self.cost = [
             [
                 {
-                    "F": tick(x.forward * a),
-                    "B": tick(x.backward * a),
-                    "I": tick(x.backward_input * a),
+                    "F": tick(x.forward * a + up),
+                    "B": tick(x.backward * a + down),
+                    "I": tick(x.backward_input * a + down),
                     "W": tick(x.backward_weight * a),
                     "R": tick((x.forward if x.recompute is None else x.recompute) * a),
                 }
-                for x in models
+                for x, (up, down) in zip(models, takes, strict=True)
             ]
             for a in factors
         ]

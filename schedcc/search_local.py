@@ -8,21 +8,22 @@ of computes (F, B, I, W, R) directly in the eager timeline ([Note: eager simulat
 `schedcc.simulate_eager`; each chunk's first forward and backward warmed up as the simulators
 warm them, [Note: a step's first computes] in `schedcc.costs`): each stage runs its computes in
 order, each starting once its stage is free and its input is there (the producer's end, plus
-the receiving stage's comm where the producer is on another stage); a forward holds its
-activation until its backward (with a split backward, its weight gradient), or, when its stage
-recomputes it, only its input until the `R`; an overlapped pair (`F3.1 +B1`, DualPipe's) starts
-once the inputs of both are there, and its forward's output leaves at the pair's end; each
-microbatch runs the segments of its replica. For an order the compiler accepts it gives the
-simulator's makespan, in well under a millisecond; in whole-stage microbatches it says over
-budget exactly where the simulated order does not fit, and in bytes it may call an order over
-budget that fits (its budget sets aside each segment's parameters, gradients and optimizer
-state throughout), never one that does not (property tests hold it to both). It is a screen all
-the same: an order it times faster is compiled and simulated like every other candidate, and
-only that timing counts. It leaves out the updates (free in the default costs; with measured
-ones they follow each stage's last compute, and the norm's and a tied head's collectives wait
-for the last stage there, so they add about the same to every order of a placement) and the
-rendezvous model's comm groups: for a rendezvous search its time is only a guide. Orders with
-sends or copies are timed by the simulator alone.
+the receiving stage's comm where the producer is on another stage, the compute then taking its
+`receive` more); a forward holds its activation until its backward (with a split backward, its
+weight gradient), or, when its stage recomputes it, only its input until the `R`; an
+overlapped pair (`F3.1 +B1`, DualPipe's) starts once the inputs of both are there, and its
+forward's output leaves at the pair's end; each microbatch runs the segments of its replica.
+For an order the compiler accepts it gives the simulator's makespan, in well under a
+millisecond; in whole-stage microbatches it says over budget exactly where the simulated order
+does not fit, and in bytes it may call an order over budget that fits (its budget sets aside
+each segment's parameters, gradients and optimizer state throughout), never one that does not
+(property tests hold it to both). It is a screen all the same: an order it times faster is
+compiled and simulated like every other candidate, and only that timing counts. It leaves out
+the updates (free in the default costs; with measured ones they follow each stage's last
+compute, and the norm's and a tied head's collectives wait for the last stage there, so they add
+about the same to every order of a placement) and the rendezvous model's comm groups: for a
+rendezvous search its time is only a guide. Orders with sends or copies are timed by the
+simulator alone.
 """
 
 from __future__ import annotations
@@ -201,12 +202,14 @@ class QuickClock:
                 cost += getattr(self.costs.at(*self.place[k]), first)
             if code == _F:
                 if k > self.first[k]:
-                    wait, add = key - 1, self._hop(k - 1, k)
+                    wait, (add, take) = key - 1, self._hop(k - 1, k)
+                    cost += take
                 delta = self.inputs[k] if (i, k) in redone else self.activations[k]
             elif code == _R:
                 delta = self.activations[k] - self.inputs[k]
             elif code != _W and k < self.last[k]:
-                wait, add = key + 1, self._hop(k + 1, k)
+                wait, (add, take) = key + 1, self._hop(k + 1, k)
+                cost += take
             if code in (_B, _W, _P):
                 delta = -self.activations[k]
             if code == _P:
@@ -220,11 +223,15 @@ class QuickClock:
         self._rows[s, row] = out
         return out
 
-    def _hop(self, producer: int, consumer: int) -> float:
-        """What a message from segment `producer` to segment `consumer` spends in flight: the
-        receive's comm, where they are on two stages."""
+    def _hop(self, producer: int, consumer: int) -> tuple[float, float]:
+        """What a message from segment `producer` to segment `consumer` spends in flight (the
+        receive's comm) and what taking it adds to the consumer (its `receive`, [Note: a
+        receive's take] in `schedcc.costs`), where they are on two stages."""
         stage, chunk = self.place[consumer]
-        return 0.0 if self.place[producer][0] == stage else self.costs.at(stage, chunk).comm
+        if self.place[producer][0] == stage:
+            return 0.0, 0.0
+        model = self.costs.at(stage, chunk)
+        return model.comm, model.receive
 
 
 def held_sizes(memory, num: int) -> tuple[list[float], list[float]]:

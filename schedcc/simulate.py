@@ -28,7 +28,7 @@ from typing import NamedTuple
 import attrs
 
 from schedcc._gc import paused_gc
-from schedcc.costs import ALL_KINDS, CostModel, kind_cost, warmups
+from schedcc.costs import ALL_KINDS, CostModel, kind_cost, takes, warmups
 from schedcc.errors import DeadlockError, ScheduleConfigError
 from schedcc.ir import COMPUTE, Compute, Instruction
 from schedcc.memory_model import MemoryModel
@@ -310,7 +310,7 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
         if costs == _DEFAULT:  # the validator's walk: [Note: the reference walk]
             result = program.reference_walk
         else:
-            durations = _durations(costs, tables, stages, units, warmups(costs, stages))
+            durations = _durations(costs, tables, stages, units, _extra(costs, program))
             lanes = CopyLanes.of(stages, units)  # [Note: offloading]
             result = walk(units, partner, durations, links=model.links, lanes=lanes)
     if result.stuck or problems:  # cannot happen for a validated program
@@ -322,13 +322,24 @@ def simulate(program: Program, costs: CostModel | None = None, *, eager: bool = 
 _DEFAULT = CostModel()
 
 
+def _extra(costs: CostModel, program: Program) -> dict[tuple[int, int], float]:
+    """`{(stage, position): extra}`: what a compute takes beyond its cost, a chunk's first
+    computes warming up and the messages it takes ([Note: a step's first computes], [Note: a
+    receive's take] in `schedcc.costs`)."""
+    extra = warmups(costs, program.stages)
+    for key, value in takes(costs, program.stages, program.tensors).items():
+        extra[key] = extra.get(key, 0.0) + value
+    return extra
+
+
 def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:
     """Per stage, the cost of each instruction class, or None where a per-chunk override, a
-    per-microbatch factor or a warm-up can apply (then each op resolves its own cost)."""
+    per-microbatch factor, a warm-up or a receive's take can apply (then each op resolves its
+    own cost)."""
     tables: list[dict | None] = []
     for s in range(num_stages):
         model = costs.per_stage.get(s, costs)
-        warm = model.warmup_forward or model.warmup_backward
+        warm = model.warmup_forward or model.warmup_backward or model.receive
         if costs.per_microbatch or model.per_chunk or (model is costs and costs.per_chunk) or warm:
             tables.append(None)
         else:
@@ -358,7 +369,7 @@ def _eager_events(program: Program, costs: CostModel, tables, tensors: Tensors) 
         return table[type(op)] if table is not None else costs.cost(s, op)
 
     meets = program.rendezvous_model.meets or None  # ReduceTied and GradNorm collectives
-    extra = warmups(costs, program.stages)
+    extra = _extra(costs, program)
     spans = eager_spans(program.stages, tensors, cost, meets=meets, extra=extra)
     if spans is None:  # cannot happen for a validated program
         raise DeadlockError("the program cannot run to the end; it does not validate")

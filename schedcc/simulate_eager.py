@@ -7,11 +7,13 @@ and what the validator proves. An executor whose sends never wait (the distribut
 gloo, see [Note: eager point-to-point] in `backends/distributed/eager.py`) does better: each
 tensor leaves when its producer ends, and a compute starts once its stage is free and every tensor
 it needs from another stage has arrived (the producer's end plus the receive's comm cost, in
-flight, not taken from either stage). The eager timeline is that: computes and updates in program
-order, each starting at the later of its stage's clock and its inputs' arrival; a comm op spans
-its message's flight, from the producer's end to the arrival. A program that validates cannot
-get stuck this way (every wait of the rendezvous model is kept or dropped, none added), and no
-compute starts later than it would there (docs/design.md, "Rendezvous and eager").
+flight, not taken from either stage; taking a message that has come is its consumer's own time,
+part of that compute: [Note: a receive's take] in `schedcc.costs`). The eager timeline is that:
+computes and updates in program order, each starting at the later of its stage's clock and its
+inputs' arrival; a comm op spans its message's flight, from the producer's end to the arrival. A
+program that validates cannot get stuck this way (every wait of the rendezvous model is kept or
+dropped, none added), and no compute starts later than it would there (docs/design.md,
+"Rendezvous and eager").
 A `ReduceTied` is a collective: it starts once every member of it has reached it, as in the
 rendezvous model ([Note: tied collectives] in `schedcc.semantics.collectives`). An overlapped pair
 (`F3.1 +B1`, [Note: overlapped pairs] in `schedcc.rules.overlap`) starts once the inputs of both
@@ -57,7 +59,8 @@ def eager_spans(
     above); None if the program gets stuck (it does not validate). Linear: a stage that waits for
     a tensor is resumed once, when the tensor's producer has run. `meets` is the rendezvous model's
     (`RendezvousModel.meets`): each `ReduceTied`'s other members. `extra[s, position]` is
-    added to that op's cost (a step's first computes, `schedcc.costs.warmups`)."""
+    added to that op's cost (a step's first computes and the messages a compute takes,
+    `schedcc.costs.warmups` and `takes`)."""
     plans, flight = _plans(stages, tensors, cost, extra or {})
     arrived = _collectives(plans, meets) if meets else []
     units = Units.of(stages)  # a copy and a backward piece are one-instruction units

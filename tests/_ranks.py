@@ -16,6 +16,7 @@ from schedcc.backends.distributed.groups import CommGroup
 from schedcc.backends.distributed.shm import host_key
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
+from schedcc.ir import RecvActivation, RecvGrad
 
 __all__ = ["compare", "compare_program", "init", "optimizer"]
 
@@ -61,11 +62,14 @@ def compare_program(rank, schedule, steps, dp=1, zero=0, linked=True, **kwargs):
     traced = [op for _, op, _, _ in engine.trace_events()]
     assert traced == list(program.stages[engine.stage]), where  # each instruction once, in order
     owns = []  # a compute's own time (a pair's forward, held back to its backward: none)
+    takes = []  # a receive's take, its group's shared among its receives
     for _, op, start, end, own in engine.trace_events(own=True):
-        assert (own is not None) == (op.group == "compute"), (where, op)
+        receives = type(op) in (RecvActivation, RecvGrad)
+        assert (own is not None) == (op.group == "compute" or receives), (where, op)
         assert own is None or 0 <= own <= end - start, (where, op, own, end - start)
-        owns.append(own or 0.0)
+        (takes if receives else owns).append(own or 0.0)
     assert sum(owns) > 0, where
+    assert not takes or sum(takes) > 0, where  # taking a message costs its stage something
     assert engine.current_instruction is None, where  # between runs it waits on nothing
     for c in range(v):
         k = schedule.segment_of(engine.stage, c)

@@ -124,8 +124,9 @@ _COST = st.floats(0.1, 3.0)
 @st.composite
 def stage_costs(draw, num_stages: int) -> CostModel:
     """Costs of every kind drawn per stage (B from half to 1.5x I + W), comm above 0, a
-    recompute cost of its own or not, a fixed part of each compute or none ([Note: a compute's
-    fixed time]: kept whole at v = 2), and sometimes each of 2p segments' computes of their own
+    receive's take or none ([Note: a receive's take]), a recompute cost of its own or not, a
+    fixed part of each compute or none ([Note: a compute's fixed time]: kept whole at v = 2),
+    and sometimes each of 2p segments' computes of their own
     (`per_segment`, [Note: segment costs]: orders at v = 2 read them where they lie, at v = 1
     summed, less the fixed parts they merge): what the search's bounds must hold under."""
     fixed = st.just(0.0) | st.floats(0.0, 0.5)
@@ -134,6 +135,7 @@ def stage_costs(draw, num_stages: int) -> CostModel:
         per_stage[s] = attrs.evolve(
             _computes(draw),
             comm=draw(st.floats(0.01, 2.0)),
+            receive=draw(fixed),
             overlap=draw(st.floats(0.0, 1.0)),
             fixed_forward=draw(fixed),
             fixed_backward=draw(fixed),

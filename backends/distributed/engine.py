@@ -111,11 +111,14 @@ from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat, shapes_of
 from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
-from schedcc.ir import Instruction, Update
+from schedcc.ir import Instruction, RecvActivation, RecvGrad, Update
 from schedcc.program import Program
 from schedcc.semantics import Layout, Units
 
 __all__ = ["KEPT_RUNS", "Engine", "unit_events"]
+
+#: The instructions that take a message from another stage ([Note: a receive's take]).
+RECEIVES = (RecvActivation, RecvGrad)
 
 #: The runs whose times an engine keeps, the last ones (`Engine.unit_times`): a long training
 #: holds no more of them.
@@ -124,13 +127,23 @@ KEPT_RUNS = 128
 
 def unit_events(stage: int, ops, bounds, times, own) -> list[tuple]:
     """`(stage, instruction, start, end, own)` per instruction of one run of a stage's units
-    (`bounds`, their `times` and the seconds of `own` work each took: `Engine.unit_times` and
-    `Engine.segment_times`), `own` None but for a compute ([Note: a compute's own time])."""
-    return [
-        (stage, ops[pos], start, end, seconds if ops[pos].group == "compute" else None)
-        for (lo, hi), (start, end), seconds in zip(bounds, times, own, strict=True)
-        for pos in range(lo, hi)
-    ]
+    (`bounds`, their `times` and the seconds of each that were the stage's own work:
+    `Engine.unit_times` and `Engine.segment_times`): a compute's in its segment ([Note: a
+    compute's own time]), a receive's in taking its message once it had come, its comm group's
+    takes shared among its receives ([Note: a receive's take]); None for the other
+    instructions."""
+    events = []
+    for (lo, hi), (start, end), seconds in zip(bounds, times, own, strict=True):
+        receives = sum(type(op) in RECEIVES for op in ops[lo:hi])
+        for op in ops[lo:hi]:
+            if op.group == "compute":
+                mine = seconds
+            elif type(op) in RECEIVES:
+                mine = seconds / receives
+            else:
+                mine = None
+            events.append((stage, op, start, end, mine))
+    return events
 
 
 class Engine(BaseEngine):
@@ -315,8 +328,10 @@ class Engine(BaseEngine):
         #: sends of what it made are posted (the stage's time until then: [Note: a compute's own
         #: time]).
         self.unit_times: deque[list[tuple[float, float]]] = deque(maxlen=KEPT_RUNS)
-        #: Per run kept, the seconds each unit spent in its segment's own work: the user's forward
-        #: and loss, autograd's backward (0 but for a compute; [Note: a compute's own time]).
+        #: Per run kept, the seconds of each unit that were the stage's own work: a compute's in
+        #: its segment (the user's forward and loss, autograd's backward: [Note: a compute's own
+        #: time]), a comm group's in taking what its receives got once it had come ([Note: a
+        #: receive's take]); 0 for the others.
         self.segment_times: deque[list[float]] = deque(maxlen=KEPT_RUNS)
         #: The runs timed in all, the first of those kept being run `runs_timed - len(unit_times)`.
         self.runs_timed = 0
@@ -330,8 +345,9 @@ class Engine(BaseEngine):
 
     def trace_events(self, run: int = -1, *, own: bool = False) -> list[tuple]:
         """`(stage, instruction, start, end)` per instruction of run `run` (seconds); with `own`
-        a fifth element, the seconds a compute spent in its segment's own work (None for the
-        other instructions; [Note: a compute's own time]), as `chrome_trace` writes it."""
+        a fifth element, the seconds of it that were the stage's own work: a compute's in its
+        segment, a receive's in taking its message (None for the other instructions;
+        `unit_events`), as `chrome_trace` writes it."""
         ops = self.program.stages[self.stage]
         events = unit_events(
             self.stage, ops, self._bounds, self.unit_times[run], self.segment_times[run]
@@ -613,7 +629,7 @@ class Engine(BaseEngine):
                 times[index] = (start - clock0, clock() - clock0)
                 own[index] = segment.seconds - before
             self._at = None
-            transfers.finish(times, clock0)
+            transfers.finish(times, own, clock0)
         except BaseException as exc:
             transfers.abort(self._reason(exc, ops[index] if visit else None))
             raise

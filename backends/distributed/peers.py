@@ -17,6 +17,7 @@ one header, never nothing. One rule, in `Side.known`, for every transport.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -134,6 +135,12 @@ class ShmPeer:
         self._peer = peer
         self._record = 0  # the record number where the next message to process starts
 
+    @property
+    def waited(self) -> float:
+        """Seconds this stage has waited for its same-host peers' records ([Note: a receive's
+        take])."""
+        return self._links.waited
+
     def send(self, number: int, message: Message, known: Known) -> None:
         links, peer = self._links, self._peer
         if changed(message, known):
@@ -164,7 +171,21 @@ class ShmPeer:
         return Message(tensors, spec, meta)
 
 
-class GlooPeer:
+class _Waits:
+    """A peer over process-group works: the seconds its receives have waited for them, in all
+    (`waited`, [Note: a receive's take])."""
+
+    waited = 0.0
+
+    def _wait(self, work, timeout) -> None:
+        start = time.perf_counter()
+        try:
+            work.wait(timeout)
+        finally:
+            self.waited += time.perf_counter() - start
+
+
+class GlooPeer(_Waits):
     """A peer over gloo point-to-point: the receives of a message are posted ahead, shaped like
     its basis ([Note: telling a header from data over gloo] in `backends.distributed.wire`)."""
 
@@ -213,7 +234,7 @@ class GlooPeer:
         """
         posted = self._posted.pop(number)
         for _, work in posted:
-            work.wait(timeout)
+            self._wait(work, timeout)
         first = posted[0][0]
         if known is not None:
             if not is_marker(first):
@@ -226,7 +247,7 @@ class GlooPeer:
         spec, meta = read_header(words, number)
         tensors = empty_tensors(meta, device=self._device)
         for tensor in tensors:
-            self._group.recv([tensor], self._peer, _SIDE_TAG).wait(timeout)
+            self._wait(self._group.recv([tensor], self._peer, _SIDE_TAG), timeout)
         return Message(tensors, spec, meta)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -248,14 +269,14 @@ class GlooPeer:
         """The header words: from `head` (already received) or the side tag, and the rest."""
         if head is None:
             head = torch.empty(HEAD_WORDS, dtype=torch.int64, device=self._device)
-            self._group.recv([head], self._peer, _SIDE_TAG).wait(timeout)
+            self._wait(self._group.recv([head], self._peer, _SIDE_TAG), timeout)
         length = int(head[0].item())
         if not 0 < length < 1 << 24:
             raise ValueError("what came is not a message header")
         if length + 1 <= HEAD_WORDS:
             return head[1 : 1 + length].cpu()
         rest = torch.empty(length + 1 - HEAD_WORDS, dtype=torch.int64, device=self._device)
-        self._group.recv([rest], self._peer, _SIDE_TAG).wait(timeout)
+        self._wait(self._group.recv([rest], self._peer, _SIDE_TAG), timeout)
         return torch.cat([head[1:], rest]).cpu()
 
     def _dummy(self, meta: TensorMeta) -> torch.Tensor:
@@ -265,7 +286,7 @@ class GlooPeer:
         return self._dummies[key]
 
 
-class NcclPeer:
+class NcclPeer(_Waits):
     """A peer over per-direction links ([Note: one link per direction] in
     `backends.distributed.links`): tensors of the sizes both sides know, never more or less.
 
@@ -329,7 +350,7 @@ class NcclPeer:
         posted = self._posted.pop(number)
         for _, work in posted:
             if work is not None:
-                work.wait(timeout)
+                self._wait(work, timeout)
         if known is not None:
             return Message([b for b, _ in posted], *known)
         head = host_read(posted[0][0])  # see [Note: host syncs]
@@ -339,14 +360,14 @@ class NcclPeer:
         words = head[1 : 1 + length]
         if length + 1 > HEAD_WORDS:
             rest = torch.empty(length + 1 - HEAD_WORDS, dtype=torch.int64, device=self._device)
-            self._recv(rest, SIDE).wait(timeout)
+            self._wait(self._recv(rest, SIDE), timeout)
             words += host_read(rest)
         spec, meta = read_header(torch.tensor(words, dtype=torch.int64), number)
         tensors = empty_tensors(meta, device=self._device)
         works = [self._recv(t, SIDE) for t in tensors]
         for work in works:
             if work is not None:
-                work.wait(timeout)
+                self._wait(work, timeout)
         return Message(tensors, spec, meta)
 
     def _send(self, tensor: torch.Tensor, lane: int) -> tuple[Any, torch.Tensor]:

@@ -246,6 +246,9 @@ class ShmLinks:
         self._links = links
         self._timeout = timeout
         self._stage = stage
+        #: Seconds this stage has waited for its peers' records in all (`recv`, `recv_header`):
+        #: what a receive spent waiting, not taking its message ([Note: a receive's take]).
+        self.waited = 0.0
 
     @property
     def peers(self) -> frozenset[int]:
@@ -585,7 +588,15 @@ class ShmLinks:
         )
 
     def _wait(self, link: _Link, deadline: float) -> None:
-        """Sleep until `link` has data or the deadline passes."""
+        """Sleep until `link` has data or the deadline passes (counted in `waited`)."""
+        start = time.perf_counter()
+        try:
+            self._idle(link, deadline)
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def _idle(self, link: _Link, deadline: float) -> None:
+        """`_wait`'s body: the link's housekeeping, then spin and poll."""
         for other in self._links.values():  # idle now: settle acknowledgements both ways
             if other.unacked:
                 self._acknowledge(other)

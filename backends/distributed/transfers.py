@@ -104,6 +104,7 @@ class Transfers:
         self._runs = 0
         self._sending: list[tuple[object, torch.Tensor, CommGroup]] = []
         self._spans: dict[int, tuple[float, float]] = {}
+        self._taken: dict[int, float] = {}  # per comm group, its receives' takes this run
 
     def connect(self, *, linked: Transfers | None = None) -> None:
         """Link this stage with its same-host peers (collective over the pipeline process
@@ -189,21 +190,30 @@ class Transfers:
             except RuntimeError as exc:
                 raise self._failure(group, exc) from exc
         for op, peer, _, group in eager.wait_before[index]:
-            start = clock()
+            io = self._io[peer]
+            start, waited = clock(), io.waited
             self.runtime.incoming(op, self._take(op, peer, group))
-            self._span(group, start, clock())
+            end = clock()
+            self._span(group, start, end)
+            # the stage's own time in it: [Note: a receive's take]
+            taken = max(end - start - (io.waited - waited), 0.0)
+            self._taken[group] = self._taken.get(group, 0.0) + taken
 
     def after(self, index: int) -> None:
         """Post the sends whose tensors unit `index` computed."""
         for send in self.eager.sends_after[index]:
             self._send(send)
 
-    def finish(self, times: list[tuple[float, float]], clock0: float) -> None:
+    def finish(self, times: list[tuple[float, float]], own: list[float], clock0: float) -> None:
         """End a run: wait the sends still out; each comm group's `times` entry becomes the
-        span of its waits (seconds since `clock0`)."""
+        span of its waits (seconds since `clock0`), and its `own` entry the seconds its
+        receives took of it once their messages had come ([Note: a receive's take])."""
         for index, (start, end) in self._spans.items():
             times[index] = (start - clock0, end - clock0)
+        for index, seconds in self._taken.items():
+            own[index] = seconds
         self._spans.clear()
+        self._taken.clear()
         sending, self._sending = self._sending, []
         for work, _tensor, unit in sending:
             try:

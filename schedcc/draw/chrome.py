@@ -35,7 +35,7 @@ _CATEGORY = {"compute": "compute", "comm": "comm", "update": "update", "copy": "
 #: The copy lane of stage s is track `_COPY_TRACK + s`.
 _COPY_TRACK = 1_000_000
 
-EventLike = Sequence  # (stage, instruction, start, end), or with a compute's own time fifth
+EventLike = Sequence  # (stage, instruction, start, end), or with the stage's own time fifth
 
 
 def chrome_trace(
@@ -49,9 +49,11 @@ def chrome_trace(
 
     Args:
         events: `(stage, instruction, start, end)` tuples; times in any unit. A fifth element,
-            where not None, is the time the compute spent in its segment's own work (a
-            measured run's, [Note: a compute's own time]): written as the event's
-            `"segment_us"`, which `CostModel.from_trace` reads.
+            where not None, is a measured run's own time of the stage in it: a compute's in
+            its segment's own work ([Note: a compute's own time]), written as the event's
+            `"segment_us"`; a receive's in taking its message once it had come ([Note: a
+            receive's take] in `schedcc.costs`), written as its `"take_us"`. Both are what
+            `CostModel.from_trace` reads.
         flows: `(send event, receive event)` pairs to join with arrows.
         metadata: put under "otherData" (schedule, shape, bubble, ...).
         unit_us: microseconds per time unit: 1000 draws a simulated cost unit as 1 ms; a
@@ -65,8 +67,9 @@ def chrome_trace(
         tid = stage + _COPY_TRACK if op.group == "copy" else stage
         stages.add(tid)
         args = _args(op)
-        if own and own[0] is not None:
-            args["segment_us"] = round(own[0] * unit_us, 3)
+        if own and own[0] is not None:  # a compute's own time, or a receive's take
+            field = "take_us" if op.group == "comm" else "segment_us"
+            args[field] = round(own[0] * unit_us, 3)
         out.append(
             {
                 "name": str(op),

@@ -33,7 +33,7 @@ def _run(*args: str, timeout: float = 120, env=None) -> subprocess.CompletedProc
 
 def test_run_trains_1f1b_and_prints_the_summary(tmp_path):
     """`schedcc run --schedule 1f1b --steps 3` trains and reports loss, floor, bubble, memory;
-    its trace holds the steady runs, each compute with its own time."""
+    its trace holds the steady runs, each compute with its own time, each receive its take."""
     trace = tmp_path / "trace.json"
     result = _run("--schedule", "1f1b", "--steps", "3", "--trace", str(trace))
     assert result.returncode == 0, result.stderr
@@ -44,14 +44,18 @@ def test_run_trains_1f1b_and_prints_the_summary(tmp_path):
     assert written["otherData"]["runs"] == 2  # the steady ones: every step but the first
     events = [e for e in written["traceEvents"] if e.get("ph") == "X"]
     assert sorted(e["tid"] for e in events if e["name"] == "F0") == [0, 0, 1, 1]
-    for event in events:  # a compute's own time: its segment's, inside its span
-        own = event["args"].get("segment_us")
-        if event["args"]["kind"] in ("Forward", "Backward"):
-            assert 0 < own < event["dur"], event
-        else:
-            assert own is None, event
+    for event in events:  # a compute's own time, a receive's take: inside its span
+        args, kind = event["args"], event["args"]["kind"]
+        computes, receives = kind in ("Forward", "Backward"), kind in ("RecvActivation", "RecvGrad")
+        assert ("segment_us" in args) == computes, event
+        assert ("take_us" in args) == receives, event
+        if computes:
+            assert 0 < args["segment_us"] < event["dur"], event
+        if receives:
+            assert 0 < args["take_us"] <= event["dur"], event
     costs = CostModel.from_trace(trace)
     assert all(costs.at(s).fixed_forward > 0 and costs.at(s).fixed_backward > 0 for s in (0, 1))
+    assert all(costs.at(s).receive > 0 for s in (0, 1))
 
 
 def test_run_with_data_parallel_zero_1_checks_equal_to_non_pipelined(tmp_path):
