@@ -117,7 +117,8 @@ from schedcc.semantics import Layout, Units
 
 __all__ = ["KEPT_RUNS", "Engine", "unit_events"]
 
-#: The instructions that take a message from another stage ([Note: a receive's take]).
+#: The instructions that take a message from another stage ([Note: a receive's take] in
+#: `schedcc.costs`).
 RECEIVES = (RecvActivation, RecvGrad)
 
 #: The runs whose times an engine keeps, the last ones (`Engine.unit_times`): a long training

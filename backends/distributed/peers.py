@@ -138,7 +138,7 @@ class ShmPeer:
     @property
     def waited(self) -> float:
         """Seconds this stage has waited for its same-host peers' records ([Note: a receive's
-        take])."""
+        take] in `schedcc.costs`)."""
         return self._links.waited
 
     def send(self, number: int, message: Message, known: Known) -> None:

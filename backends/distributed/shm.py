@@ -247,7 +247,8 @@ class ShmLinks:
         self._timeout = timeout
         self._stage = stage
         #: Seconds this stage has waited for its peers' records in all (`recv`, `recv_header`):
-        #: what a receive spent waiting, not taking its message ([Note: a receive's take]).
+        #: what a receive spent waiting, not taking its message ([Note: a receive's take] in
+        #: `schedcc.costs`).
         self.waited = 0.0
 
     @property

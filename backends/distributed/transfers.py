@@ -195,7 +195,7 @@ class Transfers:
             self.runtime.incoming(op, self._take(op, peer, group))
             end = clock()
             self._span(group, start, end)
-            # the stage's own time in it: [Note: a receive's take]
+            # the stage's own time in it: [Note: a receive's take] in `schedcc.costs`
             taken = max(end - start - (io.waited - waited), 0.0)
             self._taken[group] = self._taken.get(group, 0.0) + taken
 
