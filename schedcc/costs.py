@@ -63,6 +63,7 @@ __all__ = [
     "measured_backward",
     "measured_updates",
     "overlapped_pair",
+    "segment_takes",
     "takes",
     "warmups",
 ]
@@ -190,6 +191,25 @@ def takes(costs: CostModel, stages: Sequence[Sequence[Instruction]], tensors) ->
             cost = costs.at(s, op.chunk).receive * len(new)
             if cost:
                 out[s, pos] = cost
+    return out
+
+
+def segment_takes(
+    place: Sequence[tuple[int, int]], models: Sequence[CostModel], length: int | None = None
+) -> list[tuple[float, float]]:
+    """Per segment of a placement (`place[k]` its `(stage, chunk)`, `models[k]` its costs,
+    `length` segments to a model replica, default all): what its forward and its backward
+    take beyond their costs for an input and a gradient from another stage, its `receive` each
+    ([Note: a receive's take]); a replica's first forward and last backward take none."""
+    length = length or len(place)
+    out = []
+    for k, ((stage, _), model) in enumerate(zip(place, models, strict=True)):
+        first = k - k % length
+        up, down = (
+            model.receive if first <= j < first + length and place[j][0] != stage else 0.0
+            for j in (k - 1, k + 1)
+        )
+        out.append((up, down))
     return out
 
 

@@ -120,7 +120,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from schedcc.costs import CostModel, overlapped_pair
+from schedcc.costs import CostModel, overlapped_pair, segment_takes
 from schedcc.errors import ScheduleConfigError
 from schedcc.semantics.stage_bytes import resident_parameters
 from schedcc.sizes import parse_size
@@ -235,18 +235,12 @@ class _Bound:
             self.warm[s] += model.warmup_forward + model.warmup_backward
         # each message from another stage is taken on its receiver's time: [Note: a receive's
         # take] in `schedcc.costs` (a forward's input, a backward's gradient)
-        self.take_in, self.take_back = [], []  # per segment: its forward's, its backward's
+        taken = segment_takes(place, self.models, length)
+        self.take_in = [up for up, _ in taken]  # per segment: its forward's
+        self.take_back = [down for _, down in taken]  # and its backward's
         self.takes = [0.0] * p
         for k, (s, _) in enumerate(place):
-            up, down = (
-                self.models[k].receive
-                if 0 <= j < num and self.first[j] == self.first[k] and place[j][0] != s
-                else 0.0
-                for j in (k - 1, k + 1)
-            )
-            self.take_in.append(up)
-            self.take_back.append(down)
-            self.takes[s] += self.count[k] * (up + down)
+            self.takes[s] += self.count[k] * sum(taken[k])
         self.memory = scaled.memory
         self.share = family.share
         chunks = max(c for _, c in place) + 1

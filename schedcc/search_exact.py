@@ -99,7 +99,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from schedcc.costs import CostModel
+from schedcc.costs import CostModel, segment_takes
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     Compute,
@@ -325,7 +325,6 @@ class _Model:
         self.seg_of = {sc: k for k, sc in enumerate(self.place)}
         scaled = _per_chunk(costs, family.share, self.place)
         models = [scaled.at(s, c) for s, c in self.place]
-        n = len(models)
         chunks = max(c for _, c in self.place) + 1
         comm = [min(scaled.at(s, c).comm for c in range(chunks)) for s in range(p)]
         factors = [costs.per_microbatch[i] if costs.per_microbatch else 1.0 for i in range(m)]
@@ -342,10 +341,7 @@ class _Model:
         self.comm = [tick(c) for c in comm]
         # what a forward's and a backward's messages from another stage add ([Note: a
         # receive's take] in `schedcc.costs`)
-        takes = [
-            [x.receive if 0 <= j < n and self.place[j][0] != s else 0.0 for j in (k - 1, k + 1)]
-            for k, ((s, _), x) in enumerate(zip(self.place, models, strict=True))
-        ]
+        takes = segment_takes(self.place, models)
         self.cost = [
             [
                 {

@@ -32,7 +32,7 @@ import functools
 import random
 from collections.abc import Iterator, Sequence
 
-from schedcc.costs import CostModel
+from schedcc.costs import CostModel, segment_takes
 from schedcc.ir import (
     Backward,
     BackwardInput,
@@ -92,6 +92,8 @@ class QuickClock:
         self.costs, self.budgets = costs, budgets
         self.activations, self.inputs = held_sizes(costs.memory, len(self.place))
         self.segment = {sc: k for k, sc in enumerate(self.place)}
+        # per segment, what its forward and backward take: [Note: a receive's take]
+        self.takes = segment_takes(self.place, [costs.at(*sc) for sc in self.place], length)
         self.p = max(s for s, _ in self.place) + 1
         self._ops: dict[tuple[int, str], tuple | None] = {}
         # each stage's rows as read, the recent ones (a move changes one row of an order)
@@ -201,15 +203,15 @@ class QuickClock:
                 warmed.add((first, k))
                 cost += getattr(self.costs.at(*self.place[k]), first)
             if code == _F:
+                cost += self.takes[k][0]
                 if k > self.first[k]:
-                    wait, (add, take) = key - 1, self._hop(k - 1, k)
-                    cost += take
+                    wait, add = key - 1, self._hop(k - 1, k)
                 delta = self.inputs[k] if (i, k) in redone else self.activations[k]
             elif code == _R:
                 delta = self.activations[k] - self.inputs[k]
             elif code != _W and k < self.last[k]:
-                wait, (add, take) = key + 1, self._hop(k + 1, k)
-                cost += take
+                cost += self.takes[k][1]
+                wait, add = key + 1, self._hop(k + 1, k)
             if code in (_B, _W, _P):
                 delta = -self.activations[k]
             if code == _P:
@@ -223,15 +225,11 @@ class QuickClock:
         self._rows[s, row] = out
         return out
 
-    def _hop(self, producer: int, consumer: int) -> tuple[float, float]:
-        """What a message from segment `producer` to segment `consumer` spends in flight (the
-        receive's comm) and what taking it adds to the consumer (its `receive`, [Note: a
-        receive's take] in `schedcc.costs`), where they are on two stages."""
+    def _hop(self, producer: int, consumer: int) -> float:
+        """What a message from segment `producer` to segment `consumer` spends in flight: the
+        receive's comm, where they are on two stages."""
         stage, chunk = self.place[consumer]
-        if self.place[producer][0] == stage:
-            return 0.0, 0.0
-        model = self.costs.at(stage, chunk)
-        return model.comm, model.receive
+        return 0.0 if self.place[producer][0] == stage else self.costs.at(stage, chunk).comm
 
 
 def held_sizes(memory, num: int) -> tuple[list[float], list[float]]:
