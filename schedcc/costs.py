@@ -233,7 +233,8 @@ def _receives(costs: CostModel) -> bool:
 # as no more than each cost. `from_trace` reads them where a run recorded each compute's own
 # time (`"segment_us"`, as `schedcc run --trace` writes it): per stage, the median over its
 # computes of the duration less the own time. A model's own per-segment work (set-up in each
-# segment's forward) counts as the segment's, divided with it.
+# segment's forward) counts as the segment's, divided with it, unless traces of two cuts give
+# it ([Note: a compute's per-call time]).
 #: The compute fields that have a fixed part, and the field giving it.
 FIXED_OF = MappingProxyType(
     {
@@ -554,6 +555,7 @@ class CostModel:
         *,
         unit_us: float = 1000.0,
         num_stages: int | None = None,
+        other_cuts: Iterable[str | PathLike | Mapping | Iterable[Mapping]] = (),
         **defaults: float,
     ) -> CostModel:
         """Costs measured in a run: the median duration of each instruction kind, per stage.
@@ -572,6 +574,10 @@ class CostModel:
             num_stages: the stages the trace must measure, 0 to `num_stages - 1` (a stage's
                 costs depend on how the model was cut: a trace of another depth is refused);
                 None: any.
+            other_cuts: traces of runs of the same model at other cuts (another v, the same
+                stages): each stage's `fixed_forward` and `fixed_backward` are read off how the
+                sum of its computes grows with their count ([Note: a compute's per-call
+                time]); the rest is `trace`'s alone.
             defaults: fields for kinds the trace does not show (e.g. `comm=0.1`). Without
                 one, a backward the trace shows only whole or only split is read both ways
                 ([Note: a trace's backward both ways]), and a trace of a run on the CPU
@@ -584,50 +590,15 @@ class CostModel:
                 not `num_stages`'.
             OSError: the file cannot be read.
         """
-        events, metadata = read_chrome_trace(trace)
+        read = _read(trace, unit_us, num_stages)
+        samples, timed, metadata, replicas = read
         if metadata.get("device") == "cpu":
             defaults = {"overlap": 1.0, **defaults}
-        replicas = _replicas(metadata.get("cut"))
-        found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
-        by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
-        timed: list[_Sample] = []
-        for event, (kind, chunk) in found:
-            try:
-                track = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
-                stage = track if by_pid else track_stage(track)
-                duration = float(event["dur"]) / unit_us
-                start = float(event.get("ts", 0)) / unit_us
-            except (TypeError, ValueError):
-                raise ScheduleConfigError(
-                    f"trace event {event.get('name')!r}: its dur, ts, pid and tid must be "
-                    "numbers"
-                ) from None
-            meets = kind in ("reduce", "norm") and isinstance(parse(event["name"]), _MEETS)
-            meet = event["name"] if meets else None
-            own = _own_time(event, unit_us, "segment_us") if kind in FIXED_OF else None
-            if kind == "comm":  # [Note: a receive's take]
-                own = _own_time(event, unit_us, "take_us")
-            timed.append(_Sample(stage, track, start, kind, chunk, duration, meet, own))
-        timed = _after_meeting(timed)
-        if metadata.get("measured") is True:
-            timed = _unpaired(timed)
-        timed = _taken(timed)  # [Note: a receive's take]
-        samples: dict[int, dict[tuple[str, int], list[float]]] = {}
-        for t in timed:
-            kind = "backward" if t.kind == _PAIRED else t.kind  # a simulated pair's rest
-            samples.setdefault(t.stage, {}).setdefault((kind, t.chunk), []).append(t.duration)
-        if not samples:
-            raise ScheduleConfigError(
-                "the trace has no complete ('X') events named like instructions (F3, B3.1, ...)"
-            )
-        if num_stages is not None and sorted(samples) != list(range(num_stages)):
-            where = trace if isinstance(trace, (str, PathLike)) else "the trace"
-            raise ScheduleConfigError(
-                f"{where} measured stages {sorted(samples)}, not the {num_stages} of this "
-                f"pipeline (a stage's costs depend on the cut): trace a run with -p {num_stages}"
-            )
         warm = _warmups(timed, samples, replicas)  # [Note: a step's first computes]
         fixed = _fixed(timed, defaults)  # [Note: a compute's fixed time]
+        others = [_read(other, unit_us, num_stages or len(samples)) for other in other_cuts]
+        if others:  # [Note: a compute's per-call time]
+            fixed = _per_call([read, *others], fixed, defaults)
 
         def model(kinds, share: int, fixed_parts: Mapping[str, float], **more) -> CostModel:
             """The model of `kinds`' samples, its chunks summed over `share` replicas, with
@@ -656,6 +627,62 @@ class CostModel:
         return model(
             overall, replicas, fixed.get(None, {}), per_stage=per_stage, per_segment=per_segment
         )
+
+
+class _Read(NamedTuple):
+    """A trace as `CostModel.from_trace` reads it: each stage's samples by (kind, chunk), the
+    timed instructions they come from, the trace's metadata and its model replicas."""
+
+    samples: dict[int, dict[tuple[str, int], list[float]]]
+    timed: list[_Sample]
+    metadata: Mapping
+    replicas: int
+
+
+def _read(
+    trace: str | PathLike | Mapping | Iterable[Mapping], unit_us: float, num_stages: int | None
+) -> _Read:
+    """`trace`'s samples (`CostModel.from_trace`'s arguments; its errors)."""
+    events, metadata = read_chrome_trace(trace)
+    replicas = _replicas(metadata.get("cut"))
+    found = [(event, kind) for event in events if (kind := _kind_of(event)) is not None]
+    by_pid = len({event.get("pid", 0) for event, _ in found}) > 1
+    timed: list[_Sample] = []
+    for event, (kind, chunk) in found:
+        try:
+            track = int(event.get("pid", 0) if by_pid else event.get("tid", 0))
+            stage = track if by_pid else track_stage(track)
+            duration = float(event["dur"]) / unit_us
+            start = float(event.get("ts", 0)) / unit_us
+        except (TypeError, ValueError):
+            raise ScheduleConfigError(
+                f"trace event {event.get('name')!r}: its dur, ts, pid and tid must be numbers"
+            ) from None
+        meets = kind in ("reduce", "norm") and isinstance(parse(event["name"]), _MEETS)
+        meet = event["name"] if meets else None
+        own = _own_time(event, unit_us, "segment_us") if kind in FIXED_OF else None
+        if kind == "comm":  # [Note: a receive's take]
+            own = _own_time(event, unit_us, "take_us")
+        timed.append(_Sample(stage, track, start, kind, chunk, duration, meet, own))
+    timed = _after_meeting(timed)
+    if metadata.get("measured") is True:
+        timed = _unpaired(timed)
+    timed = _taken(timed)  # [Note: a receive's take]
+    samples: dict[int, dict[tuple[str, int], list[float]]] = {}
+    for t in timed:
+        kind = "backward" if t.kind == _PAIRED else t.kind  # a simulated pair's rest
+        samples.setdefault(t.stage, {}).setdefault((kind, t.chunk), []).append(t.duration)
+    if not samples:
+        raise ScheduleConfigError(
+            "the trace has no complete ('X') events named like instructions (F3, B3.1, ...)"
+        )
+    if num_stages is not None and sorted(samples) != list(range(num_stages)):
+        where = trace if isinstance(trace, (str, PathLike)) else "the trace"
+        raise ScheduleConfigError(
+            f"{where} measured stages {sorted(samples)}, not the {num_stages} of this "
+            f"pipeline (a stage's costs depend on the cut): trace a run with -p {num_stages}"
+        )
+    return _Read(samples, timed, metadata, replicas)
 
 
 def _bare(model: CostModel) -> CostModel:
@@ -953,8 +980,7 @@ def _by_segment(
 
 def _rows_of_ints(table: object) -> bool:
     return isinstance(table, list) and all(
-        isinstance(row, list)
-        and all(isinstance(k, int) and not isinstance(k, bool) for k in row)
+        isinstance(row, list) and all(isinstance(k, int) and not isinstance(k, bool) for k in row)
         for row in table
     )
 
@@ -1035,6 +1061,77 @@ def _fixed(timed: list[_Sample], defaults: Mapping[str, float]) -> dict[int | No
         }
         for key, row in rests.items()
     }
+
+
+# [Note: a compute's per-call time] The runtime's work is not all of what a compute costs
+# whatever its chunk: a segment's own call has a part that does not shrink with it either (its
+# modules' dispatch, a smaller matrix product's lower efficiency). tiny-gpt at p = 2 on the CPU:
+# a stage's forwards at v = 2, summed over its two chunks, took 3-15% more than its one forward
+# at v = 1, more than the runtime's part accounts for. One cut's trace cannot tell that part
+# from the rest; two cuts of the same model can. A stage running its share as k computes per
+# model replica takes `S(k) = a + k * g` summed over them, `g` the part each call costs whatever
+# its chunk: so `from_trace(trace, other_cuts=[...])` reads `g` per stage as the slope of the
+# least-squares line through each trace's `(k, S)` (of the forwards for `fixed_forward`, and of
+# the first of B, I and W that two cuts measured for `fixed_backward`), no less than the
+# runtime's part `trace` measured and no more than a compute's cost, and reads `trace` with it.
+# Runs of two cuts are best traced back to back: on a shared machine a run's speed drifts, and
+# the drift reads as per-call time.
+#: The computes whose sums `_per_call` fits, per fixed field, the first two cuts measured.
+_FITTED = {
+    "fixed_forward": ("forward",),
+    "fixed_backward": ("backward", "backward_input", "backward_weight"),
+}
+
+
+def _per_call(
+    reads: Sequence[_Read], fixed: dict[int | None, dict], defaults: Mapping[str, float]
+) -> dict[int | None, dict]:
+    """`fixed` (`_fixed` of `reads[0]`) with each stage's fixed fields read off how its
+    computes' sum grows with their count over the cuts of `reads` (and over the stages the
+    median); none the caller gives ([Note: a compute's per-call time]).
+
+    Raises:
+        ScheduleConfigError: every trace cuts the model as `reads[0]` does.
+    """
+    calls = {_calls(read, 0, "forward")[0] for read in reads}
+    if len(calls) < 2:
+        raise ScheduleConfigError(
+            "the traces of other cuts cut the model as the trace does: a compute's per-call "
+            "time needs runs at another v (e.g. interleaved-1f1b -v 2 beside 1f1b)"
+        )
+    out = {key: dict(row) for key, row in fixed.items()}
+    fits: dict[str, list[float]] = {}
+    for field, kinds in _FITTED.items():
+        if field in defaults:
+            continue
+        for stage in reads[0].samples:
+            for kind in kinds:
+                points = [_calls(read, stage, kind) for read in reads]
+                points = [(k, total) for k, total in points if k]
+                if len({k for k, _ in points}) > 1:
+                    break
+            else:
+                continue
+            ks, totals = zip(*points)
+            slope = statistics.linear_regression(ks, totals).slope
+            floor = fixed.get(stage, {}).get(field, 0.0)
+            ceiling = min(total / k for k, total in points)
+            out.setdefault(stage, {})[field] = min(max(slope, floor), ceiling)
+            fits.setdefault(field, []).append(out[stage][field])
+    for field, values in fits.items():
+        out.setdefault(None, {})[field] = float(statistics.median(values))
+    return out
+
+
+def _calls(read: _Read, stage: int, kind: str) -> tuple[float, float]:
+    """How many `kind` computes `stage` runs per model replica in `read`'s run, and their
+    medians' sum per replica; `(0, 0)` where it ran none."""
+    medians = [
+        float(statistics.median(values))
+        for (each, _), values in read.samples.get(stage, {}).items()
+        if each == kind
+    ]
+    return len(medians) / read.replicas, sum(medians) / read.replicas
 
 
 def cost_fields() -> tuple[str, ...]:

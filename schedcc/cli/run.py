@@ -21,6 +21,7 @@ from pathlib import Path
 from schedcc.cli import args as shared
 from schedcc.cli import memory_flags
 from schedcc.cli.args import UsageError, positive_int
+from schedcc.cli.tune import add_other_cut, trace_costs
 from schedcc.compiler import compile
 from schedcc.errors import ScheduleConfigError
 from schedcc.registry import build_schedule, get_schedule
@@ -161,6 +162,7 @@ def register(subparsers) -> None:
         help="with --schedule search: train the order schedcc search finds for the costs "
         "measured in this trace (a first run's --trace)",
     )
+    add_other_cut(parser)
     parser.add_argument(
         "--search-time",
         type=float,
@@ -444,6 +446,7 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
         shared.fill_shape(args, args.schedule)
         for flag, given in (
             ("--costs-from", args.costs_from is not None),
+            ("--other-cut", bool(args.other_cut)),
             ("--search-memory-limit", args.search_memory_limit is not None),
             ("--search-offload", args.search_offload),
         ):
@@ -557,7 +560,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
     from schedcc.backends.run.report import other_bytes
     from schedcc.cli.tune import finer_line, updates_line
-    from schedcc.costs import CostModel, measured_backward, measured_updates
+    from schedcc.costs import measured_backward, measured_updates
     from schedcc.draw.chrome import read_chrome_trace
     from schedcc.search import search
 
@@ -572,7 +575,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         mismatch = other_bytes(args.costs_from, recorded, args)
         if mismatch is not None:
             raise ScheduleConfigError(mismatch)
-    costs = CostModel.from_trace(args.costs_from, num_stages=args.num_stages)
+    costs = trace_costs(args, args.num_stages)
     result = search(
         args.num_stages,
         args.num_microbatches,
@@ -596,6 +599,7 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         f"search: simulated step {result.makespan:.2f} ms, eagerly as the engine runs (lower "
         f"bound {result.bound:.2f} ms) "
         f"under the costs measured in {args.costs_from}"
+        + "".join(f" and {other}" for other in args.other_cut)
         + _within(limit)
         + f", from {result.source}; the order is "
         f"{path}:Found"

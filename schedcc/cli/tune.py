@@ -89,6 +89,30 @@ def add_stage_costs(parser) -> None:
         metavar="TRACE",
         help="measured costs from a Chrome trace of a run (--costs fills kinds it lacks)",
     )
+    add_other_cut(parser)
+
+
+def add_other_cut(parser) -> None:
+    """`--other-cut TRACE`, repeatable: runs of the same model at other cuts, from which
+    `CostModel.from_trace` reads each compute's per-call part ([Note: a compute's per-call
+    time] in `schedcc.costs`)."""
+    parser.add_argument(
+        "--other-cut",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="TRACE",
+        help="with --costs-from: a trace of the same model at another -v (e.g. interleaved-1f1b "
+        "-v 2 beside 1f1b), so orders at either cut are priced with what a compute costs "
+        "whatever its chunk (repeatable)",
+    )
+
+
+def trace_costs(args, num_stages: int, **defaults: float) -> CostModel:
+    """The costs measured in `--costs-from`, with `--other-cut`'s per-call part."""
+    return CostModel.from_trace(
+        args.costs_from, num_stages=num_stages, other_cuts=args.other_cut, **defaults
+    )
 
 
 def add_updates(parser) -> None:
@@ -195,9 +219,11 @@ def costs_of(args) -> CostModel:
             f"share: give p * v of them ({num_stages} at v = 1, {2 * num_stages} at v = 2)"
         )
     if trace is None:
+        if args.other_cut:
+            raise UsageError("--other-cut goes with --costs-from TRACE (the run it prices)")
         return shared.with_segments(given or CostModel(), segments, num_stages)
     defaults = {name: getattr(given, name) for name in args.costs_named}  # the named ones only
-    return CostModel.from_trace(trace, num_stages=num_stages, **defaults)
+    return trace_costs(args, num_stages, **defaults)
 
 
 def guessed_line(trace: Path | None, given: CostModel | None) -> str | None:

@@ -205,6 +205,52 @@ def test_a_trace_of_another_depth_is_one_line(tmp_path, capsys):
         assert "measured stages [0, 1], not the 3 of this pipeline" in err[0]
 
 
+def _cut(tmp_path, calls: int):
+    """A trace of 2 stages, each running its share (F 2, B 4 ms) as `calls` chunks that cost
+    0.3 ms more each whatever the chunk ([Note: a compute's per-call time])."""
+    events = [
+        {"name": f"{code}{i}{'' if c == 0 else f'.{c}'}", "ph": "X", "ts": 0, "pid": 0,
+         "tid": stage, "dur": (share / calls + 0.3) * 1000}
+        for stage in range(2)
+        for c in range(calls)
+        for code, share in (("F", 2.0), ("B", 4.0))
+        for i in range(2)
+    ]  # fmt: skip
+    path = tmp_path / f"v{calls}.json"
+    path.write_text(json.dumps(events))
+    return path
+
+
+def test_other_cut_prices_each_cut_with_the_per_call_part(tmp_path, capsys):
+    """`--other-cut` beside `--costs-from`: tune and search price what the two cuts measured
+    (interleaved 1F1B at v = 2 as its chunks ran), not the v = 1 trace divided; alone, or at
+    the trace's own cut, one line and exit 2."""
+    one, two = _cut(tmp_path, 1), _cut(tmp_path, 2)
+    shape = ["-p", "2", "-m", "4", "-v", "2"]
+    both, alone = (
+        next(
+            row["makespan"]
+            for row in _json(capsys, *shape, "--costs-from", str(one), *more)[1]["ranked"]
+            if row["schedule"] == "interleaved-1f1b"
+        )
+        for more in (["--other-cut", str(two)], [])
+    )
+    costs = CostModel(forward=2.3, backward=4.3, fixed_forward=0.3, fixed_backward=0.3)
+    (want,) = tune(["interleaved-1f1b"], num_stages=2, num_microbatches=4, num_chunks=2,
+                   costs=costs).ranked  # fmt: skip
+    assert both == pytest.approx(want.makespan)
+    assert alone < want.makespan
+    for argv, says in (
+        (["--other-cut", str(two)], "--other-cut goes with --costs-from"),
+        (["--costs-from", str(one), "--other-cut", str(one)], "another v"),
+    ):
+        for command in (["tune"], ["search"]):
+            assert main([*command, "-p", "2", "-m", "4", *argv]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1
+            assert says in err[0]
+
+
 def test_chunks_share_the_stage_cost():
     """A chunk costs 1/v of a stage: interleaved 1F1B does the same work as 1F1B per stage."""
     schedules = {"interleaved-1f1b": get_schedule("interleaved-1f1b")}

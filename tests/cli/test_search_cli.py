@@ -245,7 +245,8 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     the trace records), prints the simulated step, and trains the found order exactly, its
     measured peak activations within the byte limit. The first run is interleaved (v = 2): its
     trace records the cut, and the search in bytes finds an order of that cut, of the backward
-    form the trace measured (whole)."""
+    form the trace measured (whole). Beside a run at v = 1 (`--other-cut`), the search prices
+    each compute's per-call part."""
     trace = tmp_path / "first.json"
     first = _schedcc_run(
         "--schedule", "interleaved-1f1b", "-v", "2", "--steps", "2", "--model", "mlp",
@@ -258,12 +259,15 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     }  # fmt: skip
     assert len(CostModel.from_trace(trace).per_segment) == 4  # each segment's own costs
     assert recorded["updates"] == {"tied": [], "grad_norm": True}  # what its program compiled
+    at_one = tmp_path / "1f1b.json"  # the same model at v = 1: each compute's per-call part
+    assert _schedcc_run("--steps", "2", "--model", "mlp", "--trace", str(at_one)).returncode == 0
     limited = _schedcc_run(  # within one microbatch a stage
-        "--schedule", "search", "--costs-from", str(trace), "--search-time", "1",
-        "--search-memory-limit", "1", "--search-offload", "--steps", "2", "--model", "mlp",
-        "--check",
+        "--schedule", "search", "--costs-from", str(trace), "--other-cut", str(at_one),
+        "--search-time", "1", "--search-memory-limit", "1", "--search-offload", "--steps", "2",
+        "--model", "mlp", "--check",
     )  # fmt: skip
     assert limited.returncode == 0, limited.stderr
+    assert f"under the costs measured in {trace} and {at_one}" in limited.stdout
     assert re.search(r"search: simulated step [0-9.]+ ms, eagerly as the engine runs \(lower bound",
                      limited.stdout)
     assert "within 1 microbatches a stage" in limited.stdout
@@ -300,6 +304,7 @@ def _peaks(summary: str) -> list[int]:
     [
         (["--schedule", "search"], "needs --costs-from TRACE"),
         (["--schedule", "1f1b", "--costs-from", "t.json"], "goes with --schedule search"),
+        (["--schedule", "1f1b", "--other-cut", "t.json"], "goes with --schedule search"),
         (["--schedule", "1f1b", "--search-memory-limit", "2"], "goes with --schedule search"),
         (["--schedule", "search", "--costs-from", "t.json", "--search-offload"],
          "goes with --search-memory-limit"),

@@ -1,0 +1,110 @@
+"""A compute's per-call time: read off traces of one model at two or more cuts, the part of each
+compute that does not shrink with its chunk ([Note: a compute's per-call time] in
+`schedcc/costs.py`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import schedcc
+from schedcc import CostModel, ScheduleConfigError
+from schedcc.tune import priced
+
+
+def _trace(calls: int, forward: float, backward: float, *, own: float | None = None) -> dict:
+    """A trace of two stages, each running its share as `calls` chunks: every chunk's forward
+    `forward / calls + 0.3` ms and backward `backward / calls + 0.5` ms (0.3 and 0.5 per call
+    whatever the chunk), stage 1 half as dear again; `own`: each compute's own time is its
+    duration less `own` ms."""
+    events = []
+    for stage in range(2):
+        scale = 1.0 + 0.5 * stage
+        for chunk in range(calls):
+            name = "" if chunk == 0 else f".{chunk}"
+            for code, share, per_call in (("F", forward, 0.3), ("B", backward, 0.5)):
+                for microbatch in range(3):
+                    dur = (share * scale / calls + per_call) * 1000
+                    args = {} if own is None else {"segment_us": dur - own * 1000}
+                    events.append(
+                        {"name": f"{code}{microbatch}{name}", "ph": "X", "pid": 0,
+                         "tid": stage, "ts": 0, "dur": dur, "args": args}
+                    )  # fmt: skip
+    return {"traceEvents": events, "otherData": {}}
+
+
+def test_two_cuts_read_each_compute_s_per_call_part():
+    """From v = 1 and v = 2 the per-call part per stage: priced at v = 2 each chunk is as its
+    trace measured, at v = 4 its quarter plus the part; read either way round."""
+    one, two = _trace(1, 2.0, 4.0), _trace(2, 2.0, 4.0)
+    for trace, other in ((one, two), (two, one)):
+        read = CostModel.from_trace(trace, other_cuts=[other])
+        assert read.at(0).fixed_forward == pytest.approx(0.3)
+        assert read.at(1).fixed_backward == pytest.approx(0.5)
+        assert read.at(1).forward == pytest.approx(3.0 + 0.3)  # the stage at v = 1
+        assert read.fixed_forward == pytest.approx(0.3)  # over the stages
+        for v, chunk in ((2, 1.0), (4, 0.5)):
+            schedule = schedcc.get_schedule("interleaved-1f1b")(2, 4, num_chunks=v)
+            model = priced(read, schedule)
+            assert model.at(0, 1).forward == pytest.approx(chunk + 0.3)
+            assert model.at(1, 0).backward == pytest.approx(3.0 * chunk + 0.5)
+    alone = priced(CostModel.from_trace(one), schedcc.get_schedule("zb-v")(2, 4))
+    assert alone.at(0, 0).forward == pytest.approx((2.0 + 0.3) / 2)  # one cut divides it all
+
+
+def test_the_simulated_step_at_another_cut_is_the_one_measured_costs_give():
+    """Interleaved 1F1B at v = 2 priced from a v = 1 trace and a v = 2 one simulates as with
+    the v = 2 run's chunk costs written out."""
+    read = CostModel.from_trace(_trace(1, 2.0, 4.0), other_cuts=[_trace(2, 2.0, 4.0)])
+    schedule = schedcc.get_schedule("interleaved-1f1b")(2, 8, num_chunks=2)
+    program = schedcc.compile(schedule)
+    by_hand = CostModel(
+        forward=1.3, backward=2.5, per_stage={1: CostModel(forward=1.8, backward=3.5)}
+    )
+    alone = CostModel.from_trace(_trace(1, 2.0, 4.0))
+    for eager in (False, True):
+        want = schedcc.simulate(program, by_hand, eager=eager).makespan
+        assert schedcc.simulate(program, priced(read, schedule), eager=eager).makespan == (
+            pytest.approx(want)
+        )
+        assert schedcc.simulate(program, priced(alone, schedule), eager=eager).makespan < want
+
+
+def test_three_cuts_fit_a_line_by_least_squares(tmp_path):
+    """Sums at k = 1, 2, 4 of 2.2, 2.8, 3.7 (not on one line): the slope of their least-squares
+    line, 2.3 / (42 / 9) (its covariance over the variance of the counts); traces as files."""
+    paths = []
+    for k, total in ((1, 2.2), (2, 2.8), (4, 3.7)):
+        events = [
+            {"name": f"F0{'' if c == 0 else f'.{c}'}", "ph": "X", "pid": 0, "tid": 0, "ts": 0,
+             "dur": total / k * 1000}
+            for c in range(k)
+        ]  # fmt: skip
+        paths.append(tmp_path / f"v{k}.json")
+        paths[-1].write_text(json.dumps(events))
+    read = CostModel.from_trace(paths[0], other_cuts=paths[1:])
+    assert read.at(0).fixed_forward == pytest.approx(2.3 / (42 / 9))
+
+
+def test_the_part_is_no_less_than_the_runtime_s_nor_more_than_a_compute():
+    """Where the trace measured the runtime's part (each compute's own time) above the slope,
+    the runtime's part; a slope above a compute's cost, the cost; a part the caller gives
+    wins."""
+    runtime = CostModel.from_trace(_trace(1, 2.0, 4.0, own=0.6), other_cuts=[_trace(2, 2.0, 4.0)])
+    assert runtime.at(0).fixed_forward == pytest.approx(0.6)
+    assert runtime.at(0).fixed_backward == pytest.approx(0.6)
+    steep = CostModel.from_trace(_trace(1, 0.1, 4.0), other_cuts=[_trace(2, 3.0, 4.0)])
+    assert steep.at(0).fixed_forward == pytest.approx(0.1 + 0.3)  # stage 0's forward at v = 1
+    given = CostModel.from_trace(
+        _trace(1, 2.0, 4.0), other_cuts=[_trace(2, 2.0, 4.0)], fixed_forward=0.1
+    )
+    assert (given.at(0).fixed_forward, given.at(0).fixed_backward) == pytest.approx((0.1, 0.5))
+
+
+def test_other_cuts_that_cut_as_the_trace_does_or_other_stages_are_refused():
+    with pytest.raises(ScheduleConfigError, match="another v"):
+        CostModel.from_trace(_trace(2, 2.0, 4.0), other_cuts=[_trace(2, 2.1, 4.0)])
+    one_stage = {"traceEvents": _trace(2, 2.0, 4.0)["traceEvents"][:12]}
+    with pytest.raises(ScheduleConfigError, match="stages"):
+        CostModel.from_trace(_trace(1, 2.0, 4.0), other_cuts=[one_stage])
