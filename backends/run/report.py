@@ -15,7 +15,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from schedcc.draw.chrome import comm_flows, cut_record, write_chrome_trace
+from schedcc.draw.chrome import chrome_trace, comm_flows, cut_record, write_chrome_trace
 from schedcc.program import Program
 from schedcc.simulate import CostModel, Event, Timeline, simulate
 from schedcc.sizes import format_size
@@ -170,7 +170,7 @@ def summarize(
     rate = counted / sum(_run_seconds(gathered, r) for r in steady)
     measured = statistics.median(Timeline(program, tuple(runs[r])).bubble_fraction for r in steady)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # as the job chose
-    simulated = _simulated(program, _one_after_another([runs[r] for r in steady]), device)
+    simulated = _simulated(program, _one_after_another([own_runs[r] for r in steady]), device)
     peaks = {g["stage"]: g["peak"] for g in gathered if g["dp"] == 0}
     if config.trace:
         traced = steady[-TRACED_RUNS:]
@@ -332,19 +332,16 @@ def _shifted(event: tuple, offset: float) -> tuple:
     return Event(*moved) if isinstance(event, Event) else moved
 
 
-def _simulated(program: Program, events: list[Event], device: str = "cpu") -> Timeline | None:
+def _simulated(program: Program, events: list[tuple], device: str = "cpu") -> Timeline | None:
     """The program simulated eagerly (as the engine runs it) under the costs its own measured
-    events give, read as `CostModel.from_trace` reads the trace `--trace` writes of them (in
-    milliseconds; each segment its own measured costs, an overlapped pair read as run on
-    `device`), priced per chunk as `tune` prices them ([Note: tune's units]); None when no event
-    times an instruction."""
-    samples = [
-        {"name": str(e.instruction), "ph": "X", "tid": e.stage, "ts": e.start * 1e6,
-         "dur": (e.end - e.start) * 1e6}
-        for e in events
-    ]  # fmt: skip
-    if not samples:
+    events give (`measured_runs`': each compute's own time, each receive's take), read as
+    `CostModel.from_trace` reads the trace `--trace` writes of them (in milliseconds; each
+    segment its own measured costs, an overlapped pair read as run on `device`), priced per
+    chunk as `tune` prices them ([Note: tune's units]); None when no event times an
+    instruction."""
+    if not events:
         return None
+    samples = chrome_trace(events, unit_us=1e6)["traceEvents"]
     schedule = program.schedule
     metadata = {"measured": True, "device": device, "cut": cut_record(schedule)}
     costs = CostModel.from_trace({"traceEvents": samples, "otherData": metadata})

@@ -85,3 +85,29 @@ def test_the_simulated_step_reads_back_the_warm_up_of_each_run():
     assert _simulated(program, laid).makespan == pytest.approx(ran(1.0).makespan * 1e3)
     overlaid = [e for run in runs for e in run]
     assert _simulated(program, overlaid).makespan > ran(1.0).makespan * 1e3 + 1.0
+
+
+def test_the_simulated_step_reads_each_receive_s_take_and_compute_s_own_time():
+    """The summary reads the run's events as the trace `--trace` writes of them, each with its
+    fifth element: a receive's take ([Note: a receive's take] in `schedcc.costs`) and a
+    compute's own time ([Note: a compute's fixed time]). With them its step is the one
+    `--costs-from` that trace simulates, and each take priced makes it longer."""
+    from schedcc.draw.chrome import chrome_trace
+    from schedcc.ir import COMPUTE, RecvActivation, RecvGrad
+    from schedcc.tune import priced
+
+    schedule = schedcc.get_schedule("interleaved-1f1b")(2, 8, 2)
+    program = schedcc.compile(schedule)
+    ran = schedcc.simulate(program, CostModel(forward=1.5, backward=2.5, comm=0.25), eager=True)
+    def own_time(e) -> float | None:
+        if isinstance(e.instruction, (RecvActivation, RecvGrad)):
+            return 0.05
+        return 0.9 * (e.end - e.start) if isinstance(e.instruction, COMPUTE) else None
+
+    own = [(*e, own_time(e)) for e in ran.events]
+    read = CostModel.from_trace(chrome_trace(own, unit_us=1e6))
+    assert read.at(1).receive == pytest.approx(50.0)
+    assert read.at(1).fixed_forward == pytest.approx(150.0)
+    want = schedcc.simulate(program, priced(read, schedule), eager=True).makespan
+    assert _simulated(program, own).makespan == pytest.approx(want)
+    assert want > _simulated(program, list(ran.events)).makespan + 50.0
