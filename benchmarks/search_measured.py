@@ -6,10 +6,12 @@ gloo ranks, one thread each, as `step_time.py`) the GPT of `schedcc run`'s defau
 into p stages (2p blocks, at least 4, over p * v segments), m = 2p or 4p microbatches of 2
 samples, one batch (one length) for every step, SGD:
 
-1. a first run: 1F1B trains `--warmup` + `--trace-steps` steps; the measured events of the
-   last `--trace-steps` runs, as `schedcc run --trace` writes them (microseconds), give
-   `CostModel.from_trace` (the median of each instruction kind per stage, in milliseconds: its
-   default unit, so every simulated makespan below is in ms), and 1F1B's measured peak bytes of
+1. first runs: 1F1B and interleaved 1F1B at v = 2 train `--warmup` + `--trace-steps` steps,
+   taking each step in turn; the measured events of the last `--trace-steps` runs, as `schedcc
+   run --trace` writes them (microseconds), give `CostModel.from_trace` of 1F1B's (the median of
+   each instruction kind per stage, in milliseconds: its default unit, so every simulated
+   makespan below is in ms) with each compute's per-call part read off both cuts
+   (`other_cuts`, as `--costs-from` with `--other-cut`), and 1F1B's measured peak bytes of
    saved activations per stage (`--trace-split`: zb-h1's events too, so I and W are measured);
 2. the memory limit is half of 1F1B's peak activations: p / 2 whole-stage microbatches (1F1B's
    stage 0 holds p), the same count on every stage; in bytes, stage s's limit is p / 2 of the
@@ -24,9 +26,10 @@ samples, one batch (one length) for every step, SGD:
    limit itself ("search in bytes, cut in p", as `schedcc run --schedule search
    --search-memory-limit SIZE` calls it: the first run's measured bytes of one microbatch per
    stage, `MemoryModel.from_trace`, count them, for orders of its cut: v = 1 and DualPipe;
-   "cut in 2p": the costs and bytes of a first run of interleaved 1F1B at v = 2, traced as 1F1B
-   is, for orders at v = 2, looped or V, its simulated ms under those costs; both of the
-   backward forms the trace prices, `measured_backward`: F/B after these runs), and every
+   "cut in 2p": the costs and bytes of the first run of interleaved 1F1B at v = 2, the 1F1B
+   run its other cut, for orders at v = 2, looped or V, its simulated ms under those costs;
+   both of the backward forms the trace prices, `measured_backward`: F/B after these runs),
+   and every
    built-in that fits the
    same limit at its fastest, as `schedcc search` ranks them: `schedcc.tune` over v = 1, 2, with and
    without full recomputation, the best fitting row of each built-in (weight-delayed orders,
@@ -39,7 +42,8 @@ The table: measured ms per step, the simulated makespan (ms, under the measured 
 rendezvous model and eagerly (sends that never wait, as the engine runs), measured over each; the
 instructions' span (the longest over the ranks from a rank's first instruction's start to its
 last one's end, median over the rounds: what the simulator times, without `train_step`'s own
-time around them and the barriers) over the eager makespan; and the most saved-activation
+time around them and the barriers) over the eager makespan, and over the eager makespan priced
+from 1F1B's trace alone (one cut); and the most saved-activation
 bytes any stage held (measured, the engine's `peak_activation_bytes`) against the byte limit of
 that stage.
 
@@ -76,9 +80,10 @@ from schedcc.backends.run import gpt
 from schedcc.backends.run.launch import keep_freed_memory, spawn
 from schedcc.backends.runtime.tied import tied_groups
 from schedcc.costs import CostModel, measured_backward
-from schedcc.draw.chrome import cut_record
+from schedcc.draw.chrome import chrome_trace, cut_record
 from schedcc.memory_model import MemoryModel
 from schedcc.registry import build_schedule, get_schedule, registered_classes
+from schedcc.tune import priced
 
 MICROBATCH_SIZE = 2  # `schedcc run`'s default
 TIED = [(0, -1)]  # the head tied to the embedding: every candidate's program takes its all-reduce
@@ -141,34 +146,49 @@ class _Runner:
         return [float(b) for b in gathered]
 
 
-def _first_run(p: int, m: int, data, opts):
-    """`(costs, peaks, runs)`: 1F1B's measured costs (`CostModel.from_trace` of its events) and
-    peak bytes per stage; with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never
+def _first_run(p: int, m: int, data, folder: Path, opts):
+    """`(costs, alone, peaks, runs)`: the costs measured in 1F1B's first run
+    (`CostModel.from_trace` of its events) with each compute's per-call part read off it and
+    interleaved 1F1B's at v = 2 (`other_cuts`), the same from 1F1B's alone, and 1F1B's peak
+    bytes per stage; with `--trace-split`, zb-h1's events too (its I and W, which 1F1B never
     runs). `runs`: per first run (1F1B at v = 1, interleaved 1F1B at v = 2), what the closed loop
-    reads of its trace: its costs and one microbatch's bytes per segment of its cut
-    (`MemoryModel.from_trace` of what `schedcc run --trace` records)."""
+    reads of its trace (`--costs-from` it, `--other-cut` the other): its costs and one
+    microbatch's bytes per segment of its cut (`MemoryModel.from_trace` of what `schedcc run
+    --trace` records). The first runs take their steps in turn, so the machine's drift is
+    theirs alike."""
     runner = _Runner(build_schedule(get_schedule("1f1b"), p, m), False, data)
-    events = _traced(runner, opts)
-    if opts.trace_split:
-        events += _traced(_Runner(build_schedule(get_schedule("zb-h1"), p, m), False, data), opts)
     at_two = build_schedule(get_schedule("interleaved-1f1b"), p, m, num_chunks=2)
     interleaved = _Runner(at_two, False, data)
-    runs = [_read_back(runner, events), _read_back(interleaved, _traced(interleaved, opts))]
-    return runs[0][0], runner.peak_bytes(), runs
+    first = [runner, interleaved]
+    if opts.trace_split:
+        first.append(_Runner(build_schedule(get_schedule("zb-h1"), p, m), False, data))
+    events = _traced(first, opts)
+    if opts.trace_split:
+        events[0] += events.pop()
+    paths = [
+        _written(each, ran, folder / f"{k}.json")
+        for k, (each, ran) in enumerate(zip(first, events))
+    ]
+    runs = [
+        (
+            CostModel.from_trace(path, other_cuts=[other]),
+            MemoryModel.from_trace(path),
+            measured_backward(path),
+        )
+        for path, other in zip(paths, paths[::-1])
+    ]
+    return runs[0][0], CostModel.from_trace(paths[0]), runner.peak_bytes(), runs
 
 
-def _read_back(runner: _Runner, events: list[dict]):
-    """The costs, bytes and backward forms to search (`measured_backward`) of `runner`'s first
-    run, through the trace `schedcc run --trace` would write of it (every rank's `events`, its
-    cut and bytes records)."""
+def _written(runner: _Runner, events: list[dict], path: Path) -> Path:
+    """`path`, holding the trace `schedcc run --trace` would write of `runner`'s first run
+    (every rank's `events`, its cut and bytes records)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, events)
     metadata = {"device": "cpu", **_bytes_record(runner)}
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "run.json"
-        events = [e for rank in gathered for e in rank]
-        path.write_text(json.dumps({"traceEvents": events, "otherData": metadata}))
-        return CostModel.from_trace(path), MemoryModel.from_trace(path), measured_backward(path)
+    events = [e for rank in gathered for e in rank]
+    path.write_text(json.dumps({"traceEvents": events, "otherData": metadata}))
+    return path
 
 
 def _bytes_record(runner: _Runner) -> dict:
@@ -181,18 +201,19 @@ def _bytes_record(runner: _Runner) -> dict:
     return {"cut": cut_record(runner.engine.program.schedule), "memory": memory}
 
 
-def _traced(runner: _Runner, opts) -> list[dict]:
-    """This rank's events of `--trace-steps` steps after `--warmup`, as Chrome trace events."""
-    for _ in range(opts.warmup):
-        runner.step()
-    events = []
+def _traced(runners: list[_Runner], opts) -> list[list[dict]]:
+    """Per runner, this rank's events of `--trace-steps` steps after `--warmup`, as `schedcc run
+    --trace` writes them (each compute's own time, each receive's take); the runners take each
+    step in turn."""
+    for runner in runners:
+        for _ in range(opts.warmup):
+            runner.step()
+    events: list[list[dict]] = [[] for _ in runners]
     for _ in range(opts.trace_steps):
-        runner.step()
-        events += [
-            {"name": str(op), "ph": "X", "pid": stage, "tid": 0, "ts": start * 1e6,
-             "dur": (end - start) * 1e6, "args": {} if own is None else {"segment_us": own * 1e6}}
-            for stage, op, start, end, own in runner.engine.trace_events(own=True)
-        ]  # fmt: skip
+        for runner, mine in zip(runners, events):
+            runner.step()
+            trace = chrome_trace(runner.engine.trace_events(own=True), unit_us=1e6)
+            mine += [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     return events
 
 
@@ -282,7 +303,8 @@ def _built(row: dict, p: int, m: int):
 
 def _shape(rank: int, p: int, m: int, opts) -> dict:
     data = _data()(m * MICROBATCH_SIZE)
-    costs, peaks, runs = _first_run(p, m, data, opts)
+    with tempfile.TemporaryDirectory() as folder:
+        costs, alone, peaks, runs = _first_run(p, m, data, Path(folder), opts)
     # 1F1B's stage s holds p - s microbatches: p / 2 of them is this share of its peak
     limit = [b * (p / 2) / (p - s) for s, b in enumerate(peaks)]
     rows = None
@@ -290,6 +312,10 @@ def _shape(rank: int, p: int, m: int, opts) -> dict:
         started = time.monotonic()
         rows = _candidates(p, m, costs, runs, [int(b) for b in limit], opts)
         searched_s = time.monotonic() - started
+        for row in rows:  # as priced from 1F1B's trace alone
+            schedule = _built(row, p, m)
+            program = schedcc.compile(schedule, tied=TIED, recompute=row["recompute"])
+            row["alone"] = schedcc.simulate(program, priced(alone, schedule), eager=True).makespan
     shared = [rows if rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     rows = shared[0]
@@ -354,10 +380,10 @@ def _print(shape: dict) -> None:
     )
     print(
         "| candidate | measured ms | simulated ms | measured/simulated | eager ms | "
-        "measured/eager | instructions ms | instructions/eager | simulated activations | "
-        "peak measured / limit bytes (worst stage) |"
+        "measured/eager | instructions ms | instructions/eager | instructions/eager, one cut | "
+        "simulated activations | peak measured / limit bytes (worst stage) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in shape["rows"]:
         ratios = [b / lim for b, lim in zip(row["bytes"], limit) if lim > 0]
         worst = max(range(len(ratios)), key=ratios.__getitem__)
@@ -365,7 +391,8 @@ def _print(shape: dict) -> None:
             f"| {row['name']} | {row['measured']:.2f} | {row['simulated']:.2f} | "
             f"{row['measured'] / row['simulated']:.2f} | {row['eager']:.2f} | "
             f"{row['measured'] / row['eager']:.2f} | {row['span']:.2f} | "
-            f"{row['span'] / row['eager']:.2f} | {row['activations']:g} | "
+            f"{row['span'] / row['eager']:.2f} | {row['span'] / row['alone']:.2f} | "
+            f"{row['activations']:g} | "
             f"{row['bytes'][worst] / 1024:.0f} / {limit[worst] / 1024:.0f} KiB (stage {worst}, "
             f"{ratios[worst]:.2f}) |",
             flush=True,
