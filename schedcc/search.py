@@ -938,6 +938,8 @@ class _Searcher:
         family = _Family(v, vshape, split)
         offload = self.offload and limits is not None  # [Note: offloads in the exact model]
         counted = limits if self.costs.memory is None and not offload else None
+        # the model ends at the last compute: its bounds without what follows it (`closing`)
+        closed = closing(self.costs, self.p, self.options["grad_norm"])
         lower = min(self._lower(_Family(v, vshape, s), counted) for s in splits[v, vshape])
         start = self._start_of(v, vshape, limits)
         solution = solve_exact(
@@ -952,8 +954,8 @@ class _Searcher:
             zero=self.zero,
             time_limit=max(0.1, seconds),
             hint=start.timeline if start is not None else None,
-            upper=self.best.makespan,
-            lower=lower,
+            upper=self.best.makespan - closed,
+            lower=lower - closed,
             num_workers=_EXACT_WORKERS,
             seed=seed,
             eager=self.eager,

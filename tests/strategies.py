@@ -122,10 +122,12 @@ _COST = st.floats(0.1, 3.0)
 
 
 @st.composite
-def stage_costs(draw, num_stages: int) -> CostModel:
+def stage_costs(draw, num_stages: int, *, updates: bool = True) -> CostModel:
     """Costs of every kind drawn per stage (B from half to 1.5x I + W), comm above 0, a
     receive's take or none ([Note: a receive's take]), a recompute cost of its own or not, a
-    fixed part of each compute or none ([Note: a compute's fixed time]: kept whole at v = 2),
+    fixed part of each compute or none ([Note: a compute's fixed time]: kept whole at v = 2), an
+    optimizer step and a gradient norm that cost something or nothing (what follows the last
+    compute: `schedcc.search_bound.closing`; none without `updates`),
     and sometimes each of 2p segments' computes of their own
     (`per_segment`, [Note: segment costs]: orders at v = 2 read them where they lie, at v = 1
     summed, less the fixed parts they merge): what the search's bounds must hold under."""
@@ -139,6 +141,8 @@ def stage_costs(draw, num_stages: int) -> CostModel:
             overlap=draw(st.floats(0.0, 1.0)),
             fixed_forward=draw(fixed),
             fixed_backward=draw(fixed),
+            step=draw(fixed) if updates else 0.0,
+            norm=draw(fixed) if updates else 0.0,
         )
     segments = [_computes(draw) for _ in range(2 * num_stages)] if draw(st.booleans()) else ()
     return CostModel(per_stage=per_stage, per_segment=segments)

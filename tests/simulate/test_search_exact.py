@@ -453,3 +453,20 @@ def test_the_exact_search_eagerly_times_and_bounds_the_eager_timeline():
         program = schedcc.compile(get_schedule(name)(3, 3))
         timed = schedcc.simulate(program, _per_chunk(costs, 1), eager=True)
         assert eager.bound <= timed.makespan + 1e-9, name
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_exact_bound_counts_what_follows_the_last_compute_once(eager):
+    """CP-SAT's model ends at the last compute, and the search adds what follows it (the step
+    and the gradient norm, `closing`) to its bound once: started from `lower_bound` and cut off
+    at the best order, both of which count it already, the model takes them less it. With a
+    step and a norm as dear as a stage's computes (a small model's measured costs), the bound
+    stays at or below the order found and every built-in."""
+    costs = CostModel(forward=0.15, backward=0.25, step=0.45, norm=0.5)
+    found = search(2, 4, num_chunks=1, costs=costs, grad_norm=True, method="exact",
+                   time_limit=2, eager=eager)  # fmt: skip
+    assert found.bound <= found.makespan + 1e-9
+    for name in ("1f1b", "gpipe"):
+        program = schedcc.compile(get_schedule(name)(2, 4), grad_norm=True)
+        assert found.bound <= schedcc.simulate(program, costs, eager=eager).makespan + 1e-9
+    assert found.bound > found.makespan * 0.9  # still a bound worth having
