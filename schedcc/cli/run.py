@@ -34,6 +34,7 @@ EPILOG = """examples:
   schedcc run --schedule seq1f1b -m 8 -k 4 --check
   schedcc run --dp 2 --zero 1 --check
   schedcc run --schedule my_schedules.py:MySchedule --model mlp
+  schedcc run --schedule search --search-memory-limit 1   (first runs traced, then searched)
   schedcc run --schedule search --costs-from run.json     (run.json: a first run's --trace)
   schedcc run --model examples/char_lm.py:make -p 4 --check
   schedcc run --steps 100 --checkpoint ckpt --every 10      (then add --resume after a crash)
@@ -160,7 +161,7 @@ def register(subparsers) -> None:
         default=None,
         metavar="TRACE",
         help="with --schedule search: train the order schedcc search finds for the costs "
-        "measured in this trace (a first run's --trace)",
+        "measured in this trace (a first run's --trace; default: first runs of its own)",
     )
     add_other_cut(parser)
     parser.add_argument(
@@ -546,11 +547,6 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
             "first (schedcc search -p P -m M --costs-from TRACE --out found.py) and pass "
             "--schedule found.py:Found"
         )
-    if args.costs_from is None:
-        raise UsageError(
-            "--schedule search needs --costs-from TRACE, the Chrome trace of a first run "
-            "(schedcc run ... --trace TRACE)"
-        )
     if not 0 < args.search_time < math.inf:
         raise UsageError(
             f"--search-time must be a positive number of seconds, got {args.search_time:g}"
@@ -558,6 +554,10 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     limit = args.search_memory_limit
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
+    if args.costs_from is None:
+        if args.other_cut:
+            raise UsageError("--other-cut goes with --costs-from TRACE (the run it prices)")
+        args.costs_from, args.other_cut = _first_runs(args)
     from schedcc.backends.run.report import other_bytes
     from schedcc.cli.tune import finer_line, updates_line
     from schedcc.costs import measured_backward, measured_updates
@@ -612,6 +612,40 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
         if line is not None:
             print(line)
     return f"{path}:Found", result.schedule.num_chunks
+
+
+#: The steps of each first run `--schedule search` trains without `--costs-from`.
+FIRST_RUN_STEPS = 12
+#: The flags of a run a first run does not take: it trains a built-in, traced, and keeps nothing.
+_FIRST_RUN_LEAVES = {
+    "costs_from": None, "other_cut": [], "search_memory_limit": None, "search_offload": False,
+    "metrics": None, "checkpoint": None, "every": None, "resume": False, "warmup": 0,
+    "eval_every": None,
+}  # fmt: skip
+
+
+def _first_runs(args) -> tuple[Path, list[Path]]:
+    """`--schedule search` without `--costs-from`: a traced first run at each cut searched
+    (`-v`, else 1 and 2; v = 1 too): interleaved 1F1B at v > 1 and 1F1B, `FIRST_RUN_STEPS`
+    steps each, one after another. The finest one's trace gives the costs, the others each
+    compute's per-call part (`--other-cut`, [Note: a compute's per-call time] in
+    `schedcc.costs`); returns their paths."""
+    cuts = sorted({1, *((1, 2) if args.num_chunks is None else (args.num_chunks,))}, reverse=True)
+    folder = Path(tempfile.mkdtemp(prefix="schedcc-first-runs-"))
+    traces = []
+    for v in cuts:
+        name = "1f1b" if v == 1 else "interleaved-1f1b"
+        trace = folder / f"{name}-v{v}.json"
+        print(f"search: a first run, {name} at v = {v}, {FIRST_RUN_STEPS} steps, traced to {trace}")
+        first = argparse.Namespace(**vars(args))
+        vars(first).update(_FIRST_RUN_LEAVES)
+        first.schedule, first.num_chunks, first.steps = name, v, FIRST_RUN_STEPS
+        first.trace = str(trace)
+        code = run(first)
+        if code:
+            raise UsageError(f"--schedule search: the first run of {name} at v = {v} failed")
+        traces.append(trace)
+    return traces[0], traces[1:]
 
 
 def _within(limit: float | str | None) -> str:

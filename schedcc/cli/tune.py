@@ -249,8 +249,8 @@ def finer_line(costs: CostModel, num_stages: int, chunks: Iterable[int]) -> str 
         f"costs per segment of a cut in {len(costs.per_segment)} (v = {measured}): orders at "
         f"v <= {measured} (and DualPipe's replicas of that cut) are priced segment by segment, "
         "those at more chunks a stage from each stage's costs divided among its chunks, a guess "
-        "where segments differ (the costs of p * v segments, or a trace of a run at that v, "
-        "price them)"
+        "where segments differ (the costs of p * v segments price them, or a trace of a run at "
+        "that v as --costs-from, with this one as --other-cut)"
     )
 
 

@@ -293,6 +293,30 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert 0 < max(_peaks(in_bytes.stdout)) <= limit
 
 
+def test_run_searches_after_first_runs_of_its_own():
+    """`--schedule search` without `--costs-from`: a first run at each cut searched, the finer
+    first, traced; the search prices the finer run's costs with the coarser as its other cut,
+    and the order found trains exactly."""
+    found = _schedcc_run(
+        "--schedule", "search", "--search-time", "1", "--search-memory-limit", "1", "--steps",
+        "2", "--model", "mlp", "--check",
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    runs = re.findall(r"search: a first run, (\S+) at v = (\d), 12 steps, traced to (\S+)",
+                      found.stdout)  # fmt: skip
+    assert [(name, v) for name, v, _ in runs] == [("interleaved-1f1b", "2"), ("1f1b", "1")]
+    finer, coarser = (trace for _, _, trace in runs)
+    assert f"under the costs measured in {finer} and {coarser}" in found.stdout
+    assert CostModel.from_trace(finer, other_cuts=[coarser]).at(0).fixed_forward > 0
+    assert found.stdout.count(": ok") == 3  # the first runs and the found order, exactly
+    one = _schedcc_run(
+        "--schedule", "search", "-v", "1", "--search-time", "1", "--steps", "2", "--model", "mlp"
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.count("search: a first run") == 1  # one cut: no other
+    assert re.search(r"under the costs measured in \S+1f1b-v1.json,", one.stdout)
+
+
 def _peaks(summary: str) -> list[int]:
     """The summary's "peak activations, stage s" rows, in bytes."""
     rows = re.findall(r"peak activations, stage \d+\s*[│|]\s*([0-9.]+ [KMG]?i?B)", summary)
@@ -302,7 +326,7 @@ def _peaks(summary: str) -> list[int]:
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--schedule", "search"], "needs --costs-from TRACE"),
+        (["--schedule", "search", "--other-cut", "t.json"], "--other-cut goes with --costs-from"),
         (["--schedule", "1f1b", "--costs-from", "t.json"], "goes with --schedule search"),
         (["--schedule", "1f1b", "--other-cut", "t.json"], "goes with --schedule search"),
         (["--schedule", "1f1b", "--search-memory-limit", "2"], "goes with --schedule search"),
@@ -313,7 +337,8 @@ def _peaks(summary: str) -> list[int]:
     ],
 )
 def test_run_search_mistakes_are_one_line(argv, says, capsys):
-    """`--schedule search` without a trace, or a trace without it: one line, exit 2."""
+    """`--schedule search` with another cut but no trace, or a trace without it: one line,
+    exit 2."""
     try:
         code = main(["run", *argv])
     except SystemExit as exc:  # argparse's own errors
