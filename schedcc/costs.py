@@ -596,8 +596,11 @@ class CostModel:
             defaults = {"overlap": 1.0, **defaults}
         warm = _warmups(timed, samples, replicas)  # [Note: a step's first computes]
         fixed = _fixed(timed, defaults)  # [Note: a compute's fixed time]
-        others = [_read(other, unit_us, num_stages or len(samples)) for other in other_cuts]
-        if others:  # [Note: a compute's per-call time]
+        others = []
+        for other in other_cuts:  # [Note: a compute's per-call time]
+            others.append(_read(other, unit_us, num_stages or len(samples)))
+            _same_run(read, others[-1], other)
+        if others:
             fixed = _per_call([read, *others], fixed, defaults)
 
         def model(kinds, share: int, fixed_parts: Mapping[str, float], **more) -> CostModel:
@@ -1121,6 +1124,23 @@ def _per_call(
     for field, values in fits.items():
         out.setdefault(None, {})[field] = float(statistics.median(values))
     return out
+
+
+def _same_run(read: _Read, other: _Read, trace: object) -> None:
+    """Raise unless `other` ran what `read` did but for the cut, as far as their records say
+    (the device, and what the run trained beside its bytes: `"memory"` but the bytes)."""
+    where = trace if isinstance(trace, (str, PathLike)) else "a trace of another cut"
+    ours, theirs = read.metadata, other.metadata
+    pairs = [("device", ours.get("device"), theirs.get("device"))]
+    mine, yours = ours.get("memory"), theirs.get("memory")
+    if isinstance(mine, Mapping) and isinstance(yours, Mapping):
+        pairs += [(key, mine[key], yours[key]) for key in mine.keys() & yours.keys()]
+    for key, value, got in sorted(pairs, key=lambda pair: pair[0]):
+        if key not in ("activations", "inputs") and None not in (value, got) and value != got:
+            raise ScheduleConfigError(
+                f"{where} ran with {key} = {got!r} where the trace ran with {value!r}: a "
+                "compute's per-call time needs runs of the same model, as trained, at other cuts"
+            )
 
 
 def _calls(read: _Read, stage: int, kind: str) -> tuple[float, float]:

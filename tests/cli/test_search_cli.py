@@ -260,7 +260,8 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert len(CostModel.from_trace(trace).per_segment) == 4  # each segment's own costs
     assert recorded["updates"] == {"tied": [], "grad_norm": True}  # what its program compiled
     at_one = tmp_path / "1f1b.json"  # the same model at v = 1: each compute's per-call part
-    assert _schedcc_run("--steps", "2", "--model", "mlp", "--trace", str(at_one)).returncode == 0
+    at_v1 = ["--steps", "2", "--model", "mlp", "--check", "--trace", str(at_one)]  # as trained
+    assert _schedcc_run(*at_v1).returncode == 0
     limited = _schedcc_run(  # within one microbatch a stage
         "--schedule", "search", "--costs-from", str(trace), "--other-cut", str(at_one),
         "--search-time", "1", "--search-memory-limit", "1", "--search-offload", "--steps", "2",

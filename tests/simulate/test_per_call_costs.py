@@ -108,3 +108,21 @@ def test_other_cuts_that_cut_as_the_trace_does_or_other_stages_are_refused():
     one_stage = {"traceEvents": _trace(2, 2.0, 4.0)["traceEvents"][:12]}
     with pytest.raises(ScheduleConfigError, match="stages"):
         CostModel.from_trace(_trace(1, 2.0, 4.0), other_cuts=[one_stage])
+
+
+def test_other_cuts_of_another_model_or_device_are_refused():
+    """Where both traces record what their run trained (as `schedcc run --trace` writes it),
+    another model, dtype or device is one typed error naming it; the bytes, which differ by
+    cut, are no reason."""
+    one, two = _trace(1, 2.0, 4.0), _trace(2, 2.0, 4.0)
+    run = {"device": "cpu", "memory": {"model": "tiny-gpt", "dtype": "float32", "activations": [1]}}
+    one["otherData"] = run
+    for key, value in (("model", "mlp"), ("dtype", "float64")):
+        two["otherData"] = {**run, "memory": {**run["memory"], key: value, "activations": [2]}}
+        with pytest.raises(ScheduleConfigError, match=f"{key} = '{value}'"):
+            CostModel.from_trace(one, other_cuts=[two])
+    two["otherData"] = {**run, "device": "cuda"}
+    with pytest.raises(ScheduleConfigError, match="device = 'cuda'"):
+        CostModel.from_trace(one, other_cuts=[two])
+    two["otherData"] = {**run, "memory": {**run["memory"], "activations": [2, 2]}}
+    assert CostModel.from_trace(one, other_cuts=[two]).at(0).fixed_forward == pytest.approx(0.3)
