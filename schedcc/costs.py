@@ -63,6 +63,7 @@ __all__ = [
     "measured_backward",
     "measured_updates",
     "overlapped_pair",
+    "segment_remotes",
     "segment_takes",
     "takes",
     "warmups",
@@ -170,12 +171,18 @@ WARMUP_FIELDS = ("warmup_forward", "warmup_backward")
 # as part of each stage's work). A measured run records each comm group's takes apart from its
 # waits (the transports count the time they wait for a peer), its trace gives each receive its
 # share (`"take_us"`, as `schedcc run --trace` writes it), and `from_trace` reads `receive` per
-# stage as their median, and each comm op's duration less its group's takes as `comm`.
+# stage as their median, and each comm op's duration less its group's takes as `comm`. A step's
+# first take is slow as its first computes are ([Note: a step's first computes]): 0.2-0.43 ms
+# against 0.04-0.07 for the rest, tiny-gpt at p = 2, on stage 1 before its first forward. So
+# `warmup_receive` is that excess, the stage's whatever the chunk: the simulators add it to the
+# first compute of the program on each stage that takes a message, the quick clock the same, the
+# bound to each stage's work; `from_trace` reads it as the median over a trace's runs of each
+# stage's first take less its median take.
 def takes(costs: CostModel, stages: Sequence[Sequence[Instruction]], tensors) -> dict:
     """`{(stage, position): extra}`: what each compute of the program `stages` takes beyond its
     cost to take the messages from other stages it is the first on its stage to need, `receive`
-    each ([Note: a receive's take]); none where no model has a `receive`. `tensors` is the
-    program's `schedcc.semantics.Tensors`."""
+    each, and the stage's first of them its `warmup_receive` more ([Note: a receive's take]);
+    none where no model has either. `tensors` is the program's `schedcc.semantics.Tensors`."""
     out: dict[tuple[int, int], float] = {}
     if not _receives(costs):
         return out
@@ -187,8 +194,9 @@ def takes(costs: CostModel, stages: Sequence[Sequence[Instruction]], tensors) ->
                 continue
             base = op.microbatch * tensors.span
             new = {base + key for key in use.remote} - seen
+            model = costs.at(s, op.chunk)
+            cost = model.receive * len(new) + (0.0 if seen else model.warmup_receive)
             seen |= new
-            cost = costs.at(s, op.chunk).receive * len(new)
             if cost:
                 out[s, pos] = cost
     return out
@@ -201,24 +209,33 @@ def segment_takes(
     `length` segments to a model replica, default all): what its forward and its backward
     take beyond their costs for an input and a gradient from another stage, its `receive` each
     ([Note: a receive's take]); a replica's first forward and last backward take none."""
+    return [
+        (model.receive if up else 0.0, model.receive if down else 0.0)
+        for (up, down), model in zip(segment_remotes(place, length), models, strict=True)
+    ]
+
+
+def segment_remotes(
+    place: Sequence[tuple[int, int]], length: int | None = None
+) -> list[tuple[bool, bool]]:
+    """Per segment of a placement (as `segment_takes`' arguments): whether its forward takes
+    its input, and its backward its gradient, from another stage."""
     length = length or len(place)
     out = []
-    for k, ((stage, _), model) in enumerate(zip(place, models, strict=True)):
+    for k, (stage, _) in enumerate(place):
         first = k - k % length
-        up, down = (
-            model.receive if first <= j < first + length and place[j][0] != stage else 0.0
-            for j in (k - 1, k + 1)
-        )
+        up, down = (first <= j < first + length and place[j][0] != stage for j in (k - 1, k + 1))
         out.append((up, down))
     return out
 
 
 def _receives(costs: CostModel) -> bool:
-    """Whether any model of `costs` (its own, a stage's, a chunk's) has a `receive`."""
+    """Whether any model of `costs` (its own, a stage's, a chunk's) has a `receive` or a
+    `warmup_receive`."""
     models = [costs, *costs.per_chunk.values()]
     for model in costs.per_stage.values():
         models += [model, *model.per_chunk.values()]
-    return any(model.receive for model in models)
+    return any(model.receive or model.warmup_receive for model in models)
 
 
 # [Note: a compute's fixed time] Part of what a compute costs does not shrink with its chunk: the
@@ -405,6 +422,9 @@ class CostModel:
             after the optimizer step a stage's caches are cold and its buffers unallocated
             ([Note: a step's first computes]); whatever the chunk, not scaled by
             `per_microbatch`. `from_trace` measures them.
+        warmup_receive: what a stage's first take of a run of the program takes beyond
+            `receive`, added to the compute that first takes a message on that stage, of
+            whatever chunk ([Note: a receive's take]). `from_trace` measures it.
         fixed_forward, fixed_backward: the part of each forward (and `Recompute`), and of each
             B, I and W, that does not shrink with its chunk (the runtime's own work around the
             segment's): part of those costs, not added to them. Pricing a stage's costs at v
@@ -462,6 +482,7 @@ class CostModel:
     overlap: float = attrs.field(default=0.5, validator=_fraction)
     warmup_forward: float = attrs.field(default=0.0, validator=_non_negative)
     warmup_backward: float = attrs.field(default=0.0, validator=_non_negative)
+    warmup_receive: float = attrs.field(default=0.0, validator=_non_negative)
     fixed_forward: float = attrs.field(default=0.0, validator=_non_negative)
     fixed_backward: float = attrs.field(default=0.0, validator=_non_negative)
     per_stage: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
@@ -595,6 +616,8 @@ class CostModel:
         if metadata.get("device") == "cpu":
             defaults = {"overlap": 1.0, **defaults}
         warm = _warmups(timed, samples, replicas)  # [Note: a step's first computes]
+        for stage, excess in _first_takes(timed, samples).items():  # [Note: a receive's take]
+            warm.setdefault(stage, {})["warmup_receive"] = excess
         fixed = _fixed(timed, defaults)  # [Note: a compute's fixed time]
         others = []
         for other in other_cuts:  # [Note: a compute's per-call time]
@@ -898,6 +921,24 @@ def _warmups(
             warm = max(float(statistics.median(values)), 0.0) / replicas
             out.setdefault(stage, {})[field] = out.get(stage, {}).get(field, 0.0) + warm
     return out
+
+
+def _first_takes(
+    timed: list[_Sample], samples: Mapping[int, Mapping[tuple[str, int], list[float]]]
+) -> dict[int, float]:
+    """Per stage, `warmup_receive` as the trace shows it: over its runs on each track (split
+    after each `step`), the median of its first take less its median take, none below 0
+    ([Note: a receive's take])."""
+    excess: dict[int, list[float]] = {}
+    taken: set[int] = set()
+    for t in sorted(timed, key=lambda t: (t.track, t.start)):
+        if t.kind == "step":
+            taken.discard(t.track)  # the next run on this track
+        elif t.kind == "receive" and t.track not in taken:
+            taken.add(t.track)
+            usual = statistics.median(samples[t.stage]["receive", 0])
+            excess.setdefault(t.stage, []).append(t.duration - usual)
+    return {stage: max(float(statistics.median(v)), 0.0) for stage, v in excess.items()}
 
 
 def _unpaired(timed: list[_Sample]) -> list[_Sample]:

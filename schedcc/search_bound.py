@@ -18,8 +18,8 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    backward at the least of B, I + W and, with overlapped pairs, what a `+B` takes beyond its
    forward), and its recomputations; each chunk's first forward and first backward take
    their warm-ups more ([Note: a step's first computes] in `schedcc.costs`), and each forward
-   or backward whose input comes from another stage that stage's `receive` more ([Note: a
-   receive's take] in `schedcc.costs`).
+   or backward whose input comes from another stage that stage's `receive` more, the stage's
+   first of them its `warmup_receive` more ([Note: a receive's take] in `schedcc.costs`).
 3. *Forced groups.* Follow one microbatch from its forward on segment k of stage s to k's
    backward: the forwards up, the backwards down. Each time that path leaves s and comes back,
    the compute it comes back to needs a receive that is posted after the compute it left from
@@ -75,7 +75,8 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    segments k of k's head, a forward and its round trip (item 6). Until then no activation is
    freed, so the forwards and recomputations that keep theirs take at most what the limit
    holds at once of the longest of them, `L` (N of them; in bytes a fractional knapsack of
-   `Bs`). The rest of `T1 - head(s) - L` the stage idles, or runs forwards whose activations it
+   `Bs`). The rest of `T1 - head(s) - L`, less the stage's warm-ups (item 2: they may fall
+   there), the stage idles, or runs forwards whose activations it
    drops and recomputes later at `R` each: the window is at least its work and
    `min(1, R / F)` of that rest (all of it without `recompute`). This is why a tight limit
    costs a stage whose first backward comes late: at p = 4, m = 8, 1:2:1, a 1.3x first stage
@@ -86,8 +87,9 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    backward's own: a `+B` costs its pair beyond its forward). No pair runs before `T1` of item
    7 (no backward can) or after the stage's last forward (none is left to pair with), where
    the stage waits at least `D`, the least round trip and backward of its segments. So those
-   two stretches are idle, recomputation or lone computes (forwards before, backwards after,
-   each at most the longest of its kind), and every microbatch whose forward or backward runs
+   two stretches, less the stage's warm-ups, are idle, recomputation or lone computes
+   (forwards before, backwards after, each at most the longest of its kind), and every
+   microbatch whose forward or backward runs
    alone saves nothing: the work is at least item 2's, the least saving times the larger of
    the two counts of lone computes, and what of either stretch the stage's microbatches do
    not fill. DualPipe at p = 4, m = 8, comm 1F, a 1.5x last stage: 33.75 where item 2 alone
@@ -120,7 +122,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from schedcc.costs import CostModel, overlapped_pair, segment_takes
+from schedcc.costs import CostModel, overlapped_pair, segment_remotes, segment_takes
 from schedcc.errors import ScheduleConfigError
 from schedcc.semantics.stage_bytes import resident_parameters
 from schedcc.sizes import parse_size
@@ -229,7 +231,8 @@ class _Bound:
             self.least.append(min(mine, default=1.0))
             self.heaviest.append(max(mine, default=1.0))
         self.models = [scaled.at(s, c) for s, c in place]
-        # each chunk's first forward and first backward of the run warm up
+        # each chunk's first forward and first backward of the run warm up, and each stage's
+        # first take of a message, whichever segment's (below)
         self.warm = [0.0] * p
         for (s, _), model in zip(place, self.models, strict=True):
             self.warm[s] += model.warmup_forward + model.warmup_backward
@@ -241,6 +244,14 @@ class _Bound:
         self.takes = [0.0] * p
         for k, (s, _) in enumerate(place):
             self.takes[s] += self.count[k] * sum(taken[k])
+        remote = segment_remotes(place, length)
+        for s in range(p):
+            first = [
+                model.warmup_receive
+                for k, ((t, _), model) in enumerate(zip(place, self.models, strict=True))
+                if t == s and self.count[k] and any(remote[k])
+            ]
+            self.warm[s] += min(first, default=0.0)
         self.memory = scaled.memory
         self.share = family.share
         chunks = max(c for _, c in place) + 1
@@ -365,7 +376,8 @@ class _Bound:
         n = sum(self.count[k] for k in ks)
         lost = 0.0
         counts = []
-        for wait, each in ((first - head, forward), (end, backward)):
+        warm = self.warm[self.place[ks[0]][0]]  # warm-ups may fill either stretch too
+        for wait, each in ((first - head - warm, forward), (end - warm, backward)):
             # the wait is spent idle, recomputing or on lone computes, each at most `each`
             alone_count = n if each <= 0 else min(n, max(0.0, wait) / each)
             lost += max(0.0, wait - alone_count * each)
@@ -444,6 +456,7 @@ class _Bound:
             for k in ks
         ]
         short = first - min(self.head(k) for k in ks) - self._most_held(ks, rooms, longest)
+        short -= self.warm[self.place[ks[0]][0]]  # warm-ups may fill the wait too
         if short <= 0:
             return 0.0
         if not recompute:

@@ -32,7 +32,7 @@ import functools
 import random
 from collections.abc import Iterator, Sequence
 
-from schedcc.costs import CostModel, segment_takes
+from schedcc.costs import CostModel, segment_remotes, segment_takes
 from schedcc.ir import (
     Backward,
     BackwardInput,
@@ -94,6 +94,7 @@ class QuickClock:
         self.segment = {sc: k for k, sc in enumerate(self.place)}
         # per segment, what its forward and backward take: [Note: a receive's take]
         self.takes = segment_takes(self.place, [costs.at(*sc) for sc in self.place], length)
+        self.remotes = segment_remotes(self.place, length)
         self.p = max(s for s, _ in self.place) + 1
         self._ops: dict[tuple[int, str], tuple | None] = {}
         # each stage's rows as read, the recent ones (a move changes one row of an order)
@@ -195,6 +196,7 @@ class QuickClock:
         num, ops = len(self.place), [self.op(s, text) for text in row]
         redone = {(i, k) for code, i, k, _ in ops if code == _R}
         warmed: set[tuple[str, int]] = set()  # each chunk's first computes of a step warm up
+        taken = False  # the stage's first take of a step warms up: [Note: a receive's take]
         out = []
         for code, i, k, cost in ops:
             key, wait, add, delta, pair = i * num + k, None, 0.0, 0.0, None
@@ -202,6 +204,10 @@ class QuickClock:
             if first is not None and (first, k) not in warmed:
                 warmed.add((first, k))
                 cost += getattr(self.costs.at(*self.place[k]), first)
+            up, down = self.remotes[k]
+            if not taken and (up if code == _F else down and code in (_B, _I, _P)):
+                taken = True
+                cost += self.costs.at(*self.place[k]).warmup_receive
             if code == _F:
                 cost += self.takes[k][0]
                 if k > self.first[k]:

@@ -339,7 +339,9 @@ def _tables(costs: CostModel, num_stages: int) -> list[dict | None]:
     tables: list[dict | None] = []
     for s in range(num_stages):
         model = costs.per_stage.get(s, costs)
-        extra = model.warmup_forward or model.warmup_backward or model.receive
+        extra = (
+            model.warmup_forward or model.warmup_backward or model.receive or model.warmup_receive
+        )
         if costs.per_microbatch or model.per_chunk or (model is costs and costs.per_chunk) or extra:
             tables.append(None)
         else:

@@ -150,11 +150,17 @@ def stage_costs(draw, num_stages: int, *, updates: bool = True) -> CostModel:
 
 @st.composite
 def warmed_up(draw, costs: CostModel) -> CostModel:
-    """`costs` with each stage's first forward and backward of a step warmed up by a drawn
-    amount, 0 included ([Note: a step's first computes])."""
+    """`costs` with each stage's first forward and backward of a step, and its first take of a
+    message, warmed up by a drawn amount, 0 included ([Note: a step's first computes], [Note: a
+    receive's take])."""
     warm = st.sampled_from([0.0, 0.25]) | st.floats(0.0, 2.0)
     per_stage = {
-        s: attrs.evolve(model, warmup_forward=draw(warm), warmup_backward=draw(warm))
+        s: attrs.evolve(
+            model,
+            warmup_forward=draw(warm),
+            warmup_backward=draw(warm),
+            warmup_receive=draw(warm),
+        )
         for s, model in costs.per_stage.items()
     }
     return attrs.evolve(costs, per_stage=per_stage)

@@ -122,3 +122,47 @@ def test_a_trace_writes_a_receive_s_take_where_given():
 def test_a_negative_receive_is_refused():
     with pytest.raises(ScheduleConfigError):
         CostModel(receive=-0.1)
+
+
+def test_a_stage_s_first_take_of_a_run_warms_up():
+    """`warmup_receive` goes to the first compute on each stage that takes a message, whatever
+    its chunk, once a run: 1F1B at p = 2, stage 1's F0 and stage 0's B0; interleaved at v = 2,
+    stage 0's first chunk-1 forward. At m = 1 both lie on the one path: 7.5 + 2 * 0.75."""
+    program = schedcc.compile(schedcc.get_schedule("1f1b")(2, 2))
+    got = takes(CostModel(receive=0.5, warmup_receive=0.75), program.stages, program.tensors)
+    taking = {(s, str(program.stages[s][pos])): cost for (s, pos), cost in got.items()}
+    assert taking == {(1, "F0"): 1.25, (1, "F1"): 0.5, (0, "B0"): 1.25, (0, "B1"): 0.5}
+    alone = takes(CostModel(warmup_receive=0.75), program.stages, program.tensors)
+    assert {(s, str(program.stages[s][pos])) for s, pos in alone} == {(1, "F0"), (0, "B0")}
+    interleaved = schedcc.compile(schedcc.get_schedule("interleaved-1f1b")(2, 2, num_chunks=2))
+    first = takes(CostModel(warmup_receive=0.75), interleaved.stages, interleaved.tensors)
+    assert {(s, str(interleaved.stages[s][pos])) for s, pos in first} == {(0, "F0.1"), (1, "F0")}
+    one = schedcc.compile(schedcc.get_schedule("1f1b")(2, 1))
+    warm = attrs.evolve(_COSTS, warmup_receive=0.75)
+    assert schedcc.simulate(one, warm, eager=True).makespan == pytest.approx(9.0)
+    assert schedcc.simulate(one, warm).makespan == pytest.approx(
+        schedcc.simulate(one, _COSTS).makespan + 1.5
+    )
+
+
+def test_a_trace_reads_each_stage_s_first_take_of_a_run():
+    """Two runs on stage 1, each split at its step: first takes 0.4 and 0.3 ms, the rest 0.05,
+    0.06 and 0.07: `receive` the median take (0.065), `warmup_receive` the median first take's
+    excess over it (0.285); a stage without takes has none."""
+    events = []
+    for run, (first, *rest) in enumerate([(400, 50, 60), (300, 50, 70)]):
+        base = run * 10_000
+        events += [_event(f"RA{i}", 1, base + 1000 * i, 500, take)
+                   for i, take in enumerate((first, *rest))]  # fmt: skip
+        events += [_event("F0", 0, base, 1000), _event("Step", 1, base + 5000, 100)]
+        events += [_event("Step", 0, base + 5000, 100)]
+    read = CostModel.from_trace(events)
+    assert read.at(1).receive == pytest.approx(0.065)
+    assert read.at(1).warmup_receive == pytest.approx(0.285)
+    assert read.at(0).warmup_receive == 0.0
+    assert CostModel.from_trace(events, warmup_receive=0.1).at(1).warmup_receive == 0.1
+
+
+def test_a_negative_first_take_is_refused():
+    with pytest.raises(ScheduleConfigError):
+        CostModel(warmup_receive=-0.1)
