@@ -372,7 +372,9 @@ def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
 # its own wherever it lies; at a coarser one (the model cut in fewer, larger segments), each its
 # segments' sum, as exact as the trace (a merged boundary's comm is not a compute); at a finer
 # one, no split is known (the head lies in one half only), so the per-stage costs in tune's units
-# price it as before. Comm, reduce and update costs stay per stage.
+# price it as before. Traces of other cuts of the same model add their own tables
+# (`other_segments`, through `from_trace`'s `other_cuts`): a program at one of their cuts reads
+# its segments from that run's. Comm, reduce and update costs stay per stage.
 def _segments(value: Iterable[CostModel] | None) -> tuple[CostModel, ...]:
     """`per_segment` as a tuple of `CostModel`s (a `ScheduleConfigError` else)."""
     if value is None:
@@ -443,6 +445,11 @@ class CostModel:
             the ones it merges; another cut reads the per-stage costs ([Note: segment costs]).
             Read from the top-level model only; they take precedence over `per_stage` and
             `per_chunk` for those fields.
+        other_segments: more `per_segment` tables, each of another cut of the same model
+            (`from_trace` sets them from its `other_cuts`): a program cutting a replica in
+            exactly as many segments as one of them holds reads its segments from that one
+            (each as that cut's run measured it), any other from `per_segment` ([Note:
+            segment costs]). Read from the top-level model only, with `per_segment`.
         per_microbatch: one factor per microbatch of a batch (`m` of them, e.g. its samples
             or tokens relative to the mean): a compute of microbatch `i` costs what the model
             says times `per_microbatch[i % m]` (microbatches of unequal size, see
@@ -489,6 +496,9 @@ class CostModel:
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_microbatch: tuple[float, ...] = attrs.field(default=(), converter=_factors)
     per_segment: tuple[CostModel, ...] = attrs.field(default=(), converter=_segments)
+    other_segments: tuple[tuple[CostModel, ...], ...] = attrs.field(
+        default=(), converter=lambda tables: tuple(map(_segments, tables or ()))
+    )
 
     def at(self, stage: int, chunk: int = 0) -> CostModel:
         """The model that applies to `chunk` on `stage` (see the resolution order above)."""
@@ -514,9 +524,10 @@ class CostModel:
         segment `k`'s `(stage, chunk)` and `cut` how many segments one model replica is cut
         in (default: all of them; segment `k` is a copy of the replica's `k % cut`). Each
         segment's compute and copy costs become `per_stage[s].per_chunk[c]`'s, from its own
-        model or the sum of those it merges (less their fixed parts but one: `fixed_merge`);
-        at a cut `per_segment` does not divide into, nothing changes but `per_segment` dropping
-        ([Note: segment costs]).
+        model or the sum of those it merges (less their fixed parts but one: `fixed_merge`),
+        from the table of `other_segments` that holds `cut` segments where one does; at a cut
+        `per_segment` does not divide into, nothing changes but `per_segment` dropping ([Note:
+        segment costs]).
 
         >>> head = CostModel(forward=3.0, backward=6.0)
         >>> costs = CostModel(per_segment=[CostModel(), CostModel(), CostModel(), head])
@@ -526,11 +537,13 @@ class CostModel:
         >>> costs.placed([(0, 0), (1, 0)]).at(1).forward  # two segments merged a stage
         4.0
         """
-        segments = self.per_segment
-        if not segments:
+        if not self.per_segment:
             return self
-        base = attrs.evolve(self, per_segment=())
+        base = attrs.evolve(self, per_segment=(), other_segments=())
         cut = len(place) if cut is None else cut
+        segments = next(
+            (table for table in self.other_segments if len(table) == cut), self.per_segment
+        )
         if not 0 < cut <= len(segments) or len(segments) % cut:
             return base
         merge = len(segments) // cut
@@ -598,7 +611,8 @@ class CostModel:
             other_cuts: traces of runs of the same model at other cuts (another v, the same
                 stages): each stage's `fixed_forward` and `fixed_backward` are read off how the
                 sum of its computes grows with their count ([Note: a compute's per-call
-                time]); the rest is `trace`'s alone.
+                time]), and where they record their cut, each segment's compute costs at that
+                cut (`other_segments`); the rest is `trace`'s alone.
             defaults: fields for kinds the trace does not show (e.g. `comm=0.1`). Without
                 one, a backward the trace shows only whole or only split is read both ways
                 ([Note: a trace's backward both ways]), and a trace of a run on the CPU
@@ -646,12 +660,20 @@ class CostModel:
         for kinds in samples.values():
             for key, values in kinds.items():
                 overall.setdefault(key, []).extend(values)
-        per_segment = [
-            model(kinds, 1, fixed.get(None, {}))
-            for kinds in _by_segment(samples, metadata.get("cut"))
-        ]
+        per_segment, *other_segments = (
+            [model(kinds, 1, fixed.get(None, {})) for kinds in _by_segment(*each)]
+            for each in [
+                (samples, metadata.get("cut")),
+                *((other.samples, other.metadata.get("cut")) for other in others),
+            ]
+        )
         return model(
-            overall, replicas, fixed.get(None, {}), per_stage=per_stage, per_segment=per_segment
+            overall,
+            replicas,
+            fixed.get(None, {}),
+            per_stage=per_stage,
+            per_segment=per_segment,
+            other_segments=[table for table in other_segments if per_segment and table],
         )
 
 
@@ -713,7 +735,9 @@ def _read(
 
 def _bare(model: CostModel) -> CostModel:
     """`model`'s own fields, without its overrides and memory."""
-    return attrs.evolve(model, per_stage={}, per_chunk={}, per_segment=(), memory=None)
+    return attrs.evolve(
+        model, per_stage={}, per_chunk={}, per_segment=(), other_segments=(), memory=None
+    )
 
 
 def measured_backward(trace: str | PathLike | Iterable[Mapping]) -> tuple[bool, ...]:
@@ -1205,4 +1229,6 @@ def cost_fields() -> tuple[str, ...]:
     return tuple(f.name for f in attrs.fields(CostModel) if f.name not in _OVERRIDES)
 
 
-_OVERRIDES = ("per_stage", "per_chunk", "memory", "per_microbatch", "per_segment")
+_OVERRIDES = (
+    "per_stage", "per_chunk", "memory", "per_microbatch", "per_segment", "other_segments",
+)  # fmt: skip

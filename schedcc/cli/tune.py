@@ -242,11 +242,12 @@ def finer_line(costs: CostModel, num_stages: int, chunks: Iterable[int]) -> str 
     """A line where some of `chunks` cut a stage finer than the costs' segments were measured:
     no segment's split is known, so those orders are priced from each stage's costs divided
     among its chunks ([Note: segment costs]); None where every order is priced per segment."""
-    measured, left = divmod(len(costs.per_segment), num_stages)
+    finest = max(len(table) for table in (costs.per_segment, *costs.other_segments))
+    measured, left = divmod(finest, num_stages)
     if not measured or left or all(v <= measured for v in chunks):
         return None
     return (
-        f"costs per segment of a cut in {len(costs.per_segment)} (v = {measured}): orders at "
+        f"costs per segment of a cut in {finest} (v = {measured}): orders at "
         f"v <= {measured} (and DualPipe's replicas of that cut) are priced segment by segment, "
         "those at more chunks a stage from each stage's costs divided among its chunks, a guess "
         "where segments differ (the costs of p * v segments price them, or a trace of a run at "

@@ -126,3 +126,29 @@ def test_other_cuts_of_another_model_or_device_are_refused():
         CostModel.from_trace(one, other_cuts=[two])
     two["otherData"] = {**run, "memory": {**run["memory"], "activations": [2, 2]}}
     assert CostModel.from_trace(one, other_cuts=[two]).at(0).fixed_forward == pytest.approx(0.3)
+
+
+def test_each_cut_a_trace_measured_is_priced_from_that_trace_s_segments():
+    """With their cut records, a v = 2 trace and a v = 1 one of the same model: orders at v = 1
+    read each segment as the v = 1 run measured it, not the v = 2 run's segments merged;
+    orders at v = 2 the v = 2 run's, either way round."""
+
+    def cut(v: int) -> dict:
+        segments = [[0], [1]] if v == 1 else [[0, 2], [1, 3]]
+        return {"num_stages": 2, "num_chunks": v, "num_replicas": 1, "segments": segments}
+
+    one, two = _trace(1, 2.0, 4.0), _trace(2, 2.0, 4.0)
+    one["otherData"], two["otherData"] = {"cut": cut(1)}, {"cut": cut(2)}
+    for event in one["traceEvents"]:  # stage 1's v = 1 forward: not the v = 2 chunks merged
+        if event["tid"] == 1 and event["name"].startswith("F"):
+            event["dur"] = 5000.0
+    looped = schedcc.get_schedule("1f1b")(2, 4)
+    interleaved = schedcc.get_schedule("interleaved-1f1b")(2, 4, num_chunks=2)
+    for trace, other in ((two, one), (one, two)):
+        read = CostModel.from_trace(trace, other_cuts=[other])
+        assert [len(t) for t in (read.per_segment, *read.other_segments)] in ([4, 2], [2, 4])
+        assert priced(read, looped).at(1).forward == pytest.approx(5.0)
+        assert priced(read, interleaved).at(1, 0).forward == pytest.approx(1.5 + 0.3)
+    unrecorded = _trace(1, 2.0, 4.0)  # no cut record: v = 1 merges segments 2 and 3 of v = 2
+    merged = priced(CostModel.from_trace(two, other_cuts=[unrecorded]), looped)
+    assert merged.at(1).forward == pytest.approx(1.3 + 1.8 - 0.3)
