@@ -554,18 +554,28 @@ def _searched(args, under_torchrun: bool) -> tuple[str, int]:
     limit = args.search_memory_limit
     if args.search_offload and limit is None:
         raise UsageError("--search-offload goes with --search-memory-limit N (what to fit)")
-    if args.costs_from is None:
-        if args.other_cut:
-            raise UsageError("--other-cut goes with --costs-from TRACE (the run it prices)")
-        args.costs_from, args.other_cut = _first_runs(args)
     from schedcc.backends.run.report import other_bytes
     from schedcc.cli.tune import finer_line, updates_line
     from schedcc.costs import measured_backward, measured_updates
     from schedcc.draw.chrome import read_chrome_trace
     from schedcc.search import search
 
-    updates = measured_updates(args.costs_from)  # the first run's ties and norm
     chunks = (1, 2) if args.num_chunks is None else (args.num_chunks,)
+    if args.costs_from is None:
+        if args.other_cut:
+            raise UsageError("--other-cut goes with --costs-from TRACE (the run it prices)")
+        cuts = _one_model(args, sorted({1, *chunks}), min(chunks))
+        chunks = tuple(v for v in chunks if v in cuts)
+        args.costs_from, args.other_cut = _first_runs(args, cuts)
+    elif (traced := measured_updates(args.costs_from).cut) is not None:
+        reference = max(traced // args.num_stages, 1)
+        chunks = tuple(v for v in chunks if v in _one_model(args, chunks, reference))
+        if not chunks:
+            raise UsageError(
+                f"--model {args.model} cut at -v {args.num_chunks} is another model than the "
+                f"one {args.costs_from} measured (cut at v = {reference}): trace a run at that -v"
+            )
+    updates = measured_updates(args.costs_from)  # the first run's ties and norm
     if not updates.cut_free and args.num_chunks is None:  # its ties name segments of its cut
         chunks = (max(updates.cut // args.num_stages, 1),)
     memory = None
@@ -624,16 +634,48 @@ _FIRST_RUN_LEAVES = {
 }  # fmt: skip
 
 
-def _first_runs(args) -> tuple[Path, list[Path]]:
-    """`--schedule search` without `--costs-from`: a traced first run at each cut searched
-    (`-v`, else 1 and 2; v = 1 too): interleaved 1F1B at v > 1 and 1F1B, `FIRST_RUN_STEPS`
-    steps each, one after another. The finest one's trace gives the costs, the others each
-    compute's per-call part (`--other-cut`, [Note: a compute's per-call time] in
-    `schedcc.costs`); returns their paths."""
-    cuts = sorted({1, *((1, 2) if args.num_chunks is None else (args.num_chunks,))}, reverse=True)
+def _one_model(args, cuts, reference: int) -> list[int]:
+    """Those of `cuts` (chunks a stage) at which `--model` is the model it is at `reference`,
+    as far as its parameters tell (the built-in GPT grows with its cut: a block a segment, 4 at
+    least); a line for each left out, since costs measured at one are not another's."""
+    import torch
+
+    from schedcc.backends.run import models
+    from schedcc.errors import UserError
+
+    def size(v: int) -> int:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # no thread pool started before the ranks are forked
+        try:
+            built = models.build(args.model, args.num_stages * v, seed=args.seed)
+        except UserError as exc:
+            raise UsageError(str(exc)) from None
+        finally:
+            torch.set_num_threads(threads)
+        segments = built.segments.values() if isinstance(built.segments, dict) else built.segments
+        unique = {id(p): p for segment in segments for p in segment.parameters()}
+        return sum(p.numel() for p in unique.values())
+
+    sizes = {v: size(v) for v in sorted({*cuts, reference})}
+    kept = [v for v in cuts if sizes[v] == sizes[reference]]
+    for v in sorted(set(cuts) - set(kept)):
+        print(
+            f"search: orders at v = {v} left out: --model {args.model} cut in "
+            f"{args.num_stages * v} segments has {sizes[v]:,} parameters, at v = {reference} "
+            f"(the costs' cut) {sizes[reference]:,}"
+        )
+    return kept
+
+
+def _first_runs(args, cuts) -> tuple[Path, list[Path]]:
+    """`--schedule search` without `--costs-from`: a traced first run at each of `cuts`
+    (chunks a stage), finest first: interleaved 1F1B at v > 1 and 1F1B, `FIRST_RUN_STEPS` steps
+    each, one after another. The finest one's trace gives the costs, the others each compute's
+    per-call part (`--other-cut`, [Note: a compute's per-call time] in `schedcc.costs`);
+    returns their paths."""
     folder = Path(tempfile.mkdtemp(prefix="schedcc-first-runs-"))
     traces = []
-    for v in cuts:
+    for v in sorted(cuts, reverse=True):
         name = "1f1b" if v == 1 else "interleaved-1f1b"
         trace = folder / f"{name}-v{v}.json"
         print(f"search: a first run, {name} at v = {v}, {FIRST_RUN_STEPS} steps, traced to {trace}")

@@ -432,3 +432,33 @@ def test_bad_ties_are_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1
         assert says in err
+
+
+def test_the_closed_loop_searches_only_cuts_of_the_model_it_measured(tmp_path, capsys):
+    """The built-in GPT has a block a segment, 4 at least: at p = 4 it is another model at
+    v = 2 than at v = 1, so costs measured at one price nothing at the other. Without
+    `--costs-from` the search leaves v = 2 out, saying why; with a trace of v = 1 and `-v 2`,
+    one line and exit 2."""
+    import argparse
+
+    from schedcc.cli.run import _one_model
+
+    args = argparse.Namespace(model="tiny-gpt", num_stages=4, seed=0)
+    assert _one_model(args, [1, 2], 1) == [1]
+    assert "orders at v = 2 left out: --model tiny-gpt cut in 8 segments" in capsys.readouterr().out
+    at_two = argparse.Namespace(model="tiny-gpt", num_stages=2, seed=0)
+    assert _one_model(at_two, [1, 2], 1) == [1, 2]  # 4 blocks at either cut
+    events = [
+        {"name": name, "ph": "X", "ts": 0, "dur": 1000, "pid": 0, "tid": stage}
+        for stage in range(4)
+        for name in ("F0", "B0")
+    ]
+    cut = {"num_stages": 4, "num_chunks": 1, "num_replicas": 1, "segments": [[0], [1], [2], [3]]}
+    trace = tmp_path / "v1.json"
+    trace.write_text(json.dumps({"traceEvents": events, "otherData": {
+        "cut": cut, "updates": {"tied": [[0, -1]], "grad_norm": True}}}))  # fmt: skip
+    argv = ["run", "--schedule", "search", "-p", "4", "-v", "2", "--costs-from", str(trace)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "cut at -v 2 is another model than the one" in err[0]
