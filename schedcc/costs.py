@@ -375,22 +375,34 @@ def _overrides(value: Mapping | None) -> Mapping[int, CostModel]:
 # price it as before. Traces of other cuts of the same model add their own tables
 # (`other_segments`, through `from_trace`'s `other_cuts`): a program at one of their cuts reads
 # its segments from that run's. Comm, reduce and update costs stay per stage.
-def _segments(value: Iterable[CostModel] | None) -> tuple[CostModel, ...]:
-    """`per_segment` as a tuple of `CostModel`s (a `ScheduleConfigError` else)."""
+def _segments(
+    value: Iterable[CostModel] | None, name: str = "per_segment"
+) -> tuple[CostModel, ...]:
+    """`per_segment` (or the table `name`) as a tuple of `CostModel`s (a
+    `ScheduleConfigError` else)."""
     if value is None:
         return ()
     if isinstance(value, (str, bytes, Mapping, CostModel)) or not isinstance(value, Iterable):
         raise ScheduleConfigError(
-            f"CostModel.per_segment must be a sequence of CostModels, one per segment of the "
+            f"CostModel.{name} must be a sequence of CostModels, one per segment of the "
             f"model, got {value!r}"
         )
     models = tuple(value)
     for k, model in enumerate(models):
         if not isinstance(model, CostModel):
-            raise ScheduleConfigError(
-                f"CostModel.per_segment[{k}] must be a CostModel, got {model!r}"
-            )
+            raise ScheduleConfigError(f"CostModel.{name}[{k}] must be a CostModel, got {model!r}")
     return models
+
+
+def _tables(value: Iterable[Iterable[CostModel]] | None) -> tuple[tuple[CostModel, ...], ...]:
+    """`other_segments` as a tuple of `per_segment` tables (a `ScheduleConfigError` else)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping, CostModel)) or not isinstance(value, Iterable):
+        raise ScheduleConfigError(
+            f"CostModel.other_segments must be a sequence of per_segment tables, got {value!r}"
+        )
+    return tuple(_segments(table, f"other_segments[{k}]") for k, table in enumerate(value))
 
 
 @attrs.frozen(slots=True, eq=True, hash=False)
@@ -496,9 +508,7 @@ class CostModel:
     per_chunk: Mapping[int, CostModel] = attrs.field(factory=dict, converter=_overrides)
     per_microbatch: tuple[float, ...] = attrs.field(default=(), converter=_factors)
     per_segment: tuple[CostModel, ...] = attrs.field(default=(), converter=_segments)
-    other_segments: tuple[tuple[CostModel, ...], ...] = attrs.field(
-        default=(), converter=lambda tables: tuple(map(_segments, tables or ()))
-    )
+    other_segments: tuple[tuple[CostModel, ...], ...] = attrs.field(default=(), converter=_tables)
 
     def at(self, stage: int, chunk: int = 0) -> CostModel:
         """The model that applies to `chunk` on `stage` (see the resolution order above)."""

@@ -152,3 +152,16 @@ def test_each_cut_a_trace_measured_is_priced_from_that_trace_s_segments():
     unrecorded = _trace(1, 2.0, 4.0)  # no cut record: v = 1 merges segments 2 and 3 of v = 2
     merged = priced(CostModel.from_trace(two, other_cuts=[unrecorded]), looped)
     assert merged.at(1).forward == pytest.approx(1.3 + 1.8 - 0.3)
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (5, "other_segments must be a sequence of per_segment tables"),
+        ([CostModel()], r"other_segments\[0\] must be a sequence of CostModels"),
+        ([[CostModel(), 1]], r"other_segments\[0\]\[1\] must be a CostModel"),
+    ],
+)
+def test_a_malformed_table_of_another_cut_is_refused(bad, says):
+    with pytest.raises(ScheduleConfigError, match=says):
+        CostModel(other_segments=bad)
