@@ -16,7 +16,7 @@ from schedcc.backends.distributed.groups import CommGroup
 from schedcc.backends.distributed.shm import host_key
 from schedcc.backends.local import Engine as LocalEngine
 from schedcc.backends.run import models
-from schedcc.ir import RecvActivation, RecvGrad
+from schedcc.ir import RECEIVES
 
 __all__ = ["compare", "compare_program", "init", "optimizer"]
 
@@ -64,7 +64,7 @@ def compare_program(rank, schedule, steps, dp=1, zero=0, linked=True, **kwargs):
     owns = []  # a compute's own time (a pair's forward, held back to its backward: none)
     takes = []  # a receive's take, its group's shared among its receives
     for _, op, start, end, own in engine.trace_events(own=True):
-        receives = type(op) in (RecvActivation, RecvGrad)
+        receives = type(op) in RECEIVES
         assert (own is not None) == (op.group == "compute" or receives), (where, op)
         assert own is None or 0 <= own <= end - start, (where, op, own, end - start)
         (takes if receives else owns).append(own or 0.0)

@@ -111,15 +111,11 @@ from schedcc.backends.runtime.tied import stage_ties
 from schedcc.backends.runtime.values import concat, shapes_of
 from schedcc.backends.runtime.zero import BUCKET_BYTES
 from schedcc.errors import CheckpointError, RankFailure, ScheduleConfigError
-from schedcc.ir import Instruction, RecvActivation, RecvGrad, Update
+from schedcc.ir import RECEIVES, Instruction, Update
 from schedcc.program import Program
 from schedcc.semantics import Layout, Units
 
 __all__ = ["KEPT_RUNS", "Engine", "unit_events"]
-
-#: The instructions that take a message from another stage ([Note: a receive's take] in
-#: `schedcc.costs`).
-RECEIVES = (RecvActivation, RecvGrad)
 
 #: The runs whose times an engine keeps, the last ones (`Engine.unit_times`): a long training
 #: holds no more of them.

@@ -297,7 +297,7 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
 def test_run_searches_after_first_runs_of_its_own():
     """`--schedule search` without `--costs-from`: a first run at each cut searched, the finer
     first, traced; the search prices the finer run's costs with the coarser as its other cut,
-    and the order found trains exactly."""
+    and the order found trains exactly; at one cut, within bytes its own first run measured."""
     found = _schedcc_run(
         "--schedule", "search", "--search-time", "1", "--search-memory-limit", "1", "--steps",
         "2", "--model", "mlp", "--check",
@@ -310,12 +310,13 @@ def test_run_searches_after_first_runs_of_its_own():
     assert f"under the costs measured in {finer} and {coarser}" in found.stdout
     assert CostModel.from_trace(finer, other_cuts=[coarser]).at(0).fixed_forward > 0
     assert found.stdout.count(": ok") == 3  # the first runs and the found order, exactly
-    one = _schedcc_run(
-        "--schedule", "search", "-v", "1", "--search-time", "1", "--steps", "2", "--model", "mlp"
+    one = _schedcc_run(  # in bytes, as its own first run measured them (README's closed loop)
+        "--schedule", "search", "-v", "1", "--search-time", "1", "--steps", "2", "--model", "mlp",
+        "--search-memory-limit", "16MiB",
     )  # fmt: skip
     assert one.returncode == 0, one.stderr
     assert one.stdout.count("search: a first run") == 1  # one cut: no other
-    assert re.search(r"under the costs measured in \S+1f1b-v1.json,", one.stdout)
+    assert re.search(r"under the costs measured in \S+1f1b-v1.json, within 16MiB", one.stdout)
 
 
 def _peaks(summary: str) -> list[int]:

@@ -93,14 +93,14 @@ def test_the_simulated_step_reads_each_receive_s_take_and_compute_s_own_time():
     compute's own time ([Note: a compute's fixed time]). With them its step is the one
     `--costs-from` that trace simulates, and each take priced makes it longer."""
     from schedcc.draw.chrome import chrome_trace
-    from schedcc.ir import COMPUTE, RecvActivation, RecvGrad
+    from schedcc.ir import COMPUTE, RECEIVES
     from schedcc.tune import priced
 
     schedule = schedcc.get_schedule("interleaved-1f1b")(2, 8, 2)
     program = schedcc.compile(schedule)
     ran = schedcc.simulate(program, CostModel(forward=1.5, backward=2.5, comm=0.25), eager=True)
     def own_time(e) -> float | None:
-        if isinstance(e.instruction, (RecvActivation, RecvGrad)):
+        if isinstance(e.instruction, RECEIVES):
             return 0.05
         return 0.9 * (e.end - e.start) if isinstance(e.instruction, COMPUTE) else None
 
