@@ -26,14 +26,18 @@ fits. Every candidate is a
    (`_variants`: holding whatever fits now, which may get stuck but recomputes less; with
    several chunks a stage, every forward of each stage's lowest chunk, the one held longest),
    and the best few of those are timed too. List scheduling takes half the time the built-ins
-   leave, evenly over the placements (at least four rules each);
+   leave, evenly over the placements (at least four rules each), but those whose bound the
+   best order found already meets ([Note: hopeless layouts]);
 3. local search from the best (then, while time is left, from the best of each other placement
-   and layout in turn), until `time_limit` or `max_evaluations`. The climb: two adjacent
+   and layout in turn, each walk taking at most half the time left while others wait, and
+   again from each one's best while a round finds a faster order; none from a layout that
+   cannot beat the best), until `time_limit` or `max_evaluations`. The climb: two adjacent
    computes of a stage swapped or a recomputation dropped, the stages that idle most first, the
    first move that is faster kept, until none is. With `eager=True` it runs on a quick clock
    (`schedcc.search_local`, [Note: the quick clock]), and from its local optimum an iterated
    local search: random moves (a compute moved up to six places on its stage, a recomputation
-   dropped), each kept where the clock times it no slower (a lower makespan, or the same with
+   dropped; in a layout run in overlapped pairs, DualPipe's, a pair made or parted), each kept
+   where the clock times it no slower (a lower makespan, or the same with
    the stages ending earlier in sum); after `_PATIENCE` moves without a gain, a few random
    moves away from the best order of the walk (a compute moved, a recomputation added before a
    backward), until `_ROUNDS` such restarts in a row find nothing better. Each order the clock
@@ -465,8 +469,11 @@ def search(
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
     searcher.offload_seeds()
-    for k, family in enumerate(sized):  # half the time left, evenly over the placements
-        searcher.list_schedule(family, share=1 / (2 * len(sized) - k))
+    # half the time left, evenly over the placements that might beat the best found
+    todo = [family for family in sized if not searcher.hopeless(family)]
+    for k, family in enumerate(todo):
+        if not searcher.hopeless(family):
+            searcher.list_schedule(family, share=1 / (2 * len(todo) - k))
     searcher.improve()
     if method == "exact" and searcher.best is not None:
         left = max(started + time_limit - time.monotonic(), 0.25 * time_limit)
@@ -672,6 +679,7 @@ class _Searcher:
         self.least_held: float | None = None
         self.seen: set = set()
         self.exact_bounds: dict = {}  # (v, vshape, limits) -> (CP-SAT's bound, split model)
+        self.family_bounds: dict = {}  # (family, paired, unlimited) -> its lower_bound
         self.family_costs: dict[_Family, CostModel] = {}  # the costs in each family's units
         self.clocks: dict[_Family, QuickClock] = {}
         # seeds over the limit, to offload once every seed is timed: (makespan, family, orders,
@@ -872,6 +880,27 @@ class _Searcher:
                 found.append((formula, "lower_bound"))
         return min(found)
 
+    def hopeless(self, family: _Family, orders=(), *, limited: bool = True) -> bool:
+        """Whether no order of `family` can be faster than the best found: its lower bound
+        (with overlapped pairs where `orders` has them; without the limit where they offload,
+        the search may, or not `limited`) is no less.
+
+        [Note: hopeless layouts] List scheduling, local search and the exact model each build
+        orders of one layout, so a layout whose `lower_bound` is at or above the best makespan
+        found can give nothing faster, and the search spends its time elsewhere: at p = 4,
+        m = 8, comm 1F, a heavy first stage, the looped F/I/W placement's list scheduling
+        meets its bound at 39.3, and the 3 s search spent a third of its time walking from
+        there, where the V, bounded at 36.3, walks to 36.95 given that time
+        (docs/performance.md, "Layouts that cannot win")."""
+        if self.best is None:
+            return False
+        paired = any(text.startswith("+") for row in orders for text in row)
+        limits = None if not limited or self.offload or _offloads(orders) else self.limits
+        key = (family, paired, limits is None)
+        if key not in self.family_bounds:
+            self.family_bounds[key] = self._lower(family, limits, overlapped=paired)
+        return self.family_bounds[key] >= self.best.makespan - 1e-9
+
     def _lower(self, family: _Family, limits, *, overlapped: bool = False) -> float:
         return lower_bound(
             self.p,
@@ -891,7 +920,7 @@ class _Searcher:
         """Solve each placement's exact model ([Note: the search], 4) by `until`, from its
         best order; time its solution, keep its proven bound; local search from it if it is
         the best. Where the best order offloads, its placement without the limit too; where the
-        search may offload, every placement.
+        search may offload, every placement; none whose bound the best order meets.
 
         [Note: the exact method's time] Half the time goes to every placement in turn (the
         smaller models first, each taking what the ones before left), the other half to the
@@ -912,6 +941,18 @@ class _Searcher:
         elif self.limits is not None and _offloads(self.best.orders) and not own.places:
             splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
             todo.append((own.num_chunks, own.vshape, None))
+        todo = [  # none whose bound the best order meets ([Note: hopeless layouts])
+            (v, vshape, limits)
+            for v, vshape, limits in todo
+            if not all(
+                self.hopeless(_Family(v, vshape, split), limited=limits is not None)
+                for split in splits[v, vshape]
+            )
+        ]
+        if not todo:  # local search has the time instead
+            self.deadline = until
+            self.improve()
+            return
         todo.sort(key=lambda job: (job[0], job[2] is None))  # the smaller models first
         first = until if len(todo) == 1 else time.monotonic() + (until - time.monotonic()) / 2
         solved = {}
@@ -1192,16 +1233,33 @@ class _Searcher:
         return out
 
     def improve(self) -> None:
-        """Local search ([Note: the search], 3) from the best candidate, then, while time is
-        left, from the best of each other placement and layout in turn, the fastest first."""
+        """Local search ([Note: the search], 3) from the best candidate, then from the best of
+        each other placement and layout in turn, the fastest first, each walk taking at most
+        half the time left while others wait, and again from each layout's best while a round
+        finds a faster order; none from a layout whose bound no order beats the best found by
+        ([Note: hopeless layouts])."""
+        deadline = self.deadline
         begun: set[_Family] = set()
+        best = self.best
         while not self.out_of_time():
-            starts = [c for c in self.fitting if c.family not in begun]
+            starts = [
+                c
+                for c in self.fitting
+                if c.family not in begun and not self.hopeless(c.family, c.orders)
+            ]
             if not starts:
-                return
+                if not begun or self.best is best:
+                    return
+                begun, best = set(), self.best  # another round: this one found a faster order
+                continue
             start = min(starts, key=lambda c: c.makespan)
             begun.add(start.family)
-            self._improve_from(start)
+            if len({c.family for c in starts}) > 1:  # leave the others half the time
+                self.deadline = time.monotonic() + (deadline - time.monotonic()) / 2
+            try:
+                self._improve_from(start)
+            finally:
+                self.deadline = deadline
 
     def _improve_from(self, current: _Candidate) -> None:
         """Local search from `current`: eagerly on the quick clock where it times the order
@@ -1246,6 +1304,8 @@ class _Searcher:
         family, source = current.family, _searched(current.source)
         limit = math.inf if self.max_evals is None else 20 * self.max_evals
         here, here_time = current.orders, clock.time(current.orders)
+        # a layout run in overlapped pairs (DualPipe's) may pair and part its computes too
+        pairs = any(text.startswith("+") for row in current.orders for text in row)
         timed = here_time[0]  # the fastest the clock gave an order the simulator timed
 
         def offer(orders, quick) -> None:
@@ -1270,7 +1330,7 @@ class _Searcher:
         while self.moves < limit and rounds <= _ROUNDS:
             if self._count_move():
                 return
-            new = move(here, self.rng)
+            new = move(here, self.rng, pairs=pairs)
             new_time = None if new is None else clock.time(new)
             if new_time is not None and not _earlier(here_time, new_time):
                 stale = 0 if _earlier(new_time, here_time) else stale + 1
@@ -1284,7 +1344,7 @@ class _Searcher:
                 stale, rounds = 0, rounds + 1
                 for _ in range(8):
                     size = self.rng.randint(2, 6)
-                    here = kick(best, self.rng, size, recompute=self.recompute)
+                    here = kick(best, self.rng, size, recompute=self.recompute, pairs=pairs)
                     here_time = clock.time(here)
                     if here_time is not None:
                         break

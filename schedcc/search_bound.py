@@ -78,7 +78,9 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    `Bs`). The rest of `T1 - head(s) - L`, less the stage's warm-ups (item 2: they may fall
    there), the stage idles, or runs forwards whose activations it
    drops and recomputes later at `R` each: the window is at least its work and
-   `min(1, R / F)` of that rest (all of it without `recompute`). This is why a tight limit
+   `min(1, R / (F + t))` of that rest (all of it without `recompute`), where `t` is the
+   forward's take of its input (item 2), which the recomputation, its input at hand, does not
+   repeat. This is why a tight limit
    costs a stage whose first backward comes late: at p = 4, m = 8, 1:2:1, a 1.3x first stage
    at 0.3x 1F1B's activations, the V placement's stage 0 holds two chunk activations, waits
    4.3 for its first backward and idles or recomputes 3.0 of it (34.2 where the work is 31.2).
@@ -461,11 +463,13 @@ class _Bound:
             return 0.0
         if not recompute:
             return short
-        # a dropped forward costs its recomputation later: at least this share of it
-        cheapest = min(
-            1.0 if self.models[k].forward <= 0 else min(1.0, self._redo(k) / self.models[k].forward)
-            for k in ks
-        )
+        # a dropped forward costs its recomputation later, at least this share of the wait it
+        # filled: the forward took its input's take there, the recomputation has it at hand
+        cheapest = 1.0
+        for k in ks:
+            filled = self.least[k] * self.models[k].forward + self.take_in[k]
+            if filled > 0:
+                cheapest = min(cheapest, self.least[k] * self._redo(k) / filled)
         return cheapest * short
 
     def _first_backward(self, ks) -> float:

@@ -298,16 +298,21 @@ def neighbours(orders: Orders, idle: Sequence[float]) -> Iterator[Orders]:
             yield (*orders[:stage], new, *orders[stage + 1 :])
 
 
-def move(orders: Orders, rng: random.Random, reach: int = 6) -> Orders | None:
+def move(
+    orders: Orders, rng: random.Random, reach: int = 6, *, pairs: bool = False
+) -> Orders | None:
     """`orders` one random move away: a compute of a random stage moved up to `reach` places
     earlier or later (past none it must keep its order with: at one place, a swap with its
-    neighbour), or one time in ten a recomputation dropped; None where the move drawn is not
-    allowed."""
+    neighbour), or one time in ten a recomputation dropped, or, where the order may have
+    overlapped `pairs`, one time in five a pair made or parted (`_paired`); None where the
+    move drawn is not allowed."""
     s = rng.randrange(len(orders))
     row = orders[s]
     if len(row) < 2:
         return None
-    if rng.random() < 0.1:
+    if pairs and rng.random() < 0.2:
+        new = _paired(row, rng, reach)
+    elif rng.random() < 0.1:
         redone = [j for j, text in enumerate(row) if recomputes(text)]
         if not redone:
             return None
@@ -317,10 +322,13 @@ def move(orders: Orders, rng: random.Random, reach: int = 6) -> Orders | None:
     return None if new is None else (*orders[:s], new, *orders[s + 1 :])
 
 
-def kick(orders: Orders, rng: random.Random, size: int, *, recompute: bool) -> Orders:
+def kick(
+    orders: Orders, rng: random.Random, size: int, *, recompute: bool, pairs: bool = False
+) -> Orders:
     """`orders` after `size` random moves: a compute moved up to twelve places, or, where the
     search may `recompute`, one time in three a recomputation added before a backward (it frees
-    memory for the moves after it)."""
+    memory for the moves after it), or, where the order may have overlapped `pairs`, one time
+    in five a pair made or parted."""
     out = orders
     for _ in range(size * 4):
         if size <= 0:
@@ -330,7 +338,9 @@ def kick(orders: Orders, rng: random.Random, size: int, *, recompute: bool) -> O
         if not row:
             continue
         new = None
-        if recompute and rng.random() < 1 / 3:
+        if pairs and rng.random() < 0.2:
+            new = _paired(row, rng, 12)
+        elif recompute and rng.random() < 1 / 3:
             new = _recomputed(row, rng.randrange(len(row)))
         else:
             j = rng.randrange(len(row))
@@ -355,6 +365,39 @@ def _moved(row: tuple[str, ...], j: int, d: int) -> tuple[str, ...] | None:
         return None
     rest = row[:j] + row[j + 1 :]
     return (*rest[:to], text, *rest[to:])
+
+
+def _paired(row: tuple[str, ...], rng: random.Random, reach: int) -> tuple[str, ...] | None:
+    """`row` with one overlapped pair parted (`F3 +B1` read as `F3 B1`, in place), or one
+    made: a whole backward run alone moved up to `reach` places to just after a forward run
+    alone (of another microbatch or chunk) and overlapped with it (`F3 +B1`); each half at
+    random. None where the row has neither, or the move would pass a compute it must keep its
+    order with."""
+    if rng.random() < 0.5:
+        parts = [j for j, text in enumerate(row) if text.startswith("+")]
+        if not parts:
+            return None
+        j = rng.choice(parts)
+        return (*row[:j], row[j][1:], *row[j + 1 :])
+    alone = [j for j, text in enumerate(row) if text.startswith("B")]
+    if not alone:
+        return None
+    j = rng.choice(alone)
+    forwards = [
+        i
+        for i in range(max(0, j - reach), min(len(row), j + reach + 1))
+        if row[i].startswith("F")
+        and not (i + 1 < len(row) and row[i + 1].startswith("+"))
+        and not same_thread(row[i], row[j])
+    ]
+    if not forwards:
+        return None
+    i = rng.choice(forwards)
+    to = i + 1 if i < j else i  # just after the forward, once the backward has left its place
+    moved = row if to == j else _moved(row, j, to - j)
+    if moved is None:
+        return None
+    return (*moved[:to], "+" + moved[to], *moved[to + 1 :])
 
 
 def _recomputed(row: tuple[str, ...], j: int) -> tuple[str, ...] | None:

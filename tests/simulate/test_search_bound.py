@@ -195,6 +195,33 @@ def test_a_late_first_backward_under_a_tight_limit_costs_its_wait():
     assert found.makespan >= 34.2 - 1e-9
 
 
+def test_a_forward_dropped_in_the_wait_costs_its_recomputation_not_its_take():
+    """Item 7 prices a forward the stage drops while it waits for its first backward at its
+    recomputation per unit of the wait it filled, and the forward's take of its input fills
+    the wait too (the recomputation has the input at hand): p = 4, m = 4, comm 1, stage 1
+    taking 0.5 a message, two activations a stage. An order list scheduling finds runs in
+    27.5, where the bound that priced the whole wait at R / F said 28."""
+    base = CostModel(comm=1.0, overlap=0.0)
+    costs = attrs.evolve(base, per_stage={
+        1: attrs.evolve(base, backward=3.0, backward_weight=2.0, receive=0.5),
+    })  # fmt: skip
+    rows = [
+        "F0 F1 F2 F3 I0 W0 I1 W1 R2 I2 W2 R3 I3 W3",
+        "F0 F1 F2 F3 I0 W0 I1 W1 R2 I2 R3 I3 W2 W3",
+        "F0 F1 F2 I0 W0 F3 I1 W1 R2 I2 W2 R3 I3 W3",
+        "F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3",
+    ]
+    family = _Family(1, False, True)
+    orders = tuple(tuple(row.split()) for row in rows)
+    program = schedcc.compile(_found_class(4, 4, family, orders)(4, 4, 1))
+    timeline = schedcc.simulate(program, costs, eager=True)
+    assert max(timeline.peak_activations) <= 2
+    assert timeline.makespan == pytest.approx(27.5)
+    bound = lower_bound(4, 4, costs, family, memory_limit=2.0, eager=True)
+    assert bound <= timeline.makespan + 1e-9
+    assert bound == pytest.approx(26.0)  # the wait: 6, two thirds of it repriced
+
+
 @given(
     p=st.integers(2, 4),
     m=st.integers(2, 8),

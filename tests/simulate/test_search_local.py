@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import random
 
@@ -24,7 +25,8 @@ from schedcc.search import (
     _splits,
     search,
 )
-from schedcc.search_local import kick, move
+from schedcc.search_bound import lower_bound
+from schedcc.search_local import _paired, kick, move, same_thread
 
 
 def _searcher(p, m, costs, limit, v):
@@ -84,8 +86,8 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
 ):
     """The same for the built-ins in their own layouts, as the search starts from them
     (DualPipe's two replicas and overlapped pairs, 2BW's weight delay), with or without full
-    recomputation, and a few random moves away (a move that splits an overlapped pair is
-    stuck on the clock)."""
+    recomputation, and a few random moves away, pairs made and parted among them (a move that
+    takes a pair's backward from its forward is stuck on the clock)."""
     costs = data.draw(stage_costs(p, updates=False))  # the clock leaves them out
     if warm:
         costs = data.draw(warmed_up(costs))
@@ -100,8 +102,10 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
     searcher = _searcher(p, m, costs, limit, v)
     clock = searcher._clock(family)
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
-    candidates = [orders] + [kick(orders, rng, rng.randint(1, 6), recompute=True) for _ in range(6)]
-    candidates += [new for new in (move(orders, rng) for _ in range(12)) if new]
+    candidates = [orders] + [
+        kick(orders, rng, rng.randint(1, 6), recompute=True, pairs=k % 2 == 0) for k in range(6)
+    ]
+    candidates += [new for new in (move(orders, rng, pairs=k % 2 == 0) for k in range(12)) if new]
     compared = _compare(searcher, clock, family, p, m, v, candidates)
     event(f"timed {'some' if compared else 'none'}")
 
@@ -297,3 +301,101 @@ def test_list_scheduling_times_only_what_the_quick_clock_ranks_first(
     else:
         assert searcher.best is None
     event(f"simulated {searcher.evaluations} of {len(set(chosen))}")
+
+
+def _first_heavy(comm: float) -> CostModel:
+    """The grid's 1:2:1 costs with a 1.3x first stage and `comm` a message."""
+    heavy = CostModel(forward=1.3, backward=2.6, backward_input=1.3, backward_weight=1.3,
+                      comm=comm)  # fmt: skip
+    return CostModel(comm=comm, per_stage={0: heavy})
+
+
+def _recording(monkeypatch, name: str, calls: list, family_of):
+    """Wrap `_Searcher.<name>` to record, at each call, the family it works on, whether its
+    orders pair forwards with backwards, and the best makespan then."""
+    original = getattr(_Searcher, name)
+
+    def wrapped(self, *args, **kwargs):
+        family, orders = family_of(*args)
+        paired = any(text.startswith("+") for row in orders for text in row)
+        calls.append((family, paired, self.best.makespan))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Searcher, name, wrapped)
+
+
+def test_no_time_goes_to_a_layout_that_cannot_win(monkeypatch):
+    """List scheduling and local search build orders of one layout, so none starts on a layout
+    whose lower bound is at or above the best makespan found ([Note: hopeless layouts]): at
+    p = 4, m = 8, comm 1F, a 1.3x first stage, looped v = 1 F/B is bounded at 42.3 once the
+    built-ins reach 41.75, and looped F/I/W's list scheduling meets its own bound, 39.3 (the
+    search used to list-schedule the one and walk from the other)."""
+    costs = _first_heavy(1.0)
+    scheduled, walked = [], []
+    _recording(monkeypatch, "list_schedule", scheduled, lambda family, *_: (family, ()))
+    _recording(monkeypatch, "_improve_from", walked, lambda c: (c.family, c.orders))
+    found = search(4, 8, costs=costs, memory_limit=4.0, recompute=True, method="heuristic",
+                   max_evaluations=1000, time_limit=600, eager=True)  # fmt: skip
+    assert walked
+    assert scheduled
+    for family, paired, best in scheduled + walked:
+        bound = lower_bound(4, 8, costs, family, overlapped=paired, memory_limit=4.0,
+                            eager=True)  # fmt: skip
+        assert bound < best - 1e-9, (family, bound, best)
+    assert _Family(1, False, False) not in {family for family, _, _ in scheduled}
+    assert _Family(1, False, True) not in {family for family, _, _ in walked}
+    assert found.makespan < 39.3 - 1e-9  # faster than the looped placement can be
+
+
+def test_a_search_whose_order_meets_every_bound_stops(monkeypatch):
+    """Where the best order meets the bound of every layout searched, no layout can beat it:
+    list scheduling, local search and the exact model are all left out, and the search returns
+    at once. At p = 4, m = 4, comm 1F, a 1.3x first stage and no limit, the built-in zb-h2
+    meets the least bound, 23.7 (the exact method used to solve every placement for its
+    whole time)."""
+    pytest.importorskip("ortools")
+    costs = _first_heavy(1.0)
+    calls = []
+    for name, family_of in (
+        ("list_schedule", lambda family, *_: (family, ())),
+        ("_improve_from", lambda c: (c.family, c.orders)),
+        ("_solve_exact", lambda job, *_: (_Family(job[0], job[1], True), ())),
+    ):
+        _recording(monkeypatch, name, calls, family_of)
+    found = search(4, 4, costs=costs, recompute=True, method="exact", time_limit=60,
+                   eager=True)  # fmt: skip
+    assert calls == []
+    assert found.source == "zb-h2"
+    assert found.makespan == pytest.approx(23.7)
+    assert found.bound == pytest.approx(found.makespan)
+    assert found.seconds < 30  # not the minute it was given
+
+
+@given(name=st.sampled_from(["dualpipe", "dualpipe-v"]), seed=st.integers(0, 1 << 20))
+def test_a_pair_move_makes_or_parts_one_pair_and_keeps_the_order_of_each_thread(name, seed):
+    """`_paired` on a stage of DualPipe's order: the same computes (a pair's backward read as
+    a backward), one pair more or one fewer, every pair's backward just after a forward run
+    alone, and the computes that must keep their order on the stage in it."""
+    orders = _compute_orders(compile(get_schedule(name)(4, 8, 2)))
+    rng = random.Random(seed)
+    row = orders[rng.randrange(4)]
+    new = _paired(row, rng, 6)
+    if new is None:
+        return
+
+    def plain(r):
+        return sorted(text.lstrip("+") for text in r)
+
+    assert plain(new) == plain(row)
+    pairs = [sum(text.startswith("+") for text in r) for r in (row, new)]
+    assert abs(pairs[1] - pairs[0]) == 1
+    for j, text in enumerate(new):
+        if text.startswith("+"):
+            assert j > 0
+            assert text[1] == "B"
+            assert new[j - 1].startswith("F")
+    where = {text.lstrip("+"): j for j, text in enumerate(new)}
+    for a, b in itertools.combinations(row, 2):  # a before b in the row
+        if same_thread(a, b):
+            assert where[a.lstrip("+")] < where[b.lstrip("+")]
+    event("made" if pairs[1] > pairs[0] else "parted")
