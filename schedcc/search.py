@@ -1363,7 +1363,8 @@ class _Searcher:
         clock = self.clocks.get(family)
         if clock is None:
             place, costs = family.segments(self.p), self._costs_of(family)
-            clock = QuickClock(place, costs, self._budgets(family), family.num_replicas)
+            steps = [self.costs.at(s).step for s in range(self.p)]
+            clock = QuickClock(place, costs, self._budgets(family), family.num_replicas, steps)
             self.clocks[family] = clock
         return clock
 

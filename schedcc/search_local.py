@@ -18,10 +18,11 @@ millisecond; in whole-stage microbatches it says over budget exactly where the s
 does not fit, and in bytes it may call an order over budget that fits (its budget sets aside
 each segment's parameters, gradients and optimizer state throughout), never one that does not
 (property tests hold it to both). It is a screen all the same: an order it times faster is
-compiled and simulated like every other candidate, and only that timing counts. It leaves out
-the updates (free in the default costs; with measured ones they follow each stage's last
-compute, and the norm's and a tied head's collectives wait for the last stage there, so they add
-about the same to every order of a placement) and the rendezvous model's comm groups: for a
+compiled and simulated like every other candidate, and only that timing counts. It adds each
+stage's optimizer step after its last compute, and leaves out the other updates (free in the
+default costs; with measured ones they follow each stage's last compute, and the norm's and a
+tied head's collectives wait for the last stage there, so they add about the same to every
+order of a placement) and the rendezvous model's comm groups: for a
 rendezvous search its time is only a guide. Orders with sends or copies are timed by the
 simulator alone.
 """
@@ -76,6 +77,8 @@ class QuickClock:
         budgets: per stage, the most a stage may hold (None: no limit).
         replicas: how many model replicas `place` holds, one after the other (DualPipe's two);
             each microbatch runs the segments of its own.
+        closing: per stage, what it runs after its last compute without waiting for another
+            stage (its optimizer step, `CostModel.step`), added to its end; None: nothing.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class QuickClock:
         costs: CostModel,
         budgets: Sequence[float] | None,
         replicas: int = 1,
+        closing: Sequence[float] | None = None,
     ):
         self.place = list(place)
         length = len(self.place) // replicas
@@ -96,6 +100,7 @@ class QuickClock:
         self.takes = segment_takes(self.place, [costs.at(*sc) for sc in self.place], length)
         self.remotes = segment_remotes(self.place, length)
         self.p = max(s for s, _ in self.place) + 1
+        self.closing = list(closing) if closing is not None else [0.0] * self.p
         self._ops: dict[tuple[int, str], tuple | None] = {}
         # each stage's rows as read, the recent ones (a move changes one row of an order)
         self._rows: dict[tuple[int, tuple[str, ...]], list[tuple] | None] = {}
@@ -179,7 +184,8 @@ class QuickClock:
                     at[s], clock[s], held[s] = pos, now, mine
             if not moved:
                 return None
-        return max(clock), sum(clock)
+        ends = [end + after for end, after in zip(clock, self.closing)]
+        return max(ends), sum(ends)
 
     def _row(self, s: int, row: tuple[str, ...]) -> list[tuple] | None:
         """Stage s's computes as the clock reads them: `(code, key, the key it waits for on

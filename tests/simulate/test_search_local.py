@@ -13,7 +13,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from strategies import stage_costs, warmed_up
 
-from schedcc import CostModel, MemoryModel, ScheduleError, compile
+from schedcc import CostModel, MemoryModel, ScheduleError, compile, simulate
 from schedcc.registry import get_schedule
 from schedcc.search import (
     _compute_orders,
@@ -399,3 +399,21 @@ def test_a_pair_move_makes_or_parts_one_pair_and_keeps_the_order_of_each_thread(
         if same_thread(a, b):
             assert where[a.lstrip("+")] < where[b.lstrip("+")]
     event("made" if pairs[1] > pairs[0] else "parted")
+
+
+def test_the_quick_clock_adds_each_stage_s_optimizer_step():
+    """The quick clock adds each stage's step after its last compute, as the simulator runs
+    it: a step of 5 on stage 1 of 1F1B at p = 3 decides the makespan (stage 0 ends last
+    without it). Without it, an eager search could compile the order the clock ranks first
+    and miss a faster one (`test_list_scheduling_times_only_what_the_quick_clock_ranks_first`
+    found it)."""
+    costs = CostModel(per_stage={1: CostModel(step=5.0)})
+    schedule = get_schedule("1f1b")(3, 4)
+    program = compile(schedule)
+    orders = _compute_orders(program)
+    family = _Family.of(schedule, _splits(orders))
+    clock = _searcher(3, 4, costs, None, 1)._clock(family)
+    without = simulate(program, CostModel(), eager=True).makespan
+    timeline = simulate(program, costs, eager=True)
+    assert timeline.makespan > without + 1  # the step on stage 1 ends the run
+    assert clock.time(orders)[0] == pytest.approx(timeline.makespan)
