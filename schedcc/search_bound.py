@@ -97,6 +97,21 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    not fill. DualPipe at p = 4, m = 8, comm 1F, a 1.5x last stage: 33.75 where item 2 alone
    gives 30 (stage 3 waits 7.5 for its first backward).
 
+9. *Pairs under the limit.* Item 4 prices each held activation as item 2 prices its work,
+   every forward and backward run in a pair. But a pair runs as one span (the forward's cost,
+   then the backward's rest, [Note: overlapped pairs] in `schedcc.rules.overlap`): the
+   forward's activation is held from the pair's start and its round trip starts at the pair's
+   end, and the backward's is held until the pair's end. So where the stage's segments cost
+   alike (and every microbatch's factor is 1), the number of pairs `P` is a variable of item
+   4's program too: the work is every compute run alone less `F + B - pair` a pair; a kept
+   microbatch is held at least its forward, round trip and backward run alone, a recomputed
+   one its `R` and its backward, and each pair adds `pair - B` on its backward's side and,
+   where its forward's microbatch is kept (at least `P` less the recomputed ones),
+   `pair - F` on its forward's. More pairs, less work and more held time: under a tight limit
+   the least window has few. DualPipe at p = 4, m = 8, 1:2:1, a 1.3x first stage, 0.6x
+   1F1B's activations (two a stage): 29.28 with a split backward where items 4 and 8 give
+   28.15.
+
 With `eager=True` the bound is of the eager timeline instead ([Note: eager simulation] in
 `schedcc.simulate_eager`: sends that never wait, a message in flight for the receive's comm,
 taking no stage's time): items 1, 2, 4's Little's law and ramps, 5, 6, 7 and 8 hold as they are
@@ -448,7 +463,48 @@ class _Bound:
         ]
         pieces.append((work + self._start_up(ks, rooms, recompute), [0.0] * n))
         upper = count if recompute else [0] * n
+        paired = self._pairs_alike(ks)
+        if paired is not None:  # item 9: how many run as pairs, a variable too
+            forward, backward, pair = paired
+            saving = forward + backward - pair
+            lone = work + saving * sum(count)  # the work with every compute run alone
+            widest = max(rooms)  # the least share of the limit one activation takes
+            kept = [forward + self.round_trip(k) + backward for k in ks]
+            redone = [self.least[k] * self._redo(k) + backward for k in ks]
+            held = sum(c * h / room for c, h, room in zip(count, kept, rooms))
+            held += self._ramps(ks, rooms)
+            slopes = [(redone[i] - kept[i]) / rooms[i] for i in range(n)]
+            pieces = [(lone + a - work, [*b, -saving]) for a, b in pieces[:2]]
+            pieces += [
+                (held, [*slopes, (pair - backward) / widest]),
+                (
+                    held,
+                    [
+                        *(slope - (pair - forward) / widest for slope in slopes),
+                        (2 * pair - forward - backward) / widest,
+                    ],
+                ),
+                (lone + self._start_up(ks, rooms, recompute), [0.0] * n + [-saving]),
+            ]
+            upper = [*upper, sum(count)]
         return _min_of_max(pieces, upper)
+
+    def _pairs_alike(self, ks) -> tuple[float, float, float] | None:
+        """`(F, B, pair)` where stage segments `ks` may run as overlapped pairs that save time
+        and every forward, lone backward and pair of them costs the same (their costs alike,
+        every microbatch's factor 1: item 9 of the Note); else None."""
+        if not self.overlapped:
+            return None
+        if any(self.least[k] != 1.0 or self.heaviest[k] != 1.0 for k in ks):
+            return None
+        alike = {
+            (self.models[k].forward, self._alone(k), overlapped_pair(self.models[k]))
+            for k in ks
+        }
+        if len(alike) != 1:
+            return None
+        forward, backward, pair = alike.pop()
+        return (forward, backward, pair) if forward + backward > pair else None
 
     def _start_up(self, ks, rooms: Sequence[float], recompute: bool) -> float:
         """Item 7: the time stage s loses before its first backward, idle or recomputing."""

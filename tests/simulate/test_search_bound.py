@@ -277,6 +277,71 @@ def test_orders_near_the_best_stay_above_the_bound_at_their_own_peak(
     event(f"timed {'some' if timed else 'none'}")
 
 
+@given(
+    p=st.integers(2, 4),
+    m=st.sampled_from([4, 6, 8]),
+    name=st.sampled_from(["dualpipe", "dualpipe-v"]),
+    recompute=st.booleans(),
+    eager=st.booleans(),
+    data=st.data(),
+)
+def test_orders_in_pairs_stay_above_the_bound_at_their_own_peak(
+    p, m, name, recompute, eager, data
+):
+    """DualPipe's orders, with or without full recomputation, and orders a few random moves
+    from them (pairs made and parted, recomputations added or dropped), under random per-stage
+    costs and comm: each one that compiles takes at least the bound of its layout with
+    overlapped pairs under its own peak as the limit (item 9 of the Note prices the pairs
+    there), timed eagerly or not."""
+    costs = data.draw(stage_costs(p))
+    try:
+        schedule = get_schedule(name)(p, m, 2)
+        start = _compute_orders(schedcc.compile(schedule, recompute=recompute))
+    except ScheduleError:
+        return
+    family = _Family.of(schedule, True)
+    rng = random.Random(data.draw(st.integers(0, 1 << 20)))
+    orders = [start]
+    orders += [kick(start, rng, rng.randint(1, 8), recompute=True, pairs=True) for _ in range(6)]
+    orders += [new for new in (move(start, rng, pairs=True) for _ in range(12)) if new]
+    searcher = _Searcher(p, m, costs, None, True, False, 1, 0, 0.0, None, None, eager=eager)
+    timed = 0
+    for order in orders:
+        try:
+            program = schedcc.compile(_found_class(p, m, family, order)(p, m, 2))
+        except ScheduleError:
+            continue
+        timeline = searcher._simulate(program, family)
+        peak = searcher._held(timeline, family.share)
+        bound = lower_bound(p, m, costs, family, overlapped=True, memory_limit=list(peak),
+                            eager=eager)  # fmt: skip
+        assert bound <= timeline.makespan + 1e-9, (order, bound, timeline.makespan)
+        timed += 1
+    event(f"timed {'some' if timed else 'none'}")
+
+
+def test_pairs_under_a_tight_limit_hold_their_activations_longer():
+    """Item 9: under a limit a pair's forward is held from the pair's start and its backward's
+    until the pair's end, so pairs save work and cost held time. DualPipe at p = 4, m = 8,
+    1:2:1, a 1.3x first stage, 0.6x 1F1B's activations (two a stage): 29.28, where pricing
+    every held activation as a pair's work gave 28.15, the bound without a limit; its own
+    order with recomputation takes more."""
+    costs = CostModel(per_stage={0: CostModel(forward=1.3, backward=2.6, backward_input=1.3,
+                                              backward_weight=1.3)})  # fmt: skip
+    schedule = get_schedule("dualpipe")(4, 8, 2)
+    family = _Family.of(schedule, True)
+    for eager in (False, True):
+        unlimited = lower_bound(4, 8, costs, family, overlapped=True, eager=eager)
+        limited = lower_bound(4, 8, costs, family, overlapped=True, memory_limit=2.4,
+                              eager=eager)  # fmt: skip
+        assert unlimited == pytest.approx(28.15)
+        assert limited == pytest.approx(29.2777, abs=1e-4)
+    program = schedcc.compile(schedule, recompute=True)
+    timeline = schedcc.simulate(program, _per_chunk(costs, family.share), eager=True)
+    assert max(timeline.peak_activations) <= 2
+    assert timeline.makespan >= limited
+
+
 def test_lone_computes_beside_overlapped_pairs_are_priced():
     """DualPipe's layout at p = 4, m = 8, comm 1F, a 1.5x last stage: priced as pairs, stage 3's
     work is 30; but its first backward can start only 7.5 after its first forward, so five
