@@ -1236,8 +1236,8 @@ class _Searcher:
         """Local search ([Note: the search], 3) from the best candidate, then from the best of
         each other placement and layout in turn, the fastest first, each walk taking at most
         half the time left while others wait, and again from each layout's best while a round
-        finds a faster order; none from a layout whose bound no order beats the best found by
-        ([Note: hopeless layouts])."""
+        finds a faster order; none from a layout whose bound the best order found already
+        meets ([Note: hopeless layouts])."""
         deadline = self.deadline
         begun: set[_Family] = set()
         best = self.best
