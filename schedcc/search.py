@@ -855,7 +855,7 @@ class _Searcher:
         limit (in microbatches or bytes) but for an order that offloads, and where the search may
         offload ([Note: the lower bound]); each the larger of `lower_bound` and CP-SAT's where the
         exact model was solved for it. And which of the two the least is."""
-        paired = any(text.startswith("+") for row in best.orders for text in row)
+        paired = _pairs(best.orders)
         # an order that offloads holds fewer activations than the memory terms count
         limits = None if self.offload else self.limits
         kinds = {(f, False, limits) for f in families}
@@ -894,7 +894,7 @@ class _Searcher:
         (docs/performance.md, "Layouts that cannot win")."""
         if self.best is None:
             return False
-        paired = any(text.startswith("+") for row in orders for text in row)
+        paired = _pairs(orders)
         limits = None if not limited or self.offload or _offloads(orders) else self.limits
         key = (family, paired, limits is None)
         if key not in self.family_bounds:
@@ -1031,7 +1031,7 @@ class _Searcher:
             if (c.family.num_chunks, c.family.vshape) == (v, vshape)
             and not c.family.places
             and (limits is None or self.offload or not _offloads(c.orders))  # held fewer
-            and not any(text.startswith("+") for row in c.orders for text in row)
+            and not _pairs(c.orders)
         ]
         return min(fits, key=lambda c: c.makespan, default=None)
 
@@ -1305,7 +1305,7 @@ class _Searcher:
         limit = math.inf if self.max_evals is None else 20 * self.max_evals
         here, here_time = current.orders, clock.time(current.orders)
         # a layout run in overlapped pairs (DualPipe's) may pair and part its computes too
-        pairs = any(text.startswith("+") for row in current.orders for text in row)
+        pairs = _pairs(current.orders)
         timed = here_time[0]  # the fastest the clock gave an order the simulator timed
 
         def offer(orders, quick) -> None:
@@ -1418,6 +1418,11 @@ def _sends(orders) -> bool:
 
 def _offloads(orders) -> bool:
     return any(text[0] in "OL" for row in orders for text in row)
+
+
+def _pairs(orders) -> bool:
+    """Whether `orders` run overlapped pairs (`F3 +B1`, DualPipe's)."""
+    return any(text.startswith("+") for row in orders for text in row)
 
 
 def _splits(orders) -> bool:

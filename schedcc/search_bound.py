@@ -448,45 +448,51 @@ class _Bound:
             held_r.append(self.least[k] * redo + last)
             re.append(self.returns(k))
             count.append(self.count[k])
-        # each piece is (constant, slope per x_k); the window is the largest of them
-        pieces = [
-            (work + comm * forced, r),
+        # what the comm groups add to the work: (constant, slope per x_k)
+        groups = [
+            (comm * forced, r),
             (
-                work + comm * sum(c * e / room for c, e, room in zip(count, re, rooms)),
+                comm * sum(c * e / room for c, e, room in zip(count, re, rooms)),
                 [r[i] - comm * re[i] / rooms[i] for i in range(n)],
             ),
-            (
-                sum(c * h / room for c, h, room in zip(count, held, rooms))
-                + self._ramps(ks, rooms),
-                [(held_r[i] - held[i]) / rooms[i] for i in range(n)],
-            ),
         ]
-        pieces.append((work + self._start_up(ks, rooms, recompute), [0.0] * n))
+        ramps = self._ramps(ks, rooms)
+        start_up = self._start_up(ks, rooms, recompute)
         upper = count if recompute else [0] * n
         paired = self._pairs_alike(ks)
-        if paired is not None:  # item 9: how many run as pairs, a variable too
-            forward, backward, pair = paired
-            saving = forward + backward - pair
-            lone = work + saving * sum(count)  # the work with every compute run alone
-            widest = max(rooms)  # the least share of the limit one activation takes
-            kept = [forward + self.round_trip(k) + backward for k in ks]
-            redone = [self.least[k] * self._redo(k) + backward for k in ks]
-            held = sum(c * h / room for c, h, room in zip(count, kept, rooms))
-            held += self._ramps(ks, rooms)
-            slopes = [(redone[i] - kept[i]) / rooms[i] for i in range(n)]
-            pieces = [(lone + a - work, [*b, -saving]) for a, b in pieces[:2]]
+        if paired is None:
+            # each piece is (constant, slope per x_k); the window is the largest of them
+            pieces = [(work + a, b) for a, b in groups]
             pieces += [
-                (held, [*slopes, (pair - backward) / widest]),
                 (
-                    held,
-                    [
-                        *(slope - (pair - forward) / widest for slope in slopes),
-                        (2 * pair - forward - backward) / widest,
-                    ],
+                    sum(c * h / room for c, h, room in zip(count, held, rooms)) + ramps,
+                    [(held_r[i] - held[i]) / rooms[i] for i in range(n)],
                 ),
-                (lone + self._start_up(ks, rooms, recompute), [0.0] * n + [-saving]),
+                (work + start_up, [0.0] * n),
             ]
-            upper = [*upper, sum(count)]
+            return _min_of_max(pieces, upper)
+        # item 9: how many computes run as pairs, P, is a variable too (the last)
+        forward, backward, pair = paired
+        saving = forward + backward - pair
+        lone = work + saving * sum(count)  # the work with every compute run alone
+        widest = max(rooms)  # the least share of the limit one activation takes
+        kept = [forward + self.round_trip(k) + backward for k in ks]
+        redone = [self.least[k] * self._redo(k) + backward for k in ks]
+        held = sum(c * h / room for c, h, room in zip(count, kept, rooms)) + ramps
+        slopes = [(redone[i] - kept[i]) / rooms[i] for i in range(n)]
+        pieces = [(lone + a, [*b, -saving]) for a, b in groups]
+        pieces += [
+            (held, [*slopes, (pair - backward) / widest]),  # each pair's backward side
+            (  # and its forward's, where that microbatch is kept
+                held,
+                [
+                    *(slope - (pair - forward) / widest for slope in slopes),
+                    (2 * pair - forward - backward) / widest,
+                ],
+            ),
+            (lone + start_up, [0.0] * n + [-saving]),
+        ]
+        upper = [*upper, sum(count)]
         return _min_of_max(pieces, upper)
 
     def _pairs_alike(self, ks) -> tuple[float, float, float] | None:
