@@ -25,9 +25,12 @@ fits. Every candidate is a
    rules run again, the best first while time is left, choosing otherwise what to recompute
    (`_variants`: holding whatever fits now, which may get stuck but recomputes less; with
    several chunks a stage, every forward of each stage's lowest chunk, the one held longest),
-   and the best few of those are timed too. List scheduling takes half the time the built-ins
-   leave, evenly over the placements (at least four rules each), but those whose bound the
-   best order found already meets ([Note: hopeless layouts]);
+   and the best few of those are timed too. In a layout a built-in runs in overlapped pairs
+   (DualPipe's, each replica's microbatches through its own segments; DualPipe-V's V), half
+   the rules also run a ready forward and a ready backward as one pair (`F3 +B1`, `_Rule.pairs`).
+   List scheduling takes half the time the built-ins leave, evenly over the placements and
+   those layouts (at least four rules each), but those whose bound the best order found
+   already meets ([Note: hopeless layouts]);
 3. local search from the best (then, while time is left, from the best of each other placement
    and layout in turn, each walk taking at most half the time left while others wait, and
    again from each one's best while a round finds a faster order; none from a layout that
@@ -102,7 +105,7 @@ from typing import ClassVar
 import attrs
 
 from schedcc.compiler import compile, computes
-from schedcc.costs import CostModel
+from schedcc.costs import CostModel, overlapped_pair
 from schedcc.errors import ScheduleConfigError, ScheduleError
 from schedcc.ir import (
     Compute,
@@ -469,11 +472,14 @@ def search(
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
     searcher.offload_seeds()
-    # half the time left, evenly over the placements that might beat the best found
-    todo = [family for family in sized if not searcher.hopeless(family)]
-    for k, family in enumerate(todo):
-        if not searcher.hopeless(family):
-            searcher.list_schedule(family, share=1 / (2 * len(todo) - k))
+    # half the time left, evenly over the placements and the layouts run in overlapped pairs
+    # (DualPipe's) that might beat the best found
+    layouts = searcher.paired_layouts()  # {family: one order of it in pairs}
+    todo = [(f, layouts.pop(f, ())) for f in sized] + list(layouts.items())
+    todo = [(family, pairs) for family, pairs in todo if not searcher.hopeless(family, pairs)]
+    for k, (family, pairs) in enumerate(todo):
+        if not searcher.hopeless(family, pairs):
+            searcher.list_schedule(family, share=1 / (2 * len(todo) - k), pairs=bool(pairs))
     searcher.improve()
     if method == "exact" and searcher.best is not None:
         left = max(started + time_limit - time.monotonic(), 0.25 * time_limit)
@@ -1141,10 +1147,19 @@ class _Searcher:
             if self.evaluate(family, orders, source) is not None:
                 done.add(family)
 
-    def list_schedule(self, family: _Family, share: float) -> None:
-        """Time the best few orders list scheduling makes under many rules, in about `share`
-        of the time left."""
-        rules = _rules(family, self.rng)
+    def paired_layouts(self) -> dict[_Family, tuple]:
+        """Each layout a fitting order runs in overlapped pairs (DualPipe's, DualPipe-V's), and
+        one such order of it: list scheduling pairs computes there too."""
+        out: dict[_Family, tuple] = {}
+        for candidate in self.fitting:
+            if _pairs(candidate.orders):
+                out.setdefault(candidate.family, candidate.orders)
+        return out
+
+    def list_schedule(self, family: _Family, share: float, pairs: bool = False) -> None:
+        """Time the best few orders list scheduling makes under many rules (with `pairs`, with
+        and without overlapped pairs), in about `share` of the time left."""
+        rules = _rules(family, self.rng, pairs)
         budgets = self._budgets(family)
         settings = [(budgets, self.recompute)]
         if self.offload:  # orders over the limit too, offloaded to fit when timed
@@ -1449,17 +1464,21 @@ class _Rule:
     # under a budget, with several chunks a stage: every forward of each stage's lowest chunk
     # (the longest held) is recomputed
     recompute_lowest: bool = False
+    # a forward and a backward both ready run as an overlapped pair (`F3 +B1`)
+    pairs: bool = False
 
 
-def _rules(family: _Family, rng: random.Random) -> list[_Rule]:
-    """The rules list scheduling tries first, in order."""
+def _rules(family: _Family, rng: random.Random, pairs: bool = False) -> list[_Rule]:
+    """The rules list scheduling tries first, in order; with `pairs` (a layout run in
+    overlapped pairs), each with and without pairing in turn."""
     rules = []
     caps = (1.0, 1.5, 2.0, 0.75, 3.0, math.inf, 0.5)
     for cap in caps:
         for backward_first in (True, False):
             for deep in (True, False) if family.num_chunks > 1 else (True,):
                 for eager in (False, True) if family.split else (False,):
-                    rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0))
+                    for paired in (True, False) if pairs else (False,):
+                        rules.append(_Rule(backward_first, eager, deep, cap, 0.0, 0, pairs=paired))
     rules.extend(
         attrs.evolve(rng.choice(rules[:8]), jitter=0.5, seed=rng.randrange(1 << 30))
         for _ in range(8)
@@ -1480,20 +1499,21 @@ def _variants(rule: _Rule, family: _Family, recompute: bool) -> list[_Rule]:
 class _ListScheduler:
     """Builds one order per rule on its own clock: compute costs, a comm cost per hop between
     stages (taken from the sender's time, or with `eager` only in flight), sends that never
-    wait; recomputation where the memory budget asks for it."""
+    wait; recomputation where the memory budget asks for it; each model replica's microbatches
+    through its own segments (DualPipe's layout), and, where the rule says, a forward and a
+    backward ready together run as an overlapped pair."""
 
     def __init__(
         self, p, m, family: _Family, costs: CostModel, budgets, recompute: bool, *, eager=False
     ):
         self.p, self.m, self.family = p, m, family
         self.eager = eager
-        v = family.num_chunks
-        self.place = family.segments(p)
+        self.place = place = family.segments(p)
         # per-stage sizes follow each segment to its stage, as the simulated candidates' do
-        scaled = _per_chunk(costs, v, self.place)
-        self.num_segments = len(self.place)
+        scaled = _per_chunk(costs, family.share, place)
+        self.num_segments = num = len(place)
         self.cost = []
-        for s, c in self.place:
+        for s, c in place:
             model = scaled.at(s, c)
             rec = model.forward if model.recompute is None else model.recompute
             self.cost.append(
@@ -1503,29 +1523,54 @@ class _ListScheduler:
                     "I": model.backward_input,
                     "W": model.backward_weight,
                     "R": rec,
+                    "+B": overlapped_pair(model) - model.forward,  # a pair's beyond its forward
                     "comm": model.comm,
                 }
             )
-        self.act, self.inp = held_sizes(scaled.memory, self.num_segments)
+        self.act, self.inp = held_sizes(scaled.memory, num)
         self.budgets = budgets
         self.recompute = recompute
-        self.by_stage = [[k for k, (s, _) in enumerate(self.place) if s == t] for t in range(p)]
-        # a stage's microbatches in flight are counted at its lowest segment, where they enter
-        self.lowest = [min(ks) for ks in self.by_stage]
-        self.depth = [max(1.0, (self.num_segments - k) / v) for k in self.lowest]
+        # each replica's segments are a block: its microbatches run from `first` to `last`
+        length = num // family.num_replicas
+        self.first = [k - k % length for k in range(num)]
+        self.last = [f + length - 1 for f in self.first]
+        of = family.replicas or (0,) * m
+        self.batches = [[i for i in range(m) if of[i] == k // length] for k in range(num)]
+        self.by_stage = [[k for k, (s, _) in enumerate(place) if s == t] for t in range(p)]
+        # a stage's microbatches in flight are counted where they enter it, for each replica
+        # apart (one replica's may not hold up another's): its lowest segment on the stage;
+        # the cap scales with how deep they go from there
+        self.entering = [
+            k == min(j for j in self.by_stage[s] if self.first[j] == self.first[k])
+            for k, (s, _) in enumerate(place)
+        ]
+        self.depth = [max(1.0, (self.last[k] + 1 - k) / family.share) for k in range(num)]
         self.sends = [  # a compute whose result leaves the stage pays a comm group after it
             {
-                "F": model["comm"] if k + 1 < len(self.place) and self.place[k + 1][0] != s else 0,
-                "B": model["comm"] if k > 0 and self.place[k - 1][0] != s else 0,
+                "F": model["comm"] if k < self.last[k] and place[k + 1][0] != s else 0,
+                "B": model["comm"] if k > self.first[k] and place[k - 1][0] != s else 0,
             }
-            for k, ((s, _), model) in enumerate(zip(self.place, self.cost))
+            for k, ((s, _), model) in enumerate(zip(place, self.cost))
         ]
-        self.stage_act = [sum(self.act[k] for k in ks) for ks in self.by_stage]
+        # entering, a forward keeps room for its replica's later chunks on the stage, and for
+        # one activation of each other replica there (else those may find none and wait on
+        # this one's, which wait on them)
+        self.rest = []
+        for k, (s, _) in enumerate(place):
+            rest = 0.0
+            if self.entering[k]:
+                ours = [j for j in self.by_stage[s] if self.first[j] == self.first[k]]
+                rest = sum(self.act[j] for j in ours if j != k)
+                others = {self.first[j] for j in self.by_stage[s]} - {self.first[k]}
+                for first in others:
+                    rest += max(self.act[j] for j in self.by_stage[s] if self.first[j] == first)
+            self.rest.append(rest)
 
     def run(self, rule: _Rule):
         """`(estimated makespan, orders)`, or None when the rule gets stuck under the budget."""
         p, m, L = self.p, self.m, self.num_segments
         split = self.family.split
+        batches = self.batches
         rng = random.Random(rule.seed)
         # when each forward's and backward's result is there for its consumer (eagerly, a
         # message still in flight when its stage is free again), and when its stage finished it
@@ -1535,24 +1580,26 @@ class _ListScheduler:
         bdone = [[None] * L for _ in range(m)]
         rend = [[None] * L for _ in range(m)]
         recomputed = [[False] * L for _ in range(m)]
-        nf, nb, nw = [0] * L, [0] * L, [0] * L
+        nf, nb = [0] * L, [0] * L
+        weights: list[list[int]] = [[] for _ in range(L)]  # input gradients without their W yet
         free = [0.0] * p
         held = [0.0] * p
-        inflight = [0] * p
+        inflight = [0] * L  # per segment, capped where it enters its stage
         orders: list[list[str]] = [[] for _ in range(p)]
-        cap = [rule.cap * self.depth[s] for s in range(p)]
+        cap = [rule.cap * depth for depth in self.depth]
         budgets = self.budgets
         planning = rule.recompute_lowest and self.recompute and budgets is not None
+        lowest = [min(ks) for ks in self.by_stage]
         planned = [  # forwards always recomputed: each stage's lowest of several chunks
-            planning and len(self.by_stage[s]) > 1 and k == self.lowest[s]
+            planning and len(self.by_stage[s]) > 1 and k == lowest[s]
             for k, (s, _) in enumerate(self.place)
         ]
-        remaining = m * L * (3 if split else 2)
+        remaining = sum(len(b) for b in batches) * (3 if split else 2)
         bcode = "I" if split else "B"
 
         def options(s: int):
-            """`(rank, ready time, code, microbatch, segment)` for each compute stage s could
-            run next (deps known); memory-blocked forwards are left out."""
+            """`(rank, ready time, code, microbatch, segment, recomputed)` for each compute
+            stage s could run next (deps known); memory-blocked forwards are left out."""
             out = []
             # a recomputed activation still to be rebuilt needs its room back before its
             # backward: with `rule.owed`, a forward that would take that room instead is
@@ -1563,33 +1610,35 @@ class _ListScheduler:
                     (
                         self.act[k] - self.inp[k]
                         for k in self.by_stage[s]
-                        if any(recomputed[j][k] and rend[j][k] is None for j in range(nb[k], nf[k]))
+                        if any(
+                            recomputed[j][k] and rend[j][k] is None
+                            for j in batches[k][nb[k] : nf[k]]
+                        )
                     ),
                     default=0.0,
                 )
             for k in self.by_stage[s]:
                 c = self.place[k][1]
-                i = nf[k]
-                entering = k == self.lowest[s]
-                if i < m and (not entering or inflight[s] < cap[s]):
-                    ready = 0.0 if k == 0 else fend[i][k - 1]
+                n = nf[k]
+                if n < len(batches[k]) and (not self.entering[k] or inflight[k] < cap[k]):
+                    i = batches[k][n]
+                    ready = 0.0 if k == self.first[k] else fend[i][k - 1]
                     if ready is not None:
-                        # entering, it keeps room for its later chunks on this stage
-                        rest = self.stage_act[s] - self.act[k] if entering else 0.0
-                        need = self.act[k] + rest + pending
+                        need = self.act[k] + self.rest[k] + pending
                         fits = budgets is None or held[s] + need <= budgets[s] + 1e-9
                         if planned[k]:
                             fits = False
                         rec = False
                         if not fits and self.recompute:
-                            rec = held[s] + self.inp[k] + rest <= budgets[s] + 1e-9
+                            rec = held[s] + self.inp[k] + self.rest[k] <= budgets[s] + 1e-9
                         if fits or rec:
                             depth_rank = -c if rule.deep_forward else c
                             rank = (1 if rule.backward_first else 0, depth_rank)
                             out.append((rank, ready, "F", i, k, rec))
-                i = nb[k]
-                if i < nf[k]:
-                    ready = fend[i][k] if k == L - 1 else bend[i][k + 1]
+                n = nb[k]
+                if n < nf[k]:
+                    i = batches[k][n]
+                    ready = fend[i][k] if k == self.last[k] else bend[i][k + 1]
                     if ready is not None:
                         rank = (0 if rule.backward_first else 1, -k)
                         if recomputed[i][k] and rend[i][k] is None:
@@ -1602,14 +1651,15 @@ class _ListScheduler:
                             if recomputed[i][k]:
                                 ready = max(ready, rend[i][k])
                             out.append((rank, ready, bcode, i, k, False))
-                if split:
-                    i = nw[k]
-                    if i < nb[k]:
-                        rank = (0 if rule.eager_weight else 2, 0)
-                        out.append((rank, bdone[i][k], "W", i, k, False))
+                if weights[k]:
+                    i = weights[k][0]
+                    rank = (0 if rule.eager_weight else 2, 0)
+                    out.append((rank, bdone[i][k], "W", i, k, False))
             return out
 
         def choose(s: int):
+            """`(start, op, partner)`: the compute stage s runs next, when, and with `rule.pairs`
+            the ready compute of the other kind it runs beside it as an overlapped pair."""
             found = options(s)
             if not found:
                 return None
@@ -1617,8 +1667,16 @@ class _ListScheduler:
             ready = [o for o in found if o[1] <= start + 1e-12]
             if rule.jitter:
                 noise = {id(o): rule.jitter * rng.random() for o in ready}
-                return start, min(ready, key=lambda o: (o[0][0] + noise[id(o)], o[0], o[3]))
-            return start, min(ready, key=lambda o: (o[0], o[3]))
+                op = min(ready, key=lambda o: (o[0][0] + noise[id(o)], o[0], o[3]))
+            else:
+                op = min(ready, key=lambda o: (o[0], o[3]))
+            partner = None
+            if rule.pairs and op[2] in ("F", bcode):
+                other = [bcode] if op[2] == "F" else ["F"]
+                partners = [o for o in ready if o[2] in other]
+                if partners:
+                    partner = min(partners, key=lambda o: (o[0], o[3]))
+            return start, op, partner
 
         heap: list = []
         version = [0] * p
@@ -1627,7 +1685,12 @@ class _ListScheduler:
             version[s] += 1
             picked = choose(s)
             if picked is not None:
-                heapq.heappush(heap, (picked[0], s, version[s], picked[1]))
+                start, op, partner = picked
+                heapq.heappush(heap, (start, s, version[s], op, partner))
+
+        def name(code: str, i: int, k: int) -> str:
+            chunk = self.place[k][1]
+            return f"{code}{i}.{chunk}" if chunk else f"{code}{i}"
 
         for s in range(p):
             push(s)
@@ -1635,45 +1698,55 @@ class _ListScheduler:
         while remaining:
             if not heap:
                 return None  # stuck: every stage waits for memory
-            start, s, ver, op = heapq.heappop(heap)
+            start, s, ver, op, partner = heapq.heappop(heap)
             if ver != version[s]:
                 continue
-            _, _, code, i, k, rec = op
-            done = start + self.cost[k][code]
-            end = done + self.sends[k].get("B" if code == "I" else code, 0)
-            free[s] = done if self.eager else end
-            makespan = max(makespan, end)
-            chunk = self.place[k][1]
-            orders[s].append(f"{code}{i}.{chunk}" if chunk else f"{code}{i}")
+            ops = [op] if partner is None else sorted([op, partner], key=lambda o: o[2] != "F")
+            if partner is None:
+                done = start + self.cost[op[4]][op[2]]
+            else:  # the forward's cost, then the backward's rest of the pair
+                done = start + self.cost[ops[0][4]]["F"] + self.cost[ops[1][4]]["+B"]
             touched = {s}
-            if code == "F":
-                nf[k] += 1
-                fend[i][k], fdone[i][k] = end, done
-                inflight[s] += k == self.lowest[s]
-                if rec:
-                    recomputed[i][k] = True
-                    held[s] += self.inp[k]
-                else:
-                    held[s] += self.act[k]
-                if k + 1 < L:
-                    touched.add(self.place[k + 1][0])
-            elif code == "R":
-                rend[i][k] = end
-                held[s] += self.act[k] - self.inp[k]
-                remaining += 1  # an extra compute
-            else:
-                if code == "W":
-                    nw[k] += 1
+            free[s] = done
+            for _, _, code, i, k, rec in ops:
+                kind = "B" if code == "I" else code
+                end = done + self.sends[k].get(kind, 0)
+                if not self.eager:
+                    free[s] = max(free[s], end)
+                makespan = max(makespan, end)
+                paired = partner is not None and code != "F"
+                orders[s].append(name("+B" if paired else code, i, k))
+                if code == "F":
+                    nf[k] += 1
+                    fend[i][k], fdone[i][k] = end, done
+                    inflight[k] += 1
+                    if rec:
+                        recomputed[i][k] = True
+                        held[s] += self.inp[k]
+                    else:
+                        held[s] += self.act[k]
+                    if k < self.last[k]:
+                        touched.add(self.place[k + 1][0])
+                elif code == "R":
+                    rend[i][k] = end
+                    held[s] += self.act[k] - self.inp[k]
+                    remaining += 1  # an extra compute
+                elif code == "W":
+                    weights[k].pop(0)
                     held[s] -= self.act[k]
                 else:
                     nb[k] += 1
                     bend[i][k], bdone[i][k] = end, done
-                    inflight[s] -= k == self.lowest[s]
-                    if not split:
+                    inflight[k] -= 1
+                    if split and not paired:
+                        weights[k].append(i)
+                    else:  # a whole backward (a pair's too) frees the activation
                         held[s] -= self.act[k]
-                    if k > 0:
+                        if split:  # and does its weight gradient's work
+                            remaining -= 1
+                    if k > self.first[k]:
                         touched.add(self.place[k - 1][0])
-            remaining -= 1
+                remaining -= 1
             for t in touched:
                 push(t)
             if not heap:

@@ -110,6 +110,69 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
     event(f"timed {'some' if compared else 'none'}")
 
 
+@given(
+    p=st.integers(2, 4),
+    m=st.sampled_from([2, 4, 6, 8]),
+    name=st.sampled_from(["dualpipe", "dualpipe-v"]),
+    split=st.booleans(),
+    limit=st.none() | st.floats(0.5, 2.5),
+    data=st.data(),
+)
+def test_list_scheduling_in_pairs_keeps_to_its_budget_and_above_the_bound(
+    p, m, name, split, limit, data
+):
+    """List scheduling in DualPipe's layouts (its two replicas, each through its own segments;
+    DualPipe-V's V), by rules that run a ready forward and a ready backward as an overlapped
+    pair and rules that do not, under random per-stage costs, comm and limits: every order it
+    makes compiles (so validates), keeps to its budget, is timed by the quick clock as by the
+    eager simulator, and is no faster than the layout's lower bound with overlapped pairs."""
+    costs = data.draw(stage_costs(p, updates=False))  # the clock leaves them out
+    try:
+        schedule = get_schedule(name)(p, m, 2)
+    except ScheduleError:
+        return  # not at this shape
+    family = _Family.of(schedule, split)
+    searcher = _searcher(p, m, costs, limit, 2)
+    scheduler = _ListScheduler(p, m, family, costs, searcher._budgets(family), True, eager=True)
+    rng = random.Random(data.draw(st.integers(0, 1 << 20)))
+    rules = _rules(family, rng, pairs=True)
+    made = [made[1] for made in map(scheduler.run, rules[:8] + rules[-4:]) if made]
+    bound = lower_bound(p, m, costs, family, overlapped=True, memory_limit=limit,
+                        recompute=True, eager=True)  # fmt: skip
+    for order in made:
+        timeline = searcher._simulate(compile(_found_class(p, m, family, order)(p, m, 2)), family)
+        assert searcher._fits(timeline, family.share), order
+        assert timeline.makespan >= bound - 1e-9, order
+    assert _compare(searcher, searcher._clock(family), family, p, m, 2, made) == len(made)
+    paired = any(text.startswith("+") for order in made for row in order for text in row)
+    event(f"{'some' if paired else 'no'} pairs, {len(made)} orders")
+
+
+def test_list_scheduling_in_pairs_meets_dualpipe_s_bound():
+    """At p = 4, m = 8, 1:2:1, comm 1F, a 1.5x last stage, no limit: list scheduling in
+    DualPipe's layout, pairing a ready forward with a ready backward, makes an order at the
+    layout's lower bound with overlapped pairs, 33.75 (the heavy last stage's work as pairs, 30,
+    and the five of its computes that run alone, before its first backward can and after its
+    last forward), where DualPipe's own order takes 36.5; the search returns it with that
+    bound."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
+                      comm=1.0)  # fmt: skip
+    costs = CostModel(comm=1.0, per_stage={3: heavy})
+    schedule = get_schedule("dualpipe")(4, 8, 2)
+    family = _Family.of(schedule, True)
+    searcher = _searcher(4, 8, costs, None, 2)
+    scheduler = _ListScheduler(4, 8, family, costs, None, True, eager=True)
+    made = [made[1] for made in map(scheduler.run, _rules(family, random.Random(0), pairs=True))]
+    clock = searcher._clock(family)
+    fastest = min(made, key=clock.time)
+    program = compile(_found_class(4, 8, family, fastest)(4, 8, 2))
+    assert simulate(program, costs, eager=True).makespan == pytest.approx(33.75)
+    assert simulate(compile(schedule), costs, eager=True).makespan == pytest.approx(36.5)
+    assert lower_bound(4, 8, costs, family, overlapped=True, eager=True) == pytest.approx(33.75)
+    found = search(4, 8, costs=costs, method="heuristic", time_limit=60, eager=True)
+    assert (found.makespan, found.bound) == pytest.approx((33.75, 33.75))
+
+
 def test_an_overlapped_pair_starts_once_both_inputs_are_there():
     """DualPipe at p = 4, m = 8 with comm 3: its overlapped pairs wait for their backward's
     gradient as well as their forward's activation (53, where a pair that started on its
@@ -310,13 +373,18 @@ def _first_heavy(comm: float) -> CostModel:
     return CostModel(comm=comm, per_stage={0: heavy})
 
 
+def _scheduled(family, *_, pairs: bool = False, **__):
+    """What `list_schedule` works on: a family, in overlapped pairs or not."""
+    return family, ((("+B0",),) if pairs else ())
+
+
 def _recording(monkeypatch, name: str, calls: list, family_of):
     """Wrap `_Searcher.<name>` to record, at each call, the family it works on, whether its
     orders pair forwards with backwards, and the best makespan then."""
     original = getattr(_Searcher, name)
 
     def wrapped(self, *args, **kwargs):
-        family, orders = family_of(*args)
+        family, orders = family_of(*args, **kwargs)
         paired = any(text.startswith("+") for row in orders for text in row)
         calls.append((family, paired, self.best.makespan))
         return original(self, *args, **kwargs)
@@ -332,7 +400,7 @@ def test_no_time_goes_to_a_layout_that_cannot_win(monkeypatch):
     search used to list-schedule the one and walk from the other)."""
     costs = _first_heavy(1.0)
     scheduled, walked = [], []
-    _recording(monkeypatch, "list_schedule", scheduled, lambda family, *_: (family, ()))
+    _recording(monkeypatch, "list_schedule", scheduled, _scheduled)
     _recording(monkeypatch, "_improve_from", walked, lambda c: (c.family, c.orders))
     found = search(4, 8, costs=costs, memory_limit=4.0, recompute=True, method="heuristic",
                    max_evaluations=1000, time_limit=600, eager=True)  # fmt: skip
@@ -357,7 +425,7 @@ def test_a_search_whose_order_meets_every_bound_stops(monkeypatch):
     costs = _first_heavy(1.0)
     calls = []
     for name, family_of in (
-        ("list_schedule", lambda family, *_: (family, ())),
+        ("list_schedule", _scheduled),
         ("_improve_from", lambda c: (c.family, c.orders)),
         ("_solve_exact", lambda job, *_: (_Family(job[0], job[1], True), ())),
     ):
