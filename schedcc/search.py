@@ -49,9 +49,10 @@ fits. Every candidate is a
    climb, and the walk follows in the time left, the clock's eager time choosing which orders
    the simulator times; an order with copies only climbs, on the simulator;
 4. with `method="exact"`: per placement, CP-SAT's best order for a relaxation of the simulator
-   (`schedcc.search_exact`, [Note: the exact model]; with `offload=True`, its offloads too),
-   started from the best order found at that placement, in the time left (then local search
-   from it, if it is the best).
+   (`schedcc.search_exact`, [Note: the exact model]; with `offload=True`, its offloads too;
+   eagerly, and asked for by name, each layout a fitting order runs in overlapped pairs, with
+   pairs: [Note: pairs in the exact model]), started from the best order found at that
+   placement, in the time left (then local search from it, if it is the best).
 
 With `eager=True` every source times its candidates eagerly (`simulate(..., eager=True)`: sends
 that never wait, as the distributed engine runs), list scheduling's clock keeps a send's comm in
@@ -60,7 +61,8 @@ timeline.
 
 `SearchResult.bound` is `schedcc.search_bound.lower_bound` ([Note: the lower bound] there), the
 least over the placements and backward forms searched and the found order's own layout; with
-`method="exact"`, each placement's is the larger of it and CP-SAT's proven bound.
+`method="exact"`, each placement's (and layout's in pairs) is the larger of it and CP-SAT's
+proven bound.
 
 [Note: the exact method's rule] `method="auto"` solves the exact model when ortools is
 installed, no `max_evaluations` is given (CP-SAT under a time limit does not give the same
@@ -449,6 +451,7 @@ def search(
     sized = _sized(families, num_stages, costs.memory)
     chosen = _method(method, num_stages, num_microbatches, families, max_evaluations)
     share = 1.0 if chosen == "heuristic" else _HEURISTIC_SHARE[method]  # the heuristic's time
+    paired = method == "exact"  # the larger models in pairs only where asked for
     method = chosen
     searcher = _Searcher(
         num_stages,
@@ -483,7 +486,7 @@ def search(
     searcher.improve()
     if method == "exact" and searcher.best is not None:
         left = max(started + time_limit - time.monotonic(), 0.25 * time_limit)
-        searcher.exact(sized, time.monotonic() + left, seed)
+        searcher.exact(sized, time.monotonic() + left, seed, pairs=paired)
     best = searcher.final()
     if best is None:
         raise ScheduleConfigError(searcher.nothing_fits())
@@ -684,7 +687,7 @@ class _Searcher:
         self.fitting_builtins: set[str] = set()
         self.least_held: float | None = None
         self.seen: set = set()
-        self.exact_bounds: dict = {}  # (v, vshape, limits) -> (CP-SAT's bound, split model)
+        self.exact_bounds: dict = {}  # (layout, limits) -> (CP-SAT's bound, split model)
         self.family_bounds: dict = {}  # (family, paired, unlimited) -> its lower_bound
         self.family_costs: dict[_Family, CostModel] = {}  # the costs in each family's units
         self.clocks: dict[_Family, QuickClock] = {}
@@ -870,10 +873,15 @@ class _Searcher:
         for family, overlapped, limits in kinds:
             formula = self._lower(family, limits, overlapped=overlapped)
             exact = None
-            if not (family.places or overlapped):  # a layout the model covers
-                solved = [(family.num_chunks, family.vshape, limits)]
+            layouts = []  # the exact jobs that bound this family's orders
+            if not (family.places or overlapped):
+                layouts.append((family.num_chunks, family.vshape))
+            if overlapped or family.places:  # in pairs or not, the paired model holds them
+                layouts.append(attrs.evolve(family, split=False))
+            if layouts:
+                solved = [(layout, limits) for layout in layouts]
                 if self.offload and limits is None:  # solved under the limit with offloads too
-                    solved.append((family.num_chunks, family.vshape, self.limits))
+                    solved += [(layout, self.limits) for layout in layouts]
                 entries = [self.exact_bounds.get(key, (None, False)) for key in solved]
                 # a model of whole backwards only bounds no order of split ones
                 proven = [b for b, split in entries if b is not None and split >= family.split]
@@ -886,7 +894,9 @@ class _Searcher:
                 found.append((formula, "lower_bound"))
         return min(found)
 
-    def hopeless(self, family: _Family, orders=(), *, limited: bool = True) -> bool:
+    def hopeless(
+        self, family: _Family, orders=(), *, limited: bool = True, pairs: bool = False
+    ) -> bool:
         """Whether no order of `family` can be faster than the best found: its lower bound
         (with overlapped pairs where `orders` has them; without the limit where they offload,
         the search may, or not `limited`) is no less.
@@ -900,7 +910,7 @@ class _Searcher:
         (docs/performance.md, "Layouts that cannot win")."""
         if self.best is None:
             return False
-        paired = _pairs(orders)
+        paired = pairs or _pairs(orders)
         limits = None if not limited or self.offload or _offloads(orders) else self.limits
         key = (family, paired, limits is None)
         if key not in self.family_bounds:
@@ -922,11 +932,21 @@ class _Searcher:
             grad_norm=self.options["grad_norm"],
         )
 
-    def exact(self, families: list[_Family], until: float, seed: int) -> None:
+    def exact(
+        self, families: list[_Family], until: float, seed: int, *, pairs: bool = False
+    ) -> None:
         """Solve each placement's exact model ([Note: the search], 4) by `until`, from its
         best order; time its solution, keep its proven bound; local search from it if it is
         the best. Where the best order offloads, its placement without the limit too; where the
-        search may offload, every placement; none whose bound the best order meets.
+        search may offload, every placement; eagerly with `pairs`, each layout a fitting order
+        runs in overlapped pairs, with pairs ([Note: pairs in the exact model] in
+        `schedcc.search_exact`); none whose bound the best order meets.
+
+        `pairs` is `method="exact"`'s, not `"auto"`'s: a model in pairs has a literal per
+        forward and backward that may pair (at p = 4, m = 8, 224 in DualPipe's layout), and in
+        the second or so `"auto"` leaves it at 3 s CP-SAT returns the order it starts from,
+        where local search would have had the time (docs/performance.md, "The exact model in
+        pairs").
 
         [Note: the exact method's time] Half the time goes to every placement in turn (the
         smaller models first, each taking what the ones before left), the other half to the
@@ -934,32 +954,40 @@ class _Searcher:
         is proven or none can beat the best order found: CP-SAT improves with time, and a
         three-way split left each placement too little at m = 8 (docs/performance.md, "Limits
         in bytes")."""
-        splits: dict[tuple[int, bool], set[bool]] = {}
+        # per layout, the backward forms asked: (v, vshape) of a placement, or a layout run in
+        # overlapped pairs (its family, split or not)
+        splits: dict = {}
         for f in families:
             splits.setdefault((f.num_chunks, f.vshape), set()).add(f.split)
+        if pairs and self.eager and not self.offload:
+            for f in self.paired_layouts():
+                if not f.weight_delay:
+                    splits.setdefault(attrs.evolve(f, split=False), set()).add(f.split)
         # the limit in whole-stage microbatches, or in bytes with a memory model
-        todo = [(v, vshape, self.limits) for v, vshape in splits]
+        todo = [(layout, self.limits) for layout in splits]
         own = self.best.family
         if self.limits is not None and self.offload:
             # every placement without the limit too: its bound holds for an order that
             # offloads, its orders are offloaded to fit ([Note: the search's offloads])
-            todo += [(v, vshape, None) for v, vshape in splits]
+            todo += [(layout, None) for layout in splits]
         elif self.limits is not None and _offloads(self.best.orders) and not own.places:
             splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
-            todo.append((own.num_chunks, own.vshape, None))
+            todo.append(((own.num_chunks, own.vshape), None))
         todo = [  # none whose bound the best order meets ([Note: hopeless layouts])
-            (v, vshape, limits)
-            for v, vshape, limits in todo
+            (layout, limits)
+            for layout, limits in todo
             if not all(
-                self.hopeless(_Family(v, vshape, split), limited=limits is not None)
-                for split in splits[v, vshape]
+                self.hopeless(
+                    _of_layout(layout, split), pairs=_paired(layout), limited=limits is not None
+                )
+                for split in splits[layout]
             )
         ]
         if not todo:  # local search has the time instead
             self.deadline = until
             self.improve()
             return
-        todo.sort(key=lambda job: (job[0], job[2] is None))  # the smaller models first
+        todo.sort(key=lambda job: (_of_layout(job[0], False).num_chunks, job[1] is None))
         first = until if len(todo) == 1 else time.monotonic() + (until - time.monotonic()) / 2
         solved = {}
         for left, job in zip(range(len(todo), 0, -1), todo):
@@ -971,24 +999,27 @@ class _Searcher:
             if not solved[job].optimal and solved[job].bound < self.best.makespan * (1 - 1e-9)
         ]
         if len(todo) > 1 and open_jobs:
-            job = min(open_jobs, key=lambda job: (self._fastest_in(job), job[2] is None))
+            job = min(open_jobs, key=lambda job: (self._fastest_in(job[0]), job[1] is None))
             self._solve_exact(job, splits, until - time.monotonic(), seed + 1)
         if self.best is not None and self.best.source.startswith("CP-SAT"):
             self.deadline = until
             self.improve()
 
     def _solve_exact(self, job, splits, seconds: float, seed: int):
-        """Solve placement `job` = `(v, vshape, limits)` for `seconds` from its fastest
-        order; keep the larger bound, time the solution."""
-        v, vshape, limits = job
-        split = any(splits[v, vshape])  # a split model holds whole backwards too
-        family = _Family(v, vshape, split)
+        """Solve `job` = `(layout, limits)` for `seconds` from its layout's fastest order; keep
+        the larger bound, time the solution."""
+        layout, limits = job
+        split = any(splits[layout])  # a split model holds whole backwards too
+        family = _of_layout(layout, split)
         offload = self.offload and limits is not None  # [Note: offloads in the exact model]
         counted = limits if self.costs.memory is None and not offload else None
         # the model ends at the last compute: its bounds without what follows it (`closing`)
         closed = closing(self.costs, self.p, self.options["grad_norm"])
-        lower = min(self._lower(_Family(v, vshape, s), counted) for s in splits[v, vshape])
-        start = self._start_of(v, vshape, limits)
+        lower = min(
+            self._lower(_of_layout(layout, s), counted, overlapped=_paired(layout))
+            for s in splits[layout]
+        )
+        start = self._start_of(layout, limits)
         solution = solve_exact(
             self.p,
             self.m,
@@ -1006,38 +1037,30 @@ class _Searcher:
             num_workers=_EXACT_WORKERS,
             seed=seed,
             eager=self.eager,
+            pairs=_paired(layout),
         )
         known, _ = self.exact_bounds.get(job, (-math.inf, split))
         self.exact_bounds[job] = (max(known, solution.bound), split)
         if solution.orders is not None:
-            form = _Family(v, vshape, _splits(solution.orders))
+            form = attrs.evolve(family, split=_splits(solution.orders))
             source = "CP-SAT" + (" (optimal)" if solution.optimal else "")
             self.evaluate(form, solution.orders, source)
         return solution
 
-    def _fastest_in(self, job) -> float:
-        """The makespan of the fastest fitting candidate of placement `job` (inf: none)."""
-        v, vshape, _ = job
-        return min(
-            (
-                c.makespan
-                for c in self.fitting
-                if (c.family.num_chunks, c.family.vshape) == (v, vshape) and not c.family.places
-            ),
-            default=math.inf,
-        )
+    def _fastest_in(self, layout) -> float:
+        """The makespan of the fastest fitting candidate of `layout` (inf: none)."""
+        return min((c.makespan for c in self.fitting if _in_layout(c, layout)), default=math.inf)
 
-    def _start_of(self, v: int, vshape: bool, limits) -> _Candidate | None:
-        """The fastest candidate of a placement that the exact model can start from (no
-        replicas, overlapped pairs, or offloads unless the model has them: under a limit where
-        the search may offload; fitting the limit it is solved under)."""
+    def _start_of(self, layout, limits) -> _Candidate | None:
+        """The fastest candidate of `layout` that its exact model can start from (overlapped
+        pairs only in a model with them, offloads only under a limit where the search may
+        offload; fitting the limit it is solved under)."""
         fits = [
             c
             for c in self.fitting
-            if (c.family.num_chunks, c.family.vshape) == (v, vshape)
-            and not c.family.places
+            if _in_layout(c, layout)
             and (limits is None or self.offload or not _offloads(c.orders))  # held fewer
-            and not _pairs(c.orders)
+            and (_paired(layout) or not _pairs(c.orders))
         ]
         return min(fits, key=lambda c: c.makespan, default=None)
 
@@ -1442,6 +1465,25 @@ def _pairs(orders) -> bool:
 
 def _splits(orders) -> bool:
     return any(text.startswith("W") for row in orders for text in row)
+
+
+def _paired(layout) -> bool:
+    """Whether an exact job's `layout` is a family run in overlapped pairs (not a placement's
+    `(v, vshape)`)."""
+    return isinstance(layout, _Family)
+
+
+def _of_layout(layout, split: bool) -> _Family:
+    """The family of an exact job's `layout` with the backward form `split`."""
+    return attrs.evolve(layout, split=split) if _paired(layout) else _Family(*layout, split)
+
+
+def _in_layout(candidate, layout) -> bool:
+    """Whether `candidate`'s order is of an exact job's `layout`."""
+    family = candidate.family
+    if _paired(layout):
+        return attrs.evolve(family, split=False) == layout
+    return (family.num_chunks, family.vshape) == layout and not family.places
 
 
 # -- list scheduling ---------------------------------------------------------------------------

@@ -6,7 +6,8 @@ an order that `schedcc.search` compiles and simulates like any other. `ortools` 
 only here, and only when a model is solved: `pip install "schedcc[search]"`.
 
 [Note: the exact model] One CP-SAT model per placement (looped, or V and its waves, any chunks per
-stage) and memory limit, in integer ticks (every cost rounded down). Its variables:
+stage; eagerly, DualPipe's replicas and overlapped pairs too, [Note: pairs in the exact model])
+and memory limit, in integer ticks (every cost rounded down). Its variables:
 - an interval per compute: the forward `F` of each microbatch i on each segment k, its
   backward `B`, or `I` then `W` (with a split backward; a whole `B` stays a choice where it
   costs less than `I + W`, else `I` then `W` back to back does what it does no later), and
@@ -41,13 +42,14 @@ makespan (updates and trailing groups included) is no earlier than any compute's
 such order is a solution of the model with its simulated makespan, rounded down: the model's
 optimum, and CP-SAT's proven bound on it, is at most every order's makespan. It leaves out
 what the rendezvous costs beyond that (a group waiting for partners of other meetings, the
-comm groups the compiler places where both stages are not idle, the updates), overlapped pairs,
-model replicas and a weight delay, and offloads unless asked for: the bound holds for an order
-with those (but offloads, whose held count drops, only without the limit, or with them in the
-model), the model just does not find them.
+comm groups the compiler places where both stages are not idle, the updates), a weight delay,
+and offloads unless asked for: the bound holds for an order with those (but offloads, whose
+held count drops, only without the limit, or with them in the model), the model just does not
+find them. Overlapped pairs it leaves out unless asked for (eagerly): a pair takes less than
+its two computes, so without them the bound is none for an order in pairs.
 Orders with a microbatch's forwards out of step are allowed; where every microbatch costs the
-same, the forwards on the first segment are taken in microbatch order (relabel any solution's
-microbatches by them: the same makespan).
+same, the forwards on each replica's first segment are taken in microbatch order (relabel any
+solution's microbatches by them: the same makespan).
 
 The solution becomes an order: each stage's computes sorted by start, and each crossing's send
 and receive at its meeting (`SA3.1` on one stage, `RA3.1` on the other), so the compiler keeps
@@ -72,6 +74,23 @@ the eager simulator runs each compute no later than the model does (per-chunk co
 the model takes a stage's least), so a proven optimum is the eager makespan
 (tests/simulate/test_search_exact.py checks both).
 
+[Note: pairs in the exact model] With `pairs=True` (eager only) the model covers DualPipe's
+layouts: model replicas, each microbatch through its own replica's block of segments, and
+overlapped pairs (`F3 +B1`, `schedcc.rules.overlap`). Each forward, and each whole backward of
+another microbatch on the same stage, may run as one pair: a literal per candidate pair; its
+interval on the stage, starting where both computes start and ending for both at the pair's
+cost (the forward's, then what the pair's backward takes beyond its own forward,
+`overlapped_pair`, and its receive's take, as the simulators price it); and each of the two
+runs alone or in exactly one pair (a backward in a pair is whole: it frees its activation at
+the pair's end). The forward's output leaves at the pair's end, as the simulators send it, and
+both activations are held across the pair. Every order of the layout that validates and fits,
+in pairs or not, is then a solution with its eager timeline's times, rounded down (a pair at
+its forward's start; `add_hint` reads `F3 +B1` so, and tests/simulate/test_search_exact.py
+checks the built-ins' and list scheduling's orders), so the optimum bounds them all; a
+solution's order writes each pair as `F3 +B1` at its start. Pairs of one microbatch are left
+out: its backward on a stage comes after all its forwards. A layout with a weight delay
+(2BW's) is not modelled.
+
 [Note: offloads in the exact model] With `offload=True` and a limit, each activation that is not
 recomputed may be offloaded (`schedcc.rules.offload`): a literal; an `O` interval and an `L`
 interval on its stage's copy lane (one no-overlap per stage over them, each its copy cost,
@@ -93,17 +112,20 @@ there is nothing to offload for and the model has no copies.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
 
 import attrs
 
-from schedcc.costs import CostModel, segment_takes
+from schedcc.costs import CostModel, overlapped_pair, segment_takes
 from schedcc.errors import ScheduleConfigError
 from schedcc.ir import (
     Compute,
+    Forward,
     Offload,
+    OverlappedBackward,
     RecvActivation,
     RecvGrad,
     Reload,
@@ -181,14 +203,16 @@ def solve_exact(
     num_workers: int = 2,
     seed: int = 0,
     eager: bool = False,
+    pairs: bool = False,
 ) -> ExactSolution:
     """Solve one placement's model ([Note: the exact model]) within `time_limit` seconds.
 
     Args:
         num_stages, num_microbatches: the shape.
         costs: per-stage costs at v = 1 ([Note: tune's units]).
-        family: the placement (`schedcc.search`'s `_Family`, without replicas); its `split`
-            allows split backwards (whole ones stay allowed).
+        family: the placement (`schedcc.search`'s `_Family`: looped, V, or DualPipe's model
+            replicas, each microbatch through its own replica's segments); its `split` allows
+            split backwards (whole ones stay allowed).
         memory_limit: per stage (a number or one per stage): whole-stage microbatch
             activations, or bytes with a `costs.memory` ([Note: bytes in the exact model]);
             None leaves memory out.
@@ -204,18 +228,25 @@ def solve_exact(
         num_workers, seed: CP-SAT's (one worker runs one strategy, and proves far less).
         eager: model the eager timeline (`simulate(..., eager=True)`) instead of the
             rendezvous one ([Note: the eager exact model]).
+        pairs: allow overlapped pairs (`F3 +B1`, DualPipe's; [Note: pairs in the exact
+            model]); eager only.
 
     Raises:
-        ScheduleConfigError: ortools is not installed (the message says how to install it).
+        ScheduleConfigError: ortools is not installed (the message says how to install it),
+            or `pairs` without `eager`.
 
     >>> from schedcc.search import _Family
     >>> found = solve_exact(2, 2, CostModel(), _Family(1, False, False), time_limit=5)
     >>> found.makespan, found.bound, found.optimal
     (9.0, 9.0, True)
     """
+    if pairs and not eager:
+        raise ScheduleConfigError(
+            "solve_exact: overlapped pairs are modelled in the eager timeline only (eager=True)"
+        )
     cp_model = require_ortools()
     started = time.monotonic()
-    built = _Model(cp_model, num_stages, num_microbatches, costs, family, eager=eager)
+    built = _Model(cp_model, num_stages, num_microbatches, costs, family, eager=eager, pairs=pairs)
     room = _room(memory_limit, built, costs, data_parallel=data_parallel, zero=zero)
     built.build(room, recompute, upper, lower, offload=offload and room is not None)
     if hint is not None:
@@ -313,16 +344,22 @@ def _scale(values) -> int:
 class _Model:
     """The CP-SAT model of one placement ([Note: the exact model]) and its variables."""
 
-    def __init__(self, cp_model, p: int, m: int, costs: CostModel, family, *, eager=False):
-        assert family.num_replicas == 1, "the model has no replicas"
-        assert not family.places, "the model has looped and V placements only"
+    def __init__(
+        self, cp_model, p: int, m: int, costs: CostModel, family, *, eager=False, pairs=False
+    ):
         self.model = cp_model.CpModel()
         self.p, self.m, self.split = p, m, family.split
         self.eager = eager  # [Note: the eager exact model]
+        self.paired = pairs  # [Note: pairs in the exact model]
         self.place = family.segments(p)
         self.share = family.share
         self.num_segments = len(self.place)
         self.seg_of = {sc: k for k, sc in enumerate(self.place)}
+        # each model replica's segments are a block; a microbatch runs its replica's
+        length = self.num_segments // family.num_replicas
+        replica = family.replicas or (0,) * m
+        self.blocks = [range(replica[i] * length, (replica[i] + 1) * length) for i in range(m)]
+        self.keys = [(i, k) for i in range(m) for k in self.blocks[i]]
         scaled = _per_chunk(costs, family.share, self.place)
         models = [scaled.at(s, c) for s, c in self.place]
         chunks = max(c for _, c in self.place) + 1
@@ -341,7 +378,7 @@ class _Model:
         self.comm = [tick(c) for c in comm]
         # what a forward's and a backward's messages from another stage add ([Note: a
         # receive's take] in `schedcc.costs`)
-        takes = segment_takes(self.place, models)
+        takes = segment_takes(self.place, models, length)
         self.cost = [
             [
                 {
@@ -350,6 +387,8 @@ class _Model:
                     "I": tick(x.backward_input * a + down),
                     "W": tick(x.backward_weight * a),
                     "R": tick((x.forward if x.recompute is None else x.recompute) * a),
+                    # a pair's backward: what the pair takes beyond its forward
+                    "P": tick((overlapped_pair(x) - x.forward) * a + down),
                 }
                 for x, (up, down) in zip(models, takes, strict=True)
             ]
@@ -363,13 +402,16 @@ class _Model:
         self, room, recompute: bool, upper: float | None, lower: float, *, offload: bool = False
     ) -> None:
         add = self.model
-        serial = sum(sum(c.values()) for row in self.cost for c in row)
-        serial += 2 * self.m * self.num_segments * max(self.comm, default=0)
+        serial = sum(self.cost[i][k][code] for i, k in self.keys for code in "FBIWR")
+        serial += 2 * len(self.keys) * max(self.comm, default=0)
         if offload:
-            serial += self.m * sum(o + r for o, r in self.copy)
+            serial += sum(sum(self.copy[k]) for _, k in self.keys)
         self.horizon = serial if upper is None else min(serial, self.tick(upper))
         self.floor = min(self.tick(lower), self.horizon)
         self.ops = {}  # (code, i, k) -> (start var, size, presence literal or None)
+        self.ends = {}  # (code, i, k) -> its end var, where it may run in a pair
+        self.overlapped = []  # (literal, forward's key, backward's key, the pair's size)
+        self.alone_of = {}  # (code, i, k) -> its literal of running alone, where it may pair
         self.intervals = {}  # (code, i, k) -> its interval variable
         self.spans = {}  # (i, k) -> (backward start, gradient end, last end, whole, recomputed)
         self.held = {}  # (i, k) -> [(held interval's size var, "F" or "R": where it begins)]
@@ -378,24 +420,26 @@ class _Model:
         self.pairs = []  # (literal: the compute before the meeting, its key, meeting index)
         self.copies = {}  # (i, k) -> (offloaded literal, O's issue, O's start, L's start)
         rec = recompute and room is not None
-        for i in range(self.m):
-            for k in range(self.num_segments):
-                self._computes(i, k, rec)
-                if offload:
-                    self._copies(i, k)
+        for i, k in self.keys:
+            self._computes(i, k, rec)
+            if offload:
+                self._copies(i, k)
         for i in range(self.m):
             self._dependencies(i)
         if offload:
             self._copy_lanes()
         self.on_stage = [[key for key in self.ops if self._stage(key) == t] for t in range(self.p)]
-        for keys in self.on_stage:
-            add.add_no_overlap([self._interval(key) for key in keys])
+        pair_intervals = self._pairs() if self.paired else [[] for _ in range(self.p)]
+        for keys, more in zip(self.on_stage, pair_intervals, strict=True):
+            add.add_no_overlap([self._interval(key) for key in keys] + more)
         self._meet()
         if room is not None:
             self._memory(room)
-        if self.alike:
-            for i in range(self.m - 1):
-                add.add(self._start("F", i, 0) <= self._start("F", i + 1, 0))
+        if self.alike:  # each replica's forwards on its first segment in microbatch order
+            for block in {block.start for block in self.blocks}:
+                batch = [i for i in range(self.m) if self.blocks[i].start == block]
+                for i, j in itertools.pairwise(batch):
+                    add.add(self._start("F", i, block) <= self._start("F", j, block))
         add.minimize(self.makespan)
 
     def _stage(self, key) -> int:
@@ -411,6 +455,8 @@ class _Model:
         return self.ops[code, i, k][0]
 
     def _end(self, code, i, k):
+        if (code, i, k) in self.ends:  # it may run in a pair
+            return self.ends[code, i, k]
         start, size, _ = self.ops[code, i, k]
         return start + size
 
@@ -427,20 +473,24 @@ class _Model:
 
     def _computes(self, i: int, k: int, rec: bool) -> None:
         """The intervals of microbatch i on segment k, and its backward's start, gradient's
-        end and last piece's end as `self.spans[i, k]`."""
+        end and last piece's end as `self.spans[i, k]`; with pairs, its forward and whole
+        backward each alone or in a pair ([Note: pairs in the exact model])."""
         add, cost = self.model, self.cost[i][k]
-        self._op("F", i, k)
+        self._op("F", i, k, self._alone("F", i, k))
         whole = None
         if not self.split:
-            self._op("B", i, k)
+            self._op("B", i, k, self._alone("B", i, k))
             span = (self._start("B", i, k), self._end("B", i, k), self._end("B", i, k))
-        elif cost["B"] >= cost["I"] + cost["W"]:
+        elif cost["B"] >= cost["I"] + cost["W"] and not self.paired:
             self._op("I", i, k)
             self._op("W", i, k)
             span = (self._start("I", i, k), self._end("I", i, k), self._end("W", i, k))
-        else:  # a whole backward or its two pieces
+        else:  # a whole backward (alone or, with pairs, in one) or its two pieces
             whole = add.new_bool_var(f"whole{i}.{k}")
-            self._op("B", i, k, whole)
+            alone = self._alone("B", i, k)
+            if alone is not None:
+                add.add_implication(alone, whole)
+            self._op("B", i, k, whole if alone is None else alone)
             self._op("I", i, k, ~whole)
             self._op("W", i, k, ~whole)
             begin, grad, last = (add.new_int_var(0, self.horizon, "") for _ in range(3))
@@ -463,6 +513,51 @@ class _Model:
             add.add(self._start("R", i, k) >= self._end("F", i, k)).only_enforce_if(recomputed)
             add.add(span[0] >= self._end("R", i, k)).only_enforce_if(recomputed)
         self.spans[i, k] = (*span, whole, recomputed)
+
+    def _alone(self, code: str, i: int, k: int):
+        """With pairs, the literal of `(code, i, k)` running alone, and its end as a variable
+        (a pair's end where it runs in one); without, None: it always runs alone."""
+        if not self.paired:
+            return None
+        alone = self.model.new_bool_var(f"alone{code}{i}.{k}")
+        end = self.model.new_int_var(0, self.horizon, f"end{code}{i}.{k}")
+        self.ends[code, i, k] = end
+        self.alone_of[code, i, k] = alone
+        return alone
+
+    def _pairs(self) -> list[list]:
+        """Per stage, the optional interval of each overlapped pair it may run: a forward and a
+        whole backward of another microbatch, starting together and both ending at the pair's
+        end ([Note: pairs in the exact model]). Each forward runs alone or in one pair, each
+        whole backward too."""
+        add = self.model
+        out: list[list] = [[] for _ in range(self.p)]
+        partners: dict[tuple, list] = {key: [] for key in self.alone_of}
+        for t, keys in enumerate(self.on_stage):
+            forwards = [key for key in keys if key[0] == "F"]
+            backwards = [key for key in keys if key[0] == "B"]
+            for f in forwards:
+                for b in backwards:
+                    if f[1] == b[1]:  # a microbatch's backward follows its forward
+                        continue
+                    size = self.cost[f[1]][f[2]]["F"] + self.cost[b[1]][b[2]]["P"]
+                    x = add.new_bool_var("pair{}{}.{}".format(*f) + "{}{}.{}".format(*b))
+                    start = self._start(*f)
+                    add.add(self._start(*b) == start).only_enforce_if(x)
+                    add.add(self.ends[f] == start + size).only_enforce_if(x)
+                    add.add(self.ends[b] == start + size).only_enforce_if(x)
+                    out[t].append(add.new_optional_fixed_size_interval_var(start, size, x, ""))
+                    partners[f].append(x)
+                    partners[b].append(x)
+                    self.overlapped.append((x, f, b, size))
+        for key, lits in partners.items():
+            alone = self.alone_of[key]
+            code, i, k = key
+            start, size, _ = self.ops[key]
+            add.add(self.ends[key] == start + size).only_enforce_if(alone)
+            whole = self.spans[i, k][3] if code == "B" else None
+            add.add(alone + sum(lits) == (1 if whole is None else whole))
+        return out
 
     def _copies(self, i: int, k: int) -> None:
         """Microbatch i's activation on segment k, offloaded or not ([Note: offloads in the
@@ -503,11 +598,11 @@ class _Model:
 
     def _dependencies(self, i: int) -> None:
         """Microbatch i's forwards up, the turn on the last segment, its gradients down; a
-        meeting on each crossing."""
-        last = self.num_segments - 1
-        for k in range(last):
+        meeting on each crossing; through its replica's segments."""
+        block = self.blocks[i]
+        for k in block[:-1]:
             self._link(self._end("F", i, k), self._start("F", i, k + 1), k, k + 1, i)
-        for k in range(last, 0, -1):
+        for k in block[:0:-1]:
             _, grad, _, _, _ = self.spans[i, k]
             self._link(grad, self.spans[i, k - 1][0], k, k - 1, i)
 
@@ -591,9 +686,10 @@ class _Model:
                 interval = add.new_optional_interval_var(begin, size, until, recomputed, "")
                 held[s].append((interval, room.inputs[k]))
         for k in range(self.num_segments):
-            if room.gradients[k]:
+            batch = [i for i in range(self.m) if k in self.blocks[i]]
+            if room.gradients[k] and batch:
                 first = add.new_int_var(0, self.horizon, "")
-                add.add_min_equality(first, [self.spans[i, k][2] for i in range(self.m)])
+                add.add_min_equality(first, [self.spans[i, k][2] for i in batch])
                 size = add.new_int_var(0, self.horizon, "")
                 interval = add.new_interval_var(first, size, self.makespan, "")
                 held[self.place[k][0]].append((interval, room.gradients[k]))
@@ -608,17 +704,25 @@ class _Model:
         """Start from `timeline`'s order: its compute starts, meetings and choices, in ticks
         ([Note: the exact model]: a timeline of the placement is a solution)."""
         starts, posted, copied = {}, {}, {}
+        paired = {}  # a pair's backward's key -> its forward's
+        forward = [None] * self.p  # each stage's last forward
         for stage, op, start, _ in timeline.events:
             k = self.seg_of.get((stage, getattr(op, "chunk", 0)))
             if k is None:
                 return  # another placement
-            if isinstance(op, Compute):
+            if type(op) is OverlappedBackward and self.paired and forward[stage] is not None:
+                key = ("B", op.microbatch, k)
+                paired[key] = forward[stage]
+                starts[key] = starts[forward[stage]]  # the pair starts with its forward
+            elif isinstance(op, Compute):
                 starts[op.code, op.microbatch, k] = self.tick(start)
+                if type(op) is Forward:
+                    forward[stage] = (op.code, op.microbatch, k)
             elif isinstance(op, (SendActivation, RecvActivation, SendGrad, RecvGrad)):
                 posted.setdefault(_transfer(op, k), []).append(self.tick(start))
             elif isinstance(op, (Offload, Reload)):
                 copied[op.code, op.microbatch, k] = self.tick(start)
-        values = self._hint_computes(starts)
+        values = self._hint_computes(starts, paired)
         if values is None:
             return
         for (i, k), (off, _, o_start, l_start) in self.copies.items():
@@ -639,10 +743,11 @@ class _Model:
         for var, value in values.items():
             self.model.add_hint(var, value)
 
-    def _hint_computes(self, starts: dict) -> dict | None:
+    def _hint_computes(self, starts: dict, paired: dict) -> dict | None:
         """Values of the compute variables from `starts` (`(code, i, k)` -> tick; a whole
-        backward is split into I then W where the model has no B), or None where the order
-        has a compute the model lacks (another backward form)."""
+        backward is split into I then W where the model has no B) and `paired` (a pair's
+        backward's key -> its forward's), or None where the order has a compute the model
+        lacks (another backward form)."""
         for (code, i, k), start in list(starts.items()):
             if code == "B" and ("B", i, k) not in self.ops:
                 del starts[code, i, k]
@@ -650,32 +755,40 @@ class _Model:
                 starts["W", i, k] = start + self.cost[i][k]["I"]
         if any(key not in self.ops for key in starts):
             return None
-        values, ends = {}, []
+        values, end = {}, {}
         for key, (var, size, present) in self.ops.items():
             if key in starts:
                 values[var] = starts[key]
-                ends.append(starts[key] + size)
+                end[key] = starts[key] + size
             elif present is None:
                 return None
+        in_pair = {f: b for b, f in paired.items()}
+        for x, f, b, size in self.overlapped:
+            values[x] = int(paired.get(b) == f)
+            if values[x]:
+                end[f] = end[b] = starts[f] + size
+        for key, alone in self.alone_of.items():
+            values[alone] = int(key in starts and key not in paired and key not in in_pair)
+            if key in end:
+                values[self.ends[key]] = end[key]
         for (i, k), (_, _, _, whole, recomputed) in self.spans.items():
             if whole is not None:
                 values[whole] = int(("B", i, k) in starts)
             if recomputed is not None:
                 values[recomputed] = int(("R", i, k) in starts)
-            code = "W" if ("W", i, k) in starts else "B"
-            last = starts[code, i, k] + self.cost[i][k][code]
+            last = end["W" if ("W", i, k) in starts else "B", i, k]
             begins = "R" if ("R", i, k) in starts else "F"
             for size, code in self.held.get((i, k), ()):
                 if code == begins:
                     values[size] = last - starts[code, i, k]
-        values[self.makespan] = max(self.floor, *ends)
+        values[self.makespan] = max(self.floor, *end.values())
         return values
 
     def orders(self, solver) -> tuple[tuple[str, ...], ...]:
-        """Each stage's present computes by start (`F3.1`, `I0`, `R2`), each crossing's send
-        and receive at its meeting (`SA3.1`, `RG0`), so the compiler keeps the model's comm
-        groups instead of placing its own, and each offloaded activation's `O` where it is
-        issued and `L` where its copy starts (`O3.1`, `L3.1`)."""
+        """Each stage's present computes by start (`F3.1`, `I0`, `R2`, a pair `F3.1 +B1`), each
+        crossing's send and receive at its meeting (`SA3.1`, `RG0`), so the compiler keeps the
+        model's comm groups instead of placing its own, and each offloaded activation's `O`
+        where it is issued and `L` where its copy starts (`O3.1`, `L3.1`)."""
         rank = {"F": 0, "R": 1, "B": 2, "I": 2, "W": 3}
         rows: list[list] = [[] for _ in range(self.p)]
         for (code, i, k), (start, size, present) in self.ops.items():
@@ -683,20 +796,26 @@ class _Model:
                 continue
             at = solver.value(start)
             stage, chunk = self.place[k]
-            rows[stage].append(((at, 1, at + size, rank[code], i), _text(code, i, chunk)))
+            rows[stage].append(((at, 1, at + size, rank[code], i), (_text(code, i, chunk),)))
+        for x, (_, i, k), (_, j, n), size in self.overlapped:
+            if solver.boolean_value(x):  # `F3.1 +B1`: the forward, then its pair's backward
+                at = solver.value(self._start("F", i, k))
+                stage, chunk = self.place[k]
+                texts = (_text("F", i, chunk), _text("+B", j, self.place[n][1]))
+                rows[stage].append(((at, 1, at + size, 0, i), texts))
         for n, (meet, s, t, i, k, j) in enumerate(self.meetings):
             at = solver.value(meet)  # before a compute starting then (its consumer)
             send, recv = ("SA", "RA") if j > k else ("SG", "RG")
-            rows[s].append(((at, 0, n), _text(send, i, self.place[k][1])))
-            rows[t].append(((at, 0, n), _text(recv, i, self.place[j][1])))
+            rows[s].append(((at, 0, n), (_text(send, i, self.place[k][1]),)))
+            rows[t].append(((at, 0, n), (_text(recv, i, self.place[j][1]),)))
         after = len(self.meetings)  # a copy after the sends of its time, before its computes
         for (i, k), (off, drop, _, l_start) in self.copies.items():
             if solver.boolean_value(off):
                 stage, chunk = self.place[k]
                 for code, issued in (("O", drop), ("L", l_start)):
                     at = solver.value(issued)
-                    rows[stage].append(((at, 0, after, code == "L"), _text(code, i, chunk)))
-        return tuple(tuple(text for _, text in sorted(row)) for row in rows)
+                    rows[stage].append(((at, 0, after, code == "L"), (_text(code, i, chunk),)))
+        return tuple(tuple(text for _, texts in sorted(row) for text in texts) for row in rows)
 
 
 def _text(code: str, microbatch: int, chunk: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import random
 import sys
 
 import attrs
@@ -21,7 +22,7 @@ from schedcc.backends.reference import assert_matches_reference
 from schedcc.ir import Copy, OverlappedBackward
 from schedcc.passes.insert_offload import ByteLimit
 from schedcc.registry import build_schedule, get_schedule
-from schedcc.search import _Family, _found_class, search
+from schedcc.search import _Family, _found_class, _ListScheduler, _rules, search
 from schedcc.search_bound import lower_bound
 from schedcc.search_exact import ExactSolution, _Model, _room, require_ortools, solve_exact
 from schedcc.tune import _per_chunk
@@ -73,6 +74,19 @@ def _builtin_timelines(
                 yield name, kinds[0], timeline, peak
 
 
+def _as_solution(cp_model, model: _Model, timeline, name: str):
+    """Solve `model` with every variable fixed at `timeline`'s values (`add_hint`): they must
+    be a solution, at no more than its makespan. The solver, for its values."""
+    model.add_hint(timeline)
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.num_workers = 1
+    status = solver.solve(model.model)
+    assert status == cp_model.OPTIMAL, (name, solver.status_name(status))
+    assert solver.objective_value / model.scale <= timeline.makespan + 1e-9, name
+    return solver
+
+
 @settings(max_examples=4)
 @given(p=st.integers(2, 3), m=st.integers(1, 3), data=st.data())
 def test_every_builtin_timeline_is_a_solution_of_the_model(p, m, data):
@@ -92,13 +106,7 @@ def test_every_builtin_timeline_is_a_solution_of_the_model(p, m, data):
     for name, family, timeline, peak in timelines:
         model = _Model(cp_model, p, m, costs, family, eager=eager)
         model.build(_room(peak, model, costs, data_parallel=dp, zero=zero), True, None, 0.0)
-        model.add_hint(timeline)
-        solver = cp_model.CpSolver()
-        solver.parameters.fix_variables_to_their_hinted_value = True
-        solver.parameters.num_workers = 1
-        status = solver.solve(model.model)
-        assert status == cp_model.OPTIMAL, (name, family, solver.status_name(status))
-        assert solver.objective_value / model.scale <= timeline.makespan + 1e-9, name
+        _as_solution(cp_model, model, timeline, name)
 
 
 @settings(max_examples=3)
@@ -348,13 +356,7 @@ def test_every_offloaded_builtin_timeline_is_a_solution_of_the_offload_model(p, 
         peak = max(timeline.peak_activations) / v
         model.build(_room(peak, model, costs, data_parallel=1, zero=0), False, None, 0.0,
                     offload=True)  # fmt: skip
-        model.add_hint(timeline)
-        solver = cp_model.CpSolver()
-        solver.parameters.fix_variables_to_their_hinted_value = True
-        solver.parameters.num_workers = 1
-        status = solver.solve(model.model)
-        assert status == cp_model.OPTIMAL, (name, solver.status_name(status))
-        assert solver.objective_value / model.scale <= timeline.makespan + 1e-9, name
+        _as_solution(cp_model, model, timeline, name)
         timed += 1
     assert timed  # gpipe holds every microbatch: it offloads at m >= 2
 
@@ -470,3 +472,107 @@ def test_the_exact_bound_counts_what_follows_the_last_compute_once(eager):
         program = schedcc.compile(get_schedule(name)(2, 4), grad_norm=True)
         assert found.bound <= schedcc.simulate(program, costs, eager=eager).makespan + 1e-9
     assert found.bound > found.makespan * 0.9  # still a bound worth having
+
+
+def _paired_timelines(p: int, m: int, costs: CostModel, data):
+    """`(name, family, timeline, peak)` of DualPipe and DualPipe-V at (p, m) (with full
+    recomputation or not) and of orders list scheduling makes in their layouts with overlapped
+    pairs, timed eagerly; `peak` in chunk activations (one model replica's chunk each)."""
+    for name in ("dualpipe", "dualpipe-v"):
+        try:
+            schedule = get_schedule(name)(p, m, 2)
+        except ScheduleError:
+            continue
+        family = _Family.of(schedule, True)
+        costs_of = _per_chunk(costs, family.share, family.segments(p))
+        programs = [(name, schedcc.compile(schedule))]
+        if data.draw(st.booleans(), label=f"{name} recomputed"):
+            programs.append((f"{name} recomputed", schedcc.compile(schedule, recompute=True)))
+        scheduler = _ListScheduler(p, m, family, costs, None, False, eager=True)
+        rules = [rule for rule in _rules(family, random.Random(0), pairs=True) if rule.pairs]
+        for rule in data.draw(st.lists(st.sampled_from(rules), min_size=1, max_size=3)):
+            made = scheduler.run(rule)
+            cls = _found_class(p, m, family, made[1])
+            programs.append((f"{name} {rule}", schedcc.compile(cls(p, m, 2))))
+        for label, program in programs:
+            timeline = schedcc.simulate(program, costs_of, eager=True)
+            yield label, family, timeline, max(timeline.peak_activations) / family.share
+
+
+@settings(max_examples=4)
+@given(shape=st.sampled_from([(2, 4), (2, 5), (2, 6), (4, 8)]), data=st.data())
+def test_every_paired_timeline_is_a_solution_of_the_paired_model(shape, data):
+    """[Note: pairs in the exact model]'s argument, checked: each eager timeline of DualPipe's
+    and DualPipe-V's layouts (the built-ins, recomputed or not, and orders list scheduling
+    pairs at random), in ticks, satisfies every constraint of the model with pairs under its
+    own peak as the limit, at no more than its eager makespan; and the pairs it runs are the
+    model's."""
+    cp_model = require_ortools()
+    p, m = shape
+    costs = data.draw(stage_costs(p, updates=False))
+    checked = 0
+    for name, family, timeline, peak in _paired_timelines(p, m, costs, data):
+        model = _Model(cp_model, p, m, costs, family, eager=True, pairs=True)
+        model.build(_room(peak, model, costs, data_parallel=1, zero=0), True, None, 0.0)
+        solver = _as_solution(cp_model, model, timeline, name)
+        ran = sum(isinstance(op, OverlappedBackward) for _, op, _, _ in timeline.events)
+        assert sum(solver.boolean_value(x) for x, *_ in model.overlapped) == ran, name
+        checked += 1
+    assert checked  # DualPipe-V runs at every shape here
+
+
+@pytest.mark.parametrize(("p", "m", "limit"), [(2, 4, None), (2, 4, 2.0)], ids=str)
+def test_a_proven_optimum_in_pairs_is_what_the_eager_simulator_times(p, m, limit):
+    """[Note: pairs in the exact model]: in DualPipe's layout (two replicas, each microbatch
+    through its own), with a heavy last stage and comm, CP-SAT proves an order in overlapped
+    pairs optimal; the eager simulator times it at that optimum, within the limit; it beats
+    the best order without pairs (the model without them, proven too) and DualPipe's own
+    order (which holds more than the limit), and it trains exactly."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
+                      comm=0.2)  # fmt: skip
+    costs = CostModel(comm=0.2, per_stage={p - 1: heavy})
+    schedule = get_schedule("dualpipe")(p, m, 2)
+    family = _Family.of(schedule, True)
+    solve = functools.partial(solve_exact, p, m, costs, family, memory_limit=limit,
+                              recompute=limit is not None, time_limit=60, eager=True)  # fmt: skip
+    found, alone = solve(pairs=True), solve(pairs=False)
+    assert (found.optimal, alone.optimal) == (True, True)
+    assert any(text.startswith("+B") for row in found.orders for text in row)
+    program = schedcc.compile(_found_class(p, m, family, found.orders)(p, m, 2))
+    timeline = schedcc.simulate(program, costs, eager=True)
+    assert timeline.makespan == pytest.approx(found.makespan)
+    if limit is not None:
+        assert max(timeline.peak_activations) <= limit
+    assert found.makespan < alone.makespan - 1e-9
+    own = schedcc.simulate(schedcc.compile(schedule), costs, eager=True)
+    if limit is None:  # DualPipe's own holds 3 a stage here: over the limit of 2
+        assert found.makespan < own.makespan - 1e-9
+    else:
+        assert max(own.peak_activations) > limit
+    twice = _found_class(p, m, family, found.orders)(p, m, 2, num_batches=2)
+    parts = make_segments(p)  # each replica a copy of the model
+    difference = assert_matches_reference(
+        schedcc.compile(twice), parts + parts, mse, sgd, batches(2, 2 * m), atol=1e-10
+    )
+    assert difference <= 1e-10
+
+
+def test_pairs_are_modelled_eagerly_only():
+    with pytest.raises(ScheduleConfigError, match="eager"):
+        solve_exact(2, 2, CostModel(), _Family(1, False, False), pairs=True, time_limit=1)
+
+
+def test_the_exact_search_proves_an_order_in_pairs_optimal():
+    """`search(method="exact", eager=True)` solves the model of DualPipe's layout with pairs
+    where an order of it fits: at p = 2, m = 4, a heavy last stage, the order list scheduling
+    pairs (16.5, below DualPipe's own 17.25) is proven optimal, its bound CP-SAT's; the
+    heuristic alone bounds it at `lower_bound`'s 16.35."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
+                      comm=0.2)  # fmt: skip
+    costs = CostModel(comm=0.2, per_stage={1: heavy})
+    exact = search(2, 4, costs=costs, method="exact", time_limit=30, eager=True)
+    assert any(text.startswith("+B") for row in exact.schedule.orders for text in row.split())
+    assert (exact.makespan, exact.bound, exact.bound_from) == pytest.approx((16.5, 16.5, "CP-SAT"))
+    heuristic = search(2, 4, costs=costs, method="heuristic", time_limit=30, eager=True)
+    assert heuristic.makespan == pytest.approx(16.5)
+    assert heuristic.bound == pytest.approx(16.35)
