@@ -152,6 +152,9 @@ _ROUNDS = 20  # and its restarts in a row without a better order before it stops
 #: The heuristic's share of the time where the exact model is solved too, by the method asked
 #: for ([Note: the exact method's rule]).
 _HEURISTIC_SHARE = {"exact": 0.4, "auto": 0.7}
+#: Under "auto", the seconds CP-SAT needs before the models in pairs are solved too ([Note: the
+#: exact model's pairs] in `_Searcher.exact`).
+_PAIRED_SECONDS = 2.0
 
 
 class FoundOrder(Schedule):
@@ -451,7 +454,8 @@ def search(
     sized = _sized(families, num_stages, costs.memory)
     chosen = _method(method, num_stages, num_microbatches, families, max_evaluations)
     share = 1.0 if chosen == "heuristic" else _HEURISTIC_SHARE[method]  # the heuristic's time
-    paired = method == "exact"  # the larger models in pairs only where asked for
+    # the larger models in pairs where asked for, or given time ([Note: the exact model's pairs])
+    paired = method == "exact" or (1 - share) * time_limit >= _PAIRED_SECONDS
     method = chosen
     searcher = _Searcher(
         num_stages,
@@ -942,11 +946,14 @@ class _Searcher:
         runs in overlapped pairs, with pairs ([Note: pairs in the exact model] in
         `schedcc.search_exact`); none whose bound the best order meets.
 
-        `pairs` is `method="exact"`'s, not `"auto"`'s: a model in pairs has a literal per
-        forward and backward that may pair (at p = 4, m = 8, 224 in DualPipe's layout), and in
-        the second or so `"auto"` leaves it at 3 s CP-SAT returns the order it starts from,
-        where local search would have had the time (docs/performance.md, "The exact model in
-        pairs").
+        [Note: the exact model's pairs] `pairs` is always `method="exact"`'s, and `"auto"`'s
+        where CP-SAT has `_PAIRED_SECONDS` (2 s: a `time_limit` of 6.7 s, the default 10 s
+        among them). A model in pairs has a literal per forward and backward that may pair (at
+        p = 4, m = 8, 224 in DualPipe's layout): in the 0.9 s `"auto"` leaves CP-SAT at 3 s it
+        returned the order it starts from, where local search would have had the time (the
+        p = 4 grid: 9 shapes faster, 10 slower, 0.07% faster on average); in its 3 s at 10 s
+        it found faster orders (m = 8: 9 faster, 3 slower, 0.4% faster on average;
+        docs/performance.md, "The exact model in pairs").
 
         [Note: the exact method's time] Half the time goes to every placement in turn (the
         smaller models first, each taking what the ones before left), the other half to the

@@ -562,11 +562,12 @@ def test_pairs_are_modelled_eagerly_only():
         solve_exact(2, 2, CostModel(), _Family(1, False, False), pairs=True, time_limit=1)
 
 
-def test_the_exact_search_proves_an_order_in_pairs_optimal():
+def test_the_exact_search_proves_an_order_in_pairs_optimal(monkeypatch):
     """`search(method="exact", eager=True)` solves the model of DualPipe's layout with pairs
     where an order of it fits: at p = 2, m = 4, a heavy last stage, the order list scheduling
     pairs (16.5, below DualPipe's own 17.25) is proven optimal, its bound CP-SAT's; the
-    heuristic alone bounds it at `lower_bound`'s 16.35."""
+    heuristic alone bounds it at `lower_bound`'s 16.35. `"auto"` solves it too where CP-SAT
+    has 2 s ([Note: the exact model's pairs]: at the default 10 s), not at 3 s."""
     heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
                       comm=0.2)  # fmt: skip
     costs = CostModel(comm=0.2, per_stage={1: heavy})
@@ -576,3 +577,17 @@ def test_the_exact_search_proves_an_order_in_pairs_optimal():
     heuristic = search(2, 4, costs=costs, method="heuristic", time_limit=30, eager=True)
     assert heuristic.makespan == pytest.approx(16.5)
     assert heuristic.bound == pytest.approx(16.35)
+    module = importlib.import_module("schedcc.search")
+    asked = []
+    solve = module._Searcher.exact
+
+    def exact_and_tell(self, *args, pairs=False, **kwargs):
+        asked.append(pairs)
+        return solve(self, *args, pairs=pairs, **kwargs)
+
+    monkeypatch.setattr(module._Searcher, "exact", exact_and_tell)
+    auto = search(2, 4, costs=costs, time_limit=10, eager=True)
+    assert (auto.method, auto.bound_from, asked) == ("exact", "CP-SAT", [True])
+    short = search(2, 4, costs=costs, time_limit=3, eager=True)
+    assert (short.method, asked) == ("exact", [True, False])
+    assert short.bound == pytest.approx(16.35)
