@@ -474,10 +474,11 @@ def test_the_exact_bound_counts_what_follows_the_last_compute_once(eager):
     assert found.bound > found.makespan * 0.9  # still a bound worth having
 
 
-def _paired_timelines(p: int, m: int, costs: CostModel, data):
+def _paired_timelines(p: int, m: int, costs: CostModel, data, *, dp: int = 1, zero: int = 0):
     """`(name, family, timeline, peak)` of DualPipe and DualPipe-V at (p, m) (with full
     recomputation or not) and of orders list scheduling makes in their layouts with overlapped
-    pairs, timed eagerly; `peak` in chunk activations (one model replica's chunk each)."""
+    pairs, timed eagerly; `peak` in whole-stage microbatches (one model replica's chunk each),
+    or with `costs.memory` each stage's peak bytes."""
     for name in ("dualpipe", "dualpipe-v"):
         try:
             schedule = get_schedule(name)(p, m, 2)
@@ -485,18 +486,20 @@ def _paired_timelines(p: int, m: int, costs: CostModel, data):
             continue
         family = _Family.of(schedule, True)
         costs_of = _per_chunk(costs, family.share, family.segments(p))
-        programs = [(name, schedcc.compile(schedule))]
+        build = functools.partial(schedcc.compile, data_parallel=dp, zero=zero)
+        programs = [(name, build(schedule))]
         if data.draw(st.booleans(), label=f"{name} recomputed"):
-            programs.append((f"{name} recomputed", schedcc.compile(schedule, recompute=True)))
+            programs.append((f"{name} recomputed", build(schedule, recompute=True)))
         scheduler = _ListScheduler(p, m, family, costs, None, False, eager=True)
         rules = [rule for rule in _rules(family, random.Random(0), pairs=True) if rule.pairs]
         for rule in data.draw(st.lists(st.sampled_from(rules), min_size=1, max_size=3)):
             made = scheduler.run(rule)
             cls = _found_class(p, m, family, made[1])
-            programs.append((f"{name} {rule}", schedcc.compile(cls(p, m, 2))))
+            programs.append((f"{name} {rule}", build(cls(p, m, 2))))
         for label, program in programs:
             timeline = schedcc.simulate(program, costs_of, eager=True)
-            yield label, family, timeline, max(timeline.peak_activations) / family.share
+            peak = max(timeline.peak_activations) / family.share
+            yield label, family, timeline, peak if costs.memory is None else timeline.peak_bytes
 
 
 @settings(max_examples=4)
@@ -505,15 +508,20 @@ def test_every_paired_timeline_is_a_solution_of_the_paired_model(shape, data):
     """[Note: pairs in the exact model]'s argument, checked: each eager timeline of DualPipe's
     and DualPipe-V's layouts (the built-ins, recomputed or not, and orders list scheduling
     pairs at random), in ticks, satisfies every constraint of the model with pairs under its
-    own peak as the limit, at no more than its eager makespan; and the pairs it runs are the
-    model's."""
+    own peak as the limit (in microbatches, or its peak bytes per stage under a random memory
+    model, data parallelism and ZeRO), at no more than its eager makespan; and the pairs it
+    runs are the model's."""
     cp_model = require_ortools()
     p, m = shape
     costs = data.draw(stage_costs(p, updates=False))
+    dp, zero = 1, 0
+    if data.draw(st.booleans(), label="in bytes"):  # [Note: bytes in the exact model]
+        costs = attrs.evolve(costs, memory=data.draw(_MEMORY_MODELS))
+        dp, zero = data.draw(st.sampled_from([(1, 0), (2, 1), (2, 2), (2, 3)]), label="dp, zero")
     checked = 0
-    for name, family, timeline, peak in _paired_timelines(p, m, costs, data):
+    for name, family, timeline, peak in _paired_timelines(p, m, costs, data, dp=dp, zero=zero):
         model = _Model(cp_model, p, m, costs, family, eager=True, pairs=True)
-        model.build(_room(peak, model, costs, data_parallel=1, zero=0), True, None, 0.0)
+        model.build(_room(peak, model, costs, data_parallel=dp, zero=zero), True, None, 0.0)
         solver = _as_solution(cp_model, model, timeline, name)
         ran = sum(isinstance(op, OverlappedBackward) for _, op, _, _ in timeline.events)
         assert sum(solver.boolean_value(x) for x, *_ in model.overlapped) == ran, name
