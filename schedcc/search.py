@@ -877,15 +877,13 @@ class _Searcher:
         for family, overlapped, limits in kinds:
             formula = self._lower(family, limits, overlapped=overlapped)
             exact = None
-            layouts = []  # the exact jobs that bound this family's orders
-            if not (family.places or overlapped):
-                layouts.append((family.num_chunks, family.vshape))
-            if overlapped or family.places:  # in pairs or not, the paired model holds them
-                layouts.append(attrs.evolve(family, split=False))
-            if layouts:
-                solved = [(layout, limits) for layout in layouts]
+            # the exact job that bounds this family's orders: a model of a built-in's layout
+            # has pairs, in pairs or not it holds them; a placement's has none
+            layout = attrs.evolve(family, split=False)
+            if _paired(layout) or not overlapped:
+                solved = [(layout, limits)]
                 if self.offload and limits is None:  # solved under the limit with offloads too
-                    solved += [(layout, self.limits) for layout in layouts]
+                    solved.append((layout, self.limits))
                 entries = [self.exact_bounds.get(key, (None, False)) for key in solved]
                 # a model of whole backwards only bounds no order of split ones
                 proven = [b for b, split in entries if b is not None and split >= family.split]
@@ -961,15 +959,14 @@ class _Searcher:
         is proven or none can beat the best order found: CP-SAT improves with time, and a
         three-way split left each placement too little at m = 8 (docs/performance.md, "Limits
         in bytes")."""
-        # per layout, the backward forms asked: (v, vshape) of a placement, or a layout run in
-        # overlapped pairs (its family, split or not)
-        splits: dict = {}
-        for f in families:
-            splits.setdefault((f.num_chunks, f.vshape), set()).add(f.split)
+        # per layout (a family with its backward form left out: a placement, or with `places`
+        # a layout run in overlapped pairs), the backward forms asked
+        splits: dict[_Family, set[bool]] = {}
+        layouts = list(families)
         if pairs and self.eager and not self.offload:
-            for f in self.paired_layouts():
-                if not f.weight_delay:
-                    splits.setdefault(attrs.evolve(f, split=False), set()).add(f.split)
+            layouts += [f for f in self.paired_layouts() if not f.weight_delay]
+        for f in layouts:
+            splits.setdefault(attrs.evolve(f, split=False), set()).add(f.split)
         # the limit in whole-stage microbatches, or in bytes with a memory model
         todo = [(layout, self.limits) for layout in splits]
         own = self.best.family
@@ -978,14 +975,17 @@ class _Searcher:
             # offloads, its orders are offloaded to fit ([Note: the search's offloads])
             todo += [(layout, None) for layout in splits]
         elif self.limits is not None and _offloads(self.best.orders) and not own.places:
-            splits.setdefault((own.num_chunks, own.vshape), set()).add(own.split)
-            todo.append(((own.num_chunks, own.vshape), None))
+            placement = _Family(own.num_chunks, own.vshape, False)
+            splits.setdefault(placement, set()).add(own.split)
+            todo.append((placement, None))
         todo = [  # none whose bound the best order meets ([Note: hopeless layouts])
             (layout, limits)
             for layout, limits in todo
             if not all(
                 self.hopeless(
-                    _of_layout(layout, split), pairs=_paired(layout), limited=limits is not None
+                    attrs.evolve(layout, split=split),
+                    pairs=_paired(layout),
+                    limited=limits is not None,
                 )
                 for split in splits[layout]
             )
@@ -994,7 +994,7 @@ class _Searcher:
             self.deadline = until
             self.improve()
             return
-        todo.sort(key=lambda job: (_of_layout(job[0], False).num_chunks, job[1] is None))
+        todo.sort(key=lambda job: (job[0].num_chunks, job[1] is None))
         first = until if len(todo) == 1 else time.monotonic() + (until - time.monotonic()) / 2
         solved = {}
         for left, job in zip(range(len(todo), 0, -1), todo):
@@ -1017,13 +1017,13 @@ class _Searcher:
         the larger bound, time the solution."""
         layout, limits = job
         split = any(splits[layout])  # a split model holds whole backwards too
-        family = _of_layout(layout, split)
+        family = attrs.evolve(layout, split=split)
         offload = self.offload and limits is not None  # [Note: offloads in the exact model]
         counted = limits if self.costs.memory is None and not offload else None
         # the model ends at the last compute: its bounds without what follows it (`closing`)
         closed = closing(self.costs, self.p, self.options["grad_norm"])
         lower = min(
-            self._lower(_of_layout(layout, s), counted, overlapped=_paired(layout))
+            self._lower(attrs.evolve(layout, split=s), counted, overlapped=_paired(layout))
             for s in splits[layout]
         )
         start = self._start_of(layout, limits)
@@ -1056,7 +1056,10 @@ class _Searcher:
 
     def _fastest_in(self, layout) -> float:
         """The makespan of the fastest fitting candidate of `layout` (inf: none)."""
-        return min((c.makespan for c in self.fitting if _in_layout(c, layout)), default=math.inf)
+        return min(
+            (c.makespan for c in self.fitting if attrs.evolve(c.family, split=False) == layout),
+            default=math.inf,
+        )
 
     def _start_of(self, layout, limits) -> _Candidate | None:
         """The fastest candidate of `layout` that its exact model can start from (overlapped
@@ -1065,7 +1068,7 @@ class _Searcher:
         fits = [
             c
             for c in self.fitting
-            if _in_layout(c, layout)
+            if attrs.evolve(c.family, split=False) == layout
             and (limits is None or self.offload or not _offloads(c.orders))  # held fewer
             and (_paired(layout) or not _pairs(c.orders))
         ]
@@ -1474,23 +1477,10 @@ def _splits(orders) -> bool:
     return any(text.startswith("W") for row in orders for text in row)
 
 
-def _paired(layout) -> bool:
-    """Whether an exact job's `layout` is a family run in overlapped pairs (not a placement's
-    `(v, vshape)`)."""
-    return isinstance(layout, _Family)
-
-
-def _of_layout(layout, split: bool) -> _Family:
-    """The family of an exact job's `layout` with the backward form `split`."""
-    return attrs.evolve(layout, split=split) if _paired(layout) else _Family(*layout, split)
-
-
-def _in_layout(candidate, layout) -> bool:
-    """Whether `candidate`'s order is of an exact job's `layout`."""
-    family = candidate.family
-    if _paired(layout):
-        return attrs.evolve(family, split=False) == layout
-    return (family.num_chunks, family.vshape) == layout and not family.places
+def _paired(layout: _Family) -> bool:
+    """Whether an exact job's `layout` is one run in overlapped pairs (a built-in's, with its
+    `places`), not a placement's."""
+    return bool(layout.places)
 
 
 # -- list scheduling ---------------------------------------------------------------------------

@@ -417,7 +417,7 @@ class _Model:
         self.held = {}  # (i, k) -> [(held interval's size var, "F" or "R": where it begins)]
         self.makespan = add.new_int_var(self.floor, self.horizon, "makespan")
         self.meetings = []  # (var, producer stage, consumer stage, i, k, j)
-        self.pairs = []  # (literal: the compute before the meeting, its key, meeting index)
+        self.sides = []  # (literal: the compute before the meeting, its key, meeting index)
         self.copies = {}  # (i, k) -> (offloaded literal, O's issue, O's start, L's start)
         rec = recompute and room is not None
         for i, k in self.keys:
@@ -639,7 +639,7 @@ class _Model:
                     extra = [] if present is None else [present]
                     add.add(start + size <= meet).only_enforce_if([before, *extra])
                     add.add(start >= meet + length).only_enforce_if([~before, *extra])
-                    self.pairs.append((before, key, n))
+                    self.sides.append((before, key, n))
 
     def _memory(self, room: _Room) -> None:
         """Per stage, at most `room.capacity` held at once ([Note: bytes in the exact model]):
@@ -736,7 +736,7 @@ class _Model:
                 kind, ready = "grad", starts.get(("I", i, k), starts.get(("B", i, k)))
                 ready += self.cost[i][k]["I" if ("I", i, k) in starts else "B"]
             values[meet] = max([*posted.get((kind, i, k), []), ready])
-        for before, key, n in self.pairs:
+        for before, key, n in self.sides:
             start = values.get(self.ops[key][0])
             if start is not None:
                 values[before] = int(start + self.ops[key][1] <= values[self.meetings[n][0]])

@@ -427,7 +427,7 @@ def test_a_search_whose_order_meets_every_bound_stops(monkeypatch):
     for name, family_of in (
         ("list_schedule", _scheduled),
         ("_improve_from", lambda c: (c.family, c.orders)),
-        ("_solve_exact", lambda job, *_: (_Family(job[0], job[1], True), ())),
+        ("_solve_exact", lambda job, *_: (attrs.evolve(job[0], split=True), ())),
     ):
         _recording(monkeypatch, name, calls, family_of)
     found = search(4, 4, costs=costs, recompute=True, method="exact", time_limit=60,
