@@ -1593,11 +1593,13 @@ class _ListScheduler:
         ]
         # entering, a forward keeps room for its replica's later chunks on the stage, and for
         # one activation of each other replica there (else those may find none and wait on
-        # this one's, which wait on them)
+        # this one's, which wait on them); but not the forward of a replica's last segment,
+        # whose backward follows it on the stage and frees it, waiting on no other stage
+        # (keeping room there, DualPipe's stage 0 recomputed its loss segment at once)
         self.rest = []
         for k, (s, _) in enumerate(place):
             rest = 0.0
-            if self.entering[k]:
+            if self.entering[k] and k != self.last[k]:
                 ours = [j for j in self.by_stage[s] if self.first[j] == self.first[k]]
                 rest = sum(self.act[j] for j in ours if j != k)
                 others = {self.first[j] for j in self.by_stage[s]} - {self.first[k]}
@@ -1672,6 +1674,10 @@ class _ListScheduler:
                             rec = held[s] + self.inp[k] + self.rest[k] <= budgets[s] + 1e-9
                         if fits or rec:
                             depth_rank = -c if rule.deep_forward else c
+                            if self.family.num_replicas > 1:
+                                # the replicas in turn, the forward of fewer gone first (by
+                                # chunk alone, one replica's would all go before the other's)
+                                depth_rank += 64 * n
                             rank = (1 if rule.backward_first else 0, depth_rank)
                             out.append((rank, ready, "F", i, k, rec))
                 n = nb[k]

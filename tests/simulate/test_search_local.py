@@ -23,6 +23,7 @@ from schedcc.search import (
     _rules,
     _Searcher,
     _splits,
+    _variants,
     search,
 )
 from schedcc.search_bound import lower_bound
@@ -171,6 +172,29 @@ def test_list_scheduling_in_pairs_meets_dualpipe_s_bound():
     assert lower_bound(4, 8, costs, family, overlapped=True, eager=True) == pytest.approx(33.75)
     found = search(4, 8, costs=costs, method="heuristic", time_limit=60, eager=True)
     assert (found.makespan, found.bound) == pytest.approx((33.75, 33.75))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_list_scheduling_in_dualpipe_s_layout_keeps_room_for_pairs_under_a_limit(split):
+    """At p = 4, m = 8, 1:2:1, a 1.3x first stage, four activations a stage (1F1B's): a
+    replica's last segment keeps no room for the other replica (its backward follows on the
+    stage, freeing it) and the replicas' forwards go in turn, so list scheduling's fastest order
+    in DualPipe's layout takes 31.2 (F/I/W) and 31.4 (F/B) in the simulator; keeping that room,
+    stage 0 recomputed forwards of its loss segment at once, the first replica's went first,
+    and the fastest took 33.15 and 33.9."""
+    heavy = CostModel(forward=1.3, backward=2.6, backward_input=1.3, backward_weight=1.3)
+    costs = CostModel(per_stage={0: heavy})
+    family = _Family.of(get_schedule("dualpipe")(4, 8, 2), split)
+    searcher = _searcher(4, 8, costs, 4.0, 2)
+    budgets = searcher._budgets(family)
+    scheduler = _ListScheduler(4, 8, family, costs, budgets, True, eager=True)
+    rules = _rules(family, random.Random(0), pairs=True)
+    rules += [variant for rule in rules for variant in _variants(rule, family, True)]
+    made = [made[1] for made in map(scheduler.run, rules) if made]
+    fastest = min(made, key=searcher._clock(family).time)
+    timeline = searcher._simulate(compile(_found_class(4, 8, family, fastest)(4, 8, 2)), family)
+    assert searcher._fits(timeline, family.share)
+    assert timeline.makespan == pytest.approx(31.2 if split else 31.4)
 
 
 def test_an_overlapped_pair_starts_once_both_inputs_are_there():
