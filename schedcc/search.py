@@ -1665,12 +1665,17 @@ class _ListScheduler:
                     i = batches[k][n]
                     ready = 0.0 if k == self.first[k] else fend[i][k - 1]
                     if ready is not None:
-                        need = self.act[k] + self.rest[k] + pending
+                        # a replica's last segment: its backward follows on the stage and
+                        # frees its activation, before any rebuilt one needs the room, and
+                        # recomputing it would only repeat it there; so it owes nothing and
+                        # waits where it does not fit
+                        loss = k == self.last[k]
+                        need = self.act[k] + self.rest[k] + (0.0 if loss else pending)
                         fits = budgets is None or held[s] + need <= budgets[s] + 1e-9
                         if planned[k]:
                             fits = False
                         rec = False
-                        if not fits and self.recompute:
+                        if not fits and self.recompute and not loss:
                             rec = held[s] + self.inp[k] + self.rest[k] <= budgets[s] + 1e-9
                         if fits or rec:
                             depth_rank = -c if rule.deep_forward else c

@@ -20,6 +20,7 @@ from schedcc.backends.local import Engine
 from schedcc.backends.reference import assert_matches_reference
 from schedcc.backends.runtime.memory import measure_memory
 from schedcc.cli import main
+from schedcc.ir import Recompute, parse
 from schedcc.registry import get_schedule
 from schedcc.search import FoundOrder, _Family, lower_bound, search
 from tests._models import batches, make_segments, mse, schedule_segments, sgd
@@ -475,7 +476,7 @@ def test_list_scheduling_may_recompute_a_stage_s_longest_held_chunk():
     activations for the whole round trip: list scheduling that recomputes every forward of each
     stage's lowest chunk (`_Rule.recompute_lowest`) and holds the rest beats every rule that
     recomputes only where a forward does not fit, and the search finds it (p = 4, m = 8,
-    1.2 microbatches a stage: 36.75; 39.6 without it)."""
+    1.2 microbatches a stage: the rules' best 36.4 with it, 38.7 without)."""
     import random
 
     from schedcc.search import _ListScheduler, _rules
@@ -487,7 +488,7 @@ def test_list_scheduling_may_recompute_a_stage_s_longest_held_chunk():
     rules = _rules(family, random.Random(0))
     greedy = min(made[0] for made in map(scheduler.run, rules) if made is not None)
     planned = [scheduler.run(attrs.evolve(rule, recompute_lowest=True)) for rule in rules]
-    assert min(made[0] for made in planned if made is not None) < greedy * 0.9
+    assert min(made[0] for made in planned if made is not None) < greedy - 2.0
     found = search(4, 8, num_chunks=2, placement="v", costs=costs, memory_limit=1.2,
                    recompute=True, method="heuristic", max_evaluations=60, eager=True)  # fmt: skip
     assert found.makespan < 37.0
@@ -503,8 +504,10 @@ def test_list_scheduling_may_recompute_a_stage_s_longest_held_chunk():
 )
 def test_list_scheduled_orders_validate_and_keep_to_their_budget(p, m, layout, split, limit, data):
     """Every order list scheduling makes under a limit, by every rule and every way of choosing
-    what to recompute (`_variants`), with random per-stage costs, compiles (so validates) and
-    holds no more chunk activations on any stage than its budget when simulated."""
+    what to recompute (`_variants`), with random per-stage costs, compiles (so validates),
+    holds no more chunk activations on any stage than its budget when simulated, and never
+    recomputes the last segment (its backward follows it on its stage: a recomputation would
+    repeat it there)."""
     import random
 
     from strategies import stage_costs
@@ -527,6 +530,10 @@ def test_list_scheduled_orders_validate_and_keep_to_their_budget(p, m, layout, s
         schedule = _found_class(p, m, family, result[1])(p, m, v)
         timeline = schedcc.simulate(schedcc.compile(schedule), costs)
         assert max(timeline.peak_activations) <= budgets[0] + 1e-9, rule
+        stage, chunk = family.segments(p)[-1]  # the loss's: its backward follows on the stage
+        assert not any(
+            isinstance(op, Recompute) and op.chunk == chunk for op in map(parse, result[1][stage])
+        ), rule
     event("some rule made an order" if made else "every rule got stuck")
 
 
