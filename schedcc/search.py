@@ -1680,9 +1680,9 @@ class _ListScheduler:
                         if fits or rec:
                             depth_rank = -c if rule.deep_forward else c
                             if self.family.num_replicas > 1:
-                                # the replicas in turn, the forward of fewer gone first (by
-                                # chunk alone, one replica's would all go before the other's)
-                                depth_rank += 64 * n
+                                # the replicas in turn: the forward of fewer gone first, then
+                                # by chunk (by chunk alone, one replica's would all go first)
+                                depth_rank += 2 * self.family.num_chunks * n
                             rank = (1 if rule.backward_first else 0, depth_rank)
                             out.append((rank, ready, "F", i, k, rec))
                 n = nb[k]
