@@ -1573,6 +1573,9 @@ class _ListScheduler:
         length = num // family.num_replicas
         self.first = [k - k % length for k in range(num)]
         self.last = [f + length - 1 for f in self.first]
+        # a replica's last segment (the loss): its backward follows its forward on the stage
+        # and frees the activation, waiting on no other stage
+        self.loss = [k == last for k, last in enumerate(self.last)]
         of = family.replicas or (0,) * m
         self.batches = [[i for i in range(m) if of[i] == k // length] for k in range(num)]
         self.by_stage = [[k for k, (s, _) in enumerate(place) if s == t] for t in range(p)]
@@ -1593,13 +1596,12 @@ class _ListScheduler:
         ]
         # entering, a forward keeps room for its replica's later chunks on the stage, and for
         # one activation of each other replica there (else those may find none and wait on
-        # this one's, which wait on them); but not the forward of a replica's last segment,
-        # whose backward follows it on the stage and frees it, waiting on no other stage
-        # (keeping room there, DualPipe's stage 0 recomputed its loss segment at once)
+        # this one's, which wait on them); but not a loss segment's forward, which frees its
+        # own room before any other needs it
         self.rest = []
         for k, (s, _) in enumerate(place):
             rest = 0.0
-            if self.entering[k] and k != self.last[k]:
+            if self.entering[k] and not self.loss[k]:
                 ours = [j for j in self.by_stage[s] if self.first[j] == self.first[k]]
                 rest = sum(self.act[j] for j in ours if j != k)
                 others = {self.first[j] for j in self.by_stage[s]} - {self.first[k]}
@@ -1665,11 +1667,10 @@ class _ListScheduler:
                     i = batches[k][n]
                     ready = 0.0 if k == self.first[k] else fend[i][k - 1]
                     if ready is not None:
-                        # a replica's last segment: its backward follows on the stage and
-                        # frees its activation, before any rebuilt one needs the room, and
-                        # recomputing it would only repeat it there; so it owes nothing and
-                        # waits where it does not fit
-                        loss = k == self.last[k]
+                        # a loss segment's forward frees its room before any rebuilt
+                        # activation needs it, and recomputed it would only be repeated at
+                        # once: it owes nothing and waits where it does not fit
+                        loss = self.loss[k]
                         need = self.act[k] + self.rest[k] + (0.0 if loss else pending)
                         fits = budgets is None or held[s] + need <= budgets[s] + 1e-9
                         if planned[k]:
