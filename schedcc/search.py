@@ -518,10 +518,12 @@ def _method(method, p: int, m: int, families, max_evaluations) -> str:
     if method == "exact":
         require_ortools()
         return method
-    if method == "heuristic" or max_evaluations is not None or not available():
+    if method == "heuristic" or max_evaluations is not None:
         return "heuristic"
     pairs = p * m * max(f.num_chunks for f in families)
-    return "exact" if pairs <= EXACT_MAX_PAIRS else "heuristic"
+    # ortools imported only where the exact model may serve (its import takes about 0.3 s of
+    # the search's time)
+    return "exact" if pairs <= EXACT_MAX_PAIRS and available() else "heuristic"
 
 
 def _seeds(start) -> list[tuple[str, type[Schedule]]]:

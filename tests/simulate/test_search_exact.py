@@ -309,6 +309,19 @@ def test_auto_takes_the_exact_model_for_small_shapes_only():
     assert small.bound >= budget.bound - 1e-9
 
 
+def test_auto_asks_for_ortools_only_where_the_exact_model_may_serve(monkeypatch):
+    """Above `EXACT_MAX_PAIRS` "auto" is the heuristic without asking whether ortools imports
+    (its import takes part of the search's time); at a small shape it asks."""
+    search_module = importlib.import_module("schedcc.search")
+    asked = []
+    monkeypatch.setattr(search_module, "available", lambda: asked.append(True) or True)
+    large = search(4, 17, num_chunks=1, time_limit=0.3, max_evaluations=None)
+    assert search_module.EXACT_MAX_PAIRS < 4 * 17
+    assert (large.method, asked) == ("heuristic", [])
+    small = search(2, 2, num_chunks=1, time_limit=0.3)
+    assert (small.method, asked) == ("exact", [True])
+
+
 def test_the_exact_time_goes_half_to_every_placement_then_to_the_fastest(monkeypatch):
     """[Note: the exact method's time]: each placement's model is solved once, in turn, in
     half the exact model's time; then the placement holding the fastest order is solved again,
