@@ -71,16 +71,25 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    it, then `tail(s)`. And the last forward of k ends after every forward of k and of the
    segments below it on s has run from `head(s)` on; its round trip, its backward and the
    backwards below k (input-gradient pieces, with a split backward) follow.
-7. *Start-up under the limit.* Stage s runs no backward piece before `T1`, the least over its
-   segments k of k's head, a forward and its round trip (item 6). Until then no activation is
-   freed, so the forwards and recomputations that keep theirs take at most what the limit
-   holds at once of the longest of them, `L` (N of them; in bytes a fractional knapsack of
-   `Bs`). The rest of `T1 - head(s) - L`, less the stage's warm-ups (item 2: they may fall
-   there), the stage idles, or runs forwards whose activations it
-   drops and recomputes later at `R` each: the window is at least its work and
-   `min(1, R / (F + t))` of that rest (all of it without `recompute`), where `t` is the
-   forward's take of its input (item 2), which the recomputation, its input at hand, does not
-   repeat. This is why a tight limit
+7. *Start-up.* Stage s runs no backward piece before `T1`, the least over its segments k of
+   k's head, a forward and its round trip (item 6), so until then it runs forwards (its
+   warm-ups, item 2, may fall there too), recomputations or nothing. And no forward of segment
+   k starts before k's head: of its forwards (with their takes) at most `T1 - head(k)` run by
+   `T1`, the forwards whose inputs are there in time, `A`. The rest of `T1 - head(s)`, less
+   the warm-ups and `A`, the stage idles, limit or none: the window is at least its work and
+   that. At p = 8, m = 8, 1:2:1, comm 0.1F, a 1.3x first stage, the V placement's stage 0
+   holds the first segment and the last, whose inputs come back only after a microbatch's
+   whole way down and up (9.05): of the 9.7 before its first backward, its forwards fill 5.85
+   (the 8 of the first segment, 5.2, and one of the last), so the bound is 35.05 where the
+   work alone gave 31.2 (a searched order meets it).
+   Under a limit no activation is freed before `T1` either, so the forwards and recomputations
+   that keep theirs take at most what the limit holds at once of the longest of them, `L` (N
+   of them; in bytes a fractional knapsack of `Bs`), and at most `A`. In the rest of the wait
+   the stage idles, or runs forwards (within `A`) whose activations it drops and recomputes
+   later at `R` each: the window is at least its work, `min(1, R / (F + t))` of what those
+   dropped forwards fill (none without `recompute`), where `t` is the forward's take of its
+   input (item 2), which the recomputation, its input at hand, does not repeat, and the rest
+   of the wait. This is why a tight limit
    costs a stage whose first backward comes late: at p = 4, m = 8, 1:2:1, a 1.3x first stage
    at 0.3x 1F1B's activations, the V placement's stage 0 holds two chunk activations, waits
    4.3 for its first backward and idles or recomputes 3.0 of it (34.2 where the work is 31.2).
@@ -369,6 +378,8 @@ class _Bound:
         window = work + comm * forced
         if rooms is not None:
             window = max(window, self._window(ks, rooms, recompute, work, forced, comm))
+        else:
+            window = max(window, work + self._start_up(ks, None, recompute))
         if self.overlapped:
             window = max(window, work + self._unpaired(ks, head))
         best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
@@ -394,11 +405,13 @@ class _Bound:
         lost = 0.0
         counts = []
         warm = self.warm[self.place[ks[0]][0]]  # warm-ups may fill either stretch too
-        for wait, each in ((first - head - warm, forward), (end - warm, backward)):
-            # the wait is spent idle, recomputing or on lone computes, each at most `each`
-            alone_count = n if each <= 0 else min(n, max(0.0, wait) / each)
-            lost += max(0.0, wait - alone_count * each)
-            counts.append(alone_count)
+        before = ((first - head - warm, forward, self._inputs_by(ks, first)),)
+        for wait, each, most in (*before, (end - warm, backward, math.inf)):
+            # the wait is spent idle, recomputing or on lone computes, each at most `each`,
+            # before the first backward only on forwards whose inputs are there (item 7)
+            filled = 0.0 if each <= 0 else min(max(0.0, wait), n * each, most)
+            lost += max(0.0, wait - filled)
+            counts.append(n if each <= 0 else filled / each)
         return lost + saved * max(counts)
 
     def _alone(self, k: int) -> float:
@@ -512,18 +525,26 @@ class _Bound:
         forward, backward, pair = alike.pop()
         return (forward, backward, pair) if forward + backward > pair else None
 
-    def _start_up(self, ks, rooms: Sequence[float], recompute: bool) -> float:
-        """Item 7: the time stage s loses before its first backward, idle or recomputing."""
+    def _start_up(self, ks, rooms: Sequence[float] | None, recompute: bool) -> float:
+        """Item 7: the time stage s loses before its first backward, idle or recomputing
+        (`rooms`: per segment, the activations the limit holds at once; None: no limit)."""
         first = self._first_backward(ks)
-        longest = [  # a forward with its take
-            self.heaviest[k] * max(self.models[k].forward, self._redo(k)) + self.take_in[k]
-            for k in ks
-        ]
-        short = first - min(self.head(k) for k in ks) - self._most_held(ks, rooms, longest)
-        short -= self.warm[self.place[ks[0]][0]]  # warm-ups may fill the wait too
+        head = min(self.head(k) for k in ks)
+        wait = first - head - self.warm[self.place[ks[0]][0]]  # warm-ups may fill it too
+        if wait <= 0:
+            return 0.0
+        ran = self._inputs_by(ks, first)
+        kept = ran
+        if rooms is not None:
+            longest = [  # a forward with its take
+                self.heaviest[k] * max(self.models[k].forward, self._redo(k)) + self.take_in[k]
+                for k in ks
+            ]
+            kept = min(ran, self._most_held(ks, rooms, longest))
+        short = wait - kept
         if short <= 0:
             return 0.0
-        if not recompute:
+        if not recompute or rooms is None:  # no forward runs but those it keeps
             return short
         # a dropped forward costs its recomputation later, at least this share of the wait it
         # filled: the forward took its input's take there, the recomputation has it at hand
@@ -532,7 +553,19 @@ class _Bound:
             filled = self.least[k] * self.models[k].forward + self.take_in[k]
             if filled > 0:
                 cheapest = min(cheapest, self.least[k] * self._redo(k) / filled)
-        return cheapest * short
+        dropped = min(short, ran - kept)  # forwards run and recomputed later
+        return short - (1 - cheapest) * dropped
+
+    def _inputs_by(self, ks, until: float) -> float:
+        """Item 7's `A`: the most forward work (with its takes) segments `ks` of one stage
+        can run before `until`, each segment's none before its head."""
+        return sum(
+            min(
+                self.total[k] * self.models[k].forward + self.count[k] * self.take_in[k],
+                max(0.0, until - self.head(k)),
+            )
+            for k in ks
+        )
 
     def _first_backward(self, ks) -> float:
         """The earliest a backward of segments `ks` can start: a head, a forward, a round

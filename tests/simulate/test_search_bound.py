@@ -195,12 +195,32 @@ def test_a_late_first_backward_under_a_tight_limit_costs_its_wait():
     assert found.makespan >= 34.2 - 1e-9
 
 
+def test_a_stage_idles_where_no_input_has_come_before_its_first_backward():
+    """Item 7 without a limit: until its first backward a stage runs only forwards, and only
+    those whose inputs have come. At p = 8, m = 8, comm 0.1, 1:2:1 with a 1.3x first stage,
+    the V's stage 0 holds the first segment and the last, whose inputs come back after a
+    microbatch's whole way (9.05): of the 9.7 before its first backward its forwards fill
+    5.85, so the bound is 35.05 where the stage's work is 31.2; a searched order meets it."""
+
+    def model(scale: float) -> CostModel:
+        return CostModel(forward=scale, backward=2 * scale, backward_input=scale,
+                         backward_weight=scale, comm=0.1)  # fmt: skip
+
+    costs = attrs.evolve(model(1.0), per_stage={0: model(1.3)})
+    family = _Family(2, True, True)
+    assert lower_bound(8, 8, costs, family, eager=True) == pytest.approx(35.05)
+    found = search(8, 8, num_chunks=2, placement="v", split_backward=True, costs=costs,
+                   max_evaluations=10, eager=True)  # fmt: skip
+    assert found.bound == pytest.approx(35.05)
+    assert found.makespan == pytest.approx(found.bound)
+
+
 def test_a_forward_dropped_in_the_wait_costs_its_recomputation_not_its_take():
     """Item 7 prices a forward the stage drops while it waits for its first backward at its
     recomputation per unit of the wait it filled, and the forward's take of its input fills
     the wait too (the recomputation has the input at hand): p = 4, m = 4, comm 1, stage 1
     taking 0.5 a message, two activations a stage. An order list scheduling finds runs in
-    27.5, where the bound that priced the whole wait at R / F said 28."""
+    27.5, where the bound that priced the whole wait at R / F said 28; it says 27."""
     base = CostModel(comm=1.0, overlap=0.0)
     costs = attrs.evolve(base, per_stage={
         1: attrs.evolve(base, backward=3.0, backward_weight=2.0, receive=0.5),
@@ -219,7 +239,10 @@ def test_a_forward_dropped_in_the_wait_costs_its_recomputation_not_its_take():
     assert timeline.makespan == pytest.approx(27.5)
     bound = lower_bound(4, 4, costs, family, memory_limit=2.0, eager=True)
     assert bound <= timeline.makespan + 1e-9
-    assert bound == pytest.approx(26.0)  # the wait: 6, two thirds of it repriced
+    # the wait past the two forwards kept: 6; the other two forwards (3 with their takes) run
+    # there and are recomputed, repriced at R / (F + take), and the rest is idle: stage 1 has
+    # only four forwards to run (26.0 where the bound let forwards fill the whole wait)
+    assert bound == pytest.approx(27.0)
 
 
 @given(
