@@ -99,7 +99,8 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    7 (no backward can) or after the stage's last forward (none is left to pair with), where
    the stage waits at least `D`, the least round trip and backward of its segments. So those
    two stretches, less the stage's warm-ups, are idle, recomputation or lone computes
-   (forwards before, backwards after, each at most the longest of its kind), and every
+   (forwards before, within item 7's `A`, backwards after, each at most the longest of its
+   kind), and every
    microbatch whose forward or backward runs
    alone saves nothing: the work is at least item 2's, the least saving times the larger of
    the two counts of lone computes, and what of either stretch the stage's microbatches do
@@ -544,7 +545,7 @@ class _Bound:
         short = wait - kept
         if short <= 0:
             return 0.0
-        if not recompute or rooms is None:  # no forward runs but those it keeps
+        if not recompute or rooms is None:  # none dropped: the rest of the wait is idle
             return short
         # a dropped forward costs its recomputation later, at least this share of the wait it
         # filled: the forward took its input's take there, the recomputation has it at hand
