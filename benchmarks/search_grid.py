@@ -42,7 +42,7 @@ from _stamp import stamp
 
 import schedcc
 from schedcc import CostModel, ScheduleConfigError
-from schedcc.search import placement_name
+from schedcc.search import _pairs, placement_name
 
 RATIOS = {"1:2:1": (1.0, 2.0, 1.0), "1:1.5:0.8": (1.0, 1.5, 0.8)}
 COMMS = (0.0, 0.1, 1.0)
@@ -111,7 +111,7 @@ def run_shape(
     layout = None
     if found is not None:  # its placement, and whether it runs overlapped pairs
         cls = type(found.schedule)
-        paired = any("+B" in stage for stage in cls.orders)
+        paired = _pairs([stage.split() for stage in cls.orders])
         layout = placement_name(cls) + (", pairs" if paired else "")
     return {
         "shape": shape,

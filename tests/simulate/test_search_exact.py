@@ -315,7 +315,7 @@ def test_auto_asks_for_ortools_only_where_the_exact_model_may_serve(monkeypatch)
     search_module = importlib.import_module("schedcc.search")
     asked = []
     monkeypatch.setattr(search_module, "available", lambda: asked.append(True) or True)
-    large = search(4, 17, num_chunks=1, time_limit=0.3, max_evaluations=None)
+    large = search(4, 17, num_chunks=1, time_limit=0.3)
     assert search_module.EXACT_MAX_PAIRS < 4 * 17
     assert (large.method, asked) == ("heuristic", [])
     small = search(2, 2, num_chunks=1, time_limit=0.3)
