@@ -1,8 +1,9 @@
 """`lower_bound`: a makespan no order of a placement and backward form can beat (`schedcc.search`).
 
-[Note: the lower bound] `SearchResult.bound` is the least, over the kinds of order searched (a
-placement and a backward form) and the found order's own layout (DualPipe's replicas, with its
-overlapped pairs), of `lower_bound`: the most, over the stages s, of what stage s alone
+[Note: the lower bound] `SearchResult.bound` is the least, over every layout the search may
+return an order of (each placement and backward form searched, and each layout a built-in
+order fits in: DualPipe's replicas, with its overlapped pairs; [Note: what the bound covers]
+in `schedcc.search`), of `lower_bound`: the most, over the stages s, of what stage s alone
 proves. Every claim below holds in the rendezvous model the simulator times ([Note: the
 rendezvous model] in `schedcc.semantics.units`): a comm group (a maximal run of comm
 instructions on a stage) takes its stage's `comm` once, however many messages it holds, after
