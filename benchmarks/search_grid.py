@@ -213,8 +213,9 @@ def summary(rows) -> None:
         f"them; within 3% of the bound in {len(close)} ({len(close) / max(1, len(done)):.0%}); "
         f"search seconds max {max(r['seconds'] for r in rows):.1f}"
     )
-    # an order in overlapped pairs is bounded by its own layout's bound in pairs too, which
-    # may be lower than the searched placements' ([Note: the lower bound], item 8)
+    # the bound counts every layout an order fitting the limit was found in, DualPipe's in
+    # overlapped pairs among them, lower than the searched placements' where pairs pay
+    # ([Note: what the bound covers] in schedcc/search.py): split by the returned order's
     paired = sum(r["layout"].endswith("pairs") for r in done)
     paired_close = sum(r["layout"].endswith("pairs") for r in close)
     print(
