@@ -13,6 +13,8 @@ fits. Every candidate is a
    2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s: the search
    starts from the best of what exists, and times them all whatever `time_limit` says (an
    eager search on the quick clock of item 3, the simulator timing each layout's fastest);
+   and, while time is left, each that fits only recomputing every forward again, with the
+   recomputations its limit does not need dropped on the quick clock (`fewer_recomputes`);
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -125,7 +127,14 @@ from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
 from schedcc.search_bound import closing, lower_bound
 from schedcc.search_exact import available, require_ortools, solve_exact
-from schedcc.search_local import QuickClock, held_sizes, kick, move, neighbours
+from schedcc.search_local import (
+    QuickClock,
+    fewer_recomputes,
+    held_sizes,
+    kick,
+    move,
+    neighbours,
+)
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, names_one_cut, other_cut, tied_at_cuts
@@ -479,6 +488,8 @@ def search(
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
     searcher.offload_seeds()
+    if recompute:
+        searcher.fewer_recomputes(share=0.2)
     # half the time left, evenly over the placements and the layouts run in overlapped pairs
     # (DualPipe's) that might beat the best found
     layouts = searcher.paired_layouts()  # {family: one order of it in pairs}
@@ -694,6 +705,8 @@ class _Searcher:
         # each runs overlapped pairs, whether one offloads ([Note: what the bound covers])
         self.layouts: dict[_Family, tuple[bool, bool]] = {}
         self.fitting_builtins: set[str] = set()
+        # the built-ins that fit recomputing every forward: (family, orders, name)
+        self.recomputing: list = []
         self.least_held: float | None = None
         self.seen: set = set()
         self.exact_bounds: dict = {}  # (layout, limits) -> (CP-SAT's bound, split model)
@@ -779,6 +792,32 @@ class _Searcher:
             if self.out_of_time():
                 return
             self._offload(family, orders, source, timeline)
+
+    def fewer_recomputes(self, share: float) -> None:
+        """Each built-in that fits recomputing every forward (and not without), timed again
+        with the recomputations its limit does not need dropped (`fewer_recomputes`, on the
+        quick clock): the fastest of each layout first, in at most `share` of the time left."""
+        timed: dict[_Family, list] = {}
+        for family, orders, name in self.recomputing:
+            quick = self._clock(family).time_covered(orders)
+            if quick is not None:  # copies or sends: the simulator alone times them
+                timed.setdefault(family, []).append((quick, orders, name))
+        queue = [
+            (rank, quick, family, orders, name)
+            for family, rows in timed.items()
+            for rank, (quick, orders, name) in enumerate(sorted(rows, key=lambda r: r[0]))
+        ]
+        deadline = self.deadline
+        self.deadline = time.monotonic() + share * max(0.0, deadline - time.monotonic())
+        try:
+            for _, _, family, orders, name in sorted(queue, key=lambda row: row[:2]):
+                if self.out_of_time():
+                    return
+                fewer = fewer_recomputes(orders, self._clock(family), self.out_of_time)
+                if fewer != orders:
+                    self.evaluate(family, fewer, f"{name} with selective recompute")
+        finally:
+            self.deadline = deadline
 
     def _compile(self, family: _Family, orders, offload: ByteLimit | None = None) -> Program:
         schedule = _found_class(self.p, self.m, family, orders)(self.p, self.m, family.num_chunks)
@@ -1172,6 +1211,8 @@ class _Searcher:
                     fits = self.evaluate(form, orders, source, program) is not None
                 if fits:
                     self.fitting_builtins.add((name, v))
+                    if recomputed:
+                        self.recomputing.append((form, orders, name))
         self._time_fastest(waiting, whatever_the_time=True)  # each layout's fastest
 
     def _seed_on_clock(self, family: _Family, orders, source: str, waiting) -> bool | None:

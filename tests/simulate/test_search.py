@@ -275,6 +275,22 @@ def test_half_the_activations_beats_1f1b_with_full_recomputation():
     assert found.makespan < recomputing
 
 
+def test_a_builtin_recomputing_every_forward_keeps_only_the_recomputations_it_needs():
+    """p = 4, m = 8, 1:2:1, a 1.3x first stage, 0.6x 1F1B's activations: DualPipe-V fits only
+    recomputing (39.97 recomputing every forward); kept where the limit needs them, 26 of its
+    64 recomputations, it runs 32.825, in the first evaluations of the search, which list
+    scheduling's best orders (33.8 and above) do not reach."""
+    heavy = CostModel(forward=1.3, backward=2.6, backward_input=1.3, backward_weight=1.3)
+    costs = CostModel(per_stage={0: heavy})
+    found = search(4, 8, costs=costs, memory_limit=2.4, recompute=True, max_evaluations=25,
+                   eager=True)  # fmt: skip
+    assert found.source.startswith("dualpipe-v with selective recompute")
+    assert found.makespan == pytest.approx(32.825)
+    assert max(found.peak_activations) <= 2.4 + 1e-9
+    redone = sum(text.startswith("R") for row in found.schedule.orders for text in row)
+    assert redone == 26
+
+
 def test_an_offloading_builtin_is_kept_with_its_offloads():
     """At 2 microbatches a stage without recomputation only 1F1B-offload fits among the 1F1B
     orders: the found order keeps its offloads and reloads, is no slower, holds no more than

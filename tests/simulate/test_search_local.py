@@ -27,7 +27,7 @@ from schedcc.search import (
     search,
 )
 from schedcc.search_bound import lower_bound
-from schedcc.search_local import _paired, kick, move, same_thread
+from schedcc.search_local import _paired, fewer_recomputes, kick, move, recomputes, same_thread
 
 
 def _searcher(p, m, costs, limit, v):
@@ -509,3 +509,45 @@ def test_the_quick_clock_adds_each_stage_s_optimizer_step():
     timeline = simulate(program, costs, eager=True)
     assert timeline.makespan > without + 1  # the step on stage 1 ends the run
     assert clock.time(orders)[0] == pytest.approx(timeline.makespan)
+
+
+@given(
+    p=st.integers(2, 4),
+    m=st.sampled_from([2, 4, 6, 8]),
+    name=st.sampled_from(["dualpipe", "dualpipe-v", "zb-v", "interleaved-1f1b", "1f1b"]),
+    limit=st.floats(0.5, 2.5),
+    data=st.data(),
+)
+def test_fewer_recomputes_keeps_those_the_limit_needs(p, m, name, limit, data):
+    """From a built-in recomputing every forward, under random per-stage costs and comm and a
+    limit it fits: `fewer_recomputes` drops recomputations only, and the order it returns
+    compiles, fits the limit and runs no slower, the eager simulator timing it as the quick
+    clock does; each recomputation it keeps is over the limit or slower dropped alone."""
+    costs = data.draw(stage_costs(p, updates=False))  # the clock leaves them out
+    v = 1 if name == "1f1b" else 2
+    try:
+        schedule = get_schedule(name)(p, m, v)
+        program = compile(schedule, recompute=True)
+    except ScheduleError:
+        return  # not at this shape
+    orders = _compute_orders(program)
+    family = _Family.of(schedule, _splits(orders))
+    searcher = _searcher(p, m, costs, limit, v)
+    clock = searcher._clock(family)
+    start = clock.time(orders)
+    if start is None:
+        return  # over the limit even so
+    fewer = fewer_recomputes(orders, clock)
+    for row, kept in zip(orders, fewer, strict=True):
+        assert [t for t in row if not recomputes(t)] == [t for t in kept if not recomputes(t)]
+        redone = iter([t for t in row if recomputes(t)])
+        assert all(t in redone for t in kept if recomputes(t))  # some of them, in order
+    end = clock.time(fewer)
+    assert end is not None
+    assert end[0] <= start[0] + 1e-9
+    for s, row in enumerate(fewer):
+        for j in (j for j, text in enumerate(row) if recomputes(text)):
+            alone = clock.time((*fewer[:s], row[:j] + row[j + 1 :], *fewer[s + 1 :]))
+            assert alone is None or alone[0] > end[0] + 1e-9
+    assert _compare(searcher, clock, family, p, m, v, [fewer]) == 1
+    event(f"dropped {'some' if fewer != orders else 'none'}")
