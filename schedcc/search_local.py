@@ -45,7 +45,8 @@ from schedcc.ir import (
 )
 
 __all__ = [
-    "QuickClock", "held_sizes", "kick", "move", "neighbours", "recomputes", "same_thread",
+    "QuickClock", "fewer_recomputes", "held_sizes", "kick", "move", "neighbours", "recomputes",
+    "same_thread",
 ]
 
 _F, _B, _I, _W, _R, _P = range(6)  # _P: an overlapped pair's backward
