@@ -93,15 +93,10 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
     if warm:
         costs = data.draw(warmed_up(costs))
     v = 2 if name in ("dualpipe", "dualpipe-v", "zb-v") else 1
-    try:
-        schedule = get_schedule(name)(p, m, v)
-        program = compile(schedule, recompute=recompute)
-    except ScheduleError:
+    built = _builtin_on_clock(name, p, m, v, costs, limit, recompute)
+    if built is None:
         return  # not at this shape
-    orders = _compute_orders(program)
-    family = _Family.of(schedule, _splits(orders))
-    searcher = _searcher(p, m, costs, limit, v)
-    clock = searcher._clock(family)
+    orders, family, searcher, clock = built
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
     candidates = [orders] + [
         kick(orders, rng, rng.randint(1, 6), recompute=True, pairs=k % 2 == 0) for k in range(6)
@@ -257,6 +252,20 @@ def test_the_quick_clock_in_bytes_never_passes_an_order_that_does_not_fit(
         timeline = searcher._simulate(program, family)
         assert searcher._fits(timeline, family.share), order
         assert quick[0] == pytest.approx(timeline.makespan, rel=1e-9, abs=1e-9)
+
+
+def _builtin_on_clock(name, p, m, v, costs, limit, recompute):
+    """A built-in's computes in its own layout, with a searcher and its quick clock there:
+    `(orders, family, searcher, clock)`, or None where it does not build at this shape."""
+    try:
+        schedule = get_schedule(name)(p, m, v)
+        program = compile(schedule, recompute=recompute)
+    except ScheduleError:
+        return None
+    orders = _compute_orders(program)
+    family = _Family.of(schedule, _splits(orders))
+    searcher = _searcher(p, m, costs, limit, v)
+    return orders, family, searcher, searcher._clock(family)
 
 
 def _compare(searcher, clock, family, p, m, v, candidates) -> int:
@@ -525,15 +534,10 @@ def test_fewer_recomputes_keeps_those_the_limit_needs(p, m, name, limit, data):
     clock does; each recomputation it keeps is over the limit or slower dropped alone."""
     costs = data.draw(stage_costs(p, updates=False))  # the clock leaves them out
     v = 1 if name == "1f1b" else 2
-    try:
-        schedule = get_schedule(name)(p, m, v)
-        program = compile(schedule, recompute=True)
-    except ScheduleError:
+    built = _builtin_on_clock(name, p, m, v, costs, limit, recompute=True)
+    if built is None:
         return  # not at this shape
-    orders = _compute_orders(program)
-    family = _Family.of(schedule, _splits(orders))
-    searcher = _searcher(p, m, costs, limit, v)
-    clock = searcher._clock(family)
+    orders, family, searcher, clock = built
     start = clock.time(orders)
     if start is None:
         return  # over the limit even so
