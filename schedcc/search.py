@@ -710,7 +710,7 @@ class _Searcher:
         self.least_held: float | None = None
         self.seen: set = set()
         self.exact_bounds: dict = {}  # (layout, limits) -> (CP-SAT's bound, split model)
-        self.family_bounds: dict = {}  # (family, paired, unlimited) -> its lower_bound
+        self.family_bounds: dict = {}  # (family, paired, limits) -> its lower_bound
         self.family_costs: dict[_Family, CostModel] = {}  # the costs in each family's units
         self.clocks: dict[_Family, QuickClock] = {}
         # seeds over the limit, to offload once every seed is timed: (makespan, family, orders,
@@ -975,12 +975,16 @@ class _Searcher:
             return False
         paired = pairs or _pairs(orders)
         limits = None if not limited or self.offload or _offloads(orders) else self.limits
-        key = (family, paired, limits is None)
-        if key not in self.family_bounds:
-            self.family_bounds[key] = self._lower(family, limits, overlapped=paired)
-        return self.family_bounds[key] >= self.best.makespan - 1e-9
+        return self._lower(family, limits, overlapped=paired) >= self.best.makespan - 1e-9
 
     def _lower(self, family: _Family, limits, *, overlapped: bool = False) -> float:
+        """`lower_bound` of `family` under `limits` (the search's, or None), once each."""
+        key = (family, overlapped, None if limits is None else tuple(limits))
+        if key not in self.family_bounds:
+            self.family_bounds[key] = self._lower_bound(family, limits, overlapped=overlapped)
+        return self.family_bounds[key]
+
+    def _lower_bound(self, family: _Family, limits, *, overlapped: bool = False) -> float:
         return lower_bound(
             self.p,
             self.m,

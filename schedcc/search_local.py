@@ -308,10 +308,10 @@ def neighbours(orders: Orders, idle: Sequence[float]) -> Iterator[Orders]:
 def fewer_recomputes(orders: Orders, clock: QuickClock, stop=lambda: False) -> Orders:
     """`orders` with recomputations dropped, each stage's all at once and then one at a time
     in order, where the clock still times it within the budgets and no slower, until a pass
-    drops none (or `stop()`): a built-in recomputing every forward keeps those its limit
-    needs. At p = 4, m = 8, 1:2:1, a 1.3x first stage, 0.6x 1F1B's activations, DualPipe-V
-    recomputing all takes 39.97 and keeping 26 of its 64 recomputations 32.825, in 0.04 s:
-    what local search from it reached in 4 s."""
+    drops none or `stop()` (asked before each) says time is up: a built-in recomputing every
+    forward keeps those its limit needs. At p = 4, m = 8, 1:2:1, a 1.3x first stage, 0.6x
+    1F1B's activations, DualPipe-V recomputing all takes 39.97 and keeping 26 of its 64
+    recomputations 32.825, in 0.04 s: what local search from it reached in 4 s."""
     now = clock.time(orders)
     if now is None:
         return orders
@@ -330,6 +330,8 @@ def fewer_recomputes(orders: Orders, clock: QuickClock, stop=lambda: False) -> O
             while j < len(orders[s]):
                 row = orders[s]
                 if recomputes(row[j]):
+                    if stop():
+                        return orders
                     new = (*orders[:s], row[:j] + row[j + 1 :], *orders[s + 1 :])
                     time = clock.time(new)
                     if time is not None and time[0] <= now[0] + 1e-9:

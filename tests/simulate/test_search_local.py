@@ -531,7 +531,8 @@ def test_fewer_recomputes_keeps_those_the_limit_needs(p, m, name, limit, data):
     """From a built-in recomputing every forward, under random per-stage costs and comm and a
     limit it fits: `fewer_recomputes` drops recomputations only, and the order it returns
     compiles, fits the limit and runs no slower, the eager simulator timing it as the quick
-    clock does; each recomputation it keeps is over the limit or slower dropped alone."""
+    clock does; each recomputation it keeps is over the limit or slower dropped alone. Out of
+    time it stops before trying one alone."""
     costs = data.draw(stage_costs(p, updates=False))  # the clock leaves them out
     v = 1 if name == "1f1b" else 2
     built = _builtin_on_clock(name, p, m, v, costs, limit, recompute=True)
@@ -555,3 +556,7 @@ def test_fewer_recomputes_keeps_those_the_limit_needs(p, m, name, limit, data):
             assert alone is None or alone[0] > end[0] + 1e-9
     assert _compare(searcher, clock, family, p, m, v, [fewer]) == 1
     event(f"dropped {'some' if fewer != orders else 'none'}")
+    # out of time once a pass begins: none dropped one at a time, only a stage's all at once
+    asked = iter([False])
+    hurried = fewer_recomputes(orders, clock, stop=lambda: next(asked, True))
+    assert all(new == row or not any(map(recomputes, new)) for row, new in zip(orders, hurried))
