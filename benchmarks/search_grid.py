@@ -215,7 +215,8 @@ def summary(rows) -> None:
     )
     # the bound counts every layout an order fitting the limit was found in, DualPipe's in
     # overlapped pairs among them, lower than the searched placements' where pairs pay
-    # ([Note: what the bound covers] in schedcc/search.py): split by the returned order's
+    # ([Note: what the bound covers] in schedcc/search.py): split by whether the returned
+    # order runs pairs
     paired = sum(r["layout"].endswith("pairs") for r in done)
     paired_close = sum(r["layout"].endswith("pairs") for r in close)
     print(

@@ -979,7 +979,7 @@ class _Searcher:
 
     def _lower(self, family: _Family, limits, *, overlapped: bool = False) -> float:
         """`lower_bound` of `family` under `limits` (the search's, or None), once each."""
-        key = (family, overlapped, None if limits is None else tuple(limits))
+        key = (family, overlapped, limits)
         if key not in self.family_bounds:
             self.family_bounds[key] = self._lower_bound(family, limits, overlapped=overlapped)
         return self.family_bounds[key]

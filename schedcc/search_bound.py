@@ -407,8 +407,11 @@ class _Bound:
         lost = 0.0
         counts = []
         warm = self.warm[self.place[ks[0]][0]]  # warm-ups may fill either stretch too
-        before = ((first - head - warm, forward, self._inputs_by(ks, first)),)
-        for wait, each, most in (*before, (end - warm, backward, math.inf)):
+        stretches = (
+            (first - head - warm, forward, self._inputs_by(ks, first)),
+            (end - warm, backward, math.inf),
+        )
+        for wait, each, most in stretches:
             # the wait is spent idle, recomputing or on lone computes, each at most `each`,
             # before the first backward only on forwards whose inputs are there (item 7)
             filled = 0.0 if each <= 0 else min(max(0.0, wait), n * each, most)

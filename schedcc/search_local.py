@@ -315,13 +315,20 @@ def fewer_recomputes(orders: Orders, clock: QuickClock, stop=lambda: False) -> O
     now = clock.time(orders)
     if now is None:
         return orders
+
+    def kept(s: int, row: tuple[str, ...]) -> bool:
+        """Whether `orders` with stage s's row as `row` fits and is no slower (then kept)."""
+        nonlocal orders, now
+        new = (*orders[:s], row, *orders[s + 1 :])
+        timed = clock.time(new)
+        if timed is None or timed[0] > now[0] + 1e-9:
+            return False
+        orders, now = new, timed
+        return True
+
     for s, row in enumerate(orders):  # first each stage's all at once
-        kept = tuple(text for text in row if not recomputes(text))
-        if kept != row:
-            new = (*orders[:s], kept, *orders[s + 1 :])
-            time = clock.time(new)
-            if time is not None and time[0] <= now[0] + 1e-9:
-                orders, now = new, time
+        if any(map(recomputes, row)):
+            kept(s, tuple(text for text in row if not recomputes(text)))
     dropped = True
     while dropped and not stop():
         dropped = False
@@ -332,10 +339,8 @@ def fewer_recomputes(orders: Orders, clock: QuickClock, stop=lambda: False) -> O
                 if recomputes(row[j]):
                     if stop():
                         return orders
-                    new = (*orders[:s], row[:j] + row[j + 1 :], *orders[s + 1 :])
-                    time = clock.time(new)
-                    if time is not None and time[0] <= now[0] + 1e-9:
-                        orders, now, dropped = new, time, True
+                    if kept(s, row[:j] + row[j + 1 :]):
+                        dropped = True
                         continue  # the entry after it is at j now
                 j += 1
     return orders
