@@ -107,6 +107,16 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    the two counts of lone computes, and what of either stretch the stage's microbatches do
    not fill. DualPipe at p = 4, m = 8, comm 1F, a 1.5x last stage: 33.75 where item 2 alone
    gives 30 (stage 3 waits 7.5 for its first backward).
+   Under a limit, the forwards before the first backward that keep their activations fill
+   at most what the limit holds at once of them (item 7's `L`, of forwards alone: a
+   recomputation there takes a place and is work beyond item 2's). The rest of that stretch
+   is idle or recomputation, or forwards dropped, each one more lone compute and recomputed
+   at item 7's share of what it filled. A kept forward loses less than the idle it fills
+   (a pair saves at most a forward), so the bound keeps as many as the limit holds and
+   drops the number that loses least. DualPipe-V at p = 4, m = 8, 1:2:1, a 1.3x first
+   stage, 0.6x 1F1B's activations: stage 0 waits 4.3 for its first backward and its four
+   chunk activations fill 2.6 of it, so 29.0 where the stretch filled by forwards gave 28.15
+   (the best order found takes 32.8).
 
 9. *Pairs under the limit.* Item 4 prices each held activation as item 2 prices its work,
    every forward and backward run in a pair. But a pair runs as one span (the forward's cost,
@@ -383,15 +393,16 @@ class _Bound:
         else:
             window = max(window, work + self._start_up(ks, None, recompute))
         if self.overlapped:
-            window = max(window, work + self._unpaired(ks, head))
+            window = max(window, work + self._unpaired(ks, head, rooms, recompute))
         best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
         if self.split and not self.overlapped and self.single:
             best = max(best, self._split_end(s, ks, head, forced, rooms))
         return best
 
-    def _unpaired(self, ks, head: float) -> float:
+    def _unpaired(self, ks, head: float, rooms=None, recompute: bool = False) -> float:
         """Item 8: what the stage's work priced as overlapped pairs leaves out before its first
-        backward and after its last forward, where no pair can run."""
+        backward and after its last forward, where no pair can run; under a limit (`rooms`),
+        the forwards before the first backward are those the limit keeps and those dropped."""
         alone = [self._alone(k) for k in ks]
         saved = min(
             self.least[k] * max(0.0, b - (overlapped_pair(self.models[k]) - self.models[k].forward))
@@ -404,20 +415,40 @@ class _Bound:
             self.heaviest[k] * self._longest_backward(k) + self.take_back[k] for k in ks
         )
         n = sum(self.count[k] for k in ks)
-        lost = 0.0
-        counts = []
         warm = self.warm[self.place[ks[0]][0]]  # warm-ups may fill either stretch too
-        stretches = (
-            (first - head - warm, forward, self._inputs_by(ks, first)),
-            (end - warm, backward, math.inf),
-        )
-        for wait, each, most in stretches:
-            # the wait is spent idle, recomputing or on lone computes, each at most `each`,
-            # before the first backward only on forwards whose inputs are there (item 7)
-            filled = 0.0 if each <= 0 else min(max(0.0, wait), n * each, most)
-            lost += max(0.0, wait - filled)
-            counts.append(n if each <= 0 else filled / each)
-        return lost + saved * max(counts)
+        # after the last forward: idle, recomputation or lone backwards, each at most `backward`
+        wait = max(0.0, end - warm)
+        drain = 0.0 if backward <= 0 else min(wait, n * backward)
+        lost = wait - drain
+        last = n if backward <= 0 else drain / backward
+        # before the first backward: idle, recomputation or lone forwards whose inputs are
+        # there (item 7), each at most `forward`
+        wait = max(0.0, first - head - warm)
+        ran = self._inputs_by(ks, first)
+        if forward <= 0:
+            return lost + wait + saved * n
+        if rooms is None:
+            filled = min(wait, n * forward, ran)
+            return lost + (wait - filled) + saved * max(filled / forward, last)
+        # under a limit the forwards that keep their activations fill at most what it holds
+        # at once (none is freed before a backward; fewer, where recomputations hold some
+        # then); the rest of the wait is idle or recomputation, or forwards dropped (with
+        # `recompute`), y of them, each recomputed at `cheapest` of what it filled (item 7):
+        # more kept forwards lose less, so as many as the limit holds are kept
+        takes = [self.heaviest[k] * self.models[k].forward + self.take_in[k] for k in ks]
+        kept = min(wait, ran, self._most_held(ks, rooms, takes))
+        cheapest = 1.0
+        for k in ks:
+            filled = self.least[k] * self.models[k].forward + self.take_in[k]
+            if filled > 0:
+                cheapest = min(cheapest, self.least[k] * self._redo(k) / filled)
+        most = max(0.0, min(wait, ran) - kept) if recompute else 0.0
+
+        def loss(y: float) -> float:
+            return lost + wait - kept - (1 - cheapest) * y + saved * max((kept + y) / forward, last)
+
+        # convex in y: least at an end or where the lone count's maximum turns
+        return min(loss(min(max(0.0, y), most)) for y in (0.0, most, last * forward - kept))
 
     def _alone(self, k: int) -> float:
         """The least a microbatch's backward on segment k takes outside a pair."""

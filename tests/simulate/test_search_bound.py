@@ -388,6 +388,32 @@ def test_lone_computes_beside_overlapped_pairs_are_priced():
     assert found.makespan >= found.bound - 1e-9
 
 
+def test_lone_forwards_before_the_first_backward_are_those_the_limit_holds():
+    """Item 8 under a limit: DualPipe-V at p = 4, m = 8, 1:2:1, a 1.3x first stage, 0.6x
+    1F1B's activations (four chunk activations a stage). Stage 0 waits 4.3 for its first
+    backward; its kept forwards fill 2.6 of it, and the rest is idle or forwards recomputed
+    at their own cost: 29.0, where forwards filling the whole wait gave 28.15. Its own order
+    with recomputation, and the order the search finds, take longer."""
+    costs = CostModel(per_stage={0: CostModel(forward=1.3, backward=2.6, backward_input=1.3,
+                                              backward_weight=1.3)})  # fmt: skip
+    schedule = get_schedule("dualpipe-v")(4, 8, 2)
+    family = _Family.of(schedule, True)
+    for eager in (False, True):
+        unlimited = lower_bound(4, 8, costs, family, overlapped=True, eager=eager)
+        limited = lower_bound(4, 8, costs, family, overlapped=True, memory_limit=2.4,
+                              eager=eager)  # fmt: skip
+        assert unlimited == pytest.approx(28.15)
+        assert limited == pytest.approx(29.0)
+    program = schedcc.compile(schedule, recompute=True)
+    timeline = schedcc.simulate(program, _per_chunk(costs, family.share), eager=True)
+    assert max(timeline.peak_activations) <= 2.4 * family.share
+    assert timeline.makespan >= limited
+    found = search(4, 8, costs=costs, memory_limit=2.4, recompute=True, max_evaluations=40,
+                   eager=True)  # fmt: skip
+    assert found.bound == pytest.approx(29.0)
+    assert found.makespan >= found.bound
+
+
 def test_comm_on_the_round_trip_is_priced():
     """With comm, a middle stage's bound counts the group its round trip forces: the bound
     grows by more than the head and tail hops alone."""
