@@ -37,11 +37,13 @@ fits. Every candidate is a
    and layout in turn, each walk taking at most half the time left while others wait, and
    again from each one's best while a round finds a faster order; none from a layout that
    cannot beat the best), until `time_limit` or `max_evaluations`. The climb: two adjacent
-   computes of a stage swapped or a recomputation dropped, the stages that idle most first, the
-   first move that is faster kept, until none is. With `eager=True` it runs on a quick clock
+   computes of a stage swapped or a recomputation dropped, the stages that idle most first,
+   then a compute moved one or two places on every stage that runs it, the first move that is
+   faster kept, until none is. With `eager=True` it runs on a quick clock
    (`schedcc.search_local`, [Note: the quick clock]), and from its local optimum an iterated
-   local search: random moves (a compute moved up to six places on its stage, a recomputation
-   dropped; in a layout run in overlapped pairs, DualPipe's, a pair made or parted), each kept
+   local search: random moves (a compute moved up to six places on its stage, or on every
+   stage that runs it, a recomputation dropped; in a layout run in overlapped pairs,
+   DualPipe's, a pair made or parted), each kept
    where the clock times it no slower (a lower makespan, or the same with
    the stages ending earlier in sum); after `_PATIENCE` moves without a gain, a few random
    moves away from the best order of the walk (a compute moved, a recomputation added before a
