@@ -433,15 +433,11 @@ class _Bound:
         # under a limit the forwards that keep their activations fill at most what it holds
         # at once (none is freed before a backward; fewer, where recomputations hold some
         # then); the rest of the wait is idle or recomputation, or forwards dropped (with
-        # `recompute`), y of them, each recomputed at `cheapest` of what it filled (item 7):
+        # `recompute`) filling y of it, recomputed later at `cheapest` of that (item 7):
         # more kept forwards lose less, so as many as the limit holds are kept
         takes = [self.heaviest[k] * self.models[k].forward + self.take_in[k] for k in ks]
         kept = min(wait, ran, self._most_held(ks, rooms, takes))
-        cheapest = 1.0
-        for k in ks:
-            filled = self.least[k] * self.models[k].forward + self.take_in[k]
-            if filled > 0:
-                cheapest = min(cheapest, self.least[k] * self._redo(k) / filled)
+        cheapest = self._cheapest_redo(ks)
         most = max(0.0, min(wait, ran) - kept) if recompute else 0.0
 
         def loss(y: float) -> float:
@@ -582,15 +578,19 @@ class _Bound:
             return 0.0
         if not recompute or rooms is None:  # none dropped: the rest of the wait is idle
             return short
-        # a dropped forward costs its recomputation later, at least this share of the wait it
-        # filled: the forward took its input's take there, the recomputation has it at hand
+        dropped = min(short, ran - kept)  # forwards run and recomputed later
+        return short - (1 - self._cheapest_redo(ks)) * dropped
+
+    def _cheapest_redo(self, ks) -> float:
+        """The least share, over segments `ks`, of what a dropped forward filled of its
+        stage's wait that its recomputation costs later (at most 1): the forward took its
+        input's take there, the recomputation has it at hand (item 7)."""
         cheapest = 1.0
         for k in ks:
             filled = self.least[k] * self.models[k].forward + self.take_in[k]
             if filled > 0:
                 cheapest = min(cheapest, self.least[k] * self._redo(k) / filled)
-        dropped = min(short, ran - kept)  # forwards run and recomputed later
-        return short - (1 - cheapest) * dropped
+        return cheapest
 
     def _inputs_by(self, ks, until: float) -> float:
         """Item 7's `A`: the most forward work (with its takes) segments `ks` of one stage
