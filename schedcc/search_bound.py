@@ -399,7 +399,7 @@ class _Bound:
             best = max(best, self._split_end(s, ks, head, forced, rooms))
         return best
 
-    def _unpaired(self, ks, head: float, rooms=None, recompute: bool = False) -> float:
+    def _unpaired(self, ks, head: float, rooms, recompute: bool) -> float:
         """Item 8: what the stage's work priced as overlapped pairs leaves out before its first
         backward and after its last forward, where no pair can run; under a limit (`rooms`),
         the forwards before the first backward are those the limit keeps and those dropped."""

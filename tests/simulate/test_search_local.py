@@ -557,7 +557,8 @@ def test_a_forward_run_later_on_every_stage_beats_interleaved_zb():
     one_stage = [new for new in neighbours(orders, idle) if sum(
         a != b for a, b in zip(new, orders)) == 1]  # fmt: skip
     assert one_stage
-    assert all(clock.time(new) is None or clock.time(new)[0] >= before - 1e-9 for new in one_stage)
+    timed = [clock.time(new) for new in one_stage]
+    assert all(t is None or t[0] >= before - 1e-9 for t in timed)
     later = moved_everywhere(orders, "F7", 2)
     assert clock.time(later)[0] == pytest.approx(33.5)
     program = compile(_found_class(8, 8, family, later)(8, 8, 2))
