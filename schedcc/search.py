@@ -34,12 +34,13 @@ fits. Every candidate is a
    those layouts (at least four rules each), but those whose bound the best order found
    already meets ([Note: hopeless layouts]);
 3. local search from the best (then, while time is left, from the best of each other placement
-   and layout in turn, each walk taking at most half the time left while others wait, and
-   again from each one's best while a round finds a faster order; none from a layout that
-   cannot beat the best), until `time_limit` or `max_evaluations`. The climb: two adjacent
-   computes of a stage swapped or a recomputation dropped, the stages that idle most first,
-   then a compute moved one or two places on every stage that runs it, the first move that is
-   faster kept, until none is. With `eager=True` it runs on a quick clock
+   and layout in turn, and of each layout list scheduling's best order and the best given one
+   apart, [Note: a walk from each origin]; each walk taking at most half the time left while
+   others wait, and again from each one's best while a round finds a faster order; none from
+   a layout that cannot beat the best), until `time_limit` or `max_evaluations`. The climb:
+   two adjacent computes of a stage swapped or a recomputation dropped, the stages that idle
+   most first, then a compute moved one or two places on every stage that runs it, the first
+   move that is faster kept, until none is. With `eager=True` it runs on a quick clock
    (`schedcc.search_local`, [Note: the quick clock]), and from its local optimum an iterated
    local search: random moves (a compute moved up to six places on its stage, or on every
    stage that runs it, a recomputation dropped; in a layout run in overlapped pairs,
@@ -700,6 +701,8 @@ class _Searcher:
         self.deadline, self.max_evals, self.rng = deadline, max_evals, rng
         self.evaluations = 0
         self.moves = 0  # orders local search timed on the quick clock
+        # at most this many, where the evaluations are counted (a walk's share of them)
+        self.max_moves = math.inf if max_evals is None else 20 * max_evals
         self.slowest = 0.0  # seconds of the slowest timing, compile included
         self.best: _Candidate | None = None
         self.fitting: list[_Candidate] = []
@@ -1358,14 +1361,14 @@ class _Searcher:
         half the time left while others wait, and again from each layout's best while a round
         finds a faster order; none from a layout whose bound the best order found already
         meets ([Note: hopeless layouts])."""
-        deadline = self.deadline
-        begun: set[_Family] = set()
+        deadline, max_moves = self.deadline, self.max_moves
+        begun: set[tuple[_Family, bool]] = set()
         best = self.best
         while not self.out_of_time():
             starts = [
                 c
                 for c in self.fitting
-                if c.family not in begun and not self.hopeless(c.family, c.orders)
+                if _origin(c) not in begun and not self.hopeless(c.family, c.orders)
             ]
             if not starts:
                 if not begun or self.best is best:
@@ -1373,13 +1376,14 @@ class _Searcher:
                 begun, best = set(), self.best  # another round: this one found a faster order
                 continue
             start = min(starts, key=lambda c: c.makespan)
-            begun.add(start.family)
-            if len({c.family for c in starts}) > 1:  # leave the others half the time
+            begun.add(_origin(start))
+            if len({_origin(c) for c in starts}) > 1:  # leave the others half the time
                 self.deadline = time.monotonic() + (deadline - time.monotonic()) / 2
+                self.max_moves = self.moves + (max_moves - self.moves) / 2  # and the moves
             try:
                 self._improve_from(start)
             finally:
-                self.deadline = deadline
+                self.deadline, self.max_moves = deadline, max_moves
 
     def _improve_from(self, current: _Candidate) -> None:
         """Local search from `current`: eagerly on the quick clock where it times the order
@@ -1422,7 +1426,6 @@ class _Searcher:
         `_ROUNDS` such restarts in a row find no better one (or time is up). Each order the
         clock times faster than any timed before is compiled and simulated."""
         family, source = current.family, _searched(current.source)
-        limit = math.inf if self.max_evals is None else 20 * self.max_evals
         here, here_time = current.orders, clock.time(current.orders)
         # a layout run in overlapped pairs (DualPipe's) may pair and part its computes too
         pairs = _pairs(current.orders)
@@ -1435,7 +1438,7 @@ class _Searcher:
                 self.evaluate(family, orders, source)
 
         climbing = True
-        while climbing and self.moves < limit:
+        while climbing and self.moves < self.max_moves:
             climbing = False
             for new in neighbours(here, current.timeline.idle):
                 if self._count_move():
@@ -1447,7 +1450,7 @@ class _Searcher:
                     break
         best, best_time = here, here_time
         stale = rounds = 0
-        while self.moves < limit and rounds <= _ROUNDS:
+        while self.moves < self.max_moves and rounds <= _ROUNDS:
             if self._count_move():
                 return
             new = move(here, self.rng, pairs=pairs)
@@ -1487,6 +1490,20 @@ class _Searcher:
             clock = QuickClock(place, costs, self._budgets(family), family.num_replicas, steps)
             self.clocks[family] = clock
         return clock
+
+
+def _origin(candidate: _Candidate) -> tuple[_Family, bool]:
+    """Where local search starts once a round: per layout, from the best order list scheduling
+    made, and from the best given one (a built-in, CP-SAT's).
+
+    [Note: a walk from each origin] A built-in's order under a limit, with selective
+    recompute, is often the fastest of its layout before local search and a place no move of
+    the walk leaves: at p = 4, m = 8, 1:2:1, comm 0.1F, a 1.5x last stage, 0.6x 1F1B's
+    activations, DualPipe's (38.25) is, and walking from it finds nothing faster. List
+    scheduling's best order of that layout, as fast, walks to 36.75 in 300 moves. So each
+    layout's best of each origin gets a walk, the fastest first, each taking at most half the
+    time left (half the moves left, where the evaluations are counted) while others wait."""
+    return candidate.family, candidate.source.startswith("list scheduling")
 
 
 def _searched(source: str) -> str:

@@ -210,7 +210,7 @@ def test_a_stage_idles_where_no_input_has_come_before_its_first_backward():
     family = _Family(2, True, True)
     assert lower_bound(8, 8, costs, family, eager=True) == pytest.approx(35.05)
     found = search(8, 8, num_chunks=2, placement="v", split_backward=True, costs=costs,
-                   max_evaluations=10, eager=True)  # fmt: skip
+                   max_evaluations=20, eager=True)  # fmt: skip
     assert found.bound == pytest.approx(35.05)
     assert found.makespan == pytest.approx(found.bound)
 
