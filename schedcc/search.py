@@ -159,6 +159,7 @@ METHODS = ("auto", "heuristic", "exact")
 #: The most (microbatch, segment) pairs of one placement for which "auto" solves the exact model.
 EXACT_MAX_PAIRS = 64
 _EXACT_WORKERS = 2  # CP-SAT's workers
+_LISTED = "list scheduling"  # the source of an order list scheduling made
 _PATIENCE = 1000  # local search's moves on the quick clock without a gain before a restart
 _ROUNDS = 20  # and its restarts in a row without a better order before it stops
 #: The heuristic's share of the time where the exact model is solved too, by the method asked
@@ -1313,13 +1314,13 @@ class _Searcher:
         chosen = [out[n][1] for n in range(3) for out in made if n < len(out)]  # the best few
         if self.eager and not self.offload:  # the fastest on the quick clock
             queued = self._clocked(family, chosen)
-            self._time_fastest([(quick, family, orders, "list scheduling")
+            self._time_fastest([(quick, family, orders, _LISTED)
                                 for quick, orders in queued])  # fmt: skip
             return
         for orders in chosen:
             if self.out_of_time():
                 return
-            self.evaluate(family, orders, "list scheduling")
+            self.evaluate(family, orders, _LISTED)
 
     def _clocked(self, family: _Family, chosen: list) -> list:
         """`(quick time, orders)` of the `chosen` orders the quick clock times: none it calls
@@ -1357,10 +1358,11 @@ class _Searcher:
 
     def improve(self) -> None:
         """Local search ([Note: the search], 3) from the best candidate, then from the best of
-        each other placement and layout in turn, the fastest first, each walk taking at most
-        half the time left while others wait, and again from each layout's best while a round
-        finds a faster order; none from a layout whose bound the best order found already
-        meets ([Note: hopeless layouts])."""
+        each other placement and layout in turn, of each its best from list scheduling and its
+        best given one apart ([Note: a walk from each origin]), the fastest first, each walk
+        taking at most half the time left while others wait, and again from each one's best
+        while a round finds a faster order; none from a layout whose bound the best order found
+        already meets ([Note: hopeless layouts])."""
         deadline, max_moves = self.deadline, self.max_moves
         begun: set[tuple[_Family, bool]] = set()
         best = self.best
@@ -1503,7 +1505,7 @@ def _origin(candidate: _Candidate) -> tuple[_Family, bool]:
     scheduling's best order of that layout, as fast, walks to 36.75 in 300 moves. So each
     layout's best of each origin gets a walk, the fastest first, each taking at most half the
     time left (half the moves left, where the evaluations are counted) while others wait."""
-    return candidate.family, candidate.source.startswith("list scheduling")
+    return candidate.family, candidate.source.startswith(_LISTED)
 
 
 def _searched(source: str) -> str:
