@@ -36,23 +36,22 @@ fits. Every candidate is a
 3. local search from the best (then, while time is left, from the best of each other placement
    and layout in turn, and of each layout list scheduling's best order and the best given one
    apart, [Note: a walk from each origin]; each walk taking at most half the time left while
-   others wait, and again from each one's best while a round finds a faster order; none from
-   a layout that cannot beat the best), until `time_limit` or `max_evaluations`. The climb:
-   two adjacent computes of a stage swapped or a recomputation dropped, the stages that idle
-   most first, then a compute moved one or two places on every stage that runs it, the first
-   move that is faster kept, until none is. With `eager=True` it runs on a quick clock
+   others wait, and again from each one's best while a round finds a faster order; none from a
+   layout that cannot beat the best), until `time_limit` or `max_evaluations`. The climb: two
+   adjacent computes of a stage swapped or a recomputation dropped, the stages that idle most
+   first, then a compute moved one or two places on every stage that runs it, the first move
+   that is faster kept, until none is. With `eager=True` it runs on a quick clock
    (`schedcc.search_local`, [Note: the quick clock]), and from its local optimum an iterated
-   local search: random moves (a compute moved up to six places on its stage, or on every
-   stage that runs it, a recomputation dropped; in a layout run in overlapped pairs,
-   DualPipe's, a pair made or parted), each kept
-   where the clock times it no slower (a lower makespan, or the same with
-   the stages ending earlier in sum); after `_PATIENCE` moves without a gain, a few random
-   moves away from the best order of the walk (a compute moved, a recomputation added before a
-   backward), until `_ROUNDS` such restarts in a row find nothing better. Each order the clock
-   times faster than every one timed before is compiled and simulated. In the rendezvous
-   model, whose comm groups' waits are not on the clock, the simulator times each move of the
-   climb, and the walk follows in the time left, the clock's eager time choosing which orders
-   the simulator times; an order with copies only climbs, on the simulator;
+   local search: random moves (a compute moved up to six places on its stage, or on every stage
+   that runs it, a recomputation dropped; in a layout run in overlapped pairs, DualPipe's, a
+   pair made or parted), each kept where the clock times it no slower (a lower makespan, or the
+   same with the stages ending earlier in sum); after `_PATIENCE` moves without a gain, a few
+   random moves away from the best order of the walk (a compute moved, a recomputation added
+   before a backward), until `_ROUNDS` such restarts in a row find nothing better. Each order
+   the clock times faster than every one timed before is compiled and simulated. In the
+   rendezvous model, whose comm groups' waits are not on the clock, the simulator times each
+   move of the climb, and the walk follows in the time left, the clock's eager time choosing
+   which orders the simulator times; an order with copies only climbs, on the simulator;
 4. with `method="exact"`: per placement, CP-SAT's best order for a relaxation of the simulator
    (`schedcc.search_exact`, [Note: the exact model]; with `offload=True`, its offloads too;
    eagerly, and asked for by name, each layout a fitting order runs in overlapped pairs, with

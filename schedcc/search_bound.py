@@ -427,18 +427,18 @@ class _Bound:
         ran = self._inputs_by(ks, first)
         if forward <= 0:
             return lost + wait + saved * n
-        if rooms is None:
-            filled = min(wait, n * forward, ran)
-            return lost + (wait - filled) + saved * max(filled / forward, last)
-        # under a limit the forwards that keep their activations fill at most what it holds
-        # at once (none is freed before a backward; fewer, where recomputations hold some
-        # then); the rest of the wait is idle or recomputation, or forwards dropped (with
-        # `recompute`) filling y of it, recomputed later at `cheapest` of that (item 7):
-        # more kept forwards lose less, so as many as the limit holds are kept
-        takes = [self.heaviest[k] * self.models[k].forward + self.take_in[k] for k in ks]
-        kept = min(wait, ran, self._most_held(ks, rooms, takes))
-        cheapest = self._cheapest_redo(ks)
-        most = max(0.0, min(wait, ran) - kept) if recompute else 0.0
+        if rooms is None:  # each of them keeps its activation, none dropped
+            kept, most, cheapest = min(wait, n * forward, ran), 0.0, 1.0
+        else:
+            # under a limit the forwards that keep their activations fill at most what it
+            # holds at once (none is freed before a backward; fewer, where recomputations hold
+            # some then); the rest of the wait is idle or recomputation, or forwards dropped
+            # (with `recompute`) filling y of it, recomputed later at `cheapest` of that (item
+            # 7): more kept forwards lose less, so as many as the limit holds are kept
+            takes = [self.heaviest[k] * self.models[k].forward + self.take_in[k] for k in ks]
+            kept = min(wait, ran, self._most_held(ks, rooms, takes))
+            cheapest = self._cheapest_redo(ks)
+            most = max(0.0, min(wait, ran) - kept) if recompute else 0.0
 
         def loss(y: float) -> float:
             return lost + wait - kept - (1 - cheapest) * y + saved * max((kept + y) / forward, last)

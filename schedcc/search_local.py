@@ -375,9 +375,9 @@ def move(
     """`orders` one random move away: a compute of a random stage moved up to `reach` places
     earlier or later (past none it must keep its order with: at one place, a swap with its
     neighbour), one time in ten on every stage that runs it (`moved_everywhere`), or one
-    time in ten a recomputation dropped, or, where the order may have
-    overlapped `pairs`, one time in five a pair made or parted (`_paired`); None where the
-    move drawn is not allowed."""
+    time in ten a recomputation dropped, or, where the order may have overlapped `pairs`, one
+    time in five a pair made or parted (`_paired`); None where the move drawn is not
+    allowed."""
     s = rng.randrange(len(orders))
     row = orders[s]
     if len(row) < 2:
