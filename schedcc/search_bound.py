@@ -133,11 +133,41 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    1F1B's activations (two a stage): 29.28 with a split backward where items 4 and 8 give
    28.15.
 
+10. *Three stretches apart* (under a limit that holds N chunk activations of each segment of
+   the stage: in whole-stage microbatches, or in bytes where its segments' activations take as
+   many; no pairs, one replica). Items 5 and 7 each bound the window with the rest of it
+   priced as work, but what they lose falls in stretches apart, so it adds up, with a third
+   between them. Let `k` be the stage's lowest segment (each microbatch's path from it comes
+   back through the stage's others) and `X` the end of its last forward there, of
+   microbatch `i`:
+   - before `T1`, item 7's wait less the forwards kept, filled only by forwards dropped;
+   - from `X`, for k's round trip, where `X` is after `T1` (it is at least k's head and all
+     its forwards): if `i` keeps its activation on `k` (at least one place a segment of the
+     stage: `i` holds them all at its turn), no forward of `k` is left and at most N - 1
+     other microbatches hold an activation at `X`, so the stage runs only `i`'s computes on
+     its other segments, those others' (each at most all it still runs on the stage where
+     N - 1 places let it hold two at once, else its backward on `k` or a weight gradient),
+     its warm-ups, or recomputations; the rest is idle;
+   - after its last input gradient on `k`: with a split backward, the input gradients below
+     and stage 0's last weight gradient follow (item 5) while the stage runs only weight
+     gradients of what it holds, at most N of them; with a whole one, the tail.
+   Each microbatch dropped costs at least the least `R` and fills at most a forward of the first
+   stretch and its recomputation and rest in the second; `i` is kept, or dropped (one of the
+   drops, and the second stretch then counts nothing). The window is at least the work, the
+   least over the number dropped of their recomputations and the idle of the first two
+   stretches, and the third's idle. At p = 4, m = 4, 1:2:1, a 1.5x last stage, 0.3x 1F1B's
+   activations (two a stage), the looped F/I/W placement's stage 3: 21.5 where items 5 and 7
+   gave 21.0 (two forwards dropped in its wait, recomputed to fill its drain; a searched order
+   meets it). At p = 8, m = 8, comm 1F, its stage 7 loses 10 before its first backward and 8
+   after its last input gradient (the chain below takes 11, the weight gradients it holds 3):
+   64.5 where they gave 56.5.
+
 With `eager=True` the bound is of the eager timeline instead ([Note: eager simulation] in
 `schedcc.simulate_eager`: sends that never wait, a message in flight for the receive's comm,
-taking no stage's time): items 1, 2, 4's Little's law and ramps, 5, 6, 7 and 8 hold as they are
-(every hop they count is a message's flight, the consumer starting no earlier than the
-producer's end plus it), and the comm groups of items 3 and 4 take nothing, so they drop out.
+taking no stage's time): items 1, 2, 4's Little's law and ramps, 5, 6, 7, 8 and 10 hold as
+they are (every hop they count is a message's flight, the consumer starting no earlier than
+the producer's end plus it), and the comm groups of items 3 and 4 take nothing, so they drop
+out.
 
 Of the updates it counts only what closes the run (`closing`): the stage whose compute ends
 last takes its `OptimizerStep` after it, after the `GradNorm` where the program takes one. It
@@ -397,6 +427,8 @@ class _Bound:
         best = max(head + window + tail, self._fill_and_drain(ks, head, tail))
         if self.split and not self.overlapped and self.single:
             best = max(best, self._split_end(s, ks, head, forced, rooms))
+        if rooms is not None and not self.overlapped and self.single and _alike(rooms):
+            best = max(best, self._drained(s, ks, head, work, rooms, recompute))
         return best
 
     def _unpaired(self, ks, head: float, rooms, recompute: bool) -> float:
@@ -560,11 +592,23 @@ class _Bound:
     def _start_up(self, ks, rooms: Sequence[float] | None, recompute: bool) -> float:
         """Item 7: the time stage s loses before its first backward, idle or recomputing
         (`rooms`: per segment, the activations the limit holds at once; None: no limit)."""
+        short, droppable = self._short(ks, rooms)
+        if short <= 0:
+            return 0.0
+        if not recompute or rooms is None:  # none dropped: the rest of the wait is idle
+            return short
+        dropped = min(short, droppable)  # forwards run and recomputed later
+        return short - (1 - self._cheapest_redo(ks)) * dropped
+
+    def _short(self, ks, rooms: Sequence[float] | None) -> tuple[float, float]:
+        """Item 7's wait before the first backward that the forwards keeping their
+        activations leave unfilled, and how much of it forwards whose inputs are there could
+        fill if their activations are dropped."""
         first = self._first_backward(ks)
         head = min(self.head(k) for k in ks)
         wait = first - head - self.warm[self.place[ks[0]][0]]  # warm-ups may fill it too
         if wait <= 0:
-            return 0.0
+            return 0.0, 0.0
         ran = self._inputs_by(ks, first)
         kept = ran
         if rooms is not None:
@@ -573,13 +617,74 @@ class _Bound:
                 for k in ks
             ]
             kept = min(ran, self._most_held(ks, rooms, longest))
-        short = wait - kept
-        if short <= 0:
+        return max(0.0, wait - kept), max(0.0, ran - kept)
+
+    def _drained(self, s: int, ks, head: float, work: float, rooms, recompute: bool) -> float:
+        """Item 10: the stage's work, what it loses before its first backward (item 7) and
+        after the last forward of its lowest segment, and the end of item 5, under a limit
+        that holds N activations of each of its segments (`rooms`, all N)."""
+        low = min(ks)  # each microbatch's path from it comes back through the others on s
+        higher = [k for k in ks if k != low]
+        n = math.floor(rooms[0])
+
+        def longest(k: int) -> float:  # the most a microbatch's backward on k takes, taken
+            return self.heaviest[k] * self._longest_backward(k) + self.take_back[k]
+
+        own = sum(  # the last microbatch's computes on s between its forward on low and back
+            self.heaviest[k] * self.models[k].forward + self.take_in[k] + longest(k)
+            for k in higher
+        )
+        full = own + longest(low)  # all a microbatch still runs on s after its forward on low
+        if n - 1 >= 2:
+            each = full
+        else:  # a second microbatch's computes above low need two more places at once
+            weights = [self.heaviest[k] * self.models[k].backward_weight for k in higher]
+            each = max([longest(low), *weights])
+        others = min(n - 1, self.count[low] - 1)
+        gap = 0.0
+        last = head + self.total[low] * self.models[low].forward  # its last forward ends after
+        if n >= len(ks) and last >= self._first_backward(ks) - 1e-9:
+            gap = max(0.0, self.round_trip(low) - own - others * each - self.warm[s])
+        elif n < len(ks):
+            gap = math.inf  # the last microbatch cannot keep its activation on low
+        short, droppable = self._short(ks, rooms)
+        if not recompute:
+            lost = short + gap
+        else:
+            redo = min(self.least[k] * self._redo(k) for k in ks)  # a drop's least cost
+            fills = max(  # the most a dropped forward fills of the wait before
+                self.heaviest[k] * self.models[k].forward + self.take_in[k] for k in ks
+            )
+            drains = max(self.heaviest[k] * self._redo(k) for k in ks) + full
+
+            def lost_with(d: float, gap: float) -> float:
+                before = short - min(d * fills, droppable) if fills > 0 else short
+                return redo * d + max(0.0, before) + max(0.0, gap - d * drains)
+
+            most = float(sum(self.count[k] for k in ks))  # a drop a forward, at most
+            ends = [0.0, 1.0, most]
+            ends += [short / fills, droppable / fills] if fills > 0 else []
+            ends += [gap / drains] if drains > 0 and gap < math.inf else []
+            tries = [min(max(0.0, d), most) for d in ends]
+            # the last microbatch kept on low, or dropped there: one of the drops (its
+            # forward may fill the wait before, its recomputation the drain)
+            lost = min(
+                min(lost_with(d, gap) for d in tries),
+                min(lost_with(d, 0.0) for d in tries if d >= 1),
+            )
+        if lost == math.inf:
             return 0.0
-        if not recompute or rooms is None:  # none dropped: the rest of the wait is idle
-            return short
-        dropped = min(short, ran - kept)  # forwards run and recomputed later
-        return short - (1 - self._cheapest_redo(ks)) * dropped
+        end = self.tail(low)
+        if self.split:  # after its last input gradient, the stage runs weight gradients alone
+            end = 0.0
+            if s != 0:
+                zero = self.models[0]
+                below = self.tail(low) + self.least[0] * max(
+                    0.0, min(zero.backward_weight, zero.backward - zero.backward_input)
+                )
+                weights = [self.heaviest[k] * self.models[k].backward_weight for k in ks]
+                end = max(0.0, below - self._most_held(ks, rooms, weights))
+        return head + work + lost + end
 
     def _cheapest_redo(self, ks) -> float:
         """The least share, over segments `ks`, of what a dropped forward filled of its
@@ -676,6 +781,12 @@ class _Bound:
             if left <= 0:
                 break
         return most
+
+
+def _alike(rooms: Sequence[float]) -> bool:
+    """Whether a limit holds as many activations of each of a stage's segments, and some:
+    in whole-stage microbatches always, in bytes where their activations take as many."""
+    return math.isfinite(rooms[0]) and all(math.isclose(r, rooms[0]) for r in rooms)
 
 
 def _min_of_max(pieces, upper: Sequence[float]) -> float:

@@ -245,6 +245,47 @@ def test_a_forward_dropped_in_the_wait_costs_its_recomputation_not_its_take():
     assert bound == pytest.approx(27.0)
 
 
+
+def test_what_a_stage_loses_in_stretches_apart_adds_up():
+    """Item 10: under a tight limit, what a stage loses before its first backward, after the
+    last forward of its lowest segment and after its last input gradient adds up. p = 4,
+    m = 4, 1:2:1, a 1.5x last stage, two chunk activations a stage (0.3x 1F1B's), the looped
+    F/I/W placement: 21.5 where items 5 and 7 each gave 21.0, and an order CP-SAT found
+    meets it; at p = 8, m = 8, comm 1F, 64.5 where they gave 56.5."""
+
+    def costs(p: int, comm: float) -> CostModel:
+        def model(scale: float) -> CostModel:
+            return CostModel(forward=scale, backward=2 * scale, backward_input=scale,
+                             backward_weight=scale, comm=comm)  # fmt: skip
+
+        return attrs.evolve(model(1.0), per_stage={p - 1: model(1.5)})
+
+    family = _Family(2, False, True)
+    rows = [
+        "F0 F1 F2 F3 F0.1 F1.1 F3.1 I0.1 W0.1 R1.1 I1.1 W1.1 R1 I1 F2.1 W1 R3.1 I0 W0 R2.1 "
+        "I2.1 W2.1 R2 I2 I3.1 W2 W3.1 R3 I3 W3",
+        "F0 F1 F2 F3 F0.1 F1.1 F3.1 I0.1 W0.1 R1.1 I1.1 W1.1 R1 I1 W1 R0 F2.1 I0 W0 R2.1 "
+        "I2.1 W2.1 R3.1 I2 I3.1 W2 W3.1 R3 I3 W3",
+        "F0 F1 F2 F3 F0.1 F1.1 F3.1 I0.1 W0.1 R1.1 I1.1 W1.1 R0 I1 W1 R3.1 F2.1 I0 W0 R2.1 "
+        "I2.1 W2.1 R2 I2 I3.1 W2 W3.1 R3 I3 W3",
+        "F0 F1 F3 F0.1 I0.1 W0.1 F1.1 I1.1 W1.1 R1 I1 W1 F2 I0 W0 F2.1 I2.1 W2.1 F3.1 I2 "
+        "I3.1 W2 R3 I3 W3 W3.1",
+    ]
+    orders = tuple(tuple(row.split()) for row in rows)
+    program = schedcc.compile(_found_class(4, 4, family, orders)(4, 4, 2))
+    timeline = schedcc.simulate(program, _per_chunk(costs(4, 0.0), 2), eager=True)
+    assert max(timeline.peak_activations) <= 2
+    assert timeline.makespan == pytest.approx(21.5)
+    for eager in (False, True):
+        bound = lower_bound(4, 4, costs(4, 0.0), family, memory_limit=1.2, eager=eager)
+        assert bound == pytest.approx(21.5)
+        bound = lower_bound(8, 8, costs(8, 1.0), family, memory_limit=2.4, eager=eager)
+        assert bound == pytest.approx(64.5)
+        # without recomputation the drops are gone: what the three stretches lose is idle
+        assert lower_bound(
+            4, 4, costs(4, 0.0), family, memory_limit=1.2, recompute=False, eager=eager
+        ) > 21.5
+
 @given(
     p=st.integers(2, 4),
     m=st.integers(2, 8),
