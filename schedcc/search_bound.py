@@ -443,9 +443,7 @@ class _Bound:
         first = self._first_backward(ks)
         end = min(self.round_trip(k) + self.least[k] * b for k, b in zip(ks, alone))
         forward = max(self.heaviest[k] * self.models[k].forward + self.take_in[k] for k in ks)
-        backward = max(
-            self.heaviest[k] * self._longest_backward(k) + self.take_back[k] for k in ks
-        )
+        backward = max(self._backward_taken(k) for k in ks)
         n = sum(self.count[k] for k in ks)
         warm = self.warm[self.place[ks[0]][0]]  # warm-ups may fill either stretch too
         # after the last forward: idle, recomputation or lone backwards, each at most `backward`
@@ -484,6 +482,11 @@ class _Bound:
         if self.split:
             return min(model.backward, model.backward_input + model.backward_weight)
         return model.backward
+
+    def _backward_taken(self, k: int) -> float:
+        """The most a microbatch's backward on segment k takes outside a pair, with its take
+        of the gradient."""
+        return self.heaviest[k] * self._longest_backward(k) + self.take_back[k]
 
     def _longest_backward(self, k: int) -> float:
         """The most a microbatch's backward on segment k takes outside a pair."""
@@ -626,20 +629,17 @@ class _Bound:
         low = min(ks)  # each microbatch's path from it comes back through the others on s
         higher = [k for k in ks if k != low]
         n = math.floor(rooms[0])
-
-        def longest(k: int) -> float:  # the most a microbatch's backward on k takes, taken
-            return self.heaviest[k] * self._longest_backward(k) + self.take_back[k]
-
         own = sum(  # the last microbatch's computes on s between its forward on low and back
-            self.heaviest[k] * self.models[k].forward + self.take_in[k] + longest(k)
+            self.heaviest[k] * self.models[k].forward + self.take_in[k] + self._backward_taken(k)
             for k in higher
         )
-        full = own + longest(low)  # all a microbatch still runs on s after its forward on low
+        # all a microbatch still runs on s after its forward on low
+        full = own + self._backward_taken(low)
         if n - 1 >= 2:
             each = full
         else:  # a second microbatch's computes above low need two more places at once
             weights = [self.heaviest[k] * self.models[k].backward_weight for k in higher]
-            each = max([longest(low), *weights])
+            each = max([self._backward_taken(low), *weights])
         others = min(n - 1, self.count[low] - 1)
         gap = 0.0
         last = head + self.total[low] * self.models[low].forward  # its last forward ends after
@@ -676,15 +676,8 @@ class _Bound:
             return 0.0
         end = self.tail(low)
         if self.split:  # after its last input gradient, the stage runs weight gradients alone
-            end = 0.0
-            if s != 0:
-                zero = self.models[0]
-                below = self.tail(low) + self.least[0] * max(
-                    0.0, min(zero.backward_weight, zero.backward - zero.backward_input)
-                )
-                weights = [self.heaviest[k] * self.models[k].backward_weight for k in ks]
-                end = max(0.0, below - self._most_held(ks, rooms, weights))
-        return head + work + lost + end
+            end = 0.0 if s == 0 else self._below_last_input(low) - self._held_weights(ks, rooms)
+        return head + work + lost + max(0.0, end)
 
     def _cheapest_redo(self, ks) -> float:
         """The least share, over segments `ks`, of what a dropped forward filled of its
@@ -758,15 +751,22 @@ class _Bound:
             return head + ahead + self.group[s] * forced
         if rooms is not None:
             work = sum(self.total[k] * (self.models[k].forward + self.whole(k)) for k in ks)
-            weights = [self.heaviest[k] * self.models[k].backward_weight for k in ks]
-            ahead = max(ahead, work - self._most_held(ks, rooms, weights))
-        low = min(ks)
-        below = self.tail(low)
+            ahead = max(ahead, work - self._held_weights(ks, rooms))
+        return head + ahead + self.group[s] * forced + self._below_last_input(min(ks))
+
+    def _below_last_input(self, low: int) -> float:
+        """Item 5: what follows a stage's last input gradient, of its lowest segment `low`
+        (split backwards): the input gradients below it and stage 0's last weight gradient."""
         zero = self.models[0]
         last = self.least[0] * max(
             0.0, min(zero.backward_weight, zero.backward - zero.backward_input)
         )
-        return head + ahead + self.group[s] * forced + below + last
+        return self.tail(low) + last
+
+    def _held_weights(self, ks, rooms: Sequence[float]) -> float:
+        """The most the weight gradients of the activations a stage holds at once take."""
+        weights = [self.heaviest[k] * self.models[k].backward_weight for k in ks]
+        return self._most_held(ks, rooms, weights)
 
     def _most_held(self, ks, rooms: Sequence[float], each: Sequence[float]) -> float:
         """The most `sum(n_k * each[i])` over activations the limit can hold at once: `n_k`

@@ -64,6 +64,16 @@ def _bound_of(
     )
 
 
+def _one_heavy(stage: int, scale: float, comm: float) -> CostModel:
+    """1:2:1 costs (F, B = I + W, I = W = F) with `stage` `scale` times the others."""
+
+    def model(scale: float) -> CostModel:
+        return CostModel(forward=scale, backward=2 * scale, backward_input=scale,
+                         backward_weight=scale, comm=comm)  # fmt: skip
+
+    return attrs.evolve(model(1.0), per_stage={stage: model(scale)})
+
+
 @given(**BUILTIN_SHAPES)
 def test_no_builtin_beats_the_bound(p, m, v, recompute, data):
     """Every built-in at a random shape, with random per-stage costs and comm, with or without
@@ -201,12 +211,7 @@ def test_a_stage_idles_where_no_input_has_come_before_its_first_backward():
     the V's stage 0 holds the first segment and the last, whose inputs come back after a
     microbatch's whole way (9.05): of the 9.7 before its first backward its forwards fill
     5.85, so the bound is 35.05 where the stage's work is 31.2; a searched order meets it."""
-
-    def model(scale: float) -> CostModel:
-        return CostModel(forward=scale, backward=2 * scale, backward_input=scale,
-                         backward_weight=scale, comm=0.1)  # fmt: skip
-
-    costs = attrs.evolve(model(1.0), per_stage={0: model(1.3)})
+    costs = _one_heavy(0, 1.3, comm=0.1)
     family = _Family(2, True, True)
     assert lower_bound(8, 8, costs, family, eager=True) == pytest.approx(35.05)
     found = search(8, 8, num_chunks=2, placement="v", split_backward=True, costs=costs,
@@ -245,7 +250,6 @@ def test_a_forward_dropped_in_the_wait_costs_its_recomputation_not_its_take():
     assert bound == pytest.approx(27.0)
 
 
-
 def test_what_a_stage_loses_in_stretches_apart_adds_up():
     """Item 10: under a tight limit, what a stage loses before its first backward, after the
     last forward of its lowest segment and after its last input gradient adds up. p = 4,
@@ -254,11 +258,7 @@ def test_what_a_stage_loses_in_stretches_apart_adds_up():
     meets it; at p = 8, m = 8, comm 1F, 64.5 where they gave 56.5."""
 
     def costs(p: int, comm: float) -> CostModel:
-        def model(scale: float) -> CostModel:
-            return CostModel(forward=scale, backward=2 * scale, backward_input=scale,
-                             backward_weight=scale, comm=comm)  # fmt: skip
-
-        return attrs.evolve(model(1.0), per_stage={p - 1: model(1.5)})
+        return _one_heavy(p - 1, 1.5, comm=comm)
 
     family = _Family(2, False, True)
     rows = [
@@ -285,6 +285,7 @@ def test_what_a_stage_loses_in_stretches_apart_adds_up():
         assert lower_bound(
             4, 4, costs(4, 0.0), family, memory_limit=1.2, recompute=False, eager=eager
         ) > 21.5
+
 
 @given(
     p=st.integers(2, 4),
