@@ -146,9 +146,17 @@ def test_found_orders_stay_above_the_bound_under_a_limit(p, m, chunks, limit, ea
     assert result.eager is eager
     again = schedcc.simulate(result.program, result.timeline.costs, eager=eager)
     assert again.makespan == pytest.approx(result.makespan)
-    assert result.bound <= lower_bound(
-        p, m, costs, own, overlapped=paired, memory_limit=limit, eager=eager, grad_norm=closing
-    ) + 1e-9
+    # the search bounds the order's layout in pairs where another order of it runs them
+    # ([Note: what the bound covers]), which may be above its bound without them: at p = 2,
+    # m = 4, DualPipe's layout, 15.5 in pairs against 15.0 for a list-scheduled order of 16.0
+    own_bounds = [
+        lower_bound(
+            p, m, costs, own, overlapped=overlapped, memory_limit=limit, eager=eager,
+            grad_norm=closing,
+        )
+        for overlapped in ((True,) if paired else (False, True))
+    ]
+    assert result.bound <= max(own_bounds) + 1e-9
 
 
 def test_the_memory_limit_prices_recomputation():
