@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import random
 from collections.abc import Iterator, Sequence
 
@@ -104,6 +105,8 @@ class QuickClock:
         self.p = max(s for s, _ in self.place) + 1
         self.closing = list(closing) if closing is not None else [0.0] * self.p
         self._ops: dict[tuple[int, str], tuple | None] = {}
+        self._entries: dict[tuple[int, str], tuple] = {}  # what `_row` reads of each compute
+        self._keys = 0  # one past the largest key (`_row`) of a compute read so far
         # each stage's rows as read, the recent ones (a move changes one row of an order)
         self._rows: dict[tuple[int, tuple[str, ...]], list[tuple] | None] = {}
 
@@ -142,42 +145,69 @@ class QuickClock:
         rows = [self._row(s, row) for s, row in enumerate(orders)]
         if None in rows:
             return None
-        forward: dict[int, float] = {}  # (microbatch, segment) -> when its forward ended
-        backward: dict[int, float] = {}  # and its backward (input gradient)
-        rebuilt: set[int] = set()
+        # per key (`_row`), when its forward ended, its backward (input gradient) and whether
+        # its recomputation ran; -1: not yet
+        forward, backward = [-1.0] * self._keys, [-1.0] * self._keys
+        rebuilt = [False] * self._keys
         clock, at, held = [0.0] * p, [0] * p, [0.0] * p
-        left = sum(len(row) for row in rows)
+        left = sum(map(len, rows))
         while left:
             moved = False
             for s in range(p):
-                row, now, pos, mine = rows[s], clock[s], at[s], held[s]
-                budget = None if budgets is None else budgets[s] + 1e-9
-                while pos < len(row):
+                row, pos = rows[s], at[s]
+                n = len(row)
+                if pos == n:
+                    continue
+                now, mine = clock[s], held[s]
+                budget = math.inf if budgets is None else budgets[s] + 1e-9
+                while pos < n:
                     code, key, wait, add, cost, delta, redo, pair = row[pos]
-                    if code in (_W, _R):  # after its stage's input gradient, its forward
-                        if key not in (backward if code == _W else forward):
-                            break
+                    if code == _F:  # once its input is there
                         ready = 0.0
-                    else:
-                        ready = _arrival(code, key, wait, add, redo, forward, backward, rebuilt)
-                        if ready is not None and code == _F and pair is not None:
-                            # an overlapped pair starts once the inputs of both are there
-                            other = _arrival(_B, *pair, forward, backward, rebuilt)
-                            ready = None if other is None else max(ready, other)
-                        if ready is None:
-                            break
-                    now = (now if now > ready else ready) + cost
-                    if code == _F:
+                        if wait is not None:
+                            ready = forward[wait]
+                            if ready < 0.0:
+                                break
+                            ready += add
+                        if pair is not None:  # an overlapped pair: once both inputs are
+                            other, other_wait, other_add, other_redo = pair
+                            if forward[other] < 0.0 or (other_redo and not rebuilt[other]):
+                                break
+                            if other_wait is not None:
+                                there = backward[other_wait]
+                                if there < 0.0:
+                                    break
+                                there += other_add
+                                if there > ready:
+                                    ready = there
+                        now = (now if now > ready else ready) + cost
                         if pair is None:  # a pair's forward leaves at the pair's end
                             forward[key] = now
-                    elif code == _R:
-                        rebuilt.add(key)
-                    elif code != _W:
+                    elif code == _W:  # after its stage's input gradient
+                        if backward[key] < 0.0:
+                            break
+                        now += cost
+                    elif code == _R:  # after its stage's forward
+                        if forward[key] < 0.0:
+                            break
+                        now += cost
+                        rebuilt[key] = True
+                    else:  # a backward: after its forward (and recomputation) and its input
+                        if forward[key] < 0.0 or (redo and not rebuilt[key]):
+                            break
+                        if wait is not None:
+                            ready = backward[wait]
+                            if ready < 0.0:
+                                break
+                            ready += add
+                            if ready > now:
+                                now = ready
+                        now += cost
                         backward[key] = now
                         if code == _P:
                             forward[pair] = now
                     mine += delta
-                    if budget is not None and mine > budget:
+                    if mine > budget:
                         return None
                     pos += 1
                 if pos != at[s]:
@@ -201,43 +231,67 @@ class QuickClock:
             return cached
         if len(self._rows) >= _ROWS_KEPT:
             self._rows.clear()
-        num, ops = len(self.place), [self.op(s, text) for text in row]
-        redone = {(i, k) for code, i, k, _ in ops if code == _R}
+        entries = [self._entry(s, text) for text in row]
+        redone = {entry[1] for entry in entries if entry[0] == _R}
         warmed: set[tuple[str, int]] = set()  # each chunk's first computes of a step warm up
         taken = False  # the stage's first take of a step warms up: [Note: a receive's take]
         out = []
-        for code, i, k, cost in ops:
-            key, wait, add, delta, pair = i * num + k, None, 0.0, 0.0, None
-            first = _WARM_OF.get(code)
-            if first is not None and (first, k) not in warmed:
-                warmed.add((first, k))
-                cost += getattr(self.costs.at(*self.place[k]), first)
-            up, down = self.remotes[k]
-            if not taken and (up if code == _F else down and code in (_B, _I, _P)):
+        for code, key, cost, warm, warmup, takes, receive, extra, wait, add, delta in entries:
+            if warm is not None and warm not in warmed:
+                warmed.add(warm)
+                cost += warmup
+            if receive and not taken:
                 taken = True
-                cost += self.costs.at(*self.place[k]).warmup_receive
-            if code == _F:
-                cost += self.takes[k][0]
-                if k > self.first[k]:
-                    wait, add = key - 1, self._hop(k - 1, k)
-                delta = self.inputs[k] if (i, k) in redone else self.activations[k]
-            elif code == _R:
-                delta = self.activations[k] - self.inputs[k]
-            elif code != _W and k < self.last[k]:
-                cost += self.takes[k][1]
-                wait, add = key + 1, self._hop(k + 1, k)
-            if code in (_B, _W, _P):
-                delta = -self.activations[k]
+                cost += takes
+            cost += extra
+            redo = key in redone
+            if redo and code == _F:
+                delta = self.inputs[key % len(self.place)]  # its input until the `R`
+            pair = None
             if code == _P:
                 if not out or out[-1][0] != _F:
                     out = None
                     break
                 forward = out[-1]
                 pair = forward[1]
-                out[-1] = (*forward[:7], (key, wait, add, (i, k) in redone))
-            out.append((code, key, wait, add, cost, delta, (i, k) in redone, pair))
+                out[-1] = (*forward[:7], (key, wait, add, redo))
+            out.append((code, key, wait, add, cost, delta, redo, pair))
         self._rows[s, row] = out
         return out
+
+    def _entry(self, s: int, text: str) -> tuple:
+        """What `_row` reads of one compute of stage s whatever the row around it: `(code,
+        key, cost, its warm-up's (kind, segment), the warm-up, the first take's warm-up,
+        whether it takes an input from another stage, what it takes of that input, the key it
+        waits for, what its arrival adds, what it changes of the held activations)`."""
+        found = self._entries.get((s, text))
+        if found is None:
+            code, i, k, cost = self.op(s, text)
+            num, at = len(self.place), self.costs.at(*self.place[k])
+            key, wait, add, extra, delta = i * num + k, None, 0.0, 0.0, 0.0
+            first = _WARM_OF.get(code)
+            warm, warmup = ((first, k), getattr(at, first)) if first is not None else (None, 0.0)
+            up, down = self.remotes[k]
+            receive = up if code == _F else down and code in (_B, _I, _P)
+            if code == _F:
+                extra = self.takes[k][0]
+                if k > self.first[k]:
+                    wait, add = key - 1, self._hop(k - 1, k)
+                delta = self.activations[k]
+            elif code == _R:
+                delta = self.activations[k] - self.inputs[k]
+            elif code != _W and k < self.last[k]:
+                extra = self.takes[k][1]
+                wait, add = key + 1, self._hop(k + 1, k)
+            if code in (_B, _W, _P):
+                delta = -self.activations[k]
+            found = (
+                code, key, cost, warm, warmup, at.warmup_receive, receive, extra, wait, add,
+                delta,
+            )
+            self._entries[s, text] = found
+            self._keys = max(self._keys, (i + 1) * num)
+        return found
 
     def _hop(self, producer: int, consumer: int) -> float:
         """What a message from segment `producer` to segment `consumer` spends in flight: the
@@ -256,17 +310,6 @@ def held_sizes(memory, num: int) -> tuple[list[float], list[float]]:
         [memory.at("activations", k) for k in range(num)],
         [memory.at("inputs", k) for k in range(num)],
     )
-
-
-def _arrival(code, key, wait, add, redo, forward, backward, rebuilt) -> float | None:
-    """When a forward's or backward's input is there (None: not yet); a backward also waits
-    for its stage's forward and recomputation of it."""
-    if code != _F and (key not in forward or (redo and key not in rebuilt)):
-        return None
-    if wait is None:
-        return 0.0
-    ends = forward if code == _F else backward
-    return ends[wait] + add if wait in ends else None
 
 
 # -- moves -------------------------------------------------------------------------------------
