@@ -44,14 +44,15 @@ fits. Every candidate is a
    (`schedcc.search_local`, [Note: the quick clock]), and from its local optimum an iterated
    local search: random moves (a compute moved up to six places on its stage, or on every stage
    that runs it, a recomputation dropped; in a layout run in overlapped pairs, DualPipe's, a
-   pair made or parted), each kept where the clock times it no slower (a lower makespan, or the
-   same with the stages ending earlier in sum); after `_PATIENCE` moves without a gain, a few
-   random moves away from the best order of the walk (a compute moved, a recomputation added
-   before a backward), until `_ROUNDS` such restarts in a row find nothing better. Each order
-   the clock times faster than every one timed before is compiled and simulated. In the
-   rendezvous model, whose comm groups' waits are not on the clock, the simulator times each
-   move of the climb, and the walk follows in the time left, the clock's eager time choosing
-   which orders the simulator times; an order with copies only climbs, on the simulator;
+   pair made or parted, with split backwards its backward joined or split), each kept where
+   the clock times it no slower (a lower makespan, or the same with the stages ending earlier
+   in sum); after `_PATIENCE` moves without a gain, a few random moves away from the best
+   order of the walk (a compute moved, a recomputation added before a backward), until
+   `_ROUNDS` such restarts in a row find nothing better. Each order the clock times faster
+   than every one timed before is compiled and simulated. In the rendezvous model, whose comm
+   groups' waits are not on the clock, the simulator times each move of the climb, and the
+   walk follows in the time left, the clock's eager time choosing which orders the simulator
+   times; an order with copies only climbs, on the simulator;
 4. with `method="exact"`: per placement, CP-SAT's best order for a relaxation of the simulator
    (`schedcc.search_exact`, [Note: the exact model]; with `offload=True`, its offloads too;
    eagerly, and asked for by name, each layout a fitting order runs in overlapped pairs, with
@@ -1430,6 +1431,7 @@ class _Searcher:
         here, here_time = current.orders, clock.time(current.orders)
         # a layout run in overlapped pairs (DualPipe's) may pair and part its computes too
         pairs = _pairs(current.orders)
+        split = pairs and family.split  # and join and split its backwards to do so
         timed = here_time[0]  # the fastest the clock gave an order the simulator timed
 
         def offer(orders, quick) -> None:
@@ -1454,7 +1456,7 @@ class _Searcher:
         while self.moves < self.max_moves and rounds <= _ROUNDS:
             if self._count_move():
                 return
-            new = move(here, self.rng, pairs=pairs)
+            new = move(here, self.rng, pairs=pairs, split=split)
             new_time = None if new is None else clock.time(new)
             if new_time is not None and not _earlier(here_time, new_time):
                 stale = 0 if _earlier(new_time, here_time) else stale + 1
@@ -1468,7 +1470,9 @@ class _Searcher:
                 stale, rounds = 0, rounds + 1
                 for _ in range(8):
                     size = self.rng.randint(2, 6)
-                    here = kick(best, self.rng, size, recompute=self.recompute, pairs=pairs)
+                    here = kick(
+                        best, self.rng, size, recompute=self.recompute, pairs=pairs, split=split
+                    )
                     here_time = clock.time(here)
                     if here_time is not None:
                         break

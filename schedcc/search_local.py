@@ -413,14 +413,14 @@ def fewer_recomputes(orders: Orders, clock: QuickClock, stop=lambda: False) -> O
 
 
 def move(
-    orders: Orders, rng: random.Random, reach: int = 6, *, pairs: bool = False
+    orders: Orders, rng: random.Random, reach: int = 6, *, pairs: bool = False, split: bool = False
 ) -> Orders | None:
     """`orders` one random move away: a compute of a random stage moved up to `reach` places
     earlier or later (past none it must keep its order with: at one place, a swap with its
     neighbour), one time in ten on every stage that runs it (`moved_everywhere`), or one
     time in ten a recomputation dropped, or, where the order may have overlapped `pairs`, one
-    time in five a pair made or parted (`_paired`); None where the move drawn is not
-    allowed."""
+    time in five a pair made or parted (`_paired`; its backward joined or split where
+    backwards may be `split`); None where the move drawn is not allowed."""
     s = rng.randrange(len(orders))
     row = orders[s]
     if len(row) < 2:
@@ -429,7 +429,7 @@ def move(
         d = rng.choice((-1, 1)) * rng.randint(1, reach)
         return moved_everywhere(orders, row[rng.randrange(len(row))], d)
     if pairs and rng.random() < 0.2:
-        new = _paired(row, rng, reach)
+        new = _paired(row, rng, reach, split)
     elif rng.random() < 0.1:
         redone = [j for j, text in enumerate(row) if recomputes(text)]
         if not redone:
@@ -441,12 +441,19 @@ def move(
 
 
 def kick(
-    orders: Orders, rng: random.Random, size: int, *, recompute: bool, pairs: bool = False
+    orders: Orders,
+    rng: random.Random,
+    size: int,
+    *,
+    recompute: bool,
+    pairs: bool = False,
+    split: bool = False,
 ) -> Orders:
     """`orders` after `size` random moves: a compute moved up to twelve places, or, where the
     search may `recompute`, one time in three a recomputation added before a backward (it frees
     memory for the moves after it), or, where the order may have overlapped `pairs`, one time
-    in five a pair made or parted."""
+    in five a pair made or parted (its backward joined or split where backwards may be
+    `split`)."""
     out = orders
     for _ in range(size * 4):
         if size <= 0:
@@ -457,7 +464,7 @@ def kick(
             continue
         new = None
         if pairs and rng.random() < 0.2:
-            new = _paired(row, rng, 12)
+            new = _paired(row, rng, 12, split)
         elif recompute and rng.random() < 1 / 3:
             new = _recomputed(row, rng.randrange(len(row)))
         else:
@@ -485,22 +492,41 @@ def _moved(row: tuple[str, ...], j: int, d: int) -> tuple[str, ...] | None:
     return (*rest[:to], text, *rest[to:])
 
 
-def _paired(row: tuple[str, ...], rng: random.Random, reach: int) -> tuple[str, ...] | None:
-    """`row` with one overlapped pair parted (`F3 +B1` read as `F3 B1`, in place), or one
-    made: a whole backward run alone moved up to `reach` places to just after a forward run
-    alone (of another microbatch or chunk) and overlapped with it (`F3 +B1`); each half at
-    random. None where the row has neither, or the move would pass a compute it must keep its
-    order with."""
+def _paired(
+    row: tuple[str, ...], rng: random.Random, reach: int, split: bool = False
+) -> tuple[str, ...] | None:
+    """`row` with one overlapped pair parted (`F3 +B1` read as `F3 B1`, in place; where
+    backwards may be `split`, half the time as `F3 I1` with `W1` up to `reach` places later),
+    or one made: a whole backward run alone (where backwards may be split, also an input
+    gradient, its weight gradient joined to it) moved up to `reach` places to just after a
+    forward run alone (of another microbatch or chunk) and overlapped with it (`F3 +B1`); each
+    half at random. None where the row has neither, or the move would pass a compute it must
+    keep its order with.
+
+    A pair runs a whole backward, so an order of a split layout pairs a backward only once
+    its weight gradient is joined to it, and a pair parted may leave its weight gradient for
+    later: at p = 4, m = 8, 1:2:1, comm 0, a 1.3x first stage, 1F1B's activations, a search
+    of 3,000 evaluations finds 29.25 (DualPipe-V's layout in pairs), 29.575 without."""
     if rng.random() < 0.5:
         parts = [j for j, text in enumerate(row) if text.startswith("+")]
         if not parts:
             return None
         j = rng.choice(parts)
-        return (*row[:j], row[j][1:], *row[j + 1 :])
-    alone = [j for j, text in enumerate(row) if text.startswith("B")]
+        if not split or rng.random() < 0.5:
+            return (*row[:j], row[j][1:], *row[j + 1 :])
+        return _weight_later(row, j, rng.randint(1, reach))
+    alone = [
+        j
+        for j, text in enumerate(row)
+        if text[0] == "B" or (split and text[0] == "I" and "W" + text[1:] in row)
+    ]
     if not alone:
         return None
     j = rng.choice(alone)
+    if row[j][0] == "I":  # its weight gradient joined to it
+        tag = row[j][1:]
+        row = tuple(text for text in row if text != "W" + tag)
+        row = (*row[:j], "B" + tag, *row[j + 1 :])
     forwards = [
         i
         for i in range(max(0, j - reach), min(len(row), j + reach + 1))
@@ -516,6 +542,29 @@ def _paired(row: tuple[str, ...], rng: random.Random, reach: int) -> tuple[str, 
     if moved is None:
         return None
     return (*moved[:to], "+" + moved[to], *moved[to + 1 :])
+
+
+def _weight_later(row: tuple[str, ...], j: int, d: int) -> tuple[str, ...] | None:
+    """`row` with the backward at j split: its input gradient in its place, its weight
+    gradient d places after it, or as near as it may go (after its chunk's weight gradients
+    of earlier microbatches, before those of later ones, not inside a pair); None where it
+    fits nowhere."""
+    tag = row[j].lstrip("+")[1:]
+    row = (*row[:j], "I" + tag, *row[j + 1 :])
+    weight = "W" + tag
+    _, microbatch, chunk = _read(weight)
+    low, high = j + 1, len(row)  # where it may go: before row[at], at in [low, high]
+    for at, text in enumerate(row):
+        if text[0] == "W":
+            _, other, other_chunk = _read(text)
+            if other_chunk == chunk and other < microbatch:
+                low = max(low, at + 1)
+            elif other_chunk == chunk and other > microbatch:
+                high = min(high, at)
+    at = min(high, max(low, j + 1 + d))
+    while at < len(row) and row[at][0] == "+":  # not between a pair's two halves
+        at += 1
+    return None if at > high else (*row[:at], weight, *row[at:])
 
 
 def _recomputed(row: tuple[str, ...], j: int) -> tuple[str, ...] | None:

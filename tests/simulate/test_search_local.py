@@ -100,8 +100,9 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
 ):
     """The same for the built-ins in their own layouts, as the search starts from them
     (DualPipe's two replicas and overlapped pairs, 2BW's weight delay), with or without full
-    recomputation, and a few random moves away, pairs made and parted among them (a move that
-    takes a pair's backward from its forward is stuck on the clock)."""
+    recomputation, and a few random moves away, pairs made and parted among them, backwards
+    joined to pair them and split where parted (a move that takes a pair's backward from its
+    forward is stuck on the clock)."""
     costs = data.draw(stage_costs(p, updates=False))  # the clock leaves them out
     if warm:
         costs = data.draw(warmed_up(costs))
@@ -112,9 +113,12 @@ def test_the_quick_clock_times_builtin_layouts_as_the_eager_simulator(
     orders, family, searcher, clock = built
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
     candidates = [orders] + [
-        kick(orders, rng, rng.randint(1, 6), recompute=True, pairs=k % 2 == 0) for k in range(6)
+        kick(orders, rng, rng.randint(1, 6), recompute=True, pairs=k % 2 == 0, split=k < 2)
+        for k in range(6)
     ]
-    candidates += [new for new in (move(orders, rng, pairs=k % 2 == 0) for k in range(12)) if new]
+    candidates += [
+        new for new in (move(orders, rng, pairs=k % 2 == 0, split=k < 4) for k in range(12)) if new
+    ]
     compared = _compare(searcher, clock, family, p, m, v, candidates)
     event(f"timed {'some' if compared else 'none'}")
 
@@ -485,22 +489,33 @@ def test_a_search_whose_order_meets_every_bound_stops(monkeypatch):
     assert found.seconds < 30  # not the minute it was given
 
 
-@given(name=st.sampled_from(["dualpipe", "dualpipe-v"]), seed=st.integers(0, 1 << 20))
-def test_a_pair_move_makes_or_parts_one_pair_and_keeps_the_order_of_each_thread(name, seed):
+@given(
+    name=st.sampled_from(["dualpipe", "dualpipe-v"]),
+    split=st.booleans(),
+    seed=st.integers(0, 1 << 20),
+)
+def test_a_pair_move_makes_or_parts_one_pair_and_keeps_the_order_of_each_thread(
+    name, split, seed
+):
     """`_paired` on a stage of DualPipe's order: the same computes (a pair's backward read as
-    a backward), one pair more or one fewer, every pair's backward just after a forward run
-    alone, and the computes that must keep their order on the stage in it."""
+    a backward; where backwards may be split, an input gradient and its weight gradient read
+    as one backward), one pair more or one fewer, every pair's backward just after a forward
+    run alone, every weight gradient after its input gradient, and the computes that must keep
+    their order on the stage in it."""
     orders = _compute_orders(compile(get_schedule(name)(4, 8, 2)))
     rng = random.Random(seed)
     row = orders[rng.randrange(4)]
-    new = _paired(row, rng, 6)
+    new = _paired(row, rng, 6, split)
     if new is None:
         return
 
     def plain(r):
-        return sorted(text.lstrip("+") for text in r)
+        texts = [text.lstrip("+") for text in r]
+        return sorted("B" + t[1:] if t[0] == "I" else t for t in texts if t[0] != "W")
 
     assert plain(new) == plain(row)
+    if not split:
+        assert sorted(t.lstrip("+") for t in new) == sorted(t.lstrip("+") for t in row)
     pairs = [sum(text.startswith("+") for text in r) for r in (row, new)]
     assert abs(pairs[1] - pairs[0]) == 1
     for j, text in enumerate(new):
@@ -508,11 +523,16 @@ def test_a_pair_move_makes_or_parts_one_pair_and_keeps_the_order_of_each_thread(
             assert j > 0
             assert text[1] == "B"
             assert new[j - 1].startswith("F")
+        if text[0] == "W":
+            assert "I" + text[1:] in new[:j]
     where = {text.lstrip("+"): j for j, text in enumerate(new)}
     for a, b in itertools.combinations(row, 2):  # a before b in the row
-        if same_thread(a, b):
-            assert where[a.lstrip("+")] < where[b.lstrip("+")]
-    event("made" if pairs[1] > pairs[0] else "parted")
+        a, b = a.lstrip("+"), b.lstrip("+")
+        if same_thread(a, b) and a in where and b in where:
+            assert where[a] < where[b]
+    weights = sum(t[0] == "W" for t in new) - sum(t[0] == "W" for t in row)
+    made = "made" if pairs[1] > pairs[0] else "parted"
+    event(f"{made}, {['joined', 'whole', 'split'][weights + 1]}" if split else made)
 
 
 @given(
