@@ -170,16 +170,11 @@ class QuickClock:
                                 break
                             ready += add
                         if pair is not None:  # an overlapped pair: once both inputs are
-                            other, other_wait, other_add, other_redo = pair
-                            if forward[other] < 0.0 or (other_redo and not rebuilt[other]):
+                            there = _backward_ready(*pair, forward, backward, rebuilt)
+                            if there < 0.0:
                                 break
-                            if other_wait is not None:
-                                there = backward[other_wait]
-                                if there < 0.0:
-                                    break
-                                there += other_add
-                                if there > ready:
-                                    ready = there
+                            if there > ready:
+                                ready = there
                         now = (now if now > ready else ready) + cost
                         if pair is None:  # a pair's forward leaves at the pair's end
                             forward[key] = now
@@ -192,17 +187,11 @@ class QuickClock:
                             break
                         now += cost
                         rebuilt[key] = True
-                    else:  # a backward: after its forward (and recomputation) and its input
-                        if forward[key] < 0.0 or (redo and not rebuilt[key]):
+                    else:  # a backward
+                        ready = _backward_ready(key, wait, add, redo, forward, backward, rebuilt)
+                        if ready < 0.0:
                             break
-                        if wait is not None:
-                            ready = backward[wait]
-                            if ready < 0.0:
-                                break
-                            ready += add
-                            if ready > now:
-                                now = ready
-                        now += cost
+                        now = (now if now > ready else ready) + cost
                         backward[key] = now
                         if code == _P:
                             forward[pair] = now
@@ -298,6 +287,18 @@ class QuickClock:
         receive's comm, where they are on two stages."""
         stage, chunk = self.place[consumer]
         return 0.0 if self.place[producer][0] == stage else self.costs.at(stage, chunk).comm
+
+
+def _backward_ready(key, wait, add, redo, forward, backward, rebuilt) -> float:
+    """When a backward may start on its stage's clock (`QuickClock.time`): after its forward
+    (and its recomputation, where `redo`) and its input from the segment above (its end plus
+    `add`); -1 where one of them has not run yet."""
+    if forward[key] < 0.0 or (redo and not rebuilt[key]):
+        return -1.0
+    if wait is None:
+        return 0.0
+    ready = backward[wait]
+    return -1.0 if ready < 0.0 else ready + add
 
 
 def held_sizes(memory, num: int) -> tuple[list[float], list[float]]:
