@@ -635,18 +635,19 @@ class _Bound:
         )
         # all a microbatch still runs on s after its forward on low
         full = own + self._backward_taken(low)
-        if n - 1 >= 2:
+        if n >= 3:
             each = full
         else:  # a second microbatch's computes above low need two more places at once
             weights = [self.heaviest[k] * self.models[k].backward_weight for k in higher]
             each = max([self._backward_taken(low), *weights])
         others = min(n - 1, self.count[low] - 1)
-        gap = 0.0
         last = head + self.total[low] * self.models[low].forward  # its last forward ends after
-        if n >= len(ks) and last >= self._first_backward(ks) - 1e-9:
-            gap = max(0.0, self.round_trip(low) - own - others * each - self.warm[s])
-        elif n < len(ks):
+        if n < len(ks):
             gap = math.inf  # the last microbatch cannot keep its activation on low
+        elif last >= self._first_backward(ks) - 1e-9:
+            gap = max(0.0, self.round_trip(low) - own - others * each - self.warm[s])
+        else:
+            gap = 0.0
         short, droppable = self._short(ks, rooms)
         if not recompute:
             lost = short + gap
@@ -658,7 +659,7 @@ class _Bound:
             drains = max(self.heaviest[k] * self._redo(k) for k in ks) + full
 
             def lost_with(d: float, gap: float) -> float:
-                before = short - min(d * fills, droppable) if fills > 0 else short
+                before = short - min(d * fills, droppable)
                 return redo * d + max(0.0, before) + max(0.0, gap - d * drains)
 
             most = float(sum(self.count[k] for k in ks))  # a drop a forward, at most

@@ -516,10 +516,11 @@ def _paired(
         if not split or rng.random() < 0.5:
             return (*row[:j], row[j][1:], *row[j + 1 :])
         return _weight_later(row, j, rng.randint(1, reach))
+    present = set(row) if split else ()
     alone = [
         j
         for j, text in enumerate(row)
-        if text[0] == "B" or (split and text[0] == "I" and "W" + text[1:] in row)
+        if text[0] == "B" or (split and text[0] == "I" and "W" + text[1:] in present)
     ]
     if not alone:
         return None

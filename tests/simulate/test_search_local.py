@@ -500,8 +500,8 @@ def test_a_pair_move_makes_or_parts_one_pair_and_keeps_the_order_of_each_thread(
     """`_paired` on a stage of DualPipe's order: the same computes (a pair's backward read as
     a backward; where backwards may be split, an input gradient and its weight gradient read
     as one backward), one pair more or one fewer, every pair's backward just after a forward
-    run alone, every weight gradient after its input gradient, and the computes that must keep
-    their order on the stage in it."""
+    run alone, every weight gradient after its input gradient and every input gradient with
+    one, and the computes that must keep their order on the stage in it."""
     orders = _compute_orders(compile(get_schedule(name)(4, 8, 2)))
     rng = random.Random(seed)
     row = orders[rng.randrange(4)]
@@ -525,6 +525,8 @@ def test_a_pair_move_makes_or_parts_one_pair_and_keeps_the_order_of_each_thread(
             assert new[j - 1].startswith("F")
         if text[0] == "W":
             assert "I" + text[1:] in new[:j]
+        if text[0] == "I":  # a backward split whole: its weight gradient follows
+            assert "W" + text[1:] in new[j + 1 :]
     where = {text.lstrip("+"): j for j, text in enumerate(new)}
     for a, b in itertools.combinations(row, 2):  # a before b in the row
         a, b = a.lstrip("+"), b.lstrip("+")
