@@ -429,8 +429,10 @@ class ShmLinks:
                     deadline = time.monotonic() + self._timeout
                 self._wait(link, deadline)
 
-    def _why_lost(self, link: _Link, exc: OSError) -> ConnectionError:
-        """A send failed: the peer's reason if it left one before it closed, else the loss."""
+    def _why_lost(self, link: _Link, exc: OSError | None) -> ConnectionError:
+        """A send or an acknowledgement failed (`exc`; None: end of file): the peer's reason
+        if it left one before it closed, else the loss. The reason is on the data channel,
+        ahead of the close, whichever channel saw the close first."""
         try:
             while self._read(link, None):
                 pass
@@ -485,7 +487,7 @@ class ShmLinks:
         try:
             link.acks.send(_ACK_RECORD.pack(_ACK, len(link.unacked)) + slots)
         except OSError as exc:
-            raise _lost(link, exc) from exc
+            raise self._why_lost(link, exc) from exc
         link.unacked = []
 
     def _take_acks(self, link: _Link) -> None:
@@ -497,9 +499,9 @@ class ShmLinks:
             except BlockingIOError:
                 return
             except OSError as exc:
-                raise _lost(link, exc) from exc
+                raise self._why_lost(link, exc) from exc
             if not data:
-                raise _lost(link, None)
+                raise self._why_lost(link, None)
             link.free.extend(array.array("I", data[_ACK_RECORD.size :]))
 
     def _read(self, link: _Link, want: tuple | None) -> bool:

@@ -147,6 +147,34 @@ def test_a_peer_that_aborts_with_our_records_unread_gives_its_reason(path):
         then()
 
 
+def test_a_peer_that_aborts_before_a_slot_is_taken_back_gives_its_reason():
+    """A send through a slot first takes back what the peer acknowledged, on the other
+    channel: a peer gone with its reason said gives that reason there too, not the end of
+    file the acknowledgements' channel reads."""
+    a, b = ShmLinks.pair(timeout=5)
+    a.abort("stage 0 failed at RA3: a shape disagrees")
+    with pytest.raises(_shm.PeerAborted, match="failed at RA3"):
+        b.send(0, torch.zeros(100_000))  # too large to go inline: a slot is needed
+
+
+def test_a_peer_that_aborts_as_we_are_about_to_wait_gives_its_reason(monkeypatch):
+    """The race a two-rank failure test met: the receiver looks, finds nothing, and the peer
+    aborts before it waits. Waiting first settles the acknowledgements, whose channel reads
+    the close; the reason, sent ahead of the close, is what the receiver reports."""
+    a, b = ShmLinks.pair(timeout=5)
+    looked = b._read
+
+    def read_then_abort(link, want):
+        got = looked(link, want)
+        if not got and a.peers:  # after the first look, before the wait
+            a.abort("stage 0 failed at RA3: a shape disagrees")
+        return got
+
+    monkeypatch.setattr(b, "_read", read_then_abort)
+    with pytest.raises(_shm.PeerAborted, match="failed at RA3"):
+        b.recv(0, 0, (1,), torch.float32)
+
+
 def test_a_wait_past_the_timeout_raises(monkeypatch):
     monkeypatch.setattr(_shm, "SPIN", 0.01)
     _, b = ShmLinks.pair(timeout=0.2)
