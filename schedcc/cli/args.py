@@ -9,6 +9,8 @@ shape's size (`p * v * m * batches`) has one too (`check_size`).
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
 import attrs
 
@@ -331,3 +333,45 @@ def check_size(num_stages: int, num_microbatches: int, num_chunks: int, num_batc
             f"{size:,} segment-microbatches; the command line compiles at most {MAX_SIZE:,} "
             "(p * v * m * batches): use smaller values"
         )
+
+
+def check_output_file(flag: str, path: str | os.PathLike, *, example: str) -> None:
+    """`path` names a file this process can write: not a directory, in a directory that exists
+    and that it can write in; checked before the command does its work, not after (`example`:
+    a file name the message suggests).
+
+    Raises:
+        UsageError: naming `flag` and what to change.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        name = os.path.join(path, example)
+        raise UsageError(f"{flag} {path} is a directory; give a file name, e.g. {name}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag}: directory {directory} does not exist")
+    check_writable_directory(flag, directory, made_by_run=False)
+
+
+def check_writable_directory(flag: str, path: str, *, made_by_run: bool = True) -> None:
+    """`path` is a directory this process can write in, or one it can create (`made_by_run`).
+
+    Checked by writing a file there (as the command will), before it does its work.
+
+    Raises:
+        UsageError: naming `flag` and what to change.
+    """
+    target = os.path.abspath(path)
+    existing = target
+    while made_by_run and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{flag} {path}: {existing} exists and is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"{flag} {path}: cannot write in {existing} ({exc.strerror or exc}); pick a "
+            "directory you can write to"
+        ) from None

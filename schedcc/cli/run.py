@@ -488,7 +488,8 @@ def _config(args, under_torchrun: bool) -> tuple[Config, object]:
     shared.check_size(p, args.num_microbatches, schedule.num_chunks, batches_per_run)
     _check_parts(schedule, args.model)
     grad_norm = _grad_norm(args, schedule, dp)  # a bad program fails here, exit 2
-    _check_trace(args.trace)
+    if args.trace:
+        shared.check_output_file("--trace", args.trace, example="run.json")
     _check_metrics(args.metrics)
     steps = -(-args.steps // batches_per_run) * batches_per_run
     _check_checkpoint_args(args, batches_per_run)
@@ -746,19 +747,7 @@ def _check_checkpoint_args(args, batches_per_run: int) -> None:
     if args.resume and args.check:
         raise UsageError("--check compares a whole run from step 0; it cannot follow --resume")
     if args.checkpoint:
-        _check_writable_directory("--checkpoint", args.checkpoint)
-
-
-def _check_trace(trace: str | None) -> None:
-    """The trace file can be written: not a directory, in a directory that exists."""
-    if not trace:
-        return
-    if os.path.isdir(trace):
-        raise UsageError(f"--trace {trace} is a directory; give a file name, e.g. {trace}/run.json")
-    directory = os.path.dirname(os.path.abspath(trace))
-    if not os.path.isdir(directory):
-        raise UsageError(f"--trace: directory {directory} does not exist")
-    _check_writable_directory("--trace", directory, made_by_run=False)
+        shared.check_writable_directory("--checkpoint", args.checkpoint)
 
 
 def _check_metrics(metrics: str | None) -> None:
@@ -772,30 +761,6 @@ def _check_metrics(metrics: str | None) -> None:
     if problem is not None:
         raise UsageError(f"--metrics {problem}")
     if metrics.startswith(TENSORBOARD_PREFIX):
-        _check_writable_directory("--metrics", metrics[len(TENSORBOARD_PREFIX) :])
+        shared.check_writable_directory("--metrics", metrics[len(TENSORBOARD_PREFIX) :])
         return
-    directory = os.path.dirname(os.path.abspath(metrics))
-    if not os.path.isdir(directory):
-        raise UsageError(f"--metrics: directory {directory} does not exist")
-    _check_writable_directory("--metrics", directory, made_by_run=False)
-
-
-def _check_writable_directory(flag: str, path: str, *, made_by_run: bool = True) -> None:
-    """`path` is a directory this process can write in, or one it can create (`made_by_run`).
-
-    Checked by writing a file there (as the run will), before any rank starts.
-    """
-    target = os.path.abspath(path)
-    existing = target
-    while made_by_run and not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"{flag} {path}: {existing} exists and is not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        raise UsageError(
-            f"{flag} {path}: cannot write in {existing} ({exc.strerror or exc}); pick a "
-            "directory you can write to"
-        ) from None
+    shared.check_output_file("--metrics", metrics, example="metrics.jsonl")

@@ -9,7 +9,6 @@ and `run --schedule FILE:Found` take. Exit 2 (one line) when no order fits the l
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from schedcc.cli import args as shared
@@ -126,7 +125,8 @@ def run(args) -> int:
         raise ScheduleConfigError("--offload goes with --memory-limit (what the orders must fit)")
     if not args.class_name.isidentifier():
         raise ScheduleConfigError(f"--class-name must be a Python name, got {args.class_name!r}")
-    _check_out(args.out)  # before the search takes its time, not after
+    if args.out is not None:  # before the search takes its time, not after
+        shared.check_output_file("--out", args.out, example="found.py")
     costs = memory_flags.with_memory(costs_of(args), memory)
     extra = {name: get_schedule(name) for name in args.schedule}
     updates = updates_of(args)
@@ -186,25 +186,6 @@ def run(args) -> int:
             f"{args.out}:{args.class_name} -p {p} -m {m} -v {v}"
         )
     return 0
-
-
-def _check_out(path: Path | None) -> None:
-    """Refuse an `--out` the found order could not be written to.
-
-    Raises:
-        ScheduleConfigError: `path` is a folder, or its folder is missing or not writable.
-    """
-    if path is None:
-        return
-    if path.is_dir():
-        raise ScheduleConfigError(
-            f"--out {path} is a folder; name the file to write, e.g. --out {path / 'found.py'}"
-        )
-    folder = path.parent
-    if not folder.is_dir():
-        raise ScheduleConfigError(f"--out {path}: there is no folder {folder}")
-    if not os.access(folder, os.W_OK):
-        raise ScheduleConfigError(f"--out {path}: the folder {folder} is not writable")
 
 
 def _split_backward(args) -> tuple[bool, ...]:

@@ -113,8 +113,8 @@ def test_the_found_file_ranks_in_tune(tmp_path, capsys):
         (["-p", "3", "-m", "4", "--memory-limit", "1GiB"], "--memory-limit 1GiB is in bytes"),
         (["-p", "3", "-m", "4", "--class-name", "not a name"], "--class-name"),
         (["-p", "3", "-m", "4", "--time-limit", "0"], "time_limit"),
-        (["-p", "3", "-m", "4", "--out", "/no-such-folder/found.py"], "there is no folder"),
-        (["-p", "3", "-m", "4", "--out", "."], "is a folder"),
+        (["-p", "3", "-m", "4", "--out", "/no-such-folder/found.py"], "does not exist"),
+        (["-p", "3", "-m", "4", "--out", "."], "is a directory; give a file name"),
     ],
 )
 def test_bad_input_is_one_line(argv, says, capsys):
