@@ -3,7 +3,8 @@
 `--schedule`, `-p/--num-stages`, `-m/--num-microbatches`, `-v/--num-chunks`, `--batches`, `--dp`,
 `--zero`, `--costs`. `--microbatches` and `--chunks` are kept as hidden aliases (older
 `schedcc tune` lines use them). Every count has a bound that keeps a command interactive, and a
-shape's size (`p * v * m * batches`) has one too (`check_size`).
+shape's size (`p * v * m * batches`) has one too (`check_size`). A file or directory a command
+writes is checked before it does its work (`check_output_file`, `check_writable_directory`).
 """
 
 from __future__ import annotations
@@ -350,11 +351,11 @@ def check_output_file(flag: str, path: str | os.PathLike, *, example: str) -> No
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"{flag}: directory {directory} does not exist")
-    check_writable_directory(flag, directory, made_by_run=False)
+    check_writable_directory(flag, directory, may_create=False)
 
 
-def check_writable_directory(flag: str, path: str, *, made_by_run: bool = True) -> None:
-    """`path` is a directory this process can write in, or one it can create (`made_by_run`).
+def check_writable_directory(flag: str, path: str, *, may_create: bool = True) -> None:
+    """`path` is a directory this process can write in, or one it can create (`may_create`).
 
     Checked by writing a file there (as the command will), before it does its work.
 
@@ -363,7 +364,7 @@ def check_writable_directory(flag: str, path: str, *, made_by_run: bool = True) 
     """
     target = os.path.abspath(path)
     existing = target
-    while made_by_run and not os.path.exists(existing):
+    while may_create and not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise UsageError(f"{flag} {path}: {existing} exists and is not a directory")
