@@ -14,7 +14,12 @@ every partner group is posted; a compute takes its cost; a stage runs its units 
    the next segment lives on another stage (the receiver's group: its `comm`, after the sender
    posted). With a whole backward, its last compute (a backward of one of its segments) is
    followed by the backwards below that segment and their hops, `tail(s)`; with a split one a
-   weight gradient may end the run, so `tail(s) = 0`.
+   weight gradient may end the run, so `tail(s) = 0`. On a microbatch's path (here, and the
+   round trips and holds of items 4, 6 and 7) a backward takes, from its start to its output,
+   what it takes alone or, in an overlapped pair, the pair's forward and the rest of the pair
+   (the backward's output leaves at the pair's end): no less than alone where the stage's
+   segments cost alike. Only as work (item 2) does a `+B` take just what its pair takes
+   beyond its forward.
 2. *Work.* Between the two, stage s runs every forward and backward of its segments (a whole
    backward at the least of B, I + W and, with overlapped pairs, what a `+B` takes beyond its
    forward), and its recomputations; each chunk's first forward and first backward take
@@ -290,6 +295,7 @@ class _Bound:
         self.first = [k - k % length for k in range(num)]  # the replica's first segment
         self.end = [f + length - 1 for f in self.first]  # and its last
         factors = costs.per_microbatch or (1.0,)
+        self.fewest = min(factors)  # the least factor of any microbatch
         of = list(family.replicas) or [0] * m
         self.count, self.total, self.least, self.heaviest = [], [], [], []  # per segment
         for k in range(num):
@@ -346,9 +352,22 @@ class _Bound:
         backward = model.backward
         if self.split:
             backward = min(backward, model.backward_input)
-        if self.overlapped:
-            backward = min(backward, overlapped_pair(model) - model.forward)
         return backward
+
+    def span(self, k: int, alone: float) -> float:
+        """The least a backward of segment k spans on its microbatch's path, from its start to
+        its output (`alone` is what it takes run alone: whole, or to its input gradient): in an
+        overlapped pair the pair's forward runs first and the backward's output leaves at the
+        pair's end (a pair's forward, of another microbatch and any segment of the stage,
+        its cost; the backward the rest of its pair, `overlapped_pair`), no less than `alone`
+        where the stage's segments cost alike."""
+        least = self.least[k]
+        span = least * alone
+        if self.overlapped:
+            model = self.models[k]
+            forward = self.fewest * min(self.models[j].forward for j in self.on[self.place[k][0]])
+            span = min(span, forward + least * (overlapped_pair(model) - model.forward))
+        return span
 
     def hop(self, k: int, j: int) -> float:
         """From segment k to segment j: the receiver's group, where they are on two stages."""
@@ -362,15 +381,15 @@ class _Bound:
         )
 
     def tail(self, k: int) -> float:
-        least = self.least[k]
-        return sum(least * self.piece(j) + self.hop(j + 1, j) for j in range(self.first[k], k))
+        below = range(self.first[k], k)
+        return sum(self.span(j, self.piece(j)) + self.hop(j + 1, j) for j in below)
 
     def round_trip(self, k: int) -> float:
         """From segment k's forward's end to its backward's start: up and back down."""
         least, up = self.least[k], range(k + 1, self.end[k] + 1)
-        compute = sum(self.models[j].forward + self.piece(j) for j in up)
+        compute = sum(least * self.models[j].forward + self.span(j, self.piece(j)) for j in up)
         hops = sum(self.hop(j - 1, j) + self.hop(j, j - 1) for j in up)
-        return least * compute + hops
+        return compute + hops
 
     def returns(self, k: int) -> int:
         """How often one microbatch's path from segment k's forward to its backward comes back
@@ -506,10 +525,10 @@ class _Bound:
             trip = self.round_trip(k)
             fill = self.head(k) + self.least[k] * self.models[k].forward + trip
             fill += sum(self.total[j] * self.whole(j) for j in below) + tail
-            least = self.least[k]
-            last = least * self.whole(k) + self.tail(k)
+            whole = self.span(k, self._alone(k))
+            last = whole + self.tail(k)
             if self.split:
-                last = max(least * self.whole(k), least * self.piece(k) + self.tail(k))
+                last = max(whole, self.span(k, self.piece(k)) + self.tail(k))
             drain = head + sum(self.total[j] * self.models[j].forward for j in below)
             best = max(best, fill, drain + trip + last)
         return best
@@ -523,7 +542,7 @@ class _Bound:
             model = self.models[k]
             redo = self._redo(k)
             r.append(self.least[k] * redo)
-            last = self.least[k] * self.whole(k)
+            last = self.span(k, self._alone(k))
             held.append(self.least[k] * model.forward + self.round_trip(k) + last)
             held_r.append(self.least[k] * redo + last)
             re.append(self.returns(k))
