@@ -10,11 +10,13 @@ fits. Every candidate is a
 [Note: the search] Three sources of candidates, all timed by the simulator:
 1. every built-in order (`registered_classes`) at each searched chunk count, and with full
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
-   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s: the search
-   starts from the best of what exists, and times them all whatever `time_limit` says (an
-   eager search on the quick clock of item 3, the simulator timing each layout's fastest);
-   and, while time is left, each that fits only recomputing every forward again, with the
-   recomputations its limit does not need dropped on the quick clock (`fewer_recomputes`);
+   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s (where only
+   F/B orders are searched, one that splits its backwards with each `I` and its `W` run as one
+   `B` where the `I` was): the search starts from the best of what exists, and times them all
+   whatever `time_limit` says (an eager search on the quick clock of item 3, the simulator
+   timing each layout's fastest); and, while time is left, each that fits only recomputing
+   every forward again, with the recomputations its limit does not need dropped on the quick
+   clock (`fewer_recomputes`);
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -1199,8 +1201,14 @@ class _Searcher:
                         program = self._unchecked(schedule, recomputed)
                 except ScheduleError:
                     continue
+                # where only F/B orders are searched, a built-in's I and W run as one B
+                whole = not any(f.num_chunks == v and f.split for f in families)
                 orders = _compute_orders(program)
                 split = _splits(orders)
+                label = name
+                if split and whole:
+                    orders, split, program = _whole_backwards(orders), False, None
+                    label = f"{name} (backwards whole)"
                 form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
                 if not any(f.num_chunks == v and f.split == split for f in families):
                     continue
@@ -1209,11 +1217,11 @@ class _Searcher:
                 if spent:  # not timed: bounded as though an order of its layout fit
                     self._may_return(form, orders)
                     continue
-                source = name + (" with recompute" if recomputed else "")
+                source = label + (" with recompute" if recomputed else "")
                 fits = self._seed_on_clock(form, orders, source, waiting) if clocked else None
                 if fits is None:  # not on the clock: the simulator says
-                    if clocked:  # compiled now (lowering places copies beside the computes)
-                        try:
+                    if clocked and program is not None:  # compiled now (lowering places
+                        try:  # copies beside the computes)
                             program = self._unchecked(schedule, recomputed)
                         except ScheduleError:
                             continue
@@ -1222,7 +1230,7 @@ class _Searcher:
                 if fits:
                     self.fitting_builtins.add((name, v))
                     if recomputed:
-                        self.recomputing.append((form, orders, name))
+                        self.recomputing.append((form, orders, label))
         self._time_fastest(waiting, whatever_the_time=True)  # each layout's fastest
 
     def _seed_on_clock(self, family: _Family, orders, source: str, waiting) -> bool | None:
@@ -1569,6 +1577,19 @@ def _pairs(orders) -> bool:
 
 def _splits(orders) -> bool:
     return any(text.startswith("W") for row in orders for text in row)
+
+
+def _whole_backwards(orders) -> tuple[tuple[str, ...], ...]:
+    """`orders` with each input gradient and its weight gradient run as one backward, where
+    the input gradient was.
+
+    >>> _whole_backwards([["F0", "I0", "R1", "W0", "I1", "W1"]])
+    (('F0', 'B0', 'R1', 'B1'),)
+    """
+    return tuple(
+        tuple("B" + text[1:] if text.startswith("I") else text for text in row if text[0] != "W")
+        for row in orders
+    )
 
 
 def _paired(layout: _Family) -> bool:

@@ -123,6 +123,34 @@ def test_wave_orders_are_searched_and_train_exactly(v, placement):
     assert difference <= 1e-10
 
 
+def test_a_search_of_whole_backwards_starts_from_the_builtins_made_whole():
+    """Searching F/B orders only (`split_backward=False`), the built-ins whose orders split
+    the backward (ZB's, DualPipe's) are started from with each I and W run as one B, in their
+    own layouts. At p = 4, m = 8, 1:1.5:0.8, comm 1F, a 1.3x first stage, 1F1B's activations:
+    an order of DualPipe's two replicas, faster than the looped placements' best; it splits no
+    backward, validates from its written file and trains a float64 model exactly."""
+    heavy = CostModel(forward=1.3, backward=1.95, backward_input=0.91, backward_weight=1.04,
+                      comm=1.0)  # fmt: skip
+    costs = CostModel(forward=1.0, backward=1.5, backward_input=0.7, backward_weight=0.8,
+                      comm=1.0, per_stage={0: heavy})  # fmt: skip
+    common = {"costs": costs, "memory_limit": 4, "recompute": True, "split_backward": False,
+              "max_evaluations": 60, "eager": True}  # fmt: skip
+    result = search(4, 8, **common)
+    looped = search(4, 8, num_chunks=(1, 2), placement="looped", **common)
+    cls = type(result.schedule)
+    assert cls.num_replicas == 2
+    assert not any(text.startswith(("I", "W")) for row in cls.orders for text in row.split())
+    assert result.bound <= result.makespan < looped.makespan
+    namespace = {}
+    exec(result.to_python(), namespace)
+    schedule = namespace["Found"](4, 8, 2, num_batches=2)
+    program = schedcc.compile(schedule)
+    difference = assert_matches_reference(
+        program, schedule_segments(schedule), mse, sgd, batches(2, 16), atol=1e-10
+    )
+    assert difference <= 1e-10
+
+
 def test_found_order_holds_no_more_measured_bytes_than_the_limit():
     """Under a byte limit of half 1F1B's measured activation bytes, the local engine measures
     at most the limit on every stage while training with the found order."""

@@ -25,6 +25,7 @@ from schedcc.search import (
     _rules,
     _Searcher,
     _splits,
+    _whole_backwards,
     search,
 )
 from schedcc.search_bound import lower_bound
@@ -380,7 +381,7 @@ def test_orders_in_pairs_stay_above_the_bound_at_their_own_peak(
     except ScheduleError:
         return
     if whole:
-        start = tuple(_whole_backwards(row) for row in start)
+        start = _whole_backwards(start)
     family = _Family.of(schedule, not whole)
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
     orders = [start]
@@ -403,13 +404,6 @@ def test_orders_in_pairs_stay_above_the_bound_at_their_own_peak(
     event(f"timed {'some' if timed else 'none'}")
 
 
-def _whole_backwards(row: tuple[str, ...]) -> tuple[str, ...]:
-    """A stage's order with each input gradient and its weight gradient run as one backward,
-    where the input gradient was."""
-    return tuple("B" + text[1:] if text.startswith("I") else text for text in row
-                 if not text.startswith("W"))  # fmt: skip
-
-
 def test_a_backward_in_a_pair_spans_the_pair_on_its_path():
     """DualPipe's layout at p = 4, m = 8, 1:1.5:0.8, comm 1F, a 1.3x first stage, in pairs
     and whole backwards: each backward on a microbatch's way down takes at least what it takes
@@ -427,8 +421,7 @@ def test_a_backward_in_a_pair_spans_the_pair_on_its_path():
     assert unlimited == pytest.approx(25.225)
     bound = lower_bound(4, 8, costs, family, overlapped=True, eager=True, memory_limit=4)
     assert bound == pytest.approx(27.45)
-    rows = _compute_orders(schedcc.compile(schedule))
-    whole = tuple(_whole_backwards(row) for row in rows)
+    whole = _whole_backwards(_compute_orders(schedcc.compile(schedule)))
     program = schedcc.compile(_found_class(4, 8, family, whole)(4, 8, 2))
     timeline = schedcc.simulate(program, _per_chunk(costs, 1, family.segments(4)), eager=True)
     assert timeline.makespan == pytest.approx(32.8)
