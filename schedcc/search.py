@@ -10,13 +10,13 @@ fits. Every candidate is a
 [Note: the search] Three sources of candidates, all timed by the simulator:
 1. every built-in order (`registered_classes`) at each searched chunk count, and with full
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
-   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s (where only
-   F/B orders are searched, one that splits its backwards with each `I` and its `W` run as one
-   `B` where the `I` was): the search starts from the best of what exists, and times them all
-   whatever `time_limit` says (an eager search on the quick clock of item 3, the simulator
-   timing each layout's fastest); and, while time is left, each that fits only recomputing
-   every forward again, with the recomputations its limit does not need dropped on the quick
-   clock (`fewer_recomputes`);
+   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s (where F/B
+   orders are searched, one that splits its backwards also with each `I` and its `W` run as
+   one `B` where the `I` was: [Note: built-ins with whole backwards]): the search starts
+   from the best of what exists, and times them all whatever `time_limit` says (an eager
+   search on the quick clock of item 3, the simulator timing each layout's fastest); and,
+   while time is left, each that fits only recomputing every forward again, with the
+   recomputations its limit does not need dropped on the quick clock (`fewer_recomputes`);
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -712,7 +712,8 @@ class _Searcher:
         # the layouts of the orders that fit, and of the seeds not timed: whether an order of
         # each runs overlapped pairs, whether one offloads ([Note: what the bound covers])
         self.layouts: dict[_Family, tuple[bool, bool]] = {}
-        self.fitting_builtins: set[str] = set()
+        self.fitting_builtins: set = set()  # (name, v): every form searched fits
+        self.fitting_forms: set = set()  # (label, v): that form of a built-in fits
         # the built-ins that fit recomputing every forward: (family, orders, name)
         self.recomputing: list = []
         self.least_held: float | None = None
@@ -1201,37 +1202,72 @@ class _Searcher:
                         program = self._unchecked(schedule, recomputed)
                 except ScheduleError:
                     continue
-                # where only F/B orders are searched, a built-in's I and W run as one B
-                whole = not any(f.num_chunks == v and f.split for f in families)
                 orders = _compute_orders(program)
-                split = _splits(orders)
-                label = name
-                if split and whole:
-                    orders, split, program = _whole_backwards(orders), False, None
-                    label = f"{name} (backwards whole)"
-                form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
-                if not any(f.num_chunks == v and f.split == split for f in families):
-                    continue
-                if self.tied_cut not in (None, self.p * form.share):
-                    continue  # its ties name segments of another cut
-                if spent:  # not timed: bounded as though an order of its layout fit
-                    self._may_return(form, orders)
-                    continue
-                source = label + (" with recompute" if recomputed else "")
-                fits = self._seed_on_clock(form, orders, source, waiting) if clocked else None
-                if fits is None:  # not on the clock: the simulator says
-                    if clocked and program is not None:  # compiled now (lowering places
-                        try:  # copies beside the computes)
-                            program = self._unchecked(schedule, recomputed)
-                        except ScheduleError:
-                            continue
-                        orders = _compute_orders(program)
-                    fits = self.evaluate(form, orders, source, program) is not None
-                if fits:
+                forms = [(orders, program, name)]
+                if _splits(orders) and self._whole_too(v, families, plain, orders):
+                    forms.append((_whole_backwards(orders), None, f"{name} (backwards whole)"))
+                vshape = ours[0][1] if plain else None  # else a layout of its own
+                fit = [
+                    self._seed_form(
+                        schedule, v, vshape, form, families, recomputed, spent, waiting
+                    )
+                    for form in forms
+                ]
+                fit = [fits for fits in fit if fits is not None]
+                if fit and all(fit):
                     self.fitting_builtins.add((name, v))
-                    if recomputed:
-                        self.recomputing.append((form, orders, label))
         self._time_fastest(waiting, whatever_the_time=True)  # each layout's fastest
+
+    @staticmethod
+    def _whole_too(v: int, families, plain, orders) -> bool:
+        """[Note: built-ins with whole backwards] Whether a built-in whose order splits its
+        backwards is started from with each `I` and its `W` run as one `B` too: where F/B
+        orders are searched, every such one if they alone are, else those that run a layout
+        of their own (DualPipe's replicas) or overlapped pairs. Under a tight limit a whole
+        backward frees its activation at once, and there DualPipe's layout runs F/B orders
+        faster than any split one finds (p = 4, m = 8, 1:2:1, comm 1F, a 1.5x last stage,
+        0.3x 1F1B's activations: 42.0 where the looped placement's best, 47.5, met its
+        bound); ZB's orders made whole are 1F1B's kind, which the built-ins have already."""
+        forms = {f.split for f in families if f.num_chunks == v}
+        if False not in forms:
+            return False
+        return forms == {False} or not plain or _pairs(orders)
+
+    def _seed_form(
+        self, schedule, v: int, vshape, form, families, recomputed: bool, spent: bool, waiting
+    ) -> bool | None:
+        """Time one form of a built-in's order at v chunks (`(orders, program or None,
+        label)`: its own, or its backwards whole) as `seed` does, in the placement `vshape`
+        says, or with None in the schedule's own layout; whether it fits, or None where its
+        form is not searched."""
+        orders, program, label = form
+        if recomputed and (label, v) in self.fitting_forms:
+            return True  # fits without recomputing
+        split = _splits(orders)
+        family = _Family.of(schedule, split) if vshape is None else _Family(v, vshape, split)
+        if not any(f.num_chunks == v and f.split == split for f in families):
+            return None
+        if self.tied_cut not in (None, self.p * family.share):
+            return None  # its ties name segments of another cut
+        if spent:  # not timed: bounded as though an order of its layout fit
+            self._may_return(family, orders)
+            return False
+        source = label + (" with recompute" if recomputed else "")
+        clocked = self.eager and not self.offload
+        fits = self._seed_on_clock(family, orders, source, waiting) if clocked else None
+        if fits is None:  # not on the clock: the simulator says
+            if clocked and program is not None:  # compiled now (lowering places copies
+                try:  # beside the computes)
+                    program = self._unchecked(schedule, recomputed)
+                except ScheduleError:
+                    return False
+                orders = _compute_orders(program)
+            fits = self.evaluate(family, orders, source, program) is not None
+        if fits:
+            self.fitting_forms.add((label, v))
+            if recomputed:
+                self.recomputing.append((family, orders, label))
+        return fits
 
     def _seed_on_clock(self, family: _Family, orders, source: str, waiting) -> bool | None:
         """Whether a seed fits as the quick clock says (exactly, in whole-stage microbatches;

@@ -151,6 +151,27 @@ def test_a_search_of_whole_backwards_starts_from_the_builtins_made_whole():
     assert difference <= 1e-10
 
 
+def test_dualpipe_with_whole_backwards_starts_a_search_of_both_forms():
+    """Searching both backward forms, DualPipe's order is also started from with its I and W
+    run as one B: under a tight limit a whole backward frees its activation at once. At p = 4,
+    m = 8, 1:2:1, comm 1F, a 1.5x last stage, 0.3x 1F1B's activations: an order of its two
+    replicas with whole backwards, 42.0, where the looped placements' best, 47.5, meets their
+    bound (so no looped order is faster)."""
+    last = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
+                     comm=1.0)  # fmt: skip
+    costs = CostModel(comm=1.0, per_stage={3: last})
+    common = {"costs": costs, "memory_limit": 1.2, "recompute": True, "max_evaluations": 40,
+              "eager": True}  # fmt: skip
+    result = search(4, 8, **common)
+    looped = search(4, 8, num_chunks=(1, 2), placement="looped", **common)
+    cls = type(result.schedule)
+    assert cls.num_replicas == 2
+    assert not any(text.startswith("W") for row in cls.orders for text in row.split())
+    assert result.makespan == pytest.approx(42.0)
+    assert looped.makespan == pytest.approx(looped.bound) == pytest.approx(47.5)
+    assert result.bound <= result.makespan
+
+
 def test_found_order_holds_no_more_measured_bytes_than_the_limit():
     """Under a byte limit of half 1F1B's measured activation bytes, the local engine measures
     at most the limit on every stage while training with the found order."""
