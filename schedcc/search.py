@@ -10,9 +10,9 @@ fits. Every candidate is a
 [Note: the search] Three sources of candidates, all timed by the simulator:
 1. every built-in order (`registered_classes`) at each searched chunk count, and with full
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
-   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s (where F/B
-   orders are searched, one that splits its backwards also with each `I` and its `W` run as
-   one `B` where the `I` was: [Note: built-ins with whole backwards]): the search starts
+   2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s (some that
+   split their backwards with each `I` and its `W` run as one `B` too: [Note: built-ins with
+   whole backwards]): the search starts
    from the best of what exists, and times them all whatever `time_limit` says (an eager
    search on the quick clock of item 3, the simulator timing each layout's fastest); and,
    while time is left, each that fits only recomputing every forward again, with the
@@ -493,6 +493,8 @@ def search(
     searcher.seed(seeds, families, recomputed=False)
     if recompute:
         searcher.seed(seeds, families, recomputed=True)
+    for recomputed in (False, True) if recompute else (False,):  # [Note: built-ins with whole
+        searcher.seed(seeds, families, recomputed=recomputed, whole=True)  # backwards]
     searcher.offload_seeds()
     if recompute:
         searcher.fewer_recomputes(share=0.2)
@@ -712,8 +714,7 @@ class _Searcher:
         # the layouts of the orders that fit, and of the seeds not timed: whether an order of
         # each runs overlapped pairs, whether one offloads ([Note: what the bound covers])
         self.layouts: dict[_Family, tuple[bool, bool]] = {}
-        self.fitting_builtins: set = set()  # (name, v): every form searched fits
-        self.fitting_forms: set = set()  # (label, v): that form of a built-in fits
+        self.fitting_builtins: set[tuple[str, int]] = set()  # (name, v)
         # the built-ins that fit recomputing every forward: (family, orders, name)
         self.recomputing: list = []
         self.least_held: float | None = None
@@ -1165,11 +1166,27 @@ class _Searcher:
 
     # -- sources ------------------------------------------------------------------------------
 
-    def seed(self, classes, families: list[_Family], *, recomputed: bool) -> None:
+    def seed(
+        self, classes, families: list[_Family], *, recomputed: bool, whole: bool = False
+    ) -> None:
         """Time the orders of `classes` (`(name, Schedule subclass)` pairs) at the searched
         chunk counts and backward forms: in one of `families`' placements, or in a layout of
         their own (replicas, a weight delay) when every placement is searched. With full
-        recomputation: only those that do not fit without it."""
+        recomputation: only those that do not fit without it. With `whole`: those whose own
+        order fits neither way, their backwards whole.
+
+        [Note: built-ins with whole backwards] Where F/B orders alone are searched, a built-in
+        whose order splits its backwards is started from with each `I` and its `W` run as one
+        `B` where the `I` was, in its own layout: ZB's become 1F1B's kind, DualPipe's runs its
+        two replicas in pairs, a layout no F/B search reached before. Where both forms are,
+        DualPipe's and DualPipe-V's (the built-ins that run pairs or a layout of their own)
+        are started from so too where their own orders fit neither as they are nor
+        recomputing every forward: under a tight limit a whole backward frees its activation
+        at once. At p = 4, m = 8, 1:2:1, comm 1F, a 1.5x last stage, 0.3x 1F1B's activations,
+        DualPipe's order does not fit, and the search returned the looped placement's 47.5 at
+        its bound, where DualPipe's replicas with whole backwards run 42.0. Where their own
+        orders fit, their layout is searched already, and made whole they gave no order the
+        grids returned (docs/performance.md, "F/B orders in DualPipe's layout")."""
         tables = {}
         for family in families:
             table = [[-1] * family.num_chunks for _ in range(self.p)]
@@ -1180,10 +1197,13 @@ class _Searcher:
         waiting: list = []  # seeds the quick clock timed, to simulate the fastest of
         clocked = self.eager and not self.offload
         for v in sorted({f.num_chunks for f in families}):
+            both = {f.split for f in families if f.num_chunks == v} == {False, True}
             for name, cls in classes:  # all of them, whatever the time: the search starts here
                 # past the evaluations, a seed's layout is still counted by the bound
                 spent = self.max_evals is not None and self.evaluations >= self.max_evals
                 if recomputed and (name, v) in self.fitting_builtins:
+                    continue
+                if whole and (not both or (name, v) in self.fitting_builtins):
                     continue
                 try:
                     schedule = build_schedule(cls, self.p, self.m, num_chunks=v)
@@ -1203,71 +1223,38 @@ class _Searcher:
                 except ScheduleError:
                     continue
                 orders = _compute_orders(program)
-                forms = [(orders, program, name)]
-                if _splits(orders) and self._whole_too(v, families, plain, orders):
-                    forms.append((_whole_backwards(orders), None, f"{name} (backwards whole)"))
-                vshape = ours[0][1] if plain else None  # else a layout of its own
-                fit = [
-                    self._seed_form(
-                        schedule, v, vshape, form, families, recomputed, spent, waiting
-                    )
-                    for form in forms
-                ]
-                fit = [fits for fits in fit if fits is not None]
-                if fit and all(fit):
+                label = name
+                if _splits(orders) and (whole or not both):
+                    if whole and plain and not _pairs(orders):
+                        continue  # ZB's made whole: 1F1B's kind, which the built-ins have
+                    orders, program = _whole_backwards(orders), None
+                    label = f"{name} (backwards whole)"
+                elif whole:
+                    continue
+                split = _splits(orders)
+                form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
+                if not any(f.num_chunks == v and f.split == split for f in families):
+                    continue
+                if self.tied_cut not in (None, self.p * form.share):
+                    continue  # its ties name segments of another cut
+                if spent:  # not timed: bounded as though an order of its layout fit
+                    self._may_return(form, orders)
+                    continue
+                source = label + (" with recompute" if recomputed else "")
+                fits = self._seed_on_clock(form, orders, source, waiting) if clocked else None
+                if fits is None:  # not on the clock: the simulator says
+                    if clocked and program is not None:  # compiled now (lowering places
+                        try:  # copies beside the computes)
+                            program = self._unchecked(schedule, recomputed)
+                        except ScheduleError:
+                            continue
+                        orders = _compute_orders(program)
+                    fits = self.evaluate(form, orders, source, program) is not None
+                if fits:
                     self.fitting_builtins.add((name, v))
+                    if recomputed:
+                        self.recomputing.append((form, orders, label))
         self._time_fastest(waiting, whatever_the_time=True)  # each layout's fastest
-
-    @staticmethod
-    def _whole_too(v: int, families, plain, orders) -> bool:
-        """[Note: built-ins with whole backwards] Whether a built-in whose order splits its
-        backwards is started from with each `I` and its `W` run as one `B` too: where F/B
-        orders are searched, every such one if they alone are, else those that run a layout
-        of their own (DualPipe's replicas) or overlapped pairs. Under a tight limit a whole
-        backward frees its activation at once, and there DualPipe's layout runs F/B orders
-        faster than any split one finds (p = 4, m = 8, 1:2:1, comm 1F, a 1.5x last stage,
-        0.3x 1F1B's activations: 42.0 where the looped placement's best, 47.5, met its
-        bound); ZB's orders made whole are 1F1B's kind, which the built-ins have already."""
-        forms = {f.split for f in families if f.num_chunks == v}
-        if False not in forms:
-            return False
-        return forms == {False} or not plain or _pairs(orders)
-
-    def _seed_form(
-        self, schedule, v: int, vshape, form, families, recomputed: bool, spent: bool, waiting
-    ) -> bool | None:
-        """Time one form of a built-in's order at v chunks (`(orders, program or None,
-        label)`: its own, or its backwards whole) as `seed` does, in the placement `vshape`
-        says, or with None in the schedule's own layout; whether it fits, or None where its
-        form is not searched."""
-        orders, program, label = form
-        if recomputed and (label, v) in self.fitting_forms:
-            return True  # fits without recomputing
-        split = _splits(orders)
-        family = _Family.of(schedule, split) if vshape is None else _Family(v, vshape, split)
-        if not any(f.num_chunks == v and f.split == split for f in families):
-            return None
-        if self.tied_cut not in (None, self.p * family.share):
-            return None  # its ties name segments of another cut
-        if spent:  # not timed: bounded as though an order of its layout fit
-            self._may_return(family, orders)
-            return False
-        source = label + (" with recompute" if recomputed else "")
-        clocked = self.eager and not self.offload
-        fits = self._seed_on_clock(family, orders, source, waiting) if clocked else None
-        if fits is None:  # not on the clock: the simulator says
-            if clocked and program is not None:  # compiled now (lowering places copies
-                try:  # beside the computes)
-                    program = self._unchecked(schedule, recomputed)
-                except ScheduleError:
-                    return False
-                orders = _compute_orders(program)
-            fits = self.evaluate(family, orders, source, program) is not None
-        if fits:
-            self.fitting_forms.add((label, v))
-            if recomputed:
-                self.recomputing.append((family, orders, label))
-        return fits
 
     def _seed_on_clock(self, family: _Family, orders, source: str, waiting) -> bool | None:
         """Whether a seed fits as the quick clock says (exactly, in whole-stage microbatches;

@@ -153,7 +153,8 @@ def test_a_search_of_whole_backwards_starts_from_the_builtins_made_whole():
 
 def test_dualpipe_with_whole_backwards_starts_a_search_of_both_forms():
     """Searching both backward forms, DualPipe's order is also started from with its I and W
-    run as one B: under a tight limit a whole backward frees its activation at once. At p = 4,
+    run as one B where it fits neither as it is nor recomputing every forward: under a tight
+    limit a whole backward frees its activation at once. At p = 4,
     m = 8, 1:2:1, comm 1F, a 1.5x last stage, 0.3x 1F1B's activations: an order of its two
     replicas with whole backwards, 42.0, where the looped placements' best, 47.5, meets their
     bound (so no looped order is faster)."""
