@@ -1197,7 +1197,8 @@ class _Searcher:
         waiting: list = []  # seeds the quick clock timed, to simulate the fastest of
         clocked = self.eager and not self.offload
         for v in sorted({f.num_chunks for f in families}):
-            both = {f.split for f in families if f.num_chunks == v} == {False, True}
+            forms = {f.split for f in families if f.num_chunks == v}  # backward forms searched
+            both = forms == {False, True}
             for name, cls in classes:  # all of them, whatever the time: the search starts here
                 # past the evaluations, a seed's layout is still counted by the bound
                 spent = self.max_evals is not None and self.evaluations >= self.max_evals
@@ -1224,7 +1225,7 @@ class _Searcher:
                     continue
                 orders = _compute_orders(program)
                 label = name
-                if _splits(orders) and (whole or not both):
+                if _splits(orders) and (whole or forms == {False}):
                     if whole and plain and not _pairs(orders):
                         continue  # ZB's made whole: 1F1B's kind, which the built-ins have
                     orders, program = _whole_backwards(orders), None

@@ -21,7 +21,7 @@ from schedcc.backends.reference import assert_matches_reference
 from schedcc.backends.runtime.memory import measure_memory
 from schedcc.cli import main
 from schedcc.ir import Recompute, parse
-from schedcc.registry import get_schedule
+from schedcc.registry import get_schedule, registered_classes
 from schedcc.search import FoundOrder, _Family, lower_bound, search
 from tests._models import batches, make_segments, mse, schedule_segments, sgd
 
@@ -171,6 +171,16 @@ def test_dualpipe_with_whole_backwards_starts_a_search_of_both_forms():
     assert result.makespan == pytest.approx(42.0)
     assert looped.makespan == pytest.approx(looped.bound) == pytest.approx(47.5)
     assert result.bound <= result.makespan
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_each_backward_form_starts_from_the_builtins(split):
+    """Given one evaluation, a search of F/I/W orders alone returns a built-in's own order,
+    its backwards split; one of F/B orders alone, a built-in whose backwards are whole."""
+    result = search(4, 8, split_backward=split, max_evaluations=1)
+    assert result.source in registered_classes()
+    orders = type(result.schedule).orders
+    assert any(text.startswith("W") for row in orders for text in row.split()) is split
 
 
 def test_found_order_holds_no_more_measured_bytes_than_the_limit():
