@@ -1238,6 +1238,8 @@ class _Searcher:
                     continue
                 if self.tied_cut not in (None, self.p * form.share):
                     continue  # its ties name segments of another cut
+                if other_cut(self.costs.memory, self.p, form.share) is not None:
+                    continue  # of a cut the measured bytes do not hold for
                 if spent:  # not timed: bounded as though an order of its layout fit
                     self._may_return(form, orders)
                     continue

@@ -9,7 +9,7 @@ from itertools import pairwise
 import attrs
 import pytest
 import torch
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from strategies import stage_costs
 from torch import nn
@@ -209,6 +209,8 @@ def test_found_order_holds_no_more_measured_bytes_than_the_limit():
     share=st.sampled_from([0.5, 0.75, 1.0]),
     offload=st.booleans(),
 )
+# DualPipe's replicas, of another cut, made whole after the evaluations are spent
+@example(p=2, m=4, v=2, widths=[2, 2, 4, 2, 2, 2, 2], share=0.5, offload=False)
 def test_searches_in_measured_bytes_fit_as_the_engine_measures(p, m, v, widths, share, offload):
     """Random unequal segments cut in p·v, their bytes measured (`measure_memory`: each
     segment's own, [Note: a measured cut]), a limit of a share of 1F1B's (interleaved at v = 2)
