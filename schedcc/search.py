@@ -12,11 +12,11 @@ fits. Every candidate is a
    recomputation those that do not fit without it, in their own layout (DualPipe's replicas,
    2BW's delay, 1F1B-offload's offloads and reloads), replayed as `FoundOrder`s (some that
    split their backwards with each `I` and its `W` run as one `B` too: [Note: built-ins with
-   whole backwards]): the search starts
-   from the best of what exists, and times them all whatever `time_limit` says (an eager
-   search on the quick clock of item 3, the simulator timing each layout's fastest); and,
-   while time is left, each that fits only recomputing every forward again, with the
-   recomputations its limit does not need dropped on the quick clock (`fewer_recomputes`);
+   whole backwards]): the search starts from the best of what exists, and times them all
+   whatever `time_limit` says (an eager search on the quick clock of item 3, the simulator
+   timing each layout's fastest); and, while time is left, each that fits only recomputing
+   every forward again, with the recomputations its limit does not need dropped on the quick
+   clock (`fewer_recomputes`);
 2. list scheduling: each stage, whenever it is free, runs the ready compute it ranks first
    (a backward before a forward or the other way round, a weight gradient at once or only in
    gaps, the deeper or the shallower chunk first), under a cap on the microbatches it has in
@@ -715,6 +715,8 @@ class _Searcher:
         # each runs overlapped pairs, whether one offloads ([Note: what the bound covers])
         self.layouts: dict[_Family, tuple[bool, bool]] = {}
         self.fitting_builtins: set[tuple[str, int]] = set()  # (name, v)
+        # the built-ins to start from with their backwards whole where they fit neither way
+        self.whole_later: set[tuple[str, int]] = set()
         # the built-ins that fit recomputing every forward: (family, orders, name)
         self.recomputing: list = []
         self.least_held: float | None = None
@@ -1204,7 +1206,8 @@ class _Searcher:
                 spent = self.max_evals is not None and self.evaluations >= self.max_evals
                 if recomputed and (name, v) in self.fitting_builtins:
                     continue
-                if whole and (not both or (name, v) in self.fitting_builtins):
+                key = (name, v)
+                if whole and (key not in self.whole_later or key in self.fitting_builtins):
                     continue
                 try:
                     schedule = build_schedule(cls, self.p, self.m, num_chunks=v)
@@ -1226,12 +1229,12 @@ class _Searcher:
                 orders = _compute_orders(program)
                 label = name
                 if _splits(orders) and (whole or forms == {False}):
-                    if whole and plain and not _pairs(orders):
-                        continue  # ZB's made whole: 1F1B's kind, which the built-ins have
                     orders, program = _whole_backwards(orders), None
                     label = f"{name} (backwards whole)"
-                elif whole:
-                    continue
+                elif both and _splits(orders) and (not plain or _pairs(orders)):
+                    # made whole later where it fits neither way (ZB's made whole are 1F1B's
+                    # kind, which the built-ins have)
+                    self.whole_later.add((name, v))
                 split = _splits(orders)
                 form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
                 if not any(f.num_chunks == v and f.split == split for f in families):

@@ -525,10 +525,10 @@ class _Bound:
             trip = self.round_trip(k)
             fill = self.head(k) + self.least[k] * self.models[k].forward + trip
             fill += sum(self.total[j] * self.whole(j) for j in below) + tail
-            whole = self.span(k, self._alone(k))
-            last = whole + self.tail(k)
+            back = self.span(k, self._alone(k))
+            last = back + self.tail(k)
             if self.split:
-                last = max(whole, self.span(k, self.piece(k)) + self.tail(k))
+                last = max(back, self.span(k, self.piece(k)) + self.tail(k))
             drain = head + sum(self.total[j] * self.models[j].forward for j in below)
             best = max(best, fill, drain + trip + last)
         return best
