@@ -1204,10 +1204,10 @@ class _Searcher:
             for name, cls in classes:  # all of them, whatever the time: the search starts here
                 # past the evaluations, a seed's layout is still counted by the bound
                 spent = self.max_evals is not None and self.evaluations >= self.max_evals
-                if recomputed and (name, v) in self.fitting_builtins:
+                built = (name, v)
+                if recomputed and built in self.fitting_builtins:
                     continue
-                key = (name, v)
-                if whole and (key not in self.whole_later or key in self.fitting_builtins):
+                if whole and (built not in self.whole_later or built in self.fitting_builtins):
                     continue
                 try:
                     schedule = build_schedule(cls, self.p, self.m, num_chunks=v)
@@ -1234,7 +1234,7 @@ class _Searcher:
                 elif both and _splits(orders) and (not plain or _pairs(orders)):
                     # made whole later where it fits neither way (ZB's made whole are 1F1B's
                     # kind, which the built-ins have)
-                    self.whole_later.add((name, v))
+                    self.whole_later.add(built)
                 split = _splits(orders)
                 form = _Family(v, ours[0][1], split) if plain else _Family.of(schedule, split)
                 if not any(f.num_chunks == v and f.split == split for f in families):
@@ -1257,7 +1257,7 @@ class _Searcher:
                         orders = _compute_orders(program)
                     fits = self.evaluate(form, orders, source, program) is not None
                 if fits:
-                    self.fitting_builtins.add((name, v))
+                    self.fitting_builtins.add(built)
                     if recomputed:
                         self.recomputing.append((form, orders, label))
         self._time_fastest(waiting, whatever_the_time=True)  # each layout's fastest
