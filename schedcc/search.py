@@ -1767,6 +1767,7 @@ class _ListScheduler:
         bdone = [[None] * L for _ in range(m)]
         rend = [[None] * L for _ in range(m)]
         recomputed = [[False] * L for _ in range(m)]
+        owing = [0] * L  # per segment, its forwards recomputed whose `R` has not run yet
         nf, nb = [0] * L, [0] * L
         weights: list[list[int]] = [[] for _ in range(L)]  # input gradients without their W yet
         free = [0.0] * p
@@ -1794,15 +1795,7 @@ class _ListScheduler:
             pending = 0.0
             if rule.owed and budgets is not None:
                 pending = max(
-                    (
-                        self.act[k] - self.inp[k]
-                        for k in self.by_stage[s]
-                        if any(
-                            recomputed[j][k] and rend[j][k] is None
-                            for j in batches[k][nb[k] : nf[k]]
-                        )
-                    ),
-                    default=0.0,
+                    (self.act[k] - self.inp[k] for k in self.by_stage[s] if owing[k]), default=0.0
                 )
             for k in self.by_stage[s]:
                 c = self.place[k][1]
@@ -1917,6 +1910,7 @@ class _ListScheduler:
                     inflight[k] += 1
                     if rec:
                         recomputed[i][k] = True
+                        owing[k] += 1
                         held[s] += self.inp[k]
                     else:
                         held[s] += self.act[k]
@@ -1924,6 +1918,7 @@ class _ListScheduler:
                         touched.add(self.place[k + 1][0])
                 elif code == "R":
                     rend[i][k] = end
+                    owing[k] -= 1
                     held[s] += self.act[k] - self.inp[k]
                     remaining += 1  # an extra compute
                 elif code == "W":
