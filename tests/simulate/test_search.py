@@ -552,6 +552,24 @@ def test_list_scheduling_keeps_room_for_a_recomputation_it_owes():
     assert found.bound == pytest.approx(41.5)
 
 
+def test_list_scheduling_owes_a_recomputation_only_until_its_r_runs():
+    """Under a limit of 1.2 microbatches a stage, stage 0 holds F0 and recomputes F1; once R1
+    has rebuilt it (and B1 freed it) nothing is owed, so F2 holds its activation again: two
+    recomputations, not a third for every forward after the first owed one."""
+    import random
+
+    from schedcc.search import _ListScheduler, _rules
+
+    costs = CostModel(per_stage={0: CostModel(forward=1.3, backward=2.6, backward_input=1.3,
+                                              backward_weight=1.3)})  # fmt: skip
+    family = _Family(1, False, False)
+    scheduler = _ListScheduler(2, 4, family, costs, [1.2, 1.2], True, eager=True)
+    rule = _rules(family, random.Random(0))[0]
+    assert rule.owed
+    _, orders = scheduler.run(rule)
+    assert orders[0] == ("F0", "F1", "B0", "R1", "B1", "F2", "F3", "B2", "R3", "B3")
+
+
 def test_list_scheduling_may_recompute_a_stage_s_longest_held_chunk():
     """Under a tight limit on a heavy first stage, the V's stage 0 holds its first chunk's
     activations for the whole round trip: list scheduling that recomputes every forward of each
