@@ -145,8 +145,8 @@ from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, names_one_cut, other_cut, tied_at_cuts
 
 __all__ = [
-    "EXACT_MAX_PAIRS", "MAX_CHUNKS", "METHODS", "PLACEMENTS", "FoundOrder", "SearchResult",
-    "lower_bound", "placement_name", "search",
+    "EXACT_MAX_PAIRS", "MAX_CHUNKS", "METHODS", "PLACEMENTS", "FoundOrder", "LayoutBound",
+    "SearchResult", "lower_bound", "placement_name", "search",
 ]
 
 #: The placements `search` can search: looped (segment k on stage k % p, chunk k // p) and the
@@ -233,6 +233,36 @@ class FoundOrder(Schedule):
             yield from (attrs.evolve(op, microbatch=op.microbatch + offset) for op in ops)
 
 
+@attrs.frozen
+class LayoutBound:
+    """One layout's lower bound (`SearchResult.layout_bounds`).
+
+    Attributes:
+        layout: its placement: "looped", "V", "wave", "two replicas" (DualPipe's), "a
+            weight delay" (2BW's) or "its own placement" (a built-in's), at `num_chunks`.
+        num_chunks: chunks per stage.
+        split: its backwards split into `I` and `W` (else whole `B`s).
+        pairs: its forwards and backwards may run as overlapped pairs.
+        offloads: its orders may offload activations, so it is bounded without the limit.
+        bound: no order of the layout is faster ([Note: the lower bound]).
+        bound_from: "lower_bound" or "CP-SAT" (the exact model's proven bound).
+    """
+
+    layout: str
+    num_chunks: int
+    split: bool
+    pairs: bool
+    offloads: bool
+    bound: float
+    bound_from: str = "lower_bound"
+
+    def __str__(self) -> str:
+        kind = [f"{self.layout} v={self.num_chunks}", "F/I/W" if self.split else "F/B"]
+        kind += ["in pairs"] if self.pairs else []
+        kind += ["offloading"] if self.offloads else []
+        return f"{' '.join(kind)} {self.bound:g}"
+
+
 @attrs.frozen(eq=False)
 class SearchResult:
     """What `search` found.
@@ -251,6 +281,10 @@ class SearchResult:
         method: "heuristic" or "exact" (what "auto" chose).
         eager: whether `timeline` and `bound` are of the eager timeline (sends that never
             wait, as the distributed engine runs) rather than the rendezvous one.
+        layout_bounds: the bound of each layout the search may return an order of, the least
+            first (`bound` is the first's): how fast any order of that layout can be, so
+            where the least is of a layout in overlapped pairs, the first without them says
+            what no order without pairs beats ([Note: what the bound covers]).
     """
 
     schedule: FoundOrder
@@ -263,6 +297,7 @@ class SearchResult:
     bound_from: str = "lower_bound"
     method: str = "heuristic"
     eager: bool = False
+    layout_bounds: tuple[LayoutBound, ...] = ()
 
     @property
     def makespan(self) -> float:
@@ -340,12 +375,26 @@ class SearchResult:
 
 def placement_name(cls: type[FoundOrder]) -> str:
     """How a found order places its segments: "looped", "V", "wave" (a V at more chunks),
-    "two replicas" or "its own placement" (a built-in's, replayed)."""
-    if cls.places:
-        return "two replicas" if cls.num_replicas > 1 else "its own placement"
-    if not cls.vshape:
+    "two replicas" (DualPipe's), "a weight delay" (2BW's) or "its own placement" (another
+    built-in's, replayed)."""
+    return _placement(cls.places, cls.num_replicas, cls.weight_delay, cls.vshape, cls.shape[2])
+
+
+def _layout_name(family: _Family) -> str:
+    """`placement_name` of a search's layout (`LayoutBound.layout`)."""
+    return _placement(
+        family.places, family.num_replicas, family.weight_delay, family.vshape, family.num_chunks
+    )
+
+
+def _placement(places, num_replicas: int, weight_delay: int, vshape: bool, chunks: int) -> str:
+    if places:
+        if num_replicas > 1:
+            return "two replicas"
+        return "a weight delay" if weight_delay else "its own placement"
+    if not vshape:
         return "looped"
-    return "V" if cls.shape[2] == 2 else "wave"
+    return "V" if chunks == 2 else "wave"
 
 
 def search(
@@ -513,18 +562,19 @@ def search(
     best = searcher.final()
     if best is None:
         raise ScheduleConfigError(searcher.nothing_fits())
-    bound, bound_from = searcher.bound(sized)
+    bounds = searcher.bounds(sized)
     return SearchResult(
         schedule=best.program.schedule,
         program=best.program,
         timeline=best.timeline,
-        bound=bound,
+        bound=bounds[0].bound,
         source=best.source,
         evaluations=searcher.evaluations,
         seconds=time.monotonic() - started,
-        bound_from=bound_from,
+        bound_from=bounds[0].bound_from,
         method=method,
         eager=eager,
+        layout_bounds=tuple(bounds),
     )
 
 
@@ -925,13 +975,13 @@ class _Searcher:
             self.least_held = worst
         return all(h <= lim * (1 + 1e-9) for h, lim in zip(held, self.limits))
 
-    def bound(self, families: list[_Family]) -> tuple[float, str]:
-        """The least lower bound over the layouts the search may return an order of: each of
-        `families`, and the layout of every order found to fit (DualPipe's replicas, 2BW's
-        delay, a built-in's own places), with overlapped pairs where one of its orders has
-        them, without the memory limit where one offloads or the search may offload
-        ([Note: the lower bound]); each the larger of `lower_bound` and CP-SAT's where the
-        exact model was solved for it. And which of the two the least is.
+    def bounds(self, families: list[_Family]) -> list[LayoutBound]:
+        """The lower bound of each layout the search may return an order of, the least first:
+        each of `families`, and the layout of every order found to fit (DualPipe's replicas,
+        2BW's delay, a built-in's own places), with overlapped pairs where one of its orders
+        has them (and without, apart), without the memory limit where one offloads or the
+        search may offload ([Note: the lower bound]); each the larger of `lower_bound` and
+        CP-SAT's where the exact model was solved for it. `SearchResult.bound` is the first.
 
         [Note: what the bound covers] Local search walks from every layout it found an order
         fitting in, list scheduling pairs computes in each layout a fitting order pairs them
@@ -946,6 +996,8 @@ class _Searcher:
         limits = None if self.offload else self.limits
         layouts = dict.fromkeys(families, (False, False)) | self.layouts
         kinds = {(f, paired, None if off else limits) for f, (paired, off) in layouts.items()}
+        # and each layout in pairs without them: what no order without pairs beats
+        kinds |= {(f, False, lim) for f, paired, lim in kinds if paired}
         found = []
         for family, overlapped, limits in kinds:
             formula = self._lower(family, limits, overlapped=overlapped)
@@ -963,11 +1015,17 @@ class _Searcher:
                 exact = max(proven, default=None)
             if exact is not None:  # CP-SAT's model ends at the last compute
                 exact += closing(self.costs, self.p, self.options["grad_norm"])
+            value, source = formula, "lower_bound"
             if exact is not None and exact > formula * (1 + 1e-6):  # not by rounding alone
-                found.append((exact, "CP-SAT"))
-            else:
-                found.append((formula, "lower_bound"))
-        return min(found)
+                value, source = exact, "CP-SAT"
+            offloads = limits is None and self.limits is not None
+            layout = _layout_name(family)
+            found.append(
+                LayoutBound(
+                    layout, family.num_chunks, family.split, overlapped, offloads, value, source
+                )
+            )
+        return sorted(found, key=lambda b: (b.bound, str(b)))
 
     def hopeless(
         self, family: _Family, orders=(), *, limited: bool = True, pairs: bool = False

@@ -153,6 +153,7 @@ def run(args) -> int:
     if cut is not None:
         print(cut)
     print(_found_line(result))
+    print(_bounds_line(result))
     found = type(result.schedule)
     ranking = tune(
         {**registered_classes(), **extra, "(found)": found},
@@ -196,6 +197,16 @@ def _split_backward(args) -> tuple[bool, ...]:
     if args.costs_from is not None:
         return measured_backward(args.costs_from)
     return _BACKWARD["both"]
+
+
+def _bounds_line(result: SearchResult) -> str:
+    """Each layout's lower bound, the least first; where that is of a layout in overlapped
+    pairs, what no order without them beats."""
+    line = "lower bound by layout: " + ", ".join(map(str, result.layout_bounds))
+    alone = [b for b in result.layout_bounds if not b.pairs]
+    if result.layout_bounds[0].pairs and alone:
+        line += f"; without overlapped pairs no order beats {alone[0].bound:g}"
+    return line
 
 
 def _found_line(result: SearchResult) -> str:

@@ -15,6 +15,7 @@ import schedcc
 from schedcc import CostModel, get_schedule
 from schedcc.cli import main
 from schedcc.cli.args import parse_costs
+from schedcc.cli.search import _bounds_line
 from schedcc.costs import measured_backward
 from schedcc.search import FoundOrder, _splits, search
 from schedcc.sizes import parse_size
@@ -29,9 +30,11 @@ def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_
     argv = ["search", "-p", "3", "-m", "4", "--memory-limit", "2", "--recompute"]
     assert main([*argv, "--time-limit", "3", "--out", str(out), "--class-name", "Mine"]) == 0
     text = capsys.readouterr().out
-    first = text.splitlines()[0]
+    first, second = text.splitlines()[:2]
     assert first.startswith("found: p=3 m=4")
-    assert "lower bound" in first
+    bound = re.search(r"lower bound ([0-9.]+) ", first).group(1)
+    assert second.startswith("lower bound by layout: ")
+    assert second.split(", ")[0].endswith(f" {bound}")  # the least first: the bound
     assert "(found)" in text
     assert "1f1b" in text
     assert "stage 2 |" in text
@@ -44,6 +47,20 @@ def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_
     capsys.readouterr()
     assert main(["show", "--schedule", f"{out}:Mine"]) == 0  # its own shape, -p -m -v left out
     assert "stage 2 |" in capsys.readouterr().out
+
+
+def test_where_the_bound_is_of_pairs_it_says_what_no_order_without_them_beats():
+    """p = 4, m = 8, 1:2:1, a 1.5x last stage, 1F1B's activations: the least bound is of
+    DualPipe's layout in overlapped pairs, and the line of bounds names the least of the
+    layouts without pairs as what no order without them beats."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5)
+    result = search(4, 8, costs=CostModel(per_stage={3: heavy}), memory_limit=4, recompute=True,
+                    max_evaluations=30, eager=True)  # fmt: skip
+    alone = min(b.bound for b in result.layout_bounds if not b.pairs)
+    line = _bounds_line(result)
+    assert line.startswith("lower bound by layout: two replicas v=2 ")
+    assert line.endswith(f"; without overlapped pairs no order beats {alone:g}")
+    assert alone > result.bound
 
 
 def test_eager_searches_times_and_ranks_as_the_engine_runs(tmp_path, capsys):

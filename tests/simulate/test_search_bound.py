@@ -26,6 +26,7 @@ from schedcc.search import (
     _Searcher,
     _splits,
     _whole_backwards,
+    placement_name,
     search,
 )
 from schedcc.search_bound import lower_bound
@@ -604,3 +605,41 @@ def test_the_bound_covers_every_layout_the_search_may_return():
     assert more.makespan == pytest.approx(33.75)
     for result in results:
         assert result.bound <= more.makespan + 1e-9
+
+
+def test_each_layout_s_bound_is_listed_the_least_first():
+    """The same shape, 30 evaluations: `layout_bounds` lists the bound of each layout the
+    search may return an order of, the least first and that one `bound`. The placements'
+    entries are `lower_bound` of their placement and backward form; the least is of
+    DualPipe's two replicas in overlapped pairs, which the order returned runs, and its
+    makespan is above its own layout's bound; each layout in pairs is listed without them
+    too, so the least without pairs is what no order without them beats (the CLI's line)."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5)
+    costs = CostModel(per_stage={3: heavy})
+    result = search(4, 8, costs=costs, memory_limit=4, recompute=True, max_evaluations=30,
+                    eager=True)  # fmt: skip
+    bounds = result.layout_bounds
+    assert [b.bound for b in bounds] == sorted(b.bound for b in bounds)
+    assert (result.bound, result.bound_from) == (bounds[0].bound, bounds[0].bound_from)
+    assert (bounds[0].layout, bounds[0].pairs) == ("two replicas", True)
+    placed = [b for b in bounds if b.layout in ("looped", "V")]
+    assert {(b.layout, b.num_chunks) for b in placed} >= {("looped", 1), ("looped", 2), ("V", 2)}
+    for b in placed:
+        family = _Family(b.num_chunks, b.layout == "V", b.split)
+        limit = None if b.offloads else 4
+        assert b.bound == lower_bound(4, 8, costs, family, overlapped=b.pairs, memory_limit=limit,
+                                      recompute=True, eager=True)  # fmt: skip
+    found = type(result.schedule)
+    split = any(" I" in f" {row}" for row in found.orders)
+    own = [b for b in bounds if (b.layout, b.num_chunks, b.split, b.pairs)
+           == (placement_name(found), found.shape[2], split, True)]  # fmt: skip
+    assert own
+    assert own[0].bound <= result.makespan + 1e-9
+    alone = next(b for b in bounds if not b.pairs)
+    assert alone.bound > bounds[0].bound
+    kinds = {(b.layout, b.num_chunks, b.split, b.offloads) for b in bounds if not b.pairs}
+    assert all((b.layout, b.num_chunks, b.split, b.offloads) in kinds for b in bounds)
+    assert str(alone) == (
+        f"{alone.layout} v={alone.num_chunks} {'F/I/W' if alone.split else 'F/B'}"
+        f"{' offloading' if alone.offloads else ''} {alone.bound:g}"
+    )
