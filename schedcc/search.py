@@ -309,6 +309,14 @@ class SearchResult:
         return self.makespan / self.bound - 1 if self.bound > 0 else 0.0
 
     @property
+    def without_pairs(self) -> float | None:
+        """Where the bound is of a layout in overlapped pairs, the least bound of a layout
+        without them: what no order without pairs beats (`layout_bounds`); else None."""
+        if not self.layout_bounds or not self.layout_bounds[0].pairs:
+            return None
+        return min((b.bound for b in self.layout_bounds if not b.pairs), default=None)
+
+    @property
     def peak_bytes(self) -> tuple[float, ...] | None:
         """Per stage, the most bytes held at once (None without a memory model)."""
         return self.timeline.peak_bytes if self.timeline.costs.memory is not None else None
@@ -325,11 +333,13 @@ class SearchResult:
         p, m, v = schedule.shape
         kind = placement_name(type(schedule))
         timed = " (eager: sends that never wait)" if self.eager else ""
+        alone = self.without_pairs
+        beats = "" if alone is None else f"; no order without overlapped pairs beats {alone:g}"
         lines = [
             f'"""An order found by schedcc search: p={p}, m={m}, v={v} ({kind} placement).',
             "",
             f"Simulated makespan{timed} {self.makespan:g}, lower bound {self.bound:g} "
-            f"({self.gap:.1%} above it); from {self.source}.",
+            f"({self.gap:.1%} above it{beats}); from {self.source}.",
             f"Check it with: schedcc verify --schedule THIS_FILE.py:{class_name} -p {p} -m {m}"
             f" -v {v}",
         ]

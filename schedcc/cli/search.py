@@ -203,9 +203,8 @@ def _bounds_line(result: SearchResult) -> str:
     """Each layout's lower bound, the least first; where that is of a layout in overlapped
     pairs, what no order without them beats."""
     line = "lower bound by layout: " + ", ".join(map(str, result.layout_bounds))
-    alone = [b for b in result.layout_bounds if not b.pairs]
-    if result.layout_bounds[0].pairs and alone:
-        line += f"; without overlapped pairs no order beats {alone[0].bound:g}"
+    if result.without_pairs is not None:
+        line += f"; without overlapped pairs no order beats {result.without_pairs:g}"
     return line
 
 

@@ -51,16 +51,18 @@ def test_prints_the_found_order_its_ranking_and_drawing_and_writes_the_file(tmp_
 
 def test_where_the_bound_is_of_pairs_it_says_what_no_order_without_them_beats():
     """p = 4, m = 8, 1:2:1, a 1.5x last stage, 1F1B's activations: the least bound is of
-    DualPipe's layout in overlapped pairs, and the line of bounds names the least of the
-    layouts without pairs as what no order without them beats."""
+    DualPipe's layout in overlapped pairs, and the line of bounds and the written file's
+    docstring name the least of the layouts without pairs as what no order without them
+    beats (`SearchResult.without_pairs`)."""
     heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5)
     result = search(4, 8, costs=CostModel(per_stage={3: heavy}), memory_limit=4, recompute=True,
                     max_evaluations=30, eager=True)  # fmt: skip
     alone = min(b.bound for b in result.layout_bounds if not b.pairs)
+    assert result.without_pairs == alone > result.bound
     line = _bounds_line(result)
     assert line.startswith("lower bound by layout: two replicas v=2 ")
     assert line.endswith(f"; without overlapped pairs no order beats {alone:g}")
-    assert alone > result.bound
+    assert f"above it; no order without overlapped pairs beats {alone:g}); " in result.to_python()
 
 
 def test_eager_searches_times_and_ranks_as_the_engine_runs(tmp_path, capsys):
