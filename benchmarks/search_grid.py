@@ -115,8 +115,8 @@ def run_shape(
         cls = type(found.schedule)
         paired = _pairs([stage.split() for stage in cls.orders])
         layout = placement_name(cls) + (", pairs" if paired else "")
-        # what no order without overlapped pairs beats
-        alone = min((b.bound for b in found.layout_bounds if not b.pairs), default=None)
+        # what no order without overlapped pairs beats (the bound, where that is of none)
+        alone = found.bound if found.without_pairs is None else found.without_pairs
     return {
         "shape": shape,
         "builtin": (builtin.schedule, builtin.makespan) if builtin else None,

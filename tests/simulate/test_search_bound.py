@@ -630,7 +630,7 @@ def test_each_layout_s_bound_is_listed_the_least_first():
         assert b.bound == lower_bound(4, 8, costs, family, overlapped=b.pairs, memory_limit=limit,
                                       recompute=True, eager=True)  # fmt: skip
     found = type(result.schedule)
-    split = any(" I" in f" {row}" for row in found.orders)
+    split = _splits([row.split() for row in found.orders])
     own = [b for b in bounds if (b.layout, b.num_chunks, b.split, b.pairs)
            == (placement_name(found), found.shape[2], split, True)]  # fmt: skip
     assert own
