@@ -28,8 +28,9 @@ fits. Every candidate is a
    fastest: it gives the simulator's makespan, at a fiftieth of the cost). Under a limit the
    rules run again, the best first while time is left, choosing otherwise what to recompute
    (`_variants`: holding whatever fits now, which may get stuck but recomputes less; with
-   several chunks a stage, every forward of each stage's lowest chunk, the one held longest),
-   and the best few of those are timed too. In a layout a built-in runs in overlapped pairs
+   several chunks a stage, every forward of each stage's lowest chunk, the one held longest;
+   a rule that pairs, keeping room for a pair, `_Rule.room_for_pair`), and the best few of
+   those are timed too. In a layout a built-in runs in overlapped pairs
    (DualPipe's, each replica's microbatches through its own segments; DualPipe-V's V), half
    the rules also run a ready forward and a ready backward as one pair (`F3 +B1`, `_Rule.pairs`).
    List scheduling takes half the time the built-ins leave, evenly over the placements and
@@ -1717,6 +1718,10 @@ class _Rule:
     recompute_lowest: bool = False
     # a forward and a backward both ready run as an overlapped pair (`F3 +B1`)
     pairs: bool = False
+    # under a budget, with `pairs`: a forward runs alone only where one more activation of
+    # its stage would still fit, so a backward that comes next has a forward to pair with
+    # (one that fits only beside a backward waits for one, unless the stage has nothing else)
+    room_for_pair: bool = False
 
 
 def _rules(family: _Family, rng: random.Random, pairs: bool = False) -> list[_Rule]:
@@ -1740,10 +1745,13 @@ def _rules(family: _Family, rng: random.Random, pairs: bool = False) -> list[_Ru
 def _variants(rule: _Rule, family: _Family, recompute: bool) -> list[_Rule]:
     """Under a memory limit, `rule`'s other ways to choose what to recompute: holding every
     activation that fits now (`owed` off), and with several chunks a stage, recomputing every
-    forward of each stage's lowest chunk, the one held longest (`recompute_lowest`)."""
+    forward of each stage's lowest chunk, the one held longest (`recompute_lowest`); for a rule
+    that pairs, it and the first of those keeping room for a pair (`room_for_pair`)."""
     out = [attrs.evolve(rule, owed=False)]
     if recompute and family.num_chunks > 1:
         out.append(attrs.evolve(rule, recompute_lowest=True))
+    if rule.pairs:
+        out += [attrs.evolve(r, room_for_pair=True) for r in (rule, out[0])]
     return out
 
 
@@ -1844,6 +1852,10 @@ class _ListScheduler:
         orders: list[list[str]] = [[] for _ in range(p)]
         cap = [rule.cap * depth for depth in self.depth]
         budgets = self.budgets
+        reserve = [  # per stage, the room a forward run alone leaves (`_Rule.room_for_pair`)
+            max(self.act[k] for k in ks) if rule.room_for_pair and rule.pairs and budgets else 0.0
+            for ks in self.by_stage
+        ]
         planning = rule.recompute_lowest and self.recompute and budgets is not None
         lowest = [min(ks) for ks in self.by_stage]
         planned = [  # forwards always recomputed: each stage's lowest of several chunks
@@ -1854,8 +1866,9 @@ class _ListScheduler:
         bcode = "I" if split else "B"
 
         def options(s: int):
-            """`(rank, ready time, code, microbatch, segment, recomputed)` for each compute
-            stage s could run next (deps known); memory-blocked forwards are left out."""
+            """`(rank, ready time, code, microbatch, segment, recomputed, only in a pair)` for
+            each compute stage s could run next (deps known); memory-blocked forwards are left
+            out."""
             out = []
             # a recomputed activation still to be rebuilt needs its room back before its
             # backward: with `rule.owed`, a forward that would take that room instead is
@@ -1884,13 +1897,18 @@ class _ListScheduler:
                         if not fits and self.recompute and not loss:
                             rec = held[s] + self.inp[k] + self.rest[k] <= budgets[s] + 1e-9
                         if fits or rec:
+                            only_paired = (
+                                reserve[s] > 0
+                                and held[s] + (self.inp[k] if rec else need) + reserve[s]
+                                > budgets[s] + 1e-9
+                            )
                             depth_rank = -c if rule.deep_forward else c
                             if self.family.num_replicas > 1:
                                 # the replicas in turn: the forward of fewer gone first, then
                                 # by chunk (by chunk alone, one replica's would all go first)
                                 depth_rank += 2 * self.family.num_chunks * n
                             rank = (1 if rule.backward_first else 0, depth_rank)
-                            out.append((rank, ready, "F", i, k, rec))
+                            out.append((rank, ready, "F", i, k, rec, only_paired))
                 n = nb[k]
                 if n < nf[k]:
                     i = batches[k][n]
@@ -1902,15 +1920,15 @@ class _ListScheduler:
                                 budgets[s] + 1e-9
                             )
                             if fits:
-                                out.append((rank, fdone[i][k], "R", i, k, False))
+                                out.append((rank, fdone[i][k], "R", i, k, False, False))
                         else:
                             if recomputed[i][k]:
                                 ready = max(ready, rend[i][k])
-                            out.append((rank, ready, bcode, i, k, False))
+                            out.append((rank, ready, bcode, i, k, False, False))
                 if weights[k]:
                     i = weights[k][0]
                     rank = (0 if rule.eager_weight else 2, 0)
-                    out.append((rank, bdone[i][k], "W", i, k, False))
+                    out.append((rank, bdone[i][k], "W", i, k, False, False))
             return out
 
         def choose(s: int):
@@ -1919,13 +1937,16 @@ class _ListScheduler:
             found = options(s)
             if not found:
                 return None
-            start = max(free[s], min(o[1] for o in found))
+            # a forward that only fits in a pair waits for a backward, unless nothing else can run
+            alone = [o for o in found if not o[6]] or found
+            start = max(free[s], min(o[1] for o in alone))
             ready = [o for o in found if o[1] <= start + 1e-12]
+            first = [o for o in ready if not o[6]] or ready
             if rule.jitter:
-                noise = {id(o): rule.jitter * rng.random() for o in ready}
-                op = min(ready, key=lambda o: (o[0][0] + noise[id(o)], o[0], o[3]))
+                noise = {id(o): rule.jitter * rng.random() for o in first}
+                op = min(first, key=lambda o: (o[0][0] + noise[id(o)], o[0], o[3]))
             else:
-                op = min(ready, key=lambda o: (o[0], o[3]))
+                op = min(first, key=lambda o: (o[0], o[3]))
             partner = None
             if rule.pairs and op[2] in ("F", bcode):
                 other = [bcode] if op[2] == "F" else ["F"]
@@ -1964,7 +1985,7 @@ class _ListScheduler:
                 done = start + self.cost[ops[0][4]]["F"] + self.cost[ops[1][4]]["+B"]
             touched = {s}
             free[s] = done
-            for _, _, code, i, k, rec in ops:
+            for _, _, code, i, k, rec, _ in ops:
                 kind = "B" if code == "I" else code
                 end = done + self.sends[k].get(kind, 0)
                 if not self.eager:

@@ -591,7 +591,7 @@ def test_a_byte_limit_of_equal_sizes_bounds_as_its_microbatch_count():
 
 def test_the_bound_covers_every_layout_the_search_may_return():
     """At p = 4, m = 8, 1:2:1, a 1.5x last stage, 1F1B's activations: 5 evaluations return
-    zb-v's 37.5, 30 an order of DualPipe's layout in overlapped pairs, 33.75. The first search's
+    zb-v's 37.5, 30 an order of DualPipe's layout in overlapped pairs, 32.75. The first search's
     bound counts that layout too (its built-ins not timed as though they fit), so it is below
     the second's order; bounding the returned order's layout alone gave 37.5, "optimal"."""
     heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5)
@@ -602,7 +602,7 @@ def test_the_bound_covers_every_layout_the_search_may_return():
     ]
     assert few.makespan == pytest.approx(37.5)
     assert any("+" in row for row in more.schedule.orders)  # DualPipe's pairs
-    assert more.makespan == pytest.approx(33.75)
+    assert more.makespan == pytest.approx(32.75)
     for result in results:
         assert result.bound <= more.makespan + 1e-9
 

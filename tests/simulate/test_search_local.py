@@ -138,7 +138,9 @@ def test_list_scheduling_in_pairs_keeps_to_its_budget_and_above_the_bound(
     DualPipe-V's V), by rules that run a ready forward and a ready backward as an overlapped
     pair and rules that do not, under random per-stage costs, comm and limits: every order it
     makes compiles (so validates), keeps to its budget, is timed by the quick clock as by the
-    eager simulator, and is no faster than the layout's lower bound with overlapped pairs."""
+    eager simulator, and is no faster than the layout's lower bound with overlapped pairs; and
+    so does each of the first rules' variants (`_variants`, keeping room for a pair among
+    them)."""
     costs = data.draw(stage_costs(p, updates=False))  # the clock leaves them out
     try:
         schedule = get_schedule(name)(p, m, 2)
@@ -149,7 +151,9 @@ def test_list_scheduling_in_pairs_keeps_to_its_budget_and_above_the_bound(
     scheduler = _ListScheduler(p, m, family, costs, searcher._budgets(family), True, eager=True)
     rng = random.Random(data.draw(st.integers(0, 1 << 20)))
     rules = _rules(family, rng, pairs=True)
-    made = [made[1] for made in map(scheduler.run, rules[:8] + rules[-4:]) if made]
+    # and the first rules' other ways to hold, recompute and pair
+    variants = [variant for rule in rules[:4] for variant in _variants(rule, family, True)]
+    made = [made[1] for made in map(scheduler.run, rules[:8] + rules[-4:] + variants) if made]
     bound = lower_bound(p, m, costs, family, overlapped=True, memory_limit=limit,
                         recompute=True, eager=True)  # fmt: skip
     for order in made:
@@ -694,3 +698,35 @@ def test_a_layouts_own_order_gets_a_walk_where_a_builtin_of_it_is_faster():
     ranked = tune(num_stages=4, num_microbatches=8, num_chunks=(1, 2), costs=costs,
                   memory_limit=2.4, recompute=(False, True), eager=True).ranked  # fmt: skip
     assert found.makespan <= min(c.makespan for c in ranked) - 1
+
+
+def test_list_scheduling_in_pairs_may_keep_room_for_a_pair():
+    """At p = 8, m = 16, 1:2:1, comm 0.1, a 1.5x last stage, 1F1B's activations: in DualPipe's
+    layout the last stage fills its wait for its first backward with the other replica's
+    forwards, up to its limit, so its first backwards run alone (a forward beside one would not
+    fit). Keeping room for one activation more (`_Rule.room_for_pair`: a forward runs alone only
+    where one more would still fit) pairs them: the rules' fastest order runs more pairs on the
+    last stage and takes 67.45 in the simulator where the rules without it take 69.0 at best."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5,
+                      comm=0.1)  # fmt: skip
+    costs = CostModel(comm=0.1, per_stage={7: heavy})
+    family = _Family.of(get_schedule("dualpipe")(8, 16, 2), True)
+    searcher = _searcher(8, 16, costs, 8.0, 2)
+    scheduler = _ListScheduler(8, 16, family, costs, searcher._budgets(family), True, eager=True)
+    rules = [rule for rule in _rules(family, random.Random(0), pairs=True) if rule.pairs]
+    rules = rules[:-8]  # no jitter
+    plain = [attrs.evolve(rule, owed=owed) for rule in rules for owed in (True, False)]
+    roomy = [attrs.evolve(rule, room_for_pair=True) for rule in plain]
+    assert roomy[0] in _variants(rules[0], family, True)
+
+    def fastest(variants):
+        made = [made for made in map(scheduler.run, variants) if made]
+        orders = min(made)[1]
+        program = compile(_found_class(8, 16, family, orders)(8, 16, 2))
+        timeline = searcher._simulate(program, family)
+        assert searcher._fits(timeline, family.share)
+        return timeline.makespan, sum(text.startswith("+") for text in orders[7])
+
+    (alone, alone_pairs), (kept, kept_pairs) = fastest(plain), fastest(roomy)
+    assert (alone, kept) == pytest.approx((69.0, 67.45))
+    assert kept_pairs > alone_pairs
