@@ -399,6 +399,7 @@ def _layout_name(family: _Family) -> str:
 
 
 def _placement(places, num_replicas: int, weight_delay: int, vshape: bool, chunks: int) -> str:
+    """The name `placement_name` gives a found order's class and `_layout_name` a layout."""
     if places:
         if num_replicas > 1:
             return "two replicas"
@@ -1852,9 +1853,9 @@ class _ListScheduler:
         orders: list[list[str]] = [[] for _ in range(p)]
         cap = [rule.cap * depth for depth in self.depth]
         budgets = self.budgets
+        room = rule.room_for_pair and rule.pairs and budgets is not None
         reserve = [  # per stage, the room a forward run alone leaves (`_Rule.room_for_pair`)
-            max(self.act[k] for k in ks) if rule.room_for_pair and rule.pairs and budgets else 0.0
-            for ks in self.by_stage
+            max(self.act[k] for k in ks) if room else 0.0 for ks in self.by_stage
         ]
         planning = rule.recompute_lowest and self.recompute and budgets is not None
         lowest = [min(ks) for ks in self.by_stage]
@@ -1938,10 +1939,10 @@ class _ListScheduler:
             if not found:
                 return None
             # a forward that only fits in a pair waits for a backward, unless nothing else can run
-            alone = [o for o in found if not o[6]] or found
+            alone = ([o for o in found if not o[6]] or found) if room else found
             start = max(free[s], min(o[1] for o in alone))
             ready = [o for o in found if o[1] <= start + 1e-12]
-            first = [o for o in ready if not o[6]] or ready
+            first = ([o for o in ready if not o[6]] or ready) if room else ready
             if rule.jitter:
                 noise = {id(o): rule.jitter * rng.random() for o in first}
                 op = min(first, key=lambda o: (o[0][0] + noise[id(o)], o[0], o[3]))
