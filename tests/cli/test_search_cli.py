@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -250,13 +251,17 @@ def test_run_trains_the_written_file_exactly(tmp_path, capsys):
     assert ": ok" in result.stdout
 
 
-def _schedcc_run(*argv: str) -> subprocess.CompletedProcess:
+def _schedcc_run(*argv: str, tmp: os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """`schedcc run ARGV` in a fresh interpreter; `tmp`: its temporary folders go there."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
     return subprocess.run(
         [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=env,
     )
 
 
@@ -315,25 +320,28 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert 0 < max(_peaks(in_bytes.stdout)) <= limit
 
 
-def test_run_searches_after_first_runs_of_its_own():
+def test_run_searches_after_first_runs_of_its_own(tmp_path):
     """`--schedule search` without `--costs-from`: a first run at each cut searched, the finer
-    first, traced; the search prices the finer run's costs with the coarser as its other cut,
-    and the order found trains exactly; at one cut, within bytes its own first run measured."""
+    first, traced to a temporary folder; the search prices the finer run's costs with the
+    coarser as its other cut, and the order found trains exactly; at one cut, within bytes its
+    own first run measured."""
     found = _schedcc_run(
         "--schedule", "search", "--search-time", "1", "--search-memory-limit", "1", "--steps",
-        "2", "--model", "mlp", "--check",
+        "2", "--model", "mlp", "--check", tmp=tmp_path,
     )  # fmt: skip
     assert found.returncode == 0, found.stderr
     runs = re.findall(r"search: a first run, (\S+) at v = (\d), 12 steps, traced to (\S+)",
                       found.stdout)  # fmt: skip
     assert [(name, v) for name, v, _ in runs] == [("interleaved-1f1b", "2"), ("1f1b", "1")]
     finer, coarser = (trace for _, _, trace in runs)
+    assert Path(finer).parent == Path(coarser).parent  # one folder, in the temporary one
+    assert Path(finer).parent.parent == tmp_path
     assert f"under the costs measured in {finer} and {coarser}" in found.stdout
     assert CostModel.from_trace(finer, other_cuts=[coarser]).at(0).fixed_forward > 0
     assert found.stdout.count(": ok") == 3  # the first runs and the found order, exactly
     one = _schedcc_run(  # in bytes, as its own first run measured them (README's closed loop)
         "--schedule", "search", "-v", "1", "--search-time", "1", "--steps", "2", "--model", "mlp",
-        "--search-memory-limit", "16MiB",
+        "--search-memory-limit", "16MiB", tmp=tmp_path,
     )  # fmt: skip
     assert one.returncode == 0, one.stderr
     assert one.stdout.count("search: a first run") == 1  # one cut: no other
