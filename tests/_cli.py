@@ -116,6 +116,7 @@ def _command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str)
         os.close(target)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # the server's may be another TMPDIR's
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python -m` puts the working directory first
     sys.argv = ["schedcc", *argv]
