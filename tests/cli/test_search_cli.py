@@ -251,17 +251,13 @@ def test_run_trains_the_written_file_exactly(tmp_path, capsys):
     assert ": ok" in result.stdout
 
 
-def _schedcc_run(*argv: str, tmp: os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """`schedcc run ARGV` in a fresh interpreter; `tmp`: its temporary folders go there."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if tmp is not None:
-        env["TMPDIR"] = str(tmp)
+def _schedcc_run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "schedcc", "run", "--no-progress", *argv],
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
 
@@ -320,14 +316,15 @@ def test_run_searches_for_the_costs_of_a_first_run(tmp_path):
     assert 0 < max(_peaks(in_bytes.stdout)) <= limit
 
 
-def test_run_searches_after_first_runs_of_its_own(tmp_path):
+def test_run_searches_after_first_runs_of_its_own(tmp_path, monkeypatch):
     """`--schedule search` without `--costs-from`: a first run at each cut searched, the finer
     first, traced to a temporary folder; the search prices the finer run's costs with the
     coarser as its other cut, and the order found trains exactly; at one cut, within bytes its
     own first run measured."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     found = _schedcc_run(
         "--schedule", "search", "--search-time", "1", "--search-memory-limit", "1", "--steps",
-        "2", "--model", "mlp", "--check", tmp=tmp_path,
+        "2", "--model", "mlp", "--check",
     )  # fmt: skip
     assert found.returncode == 0, found.stderr
     runs = re.findall(r"search: a first run, (\S+) at v = (\d), 12 steps, traced to (\S+)",
@@ -341,7 +338,7 @@ def test_run_searches_after_first_runs_of_its_own(tmp_path):
     assert found.stdout.count(": ok") == 3  # the first runs and the found order, exactly
     one = _schedcc_run(  # in bytes, as its own first run measured them (README's closed loop)
         "--schedule", "search", "-v", "1", "--search-time", "1", "--steps", "2", "--model", "mlp",
-        "--search-memory-limit", "16MiB", tmp=tmp_path,
+        "--search-memory-limit", "16MiB",
     )  # fmt: skip
     assert one.returncode == 0, one.stderr
     assert one.stdout.count("search: a first run") == 1  # one cut: no other
