@@ -29,10 +29,11 @@ fits. Every candidate is a
    rules run again, the best first while time is left, choosing otherwise what to recompute
    (`_variants`: holding whatever fits now, which may get stuck but recomputes less; with
    several chunks a stage, every forward of each stage's lowest chunk, the one held longest;
-   a rule that pairs, keeping room for a pair, `_Rule.room_for_pair`), and the best few of
-   those are timed too. In a layout a built-in runs in overlapped pairs
-   (DualPipe's, each replica's microbatches through its own segments; DualPipe-V's V), half
-   the rules also run a ready forward and a ready backward as one pair (`F3 +B1`, `_Rule.pairs`).
+   a rule that pairs, keeping room for a pair, `_Rule.room_for_pair`, or pairing on the busiest
+   stages only, `_Rule.busiest_pairs`), and the best few of those are timed too. In a layout a
+   built-in runs in overlapped pairs (DualPipe's, each replica's microbatches through its own
+   segments; DualPipe-V's V), half the rules also run a ready forward and a ready backward as
+   one pair (`F3 +B1`, `_Rule.pairs`).
    List scheduling takes half the time the built-ins leave, evenly over the placements and
    those layouts (at least four rules each), but those whose bound the best order found
    already meets ([Note: hopeless layouts]);
@@ -171,6 +172,9 @@ _HEURISTIC_SHARE = {"exact": 0.4, "auto": 0.7}
 #: Under "auto", the seconds CP-SAT needs before the models in pairs are solved too ([Note: the
 #: exact model's pairs] in `_Searcher.exact`).
 _PAIRED_SECONDS = 2.0
+#: Under `_Rule.busiest_pairs`, the stages that pair: those whose computes, run alone, take at
+#: least this share of the most any stage's take.
+_BUSIEST = 0.97
 
 
 class FoundOrder(Schedule):
@@ -1723,6 +1727,10 @@ class _Rule:
     # its stage would still fit, so a backward that comes next has a forward to pair with
     # (one that fits only beside a backward waits for one, unless the stage has nothing else)
     room_for_pair: bool = False
+    # under a budget, with `pairs`: only the busiest stages pair (`_BUSIEST`); the others run
+    # each compute alone, its output leaving at its own end rather than at its pair's, so the
+    # round trips through them, and the activations held meanwhile, stay short
+    busiest_pairs: bool = False
 
 
 def _rules(family: _Family, rng: random.Random, pairs: bool = False) -> list[_Rule]:
@@ -1747,12 +1755,14 @@ def _variants(rule: _Rule, family: _Family, recompute: bool) -> list[_Rule]:
     """Under a memory limit, `rule`'s other ways to choose what to recompute: holding every
     activation that fits now (`owed` off), and with several chunks a stage, recomputing every
     forward of each stage's lowest chunk, the one held longest (`recompute_lowest`); for a rule
-    that pairs, it and the first of those keeping room for a pair (`room_for_pair`)."""
+    that pairs, it and the first of those keeping room for a pair (`room_for_pair`), or pairing
+    on the busiest stages only (`busiest_pairs`)."""
     out = [attrs.evolve(rule, owed=False)]
     if recompute and family.num_chunks > 1:
         out.append(attrs.evolve(rule, recompute_lowest=True))
     if rule.pairs:
         out += [attrs.evolve(r, room_for_pair=True) for r in (rule, out[0])]
+        out += [attrs.evolve(r, busiest_pairs=True) for r in (rule, out[0])]
     return out
 
 
@@ -1808,6 +1818,12 @@ class _ListScheduler:
             for k, (s, _) in enumerate(place)
         ]
         self.depth = [max(1.0, (self.last[k] + 1 - k) / family.share) for k in range(num)]
+        # the stages that pair under `_Rule.busiest_pairs`: per stage, its computes run alone
+        work = [
+            sum(len(self.batches[k]) * (self.cost[k]["F"] + self.cost[k]["B"]) for k in ks)
+            for ks in self.by_stage
+        ]
+        self.busiest = [w >= _BUSIEST * max(work) for w in work]
         self.sends = [  # a compute whose result leaves the stage pays a comm group after it
             {
                 "F": model["comm"] if k < self.last[k] and place[k + 1][0] != s else 0,
@@ -1853,9 +1869,14 @@ class _ListScheduler:
         orders: list[list[str]] = [[] for _ in range(p)]
         cap = [rule.cap * depth for depth in self.depth]
         budgets = self.budgets
+        pairing = [  # per stage, whether it runs overlapped pairs
+            rule.pairs and (busiest or not (rule.busiest_pairs and budgets is not None))
+            for busiest in self.busiest
+        ]
         room = rule.room_for_pair and rule.pairs and budgets is not None
         reserve = [  # per stage, the room a forward run alone leaves (`_Rule.room_for_pair`)
-            max(self.act[k] for k in ks) if room else 0.0 for ks in self.by_stage
+            max(self.act[k] for k in ks) if room and pairs else 0.0
+            for ks, pairs in zip(self.by_stage, pairing)
         ]
         planning = rule.recompute_lowest and self.recompute and budgets is not None
         lowest = [min(ks) for ks in self.by_stage]
@@ -1949,7 +1970,7 @@ class _ListScheduler:
             else:
                 op = min(first, key=lambda o: (o[0], o[3]))
             partner = None
-            if rule.pairs and op[2] in ("F", bcode):
+            if pairing[s] and op[2] in ("F", bcode):
                 other = [bcode] if op[2] == "F" else ["F"]
                 partners = [o for o in ready if o[2] in other]
                 if partners:

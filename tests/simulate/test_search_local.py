@@ -195,9 +195,10 @@ def test_list_scheduling_in_dualpipe_s_layout_keeps_room_for_pairs_under_a_limit
     """At p = 4, m = 8, 1:2:1, a 1.3x first stage, four activations a stage (1F1B's): a
     replica's last segment keeps no room for the other replica (its backward follows on the
     stage, freeing it) and the replicas' forwards go in turn, so list scheduling's fastest order
-    in DualPipe's layout takes 31.2 (F/I/W) and 31.4 (F/B) in the simulator; keeping that room,
-    stage 0 recomputed forwards of its loss segment at once, the first replica's went first,
-    and the fastest took 33.15 and 33.9."""
+    in DualPipe's layout pairing on every stage takes 31.2 (F/I/W) and 31.4 (F/B) in the
+    simulator, and with its rules pairing on the heavy stage only too (`_Rule.busiest_pairs`),
+    30.55 (F/I/W); keeping that room, stage 0 recomputed forwards of its loss segment at once,
+    the first replica's went first, and the fastest took 33.15 and 33.9."""
     heavy = CostModel(forward=1.3, backward=2.6, backward_input=1.3, backward_weight=1.3)
     costs = CostModel(per_stage={0: heavy})
     family = _Family.of(get_schedule("dualpipe")(4, 8, 2), split)
@@ -206,11 +207,18 @@ def test_list_scheduling_in_dualpipe_s_layout_keeps_room_for_pairs_under_a_limit
     scheduler = _ListScheduler(4, 8, family, costs, budgets, True, eager=True)
     rules = _rules(family, random.Random(0), pairs=True)
     rules += [variant for rule in rules for variant in _variants(rule, family, True)]
-    made = [made[1] for made in map(scheduler.run, rules) if made]
-    fastest = min(made, key=searcher._clock(family).time)
-    timeline = searcher._simulate(compile(_found_class(4, 8, family, fastest)(4, 8, 2)), family)
-    assert searcher._fits(timeline, family.share)
-    assert timeline.makespan == pytest.approx(31.2 if split else 31.4)
+
+    made = [(rule, made[1]) for rule, made in zip(rules, map(scheduler.run, rules)) if made]
+
+    def fastest(orders):
+        orders = min(orders, key=searcher._clock(family).time)
+        timeline = searcher._simulate(compile(_found_class(4, 8, family, orders)(4, 8, 2)), family)
+        assert searcher._fits(timeline, family.share)
+        return timeline.makespan
+
+    everywhere = fastest([orders for rule, orders in made if not rule.busiest_pairs])
+    assert everywhere == pytest.approx(31.2 if split else 31.4)
+    assert fastest([orders for _, orders in made]) == pytest.approx(30.55 if split else 31.4)
 
 
 def test_an_overlapped_pair_starts_once_both_inputs_are_there():
@@ -719,14 +727,46 @@ def test_list_scheduling_in_pairs_may_keep_room_for_a_pair():
     roomy = [attrs.evolve(rule, room_for_pair=True) for rule in plain]
     assert roomy[0] in _variants(rules[0], family, True)
 
-    def fastest(variants):
-        made = [made for made in map(scheduler.run, variants) if made]
-        orders = min(made)[1]
-        program = compile(_found_class(8, 16, family, orders)(8, 16, 2))
-        timeline = searcher._simulate(program, family)
-        assert searcher._fits(timeline, family.share)
-        return timeline.makespan, sum(text.startswith("+") for text in orders[7])
-
-    (alone, alone_pairs), (kept, kept_pairs) = fastest(plain), fastest(roomy)
+    (alone, alone_orders), (kept, kept_orders) = (
+        _fastest_listed(searcher, scheduler, family, rules) for rules in (plain, roomy)
+    )
     assert (alone, kept) == pytest.approx((69.0, 67.45))
+    alone_pairs, kept_pairs = (
+        sum(text[0] == "+" for text in orders[7]) for orders in (alone_orders, kept_orders)
+    )
     assert kept_pairs > alone_pairs
+
+
+def test_list_scheduling_in_pairs_may_pair_on_the_busiest_stages_only():
+    """At p = 8, m = 16, 1:2:1, comm 0, a 1.5x last stage, 0.6x 1F1B's activations, in
+    DualPipe-V's layout: a stage that pairs sends a forward's output at the pair's end, so every
+    microbatch's round trip through the stages that pair holds its activations longer, and the
+    light stages have the time to run their computes alone. Pairing on the busiest stage only
+    (`_Rule.busiest_pairs`, one of `_variants`) the rules' fastest order takes 72.0 in the
+    simulator, where pairing on every stage it takes 75.875; only the heavy stage runs pairs."""
+    heavy = CostModel(forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5)
+    costs = CostModel(per_stage={7: heavy})
+    family = _Family.of(get_schedule("dualpipe-v")(8, 16, 2), True)
+    searcher = _searcher(8, 16, costs, 4.8, 2)
+    scheduler = _ListScheduler(8, 16, family, costs, searcher._budgets(family), True, eager=True)
+    rules = [rule for rule in _rules(family, random.Random(0), pairs=True)
+             if rule.pairs and not rule.jitter]  # fmt: skip
+    everywhere = [attrs.evolve(rule, owed=owed) for rule in rules for owed in (True, False)]
+    busiest = [attrs.evolve(rule, busiest_pairs=True) for rule in everywhere]
+    assert busiest[0] in _variants(rules[0], family, True)
+
+    (paired, _), (alone, orders) = (
+        _fastest_listed(searcher, scheduler, family, rules) for rules in (everywhere, busiest)
+    )
+    assert (paired, alone) == pytest.approx((75.875, 72.0))
+    assert [any(text[0] == "+" for text in row) for row in orders] == [False] * 7 + [True]
+
+
+def _fastest_listed(searcher, scheduler, family, rules):
+    """`(simulated makespan, orders)` of the order `scheduler` estimates fastest over `rules`,
+    checked to fit its budget."""
+    orders = min(made for made in map(scheduler.run, rules) if made)[1]
+    p, m = scheduler.p, scheduler.m
+    timeline = searcher._simulate(compile(_found_class(p, m, family, orders)(p, m, 2)), family)
+    assert searcher._fits(timeline, family.share)
+    return timeline.makespan, orders
