@@ -29,8 +29,9 @@ fits. Every candidate is a
    rules run again, the best first while time is left, choosing otherwise what to recompute
    (`_variants`: holding whatever fits now, which may get stuck but recomputes less; with
    several chunks a stage, every forward of each stage's lowest chunk, the one held longest;
-   a rule that pairs, keeping room for a pair, `_Rule.room_for_pair`, or pairing on the busiest
-   stages only, `_Rule.busiest_pairs`), and the best few of those are timed too. In a layout a
+   a rule that pairs, keeping room for a pair, `_Rule.room_for_pair`, or, while that phase's
+   time lasts, pairing on the busiest stages only, `_Rule.busiest_pairs`), and the best few of
+   those are timed too. In a layout a
    built-in runs in overlapped pairs (DualPipe's, each replica's microbatches through its own
    segments; DualPipe-V's V), half the rules also run a ready forward and a ready backward as
    one pair (`F3 +B1`, `_Rule.pairs`).
@@ -1414,6 +1415,8 @@ class _Searcher:
                 if self.out_of_time() or (k >= 2 and time.monotonic() > until):
                     break
                 for j, variant in enumerate(_variants(rules[n], family, self.recompute)):
+                    if variant.busiest_pairs and time.monotonic() > until:
+                        break  # the last variants, only in the time given to them
                     outs = again.setdefault(j, [[] for _ in schedulers])
                     for scheduler, out in zip(schedulers, outs):
                         result = scheduler.run(variant)
