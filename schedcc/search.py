@@ -31,10 +31,9 @@ fits. Every candidate is a
    several chunks a stage, every forward of each stage's lowest chunk, the one held longest;
    a rule that pairs, keeping room for a pair, `_Rule.room_for_pair`, or, while that phase's
    time lasts, pairing on the busiest stages only, `_Rule.busiest_pairs`), and the best few of
-   those are timed too. In a layout a
-   built-in runs in overlapped pairs (DualPipe's, each replica's microbatches through its own
-   segments; DualPipe-V's V), half the rules also run a ready forward and a ready backward as
-   one pair (`F3 +B1`, `_Rule.pairs`).
+   those are timed too. In a layout a built-in runs in overlapped pairs (DualPipe's, each
+   replica's microbatches through its own segments; DualPipe-V's V), half the rules also run a
+   ready forward and a ready backward as one pair (`F3 +B1`, `_Rule.pairs`).
    List scheduling takes half the time the built-ins leave, evenly over the placements and
    those layouts (at least four rules each), but those whose bound the best order found
    already meets ([Note: hopeless layouts]);
