@@ -1871,14 +1871,13 @@ class _ListScheduler:
         orders: list[list[str]] = [[] for _ in range(p)]
         cap = [rule.cap * depth for depth in self.depth]
         budgets = self.budgets
-        pairing = [  # per stage, whether it runs overlapped pairs
-            rule.pairs and (busiest or not (rule.busiest_pairs and budgets is not None))
-            for busiest in self.busiest
-        ]
+        only_busiest = rule.busiest_pairs and budgets is not None
+        # per stage, whether it runs overlapped pairs
+        pairing = [rule.pairs and (busiest or not only_busiest) for busiest in self.busiest]
         room = rule.room_for_pair and rule.pairs and budgets is not None
         reserve = [  # per stage, the room a forward run alone leaves (`_Rule.room_for_pair`)
-            max(self.act[k] for k in ks) if room and pairs else 0.0
-            for ks, pairs in zip(self.by_stage, pairing)
+            max(self.act[k] for k in ks) if room and paired else 0.0
+            for ks, paired in zip(self.by_stage, pairing)
         ]
         planning = rule.recompute_lowest and self.recompute and budgets is not None
         lowest = [min(ks) for ks in self.by_stage]

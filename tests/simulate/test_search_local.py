@@ -207,14 +207,10 @@ def test_list_scheduling_in_dualpipe_s_layout_keeps_room_for_pairs_under_a_limit
     scheduler = _ListScheduler(4, 8, family, costs, budgets, True, eager=True)
     rules = _rules(family, random.Random(0), pairs=True)
     rules += [variant for rule in rules for variant in _variants(rule, family, True)]
-
     made = [(rule, made[1]) for rule, made in zip(rules, map(scheduler.run, rules)) if made]
 
     def fastest(orders):
-        orders = min(orders, key=searcher._clock(family).time)
-        timeline = searcher._simulate(compile(_found_class(4, 8, family, orders)(4, 8, 2)), family)
-        assert searcher._fits(timeline, family.share)
-        return timeline.makespan
+        return _timed(searcher, family, min(orders, key=searcher._clock(family).time))
 
     everywhere = fastest([orders for rule, orders in made if not rule.busiest_pairs])
     assert everywhere == pytest.approx(31.2 if split else 31.4)
@@ -763,10 +759,15 @@ def test_list_scheduling_in_pairs_may_pair_on_the_busiest_stages_only():
 
 
 def _fastest_listed(searcher, scheduler, family, rules):
-    """`(simulated makespan, orders)` of the order `scheduler` estimates fastest over `rules`,
-    checked to fit its budget."""
+    """`(simulated makespan, orders)` of the order `scheduler` estimates fastest over `rules`
+    (`_timed`)."""
     orders = min(made for made in map(scheduler.run, rules) if made)[1]
-    p, m = scheduler.p, scheduler.m
+    return _timed(searcher, family, orders), orders
+
+
+def _timed(searcher, family, orders) -> float:
+    """The simulated makespan of `orders` (of `family`, v = 2), checked to fit the budget."""
+    p, m = searcher.p, searcher.m
     timeline = searcher._simulate(compile(_found_class(p, m, family, orders)(p, m, 2)), family)
     assert searcher._fits(timeline, family.share)
-    return timeline.makespan, orders
+    return timeline.makespan
