@@ -25,6 +25,9 @@ built-ins' copies too; free by default).
 With `--eager` the built-ins, the search and the bound all time the eager timeline (sends that
 never wait, as the distributed engine runs on every transport; [Note: eager simulation]).
 
+With `--prove S` each search spends S seconds more raising its bound by the stages'
+time-indexed relaxations ([Note: the stage relaxation]; the row's seconds include them).
+
 With `--exact S` each shape is also searched with `method="exact"` in S seconds (CP-SAT on the
 relaxation of [Note: the exact model], its proven bound kept where it is the larger): the row
 adds that search's makespan and bound, and the summary counts the targets against it, and how
@@ -77,7 +80,12 @@ def costs_of(p: int, ratio: str, comm: float, heavy: str) -> CostModel:
 
 
 def run_shape(
-    shape, offload: bool = False, copy: float = 0.0, eager: bool = False, method: str = "heuristic"
+    shape,
+    offload: bool = False,
+    copy: float = 0.0,
+    eager: bool = False,
+    method: str = "heuristic",
+    prove: float = 0.0,
 ) -> dict:
     p, m, ratio, comm, heavy, fraction, time_limit, exact = shape
     costs = costs_of(p, ratio, comm, heavy)
@@ -98,7 +106,7 @@ def run_shape(
     try:
         found = schedcc.search(
             p, m, costs=costs, memory_limit=limit, recompute=True, offload=offload,
-            time_limit=time_limit, method=method, eager=eager,
+            time_limit=time_limit, method=method, eager=eager, prove=prove,
         )  # fmt: skip
     except ScheduleConfigError:
         found = None
@@ -121,6 +129,7 @@ def run_shape(
         "shape": shape,
         "builtin": (builtin.schedule, builtin.makespan) if builtin else None,
         "found": (found.makespan, found.bound, found.source) if found else None,
+        "bound_from": found.bound_from if found else None,
         "layout": layout,
         "alone": alone,
         "exact": solved,
@@ -142,6 +151,9 @@ def main() -> None:
                         "default, CP-SAT too at small shapes with ortools)")  # fmt: skip
     parser.add_argument("--exact", type=float, default=0.0, metavar="S",
                         help="also search with method='exact' in S seconds")  # fmt: skip
+    parser.add_argument("--prove", type=float, default=0.0, metavar="S",
+                        help="S seconds more raising each bound by the stages' relaxation "
+                        "(search(..., prove=S))")  # fmt: skip
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4],
                         metavar="K", help="m = K * p for each K (default 1 2 4)")  # fmt: skip
     parser.add_argument("--offload", action="store_true",
@@ -174,8 +186,9 @@ def main() -> None:
     rows = []
     with multiprocessing.Pool(args.jobs) as pool:
         run = functools.partial(
-            run_shape, offload=args.offload, copy=args.copy, eager=args.eager, method=args.method
-        )
+            run_shape, offload=args.offload, copy=args.copy, eager=args.eager,
+            method=args.method, prove=args.prove,
+        )  # fmt: skip
         for row in pool.imap(run, shapes):
             rows.append(row)
             p, m, ratio, comm, heavy, fraction, _, _ = row["shape"]
@@ -189,6 +202,8 @@ def main() -> None:
             found, bound, source = row["found"]
             alone = row["alone"]
             alone = f"; without pairs >= {alone:g}" if alone not in (None, bound) else ""
+            if row["bound_from"] == "relaxation":
+                alone += "; bound: relaxation"
             print(
                 f"{p:>3} {m:>3} {ratio:>9} {comm:>4} {heavy:>10} {fraction:>5} | "
                 f"{name:>15} {builtin:>8.2f} {found:>8.2f} {bound:>8.2f} "

@@ -132,7 +132,7 @@ from schedcc.passes.insert_offload import ByteLimit
 from schedcc.program import Program
 from schedcc.registry import build_schedule, registered_classes
 from schedcc.schedule import Schedule
-from schedcc.search_bound import closing, lower_bound
+from schedcc.search_bound import _Bound, closing, lower_bound
 from schedcc.search_exact import available, require_ortools, solve_exact
 from schedcc.search_local import (
     QuickClock,
@@ -142,6 +142,7 @@ from schedcc.search_local import (
     move,
     neighbours,
 )
+from schedcc.search_relax import relaxed_stage_bound
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, names_one_cut, other_cut, tied_at_cuts
@@ -250,7 +251,8 @@ class LayoutBound:
         pairs: its forwards and backwards may run as overlapped pairs.
         offloads: its orders may offload activations, so it is bounded without the limit.
         bound: no order of the layout is faster ([Note: the lower bound]).
-        bound_from: "lower_bound" or "CP-SAT" (the exact model's proven bound).
+        bound_from: "lower_bound", "CP-SAT" (the exact model's proven bound) or
+            "relaxation" (a stage's time-indexed relaxation: [Note: the stage relaxation]).
     """
 
     layout: str
@@ -281,8 +283,9 @@ class SearchResult:
             "+ local search" when that improved it.
         evaluations: how many candidates the simulator timed.
         seconds: how long the search took.
-        bound_from: which bound `bound` is: "lower_bound" ([Note: the lower bound]) or
-            "CP-SAT" (the exact model's proven bound, [Note: the exact model]).
+        bound_from: which bound `bound` is: "lower_bound" ([Note: the lower bound]),
+            "CP-SAT" (the exact model's proven bound, [Note: the exact model]) or
+            "relaxation" (a stage's time-indexed relaxation, `search(..., prove=...)`).
         method: "heuristic" or "exact" (what "auto" chose).
         eager: whether `timeline` and `bound` are of the eager timeline (sends that never
             wait, as the distributed engine runs) rather than the rendezvous one.
@@ -436,6 +439,7 @@ def search(
     seed: int = 0,
     method: str = "auto",
     eager: bool = False,
+    prove: float = 0.0,
 ) -> SearchResult:
     """The fastest order found for this shape, its costs and memory limit ([Note: the search]).
 
@@ -485,13 +489,18 @@ def search(
             bound that timeline ([Note: the lower bound], [Note: the eager exact model]);
             default: the rendezvous model the validator proves (a comm group takes its stage's
             time once its partners are posted).
+        prove: seconds more, after the search, to raise the lower bound by a time-indexed
+            linear relaxation of each stage ([Note: the stage relaxation] in
+            `schedcc.search_relax`), the least layouts' first; needs `pip install
+            "schedcc[search]"`. 0: the analytic bound (and CP-SAT's) only.
 
     Returns:
         A `SearchResult`: the schedule, its program and timeline, and the lower bound.
 
     Raises:
         ScheduleConfigError: a bad argument, no order fits the memory limit (the message
-            says the least that fits, where one was found), or "exact" without ortools.
+            says the least that fits, where one was found), or "exact" or `prove` without
+            ortools.
 
     >>> import schedcc
     >>> result = schedcc.search(2, 4, num_chunks=1, split_backward=False, time_limit=5)
@@ -527,6 +536,10 @@ def search(
         )
     if not isinstance(time_limit, (int, float)) or not 0 < time_limit < math.inf:
         raise ScheduleConfigError(f"search: time_limit must be seconds > 0, got {time_limit!r}")
+    if isinstance(prove, bool) or not isinstance(prove, (int, float)) or not 0 <= prove < math.inf:
+        raise ScheduleConfigError(f"search: prove must be seconds >= 0, got {prove!r}")
+    if prove > 0:
+        require_ortools()
     limits = _limits(memory_limit, num_stages, costs.memory is not None)
     families = _families(num_stages, num_chunks, placement, split_backward)
     cuts = sorted({num_stages * family.share for family in families})
@@ -578,7 +591,7 @@ def search(
     best = searcher.final()
     if best is None:
         raise ScheduleConfigError(searcher.nothing_fits())
-    bounds = searcher.bounds(sized)
+    bounds = searcher.bounds(sized, time.monotonic() + prove if prove > 0 else None)
     return SearchResult(
         schedule=best.program.schedule,
         program=best.program,
@@ -991,7 +1004,9 @@ class _Searcher:
             self.least_held = worst
         return all(h <= lim * (1 + 1e-9) for h, lim in zip(held, self.limits))
 
-    def bounds(self, families: list[_Family]) -> list[LayoutBound]:
+    def bounds(
+        self, families: list[_Family], prove_until: float | None = None
+    ) -> list[LayoutBound]:
         """The lower bound of each layout the search may return an order of, the least first:
         each of `families`, and the layout of every order found to fit (DualPipe's replicas,
         2BW's delay, a built-in's own places), with overlapped pairs where one of its orders
@@ -1037,11 +1052,52 @@ class _Searcher:
             offloads = limits is None and self.limits is not None
             layout = _layout_name(family)
             found.append(
-                LayoutBound(
-                    layout, family.num_chunks, family.split, overlapped, offloads, value, source
+                (
+                    LayoutBound(
+                        layout, family.num_chunks, family.split, overlapped, offloads, value, source
+                    ),
+                    (family, overlapped, limits),
                 )
             )
-        return sorted(found, key=lambda b: (b.bound, str(b)))
+        if prove_until is not None:
+            found = self._relaxed(found, prove_until)
+        return sorted((b for b, _ in found), key=lambda b: (b.bound, str(b)))
+
+    def _relaxed(self, found: list, until: float) -> list:
+        """`found` ((LayoutBound, its kind) pairs) with the least bounds raised by the stages'
+        time-indexed relaxations ([Note: the stage relaxation] in `schedcc.search_relax`),
+        the least first, until `until` or no layout's bound can rise: a layout's stages in
+        the order of their analytic bounds, the most first, each between that and the best
+        makespan found."""
+        best = self.best.makespan if self.best is not None else math.inf
+        end = closing(self.costs, self.p, self.options["grad_norm"])
+        tried = set()
+        while time.monotonic() < until:
+            left = [i for i, (b, _) in enumerate(found) if i not in tried and b.bound < best]
+            if not left:
+                break
+            i = min(left, key=lambda i: found[i][0].bound)
+            tried.add(i)
+            layout, (family, overlapped, limits) = found[i]
+            bound = _Bound(self.p, self.m, self.costs, family, overlapped, self.eager)
+            rooms = [
+                None if limits is None else bound.rooms(s, limits[s], self.dp, self.zero)
+                for s in range(self.p)
+            ]
+            stages = {s: bound.stage(s, rooms[s], self.recompute) for s in range(self.p)}
+            value = layout.bound
+            for s in sorted(stages, key=lambda s: -stages[s]):
+                if time.monotonic() >= until or value >= best - 1e-9:
+                    break
+                low = max(stages[s], value - end)
+                raised = (
+                    relaxed_stage_bound(bound, s, rooms[s], self.recompute, low, best - end, until)
+                    + end
+                )
+                value = max(value, raised)
+            if value > layout.bound * (1 + 1e-6):
+                found[i] = (attrs.evolve(layout, bound=value, bound_from="relaxation"), found[i][1])
+        return found
 
     def hopeless(
         self, family: _Family, orders=(), *, limited: bool = True, pairs: bool = False

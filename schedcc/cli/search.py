@@ -40,6 +40,7 @@ EPILOG = """examples:
   schedcc search -p 2 -m 8 --costs-from trace.json --memory-limit 512KiB -v 1 --recompute
   schedcc search -p 4 -m 8 --costs O=0.5,L=0.5 --memory-limit 1 --offload
   schedcc search -p 4 -m 8 --costs F=1,B=2,comm=1 --method exact --time-limit 20
+  schedcc search -p 4 -m 8 --costs F=1,B=2,comm=1 --memory-limit 2 --recompute --prove 30
   schedcc search -p 4 -m 8 -v 1,2,4 --costs F=1,B=2,comm=0.1 --eager
   schedcc search -p 4 -m 8 --segment-costs 'F=1.3,B=2.6;;;;;;;F=2.5,B=5' -v 1,2,4 --placement wave
   schedcc verify --schedule my_order.py:Found -p 4 -m 8 -v 2
@@ -107,6 +108,15 @@ def register(subparsers) -> None:
         'and its optimum; pip install "schedcc[search]") or auto (exact for small shapes when '
         "ortools is installed; default)",
     )
+    parser.add_argument(
+        "--prove",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds more, after the search, to raise the lower bound by a time-indexed "
+        "linear relaxation of each stage (proves more orders optimal; "
+        'pip install "schedcc[search]"; default 0: none)',
+    )
     shared.add_eager(parser, what="time and bound every order")
     parser.add_argument("--seed", type=int, default=0, help="seed of the ties' order")
     parser.add_argument(
@@ -148,6 +158,7 @@ def run(args) -> int:
         seed=args.seed,
         method=args.method,
         eager=args.eager,
+        prove=args.prove,
     )
     cut = memory_flags.cut_line(memory, args.num_stages)
     if cut is not None:

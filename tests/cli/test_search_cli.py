@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 import schedcc
@@ -124,6 +125,25 @@ def test_the_found_file_ranks_in_tune(tmp_path, capsys):
     assert any(row["schedule"] == f"{out}:Found" for row in ranked)
 
 
+def test_prove_is_the_searchs_and_its_bound_says_so(monkeypatch, capsys):
+    """`--prove S` reaches `search(..., prove=S)`, and the found line names the bound's source
+    (the relaxation's value itself: tests/simulate/test_search_relax.py)."""
+    import schedcc.cli.search as cli_search
+
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        result = search(*args, **kwargs)
+        return attrs.evolve(result, bound_from="relaxation")
+
+    monkeypatch.setattr(cli_search, "search", spy)
+    argv = ["search", "-p", "2", "-m", "2", "-v", "1", "--time-limit", "1", "--prove", "0.5"]
+    assert main(argv) == 0
+    assert seen["prove"] == 0.5
+    assert "(relaxation;" in capsys.readouterr().out.splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -133,6 +153,7 @@ def test_the_found_file_ranks_in_tune(tmp_path, capsys):
         (["-p", "3", "-m", "4", "--memory-limit", "1GiB"], "--memory-limit 1GiB is in bytes"),
         (["-p", "3", "-m", "4", "--class-name", "not a name"], "--class-name"),
         (["-p", "3", "-m", "4", "--time-limit", "0"], "time_limit"),
+        (["-p", "3", "-m", "4", "--prove", "-1"], "prove must be seconds >= 0"),
         (["-p", "3", "-m", "4", "--out", "/no-such-folder/found.py"], "does not exist"),
         (["-p", "3", "-m", "4", "--out", "."], "is a directory; give a file name"),
     ],

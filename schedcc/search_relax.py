@@ -1,0 +1,256 @@
+"""A stage's time-indexed relaxation: a stronger lower bound where the analytic one is loose.
+
+[Note: the stage relaxation] `lower_bound` ([Note: the lower bound] in
+`schedcc.search_bound`) adds what each stage must do in sums: its work, its held time (Little's
+law), the stretches where it cannot pair. In overlapped pairs under a limit those sums let a
+stage pair and hold at once what no order can: at p = 4, m = 8, 1:2:1, comm 1F, a 1.5x last
+stage, 0.6x 1F1B's activations, DualPipe's two replicas are bounded at 36.0 and the best order
+takes 39.0. This module bounds one stage s by a linear program over time steps of length `dt`:
+the other stages are left out (the stage's inputs arrive as early as `lower_bound`'s heads and
+round trips allow), and the stage runs its computes one at a time, holding at most what the
+limit holds at every step. A feasible schedule of the whole pipeline gives a feasible point, so
+where the program has none within `H` steps, no order ends stage s's last compute by
+`H * dt`, and `(H + 1) * dt` is a bound.
+
+The variables are cumulative counts: `Y[c][t]`, how many computes of class c started by step t
+(non-decreasing). The classes: a kept forward of segment k (`FK`), a dropped one (`FD`, with
+`recompute`: its activation is not held until its recomputation `R`), a lone backward `B` (and
+with a split backward its pieces `I` and `W`), a recomputation `R`, and in overlapped pairs a
+pair of a forward of segment a (kept or dropped) with the backward of segment b. Its rows:
+
+- one compute at a time: the classes running at step t, `Y[c][t] - Y[c][t - d_c]`, add to at
+  most 1;
+- each segment's forwards start no earlier than its inputs can arrive: the n-th at least its
+  head ([Note: the lower bound], item 1) and `n - 1` of an earlier segment's forward later (the
+  stage before runs them one at a time);
+- a backward of segment k starts only after a forward's output (a lone forward's end, a pair's
+  end) and k's round trip, and on an activation the stage holds (kept, or recomputed); its n-th
+  input comes no sooner than `n - 1` of the pieces above it after the first (their stage runs
+  them one at a time);
+- the held activations (kept forwards and recomputations begun, less backwards and weight
+  gradients ended) take at most the limit at every step (in bytes: each segment's share);
+- every count is complete by step H.
+
+Rounding keeps it a relaxation: each duration, head and round trip is rounded down to whole
+steps, and a schedule's start times rounded down to steps keep every row (a sum of floors is at
+most the floor of the sum; a held count at step t is at most the continuous one just before
+`(t + 1) * dt`). `dt` is the largest step that divides every duration, or a multiple of it where
+that would take more than `MAX_STEPS` steps (a weaker bound, still a bound).
+
+It covers what it can prove: every microbatch's factor 1 (the stage's computes cost their
+segment's costs); warm-ups, receives' takes and comm groups are left out (less work: still a
+relaxation); an order that offloads is bounded without the limit, as `lower_bound` does. At
+p = 4, m = 8, comm 1F, a 1.5x last stage, 0.6x, stage 3 of DualPipe's layout needs 39.0: the
+order found is optimal (docs/performance.md, "A stage's time-indexed relaxation"). The linear
+program is solved by GLOP (`ortools`, `pip install "schedcc[search]"`), one program per step
+count tried, binary search between the analytic bound and the best order found.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from fractions import Fraction
+
+from schedcc.costs import overlapped_pair
+
+__all__ = ["MAX_STEPS", "relaxed_stage_bound"]
+
+#: the most time steps a stage's program spans (a coarser step beyond)
+MAX_STEPS = 400
+
+
+def relaxed_stage_bound(
+    bound, s: int, rooms, recompute: bool, low: float, high: float, deadline: float
+) -> float:
+    """The least end of stage s's last compute in `[low, high]` that its relaxation admits
+    ([Note: the stage relaxation]): `low` where it admits that, `high` where it admits nothing
+    below it; `low` where the stage is not covered or time runs out before a proof.
+
+    Args:
+        bound: the layout's `_Bound` (`schedcc.search_bound`).
+        s: the stage.
+        rooms: per segment of s, how many of its activations the limit holds at once; None:
+            no limit.
+        recompute: forwards may be dropped and recomputed.
+        low, high: the analytic bound of the stage and the best makespan found.
+        deadline: `time.monotonic()` after which no program is started.
+    """
+    ks = bound.on[s]
+    if not ks or high <= low or not _covered(bound, ks):
+        return low
+    stage = _Stage(bound, ks, rooms, recompute)
+    dt = stage.step(high)
+    if dt <= 0:
+        return low
+    lo, hi = max(1, math.floor(low / dt)), math.ceil(high / dt)
+    if lo >= hi:
+        return low
+    first = True
+    while lo < hi:
+        mid = lo if first else (lo + hi) // 2  # the analytic bound's own steps first
+        first = False
+        if time.monotonic() >= deadline:
+            break
+        admits = stage.admits(mid, dt, deadline)
+        if admits is None:  # out of time: every step count below lo is refuted
+            break
+        if admits:
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(low, min(high, lo * dt))
+
+
+def _covered(bound, ks) -> bool:
+    """Whether every microbatch's computes on segments `ks` cost their segment's costs."""
+    return all(bound.least[k] == 1.0 and bound.heaviest[k] == 1.0 for k in ks)
+
+
+class _Stage:
+    """One stage's classes of computes and the rows that tie them."""
+
+    def __init__(self, bound, ks, rooms, recompute: bool):
+        self.b, self.ks, self.rooms, self.recompute = bound, ks, rooms, recompute
+        models = bound.models
+        # class -> its duration (not yet in steps)
+        self.classes: dict[tuple, float] = {}
+        for k in ks:
+            model = models[k]
+            self.classes["FK", k] = model.forward
+            if recompute:
+                self.classes["FD", k] = model.forward
+                self.classes["R", k] = bound._redo(k)
+            self.classes["B", k] = model.backward
+            if bound.split:
+                self.classes["I", k] = model.backward_input
+                self.classes["W", k] = model.backward_weight
+        if bound.overlapped:
+            for a in ks:  # a pair: the forward's cost, then the backward's rest
+                for b in ks:
+                    rest = overlapped_pair(models[b]) - models[b].forward
+                    for kept in (True, False) if recompute else (True,):
+                        self.classes["P", a, kept, b] = models[a].forward + rest
+
+    def step(self, high: float) -> float:
+        """The time step: the largest dividing every duration, head and round trip (a
+        multiple of it where the program would span more than `MAX_STEPS`)."""
+        b = self.b
+        values = list(self.classes.values())
+        for k in self.ks:
+            values += [b.head(k), b.round_trip(k), b._first_backward([k])]
+            values += [b.models[j].forward for j in range(b.first[k], k)]
+            values += [b.piece(j) for j in range(k + 1, b.end[k] + 1)]
+        common = Fraction(0)
+        for value in values:
+            if value < 0:
+                return 0.0
+            f = Fraction(value).limit_denominator(10_000)
+            if abs(float(f) - value) > 1e-9:
+                continue  # not on a fine grid: rounded down below
+            common = Fraction(
+                math.gcd(common.numerator * f.denominator, f.numerator * common.denominator),
+                common.denominator * f.denominator,
+            )
+        if common <= 0:
+            return high / MAX_STEPS
+        dt = float(common)
+        return dt * max(1, math.ceil(high / dt / MAX_STEPS))
+
+    def admits(self, steps: int, dt: float, deadline: float) -> bool | None:
+        """Whether the relaxation has a point whose computes all end by step `steps`; None
+        where the solver ran out of time."""
+        from ortools.linear_solver import pywraplp
+
+        b, ks, H = self.b, self.ks, steps
+
+        def down(x: float) -> int:
+            return math.floor(x / dt + 1e-9)
+
+        solver = pywraplp.Solver.CreateSolver("GLOP")
+        seconds = deadline - time.monotonic()
+        if seconds <= 0:
+            return None
+        solver.SetTimeLimit(max(1, int(seconds * 1000)))
+        length = {c: down(d) for c, d in self.classes.items()}
+        Y = {c: [solver.NumVar(0, solver.infinity(), "") for _ in range(H + 1)] for c in length}
+        for ys in Y.values():
+            for t in range(1, H + 1):
+                solver.Add(ys[t] >= ys[t - 1])
+
+        def started(c, t):
+            return Y[c][min(t, H)] if t >= 0 else 0
+
+        def ended(c, t):
+            return started(c, t - length[c])
+
+        def forward_of(c, k, kept=None) -> bool:
+            """Whether class c runs a forward of segment k (kept or dropped, where asked)."""
+            if c[0] in ("FK", "FD") and c[1] == k:
+                return kept is None or kept == (c[0] == "FK")
+            return c[0] == "P" and c[1] == k and (kept is None or kept == c[2])
+
+        def backward_of(c, k, kinds) -> bool:
+            """Whether class c runs a backward piece of segment k of `kinds` (or a pair's)."""
+            return (c[0] in kinds and c[1] == k) or (c[0] == "P" and c[3] == k)
+
+        forwards = {k: [c for c in length if forward_of(c, k)] for k in ks}
+        kept_forwards = {k: [c for c in length if forward_of(c, k, True)] for k in ks}
+        dropped_forwards = {k: [c for c in length if forward_of(c, k, False)] for k in ks}
+        backwards = {k: [c for c in length if backward_of(c, k, ("B", "I"))] for k in ks}
+        frees = {k: [c for c in length if backward_of(c, k, ("B", "W"))] for k in ks}
+        for k in ks:
+            n = b.count[k]
+            solver.Add(sum(ended(c, H) for c in forwards[k]) == n)
+            solver.Add(sum(ended(c, H) for c in backwards[k]) == n)
+            if b.split:
+                solver.Add(ended(("W", k), H) == started(("I", k), H))
+            if self.recompute:
+                solver.Add(started(("R", k), H) == sum(started(c, H) for c in dropped_forwards[k]))
+        for t in range(H + 1):
+            solver.Add(sum(started(c, t) - started(c, t - d) for c, d in length.items()) <= 1)
+            held = []
+            for i, k in enumerate(ks):
+                # the n-th forward: its head, then one forward of an earlier segment apart
+                head = down(b.head(k))
+                spacing = max((down(b.models[j].forward) for j in range(b.first[k], k)), default=0)
+                if head > 0 or spacing > 0:
+                    n = b.count[k]
+                    allowed = (
+                        0 if t < head else n if spacing == 0 else min(n, 1 + (t - head) // spacing)
+                    )
+                    solver.Add(sum(started(c, t) for c in forwards[k]) <= allowed)
+                # a backward after a forward's output and the round trip, on a held activation
+                trip = down(b.round_trip(k))
+                begun = sum(started(c, t) for c in backwards[k])
+                solver.Add(begun <= sum(ended(c, t - trip) for c in forwards[k]))
+                if self.recompute:
+                    solver.Add(
+                        begun
+                        <= sum(ended(c, t - trip) for c in kept_forwards[k]) + ended(("R", k), t)
+                    )
+                    solver.Add(
+                        started(("R", k), t) <= sum(ended(c, t) for c in dropped_forwards[k])
+                    )
+                if b.split:
+                    solver.Add(started(("W", k), t) <= ended(("I", k), t))
+                # the n-th input gradient: the first, then one piece above apart
+                above = range(k + 1, b.end[k] + 1)
+                gap = max((down(b.piece(j)) for j in above), default=0)
+                if gap > 0:
+                    first = down(b._first_backward([k]))
+                    solver.Add(begun <= (0 if t < first else 1 + (t - first) // gap))
+                if self.rooms is not None:
+                    count = sum(started(c, t) for c in kept_forwards[k])
+                    if self.recompute:
+                        count += started(("R", k), t)
+                    count -= sum(ended(c, t) for c in frees[k])
+                    held.append(count * (1.0 / self.rooms[i]))
+            if held:
+                solver.Add(sum(held) <= 1 + 1e-9)
+        status = solver.Solve()
+        if status == pywraplp.Solver.OPTIMAL:
+            return True
+        if status == pywraplp.Solver.INFEASIBLE:
+            return False
+        return None

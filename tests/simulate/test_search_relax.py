@@ -1,0 +1,123 @@
+"""[Note: the stage relaxation]: a stage's time-indexed linear relaxation bounds every order,
+and where `lower_bound` is loose in overlapped pairs under a limit it proves the order found
+optimal."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+
+import pytest
+from _builtin_schedules import names
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import stage_costs
+
+import schedcc
+from schedcc import CostModel, ScheduleConfigError, ScheduleError
+from schedcc.ir import BackwardInput, Copy, OverlappedBackward
+from schedcc.registry import build_schedule, get_schedule
+from schedcc.search import _Family
+from schedcc.search_bound import _Bound, closing
+from schedcc.search_relax import _Stage, relaxed_stage_bound
+from schedcc.tune import _per_chunk
+
+pytest.importorskip("ortools")
+
+#: 1:2:1, comm 1F, a 1.5x last stage (the grid of benchmarks/search_grid.py)
+HEAVY_LAST = CostModel(
+    forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=1.0,
+    per_stage={3: CostModel(
+        forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=1.0
+    )},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_relaxation_raises_a_stage_the_sums_leave_low(split):
+    """DualPipe's stage 3 at p = 4, m = 8, 0.6x 1F1B's activations (two a stage), eagerly:
+    the analytic bound is 36.0, the relaxation needs 39.0 (and no more, given room above)."""
+    family = _Family.of(build_schedule(get_schedule("dualpipe"), 4, 8), split)
+    bound = _Bound(4, 8, HEAVY_LAST, family, True, eager=True)
+    rooms = bound.rooms(3, 0.6 * 4, 1, 0)
+    low = bound.stage(3, rooms, True)
+    assert low == pytest.approx(36.0)
+    deadline = time.monotonic() + 120
+    assert relaxed_stage_bound(bound, 3, rooms, True, low, 40.0, deadline) == pytest.approx(39.0)
+
+
+def test_search_proves_its_order_in_pairs_optimal():
+    """`search(..., prove=S)`: the order found in DualPipe's layout takes 39.0, and the bound,
+    36.0 without the relaxation, is 39.0 with it."""
+    shape = {"costs": HEAVY_LAST, "memory_limit": 0.6 * 4, "recompute": True, "eager": True}
+    result = schedcc.search(4, 8, **shape, time_limit=3, prove=120)
+    assert result.bound == pytest.approx(39.0)
+    assert result.bound_from == "relaxation"
+    assert result.makespan >= result.bound - 1e-9
+    assert any(b.bound_from == "relaxation" and b.pairs for b in result.layout_bounds)
+    plain = schedcc.search(4, 8, **shape, time_limit=1, max_evaluations=30)
+    assert plain.bound == pytest.approx(36.0)
+
+
+def test_prove_takes_seconds_and_needs_ortools(monkeypatch):
+    for bad in (-1, math.inf, True, "10"):
+        with pytest.raises(ScheduleConfigError, match="prove must be seconds"):
+            schedcc.search(2, 2, prove=bad)
+
+    def missing():
+        raise ScheduleConfigError("the exact search needs ortools's CP-SAT solver")
+
+    monkeypatch.setattr(importlib.import_module("schedcc.search"), "require_ortools", missing)
+    with pytest.raises(ScheduleConfigError, match="ortools"):
+        schedcc.search(2, 2, prove=1)
+
+
+def _builtins(p: int, m: int, costs: CostModel, eager: bool):
+    """`(name, family, overlapped, timeline, peak)` of each built-in at v = 1 and 2, with and
+    without full recomputation, that offloads nothing; `peak` per stage in whole-stage
+    microbatches."""
+    for name in names():
+        for v in (1, 2):
+            for recompute in (False, True):
+                try:
+                    schedule = build_schedule(get_schedule(name), p, m, num_chunks=v)
+                    program = schedcc.compile(schedule, recompute=recompute)
+                except ScheduleError:
+                    continue
+                ops = [op for row in program.stages for op in row]
+                if any(isinstance(op, Copy) for op in ops) or schedule.num_parts != 1:
+                    continue
+                split = any(isinstance(op, BackwardInput) for op in ops)
+                family = _Family.of(schedule, split)
+                place = family.segments(p)
+                timeline = schedcc.simulate(
+                    program, _per_chunk(costs, family.share, place), eager=eager
+                )
+                peak = [n / family.share for n in timeline.peak_activations]
+                paired = any(isinstance(op, OverlappedBackward) for op in ops)
+                yield name, family, paired, timeline, peak
+
+
+@settings(max_examples=5, deadline=None)
+@given(p=st.integers(2, 3), m=st.integers(2, 4), data=st.data())
+def test_every_builtin_is_a_point_of_each_stages_relaxation(p, m, data):
+    """Random costs, comm, overlap and recomputation costs: each built-in's simulated order,
+    under its own peak activations as the limit, ends each stage's computes no sooner than
+    that stage's relaxation admits (on the costs' own steps or, off them, durations rounded
+    down), with overlapped pairs where it runs them."""
+    costs = data.draw(stage_costs(p))
+    eager = data.draw(st.booleans(), label="eager")
+    timelines = list(_builtins(p, m, costs, eager))
+    chosen = data.draw(st.lists(st.sampled_from(timelines), min_size=1, max_size=3, unique_by=id))
+    end = closing(costs, p)
+    for name, family, paired, timeline, peak in chosen:
+        limited = data.draw(st.booleans(), label="limited")
+        bound = _Bound(p, m, costs, family, paired, eager)
+        for s in range(p):
+            rooms = bound.rooms(s, peak[s], 1, 0) if limited else None
+            stage = _Stage(bound, bound.on[s], rooms, True)
+            last = timeline.makespan - end
+            dt = stage.step(last)
+            steps = math.floor(last / dt + 1e-9)
+            assert stage.admits(steps, dt, time.monotonic() + 60), (name, s, limited)
