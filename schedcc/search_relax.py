@@ -65,7 +65,8 @@ def relaxed_stage_bound(
 ) -> float:
     """The least end of stage s's last compute in `[low, high]` that its relaxation admits
     ([Note: the stage relaxation]): `low` where it admits that, `high` where it admits nothing
-    below it; `low` where the stage is not covered or time runs out before a proof.
+    below it; where time runs out, the least step count not yet refuted (`low` at worst, and
+    where the stage is not covered).
 
     Args:
         bound: the layout's `_Bound` (`schedcc.search_bound`).

@@ -25,7 +25,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 #: the command CI runs, which README must keep word for word
 TEST_COMMAND = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-    'pip install -e ".[test,hf]" && python -m pytest'
+    'pip install -e ".[test,hf]" && python -m pytest -n 2'
 )
 
 
