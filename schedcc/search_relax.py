@@ -78,7 +78,7 @@ def relaxed_stage_bound(
         deadline: `time.monotonic()` after which no program is started.
     """
     ks = bound.on[s]
-    if not ks or high <= low or not _covered(bound, ks):
+    if not ks or high <= low or not _covered(bound):
         return low
     stage = _Stage(bound, ks, rooms, recompute)
     dt = stage.step(high)
@@ -103,9 +103,10 @@ def relaxed_stage_bound(
     return max(low, min(high, lo * dt))
 
 
-def _covered(bound, ks) -> bool:
-    """Whether every microbatch's computes on segments `ks` cost their segment's costs."""
-    return all(bound.least[k] == 1.0 and bound.heaviest[k] == 1.0 for k in ks)
+def _covered(bound) -> bool:
+    """Whether every microbatch's computes cost their segment's costs (the heads and round
+    trips of other segments' computes are read too)."""
+    return all(least == 1.0 == most for least, most in zip(bound.least, bound.heaviest))
 
 
 class _Stage:

@@ -8,6 +8,7 @@ import importlib
 import math
 import time
 
+import attrs
 import pytest
 from _builtin_schedules import names
 from hypothesis import given, settings
@@ -45,6 +46,17 @@ def test_the_relaxation_raises_a_stage_the_sums_leave_low(split):
     assert low == pytest.approx(36.0)
     deadline = time.monotonic() + 120
     assert relaxed_stage_bound(bound, 3, rooms, True, low, 40.0, deadline) == pytest.approx(39.0)
+
+
+def test_microbatches_of_unequal_sizes_are_left_to_the_sums():
+    """Where microbatches cost unequal factors the relaxation claims nothing: its computes
+    cost their segment's costs ([Note: the stage relaxation])."""
+    costs = attrs.evolve(HEAVY_LAST, per_microbatch=(1.0, 0.5) * 4)
+    family = _Family.of(build_schedule(get_schedule("dualpipe"), 4, 8), True)
+    bound = _Bound(4, 8, costs, family, True, eager=True)
+    rooms = bound.rooms(3, 0.6 * 4, 1, 0)
+    low = bound.stage(3, rooms, True)
+    assert relaxed_stage_bound(bound, 3, rooms, True, low, 50.0, time.monotonic() + 60) == low
 
 
 def test_search_proves_its_order_in_pairs_optimal():
