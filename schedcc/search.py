@@ -1080,10 +1080,9 @@ class _Searcher:
             tried.add(i)
             layout, (family, overlapped, limits) = found[i]
             bound = _Bound(self.p, self.m, self.costs, family, overlapped, self.eager)
-            rooms = [
-                None if limits is None else bound.rooms(s, limits[s], self.dp, self.zero)
-                for s in range(self.p)
-            ]
+            rooms = bound.all_rooms(limits, self.dp, self.zero)
+            if rooms is None:  # no order fits: its bound is already infinite
+                continue
             stages = {s: bound.stage(s, rooms[s], self.recompute) for s in range(self.p)}
             value = layout.bound
             for s in sorted(stages, key=lambda s: -stages[s]):

@@ -255,14 +255,10 @@ def lower_bound(
             else list(memory_limit)
         )
         limits = [float(parse_size(lim) if isinstance(lim, str) else lim) for lim in values]
-    best = 0.0
-    for s in range(num_stages):
-        rooms = None
-        if limits is not None:
-            rooms = bound.rooms(s, limits[s], data_parallel, zero)
-            if any(room < 1 for room in rooms):
-                return math.inf
-        best = max(best, bound.stage(s, rooms, recompute))
+    rooms = bound.all_rooms(limits, data_parallel, zero)
+    if rooms is None:
+        return math.inf
+    best = max(bound.stage(s, rooms[s], recompute) for s in range(num_stages))
     return best + closing(costs, num_stages, grad_norm)
 
 
@@ -418,6 +414,19 @@ class _Bound:
         for k in ks:
             size = memory.at("activations", k)
             out.append(math.inf if size <= 0 else budget / size * (1 + 1e-9))
+        return out
+
+    def all_rooms(self, limits, data_parallel: int, zero: int) -> list | None:
+        """Per stage, `rooms` under `limits` (one per stage; None: no limit, and each stage's
+        rooms None); None where a limit leaves no room for one chunk activation."""
+        if limits is None:
+            return [None] * self.p
+        out = []
+        for s in range(self.p):
+            rooms = self.rooms(s, limits[s], data_parallel, zero)
+            if any(room < 1 for room in rooms):
+                return None
+            out.append(rooms)
         return out
 
     def stage(self, s: int, rooms: Sequence[float] | None, recompute: bool) -> float:

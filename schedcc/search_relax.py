@@ -87,12 +87,8 @@ def relaxed_stage_bound(
     lo, hi = max(1, math.floor(low / dt)), math.ceil(high / dt)
     if lo >= hi:
         return low
-    first = True
-    while lo < hi:
-        mid = lo if first else (lo + hi) // 2  # the analytic bound's own steps first
-        first = False
-        if time.monotonic() >= deadline:
-            break
+    mid = lo  # the analytic bound's own steps first, then halves
+    while lo < hi and time.monotonic() < deadline:
         admits = stage.admits(mid, dt, deadline)
         if admits is None:  # out of time: every step count below lo is refuted
             break
@@ -100,6 +96,7 @@ def relaxed_stage_bound(
             hi = mid
         else:
             lo = mid + 1
+        mid = (lo + hi) // 2
     return max(low, min(high, lo * dt))
 
 
@@ -209,21 +206,31 @@ class _Stage:
                 solver.Add(ended(("W", k), H) == started(("I", k), H))
             if self.recompute:
                 solver.Add(started(("R", k), H) == sum(started(c, H) for c in dropped_forwards[k]))
+        # per segment, in steps: the head and the spacing of its forwards' inputs (one forward
+        # of an earlier segment apart), the round trip, the first backward's input and the
+        # spacing of the later ones (one piece above apart)
+        heads = {k: down(b.head(k)) for k in ks}
+        spacings = {
+            k: max((down(b.models[j].forward) for j in range(b.first[k], k)), default=0) for k in ks
+        }
+        trips = {k: down(b.round_trip(k)) for k in ks}
+        firsts = {k: down(b._first_backward([k])) for k in ks}
+        gaps = {
+            k: max((down(b.piece(j)) for j in range(k + 1, b.end[k] + 1)), default=0) for k in ks
+        }
         for t in range(H + 1):
             solver.Add(sum(started(c, t) - started(c, t - d) for c, d in length.items()) <= 1)
             held = []
             for i, k in enumerate(ks):
-                # the n-th forward: its head, then one forward of an earlier segment apart
-                head = down(b.head(k))
-                spacing = max((down(b.models[j].forward) for j in range(b.first[k], k)), default=0)
+                # the n-th forward: its head, then one spacing apart
+                head, spacing, n = heads[k], spacings[k], b.count[k]
                 if head > 0 or spacing > 0:
-                    n = b.count[k]
                     allowed = (
                         0 if t < head else n if spacing == 0 else min(n, 1 + (t - head) // spacing)
                     )
                     solver.Add(sum(started(c, t) for c in forwards[k]) <= allowed)
                 # a backward after a forward's output and the round trip, on a held activation
-                trip = down(b.round_trip(k))
+                trip = trips[k]
                 begun = sum(started(c, t) for c in backwards[k])
                 solver.Add(begun <= sum(ended(c, t - trip) for c in forwards[k]))
                 if self.recompute:
@@ -236,11 +243,9 @@ class _Stage:
                     )
                 if b.split:
                     solver.Add(started(("W", k), t) <= ended(("I", k), t))
-                # the n-th input gradient: the first, then one piece above apart
-                above = range(k + 1, b.end[k] + 1)
-                gap = max((down(b.piece(j)) for j in above), default=0)
+                # the n-th input gradient: the first, then one gap apart
+                gap, first = gaps[k], firsts[k]
                 if gap > 0:
-                    first = down(b._first_backward([k]))
                     solver.Add(begun <= (0 if t < first else 1 + (t - first) // gap))
                 if self.rooms is not None:
                     count = sum(started(c, t) for c in kept_forwards[k])
