@@ -34,8 +34,14 @@ pair of a forward of segment a (kept or dropped) with the backward of segment b.
 Rounding keeps it a relaxation: each duration, head and round trip is rounded down to whole
 steps, and a schedule's start times rounded down to steps keep every row (a sum of floors is at
 most the floor of the sum; a held count at step t is at most the continuous one just before
-`(t + 1) * dt`). `dt` is the largest step that divides every duration, or a multiple of it where
-that would take more than `MAX_STEPS` steps (a weaker bound, still a bound).
+`(t + 1) * dt`). `dt` is the largest step that divides every duration where the program then
+spans at most `MAX_STEPS` steps. Beyond, any step gives a bound, a weaker one the more its
+rounding takes away, so `dt` is the step between `high / MAX_STEPS` and twice that which
+rounds the stage's durations down least: at 1:1.5:0.8, a 1.3x stage's 0.91, 1.04, 1.3 and 1.95
+are all multiples of 0.13, where a multiple of their common 0.01 (0.08 for 27.3) rounds 0.91
+down to 0.88 and 1.04 to 0.96. With a split backward the program has no lone `B` where `I`
+then `W` take no longer in steps: any point running one runs them in its place, at its start,
+in its steps, freeing its activation no later.
 
 It covers what it can prove: every microbatch's factor 1 (the stage's computes cost their
 segment's costs); warm-ups, receives' takes and comm groups are left out (less work: still a
@@ -100,6 +106,20 @@ def relaxed_stage_bound(
     return max(low, min(high, lo * dt))
 
 
+def _common_step(values) -> float | None:
+    """The largest step dividing every value (on a grid of 1/10,000ths), or None."""
+    common = Fraction(0)
+    for value in values:
+        f = Fraction(value).limit_denominator(10_000)
+        if abs(float(f) - value) > 1e-9:
+            return None
+        common = Fraction(
+            math.gcd(common.numerator * f.denominator, f.numerator * common.denominator),
+            common.denominator * f.denominator,
+        )
+    return float(common) if common > 0 else None
+
+
 def _covered(bound) -> bool:
     """Whether every microbatch's computes cost their segment's costs (the heads and round
     trips of other segments' computes are read too)."""
@@ -132,29 +152,43 @@ class _Stage:
                         self.classes["P", a, kept, b] = models[a].forward + rest
 
     def step(self, high: float) -> float:
-        """The time step: the largest dividing every duration, head and round trip (a
-        multiple of it where the program would span more than `MAX_STEPS`)."""
+        """The time step: the largest dividing every duration, head and round trip where the
+        program then spans at most `MAX_STEPS`; else the step in `[high / MAX_STEPS, 2 *
+        high / MAX_STEPS]` that rounds the computes' durations down least (then the heads'
+        and round trips'), the larger of two that round alike ([Note: the stage
+        relaxation]: any step gives a bound; the less it rounds away, the stronger)."""
         b = self.b
-        values = list(self.classes.values())
+        durations, others = list(self.classes.values()), []
         for k in self.ks:
-            values += [b.head(k), b.round_trip(k), b._first_backward([k])]
-            values += [b.models[j].forward for j in range(b.first[k], k)]
-            values += [b.piece(j) for j in range(k + 1, b.end[k] + 1)]
-        common = Fraction(0)
-        for value in values:
-            if value < 0:
-                return 0.0
-            f = Fraction(value).limit_denominator(10_000)
-            if abs(float(f) - value) > 1e-9:
-                continue  # not on a fine grid: rounded down below
-            common = Fraction(
-                math.gcd(common.numerator * f.denominator, f.numerator * common.denominator),
-                common.denominator * f.denominator,
-            )
-        if common <= 0:
-            return high / MAX_STEPS
-        dt = float(common)
-        return dt * max(1, math.ceil(high / dt / MAX_STEPS))
+            others += [b.head(k), b.round_trip(k), b._first_backward([k])]
+            others += [b.models[j].forward for j in range(b.first[k], k)]
+            others += [b.piece(j) for j in range(k + 1, b.end[k] + 1)]
+        if min(durations + others) < 0 or high <= 0:
+            return 0.0
+        durations, others = [d for d in durations if d > 0], [v for v in others if v > 0]
+        if not durations:
+            return 0.0
+        common = _common_step(durations + others)
+        least = high / MAX_STEPS
+        if common is not None and common >= least:
+            return common
+        candidates = {
+            v / n
+            for v in durations
+            for n in range(max(1, math.ceil(v / (2 * least))), math.floor(v / least) + 1)
+        }
+        if common is not None:
+            candidates.add(common * math.ceil(least / common))
+        candidates = [dt for dt in candidates if least <= dt <= 2 * least] or [least]
+
+        def lost(dt: float) -> tuple[float, float, float]:
+            def share(values):  # the part of their sum that rounding down to dt loses
+                kept = sum(math.floor(v / dt + 1e-9) * dt for v in values)
+                return round(1 - kept / sum(values), 9) if values else 0.0
+
+            return share(durations), share(others), -dt
+
+        return min(candidates, key=lost)
 
     def admits(self, steps: int, dt: float, deadline: float) -> bool | None:
         """Whether the relaxation has a point whose computes all end by step `steps`; None
@@ -172,6 +206,10 @@ class _Stage:
             return None
         solver.SetTimeLimit(max(1, int(seconds * 1000)))
         length = {c: down(d) for c, d in self.classes.items()}
+        if b.split:  # a lone B is an I then a W that take no longer: the program needs no B
+            for k in ks:
+                if length["I", k] + length["W", k] <= length["B", k]:
+                    del length["B", k]
         Y = {c: [solver.NumVar(0, solver.infinity(), "") for _ in range(H + 1)] for c in length}
         for ys in Y.values():
             for t in range(1, H + 1):

@@ -48,6 +48,25 @@ def test_the_relaxation_raises_a_stage_the_sums_leave_low(split):
     assert relaxed_stage_bound(bound, 3, rooms, True, low, 40.0, deadline) == pytest.approx(39.0)
 
 
+def test_a_step_off_the_costs_grid_rounds_the_stages_durations_least():
+    """At 1:1.5:0.8 a 1.3x stage computes in 0.91, 1.04, 1.3 and 1.95: their common step 0.01
+    would take 2,730 steps to 27.3, and its multiple 0.08 rounds 0.91 down to 0.88; 0.13
+    divides them all in 210 steps ([Note: the stage relaxation])."""
+    heavy = CostModel(
+        forward=1.3, backward=1.95, backward_input=0.91, backward_weight=1.04, comm=0.0
+    )
+    costs = CostModel(
+        forward=1.0, backward=1.5, backward_input=0.7, backward_weight=0.8, comm=0.0,
+        per_stage={0: heavy},
+    )  # fmt: skip
+    family = _Family.of(build_schedule(get_schedule("dualpipe"), 4, 8), True)
+    bound = _Bound(4, 8, costs, family, True, eager=True)
+    stage = _Stage(bound, bound.on[0], bound.rooms(0, 0.6 * 4, 1, 0), True)
+    assert stage.step(27.3) == pytest.approx(0.13)
+    assert stage.step(4.0) == pytest.approx(0.01)  # 400 steps: the common step
+    assert all(d / 0.13 == pytest.approx(round(d / 0.13)) for d in stage.classes.values())
+
+
 def test_microbatches_of_unequal_sizes_are_left_to_the_sums():
     """Where microbatches cost unequal factors the relaxation claims nothing: its computes
     cost their segment's costs ([Note: the stage relaxation])."""
