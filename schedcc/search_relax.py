@@ -9,8 +9,8 @@ takes 39.0. This module bounds one stage s by a linear program over time steps o
 the other stages are left out (the stage's inputs arrive as early as `lower_bound`'s heads and
 round trips allow), and the stage runs its computes one at a time, holding at most what the
 limit holds at every step. A feasible schedule of the whole pipeline gives a feasible point, so
-where the program has none within `H` steps, no order ends stage s's last compute by
-`H * dt`, and `(H + 1) * dt` is a bound.
+where the program has none within `H` steps, no order ends its last compute (on any stage:
+the backwards below stage s's follow them) by `H * dt`, and `(H + 1) * dt` is a bound.
 
 The variables are cumulative counts: `Y[c][t]`, how many computes of class c started by step t
 (non-decreasing). The classes: a kept forward of segment k (`FK`), a dropped one (`FD`, with
@@ -29,7 +29,8 @@ pair of a forward of segment a (kept or dropped) with the backward of segment b.
   them one at a time);
 - the held activations (kept forwards and recomputations begun, less backwards and weight
   gradients ended) take at most the limit at every step (in bytes: each segment's share);
-- every count is complete by step H.
+- every count is complete by step H, each backward of segment k by `tail(k)` earlier: its
+  output still runs down the segments below k ([Note: the lower bound], item 1).
 
 Rounding keeps it a relaxation: each duration, head and round trip is rounded down to whole
 steps, and a schedule's start times rounded down to steps keep every row (a sum of floors is at
@@ -69,7 +70,7 @@ MAX_STEPS = 400
 def relaxed_stage_bound(
     bound, s: int, rooms, recompute: bool, low: float, high: float, deadline: float
 ) -> float:
-    """The least end of stage s's last compute in `[low, high]` that its relaxation admits
+    """The least end of the run's last compute in `[low, high]` that stage s's relaxation admits
     ([Note: the stage relaxation]): `low` where it admits that, `high` where it admits nothing
     below it; where time runs out, the least step count not yet refuted (`low` at worst, and
     where the stage is not covered).
@@ -239,7 +240,8 @@ class _Stage:
         for k in ks:
             n = b.count[k]
             solver.Add(sum(ended(c, H) for c in forwards[k]) == n)
-            solver.Add(sum(ended(c, H) for c in backwards[k]) == n)
+            # a backward's output runs down the segments below it before the run can end
+            solver.Add(sum(ended(c, H - down(b.tail(k))) for c in backwards[k]) == n)
             if b.split:
                 solver.Add(ended(("W", k), H) == started(("I", k), H))
             if self.recompute:
