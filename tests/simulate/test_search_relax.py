@@ -48,6 +48,27 @@ def test_the_relaxation_raises_a_stage_the_sums_leave_low(split):
     assert relaxed_stage_bound(bound, 3, rooms, True, low, 40.0, deadline) == pytest.approx(39.0)
 
 
+def test_a_backward_leaves_its_tail_before_the_end():
+    """DualPipe's layout at p = 2, m = 4, in pairs, whole backwards, a 1.5x last stage, 1F1B's
+    activations: stage 0 holds replica B's last segment, whose backwards' outputs still run
+    through stage 1 (1.5 each at the least) before the run ends. The sums bound stage 0 at
+    11.5; its relaxation, each of those backwards ended a tail before the end, at 13.0 (12.5
+    where they may end the run)."""
+    costs = CostModel(
+        forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=0.0,
+        per_stage={1: CostModel(
+            forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
+        )},
+    )  # fmt: skip
+    family = _Family.of(build_schedule(get_schedule("dualpipe"), 2, 4), False)
+    bound = _Bound(2, 4, costs, family, True, eager=True)
+    rooms = bound.rooms(0, 1.0 * 2, 1, 0)
+    low = bound.stage(0, rooms, True)
+    assert low == pytest.approx(11.5)
+    deadline = time.monotonic() + 60
+    assert relaxed_stage_bound(bound, 0, rooms, True, low, 15.0, deadline) == pytest.approx(13.0)
+
+
 def test_a_step_off_the_costs_grid_rounds_the_stages_durations_least():
     """At 1:1.5:0.8 a 1.3x stage computes in 0.91, 1.04, 1.3 and 1.95: their common step 0.01
     would take 2,730 steps to 27.3, and its multiple 0.08 rounds 0.91 down to 0.88; 0.13
