@@ -175,7 +175,7 @@ class _Stage:
             return common
         candidates = {
             v / n
-            for v in durations
+            for v in set(durations)
             for n in range(max(1, math.ceil(v / (2 * least))), math.floor(v / least) + 1)
         }
         if common is not None:

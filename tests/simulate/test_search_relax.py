@@ -39,13 +39,18 @@ HEAVY_LAST = CostModel(
 def test_the_relaxation_raises_a_stage_the_sums_leave_low(split):
     """DualPipe's stage 3 at p = 4, m = 8, 0.6x 1F1B's activations (two a stage), eagerly:
     the analytic bound is 36.0, the relaxation needs 39.0 (and no more, given room above)."""
-    family = _Family.of(build_schedule(get_schedule("dualpipe"), 4, 8), split)
-    bound = _Bound(4, 8, HEAVY_LAST, family, True, eager=True)
-    rooms = bound.rooms(3, 0.6 * 4, 1, 0)
-    low = bound.stage(3, rooms, True)
-    assert low == pytest.approx(36.0)
+    assert _dualpipe_stage(4, 8, HEAVY_LAST, split, 3, 0.6, 40.0) == pytest.approx((36.0, 39.0))
+
+
+def _dualpipe_stage(p, m, costs, split, s, limit, high) -> tuple[float, float]:
+    """Stage s of DualPipe's layout in pairs, eagerly, at `limit` times 1F1B's activations:
+    its analytic bound and its relaxation's, up to `high`."""
+    family = _Family.of(build_schedule(get_schedule("dualpipe"), p, m), split)
+    bound = _Bound(p, m, costs, family, True, eager=True)
+    rooms = bound.rooms(s, limit * p, 1, 0)
+    low = bound.stage(s, rooms, True)
     deadline = time.monotonic() + 120
-    assert relaxed_stage_bound(bound, 3, rooms, True, low, 40.0, deadline) == pytest.approx(39.0)
+    return low, relaxed_stage_bound(bound, s, rooms, True, low, high, deadline)
 
 
 def test_a_backward_leaves_its_tail_before_the_end():
@@ -60,13 +65,7 @@ def test_a_backward_leaves_its_tail_before_the_end():
             forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
         )},
     )  # fmt: skip
-    family = _Family.of(build_schedule(get_schedule("dualpipe"), 2, 4), False)
-    bound = _Bound(2, 4, costs, family, True, eager=True)
-    rooms = bound.rooms(0, 1.0 * 2, 1, 0)
-    low = bound.stage(0, rooms, True)
-    assert low == pytest.approx(11.5)
-    deadline = time.monotonic() + 60
-    assert relaxed_stage_bound(bound, 0, rooms, True, low, 15.0, deadline) == pytest.approx(13.0)
+    assert _dualpipe_stage(2, 4, costs, False, 0, 1.0, 15.0) == pytest.approx((11.5, 13.0))
 
 
 def test_a_step_off_the_costs_grid_rounds_the_stages_durations_least():
