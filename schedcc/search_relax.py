@@ -145,6 +145,20 @@ class _Stage:
             if bound.split:
                 self.classes["I", k] = model.backward_input
                 self.classes["W", k] = model.backward_weight
+        # per segment, not yet in steps: the head and the spacing of its forwards' inputs
+        # (one forward of an earlier segment apart), the round trip, the first backward's
+        # input and the spacing of the later ones (one piece above apart), and the tail
+        self.times: dict[int, dict[str, float]] = {
+            k: {
+                "head": bound.head(k),
+                "spacing": max((models[j].forward for j in range(bound.first[k], k)), default=0.0),
+                "trip": bound.round_trip(k),
+                "first": bound._first_backward([k]),
+                "gap": max((bound.piece(j) for j in range(k + 1, bound.end[k] + 1)), default=0.0),
+                "tail": bound.tail(k),
+            }
+            for k in ks
+        }
         if bound.overlapped:
             for a in ks:  # a pair: the forward's cost, then the backward's rest
                 for b in ks:
@@ -158,12 +172,8 @@ class _Stage:
         high / MAX_STEPS]` that rounds the computes' durations down least (then the heads'
         and round trips'), the larger of two that round alike ([Note: the stage
         relaxation]: any step gives a bound; the less it rounds away, the stronger)."""
-        b = self.b
-        durations, others = list(self.classes.values()), []
-        for k in self.ks:
-            others += [b.head(k), b.round_trip(k), b._first_backward([k])]
-            others += [b.models[j].forward for j in range(b.first[k], k)]
-            others += [b.piece(j) for j in range(k + 1, b.end[k] + 1)]
+        durations = list(self.classes.values())
+        others = [v for times in self.times.values() for v in times.values()]
         if min(durations + others) < 0 or high <= 0:
             return 0.0
         durations, others = [d for d in durations if d > 0], [v for v in others if v > 0]
@@ -237,40 +247,31 @@ class _Stage:
         dropped_forwards = {k: [c for c in length if forward_of(c, k, False)] for k in ks}
         backwards = {k: [c for c in length if backward_of(c, k, ("B", "I"))] for k in ks}
         frees = {k: [c for c in length if backward_of(c, k, ("B", "W"))] for k in ks}
+        steps_of = {
+            k: {name: down(v) for name, v in times.items()} for k, times in self.times.items()
+        }
         for k in ks:
             n = b.count[k]
             solver.Add(sum(ended(c, H) for c in forwards[k]) == n)
             # a backward's output runs down the segments below it before the run can end
-            solver.Add(sum(ended(c, H - down(b.tail(k))) for c in backwards[k]) == n)
+            solver.Add(sum(ended(c, H - steps_of[k]["tail"]) for c in backwards[k]) == n)
             if b.split:
                 solver.Add(ended(("W", k), H) == started(("I", k), H))
             if self.recompute:
                 solver.Add(started(("R", k), H) == sum(started(c, H) for c in dropped_forwards[k]))
-        # per segment, in steps: the head and the spacing of its forwards' inputs (one forward
-        # of an earlier segment apart), the round trip, the first backward's input and the
-        # spacing of the later ones (one piece above apart)
-        heads = {k: down(b.head(k)) for k in ks}
-        spacings = {
-            k: max((down(b.models[j].forward) for j in range(b.first[k], k)), default=0) for k in ks
-        }
-        trips = {k: down(b.round_trip(k)) for k in ks}
-        firsts = {k: down(b._first_backward([k])) for k in ks}
-        gaps = {
-            k: max((down(b.piece(j)) for j in range(k + 1, b.end[k] + 1)), default=0) for k in ks
-        }
         for t in range(H + 1):
             solver.Add(sum(started(c, t) - started(c, t - d) for c, d in length.items()) <= 1)
             held = []
             for i, k in enumerate(ks):
                 # the n-th forward: its head, then one spacing apart
-                head, spacing, n = heads[k], spacings[k], b.count[k]
+                head, spacing, n = steps_of[k]["head"], steps_of[k]["spacing"], b.count[k]
                 if head > 0 or spacing > 0:
                     allowed = (
                         0 if t < head else n if spacing == 0 else min(n, 1 + (t - head) // spacing)
                     )
                     solver.Add(sum(started(c, t) for c in forwards[k]) <= allowed)
                 # a backward after a forward's output and the round trip, on a held activation
-                trip = trips[k]
+                trip = steps_of[k]["trip"]
                 begun = sum(started(c, t) for c in backwards[k])
                 solver.Add(begun <= sum(ended(c, t - trip) for c in forwards[k]))
                 if self.recompute:
@@ -284,7 +285,7 @@ class _Stage:
                 if b.split:
                     solver.Add(started(("W", k), t) <= ended(("I", k), t))
                 # the n-th input gradient: the first, then one gap apart
-                gap, first = gaps[k], firsts[k]
+                gap, first = steps_of[k]["gap"], steps_of[k]["first"]
                 if gap > 0:
                     solver.Add(begun <= (0 if t < first else 1 + (t - first) // gap))
                 if self.rooms is not None:
