@@ -142,7 +142,7 @@ from schedcc.search_local import (
     move,
     neighbours,
 )
-from schedcc.search_relax import relaxed_stage_bound
+from schedcc.search_relax import relaxed_pipeline_bound, relaxed_stage_bound
 from schedcc.simulate import Timeline, simulate
 from schedcc.sizes import parse_size
 from schedcc.tune import _per_chunk, names_one_cut, other_cut, tied_at_cuts
@@ -491,8 +491,10 @@ def search(
             time once its partners are posted).
         prove: seconds more, after the search, to raise the lower bound by a time-indexed
             linear relaxation of each stage ([Note: the stage relaxation] in
-            `schedcc.search_relax`), the least layouts' first; needs `pip install
-            "schedcc[search]"`. 0: the analytic bound (and CP-SAT's) only.
+            `schedcc.search_relax`), the least layouts' first, then where time remains and
+            it is small, of the whole pipeline ([Note: the whole pipeline's relaxation]);
+            needs `pip install "schedcc[search]"`. 0: the analytic bound (and CP-SAT's)
+            only.
 
     Returns:
         A `SearchResult`: the schedule, its program and timeline, and the lower bound.
@@ -1068,32 +1070,41 @@ class _Searcher:
         time-indexed relaxations ([Note: the stage relaxation] in `schedcc.search_relax`),
         the least first, until `until` or no layout's bound can rise: a layout's stages in
         the order of their analytic bounds, the most first, each between that and the best
-        makespan found."""
+        makespan found. Where time remains, the whole pipeline's program of each layout, the
+        least first, where it is small enough ([Note: the whole pipeline's relaxation])."""
         best = self.best.makespan if self.best is not None else math.inf
         end = closing(self.costs, self.p, self.options["grad_norm"])
         tried = set()
         while time.monotonic() < until:
-            left = [i for i, (b, _) in enumerate(found) if i not in tried and b.bound < best]
+            left = [
+                (whole, i)
+                for whole in (False, True)
+                for i, (b, _) in enumerate(found)
+                if (whole, i) not in tried and b.bound < best
+            ]
             if not left:
                 break
-            i = min(left, key=lambda i: found[i][0].bound)
-            tried.add(i)
+            whole, i = min(left, key=lambda pair: (pair[0], found[pair[1]][0].bound))
+            tried.add((whole, i))
             layout, (family, overlapped, limits) = found[i]
             bound = _Bound(self.p, self.m, self.costs, family, overlapped, self.eager)
             rooms = bound.all_rooms(limits, self.dp, self.zero)
             if rooms is None:  # no order fits: its bound is already infinite
                 continue
-            stages = {s: bound.stage(s, rooms[s], self.recompute) for s in range(self.p)}
-            value = layout.bound
+            value, high = layout.bound, best - end
+            if whole:  # every stage's program in one
+                low = value - end
+                raised = relaxed_pipeline_bound(bound, rooms, self.recompute, low, high, until)
+                value = max(value, raised + end)
+            # else each stage's own, the busiest first
+            own = range(0 if whole else self.p)
+            stages = {s: bound.stage(s, rooms[s], self.recompute) for s in own}
             for s in sorted(stages, key=lambda s: -stages[s]):
                 if time.monotonic() >= until or value >= best - 1e-9:
                     break
                 low = max(stages[s], value - end)
-                raised = (
-                    relaxed_stage_bound(bound, s, rooms[s], self.recompute, low, best - end, until)
-                    + end
-                )
-                value = max(value, raised)
+                raised = relaxed_stage_bound(bound, s, rooms[s], self.recompute, low, high, until)
+                value = max(value, raised + end)
             if value > layout.bound * (1 + 1e-6):
                 found[i] = (attrs.evolve(layout, bound=value, bound_from="relaxation"), found[i][1])
         return found

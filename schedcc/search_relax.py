@@ -50,7 +50,9 @@ relaxation); an order that offloads is bounded without the limit, as `lower_boun
 p = 4, m = 8, comm 1F, a 1.5x last stage, 0.6x, stage 3 of DualPipe's layout needs 39.0: the
 order found is optimal (docs/performance.md, "A stage's time-indexed relaxation"). The linear
 program is solved by GLOP (`ortools`, `pip install "schedcc[search]"`), one program per step
-count tried, binary search between the analytic bound and the best order found.
+count tried, binary search between the analytic bound and the best order found. Where the gap
+is between stages, every stage's program in one proves more ([Note: the whole pipeline's
+relaxation], `relaxed_pipeline_bound`), where it is small enough to solve.
 """
 
 from __future__ import annotations
@@ -61,10 +63,13 @@ from fractions import Fraction
 
 from schedcc.costs import overlapped_pair
 
-__all__ = ["MAX_STEPS", "relaxed_stage_bound"]
+__all__ = ["MAX_PIPELINE_SIZE", "MAX_STEPS", "relaxed_pipeline_bound", "relaxed_stage_bound"]
 
 #: the most time steps a stage's program spans (a coarser step beyond)
 MAX_STEPS = 400
+
+#: the most variables (a count per class and step) of the whole pipeline's program
+MAX_PIPELINE_SIZE = 8_000
 
 
 def relaxed_stage_bound(
@@ -87,8 +92,28 @@ def relaxed_stage_bound(
     ks = bound.on[s]
     if not ks or high <= low or not _covered(bound):
         return low
-    stage = _Stage(bound, ks, rooms, recompute)
-    dt = stage.step(high)
+    return _least_end(_Stage(bound, ks, rooms, recompute), low, high, deadline)
+
+
+def relaxed_pipeline_bound(
+    bound, rooms, recompute: bool, low: float, high: float, deadline: float
+) -> float:
+    """As `relaxed_stage_bound`, of every stage's program in one ([Note: the whole pipeline's
+    relaxation]): `rooms` per stage (or None), `low` the layout's bound so far; `low` where
+    the program would span more than `MAX_PIPELINE_SIZE`."""
+    if high <= low or not _covered(bound):
+        return low
+    pipeline = _Pipeline(bound, rooms, recompute)
+    dt = pipeline.step(high)
+    if dt <= 0 or pipeline.size(math.ceil(high / dt)) > MAX_PIPELINE_SIZE:
+        return low
+    return _least_end(pipeline, low, high, deadline)
+
+
+def _least_end(program, low: float, high: float, deadline: float) -> float:
+    """The least end in `[low, high]` that `program` (a stage's, or the pipeline's) admits,
+    by binary search over its step counts; where time runs out, the least not yet refuted."""
+    dt = program.step(high)
     if dt <= 0:
         return low
     lo, hi = max(1, math.floor(low / dt)), math.ceil(high / dt)
@@ -96,7 +121,7 @@ def relaxed_stage_bound(
         return low
     mid = lo  # the analytic bound's own steps first, then halves
     while lo < hi and time.monotonic() < deadline:
-        admits = stage.admits(mid, dt, deadline)
+        admits = program.admits(mid, dt, deadline)
         if admits is None:  # out of time: every step count below lo is refuted
             break
         if admits:
@@ -105,6 +130,40 @@ def relaxed_stage_bound(
             lo = mid + 1
         mid = (lo + hi) // 2
     return max(low, min(high, lo * dt))
+
+
+def _step(durations: list[float], others: list[float], high: float) -> float:
+    """The time step: the largest dividing every duration, head and round trip where the
+    program then spans at most `MAX_STEPS`; else the step in `[high / MAX_STEPS, 2 * high /
+    MAX_STEPS]` that rounds the computes' durations down least (then the heads' and round
+    trips'), the larger of two that round alike ([Note: the stage relaxation]: any step
+    gives a bound; the less it rounds away, the stronger)."""
+    if min(durations + others) < 0 or high <= 0:
+        return 0.0
+    durations, others = [d for d in durations if d > 0], [v for v in others if v > 0]
+    if not durations:
+        return 0.0
+    common = _common_step(durations + others)
+    least = high / MAX_STEPS
+    if common is not None and common >= least:
+        return common
+    candidates = {
+        v / n
+        for v in set(durations)
+        for n in range(max(1, math.ceil(v / (2 * least))), math.floor(v / least) + 1)
+    }
+    if common is not None:
+        candidates.add(common * math.ceil(least / common))
+    candidates = [dt for dt in candidates if least <= dt <= 2 * least] or [least]
+
+    def lost(dt: float) -> tuple[float, float, float]:
+        def share(values):  # the part of their sum that rounding down to dt loses
+            kept = sum(math.floor(v / dt + 1e-9) * dt for v in values)
+            return round(1 - kept / sum(values), 9) if values else 0.0
+
+        return share(durations), share(others), -dt
+
+    return min(candidates, key=lost)
 
 
 def _common_step(values) -> float | None:
@@ -167,55 +226,30 @@ class _Stage:
                         self.classes["P", a, kept, b] = models[a].forward + rest
 
     def step(self, high: float) -> float:
-        """The time step: the largest dividing every duration, head and round trip where the
-        program then spans at most `MAX_STEPS`; else the step in `[high / MAX_STEPS, 2 *
-        high / MAX_STEPS]` that rounds the computes' durations down least (then the heads'
-        and round trips'), the larger of two that round alike ([Note: the stage
-        relaxation]: any step gives a bound; the less it rounds away, the stronger)."""
-        durations = list(self.classes.values())
-        others = [v for times in self.times.values() for v in times.values()]
-        if min(durations + others) < 0 or high <= 0:
-            return 0.0
-        durations, others = [d for d in durations if d > 0], [v for v in others if v > 0]
-        if not durations:
-            return 0.0
-        common = _common_step(durations + others)
-        least = high / MAX_STEPS
-        if common is not None and common >= least:
-            return common
-        candidates = {
-            v / n
-            for v in set(durations)
-            for n in range(max(1, math.ceil(v / (2 * least))), math.floor(v / least) + 1)
-        }
-        if common is not None:
-            candidates.add(common * math.ceil(least / common))
-        candidates = [dt for dt in candidates if least <= dt <= 2 * least] or [least]
+        """The time step of the stage's program up to `high` (`_step`)."""
+        return _step(self.durations(), self.others(), high)
 
-        def lost(dt: float) -> tuple[float, float, float]:
-            def share(values):  # the part of their sum that rounding down to dt loses
-                kept = sum(math.floor(v / dt + 1e-9) * dt for v in values)
-                return round(1 - kept / sum(values), 9) if values else 0.0
+    def durations(self) -> list[float]:
+        """Its classes' durations (not yet in steps)."""
+        return list(self.classes.values())
 
-            return share(durations), share(others), -dt
-
-        return min(candidates, key=lost)
+    def others(self) -> list[float]:
+        """Its heads, round trips, spacings and tails."""
+        return [v for times in self.times.values() for v in times.values()]
 
     def admits(self, steps: int, dt: float, deadline: float) -> bool | None:
         """Whether the relaxation has a point whose computes all end by step `steps`; None
         where the solver ran out of time."""
-        from ortools.linear_solver import pywraplp
+        return _solve(deadline, lambda solver: self.rows(solver, steps, dt))
 
+    def rows(self, solver, steps: int, dt: float) -> _Counts:
+        """Add the stage's variables and rows to `solver`, its computes all ended by step
+        `steps`; its counts, for rows between stages."""
         b, ks, H = self.b, self.ks, steps
 
         def down(x: float) -> int:
             return math.floor(x / dt + 1e-9)
 
-        solver = pywraplp.Solver.CreateSolver("GLOP")
-        seconds = deadline - time.monotonic()
-        if seconds <= 0:
-            return None
-        solver.SetTimeLimit(max(1, int(seconds * 1000)))
         length = {c: down(d) for c, d in self.classes.items()}
         if b.split:  # a lone B is an I then a W that take no longer: the program needs no B
             for k in ks:
@@ -296,9 +330,103 @@ class _Stage:
                     held.append(count * (1.0 / self.rooms[i]))
             if held:
                 solver.Add(sum(held) <= 1 + 1e-9)
-        status = solver.Solve()
-        if status == pywraplp.Solver.OPTIMAL:
-            return True
-        if status == pywraplp.Solver.INFEASIBLE:
-            return False
+        return _Counts(started, ended, forwards, backwards)
+
+
+class _Pipeline:
+    """[Note: the whole pipeline's relaxation] Every stage's program in one, on one time
+    step: each segment's n-th forward starts no sooner than the segment below's n-th forward
+    output and the hop between them, and its n-th backward no sooner than the segment above's
+    n-th input gradient and the hop, so the other stages are what they run, not heads and
+    round trips. Any order gives a point as it gives one of each stage's (its start times
+    rounded down: a sum of floors is at most the floor of the sum); it proves more where the
+    gap is between stages. At p = 2, m = 4, 1:2:1, comm 0, a 1.5x last stage, 0.6x 1F1B's
+    activations, the V in pairs with split backwards: 19.0, where its busiest stage alone
+    proves 18.75 and the sums 17.77 (no order without pairs beats 19.0). Its size is every
+    stage's, so it is solved where that stays small (`MAX_PIPELINE_SIZE`)."""
+
+    def __init__(self, bound, rooms, recompute: bool):
+        self.b = bound
+        self.stages = [
+            _Stage(bound, bound.on[s], None if rooms is None else rooms[s], recompute)
+            for s in range(bound.p)
+            if bound.on[s]
+        ]
+
+    def step(self, high: float) -> float:
+        durations = [d for stage in self.stages for d in stage.durations()]
+        hops = [
+            self.b.hop(k, j)
+            for k in range(len(self.b.place))
+            for j in (k - 1, k + 1)
+            if 0 <= j < len(self.b.place)
+        ]
+        others = [v for stage in self.stages for v in stage.others()] + hops
+        return _step(durations, others, high)
+
+    def size(self, steps: int) -> int:
+        """Its variables at `steps`: a count per class and step."""
+        return sum(len(stage.classes) for stage in self.stages) * (steps + 1)
+
+    def admits(self, steps: int, dt: float, deadline: float) -> bool | None:
+        """Whether the whole pipeline's relaxation has a point whose computes all end by
+        step `steps`; None where the solver ran out of time."""
+        b = self.b
+
+        def build(solver) -> None:
+            counts = {}
+            for stage in self.stages:
+                rows = stage.rows(solver, steps, dt)
+                counts.update(dict.fromkeys(stage.ks, rows))
+            for k in range(len(b.place)):
+                mine = counts[k]
+                below = counts[k - 1] if k > b.first[k] else None
+                above = counts[k + 1] if k < b.end[k] else None
+                up = math.floor(b.hop(k - 1, k) / dt + 1e-9) if below else 0
+                back = math.floor(b.hop(k + 1, k) / dt + 1e-9) if above else 0
+                for t in range(steps + 1):
+                    if below is not None:  # the n-th forward after the n-th output below
+                        solver.Add(
+                            mine.begun(mine.forwards[k], t)
+                            <= below.done(below.forwards[k - 1], t - up)
+                        )
+                    if above is not None:  # the n-th backward after the n-th gradient above
+                        solver.Add(
+                            mine.begun(mine.backwards[k], t)
+                            <= above.done(above.backwards[k + 1], t - back)
+                        )
+
+        return _solve(deadline, build)
+
+
+class _Counts:
+    """One stage's counts in a program: `started(c, t)`, `ended(c, t)`, and per segment the
+    classes that run a forward of it (`forwards`) or an input-gradient piece (`backwards`)."""
+
+    def __init__(self, started, ended, forwards, backwards):
+        self.started, self.ended = started, ended
+        self.forwards, self.backwards = forwards, backwards
+
+    def begun(self, classes, t: int):
+        return sum(self.started(c, t) for c in classes)
+
+    def done(self, classes, t: int):
+        return sum(self.ended(c, t) for c in classes)
+
+
+def _solve(deadline: float, build) -> bool | None:
+    """Whether the program `build(solver)` adds has a point; None where time ran out."""
+    from ortools.linear_solver import pywraplp
+
+    seconds = deadline - time.monotonic()
+    if seconds <= 0:
         return None
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    solver.SetTimeLimit(max(1, int(seconds * 1000)))
+    build(solver)
+    status = solver.Solve()
+    if status == pywraplp.Solver.OPTIMAL:
+        return True
+    if status == pywraplp.Solver.INFEASIBLE:
+        return False
+    return None

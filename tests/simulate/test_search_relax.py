@@ -21,7 +21,7 @@ from schedcc.ir import BackwardInput, Copy, OverlappedBackward
 from schedcc.registry import build_schedule, get_schedule
 from schedcc.search import _Family
 from schedcc.search_bound import _Bound, closing
-from schedcc.search_relax import _Stage, relaxed_stage_bound
+from schedcc.search_relax import _Pipeline, _Stage, relaxed_pipeline_bound, relaxed_stage_bound
 from schedcc.tune import _per_chunk
 
 pytest.importorskip("ortools")
@@ -68,6 +68,29 @@ def test_a_backward_leaves_its_tail_before_the_end():
     assert _dualpipe_stage(2, 4, costs, False, 0, 1.0, 15.0) == pytest.approx((11.5, 13.0))
 
 
+def test_the_whole_pipelines_program_proves_more_than_each_stages(monkeypatch):
+    """[Note: the whole pipeline's relaxation] p = 2, m = 2, the looped placement at v = 2,
+    split backwards, 1:2:1, a 1.5x last stage, 0.6x 1F1B's activations (two chunk
+    activations a stage): stage 1's own program admits its sums' 10.0, the two stages'
+    programs in one need 10.25 (what CP-SAT proves optimal for that layout)."""
+    costs = CostModel(
+        forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=0.0,
+        per_stage={1: CostModel(
+            forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
+        )},
+    )  # fmt: skip
+    bound = _Bound(2, 2, costs, _Family(2, False, True), False, eager=True)
+    rooms = bound.all_rooms([0.6 * 2] * 2, 1, 0)
+    deadline = time.monotonic() + 60
+    lows = [bound.stage(s, rooms[s], True) for s in range(2)]
+    alone = [relaxed_stage_bound(bound, s, rooms[s], True, lows[s], 15.0, deadline) for s in (0, 1)]
+    assert alone == pytest.approx([8.25, 10.0])
+    assert relaxed_pipeline_bound(bound, rooms, True, 10.0, 15.0, deadline) == pytest.approx(10.25)
+    # beyond `MAX_PIPELINE_SIZE` counts the program is not built
+    monkeypatch.setattr(importlib.import_module("schedcc.search_relax"), "MAX_PIPELINE_SIZE", 100)
+    assert relaxed_pipeline_bound(bound, rooms, True, 10.0, 15.0, deadline) == 10.0
+
+
 def test_a_step_off_the_costs_grid_rounds_the_stages_durations_least():
     """At 1:1.5:0.8 a 1.3x stage computes in 0.91, 1.04, 1.3 and 1.95: their common step 0.01
     would take 2,730 steps to 27.3, and its multiple 0.08 rounds 0.91 down to 0.88; 0.13
@@ -109,6 +132,23 @@ def test_search_proves_its_order_in_pairs_optimal():
     assert any(b.bound_from == "relaxation" and b.pairs for b in result.layout_bounds)
     plain = schedcc.search(4, 8, **shape, time_limit=1, max_evaluations=30)
     assert plain.bound == pytest.approx(36.0)
+
+
+def test_search_bounds_a_small_shape_in_pairs_by_the_whole_pipeline():
+    """p = 2, m = 4, 1:2:1, a 1.5x last stage, 0.6x 1F1B's activations: the sums bound the V
+    in pairs at 17.77 and its busiest stage's program at 18.75 (CP-SAT proves nothing above
+    17.77 in 300 s); the whole pipeline's program proves 19.0."""
+    costs = CostModel(
+        forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=0.0,
+        per_stage={1: CostModel(
+            forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
+        )},
+    )  # fmt: skip
+    shape = {"costs": costs, "memory_limit": 0.6 * 2, "recompute": True, "eager": True}
+    result = schedcc.search(2, 4, **shape, time_limit=3, prove=120)
+    assert result.bound == pytest.approx(19.0)
+    assert result.bound_from == "relaxation"
+    assert result.makespan >= result.bound - 1e-9
 
 
 def test_prove_takes_seconds_and_needs_ortools(monkeypatch):
@@ -156,7 +196,8 @@ def test_every_builtin_is_a_point_of_each_stages_relaxation(p, m, data):
     """Random costs, comm, overlap and recomputation costs: each built-in's simulated order,
     under its own peak activations as the limit, ends each stage's computes no sooner than
     that stage's relaxation admits (on the costs' own steps or, off them, durations rounded
-    down), with overlapped pairs where it runs them."""
+    down), with overlapped pairs where it runs them; and the whole pipeline's program admits
+    it too."""
     costs = data.draw(stage_costs(p))
     eager = data.draw(st.booleans(), label="eager")
     timelines = list(_builtins(p, m, costs, eager))
@@ -172,3 +213,8 @@ def test_every_builtin_is_a_point_of_each_stages_relaxation(p, m, data):
             dt = stage.step(last)
             steps = math.floor(last / dt + 1e-9)
             assert stage.admits(steps, dt, time.monotonic() + 60), (name, s, limited)
+        rooms = bound.all_rooms(peak, 1, 0) if limited else None
+        pipeline = _Pipeline(bound, rooms, True)
+        dt = pipeline.step(last)
+        steps = math.floor(last / dt + 1e-9)
+        assert pipeline.admits(steps, dt, time.monotonic() + 60), (name, limited)
