@@ -34,6 +34,14 @@ HEAVY_LAST = CostModel(
     )},
 )  # fmt: skip
 
+#: 1:2:1, comm 0, a 1.5x last stage at p = 2
+HEAVY_SECOND = CostModel(
+    forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=0.0,
+    per_stage={1: CostModel(
+        forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
+    )},
+)  # fmt: skip
+
 
 @pytest.mark.parametrize("split", [False, True])
 def test_the_relaxation_raises_a_stage_the_sums_leave_low(split):
@@ -59,13 +67,7 @@ def test_a_backward_leaves_its_tail_before_the_end():
     through stage 1 (1.5 each at the least) before the run ends. The sums bound stage 0 at
     11.5; its relaxation, each of those backwards ended a tail before the end, at 13.0 (12.5
     where they may end the run)."""
-    costs = CostModel(
-        forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=0.0,
-        per_stage={1: CostModel(
-            forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
-        )},
-    )  # fmt: skip
-    assert _dualpipe_stage(2, 4, costs, False, 0, 1.0, 15.0) == pytest.approx((11.5, 13.0))
+    assert _dualpipe_stage(2, 4, HEAVY_SECOND, False, 0, 1.0, 15.0) == pytest.approx((11.5, 13.0))
 
 
 def test_the_whole_pipelines_program_proves_more_than_each_stages(monkeypatch):
@@ -73,13 +75,7 @@ def test_the_whole_pipelines_program_proves_more_than_each_stages(monkeypatch):
     split backwards, 1:2:1, a 1.5x last stage, 0.6x 1F1B's activations (two chunk
     activations a stage): stage 1's own program admits its sums' 10.0, the two stages'
     programs in one need 10.25 (what CP-SAT proves optimal for that layout)."""
-    costs = CostModel(
-        forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=0.0,
-        per_stage={1: CostModel(
-            forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
-        )},
-    )  # fmt: skip
-    bound = _Bound(2, 2, costs, _Family(2, False, True), False, eager=True)
+    bound = _Bound(2, 2, HEAVY_SECOND, _Family(2, False, True), False, eager=True)
     rooms = bound.all_rooms([0.6 * 2] * 2, 1, 0)
     deadline = time.monotonic() + 60
     lows = [bound.stage(s, rooms[s], True) for s in range(2)]
@@ -138,13 +134,7 @@ def test_search_bounds_a_small_shape_in_pairs_by_the_whole_pipeline():
     """p = 2, m = 4, 1:2:1, a 1.5x last stage, 0.6x 1F1B's activations: the sums bound the V
     in pairs at 17.77 and its busiest stage's program at 18.75 (CP-SAT proves nothing above
     17.77 in 300 s); the whole pipeline's program proves 19.0."""
-    costs = CostModel(
-        forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0, comm=0.0,
-        per_stage={1: CostModel(
-            forward=1.5, backward=3.0, backward_input=1.5, backward_weight=1.5, comm=0.0
-        )},
-    )  # fmt: skip
-    shape = {"costs": costs, "memory_limit": 0.6 * 2, "recompute": True, "eager": True}
+    shape = {"costs": HEAVY_SECOND, "memory_limit": 0.6 * 2, "recompute": True, "eager": True}
     result = schedcc.search(2, 4, **shape, time_limit=3, prove=120)
     assert result.bound == pytest.approx(19.0)
     assert result.bound_from == "relaxation"
