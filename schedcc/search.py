@@ -1096,15 +1096,16 @@ class _Searcher:
                 low = value - end
                 raised = relaxed_pipeline_bound(bound, rooms, self.recompute, low, high, until)
                 value = max(value, raised + end)
-            # else each stage's own, the busiest first
-            own = range(0 if whole else self.p)
-            stages = {s: bound.stage(s, rooms[s], self.recompute) for s in own}
-            for s in sorted(stages, key=lambda s: -stages[s]):
-                if time.monotonic() >= until or value >= best - 1e-9:
-                    break
-                low = max(stages[s], value - end)
-                raised = relaxed_stage_bound(bound, s, rooms[s], self.recompute, low, high, until)
-                value = max(value, raised + end)
+            else:  # each stage's own, the busiest first
+                stages = {s: bound.stage(s, rooms[s], self.recompute) for s in range(self.p)}
+                for s in sorted(stages, key=lambda s: -stages[s]):
+                    if time.monotonic() >= until or value >= best - 1e-9:
+                        break
+                    low = max(stages[s], value - end)
+                    raised = relaxed_stage_bound(
+                        bound, s, rooms[s], self.recompute, low, high, until
+                    )
+                    value = max(value, raised + end)
             if value > layout.bound * (1 + 1e-6):
                 found[i] = (attrs.evolve(layout, bound=value, bound_from="relaxation"), found[i][1])
         return found

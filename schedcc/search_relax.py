@@ -92,7 +92,8 @@ def relaxed_stage_bound(
     ks = bound.on[s]
     if not ks or high <= low or not _covered(bound):
         return low
-    return _least_end(_Stage(bound, ks, rooms, recompute), low, high, deadline)
+    stage = _Stage(bound, ks, rooms, recompute)
+    return _least_end(stage, stage.step(high), low, high, deadline)
 
 
 def relaxed_pipeline_bound(
@@ -107,13 +108,13 @@ def relaxed_pipeline_bound(
     dt = pipeline.step(high)
     if dt <= 0 or pipeline.size(math.ceil(high / dt)) > MAX_PIPELINE_SIZE:
         return low
-    return _least_end(pipeline, low, high, deadline)
+    return _least_end(pipeline, dt, low, high, deadline)
 
 
-def _least_end(program, low: float, high: float, deadline: float) -> float:
-    """The least end in `[low, high]` that `program` (a stage's, or the pipeline's) admits,
-    by binary search over its step counts; where time runs out, the least not yet refuted."""
-    dt = program.step(high)
+def _least_end(program, dt: float, low: float, high: float, deadline: float) -> float:
+    """The least end in `[low, high]` that `program` (a stage's, or the pipeline's) admits
+    on steps of `dt`, by binary search over its step counts; where time runs out, the least
+    not yet refuted."""
     if dt <= 0:
         return low
     lo, hi = max(1, math.floor(low / dt)), math.ceil(high / dt)
@@ -355,11 +356,12 @@ class _Pipeline:
 
     def step(self, high: float) -> float:
         durations = [d for stage in self.stages for d in stage.durations()]
+        b = self.b  # the hops between a replica's segments, either way
         hops = [
-            self.b.hop(k, j)
-            for k in range(len(self.b.place))
-            for j in (k - 1, k + 1)
-            if 0 <= j < len(self.b.place)
+            hop
+            for k in range(len(b.place))
+            if k > b.first[k]
+            for hop in (b.hop(k - 1, k), b.hop(k, k - 1))
         ]
         others = [v for stage in self.stages for v in stage.others()] + hops
         return _step(durations, others, high)
@@ -382,8 +384,8 @@ class _Pipeline:
                 mine = counts[k]
                 below = counts[k - 1] if k > b.first[k] else None
                 above = counts[k + 1] if k < b.end[k] else None
-                up = math.floor(b.hop(k - 1, k) / dt + 1e-9) if below else 0
-                back = math.floor(b.hop(k + 1, k) / dt + 1e-9) if above else 0
+                up = math.floor(b.hop(k - 1, k) / dt + 1e-9) if below is not None else 0
+                back = math.floor(b.hop(k + 1, k) / dt + 1e-9) if above is not None else 0
                 for t in range(steps + 1):
                     if below is not None:  # the n-th forward after the n-th output below
                         solver.Add(
