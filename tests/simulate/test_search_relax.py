@@ -87,6 +87,22 @@ def test_the_whole_pipelines_program_proves_more_than_each_stages(monkeypatch):
     assert relaxed_pipeline_bound(bound, rooms, True, 10.0, 15.0, deadline) == 10.0
 
 
+def test_the_whole_pipelines_program_reaches_p_4():
+    """DualPipe's layout at p = 4, m = 8, split backwards in pairs, 1:2:1, comm 0, a 1.5x last
+    stage, 0.6x 1F1B's activations: stage 3's own program proves 35.25, the whole pipeline's
+    (about 11,000 counts) 35.5 under the best order's 36.0."""
+    costs = attrs.evolve(
+        HEAVY_LAST, comm=0.0, per_stage={3: attrs.evolve(HEAVY_LAST.per_stage[3], comm=0.0)}
+    )
+    family = _Family.of(build_schedule(get_schedule("dualpipe"), 4, 8), True)
+    bound = _Bound(4, 8, costs, family, True, eager=True)
+    rooms = bound.all_rooms([0.6 * 4] * 4, 1, 0)
+    deadline = time.monotonic() + 120
+    low = bound.stage(3, rooms[3], True)
+    assert relaxed_stage_bound(bound, 3, rooms[3], True, low, 36.0, deadline) == 35.25
+    assert relaxed_pipeline_bound(bound, rooms, True, 35.25, 36.0, deadline) == 35.5
+
+
 def test_a_step_off_the_costs_grid_rounds_the_stages_durations_least():
     """At 1:1.5:0.8 a 1.3x stage computes in 0.91, 1.04, 1.3 and 1.95: their common step 0.01
     would take 2,730 steps to 27.3, and its multiple 0.08 rounds 0.91 down to 0.88; 0.13
