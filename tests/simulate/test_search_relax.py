@@ -75,16 +75,37 @@ def test_the_whole_pipelines_program_proves_more_than_each_stages(monkeypatch):
     split backwards, 1:2:1, a 1.5x last stage, 0.6x 1F1B's activations (two chunk
     activations a stage): stage 1's own program admits its sums' 10.0, the two stages'
     programs in one need 10.25 (what CP-SAT proves optimal for that layout)."""
+    assert _looped_at_p_2() == pytest.approx((8.25, 10.0, 10.25))
+    # beyond `MAX_PIPELINE_SIZE` counts the program is not built
+    monkeypatch.setattr(importlib.import_module("schedcc.search_relax"), "MAX_PIPELINE_SIZE", 100)
+    assert _looped_at_p_2()[2] == 10.0
+
+
+def _looped_at_p_2() -> tuple[float, float, float]:
+    """The looped layout above: stage 0's and stage 1's programs' bounds, and the whole
+    pipeline's."""
     bound = _Bound(2, 2, HEAVY_SECOND, _Family(2, False, True), False, eager=True)
     rooms = bound.all_rooms([0.6 * 2] * 2, 1, 0)
     deadline = time.monotonic() + 60
     lows = [bound.stage(s, rooms[s], True) for s in range(2)]
     alone = [relaxed_stage_bound(bound, s, rooms[s], True, lows[s], 15.0, deadline) for s in (0, 1)]
-    assert alone == pytest.approx([8.25, 10.0])
-    assert relaxed_pipeline_bound(bound, rooms, True, 10.0, 15.0, deadline) == pytest.approx(10.25)
-    # beyond `MAX_PIPELINE_SIZE` counts the program is not built
-    monkeypatch.setattr(importlib.import_module("schedcc.search_relax"), "MAX_PIPELINE_SIZE", 100)
-    assert relaxed_pipeline_bound(bound, rooms, True, 10.0, 15.0, deadline) == 10.0
+    return *alone, relaxed_pipeline_bound(bound, rooms, True, 10.0, 15.0, deadline)
+
+
+def test_glop_solves_where_ortools_lacks_highs(monkeypatch):
+    """The programs are solved by HiGHS's interior point method; an ortools built without
+    HiGHS solves them by GLOP, to the same bounds."""
+    from ortools.linear_solver import pywraplp
+
+    create, asked = pywraplp.Solver.CreateSolver, []
+
+    def without_highs(name):
+        asked.append(name)
+        return None if name == "HIGHS" else create(name)
+
+    monkeypatch.setattr(pywraplp.Solver, "CreateSolver", without_highs)
+    assert _looped_at_p_2() == pytest.approx((8.25, 10.0, 10.25))
+    assert "GLOP" in asked
 
 
 def test_the_whole_pipelines_program_reaches_p_4():
