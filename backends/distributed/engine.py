@@ -37,15 +37,16 @@ on them (torch's default for a new group is 30 minutes); the default group keeps
 made with (`schedcc run` makes it with `--timeout`), as do groups the caller passes. A peer that
 dies closes its sockets (gloo's and the shared-memory links') and the waiting rank raises
 `RankFailure` naming its stage, the instruction or collective it waited on and the ranks it waited
-with, in one line; a wait that times out says the same. That holds in a collective too (a
-checkpoint's save or load, the loss reduction, ReduceGrads), never a raw gloo traceback. The
-launcher (`backends.run.launch` or torchrun) then ends the other ranks (a stopped one at once), so
-no rank hangs. Under NCCL a point-to-point wait is a stream wait and the host runs ahead; the run's
-end waits for the GPU, polling, for at most the timeout, and raises `RankFailure` then: for its
-loss read, or, where nothing is read, for the previous run's end ([Note: one run ahead] in
-`backends.runtime.syncs`). The engine's NCCL links take the timeout plus `WATCHDOG_GRACE_S`, so
-NCCL's own watchdog, which ends the process without a word, fires after the engine has said
-why."""
+with, in one line; a wait that times out says the same (a stage that fails lets the messages it has
+begun sending finish first: [Note: a message cut short] in `backends.distributed.transfers`). That
+holds in a collective too (a checkpoint's save or load, the loss reduction, ReduceGrads), never a
+raw gloo traceback. The launcher (`backends.run.launch` or torchrun) then ends the other ranks (a
+stopped one at once), so no rank hangs. Under NCCL a point-to-point wait is a stream wait and the
+host runs ahead; the run's end waits for the GPU, polling, for at most the timeout, and raises
+`RankFailure` then: for its loss read, or, where nothing is read, for the previous run's end
+([Note: one run ahead] in `backends.runtime.syncs`). The engine's NCCL links take the timeout plus
+`WATCHDOG_GRACE_S`, so NCCL's own watchdog, which ends the process without a word, fires after the
+engine has said why."""
 
 from __future__ import annotations
 

@@ -15,10 +15,20 @@ the validator proves deadlock-free (a send never holds its stage back), so it ca
 hang; it keeps a stage from idling while its peer has not yet reached the matching receive.
 Under NCCL a send's link is its own, so a send that waits for its receiver holds back only later
 sends on that link, which the receiver takes in the same order.
+
+[Note: a message cut short] gloo leaves a receive whose message was cut short by the sender's end
+(the process exited partway through the message) waiting for its whole timeout: its buffer is no
+longer among the pending ones it tells of the closed socket (gloo's tcp `Pair::signalException`).
+So a stage that fails mid-run lets the sends it has posted finish before it ends, for at most
+`FLUSH_S` seconds: a message partway through its bytes arrives whole, and its receiver then meets
+the closed socket at its next wait, within moments, rather than after the timeout. A send whose
+receive was never posted times out in that wait (gloo then closes the pair, which its peer sees at
+once). A rank killed partway through a send still leaves its receiver to its timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -40,7 +50,11 @@ from schedcc.ir import Instruction
 from schedcc.program import Program
 from schedcc.semantics import Layout
 
-__all__ = ["Transfers", "first_line"]
+__all__ = ["FLUSH_S", "Transfers", "first_line"]
+
+#: The most seconds a failing stage waits for its posted sends to finish ([Note: a message cut
+#: short]).
+FLUSH_S = 5.0
 
 
 class Transfers:
@@ -166,9 +180,19 @@ class Transfers:
 
     def abort(self, reason: str) -> None:
         """This stage failed mid-run: tell the peers linked by shared memory why (they raise
-        it at once), and close the links; the others learn it when this process ends."""
+        it at once), and close the links; let the messages it has begun sending over gloo
+        finish, for at most `FLUSH_S` seconds ([Note: a message cut short]); the others learn
+        it when this process ends."""
         if self._links is not None:
             self._links.abort(reason)
+        sending, self._sending = self._sending, []
+        deadline = time.monotonic() + min(FLUSH_S, self.timeout.total_seconds())
+        for work, _tensor, _unit in sending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(RuntimeError):  # a peer gone, or a receive never posted
+                work.wait(timedelta(seconds=left))
 
     # -- one run --------------------------------------------------------------------------------
 

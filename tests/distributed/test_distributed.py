@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _ranks import compare, compare_program, init, optimizer
 from _written import CLASS_A, written
+from torch import nn
 
 import schedcc
 from schedcc.backends.distributed.engine import Engine
@@ -25,7 +26,7 @@ from schedcc.backends.distributed.groups import Groups
 from schedcc.backends.distributed.shm import ShmLinks
 from schedcc.backends.run import models
 from schedcc.backends.run.launch import cores_for, spawn
-from schedcc.errors import RankFailure, ScheduleConfigError
+from schedcc.errors import RankFailure, ScheduleConfigError, UserCodeError
 
 #: (schedule, p, v, num_batches, batches trained).
 SCHEDULES = [
@@ -161,6 +162,46 @@ def test_a_killed_rank_ends_every_other_rank_within_the_timeout(capfd, p2p):
     for rank in (0, 1, 2):
         assert f"schedcc: rank {rank}: rank {rank} (stage {rank % 2}) failed" in err, err
     assert "on rank 3 (stage 1)" in err or "data-parallel ranks [1, 3]" in err, err
+
+
+class _Widen(nn.Module):
+    """Stage 0: a cheap, wide output (a message gloo needs a while to carry); raises on its
+    second microbatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("the second microbatch")
+        return (x * self.scale).repeat(1, 1 << 15)
+
+
+def _cut_short_worker(rank: int, world_size: int, p2p: str) -> int:
+    init(rank, world_size)
+    program = schedcc.compile(schedcc.get_schedule("gpipe")(2, 2))
+    segments = [_Widen(), nn.Linear(1 << 15, 1)]
+    engine = Engine(program, segments, F.mse_loss, optimizer, timeout=30, p2p=p2p)
+    x, y = torch.randn(512, 1), torch.randn(512, 1)
+    start = time.monotonic()
+    with pytest.raises(UserCodeError if rank == 0 else RankFailure) as failure:
+        engine.train_step(x, y)
+    seconds = time.monotonic() - start
+    assert seconds < 10, (rank, seconds, str(failure.value))
+    assert "Timed out" not in str(failure.value), failure.value
+    return 0
+
+
+@pytest.mark.parametrize("p2p", ["gloo", "broadcast"])
+def test_a_stage_that_fails_mid_send_lets_its_message_finish(p2p):
+    """Stage 0 fails just after posting a 64 MiB message: it lets the message finish before it
+    ends, so stage 1 reads it whole and then meets the closed socket, within seconds; cut short,
+    gloo would have left stage 1's receive waiting for the whole timeout ([Note: a message cut
+    short] in `backends.distributed.transfers`)."""
+    assert spawn(_cut_short_worker, 2, (p2p,), grace=40, threads=1) == 0
 
 
 def _stuck_worker(rank: int, world_size: int) -> int:
