@@ -23,7 +23,10 @@ So a stage that fails mid-run lets the sends it has posted finish before it ends
 `FLUSH_S` seconds: a message partway through its bytes arrives whole, and its receiver then meets
 the closed socket at its next wait, within moments, rather than after the timeout. A send whose
 receive was never posted times out in that wait (gloo then closes the pair, which its peer sees at
-once). A rank killed partway through a send still leaves its receiver to its timeout.
+once). A torch gloo send reports no progress short of its wait (`is_completed()` stays False until
+then), so the wait is all there is: a stage that fails because a peer stopped spends the
+`FLUSH_S` on its sends to it, and the run ends within the timeout plus those seconds. A rank
+killed partway through a send still leaves its receiver to its timeout.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ __all__ = ["FLUSH_S", "Transfers", "first_line"]
 
 #: The most seconds a failing stage waits for its posted sends to finish ([Note: a message cut
 #: short]).
-FLUSH_S = 5.0
+FLUSH_S = 2.0
 
 
 class Transfers:
