@@ -24,9 +24,11 @@ So a stage that fails mid-run lets the sends it has posted finish before it ends
 the closed socket at its next wait, within moments, rather than after the timeout. A send whose
 receive was never posted times out in that wait (gloo then closes the pair, which its peer sees at
 once). A torch gloo send reports no progress short of its wait (`is_completed()` stays False until
-then), so the wait is all there is: a stage that fails because a peer stopped spends the
+then), so the wait is all there is: a stage that fails because a peer stopped may spend up to
 `FLUSH_S` on its sends to it, and the run ends within the timeout plus those seconds. A rank
-killed partway through a send still leaves its receiver to its timeout.
+killed partway through a send still leaves its receiver to its timeout. NCCL's sends are not
+waited: their receivers are not gloo's, and a host wait on NCCL that times out may end the process
+before it has said why.
 """
 
 from __future__ import annotations
@@ -190,10 +192,12 @@ class Transfers:
             self._links.abort(reason)
         sending, self._sending = self._sending, []
         deadline = time.monotonic() + min(FLUSH_S, self.timeout.total_seconds())
-        for work, _tensor, _unit in sending:
+        for work, tensor, _unit in sending:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if tensor.is_cuda:  # NCCL's: the host never waits on it ([Note: failures])
+                continue
             with contextlib.suppress(RuntimeError):  # a peer gone, or a receive never posted
                 work.wait(timedelta(seconds=left))
 
